@@ -1,0 +1,21 @@
+# The README's two commands. Both set up .venv on a fresh machine first.
+PY := .venv/bin/python
+CHECKPOINT ?= checkpoints/tiny
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+PYTEST_ARGS ?=
+
+.PHONY: venv serve test checkpoint
+
+venv:
+	./scripts/setup-venv.sh
+
+checkpoint: venv
+	@[ -f $(CHECKPOINT)/config.json ] || $(PY) -m deepinfer.cli.make_checkpoint --preset tiny --seed 0 --out $(CHECKPOINT)
+
+serve: venv checkpoint
+	$(PY) -m deepinfer.ensemble.serve --checkpoint $(CHECKPOINT) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
