@@ -1,0 +1,54 @@
+"""What a caller asks of generation: vLLM's SamplingParams, which our users know, plus our constraint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """Grammar the output must follow (the recipe's OutputConstraint kinds), enforced by token masks.
+
+    kind: json_object | json_schema | regex | ebnf | tool_calls (strict tool-call grammar).
+    spec: the schema (JSON string), regex, EBNF text, or for tool_calls a JSON list of tools.
+    after_think: in thinking mode the constraint starts after `</think>`.
+    """
+
+    kind: Literal["json_object", "json_schema", "regex", "ebnf", "tool_calls"]
+    spec: str = ""
+    after_think: bool = False
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0           # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                     # 0 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None            # the random stream depends only on (seed, position)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None        # None = off; 0 = the sampled token's logprob only; up to 20 alternatives
+    constraint: OutputConstraint | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
