@@ -1,0 +1,46 @@
+"""EngineArgs: the runtime knobs of the engine (separate from ModelArgs, which the checkpoint fixes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineArgs:
+    checkpoint: str = ""                    # release-format checkpoint folder
+    device: str = "auto"                    # "auto" = cuda when available, else cpu
+    dtype: str = "bfloat16"                 # activation / cache dtype
+    max_num_seqs: int = 64                  # running requests per step (also the number of window-ring slots)
+    max_num_batched_tokens: int = 2048      # token budget per step (prefill chunks + decodes + drafts)
+    max_model_len: int | None = None        # prompt + output limit; None = the model's max_seq_len
+    block_tokens: int = 64                  # token positions per paged cache block
+    num_cache_blocks: int | None = None     # paged blocks; None = from cache_memory_fraction (CUDA) or a default (CPU)
+    cache_memory_fraction: float = 0.85     # of free device memory, when num_cache_blocks is None on CUDA
+    async_scheduling: bool | None = None    # None = on for CUDA, off for CPU
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
+        if self.num_cache_blocks is not None and self.num_cache_blocks < 1:
+            raise ValueError(f"num_cache_blocks must be >= 1, got {self.num_cache_blocks}")
+        if not 0 < self.cache_memory_fraction <= 1:
+            raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
+
+    @classmethod
+    def from_kwargs(cls, checkpoint: str, **kwargs) -> "EngineArgs":
+        names = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise TypeError(f"unknown engine args: {sorted(unknown)}")
+        return cls(checkpoint=checkpoint, **kwargs)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"

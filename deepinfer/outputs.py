@@ -1,0 +1,122 @@
+"""The contracts between the engine's stages: plain dataclasses, one comment per field.
+
+    Engine.step():
+        sched_out  = scheduler.schedule()                             # SchedulerOutput
+        runner_out = model_runner.execute(sched_out)                  # ModelRunnerOutput
+        return scheduler.update_from_output(sched_out, runner_out)    # list[RequestOutput]
+
+The scheduler never sees tensors and the runner never decides policy: everything the runner must
+know about a step (which requests, how many tokens, which blocks, which drafts to verify, which
+layers to replay) is a value here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (first scheduled, or resumed after a preemption)."""
+    req_id: str
+    token_ids: list[int]                 # prompt + generated so far (a resumed request recomputes them)
+    num_prompt_tokens: int
+    num_computed_tokens: int             # 0 unless a prefix came from a cache
+    sampling_params: SamplingParams
+    block_ids: list[int]                 # paged blocks (block_tokens positions each), in position order
+    ring_slot: int                       # the window-ring slot this request owns while running
+    forced_token_ids: list[int] | None = None   # teacher forcing: output k := forced_token_ids[k]
+    return_logits: bool = False          # return the fp32 logits of every sampled position
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: what changed since its last step."""
+    req_id: str
+    num_computed_tokens: int             # authoritative (lowered after a rollback of rejected drafts)
+    num_blocks: int                      # block-table length before appending new_block_ids (truncates after rollback)
+    new_block_ids: list[int]             # blocks appended this step
+
+
+@dataclass
+class ReplayParams:
+    """SWA bounded replay (MODEL.md section 9): run the request's scheduled tokens through layers
+    [layer_start, layer_end) only, to rebuild their window rings; the compressed (global) KV of
+    those positions is already cached and is not rewritten. No logits are taken from a replay.
+
+        positions:  0 ........ s ......... hit | hit ... num_tokens
+                    global KV cached           | normal step (all layers)
+                               <-- replay -->  (s = hit - min(window, hit); window rings only)
+
+    Not yet executed by the runner (it raises); the scheduler emits it once the prefix cache lands.
+    """
+    layer_start: int
+    layer_end: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]                  # first time scheduled (or resumed)
+    cached_reqs: list[CachedRequestData]            # scheduled before; diffs only
+    num_scheduled_tokens: dict[str, int]            # req_id -> tokens to run now (chunk, 1, or 1+k)
+    total_num_scheduled_tokens: int                 # sum of the above (<= max_num_batched_tokens)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)   # req_id -> draft ids to verify (last k of its scheduled tokens)
+    replays: dict[str, ReplayParams] = field(default_factory=dict)    # req_id -> layers to run (SWA replay)
+    finished_req_ids: set[str] = field(default_factory=set)          # runner frees their per-request state
+    preempted_req_ids: set[str] = field(default_factory=set)         # runner frees them too (they come back as new_reqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]                              # batch order
+    sampled_token_ids: list[list[int]]              # per request: accepted drafts + 1 new token; [] for a partial prefill
+    logprobs: list[list[Any] | None] | None = None  # per request, one entry per sampled token (sampler's format)
+    logits: dict[str, Any] | None = None            # req_id -> fp32 [n, V] logits of the sampled positions (return_logits)
+    draft_token_ids: list[list[int]] | None = None  # next step's proposals (DSpark), batch order
+
+
+@dataclass
+class RequestOutput:
+    """What a caller receives after each engine step: the request's delta.
+
+    new_token_ids are the tokens generated since the previous RequestOutput of this request;
+    finish_reason is None until the last one ("stop", "length", "abort" or "error").
+    """
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int                          # generated so far, this delta included
+    new_logprobs: list[Any] | None = None           # one entry per new token when SamplingParams.logprobs is set
+    logits: Any | None = None                       # fp32 [len(new_token_ids), V] when return_logits was asked
+    error: str | None = None                        # why, when finish_reason == "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    """One finished request, as LLM.generate returns it (vLLM-like)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[Any] | None = None
+    logits: Any | None = None                       # fp32 [num_output_tokens, V] when return_logits was asked
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)

@@ -1,0 +1,217 @@
+"""The scheduler: fills each step under a token budget and a sequence cap, FCFS, with preemption.
+
+No prefill or decode phase (vLLM v1's scheduling note): every request asks for
+num_tokens + len(spec_token_ids) - num_computed_tokens tokens, and the step gives each running
+request (in arrival order), then each waiting one, as many as the budget allows. A long prompt
+is thereby chunked across steps while the others decode in the same steps.
+
+When the block pool runs dry, the most recently admitted running request is preempted by
+recompute: its caches are freed and it goes back to the front of the waiting queue with
+num_computed_tokens = 0. A request whose prompt + output fits the whole cache therefore always
+finishes: the oldest running request can always take every block.
+
+The scheduler never sees tensors; what the runner must do is a value in the SchedulerOutput.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from deepinfer.cache.kv_cache_manager import KVCacheManager
+from deepinfer.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput,
+                               SchedulerOutput)
+from deepinfer.request import FINISH_REASONS, Request, RequestStatus
+from deepinfer.stats import EngineStats
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 kv_cache: KVCacheManager, stats: EngineStats | None = None) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv_cache = kv_cache
+        self.stats = stats or EngineStats()
+        self.requests: dict[str, Request] = {}   # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []          # admission order = priority order
+        self._finished_for_runner: set[str] = set()
+
+    # requests in and out -------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        self.stats.inc("prompt_tokens_total", req.num_prompt_tokens)
+
+    def finish_requests(self, req_ids, status: RequestStatus, error: str | None = None) -> list[RequestOutput]:
+        """Finish (abort, fail) requests at any moment: caches freed now, a final output each."""
+        outs = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self._finished_for_runner.add(req_id)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+            outs.append(RequestOutput(req_id, [], req.finish_reason, req.num_prompt_tokens,
+                                      req.num_output_tokens, error=error))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # the step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [], {}, 0, finished_req_ids=self._finished_for_runner)
+        self._finished_for_runner = set()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted_req_ids:
+            budget = self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        self.stats.inc("computed_tokens_total", out.total_num_scheduled_tokens)
+        return out
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        num_new = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
+        return max(0, min(num_new, budget, self.max_model_len - req.num_computed_tokens))
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            new_blocks = self._allocate_or_preempt(req, num_new, out)
+            if new_blocks is None:  # req itself was preempted: everything after it is gone too
+                break
+            num_blocks = len(self.kv_cache.block_ids[req.request_id]) - len(new_blocks)
+            out.cached_reqs.append(CachedRequestData(req.request_id, req.num_computed_tokens, num_blocks, new_blocks))
+            self._record(req, num_new, out)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> list[int] | None:
+        while True:
+            new_blocks = self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is req:
+                return None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv_cache.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_req_ids.add(req.request_id)
+        self.stats.inc("preemptions_total")
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            num_new = self._num_new_tokens(req, budget)
+            new_blocks = self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            out.new_reqs.append(NewRequestData(
+                req.request_id, list(req.all_token_ids), req.num_prompt_tokens, req.num_computed_tokens,
+                req.sampling_params, list(self.kv_cache.block_ids[req.request_id]),
+                self.kv_cache.ring_slot[req.request_id], req.forced_token_ids, req.return_logits))
+            self._record(req, num_new, out)
+            budget -= num_new
+        return budget
+
+    def _record(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        out.num_scheduled_tokens[req.request_id] = num_new
+        num_spec = req.num_computed_tokens + num_new - req.num_tokens  # drafts that fit this step
+        if num_spec > 0:
+            out.spec_tokens[req.request_id] = req.spec_token_ids[:num_spec]
+
+    # after the step --------------------------------------------------------------------------
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for i, req_id in enumerate(runner_out.req_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran: drop its tokens
+            sampled = runner_out.sampled_token_ids[i]
+            self._advance(req, sched_out, sampled)
+            if runner_out.draft_token_ids is not None:
+                req.spec_token_ids = list(runner_out.draft_token_ids[i])
+            if not sampled:
+                continue  # a prompt chunk that did not reach the end
+            new_ids, status = self._append_tokens(req, sampled)
+            self._record_token_times(req, len(new_ids), now)
+            logprobs = runner_out.logprobs[i][:len(new_ids)] if runner_out.logprobs and runner_out.logprobs[i] else None
+            logits = runner_out.logits.get(req_id) if runner_out.logits else None
+            if status is not None:
+                self.running.remove(req)
+                self._finished_for_runner.add(req_id)
+                self._finish(req, status)
+            outputs.append(RequestOutput(req_id, new_ids, req.finish_reason, req.num_prompt_tokens,
+                                         req.num_output_tokens, logprobs, logits))
+        return outputs
+
+    def _advance(self, req: Request, sched_out: SchedulerOutput, sampled: list[int]) -> None:
+        """num_computed_tokens += scheduled, minus rejected drafts (their blocks are freed)."""
+        req.num_computed_tokens += sched_out.num_scheduled_tokens[req.request_id]
+        spec = sched_out.spec_tokens.get(req.request_id)
+        if spec:
+            num_rejected = len(spec) - (len(sampled) - 1)
+            req.num_computed_tokens -= num_rejected
+            self.kv_cache.rollback(req.request_id, req.num_computed_tokens)
+            req.spec_token_ids = []
+
+    def _append_tokens(self, req: Request, sampled: list[int]) -> tuple[list[int], RequestStatus | None]:
+        params = req.sampling_params
+        for k, tok in enumerate(sampled):
+            req.all_token_ids.append(tok)
+            status = None
+            if not params.ignore_eos and tok == req.eos_token_id or tok in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                return sampled[:k + 1], status
+        return list(sampled), None
+
+    def _record_token_times(self, req: Request, n: int, now: float) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.stats.observe("time_to_first_token_seconds", now - req.arrival_time)
+        elif req.last_token_time is not None:
+            self.stats.observe("inter_token_latency_seconds", (now - req.last_token_time) / n)
+        req.last_token_time = now
+        self.stats.inc("generation_tokens_total", n)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv_cache.free(req.request_id)
+        del self.requests[req.request_id]
+        self.stats.inc(f"requests_finished_{FINISH_REASONS[status]}")
+        self.stats.observe("e2e_request_latency_seconds", time.monotonic() - req.arrival_time)
