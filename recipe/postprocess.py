@@ -1,0 +1,138 @@
+"""Engine token ids -> API response chunks: one deepseek-recipe StreamProcessor per request.
+
+`ResponseStream` is built from the RequestContext the engine echoed. Each `push` takes one engine
+response (the new token ids, their logprobs, and the engine's finish reason once it is done) and
+returns the chunk JSONs to send (SSE-ready, in the request's own format), the plain answer-text
+delta, and whether a stop sequence ended the answer before the engine did (the caller then stops the
+engine request). A non-streaming request gets one push and answers with the whole response, built
+with the recipe's own response class.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import deepseek_recipe as dr
+
+from .context import TEXT_API, RequestContext
+from .preprocess import EOS_TOKEN_ID, REQUEST_CLASSES, conversion_options
+
+RESPONSE_CLASSES = {"chat.completions": dr.ChatCompletionResponse, "responses": dr.ResponsesResponse,
+                    "messages": dr.MessagesResponse}
+# engine finish reason -> recipe finish reason; the protocol's reason comes from the parse.
+FINISH_REASONS = {"length": dr.InferenceFinishReason.Length,
+                  "content_filter": dr.InferenceFinishReason.ContentFilter}
+
+
+@dataclass
+class StepOutput:
+    chunks: list[str] = field(default_factory=list)   # chunk / event JSONs, or the whole response
+    text: str = ""                                    # answer-text delta (content only)
+    done: bool = False                                # the API response is complete
+    stopped: bool = False                             # a stop sequence ended it: stop the engine
+    num_output_tokens: int = 0                        # tokens parsed so far (= usage.completion_tokens)
+    finish_reason: str = ""                           # set once done
+
+
+class ResponseStream:
+    def __init__(self, ctx: RequestContext, tokenizer: dr.Tokenizer, options: dr.ConversionOptions | None = None):
+        self.ctx = ctx
+        self.num_output_tokens = 0
+        self._pending_input_text = ctx.input_text
+        self.processor = _stream_processor(ctx, tokenizer, options or conversion_options())
+        self.response = None
+        if not ctx.stream and ctx.api != TEXT_API:
+            self.response = RESPONSE_CLASSES[ctx.api](ctx.response_id, ctx.model, int(time.time()),
+                                                      ctx.prompt_tokens, 0)
+        usage = dr.PromptUsage(prompt_tokens=ctx.prompt_tokens, prompt_cache_hit_tokens=0)
+        self._ready = self.processor.push(dr.InferenceChunk.ready(prompt_usage=usage))
+
+    @property
+    def done(self) -> bool:
+        return self.processor.finished
+
+    def push(self, token_ids: list[int], logprobs=None, finish_reason: str | None = None) -> StepOutput:
+        """token_ids: this engine response's new ids; logprobs: None or one (lp, [(id, lp)]) per id."""
+        out = StepOutput()
+        if self.processor.finished:          # already ended by a stop sequence: drop the rest
+            out.done = True
+            return out
+        protocol_chunks, self._ready = self._ready, []
+        if token_ids:
+            self.num_output_tokens += len(token_ids)
+            protocol_chunks += self._push_ids(list(token_ids), logprobs)
+        out.stopped = self.processor.finished and not finish_reason
+        if finish_reason and not self.processor.finished:
+            reason = FINISH_REASONS.get(finish_reason, dr.InferenceFinishReason.Stop)
+            protocol_chunks += self.processor.push(dr.InferenceChunk.finish(reason))
+            protocol_chunks += self.processor.finish()
+        out.done = self.processor.finished
+        self._emit(protocol_chunks, out)
+        out.num_output_tokens = self.num_output_tokens
+        if out.done:
+            out.finish_reason = "stop" if out.stopped else (finish_reason or "stop")
+        return out
+
+    def _push_ids(self, ids: list[int], logprobs) -> list:
+        """NOTE: the recipe decodes EOS into visible text; the engine stops on it, so it can only be
+        last. It is counted (usage = the engine's token count) through an empty text chunk."""
+        eos = ids[-1] == EOS_TOKEN_ID
+        if eos:
+            ids, logprobs = ids[:-1], (logprobs[:-1] if logprobs else logprobs)
+        chunks = self.processor.push(dr.InferenceChunk.tokens(ids, logprobs)) if ids else []
+        if eos and not self.processor.finished:
+            chunks += self.processor.push(dr.InferenceChunk.text("", token_count=1))
+        return chunks
+
+    def close(self) -> None:
+        self.processor.close()
+
+    def _emit(self, protocol_chunks: list, out: StepOutput) -> None:
+        texts = []
+        for chunk in protocol_chunks:
+            data = chunk.to_json()
+            texts.append(answer_text(self.ctx.api, data))
+            if self.response is not None:
+                self.response.accumulate(chunk)
+            elif self.ctx.api != TEXT_API:
+                out.chunks.append(data)
+        if self._pending_input_text:
+            texts.insert(0, self._pending_input_text)
+            self._pending_input_text = ""
+        out.text = "".join(texts)
+        if self.response is not None and out.done:
+            out.chunks.append(self.response.to_json())
+
+
+def answer_text(api: str, chunk_json: str) -> str:
+    """The answer-text delta of one chunk (no reasoning, no tool calls): what `text_output` carries."""
+    chunk = json.loads(chunk_json)
+    if api in ("chat.completions", TEXT_API):
+        choices = chunk.get("choices") or [{}]
+        return (choices[0].get("delta") or {}).get("content") or ""
+    if api == "responses":
+        return chunk.get("delta", "") if chunk.get("type") == "response.output_text.delta" else ""
+    if chunk.get("type") == "content_block_delta" and chunk["delta"].get("type") == "text_delta":
+        return chunk["delta"]["text"]
+    return ""
+
+
+def _stream_processor(ctx: RequestContext, tokenizer, options) -> dr.StreamProcessor:
+    if ctx.api == TEXT_API:
+        # Plain text: the Chat generator without thinking or tool parsing decodes ids incrementally
+        # (multi-byte characters held until complete) and applies the stop words.
+        conv = dr.ConversationRequest(dr.Conversation([], thinking_mode=False), dr.ModelVersion.DeepseekV41Flash)
+        gen = dr.ChatCompletionRequest.chunk_generator(conv, ctx.response_id, ctx.model)
+        parsing = dr.ParsingOptions(parse_tool_calls=False, stop_sequences=ctx.stop_words)
+        return dr.StreamProcessor(gen, parsing, tokenizer)
+    request = REQUEST_CLASSES[ctx.api](ctx.body)
+    extras = {}
+    if ctx.api == "responses":   # read before convert consumes the request
+        extras = {"tool_map": request.namespace_tool_map(options), "echo": request.echo()}
+    conv = request.convert(options)
+    gen = REQUEST_CLASSES[ctx.api].chunk_generator(conv, ctx.response_id, ctx.model)
+    if extras:
+        gen = gen.with_namespace_tool_map(extras["tool_map"]).with_echo(extras["echo"])
+    return dr.StreamProcessor(gen, conv.parsing_options, tokenizer)

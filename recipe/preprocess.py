@@ -1,0 +1,154 @@
+"""API request -> prompt token ids + sampling parameters, on the official deepseek-recipe 0.2.0.
+
+Chat Completions, Responses and Anthropic Messages bodies are converted by the recipe's own request
+classes, rendered with `DeepseekV41Encoding` and tokenized with the checkpoint's `tokenizer.json`;
+`resolve_max_tokens` applies the default output limits (8,192; 65,536 thinking; 131,072 thinking at
+max effort) capped by the context left. The TensorRT-LLM style `text_input` path tokenizes raw text.
+Rejections never raise: they come back as a PreparedRequest whose context carries the API's error
+body and status, so the ensemble answers them as a normal (single, final) response.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import deepseek_recipe as dr
+
+from .context import API_KINDS, TEXT_API, PreparedRequest, RequestContext
+from .errors import RecipeError, api_error, from_conversion_error
+
+MODEL_NAMES = ("deepseek-flash", "DeepSeek-V4.1-Flash", "deepseek_v41_flash")
+REQUEST_CLASSES = {"chat.completions": dr.ChatCompletionRequest, "responses": dr.ResponsesRequest,
+                   "messages": dr.MessagesRequest}
+BOS_TOKEN_ID = 0
+EOS_TOKEN_ID = 1
+DEFAULT_TEXT_MAX_TOKENS = 8192   # the recipe's non-thinking default, for text_input requests
+
+
+def conversion_options(model_names=MODEL_NAMES) -> dr.ConversionOptions:
+    """Accept only our served names (the default table also admits DeepSeek-V4-Pro, which we lack)."""
+    table = {name: dr.ModelVersion.DeepseekV41Flash for name in model_names}
+    return dr.ConversionOptions().with_model_versions_by_name(table)
+
+
+def _constraint(opts: dr.InferenceOptions, thinking: bool) -> dict | None:
+    """Recipe OutputConstraint -> deepinfer OutputConstraint kwargs.
+
+    NOTE: `tool_call` (tool_choice auto) is left unconstrained: the model may answer in text, and a
+    strict tool-call grammar would forbid that. `tool_call_required` has the prompt already inside
+    the `<｜DSML｜ calls>` block (thinking mode rejects it), so it never starts after `</think>`.
+    """
+    c = opts.output_constraint
+    if c is None or c.kind == "tool_call":
+        return None
+    if c.kind == "json":
+        return {"kind": "json_schema" if c.schema else "json_object", "spec": c.schema,
+                "after_think": thinking}
+    if c.kind == "regex":
+        return {"kind": "regex", "spec": c.schema, "after_think": thinking}
+    if c.kind == "tool_call_required":
+        return {"kind": "tool_calls", "spec": c.schema, "after_think": False}
+    raise api_error("chat.completions", 400, f"unsupported output constraint {c.kind!r}")
+
+
+def sampling_kwargs(opts: dr.InferenceOptions, max_tokens: int, thinking: bool) -> dict:
+    """The recipe's resolved options as deepinfer.SamplingParams keyword arguments."""
+    return {
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if opts.temperature is None else float(opts.temperature),
+        "top_p": 1.0 if opts.top_p is None else float(opts.top_p),
+        "seed": opts.seed,
+        "stop_token_ids": [EOS_TOKEN_ID],
+        "logprobs": (opts.top_logprobs or 0) if opts.logprobs else None,
+        "constraint": _constraint(opts, thinking),
+    }
+
+
+class Preprocessor:
+    """Stateless after construction; one per preprocess instance (the tokenizer takes ~0.4 s to load)."""
+
+    def __init__(self, tokenizer_path: str, max_model_len: int, model_names=MODEL_NAMES):
+        self.tokenizer = dr.Tokenizer.from_file(str(tokenizer_path))
+        self.encoding = dr.DeepseekV41Encoding().with_tokenizer(self.tokenizer)
+        self.options = conversion_options(model_names)
+        self.max_model_len = int(max_model_len)
+
+    # -- the three APIs -------------------------------------------------------------------------
+    def prepare(self, api: str, body: bytes | str) -> PreparedRequest:
+        ctx = RequestContext(api=api if api in API_KINDS else "chat.completions",
+                             response_id=_new_id(api))
+        try:
+            if api not in API_KINDS:
+                raise api_error(ctx.api, 400, f"unknown api {api!r}; expected one of {', '.join(API_KINDS)}")
+            ctx.body = body.decode("utf-8") if isinstance(body, bytes) else body
+            conv, ctx.model = self._convert(api, ctx.body)
+            ctx.stream = conv.stream
+            ids = self.encoding.encode(conv.conversation)
+            ctx.prompt_tokens = len(ids)
+            max_tokens = _resolve(api, conv, len(ids), self.max_model_len)
+            sampling = sampling_kwargs(conv.inference_options, max_tokens, conv.conversation.thinking_mode)
+        except RecipeError as e:
+            return _rejected(ctx, e)
+        except UnicodeDecodeError as e:
+            return _rejected(ctx, api_error(ctx.api, 400, f"request body is not UTF-8: {e}"))
+        return PreparedRequest(uuid.uuid4().hex, ids, sampling, ctx.stream, ctx)
+
+    def _convert(self, api: str, body: str):
+        try:
+            request = REQUEST_CLASSES[api](body)
+            model = request.model
+            return request.convert(self.options), model
+        except dr.ConversionError as e:
+            raise from_conversion_error(api, e) from e
+        except (ValueError, TypeError) as e:   # malformed JSON, missing fields, wrong types
+            raise api_error(api, 400, str(e)) from e
+
+    # -- TensorRT-LLM style inputs ------------------------------------------------------------
+    def prepare_text(self, text_input: str, max_tokens: int | None = None, stream: bool = False,
+                     temperature: float | None = None, top_p: float | None = None,
+                     top_k: int | None = None, seed: int | None = None,
+                     stop_words: list[str] | None = None,
+                     exclude_input_in_output: bool = True) -> PreparedRequest:
+        """Raw text (already rendered by the client, as Triton's OpenAI frontend does); BOS added."""
+        ctx = RequestContext(api=TEXT_API, response_id=_new_id(TEXT_API), stream=bool(stream),
+                             stop_words=list(stop_words or []),
+                             input_text="" if exclude_input_in_output else text_input)
+        ids = self.tokenizer.encode(text_input)
+        if not ids or ids[0] != BOS_TOKEN_ID:
+            ids = [BOS_TOKEN_ID] + ids
+        ctx.prompt_tokens = len(ids)
+        left = self.max_model_len - len(ids)
+        try:
+            if left < 1 or (max_tokens is not None and max_tokens > left):
+                raise api_error(TEXT_API, 400, f"This model's maximum context length is {self.max_model_len} "
+                                f"tokens; the prompt has {len(ids)} and {max_tokens} were requested.")
+            sampling = {
+                "max_tokens": int(max_tokens) if max_tokens else min(DEFAULT_TEXT_MAX_TOKENS, left),
+                "temperature": 1.0 if temperature is None else float(temperature),
+                "top_p": 1.0 if top_p is None else float(top_p),
+                "top_k": int(top_k or 0), "seed": seed, "stop_token_ids": [EOS_TOKEN_ID],
+                "logprobs": None, "constraint": None,
+            }
+            if sampling["max_tokens"] < 1 or not 0 < sampling["top_p"] <= 1 or sampling["temperature"] < 0:
+                raise api_error(TEXT_API, 400, f"invalid sampling parameters {json.dumps(sampling)}")
+        except RecipeError as e:
+            return _rejected(ctx, e)
+        return PreparedRequest(uuid.uuid4().hex, ids, sampling, ctx.stream, ctx)
+
+
+def _resolve(api: str, conv, num_prompt_tokens: int, max_model_len: int) -> int:
+    try:
+        return conv.resolve_max_tokens(num_prompt_tokens, max_model_len)
+    except dr.ConversionError as e:
+        raise from_conversion_error(api, e) from e
+
+
+def _rejected(ctx: RequestContext, err: RecipeError) -> PreparedRequest:
+    ctx.error_status, ctx.error_body = err.status, err.body
+    return PreparedRequest(uuid.uuid4().hex, [], {}, ctx.stream, ctx)
+
+
+def _new_id(api: str) -> str:
+    prefix = {"chat.completions": "chatcmpl-", "responses": "resp_", "messages": "msg_"}.get(api, "cmpl-")
+    return prefix + uuid.uuid4().hex
