@@ -101,3 +101,15 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+class InvalidRequestError(ValueError):
+    """Bad input from one caller (empty prompt, prompt too long, bad sampling params). Raised to
+    that caller only; the engine keeps serving the others."""
+
+
+class UnknownRequestError(KeyError):
+    """abort() of a request id the engine does not hold (never added, or already finished)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown request id"

@@ -1,0 +1,161 @@
+"""Engine: the synchronous engine core (add_request / abort / step), and the only class the
+serving side needs besides AsyncEngine (which runs an Engine on a background thread).
+
+    step():
+        sched_out  = scheduler.schedule()                     # which requests, how many tokens, which blocks
+        runner_out = runner.execute(sched_out)                # tensors, model, sampling
+        return scheduler.update_from_output(sched_out, runner_out)   # tokens appended, stops, deltas
+
+Not thread-safe: one thread drives it (AsyncEngine's loop, LLM.generate, a test).
+A fault inside a step fails the requests of that step (finish_reason "error"), not the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from deepinfer.cache.kv_cache_manager import KVCacheManager, cdiv
+from deepinfer.config import EngineArgs
+from deepinfer.outputs import RequestOutput, SchedulerOutput
+from deepinfer.request import InvalidRequestError, Request, RequestStatus, UnknownRequestError
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.sched.scheduler import Scheduler
+from deepinfer.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_CACHE_TOKENS_PER_SEQ = 2048   # CPU cache size when num_cache_blocks is not given
+
+
+class Engine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.stats = EngineStats()
+        self._init_model()
+        self._init_caches()
+        self._init_scheduler()
+        self._init_runner()
+
+    # construction ------------------------------------------------------------------------------
+    def _init_model(self) -> None:
+        from deepinfer.worker.loading import load_model
+        self.device = self.args.resolved_device()
+        self.model, self.model_args = load_model(self.args.checkpoint, self.device, self.args.dtype)
+        cfg = _read_hf_config(self.args.checkpoint)
+        self.eos_token_id = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
+        tc = cfg.get("text_config", {})
+        self.max_position = int(tc.get("max_position_embeddings", cfg.get("max_position_embeddings", 1 << 20)))
+        self.vocab_size = self.model_args.vocab_size
+
+    def _init_caches(self) -> None:
+        from deepinfer.worker.loading import allocate_caches, cache_bytes_per_block
+        a = self.args
+        num_blocks = a.num_cache_blocks
+        if num_blocks is None:
+            if self.device.startswith("cuda"):
+                num_blocks = _blocks_from_memory(self.model_args, a, cache_bytes_per_block)
+            else:
+                want = min(self.max_position, CPU_DEFAULT_CACHE_TOKENS_PER_SEQ)
+                num_blocks = a.max_num_seqs * cdiv(want, a.block_tokens)
+        self.num_cache_blocks = num_blocks
+        self.max_model_len = min(a.max_model_len or self.max_position, self.max_position,
+                                 num_blocks * a.block_tokens)
+        self.caches = allocate_caches(self.model_args, a.max_num_seqs, num_blocks, a.block_tokens,
+                                      self.device, a.dtype)
+
+    def _init_scheduler(self) -> None:
+        a = self.args
+        self.kv_cache = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs)
+        self.scheduler = Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len,
+                                   self.kv_cache, self.stats)
+        self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks)
+
+    def _init_runner(self) -> None:
+        from deepinfer.worker.model_runner import ModelRunner
+        self.runner = ModelRunner(self.model, self.caches, self.device, self.args.max_num_seqs,
+                                  self.max_model_len, self.args.block_tokens,
+                                  ngram_width=max(self.model_args.engram_max_ngram_size - 1, 1))
+
+    # requests ----------------------------------------------------------------------------------
+    def validate(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None) -> SamplingParams:
+        """Check one request without touching engine state (safe from any thread)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+        if prompt_token_ids is None or len(prompt_token_ids) == 0:
+            raise InvalidRequestError(f"request {request_id}: empty prompt")
+        n = len(prompt_token_ids)
+        if n > self.max_model_len:
+            raise InvalidRequestError(f"request {request_id}: prompt of {n} tokens is over the context limit "
+                                      f"of {self.max_model_len} tokens")
+        lo, hi = min(prompt_token_ids), max(prompt_token_ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise InvalidRequestError(f"request {request_id}: token id {lo if lo < 0 else hi} outside the "
+                                      f"vocabulary [0, {self.vocab_size})")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"request {request_id}: sampling_params must be a SamplingParams")
+        if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
+            raise InvalidRequestError(f"request {request_id}: max_tokens must be at least 1, got {params.max_tokens}")
+        return params
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    *, forced_token_ids: list[int] | None = None, return_logits: bool = False) -> None:
+        """Queue a request. Raises InvalidRequestError (bad input, duplicate id) to this caller only.
+
+        forced_token_ids: teacher forcing, output token k is forced_token_ids[k] (scoring, parity tests).
+        return_logits: each RequestOutput carries the fp32 logits [n, V] its new tokens were sampled from.
+        """
+        params = self.validate(request_id, prompt_token_ids, sampling_params)
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
+                      forced_token_ids, return_logits)
+        self.scheduler.add_request(req)
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Finish a request now (caches freed); its final output has finish_reason "abort"."""
+        if request_id not in self.scheduler.requests:
+            raise UnknownRequestError(f"unknown request id {request_id!r}")
+        return self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)[0]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        try:
+            runner_out = self.runner.execute(sched_out)
+        except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
+            return self._fail_step(sched_out, e)
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        self._update_gauges()
+        return outputs
+
+    def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        logger.exception("engine step failed; failing its %d requests", len(sched_out.num_scheduled_tokens))
+        outs = self.scheduler.finish_requests(list(sched_out.num_scheduled_tokens), RequestStatus.FINISHED_ERROR,
+                                              error=f"{type(exc).__name__}: {exc}")
+        self._update_gauges()
+        return outs
+
+    def _update_gauges(self) -> None:
+        s, kv = self.scheduler, self.kv_cache
+        self.stats.inc("steps_total")
+        self.stats.set_gauges(num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
+                              cache_blocks_used=kv.num_used_blocks,
+                              cache_usage=kv.num_used_blocks / self.num_cache_blocks)
+
+
+def _read_hf_config(checkpoint: str) -> dict:
+    path = Path(checkpoint) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _blocks_from_memory(model_args, args: EngineArgs, bytes_per_block) -> int:
+    import torch
+    free, _ = torch.cuda.mem_get_info()
+    per_block = bytes_per_block(model_args, args.block_tokens, args.dtype)
+    return max(1, int(free * args.cache_memory_fraction) // per_block)

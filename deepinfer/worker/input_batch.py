@@ -1,0 +1,127 @@
+"""Persistent per-request arrays on the host, and the step's ForwardBatch built from them.
+
+One row per running request (rows are reused). Token ids live here, not in the scheduler's
+Request copies, so building a step is a handful of numpy gathers, not a Python loop over tokens:
+
+    step with 3 requests, q_lens = [4, 1, 2], start_pos = [0, 9, 5]:
+    cu_seqlens = [0, 4, 5, 7]
+    positions  = [0 1 2 3 | 9 | 5 6]         = repeat(start - cu[:-1], q) + arange(T)
+    input_ids  = token_ids[repeat(rows, q), positions]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deepinfer.model.batch import ForwardBatch
+from deepinfer.outputs import CachedRequestData, NewRequestData
+from deepinfer.sampling_params import SamplingParams
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_req: int, ngram_width: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.ngram_width = ngram_width                      # max_ngram_size - 1 previous tokens
+        self.token_ids = np.zeros((max_num_seqs, max_model_len + 16), dtype=np.int64)  # + room for drafts
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)     # known tokens per row
+        self.num_computed = np.zeros(max_num_seqs, dtype=np.int64)   # positions in the caches
+        self.num_prompt = np.zeros(max_num_seqs, dtype=np.int64)
+        self.block_table = np.full((max_num_seqs, max_blocks_per_req), -1, dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.ring_slot = np.zeros(max_num_seqs, dtype=np.int64)
+        self.params: list[SamplingParams | None] = [None] * max_num_seqs
+        self.forced: dict[int, list[int]] = {}               # row -> forced output ids (teacher forcing)
+        self.return_logits: set[int] = set()                 # rows that keep their logits
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    # bookkeeping -------------------------------------------------------------------------------
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return
+        self.params[row] = None
+        self.forced.pop(row, None)
+        self.return_logits.discard(row)
+        self.block_table[row, :self.num_blocks[row]] = -1
+        self.num_blocks[row] = 0
+        self._free_rows.append(row)
+
+    def add(self, new: NewRequestData) -> None:
+        row = self._free_rows.pop()
+        self.row_of[new.req_id] = row
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_tokens[row] = n
+        self.num_computed[row] = new.num_computed_tokens
+        self.num_prompt[row] = new.num_prompt_tokens
+        nb = len(new.block_ids)
+        self.block_table[row, :nb] = new.block_ids
+        self.num_blocks[row] = nb
+        self.ring_slot[row] = new.ring_slot
+        self.params[row] = new.sampling_params
+        if new.forced_token_ids is not None:
+            self.forced[row] = new.forced_token_ids
+        if new.return_logits:
+            self.return_logits.add(row)
+
+    def update(self, diff: CachedRequestData) -> None:
+        row = self.row_of[diff.req_id]
+        self.num_computed[row] = diff.num_computed_tokens
+        nb = diff.num_blocks + len(diff.new_block_ids)
+        self.block_table[row, nb:self.num_blocks[row]] = -1  # blocks freed by a rollback
+        self.block_table[row, diff.num_blocks:nb] = diff.new_block_ids
+        self.num_blocks[row] = nb
+
+    def write_drafts(self, req_id: str, drafts: list[int]) -> None:
+        row = self.row_of[req_id]
+        n = self.num_tokens[row]
+        self.token_ids[row, n:n + len(drafts)] = drafts
+
+    def append_tokens(self, rows: np.ndarray, sampled: list[list[int]]) -> None:
+        if all(len(s) == 1 for s in sampled):  # the common case: one token each, one scatter
+            self.token_ids[rows, self.num_tokens[rows]] = [s[0] for s in sampled]
+            self.num_tokens[rows] += 1
+            return
+        for row, toks in zip(rows, sampled):
+            n = self.num_tokens[row]
+            self.token_ids[row, n:n + len(toks)] = toks
+            self.num_tokens[row] = n + len(toks)
+
+    # the step's tensors ------------------------------------------------------------------------
+    def build(self, req_ids: list[str], q_lens: np.ndarray, num_spec: np.ndarray, device) -> tuple[ForwardBatch, np.ndarray, np.ndarray]:
+        """ForwardBatch for these requests; also the rows, and how many logits rows each request has
+        (0 for a chunk that stops short of the request's last known token, else 1 + drafts)."""
+        rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        start = self.num_computed[rows]                                       # [B]
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        T = int(cu[-1])
+        positions = np.repeat(start - cu[:-1], q_lens) + np.arange(T)       # [T]
+        input_ids = self.token_ids[np.repeat(rows, q_lens), positions]      # [T]
+        hist_pos = start[:, None] + np.arange(-self.ngram_width, 0)         # [B, n-1]
+        hist = self.token_ids[rows[:, None], np.maximum(hist_pos, 0)]
+        hist[hist_pos < 0] = -1
+        reaches_end = start + q_lens - num_spec >= self.num_tokens[rows]
+        num_logits = np.where(reaches_end, 1 + num_spec, 0)                 # [B]
+        ends = cu[1:]
+        logits_indices = np.repeat(ends - num_logits, num_logits) + _ragged_arange(num_logits)
+        max_nb = max(int(self.num_blocks[rows].max()), 1)
+        to = lambda a: torch.from_numpy(a).to(device, non_blocking=True)   # noqa: E731
+        batch = ForwardBatch(
+            input_ids=to(input_ids), positions=to(positions),
+            cu_seqlens=torch.from_numpy(cu), start_pos=torch.from_numpy(start),
+            ngram_history=to(hist), ring_slots=to(self.ring_slot[rows]),
+            block_tables=to(np.ascontiguousarray(self.block_table[rows, :max_nb])),
+            logits_indices=to(logits_indices))
+        return batch, rows, num_logits
+
+
+def _ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """[0..c0-1, 0..c1-1, ...] without a loop."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total) - offsets
