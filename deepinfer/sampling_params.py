@@ -13,11 +13,34 @@ class OutputConstraint:
     kind: json_object | json_schema | regex | ebnf | tool_calls (strict tool-call grammar).
     spec: the schema (JSON string), regex, EBNF text, or for tool_calls a JSON list of tools.
     after_think: in thinking mode the constraint starts after `</think>`.
+    tool_choice (tool_calls only): "auto" = text, then optionally one DSML calls block;
+      "required" = the prompt already ends with `<｜DSML｜ calls>\\n` (the recipe's
+      starts_in_tool_calls) and the output is one or more invokes, then the closing tag. A named
+      tool_choice is "required" with only that tool in spec.
+    Compiled and validated at admission by deepinfer.sample; a bad one raises
+    deepinfer.sample.InvalidConstraintError (a ValueError; the serving layer answers 400).
     """
 
     kind: Literal["json_object", "json_schema", "regex", "ebnf", "tool_calls"]
     spec: str = ""
     after_think: bool = False
+    tool_choice: Literal["auto", "required"] = "auto"
+
+    @classmethod
+    def from_recipe(cls, kind: str, schema: str, after_think: bool = False) -> "OutputConstraint":
+        """deepseek-recipe's InferenceOptions.output_constraint (kind, schema) -> ours.
+
+        json + "" -> json_object, json + schema -> json_schema, regex, tool_call -> tool_calls auto,
+        tool_call_required (required or named tool_choice) -> tool_calls required.
+        """
+        if kind == "json":
+            return cls("json_schema" if schema else "json_object", schema, after_think)
+        if kind == "regex":
+            return cls("regex", schema, after_think)
+        if kind in ("tool_call", "tool_call_required"):
+            choice = "required" if kind == "tool_call_required" else "auto"
+            return cls("tool_calls", schema, after_think, tool_choice=choice)
+        raise ValueError(f"unknown recipe output constraint kind {kind!r}")
 
 
 @dataclass

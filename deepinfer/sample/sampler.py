@@ -1,0 +1,231 @@
+"""The sampler: logits [N, V] fp32 + one SamplingRow per row -> token ids, logprobs.
+
+Per step, for every row (all ops are per row, so a row's result never depends on the batch):
+
+    raw logits --log_softmax--> logprobs / top_logprobs (raw model distribution, as vLLM v1)
+      -> presence / frequency penalties over the request's output tokens
+      -> grammar bitmask (xgrammar), when the request has a constraint in force
+      -> greedy rows: argmax
+      -> other rows: / temperature -> top_k -> softmax -> top_p -> min_p -> inverse CDF at u
+
+u is a pure function of (seed, position) (random.py). Inverse-CDF sampling in vocabulary order
+needs one uniform per token and no ordering of ties, and every filter is a threshold on values
+(k-th largest logit, the top_p cut, min_p * max), so sorting order never matters. No `.sum()`
+reductions: totals come from the row's cumsum, whose order is fixed (torch's CPU row sums are not
+batch-invariant; measured in tests/sample/test_sampler.py).
+
+Filter semantics: top_k keeps logits >= the k-th largest (ties at the cut are kept); top_p keeps the
+smallest set of most likely tokens whose mass reaches top_p (ties at the cut kept), computed on the
+top_k-filtered, renormalized distribution; min_p keeps probs >= min_p * max prob.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+import torch
+
+from deepinfer.sample.grammar import GrammarState, StructuredOutput
+from deepinfer.sample.random import resolve_seed, uniforms
+from deepinfer.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+TOP_P_FIRST_K = 1024   # top_p looks at this many candidates before falling back to a full sort
+
+
+class TokenLogprob(NamedTuple):
+    """One sampled token's logprob and its top alternatives: deepseek-recipe's
+    `InferenceChunk.tokens(ids, logprobs=[(lp, [(id, lp), ...]), ...])` entry as is."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplingState:
+    """Per request, made once at admission by Sampler.new_state (which compiles the constraint)."""
+
+    params: SamplingParams
+    seed: int                                # resolved: a request without a seed gets a random one
+    grammar: GrammarState | None = None
+
+
+@dataclass
+class SamplingRow:
+    """One logits row to sample."""
+
+    state: SamplingState
+    output_token_ids: Sequence[int] = ()     # the request's generated tokens so far (penalties)
+    position: int = 0                        # absolute position of the token being sampled
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                                   # [N] int64, CPU
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per row; None unless asked
+
+
+class Sampler:
+    """Stateless across steps except for the compiled-grammar cache; request state is in SamplingState."""
+
+    def __init__(self, vocab_size: int, tokenizer_path: str | None = None,
+                 structured: StructuredOutput | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer_path = tokenizer_path
+        self._structured = structured
+        self._bitmask = None
+
+    # ---- admission ---------------------------------------------------------------------------
+    @property
+    def structured(self) -> StructuredOutput:
+        """Built on the first constrained request (loading the vocabulary takes ~0.5 s)."""
+        if self._structured is None:
+            if self.tokenizer_path is None:
+                raise RuntimeError("structured output needs the checkpoint's tokenizer.json (tokenizer_path)")
+            self._structured = StructuredOutput.from_tokenizer_file(self.tokenizer_path, self.vocab_size)
+        return self._structured
+
+    def new_state(self, params: SamplingParams) -> SamplingState:
+        """Validate and compile the request's constraint. Raises InvalidConstraintError (a 400)."""
+        grammar = None
+        if params.constraint is not None:
+            grammar = self.structured.new_state(params.constraint, params.stop_token_ids)
+        return SamplingState(params, resolve_seed(params.seed), grammar)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], advance: bool = True) -> SamplerOutput:
+        """logits [N, V] (N == len(rows)) -> SamplerOutput. With advance, each row's grammar accepts
+        its sampled token (the normal decode step; verification rolls back what it rejects)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        logits = logits.float()
+        logprobs = self._logprobs(logits, rows)
+        logits = logits.clone()
+        self._apply_penalties(logits, rows)
+        self._apply_grammar(logits, rows)
+        token_ids = self._draw(logits, rows).cpu()
+        if advance:
+            for row, tok in zip(rows, token_ids.tolist()):
+                if row.state.grammar is not None:
+                    row.state.grammar.accept(tok)
+        return SamplerOutput(token_ids, self._finish_logprobs(logprobs, token_ids, rows))
+
+    def _logprobs(self, logits: torch.Tensor, rows: list[SamplingRow]):
+        idx = [i for i, r in enumerate(rows) if r.state.params.logprobs is not None]
+        if not idx:
+            return None
+        lp = torch.log_softmax(logits[idx], dim=-1)                                  # [n, V]
+        top = torch.topk(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]), dim=-1)           # fixed k: batch-invariant
+        return idx, lp, top
+
+    def _finish_logprobs(self, logprobs, token_ids: torch.Tensor, rows) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * len(rows)
+        if logprobs is None:
+            return out
+        idx, lp, top = logprobs
+        sampled = lp.gather(1, token_ids[idx].to(lp.device)[:, None])[:, 0].tolist()
+        top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+        for j, i in enumerate(idx):
+            n = rows[i].state.params.logprobs
+            out[i] = TokenLogprob(sampled[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
+        return out
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        idx = [i for i, r in enumerate(rows) if r.output_token_ids and
+               (r.state.params.presence_penalty or r.state.params.frequency_penalty)]
+        if not idx:
+            return
+        row_of = [j for j, i in enumerate(idx) for _ in rows[i].output_token_ids]
+        toks = [t for i in idx for t in rows[i].output_token_ids]
+        counts = torch.zeros(len(idx), logits.shape[1], device=logits.device)
+        counts.index_put_((torch.tensor(row_of, device=logits.device), torch.tensor(toks, device=logits.device)),
+                          torch.ones(len(toks), device=logits.device), accumulate=True)
+        freq = torch.tensor([rows[i].state.params.frequency_penalty for i in idx], device=logits.device)
+        pres = torch.tensor([rows[i].state.params.presence_penalty for i in idx], device=logits.device)
+        logits[idx] -= freq[:, None] * counts + pres[:, None] * (counts > 0)
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        active = [i for i, r in enumerate(rows) if r.state.grammar is not None and r.state.grammar.active]
+        if not active:
+            return
+        import xgrammar as xgr
+
+        n, vocab = logits.shape
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = xgr.allocate_token_bitmask(max(n, 16), vocab)
+        for i in active:
+            rows[i].state.grammar.fill_bitmask(self._bitmask, i)
+        mask = self._bitmask[:n].to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, mask, indices=active)
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        out = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.state.params.greedy]
+        random = [i for i, r in enumerate(rows) if not r.state.params.greedy]
+        if greedy:
+            out[greedy] = logits[greedy].argmax(dim=-1)
+        if random:
+            out[random] = sample_rows(logits[random], [rows[i].state.params for i in random],
+                                      uniforms([rows[i].state.seed for i in random],
+                                               [rows[i].position for i in random]))
+        return out
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] fp32 (masked/penalized), u [n] float64 in [0, 1) -> [n] int64 token ids."""
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)
+    x = logits / temp[:, None]
+    _top_k(x, [p.top_k for p in params])
+    probs = torch.softmax(x, dim=-1)                                                  # [n, V]
+    _top_p(probs, [p.top_p for p in params])
+    _min_p(probs, [p.min_p for p in params])
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)                            # [n, V]
+    target = u.to(dev)[:, None] * cdf[:, -1:]
+    tok = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return tok.clamp_(max=logits.shape[-1] - 1)
+
+
+def _top_k(x: torch.Tensor, ks: list[int]) -> None:
+    idx = [i for i, k in enumerate(ks) if 0 < k < x.shape[-1]]
+    if not idx:
+        return
+    k = torch.tensor([ks[i] for i in idx], device=x.device)
+    vals = torch.topk(x[idx], int(k.max()), dim=-1).values                            # [m, kmax], descending
+    kth = vals.gather(1, (k - 1)[:, None])
+    sub = x[idx]
+    x[idx] = sub.masked_fill(sub < kth, float("-inf"))
+
+
+def _top_p(probs: torch.Tensor, ps: list[float]) -> None:
+    idx = [i for i, p in enumerate(ps) if p < 1.0]
+    if not idx:
+        return
+    p = torch.tensor([ps[i] for i in idx], device=probs.device, dtype=torch.float64)[:, None]
+    sub = probs[idx]
+    vals = torch.topk(sub, min(TOP_P_FIRST_K, sub.shape[-1]), dim=-1).values          # [m, K] descending
+    mass = torch.cumsum(vals, dim=-1, dtype=torch.float64)
+    short = mass[:, -1] < p[:, 0]
+    if bool(short.any()):   # the nucleus is wider than K: sort those rows whole
+        full = torch.sort(sub[short], dim=-1, descending=True).values
+        cut = _cut_values(full, torch.cumsum(full, dim=-1, dtype=torch.float64), p[short])
+    cut_all = _cut_values(vals, mass, p)
+    if bool(short.any()):
+        cut_all[short] = cut
+    probs[idx] = sub.masked_fill(sub < cut_all, 0.0)
+
+
+def _cut_values(vals: torch.Tensor, mass: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The smallest kept probability: vals at the first index where the cumulative mass reaches p."""
+    j = torch.searchsorted(mass, p).clamp_(max=vals.shape[-1] - 1)                    # [m, 1]
+    return vals.gather(1, j)
+
+
+def _min_p(probs: torch.Tensor, ms: list[float]) -> None:
+    idx = [i for i, m in enumerate(ms) if m > 0.0]
+    if not idx:
+        return
+    m = torch.tensor([ms[i] for i in idx], device=probs.device)[:, None]
+    sub = probs[idx]
+    probs[idx] = sub.masked_fill(sub < m * sub.amax(dim=-1, keepdim=True), 0.0)
