@@ -76,7 +76,7 @@ class Engine:
         from deepinfer.worker.model_runner import ModelRunner
         self.runner = ModelRunner(self.model, self.caches, self.device, self.args.max_num_seqs,
                                   self.max_model_len, self.args.block_tokens,
-                                  ngram_width=max(self.model_args.engram_max_ngram_size - 1, 1))
+                                  ngram_width=max(self.model_args.engram_max_ngram_size - 1, 0))
 
     # requests ----------------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None) -> SamplingParams:
@@ -156,6 +156,8 @@ def _read_hf_config(checkpoint: str) -> dict:
 
 def _blocks_from_memory(model_args, args: EngineArgs, bytes_per_block) -> int:
     import torch
+
+    from deepinfer.worker.loading import ring_slot_bytes
     free, _ = torch.cuda.mem_get_info()
-    per_block = bytes_per_block(model_args, args.block_tokens, args.dtype)
-    return max(1, int(free * args.cache_memory_fraction) // per_block)
+    budget = int(free * args.cache_memory_fraction) - args.max_num_seqs * ring_slot_bytes(model_args, args.dtype)
+    return max(1, budget // bytes_per_block(model_args, args.block_tokens, args.dtype))

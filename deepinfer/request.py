@@ -68,7 +68,8 @@ class Request:
 
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(self.prompt_token_ids)  # prompt + generated
-        self.num_computed_tokens = 0        # positions whose KV is in the caches
+        self.num_computed_tokens = 0        # positions in the caches, counting the step in flight
+        self.num_output_placeholders = 0    # tokens sampled by a step in flight, not yet known here
         self.spec_token_ids: list[int] = []  # draft tokens to verify at the next step
         self.num_preemptions = 0
         self.first_token_time: float | None = None

@@ -10,6 +10,14 @@ recompute: its caches are freed and it goes back to the front of the waiting que
 num_computed_tokens = 0. A request whose prompt + output fits the whole cache therefore always
 finishes: the oldest running request can always take every block.
 
+num_computed_tokens advances when a step is scheduled, and a step that samples leaves a
+placeholder until its token arrives (update_from_output). With async scheduling the next step is
+scheduled while this one runs: a request with a placeholder then runs its not-yet-known token
+(the runner takes it from the device), and a request that turns out finished wastes one token.
+
+    known:  | prompt + outputs (num_tokens) | placeholder | drafts |
+    cached: | ... num_computed_tokens ...                  |   (after schedule)
+
 The scheduler never sees tensors; what the runner must do is a value in the SchedulerOutput.
 """
 
@@ -86,7 +94,9 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        num_new = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
+        if req.num_output_tokens + req.num_output_placeholders >= req.sampling_params.max_tokens:
+            return 0  # its last token is in flight
+        num_new = req.num_tokens + req.num_output_placeholders + len(req.spec_token_ids) - req.num_computed_tokens
         return max(0, min(num_new, budget, self.max_model_len - req.num_computed_tokens))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -121,6 +131,7 @@ class Scheduler:
         self.kv_cache.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -147,9 +158,13 @@ class Scheduler:
 
     def _record(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[req.request_id] = num_new
-        num_spec = req.num_computed_tokens + num_new - req.num_tokens  # drafts that fit this step
+        req.num_computed_tokens += num_new
+        known = req.num_tokens + req.num_output_placeholders
+        num_spec = req.num_computed_tokens - known   # drafts that fit this step
         if num_spec > 0:
             out.spec_tokens[req.request_id] = req.spec_token_ids[:num_spec]
+        if req.num_computed_tokens >= known:         # reaches the last known token: samples
+            req.num_output_placeholders += 1
 
     # after the step --------------------------------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
@@ -178,8 +193,9 @@ class Scheduler:
         return outputs
 
     def _advance(self, req: Request, sched_out: SchedulerOutput, sampled: list[int]) -> None:
-        """num_computed_tokens += scheduled, minus rejected drafts (their blocks are freed)."""
-        req.num_computed_tokens += sched_out.num_scheduled_tokens[req.request_id]
+        """Resolve the step's placeholder; lower num_computed_tokens by rejected drafts (blocks freed)."""
+        if sampled:
+            req.num_output_placeholders -= 1
         spec = sched_out.spec_tokens.get(req.request_id)
         if spec:
             num_rejected = len(spec) - (len(sampled) - 1)

@@ -34,6 +34,9 @@ class InputBatch:
         self.forced: dict[int, list[int]] = {}               # row -> forced output ids (teacher forcing)
         self.return_logits: set[int] = set()                 # rows that keep their logits
         self.row_of: dict[str, int] = {}
+        # async scheduling: row -> index of its not-yet-known token in the last launched step's
+        # device-side samples (-1 = none); build() patches those input ids on the device
+        self.pending_index = np.full(max_num_seqs, -1, dtype=np.int64)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     # bookkeeping -------------------------------------------------------------------------------
@@ -46,6 +49,7 @@ class InputBatch:
         self.return_logits.discard(row)
         self.block_table[row, :self.num_blocks[row]] = -1
         self.num_blocks[row] = 0
+        self.pending_index[row] = -1
         self._free_rows.append(row)
 
     def add(self, new: NewRequestData) -> None:
@@ -90,20 +94,24 @@ class InputBatch:
             self.num_tokens[row] = n + len(toks)
 
     # the step's tensors ------------------------------------------------------------------------
-    def build(self, req_ids: list[str], q_lens: np.ndarray, num_spec: np.ndarray, device) -> tuple[ForwardBatch, np.ndarray, np.ndarray]:
+    def build(self, req_ids: list[str], q_lens: np.ndarray, num_spec: np.ndarray, device,
+              prev_sampled: torch.Tensor | None = None) -> tuple[ForwardBatch, np.ndarray, np.ndarray]:
         """ForwardBatch for these requests; also the rows, and how many logits rows each request has
-        (0 for a chunk that stops short of the request's last known token, else 1 + drafts)."""
+        (0 for a chunk that stops short of the request's last known token, else 1 + drafts).
+        prev_sampled: the previous step's samples on the device, for tokens not yet known here."""
         rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         start = self.num_computed[rows]                                       # [B]
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         T = int(cu[-1])
         positions = np.repeat(start - cu[:-1], q_lens) + np.arange(T)       # [T]
-        input_ids = self.token_ids[np.repeat(rows, q_lens), positions]      # [T]
+        rows_rep = np.repeat(rows, q_lens)
+        input_ids = self.token_ids[rows_rep, positions]                      # [T]
         hist_pos = start[:, None] + np.arange(-self.ngram_width, 0)         # [B, n-1]
         hist = self.token_ids[rows[:, None], np.maximum(hist_pos, 0)]
         hist[hist_pos < 0] = -1
-        reaches_end = start + q_lens - num_spec >= self.num_tokens[rows]
+        pending = self.pending_index[rows] >= 0
+        reaches_end = start + q_lens - num_spec >= self.num_tokens[rows] + pending
         num_logits = np.where(reaches_end, 1 + num_spec, 0)                 # [B]
         ends = cu[1:]
         logits_indices = np.repeat(ends - num_logits, num_logits) + _ragged_arange(num_logits)
@@ -115,6 +123,10 @@ class InputBatch:
             ngram_history=to(hist), ring_slots=to(self.ring_slot[rows]),
             block_tables=to(np.ascontiguousarray(self.block_table[rows, :max_nb])),
             logits_indices=to(logits_indices))
+        if prev_sampled is not None and pending.any():
+            src = self.pending_index[rows_rep]
+            unknown = np.nonzero((src >= 0) & (positions >= self.num_tokens[rows_rep]))[0]
+            batch.input_ids[to(unknown)] = prev_sampled[to(src[unknown])]
         return batch, rows, num_logits
 
 

@@ -14,12 +14,19 @@ a request with drafts d_1..d_k give g_j = argmax(r_j); d_j is accepted while d_j
 sampled list is g_0..g_a (a accepted drafts + 1 new token). The scheduler then lowers
 num_computed_tokens by the k - a rejected positions and frees the blocks past them; the caches
 need nothing else (addressed by absolute position).
+
+Async scheduling splits execute() into launch() (steps 1-3, the samples stay on the device and
+are copied back asynchronously) and resolve() (step 4). Between them the engine schedules and
+launches the next step, whose tokens that are not yet known on the host are gathered from the
+previous step's device-side samples (InputBatch.pending_index). execute() = resolve(launch()).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from dataclasses import dataclass
 
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.worker.input_batch import InputBatch
@@ -30,6 +37,20 @@ def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+@dataclass
+class _InFlight:
+    """A launched step: what resolve() needs to finish it."""
+    req_ids: list[str]
+    rows: np.ndarray            # [B] InputBatch rows
+    num_logits: np.ndarray      # [B] logits rows per request (0 = no sample)
+    num_spec: np.ndarray        # [B] drafts verified per request
+    sampled: torch.Tensor       # [N] int64, on the host (pinned) once `done` has fired
+    done: object | None         # CUDA event after the device-to-host copy; None on CPU
+    fed: torch.Tensor | None    # [N] token fed at each logits row (draft verification only)
+    logits: torch.Tensor | None # [N, V] fp32, only when some request returns logits
+    seq: int = 0                # launch sequence number
+
+
 class ModelRunner:
     def __init__(self, model, caches, device: torch.device, max_num_seqs: int, max_model_len: int,
                  block_tokens: int, ngram_width: int = 3) -> None:
@@ -38,32 +59,55 @@ class ModelRunner:
         self.device = torch.device(device)
         max_blocks = -(-(max_model_len + 16) // block_tokens)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks, ngram_width)
+        self._prev_sampled: torch.Tensor | None = None   # [N] device samples of the last launched step
+        self._launch_seq = 0
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.resolve(self.launch(sched_out))
+
+    def launch(self, sched_out: SchedulerOutput) -> _InFlight | None:
         self._update_states(sched_out)
         if sched_out.is_empty:
-            return ModelRunnerOutput([], [])
+            return None
         if sched_out.replays:
             raise NotImplementedError("SWA bounded replay (ReplayParams) is not executed yet")
+        ib = self.input_batch
         req_ids = list(sched_out.num_scheduled_tokens)
         q_lens = np.fromiter(sched_out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         num_spec = np.zeros(len(req_ids), dtype=np.int64)
         for i, req_id in enumerate(req_ids):
             drafts = sched_out.spec_tokens.get(req_id)
             if drafts:
-                self.input_batch.write_drafts(req_id, drafts)
+                ib.write_drafts(req_id, drafts)
                 num_spec[i] = len(drafts)
-        batch, rows, num_logits = self.input_batch.build(req_ids, q_lens, num_spec, self.device)
+        batch, rows, num_logits = ib.build(req_ids, q_lens, num_spec, self.device, self._prev_sampled)
         with torch.inference_mode():
             logits = self.model(batch, self.caches).logits                 # [N, V] fp32
-            sampled = sample_greedy(logits).cpu().numpy()                  # [N]
-        per_req = self._accept(sampled, num_logits, num_spec, batch.input_ids, batch.logits_indices)
-        per_req = self._apply_forcing(rows, num_logits, per_req)
-        out_logits = self._gather_logits(req_ids, rows, num_logits, per_req, logits)
-        active = num_logits > 0
-        self.input_batch.append_tokens(rows[active], [s for s, a in zip(per_req, active) if a])
-        return ModelRunnerOutput(req_ids, per_req, logits=out_logits)
+            sampled = sample_greedy(logits)                                # [N] on the device
+            self._apply_forcing(sampled, rows, num_logits)
+        self._set_pending(rows, num_logits, num_spec)
+        self._prev_sampled = sampled
+        fed = batch.input_ids[batch.logits_indices] if num_spec.any() else None
+        keep_logits = logits if ib.return_logits else None
+        host, done = self._to_host(sampled)
+        self._launch_seq += 1
+        return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits, self._launch_seq)
 
+    def resolve(self, step: _InFlight | None) -> ModelRunnerOutput:
+        if step is None:
+            return ModelRunnerOutput([], [])
+        if step.done is not None:
+            step.done.synchronize()
+        per_req = self._accept(step.sampled.numpy(), step.num_logits, step.num_spec,
+                               None if step.fed is None else step.fed.cpu().numpy())
+        out_logits = self._gather_logits(step, per_req)
+        self._append(step, per_req)
+        if step.seq == self._launch_seq:  # nothing launched after it: every token is known here now
+            self.input_batch.pending_index[:] = -1
+            self._prev_sampled = None
+        return ModelRunnerOutput(step.req_ids, per_req, logits=out_logits)
+
+    # helpers -----------------------------------------------------------------------------------
     def _update_states(self, sched_out: SchedulerOutput) -> None:
         for req_id in sched_out.finished_req_ids | sched_out.preempted_req_ids:
             self.input_batch.remove(req_id)
@@ -72,13 +116,48 @@ class ModelRunner:
         for diff in sched_out.cached_reqs:
             self.input_batch.update(diff)
 
+    def _set_pending(self, rows, num_logits, num_spec) -> None:
+        """Rows whose new token is only on the device until resolve() (one per sampling request)."""
+        pi = self.input_batch.pending_index
+        pi[:] = -1
+        if num_spec.any():
+            return  # verification steps are resolved before the next launch (no async with drafts)
+        sampling = num_logits > 0
+        pi[rows[sampling]] = np.arange(int(sampling.sum()))
+
+    def _to_host(self, sampled: torch.Tensor):
+        if self.device.type != "cuda":
+            return sampled.cpu(), None
+        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        host.copy_(sampled, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def _apply_forcing(self, sampled: torch.Tensor, rows: np.ndarray, num_logits: np.ndarray) -> None:
+        """Teacher forcing, on the device so the next launched step feeds the forced token."""
+        ib = self.input_batch
+        if not ib.forced:
+            return
+        idx, vals, off = [], [], 0
+        for row, n in zip(rows.tolist(), num_logits.tolist()):
+            forced = ib.forced.get(row)
+            if forced is not None and n:
+                k = int(ib.num_tokens[row] + (ib.pending_index[row] >= 0) - ib.num_prompt[row])
+                for j in range(n):
+                    if k + j < len(forced):
+                        idx.append(off + j)
+                        vals.append(forced[k + j])
+            off += n
+        if idx:
+            sampled[torch.tensor(idx, device=sampled.device)] = torch.tensor(vals, device=sampled.device)
+
     @staticmethod
     def _accept(sampled: np.ndarray, num_logits: np.ndarray, num_spec: np.ndarray,
-                input_ids: torch.Tensor, logits_indices: torch.Tensor) -> list[list[int]]:
-        if not num_spec.any():  # no drafts: one token per request that reached its end
+                fed: np.ndarray | None) -> list[list[int]]:
+        if fed is None:  # no drafts: one token per request that reached its end
             it = iter(sampled.tolist())
             return [[next(it)] if n else [] for n in num_logits.tolist()]
-        fed = input_ids.cpu().numpy()[logits_indices.cpu().numpy()]       # token at each logits row
         out, off = [], 0
         for n, k in zip(num_logits.tolist(), num_spec.tolist()):
             if n == 0:
@@ -92,25 +171,23 @@ class ModelRunner:
             off += n
         return out
 
-    def _apply_forcing(self, rows: np.ndarray, num_logits: np.ndarray, per_req: list[list[int]]) -> list[list[int]]:
+    def _append(self, step: _InFlight, per_req: list[list[int]]) -> None:
+        """Known tokens into the InputBatch rows (of requests it still holds)."""
         ib = self.input_batch
-        if not ib.forced:
-            return per_req
-        for i, row in enumerate(rows.tolist()):
-            forced = ib.forced.get(row)
-            if forced is None or not per_req[i]:
-                continue
-            k = int(ib.num_tokens[row] - ib.num_prompt[row])  # index of the first new output token
-            per_req[i] = [forced[k + j] if k + j < len(forced) else t for j, t in enumerate(per_req[i])]
-        return per_req
+        rows, toks = [], []
+        for req_id, row, t in zip(step.req_ids, step.rows.tolist(), per_req):
+            if t and ib.row_of.get(req_id) == row:
+                rows.append(row)
+                toks.append(t)
+        if rows:
+            ib.append_tokens(np.array(rows, dtype=np.int64), toks)
 
-    def _gather_logits(self, req_ids, rows, num_logits, per_req, logits) -> dict | None:
-        ib = self.input_batch
-        if not ib.return_logits:
+    def _gather_logits(self, step: _InFlight, per_req) -> dict | None:
+        if step.logits is None:
             return None
-        out, off = {}, 0
-        for req_id, row, n, toks in zip(req_ids, rows.tolist(), num_logits.tolist(), per_req):
+        ib, out, off = self.input_batch, {}, 0
+        for req_id, row, n, toks in zip(step.req_ids, step.rows.tolist(), step.num_logits.tolist(), per_req):
             if n and row in ib.return_logits:
-                out[req_id] = logits[off:off + len(toks)].float().cpu().numpy()
+                out[req_id] = step.logits[off:off + len(toks)].float().cpu().numpy()
             off += n
         return out

@@ -38,7 +38,7 @@ def fake_runner_output(sched_out: SchedulerOutput, sched: Scheduler, token=7, ac
         req = sched.requests[req_id]
         req_ids.append(req_id)
         drafts = sched_out.spec_tokens.get(req_id, [])
-        if req.num_computed_tokens + n - len(drafts) < req.num_tokens:
+        if req.num_computed_tokens - len(drafts) < req.num_tokens:  # computed already counts this step
             sampled.append([])
             continue
         a = len(drafts) if accept is None else accept(req_id, drafts)
