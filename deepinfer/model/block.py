@@ -1,0 +1,67 @@
+"""The V4.1 block (reference model.py `Block`): attention and MoE inside mHC hyper-connections."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .args import ModelArgs
+from .attention import Attention
+from .engram import Engram
+from .layers import RMSNorm
+from .moe import MoE
+
+
+class Block(nn.Module):
+    """Attention and MoE between mHC collapse (hc_pre) and expand (hc_post). Single-pass mHC: each
+    sublayer collapses its input with the pre-mix the PREVIOUS sublayer computed; post / comb are
+    its own."""
+
+    attention_cls = Attention
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id, self.eps = layer_id, args.norm_eps
+        self.hc, self.iters, self.hc_eps = args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps
+        self.attn = self.attention_cls(args, layer_id)
+        self.ffn = MoE(args, layer_id)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.engram = Engram(args, layer_id) if layer_id in args.engram_layer_ids and layer_id < args.n_layers else None
+        mix, hd = (2 + self.hc) * self.hc, self.hc * args.dim
+        for sub in ("attn", "ffn"):
+            self.register_buffer(f"hc_{sub}_fn", torch.zeros(mix, hd), persistent=False)
+            self.register_buffer(f"hc_{sub}_base", torch.zeros(mix), persistent=False)
+            self.register_buffer(f"hc_{sub}_scale", torch.ones(3), persistent=False)
+
+    def hc_mixes(self, x: torch.Tensor, sub: str):
+        """x [T, hc, d] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (fp32)."""
+        xf = x.flatten(1).float()
+        rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        mixes = F.linear(xf, getattr(self, f"hc_{sub}_fn")) * rs
+        return ops.hc_split_sinkhorn(mixes, getattr(self, f"hc_{sub}_scale"), getattr(self, f"hc_{sub}_base"),
+                                     self.hc, self.iters, self.hc_eps)
+
+    @staticmethod
+    def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+
+    @staticmethod
+    def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        out = post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * res.unsqueeze(-2)).sum(dim=1)
+        return out.to(y.dtype)
+
+    def forward(self, x, pre_mix, attn_fn, image_mask=None, attn_out: list | None = None):
+        """x [T, hc, d]; attn_fn(x_norm) -> [T, d]. Returns (x, the FFN's pre-mix for the next block)."""
+        res = x
+        a_pre, a_post, a_comb = self.hc_mixes(x, "attn")
+        a = attn_fn(self.attn_norm(self.hc_pre(x, pre_mix)))
+        if attn_out is not None:
+            attn_out.append(a)
+        x = self.hc_post(a, res, a_post, a_comb)
+        res = x
+        f_pre, f_post, f_comb = self.hc_mixes(x, "ffn")
+        y = self.ffn(self.ffn_norm(self.hc_pre(x, a_pre)), image_mask)
+        return self.hc_post(y, res, f_post, f_comb), f_pre

@@ -1,0 +1,139 @@
+"""DSpark draft blocks (reference model.py `DSparkBlock`, `DSparkAttention`, Markov and confidence
+heads), as two batch functions the engine calls:
+
+  dspark_absorb(model, main_hidden, batch-like rows, caches)
+      main_x = main_norm(main_proj(mean streams entering the target layers)); every draft block's
+      ring takes kv_norm(wkv(main_x)) (RoPE at the backbone position, FP8-rounded) at those
+      positions. Call it for the positions that are accepted (prefill: all prompt positions).
+  dspark_propose(model, anchor_ids, positions, ring_slots, caches)
+      the block [anchor, noise x (B-1)] at positions p+1..p+B through the draft blocks; each row
+      attends to its block's ring at positions max(0, p-window+1)..p and to all B rows
+      (bidirectional); then the head, the Markov bigram bias token by token, the confidence head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .attention import Attention
+from .block import Block
+from .layers import Embedding, Linear, RMSNorm
+
+
+@dataclass
+class DraftOutput:
+    draft_ids: torch.Tensor     # [B, block] int64: drafts for positions p+2 .. p+block+1 (anchor excluded)
+    logits: torch.Tensor        # [B, block, V] fp32, Markov bias included
+    confidence: torch.Tensor    # [B, block] fp32 confidence logits (pre-sigmoid)
+
+
+class DSparkAttention(Attention):
+    def forward_draft(self, x: torch.Tensor, anchors_pos: list[int], ring_slots: list[int], block: int,
+                      caches, rope_tables) -> torch.Tensor:
+        """x [B*block, d] normed draft rows -> [B*block, d]."""
+        dev = x.device
+        pos = torch.tensor([p + 1 + j for p in anchors_pos for j in range(block)], device=dev)
+        cis = rope_tables[self.rope_kind](pos)
+        qr, q, kv = self.qkv(x, cis)
+        o = torch.empty_like(q)
+        for b, (p, slot) in enumerate(zip(anchors_pos, ring_slots)):
+            ring_pos = torch.arange(max(0, p - self.window + 1), p + 1, device=dev)
+            ring_pos = ring_pos[torch.argsort(ring_pos % self.window)]        # the reference's slot order
+            rows = slice(b * block, (b + 1) * block)
+            buf = torch.cat([caches.read_ring(self.layer_id, slot, ring_pos).to(kv.dtype), kv[rows]])
+            idx = torch.arange(buf.shape[0], device=dev).expand(block, -1)
+            o[rows] = ops.sparse_attn(q[rows], buf, self.attn_sink, idx, self.scale)
+        return self.out(o, cis)
+
+    def main_kv(self, main_x: torch.Tensor, positions: torch.Tensor, rope_tables) -> torch.Tensor:
+        cis = rope_tables[self.rope_kind](positions)
+        return ops.act_quant(ops.rope(self.kv_norm(self.wkv(main_x)), cis))
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.embed = Embedding(args.vocab_size, args.dspark_markov_rank)
+        self.head = Linear(args.dspark_markov_rank, args.vocab_size)
+
+    def forward(self, ids: torch.Tensor):
+        e = self.embed(ids)
+        return F.linear(e.float(), self.head.weight.float()), e
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, in_features: int):
+        super().__init__()
+        self.proj = Linear(in_features, 1)
+
+
+class DSparkBlock(Block):
+    """A backbone block with DSpark attention, plus the stage-0 input and last-stage output heads."""
+
+    attention_cls = DSparkAttention
+
+    def __init__(self, args, layer_id: int):
+        super().__init__(args, layer_id)
+        stage = layer_id - args.n_layers
+        self.stage, self.layer_id = stage, layer_id
+        if stage == 0:
+            self.main_proj = Linear(args.dim * len(args.dspark_target_layer_ids), args.dim)
+            self.main_norm = RMSNorm(args.dim, args.norm_eps)
+        if stage == args.n_mtp_layers - 1:
+            self.norm = RMSNorm(args.dim, args.norm_eps)
+            self.markov_head = MarkovHead(args)
+            self.confidence_head = ConfidenceHead(args.dim + args.dspark_markov_rank)
+
+
+def _main_x(model, main_hidden: torch.Tensor) -> torch.Tensor:
+    m0 = model.mtp[0]
+    return m0.main_norm(m0.main_proj(main_hidden))
+
+
+@torch.inference_mode()
+def dspark_absorb(model, main_hidden: torch.Tensor, positions: torch.Tensor, ring_slots: list[int],
+                  cu_seqlens: list[int], caches) -> None:
+    """main_hidden [T, k*d] rows at `positions` [T]; sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1]."""
+    main_x = _main_x(model, main_hidden)
+    for m in model.mtp:
+        kv = m.attn.main_kv(main_x, positions, model.rope)
+        for i, slot in enumerate(ring_slots):
+            r = slice(cu_seqlens[i], cu_seqlens[i + 1])
+            caches.write_ring(m.layer_id, slot, positions[r], kv[r])
+
+
+@torch.inference_mode()
+def dspark_propose(model, anchor_ids: torch.Tensor, positions: list[int], ring_slots: list[int], caches,
+                   sample=None) -> DraftOutput:
+    """anchor_ids [B] (the token at position p+1); positions: p per sequence (the last absorbed
+    backbone position). `sample(logits [B, V]) -> [B]` picks each draft (greedy by default)."""
+    args = model.args
+    blk, B, dev = args.dspark_block_size, anchor_ids.numel(), anchor_ids.device
+    ids = torch.full((B, blk), args.dspark_noise_token_id, dtype=torch.int64, device=dev)
+    ids[:, 0] = anchor_ids
+    h = model.embed(ids.flatten()).unsqueeze(1).repeat(1, args.hc_mult, 1)         # [B*blk, hc, d]
+    pre = torch.zeros(h.shape[0], args.hc_mult, device=dev)
+    pre[:, 0] = 1.0
+    for m in model.mtp:
+        attn = m.attn
+        fn = lambda xn, attn=attn: attn.forward_draft(xn, positions, ring_slots, blk, caches, model.rope)  # noqa: E731
+        h, pre = m(h, pre, fn)
+    last = model.mtp[-1]
+    x = Block.hc_pre(h, pre)                                                      # [B*blk, d] bf16
+    logits = model.logits(last.norm(x)).view(B, blk, -1)
+    out = torch.empty(B, blk + 1, dtype=torch.int64, device=dev)
+    out[:, 0] = anchor_ids
+    embeds = []
+    for i in range(blk):
+        bias, e = last.markov_head(out[:, i])
+        logits[:, i] += bias
+        embeds.append(e)
+        out[:, i + 1] = logits[:, i].argmax(-1) if sample is None else sample(logits[:, i])
+    feat = torch.cat([x.view(B, blk, -1), torch.stack(embeds, 1)], dim=-1)
+    conf = F.linear(feat.float(), last.confidence_head.proj.weight.float()).squeeze(-1)
+    return DraftOutput(draft_ids=out[:, 1:], logits=logits, confidence=conf)

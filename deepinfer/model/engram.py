@@ -1,0 +1,201 @@
+"""Engram: n-gram hash lookups written into the residual stream (reference inference/engram.py and
+model.py `Engram`).
+
+Hashing: token ids -> compressed ids (tokens that normalize alike collapse) -> for each position the
+ids at p, p-1, .., p-(max_ngram-1), a look-back before position 0 or at/after a dead token (image span)
+replaced by the compressed pad id -> multiply by per-layer odd multipliers -> rolling XOR; after each
+step i the (i+1)-gram hash mod one prime per head, plus that head's table offset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .layers import ACT, Linear
+
+DEAD = -2      # ngram_history / token_mask marker: an image-span token (blocks the look-back)
+BEFORE = -1    # ngram_history marker: before position 0
+
+
+def _is_prime(n: int) -> bool:
+    from sympy import isprime
+    return bool(isprime(n))
+
+
+def engram_primes(layer_ids, max_ngram_size: int, n_heads: int, vocab_size: int) -> list[list[list[int]]]:
+    """[layer][n-gram order][head] primes: from vocab_size-1 upward, next primes never reused across layers."""
+    seen, out = set(), []
+    for _ in layer_ids:
+        per_layer = []
+        for _ in range(max_ngram_size - 1):
+            cur, heads = vocab_size - 1, []
+            for _ in range(n_heads):
+                cur += 1
+                while not _is_prime(cur) or cur in seen:
+                    cur += 1
+                seen.add(cur)
+                heads.append(cur)
+            per_layer.append(heads)
+        out.append(per_layer)
+    return out
+
+
+def hash_multipliers(layer_ids, max_ngram_size: int, compressed_vocab: int) -> np.ndarray:
+    """[n_layers, max_ngram] odd int64 multipliers from a per-layer RNG (seed 10007 * layer)."""
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
+    rows = [np.random.default_rng(10007 * L).integers(0, bound, size=(max_ngram_size,), dtype=np.int64) * 2 + 1
+            for L in layer_ids]
+    return np.stack(rows)
+
+
+def compressed_token_map(tokenizer_json: str | Path) -> tuple[np.ndarray, int]:
+    """Every id -> compressed id (first-seen order of the normalized decoded text). Cached on disk by
+    the tokenizer file's hash, since decoding 129k tokens one by one takes seconds."""
+    raw = Path(tokenizer_json).read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()[:32]
+    cache_dir = Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer"))
+    cache = cache_dir / f"engram_token_map_{digest}.npy"
+    if cache.is_file():
+        lookup = np.load(cache)
+        return lookup, int(lookup.max()) + 1
+    lookup, size = _build_token_map(str(tokenizer_json))
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp.npy")
+        np.save(tmp, lookup)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return lookup, size
+
+
+def _build_token_map(tokenizer_json: str) -> tuple[np.ndarray, int]:
+    from tokenizers import Regex, Tokenizer, normalizers
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    sentinel = "\ue000"   # keeps a token that is exactly one space from stripping to ""
+    norm = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
+        normalizers.Strip(), normalizers.Replace(sentinel, " "),
+    ])
+    n = tok.get_vocab_size(with_added_tokens=True)
+    keys: dict[str, int] = {}
+    lookup = np.zeros(n, dtype=np.int64)
+    for i in range(n):
+        text = tok.decode([i], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = tok.id_to_token(i)       # partial UTF-8 byte token: keyed by its raw form
+        else:
+            key = norm.normalize_str(text) or text
+        lookup[i] = keys.setdefault(key, len(keys))
+    return lookup, len(keys)
+
+
+class NgramHasher(nn.Module):
+    """Hash ids for a flat batch of new tokens: [T] ids + per-sequence history -> [T, n_layers, cols]."""
+
+    def __init__(self, args, token_map: np.ndarray, compressed_vocab: int):
+        super().__init__()
+        if compressed_vocab != args.engram_compressed_vocab_size:
+            raise ValueError(f"config.json field 'text_config.engram_compressed_vocab_size' is "
+                             f"{args.engram_compressed_vocab_size}, but the tokenizer compresses to {compressed_vocab}")
+        self.max_ngram = args.engram_max_ngram_size
+        primes = engram_primes(args.engram_layer_ids, self.max_ngram, args.engram_n_heads, args.engram_vocab_size)
+        sums = [sum(map(sum, p)) for p in primes]
+        if tuple(sums) != tuple(args.engram_num_embeddings):
+            raise ValueError(f"config.json field 'text_config.engram_num_embeddings' is {list(args.engram_num_embeddings)}"
+                             f", but the prime layout gives {sums}")
+        flat = [[p for order in layer for p in order] for layer in primes]
+        offsets = [np.cumsum([0] + f[:-1]) for f in flat]
+        self.pad_id = int(token_map[args.engram_pad_id])
+        self.register_buffer("token_map", torch.from_numpy(np.asarray(token_map, dtype=np.int64)), persistent=False)
+        self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64), persistent=False)    # [Le, n-1, H]
+        self.register_buffer("offsets", torch.tensor(np.array(offsets), dtype=torch.int64), persistent=False)
+        self.register_buffer("multipliers", torch.from_numpy(
+            hash_multipliers(args.engram_layer_ids, self.max_ngram, compressed_vocab)), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, history: torch.Tensor,
+                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T]; cu_seqlens [B+1]; history [B, max_ngram-1] ids before each chunk (oldest
+        first; BEFORE = -1 before position 0, DEAD = -2 image span); token_mask [T] False = dead.
+        Returns [T, n_engram_layers, (max_ngram-1) * n_heads] int64 hash ids (offsets included)."""
+        dev, h = input_ids.device, self.max_ngram - 1
+        T, B = input_ids.numel(), history.shape[0]
+        comp = self.token_map[input_ids]
+        if token_mask is not None:
+            comp = torch.where(token_mask, comp, DEAD)
+        hist = history.to(dev)
+        hist_c = torch.where(hist >= 0, self.token_map[hist.clamp_min(0)], hist)     # [B, h]
+        # one extended row per sequence: [history (h), new tokens]; flat token k sits at ext_idx[k]
+        q_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(dev)
+        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), q_lens)
+        local = torch.arange(T, device=dev) - cu_seqlens[:-1].to(dev)[seq_of]
+        ext_off = cu_seqlens[:-1].to(dev) + h * torch.arange(B, device=dev)
+        ext = torch.empty(T + h * B, dtype=torch.int64, device=dev)
+        ext_hist_idx = ext_off[:, None] + torch.arange(h, device=dev)
+        ext[ext_hist_idx.flatten()] = hist_c.flatten()
+        tok_idx = ext_off[seq_of] + h + local
+        ext[tok_idx] = comp
+        tokens, blocked = [], torch.zeros(T, dtype=torch.bool, device=dev)
+        for shift in range(self.max_ngram):
+            src = ext[tok_idx - shift]
+            blocked = blocked | (src < 0)             # before position 0 or a dead token
+            tokens.append(torch.where(blocked, self.pad_id, src))
+        tokens = torch.stack(tokens, -1)                                   # [T, max_ngram]
+        products = tokens[:, None, :] * self.multipliers                   # [T, Le, max_ngram]
+        rolling, hashes = products[..., 0], []
+        for i in range(1, self.max_ngram):
+            rolling = torch.bitwise_xor(rolling, products[..., i])
+            hashes.append(rolling[..., None] % self.primes[:, i - 1])     # [T, Le, H]
+        return torch.cat(hashes, -1) + self.offsets
+
+
+class EngramTable(nn.Module):
+    """FP8 rows with one E8M0 scale per 32 columns, dequantized on lookup (the table stays FP8)."""
+
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(rows, dim, dtype=torch.float8_e4m3fn), persistent=False)
+        self.register_buffer("scale", torch.empty(rows, dim // 32, dtype=torch.uint8), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from . import ops
+        v = self.weight[ids].float().unflatten(-1, (-1, 32)) * ops.e8m0_to_float(self.scale[ids]).unsqueeze(-1)
+        return v.flatten(-2).to(ACT)
+
+
+class Engram(nn.Module):
+    """Gated add of the looked-up n-gram value; one key per hc copy, gate = sigmoid(signed sqrt of
+    the normalized stream . key dot product)."""
+
+    def __init__(self, args, layer_id: int):
+        super().__init__()
+        li = args.engram_layer_ids.index(layer_id)
+        self.hash_index, self.dim, self.hc_mult, self.eps = li, args.dim, args.hc_mult, args.norm_eps
+        self.embed = EngramTable(args.engram_num_embeddings[li], args.engram_head_dim)
+        self.wkv = Linear(args.n_hash_cols * args.engram_head_dim, args.dim * (args.hc_mult + 1))
+        self.register_buffer("q_weight", torch.ones(args.hc_mult, args.dim), persistent=False)
+        self.register_buffer("k_weight", torch.ones(args.hc_mult, args.dim), persistent=False)
+
+    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+        """x [T, hc, d] bf16; hash_ids [T, cols] -> [T, hc, d]."""
+        kv = self.wkv(self.embed(hash_ids).flatten(-2))
+        key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
+        key = key.float().unflatten(-1, (self.hc_mult, self.dim))
+        w = self.q_weight.float() * self.k_weight.float()
+        h = x.float()
+        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (h * w * key).sum(-1) * rstd * self.dim ** -0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        if token_mask is not None:
+            gate = gate.masked_fill(~token_mask[:, None], 0)
+        return (h + gate[..., None] * value.float()[:, None, :]).to(x.dtype)

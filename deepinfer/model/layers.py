@@ -1,0 +1,87 @@
+"""Building blocks shared by the model files: linear layers in the release weight formats, RMSNorm,
+rotary tables. Activations travel in bf16 as in the reference (whose default dtype is bf16)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ops
+
+ACT = torch.bfloat16
+
+
+def compute_dtype(device: torch.device | str) -> torch.dtype:
+    """Dequantized weights are exact in bf16; on CPU fp32 matmuls are faster and give the same
+    fp32-accumulated result, so the CPU keeps them in fp32."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+class Linear(nn.Module):
+    """y = x @ W^T, bf16 out. `quantized` (FP8 / FP4 weights in the checkpoint): the input is first
+    FP8-rounded per 32 (act_quant), as the release GEMMs do; the GEMM itself is an fp32-accumulated
+    product of exactly dequantized values ("FP8/FP4 GEMMs as one fp32 matmul": noise-free)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features), persistent=False)
+        self.quantized = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            x = ops.act_quant(x)
+        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight).to(ACT)
+
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 in, fp32 out (the ratio>1 compressor promotes its weights to fp32)."""
+        return torch.nn.functional.linear(x.float(), self.weight.float())
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(dim), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(dtype)
+
+
+class RopeTable:
+    """Rotary rows for one layer kind, grown on demand (rows do not depend on the table length)."""
+
+    def __init__(self, dim: int, original_seq_len: int, base: float, factor: float, beta_fast: float,
+                 beta_slow: float):
+        self.params = (dim, original_seq_len, base, factor, beta_fast, beta_slow)
+        self.table: torch.Tensor | None = None
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if self.table is None or self.table.shape[0] < need or self.table.device != positions.device:
+            n = max(4096, 1 << (need - 1).bit_length())
+            dim, orig, base, factor, bf, bs = self.params
+            self.table = ops.rope_freqs(dim, n, orig, base, factor, bf, bs, device=positions.device)
+        return self.table[positions]
+
+
+def rope_tables(args) -> dict[str, RopeTable]:
+    """'local': rope_theta, no YaRN (ratio-0 layers, DSpark); 'yarn': compress_rope_theta with YaRN
+    (every layer with compress ratio > 0: q, window KV, compressed KV, indexer q and k alike)."""
+    return {
+        "local": RopeTable(args.rope_head_dim, 0, args.rope_theta, args.rope_factor, args.beta_fast, args.beta_slow),
+        "yarn": RopeTable(args.rope_head_dim, args.original_seq_len, args.compress_rope_theta, args.rope_factor,
+                          args.beta_fast, args.beta_slow),
+    }
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(num, dim, dtype=ACT), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight)

@@ -1,0 +1,304 @@
+"""Load a release-format V4.1 checkpoint: HF `config.json` + safetensors shards (release tensor names).
+
+Dtypes: F8_E4M3 weights with an F8_E8M0 `.scale` per 32x32 block (read as raw bytes), I8-packed FP4
+routed experts with an F8_E8M0 scale per 32 along K, BF16 / F32 elsewhere; or every linear in BF16
+(no `quantization_config`). The headers of every shard are checked against the names, shapes and
+dtypes the config implies BEFORE any data is read, so a bad checkpoint fails with one message naming
+the tensor and nothing half-loaded is returned. Data is then read lazily, shard by shard (mmap).
+
+Renaming rules (checkpoint name -> module attribute) live in one place: `_target`.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import ops
+from .args import ModelArgs
+
+ST_DTYPES = {
+    "F32": (torch.float32, 4), "BF16": (torch.bfloat16, 2), "F16": (torch.float16, 2),
+    "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E8M0": (torch.uint8, 1), "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1), "I32": (torch.int32, 4), "I64": (torch.int64, 8),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config (missing shard / tensor, wrong shape or dtype)."""
+
+
+@dataclass
+class TensorInfo:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{path.name}: not a safetensors file (truncated header)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(f.read(n))
+        except json.JSONDecodeError:
+            raise CheckpointError(f"{path.name}: not a safetensors file (bad header)") from None
+    base, out = 8 + n, {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        s, e = meta["data_offsets"]
+        out[name] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), base + s, base + e)
+    return out
+
+
+def checkpoint_index(ckpt: Path) -> dict[str, TensorInfo]:
+    """name -> TensorInfo over every shard; a missing shard fails naming it and a tensor it holds."""
+    idx_path = ckpt / "model.safetensors.index.json"
+    if idx_path.is_file():
+        weight_map = json.loads(idx_path.read_text())["weight_map"]
+        files = {}
+        for name, fn in weight_map.items():
+            files.setdefault(fn, name)
+        infos = {}
+        for fn, example in files.items():
+            if not (ckpt / fn).is_file():
+                raise CheckpointError(f"shard {fn} is missing (it holds tensor {example!r})")
+            infos.update(read_header(ckpt / fn))
+        for name, fn in weight_map.items():
+            if name not in infos:
+                raise CheckpointError(f"tensor {name!r}: listed in the index for {fn} but not in that shard")
+        return infos
+    single = ckpt / "model.safetensors"
+    if single.is_file():
+        return read_header(single)
+    raise CheckpointError(f"{ckpt}: no model.safetensors.index.json or model.safetensors")
+
+
+# ---- what the config implies ------------------------------------------------------------------
+def expected_tensors(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (kind, logical shape). kinds: fp8 (FP8 linear, or BF16 in bf16 checkpoints),
+    fp4 (routed expert), bf16, f32, norm (BF16 or F32), table (Engram FP8 rows)."""
+    E: dict[str, tuple[str, tuple[int, ...]]] = {}
+    d, H, hd, qr = args.dim, args.n_heads, args.head_dim, args.q_lora_rank
+    inter, hc = args.moe_inter_dim, args.hc_mult
+    mix = (2 + hc) * hc
+
+    def block(p: str, L: int):
+        E[p + "attn_norm.weight"] = ("norm", (d,))
+        E[p + "ffn_norm.weight"] = ("norm", (d,))
+        for sub in ("attn", "ffn"):
+            E[f"{p}hc_{sub}_fn"] = ("f32", (mix, hc * d))
+            E[f"{p}hc_{sub}_base"] = ("f32", (mix,))
+            E[f"{p}hc_{sub}_scale"] = ("f32", (3,))
+        a = p + "attn."
+        E[a + "attn_sink"] = ("f32", (H,))
+        E[a + "wq_a.weight"] = ("fp8", (qr, d))
+        E[a + "q_norm.weight"] = ("norm", (qr,))
+        E[a + "wq_b.weight"] = ("fp8", (H * hd, qr))
+        E[a + "wkv.weight"] = ("fp8", (hd, d))
+        E[a + "kv_norm.weight"] = ("norm", (hd,))
+        E[a + "wo_a.weight"] = ("fp8", (args.o_groups * args.o_lora_rank, H * hd // args.o_groups))
+        E[a + "wo_b.weight"] = ("fp8", (d, args.o_groups * args.o_lora_rank))
+        backbone = L < args.n_layers
+        if backbone and L in args.kv_source_layers:
+            E[a + "compressor.wkv.weight"] = ("bf16", (hd, d))
+            if args.compress_ratios[L] > 1:
+                E[a + "compressor.wgate.weight"] = ("bf16", (hd, d))
+            E[a + "compressor.norm.weight"] = ("norm", (hd,))
+        if backbone and L in args.index_source_layers:
+            ih, ihd = args.index_n_heads, args.index_head_dim
+            E[a + "indexer.wq_b.weight"] = ("fp8", (ih * ihd, qr))
+            E[a + "indexer.weights_proj.weight"] = ("bf16", (ih, d))
+            if L in args.kv_source_layers:
+                E[a + "indexer.wk.weight"] = ("bf16", (ihd, hd))
+                E[a + "indexer.k_norm.weight"] = ("norm", (ihd,))
+        f = p + "ffn."
+        n_exp, _ = args.get_moe_config(L)
+        E[f + "gate.weight"] = ("bf16", (n_exp, d))
+        E[f + "gate.bias"] = ("f32", (n_exp,))
+        for e in range(n_exp):
+            E[f"{f}experts.{e}.w1.weight"] = ("fp4", (inter, d))
+            E[f"{f}experts.{e}.w3.weight"] = ("fp4", (inter, d))
+            E[f"{f}experts.{e}.w2.weight"] = ("fp4", (d, inter))
+        for w, shp in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
+            E[f"{f}shared_experts.{w}.weight"] = ("fp8", shp)
+        if backbone and L in args.engram_layer_ids:
+            li = args.engram_layer_ids.index(L)
+            en = p + "engram."
+            E[en + "embed.weight"] = ("table", (args.engram_num_embeddings[li], args.engram_head_dim))
+            E[en + "wkv.weight"] = ("fp8", (d * (hc + 1), args.n_hash_cols * args.engram_head_dim))
+            E[en + "q_weight"] = ("norm", (hc, d))
+            E[en + "k_weight"] = ("norm", (hc, d))
+
+    E["embed.weight"] = ("bf16", (args.vocab_size, d))
+    E["head.weight"] = ("bf16", (args.vocab_size, d))
+    E["norm.weight"] = ("norm", (d,))
+    for L in range(args.n_layers):
+        block(f"layers.{L}.", L)
+    if args.dspark_block_size:
+        for j in range(args.n_mtp_layers):
+            p = f"mtp.{j}."
+            block(p, args.n_layers + j)
+            if j == 0:
+                E[p + "main_proj.weight"] = ("fp8", (d, d * len(args.dspark_target_layer_ids)))
+                E[p + "main_norm.weight"] = ("norm", (d,))
+            if j == args.n_mtp_layers - 1:
+                E[p + "norm.weight"] = ("norm", (d,))
+                E[p + "markov_head.embed.weight"] = ("bf16", (args.vocab_size, args.dspark_markov_rank))
+                E[p + "markov_head.head.weight"] = ("bf16", (args.vocab_size, args.dspark_markov_rank))
+                E[p + "confidence_head.proj.weight"] = ("bf16", (1, d + args.dspark_markov_rank))
+    return E
+
+
+def _stored(kind: str, shape: tuple[int, ...], args: ModelArgs) -> list[tuple[str, str, tuple]]:
+    """(suffix, allowed dtype(s), stored shape) of the tensors one logical weight is stored as."""
+    n, k = shape if len(shape) == 2 else (shape[0], 1)
+    blk = lambda a: (a + 31) // 32  # noqa: E731
+    if kind == "fp8":
+        if args.dtype == "fp8":
+            return [("", "F8_E4M3", shape), (".scale", "F8_E8M0", (blk(n), blk(k)))]
+        return [("", "BF16", shape)]
+    if kind == "fp4":
+        if args.expert_dtype == "fp4":
+            return [("", "I8", (n, k // 2)), (".scale", "F8_E8M0", (n, k // 32))]
+        return [("", "BF16", shape)]
+    if kind == "table":
+        return [("", "F8_E4M3", shape), (".scale", "F8_E8M0", (n, k // 32))]
+    if kind == "bf16":
+        return [("", "BF16|F32", shape)]
+    if kind == "f32":
+        return [("", "F32", shape)]
+    return [("", "BF16|F32", shape)]     # norm-like
+
+
+def _scale_name(name: str, suffix: str) -> str:
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return base + suffix
+
+
+def validate(args: ModelArgs, infos: dict[str, TensorInfo]) -> dict[str, tuple[str, tuple]]:
+    expected = expected_tensors(args)
+    for name, (kind, shape) in expected.items():
+        for suffix, dtypes, shp in _stored(kind, shape, args):
+            tname = name if not suffix else _scale_name(name, suffix)
+            info = infos.get(tname)
+            if info is None:
+                raise CheckpointError(f"tensor {tname!r} is missing from the checkpoint")
+            if info.dtype not in dtypes.split("|"):
+                raise CheckpointError(f"tensor {tname!r} has dtype {info.dtype}, expected {dtypes.replace('|', ' or ')}")
+            if tuple(info.shape) != tuple(shp):
+                raise CheckpointError(f"tensor {tname!r} has shape {list(info.shape)}, expected {list(shp)}")
+    return expected
+
+
+def _read(info: TensorInfo, mm: mmap.mmap) -> torch.Tensor:
+    tdtype, size = ST_DTYPES[info.dtype]
+    buf = np.frombuffer(mm, dtype=np.uint8, count=info.end - info.start, offset=info.start)
+    t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.size else torch.empty(0, dtype=torch.uint8)
+    return t.view(tdtype).reshape(info.shape)
+
+
+def _target(model, name: str):
+    """Checkpoint name -> (module, attribute). The only renaming rules."""
+    path = name.split(".")
+    attr = path[-1]
+    mod = model
+    for p in path[:-1]:
+        mod = getattr(mod, p) if not p.isdigit() else mod[int(p)]
+    return mod, attr
+
+
+def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progress: bool = True,
+               tokenizer_json: str | Path | None = None, **arg_overrides):
+    """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input."""
+    from .engram import NgramHasher, compressed_token_map
+    from .layers import compute_dtype
+    from .transformer import Transformer
+
+    ckpt = Path(ckpt_dir)
+    args = ModelArgs.from_checkpoint(ckpt, **arg_overrides)
+    infos = checkpoint_index(ckpt)
+    expected = validate(args, infos)
+    hasher = None
+    if args.engram_layer_ids:
+        tj = Path(tokenizer_json) if tokenizer_json else ckpt / "tokenizer.json"
+        if not tj.is_file():
+            raise CheckpointError(f"{tj}: missing (Engram hashing needs the checkpoint's tokenizer.json)")
+        token_map, size = compressed_token_map(tj)
+        hasher = NgramHasher(args, token_map, size)
+    with torch.device("meta"):
+        model = Transformer(args, hasher=None)
+    model = model.to_empty(device=device)
+    model.hasher = hasher.to(device) if hasher is not None else None
+    wdtype = compute_dtype(device)
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(infos[name].file, []).append(name)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(expected), desc=f"loading {ckpt.name}", unit="tensor", leave=False)
+    for path, names in by_file.items():
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            for name in names:
+                _load_one(model, name, expected[name][0], infos, mm, args, device, wdtype)
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    _fill_optional(model, infos, device)
+    return model.eval()
+
+
+def _fill_optional(model, infos, device) -> None:
+    """gate.bias_vl (image-span routing bias) is read when present, else equals gate.bias."""
+    from .moe import Gate
+    for mname, mod in model.named_modules():
+        if isinstance(mod, Gate):
+            name = mname + ".bias_vl"
+            if name in infos and infos[name].dtype == "F32" and tuple(infos[name].shape) == tuple(mod.bias.shape):
+                with open(infos[name].file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    mod.bias_vl = _read(infos[name], mm).to(device)
+            else:
+                mod.bias_vl = mod.bias.clone()
+
+
+def _load_one(model, name, kind, infos, mm, args, device, wdtype):
+    info = infos[name]
+    t = _read(info, mm)
+    scale_info = infos.get(_scale_name(name, ".scale")) if name.endswith(".weight") else None
+    mod, attr = _target(model, name)
+    if kind == "table":
+        mod.weight = t.to(device)
+        sinfo = infos[_scale_name(name, ".scale")]
+        mod.scale = _read(sinfo, mm).view(torch.uint8).to(device)
+        return
+    quantized = False
+    if kind == "fp8" and info.dtype == "F8_E4M3":
+        t = ops.dequant_fp8(t, _read(scale_info, mm))
+        quantized = True
+    elif kind == "fp4" and info.dtype == "I8":
+        t = ops.dequant_fp4(t, _read(scale_info, mm))
+        quantized = True
+    # wo_a is block-diagonal and run as a bf16 einsum (convert.py dequantizes it): no act rounding
+    if name.endswith("attn.wo_a.weight"):
+        quantized = False
+    cur = getattr(mod, attr)
+    if kind in ("fp8", "fp4", "bf16") and cur.dtype != torch.bfloat16:
+        target_dtype = wdtype       # linear weights: exact values in the compute dtype
+    else:
+        target_dtype = cur.dtype
+    setattr(mod, attr, t.to(device=device, dtype=target_dtype))
+    if hasattr(mod, "quantized"):
+        mod.quantized = quantized

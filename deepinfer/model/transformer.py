@@ -1,0 +1,100 @@
+"""DeepSeek-V4.1 backbone (reference model.py `Block`, `Transformer`): embed -> hc_mult copies ->
+blocks (Engram before a block where configured) -> collapse with the last pre-mix -> norm -> head.
+
+One `forward(batch, caches)` serves every step shape: a whole prefill, a chunk continuing a cache,
+one-token decode and 1+k verification, for any number of sequences at once (see model/batch.py).
+Linears, MoE, mHC and norms run flat over all T new tokens; attention loops over sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .args import ModelArgs
+from .attention import SeqStep
+from .block import Block
+from .batch import ForwardBatch
+from .engram import NgramHasher
+from .dspark import DSparkBlock
+from .layers import ACT, Embedding, Linear, RMSNorm, rope_tables
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor                      # [N, V] fp32, rows = batch.logits_indices
+    main_hidden: torch.Tensor | None = None   # [T, len(dspark_target_layer_ids) * dim] bf16: DSpark input
+    hidden: torch.Tensor | None = None        # [n_layers + 1, T, hc, dim] fp32 (dump_hidden): stream entering each layer, then the last output
+    attn_out: torch.Tensor | None = None      # [n_layers, T, dim] fp32 (dump_hidden): each attention output
+    hash_ids: torch.Tensor | None = None      # [T, n_engram_layers, cols] int64 (dump_hidden)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, hasher: NgramHasher | None = None):
+        super().__init__()
+        self.args = args
+        self.hasher = hasher
+        self.rope = rope_tables(args)
+        self.embed = Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList([Block(args, i) for i in range(args.n_layers)])
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.head = Linear(args.dim, args.vocab_size)
+        self.mtp = nn.ModuleList([DSparkBlock(args, args.n_layers + j) for j in range(args.n_mtp_layers)]
+                                 if args.dspark_block_size else [])
+        # the last index-key owner in layer order: what the reference's aliased decode reads first
+        owners = [s for s in args.kv_source_layers if s in args.index_source_layers]
+        self._last_index_owner = owners[-1] if owners else -1
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.head.weight.float())
+
+    def seq_steps(self, batch: ForwardBatch) -> list[SeqStep]:
+        cu = batch.cu_seqlens.tolist()
+        starts = batch.start_pos.tolist()
+        slots = batch.ring_slots.tolist()
+        out = []
+        for i in range(len(starts)):
+            rows = slice(cu[i], cu[i + 1])
+            out.append(SeqStep(rows=rows, start=starts[i], n=cu[i + 1] - cu[i], ring_slot=slots[i],
+                               block_table=batch.block_tables[i], positions=batch.positions[rows],
+                               index_k_owner=self._last_index_owner if self.args.emulate_index_k_alias else -1))
+        return out
+
+    # ---- the step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, caches, dump_hidden: bool = False) -> ModelOutput:
+        args = self.args
+        seqs = self.seq_steps(batch)
+        image_mask = None if batch.token_mask is None else ~batch.token_mask
+        hashes = None
+        if args.engram_layer_ids:
+            hashes = self.hasher(batch.input_ids, batch.cu_seqlens, batch.ngram_history, batch.token_mask)
+        h = self.embed(batch.input_ids).unsqueeze(1).repeat(1, args.hc_mult, 1)     # [T, hc, d]
+        pre = torch.zeros(h.shape[0], args.hc_mult, device=h.device)
+        pre[:, 0] = 1.0
+        taps, snaps, attn_outs = [], [], ([] if dump_hidden else None)
+        for i, layer in enumerate(self.layers):
+            if dump_hidden:
+                snaps.append(h.float())
+            if layer.engram is not None:
+                h = layer.engram(h, hashes[:, layer.engram.hash_index], batch.token_mask)
+            if i in args.dspark_target_layer_ids:
+                taps.append(h.mean(dim=1))
+            attn_fn = lambda xn, layer=layer: layer.attn(xn, seqs, caches, self.rope, batch.positions)  # noqa: E731
+            h, pre = layer(h, pre, attn_fn, image_mask, attn_outs)
+        if dump_hidden:
+            snaps.append(h.float())
+        li = batch.logits_indices
+        x = self.norm(Block.hc_pre(h[li], pre[li]))
+        return ModelOutput(
+            logits=self.logits(x),
+            main_hidden=torch.cat(taps, dim=-1) if taps else None,
+            hidden=torch.stack(snaps) if dump_hidden else None,
+            attn_out=torch.stack([a.float() for a in attn_outs]) if dump_hidden else None,
+            hash_ids=hashes if dump_hidden else None,
+        )

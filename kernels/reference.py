@@ -1,0 +1,169 @@
+"""Plain-torch references of the V4.1 kernels (DeepSeek-V4.1-Flash `inference/kernel.py` semantics).
+
+Every op here runs on any device and is the ground truth the fast paths are tested against:
+
+    act_quant_ref        FP8 e4m3 fake-quantization, blocks of 32, power-of-two (ue8m0) scales
+    fp4_quant_ref        FP4 e2m1 fake-quantization: block 16 with e4m3 scales (compressed KV),
+                         block 32 with power-of-two scales (indexer q / k)
+    dequant_fp8_ref      FP8 weight [N, K] + E8M0 scale per 32x32 block -> exact float values
+    dequant_fp4_ref      I8-packed e2m1 weight [N, K/2] + E8M0 scale per 32 along K -> exact values
+    e8m0_to_float        raw E8M0 bytes -> 2^(b - 127)
+    sparse_attn_ref      sink attention over gathered rows, online softmax in blocks of 64
+    hc_split_sinkhorn_ref  mHC pre / post / comb coefficients (Sinkhorn ending on a column pass)
+    rope_ref             rotary embedding on adjacent pairs (optionally inverse)
+    rope_freqs_ref       YaRN-blended rotary frequencies
+
+Fake-quantized values are returned in the input dtype; every quantized value x * 2^k with a 3-bit
+(e4m3) or 1-bit (e2m1) mantissa is exact in bf16, so nothing is lost by storing them as bf16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+_INV448 = 1.0 / 448.0
+_INV6 = 1.0 / 6.0
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2 t) for positive fp32 t, from the float bits (exponent + 1 when the mantissa is
+    non-zero): no log2/exp2 rounding can move a power of two to the next one."""
+    bits = t.float().contiguous().view(torch.int32)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (e << 23).view(torch.float32)
+
+
+def act_quant_ref(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP8 round trip along the last dim: s = 2^ceil(log2(max(amax, 1e-4) / 448)), e4m3(x / s) * s."""
+    g = x.float().unflatten(-1, (-1, block))
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) * torch.tensor(_INV448))
+    q = (g / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return (q * s).flatten(-2).to(x.dtype)
+
+
+def e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """Nearest e2m1 value (|v| <= 6), ties to the even code: grid steps 0.5 below 2, 1 below 4, else 2."""
+    a = v.abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, v)
+
+
+def fp4_quant_ref(x: torch.Tensor, block: int) -> torch.Tensor:
+    """FP4 round trip along the last dim. block 16: scale = e4m3(max(amax, 6*2^-9) / 6) (compressed
+    KV); block 32: scale = 2^ceil(log2(max(amax, 6*2^-126) / 6)) (indexer q and keys)."""
+    g = x.float().unflatten(-1, (-1, block))
+    amax = g.abs().amax(-1, keepdim=True)
+    if block == 16:
+        s = (amax.clamp_min(6 * 2**-9) / 6).to(torch.float8_e4m3fn).float()
+    else:
+        s = pow2_ceil(amax.clamp_min(6 * 2**-126) * torch.tensor(_INV6))
+    return (e2m1_round((g / s).clamp(-FP4_MAX, FP4_MAX)) * s).flatten(-2).to(x.dtype)
+
+
+def e8m0_to_float(raw: torch.Tensor) -> torch.Tensor:
+    """Raw E8M0 bytes (uint8 / int8 / float8_e8m0fnu storage) -> float32 2^(b - 127)."""
+    b = raw.view(torch.uint8).to(torch.int32)
+    return (b << 23).view(torch.float32)
+
+
+def dequant_fp8_ref(w: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """[N, K] e4m3 with one E8M0 scale per block x block tile -> float32 [N, K] (exact)."""
+    n, k = w.shape
+    s = e8m0_to_float(scale)
+    s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return w.view(torch.float8_e4m3fn).float() * s
+
+
+def dequant_fp4_ref(packed: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """[N, K/2] bytes of e2m1 pairs (element 2j in the low nibble) + E8M0 per 32 along K -> [N, K]."""
+    u = packed.view(torch.uint8)
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=u.device)
+    table = torch.cat([grid, -grid])
+    w = torch.stack([table[(u & 15).long()], table[(u >> 4).long()]], -1).flatten(-2)
+    return w * e8m0_to_float(scale).repeat_interleave(block, 1)
+
+
+def rope_freqs_ref(dim: int, num_pos: int, original_seq_len: int, base: float, factor: float,
+                   beta_fast: float, beta_slow: float, device=None) -> torch.Tensor:
+    """complex64 [num_pos, dim/2]. With original_seq_len > 0, YaRN: wavelengths beyond the training
+    context are divided by `factor`, with a linear ramp between the beta_fast and beta_slow dims.
+    No attention-scale (mscale) factor: V4.1 has none."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if original_seq_len > 0:
+        def corr(rot):
+            return dim * math.log(original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(corr(beta_fast)), 0)
+        high = min(math.ceil(corr(beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    angles = torch.outer(torch.arange(num_pos), freqs)
+    return torch.polar(torch.ones_like(angles), angles).to(device)
+
+
+def rope_ref(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last 2*cis.shape[-1] dims of x (adjacent pairs as complex numbers), out of place.
+    x: [T, ..., D]; cis: [T, rd/2] complex64 (one row per leading index)."""
+    rd = 2 * cis.shape[-1]
+    if inverse:
+        cis = cis.conj()
+    c = cis.view(cis.shape[0], *([1] * (x.dim() - 2)), cis.shape[-1])
+    z = torch.view_as_complex(x[..., -rd:].float().contiguous().unflatten(-1, (-1, 2)))
+    rot = torch.view_as_real(z * c).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-rd], rot], dim=-1)
+
+
+def hc_split_sinkhorn_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                          iters: int, eps: float):
+    """mixes [..., (2+hc)*hc] fp32 -> pre [..., hc], post [..., hc], comb [..., hc, hc].
+
+    comb: row softmax + eps, then a column normalization, then (iters - 1) x (row, column); so it
+    ends on a column normalization and its rows do not sum exactly to one."""
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = comb.softmax(-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idxs: torch.Tensor,
+                    scale: float, block: int = 64) -> torch.Tensor:
+    """Sink attention of each query over its own list of kv rows (K = V = the same latent).
+
+    q: [n, H, D] bf16; kv: [M, D] bf16; sink: [H] fp32; idxs: [n, L] int (-1 = nothing).
+    Mirrors the kernel's rounding points: scores in fp32, the list walked in blocks of `block`
+    with an online softmax; each block's probabilities exp(s - m_running) are rounded to bf16 for
+    the P.V product while the denominator sums them in fp32; the sink adds exp(sink - m) to the
+    denominator only. Returns [n, H, D] in q's dtype.
+    """
+    n, H, D = q.shape
+    L = idxs.shape[1]
+    if L == 0:
+        return torch.zeros_like(q)
+    pad = -L % block
+    if pad:
+        idxs = torch.nn.functional.pad(idxs, (0, pad), value=-1)
+    nb = idxs.shape[1] // block
+    valid = idxs >= 0                                                   # [n, Lp]
+    rows = kv[idxs.clamp_min(0).long()].float()                         # [n, Lp, D]
+    s = torch.einsum("nhd,nld->nhl", q.float(), rows) * scale          # [n, H, Lp]
+    s = s.masked_fill(~valid[:, None, :], -math.inf).view(n, H, nb, block)
+    m_blk = s.amax(-1).cummax(-1).values                                # running max after each block
+    m_safe = m_blk.clamp_min(-1e30)
+    p = torch.exp(s - m_safe[..., None])                                # [n, H, nb, block] fp32
+    m_fin = m_safe[..., -1:]                                            # [n, H, 1]
+    carry = torch.exp(m_safe - m_fin)                                   # rescale of each block's sums
+    den = (p.sum(-1) * carry).sum(-1) + torch.exp(sink.float()[None, :] - m_fin[..., 0])
+    pb = p.to(torch.bfloat16).float()
+    pv = torch.einsum("nhbl,nbld->nhbd", pb, rows.view(n, nb, block, D))
+    out = (pv * carry[..., None]).sum(2) / den[..., None]
+    return out.to(q.dtype)
