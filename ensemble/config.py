@@ -104,6 +104,18 @@ def build_runtime_repository(dest: Path, parameters: dict[str, dict[str, str]], 
     return dest
 
 
+def model_parameters(model_config: dict) -> dict[str, str]:
+    """config.pbtxt parameters from a Python-backend model config (args["model_config"] JSON)."""
+    return {k: v.get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
+
+
+def resolve_checkpoint(value: str) -> str:
+    """The `checkpoint` parameter, else $DEEPINFER_CHECKPOINT, else <repo>/checkpoints/tiny."""
+    if value:
+        return value
+    return os.environ.get("DEEPINFER_CHECKPOINT") or str(REPO_ROOT / "checkpoints" / "tiny")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repo", type=Path, default=DEFAULT_REPO)

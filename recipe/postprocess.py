@@ -136,3 +136,55 @@ def _stream_processor(ctx: RequestContext, tokenizer, options) -> dr.StreamProce
     if extras:
         gen = gen.with_namespace_tool_map(extras["tool_map"]).with_echo(extras["echo"])
     return dr.StreamProcessor(gen, conv.parsing_options, tokenizer)
+
+
+class Postprocessor:
+    """The ResponseStreams of the requests in flight, keyed by request key.
+
+    A stream is created from the context the engine echoes on its first response and dropped on the
+    last. A request whose engine stream ended in a Triton error never reaches the postprocess again,
+    so streams idle for `max_idle_s` are evicted.
+    """
+
+    def __init__(self, tokenizer_path: str, max_idle_s: float = 600.0):
+        self.tokenizer = dr.Tokenizer.from_file(str(tokenizer_path))
+        self.options = conversion_options()
+        self.max_idle_s = max_idle_s
+        self.streams: dict[str, tuple[ResponseStream, float]] = {}
+
+    def process(self, inputs: dict) -> tuple[dict, bool]:
+        """One engine response (postprocess inputs by contract name) -> (outputs, stop_engine)."""
+        key, context = inputs["request_key"], inputs.get("context") or ""
+        finish_reason = inputs.get("finish_reason") or None
+        if context:
+            ctx = RequestContext.from_json(context)
+            if ctx.error_status:
+                return _outputs([ctx.error_body], "", ctx.prompt_tokens, 0, "error", ctx.error_status), False
+            self.streams[key] = (ResponseStream(ctx, self.tokenizer, self.options), time.monotonic())
+        entry = self.streams.get(key)
+        if entry is None:   # evicted, or the stream already ended on a stop sequence
+            return _outputs([], "", inputs.get("num_input_tokens") or 0, inputs.get("num_output_tokens") or 0,
+                            finish_reason or "", 200), False
+        stream = entry[0]
+        lp = json.loads(inputs["logprobs"]) if inputs.get("logprobs") else None
+        if lp is not None:
+            lp = [(p, [tuple(a) for a in top]) for p, top in lp]
+        step = stream.push(list(inputs.get("output_ids") or []), lp, finish_reason)
+        if step.done:
+            stream.close()
+            self.streams.pop(key, None)
+        else:
+            self.streams[key] = (stream, time.monotonic())
+        self._evict_idle()
+        return _outputs(step.chunks, step.text, stream.ctx.prompt_tokens, step.num_output_tokens,
+                        step.finish_reason, 200), step.stopped
+
+    def _evict_idle(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, (_, t) in self.streams.items() if now - t > self.max_idle_s]:
+            self.streams.pop(key)[0].close()
+
+
+def _outputs(chunks, text, num_input_tokens, num_output_tokens, finish_reason, status) -> dict:
+    return {"response": chunks, "text_output": text, "num_input_tokens": num_input_tokens,
+            "num_output_tokens": num_output_tokens, "finish_reason": finish_reason, "status": status}

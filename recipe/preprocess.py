@@ -33,23 +33,20 @@ def conversion_options(model_names=MODEL_NAMES) -> dr.ConversionOptions:
 
 
 def _constraint(opts: dr.InferenceOptions, thinking: bool) -> dict | None:
-    """Recipe OutputConstraint -> deepinfer OutputConstraint kwargs.
+    """Recipe OutputConstraint -> deepinfer OutputConstraint kwargs (its `from_recipe` mapping).
 
-    NOTE: `tool_call` (tool_choice auto) is left unconstrained: the model may answer in text, and a
-    strict tool-call grammar would forbid that. `tool_call_required` has the prompt already inside
-    the `<｜DSML｜ calls>` block (thinking mode rejects it), so it never starts after `</think>`.
+    `tool_call` (tool_choice auto) allows text, then optionally one DSML calls block;
+    `tool_call_required` starts inside the `<｜DSML｜ calls>` block the prompt opened.
     """
     c = opts.output_constraint
-    if c is None or c.kind == "tool_call":
+    if c is None:
         return None
-    if c.kind == "json":
-        return {"kind": "json_schema" if c.schema else "json_object", "spec": c.schema,
-                "after_think": thinking}
-    if c.kind == "regex":
-        return {"kind": "regex", "spec": c.schema, "after_think": thinking}
-    if c.kind == "tool_call_required":
-        return {"kind": "tool_calls", "spec": c.schema, "after_think": False}
-    raise api_error("chat.completions", 400, f"unsupported output constraint {c.kind!r}")
+    kinds = {"json": "json_schema" if c.schema else "json_object", "regex": "regex",
+             "tool_call": "tool_calls", "tool_call_required": "tool_calls"}
+    if c.kind not in kinds:
+        raise api_error("chat.completions", 400, f"unsupported output constraint {c.kind!r}")
+    return {"kind": kinds[c.kind], "spec": c.schema, "after_think": thinking,
+            "tool_choice": "required" if c.kind == "tool_call_required" else "auto"}
 
 
 def sampling_kwargs(opts: dr.InferenceOptions, max_tokens: int, thinking: bool) -> dict:
@@ -152,3 +149,25 @@ def _rejected(ctx: RequestContext, err: RecipeError) -> PreparedRequest:
 def _new_id(api: str) -> str:
     prefix = {"chat.completions": "chatcmpl-", "responses": "resp_", "messages": "msg_"}.get(api, "cmpl-")
     return prefix + uuid.uuid4().hex
+
+
+def prepare_inputs(pre: Preprocessor, inputs: dict) -> PreparedRequest:
+    """Dispatch on the preprocess inputs (contract names, plain Python values, None when absent)."""
+    if inputs.get("request") is not None:
+        return pre.prepare(inputs.get("api") or "chat.completions", inputs["request"])
+    if inputs.get("text_input") is None:
+        ctx = RequestContext(api="chat.completions", response_id=_new_id("chat.completions"))
+        return _rejected(ctx, api_error(ctx.api, 400, "either `request` (with `api`) or `text_input` is required"))
+    stop_words = inputs.get("stop_words")
+    return pre.prepare_text(inputs["text_input"], max_tokens=inputs.get("max_tokens"),
+                            stream=bool(inputs.get("stream")), temperature=inputs.get("temperature"),
+                            top_p=inputs.get("top_p"), top_k=inputs.get("top_k"), seed=inputs.get("seed"),
+                            stop_words=[stop_words] if isinstance(stop_words, str) else stop_words,
+                            exclude_input_in_output=inputs.get("exclude_input_in_output") is not False)
+
+
+def preprocess_outputs(prepared: PreparedRequest) -> dict:
+    """The preprocess outputs by contract name."""
+    return {"input_ids": prepared.prompt_token_ids, "sampling": json.dumps(prepared.sampling),
+            "streaming": prepared.stream, "context": prepared.context.to_json(),
+            "request_key": prepared.request_key}

@@ -1,0 +1,195 @@
+"""Drives the async engine from the decoupled `deepinfer` Triton model (vllm_backend's pattern).
+
+    execute(requests) -> driver.submit(EngineRequest, sender)          returns at once
+    engine thread:       callback(delta) -> event queue                 (never waits on IPC)
+    response thread:     event queue -> format -> sender.send(...)      (+ is_cancelled polling)
+
+One response per engine step per streaming request (the new token ids), one response for a
+non-streaming one, and FINAL always: after the last delta, an error, a cancel or a stop. The engine is
+duck-typed (deepinfer.AsyncEngine: `add_request(request_id, prompt_token_ids, sampling_params,
+callback)` raising ValueError on bad input, `abort(request_id)` raising KeyError when not in flight,
+deltas with `new_token_ids, finish_reason, num_prompt_tokens, num_output_tokens, new_logprobs,
+error`), so this module imports neither Triton nor deepinfer.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+
+@dataclass
+class EngineRequest:
+    request_key: str
+    input_ids: list[int] = field(default_factory=list)
+    sampling: dict = field(default_factory=dict)
+    streaming: bool = False
+    context: str = ""
+    stop: bool = False
+
+    @classmethod
+    def from_inputs(cls, inputs: dict) -> "EngineRequest":
+        """From the engine model's inputs by contract name (None = absent)."""
+        return cls(request_key=inputs["request_key"] or "", input_ids=list(inputs.get("input_ids") or []),
+                   sampling=json.loads(inputs.get("sampling") or "{}"), streaming=bool(inputs.get("streaming")),
+                   context=inputs.get("context") or "", stop=bool(inputs.get("stop")))
+
+
+class Sender(Protocol):
+    def send(self, outputs: dict | None, final: bool) -> None: ...        # outputs by contract name
+    def send_error(self, message: str, code: str) -> None: ...            # error response + FINAL
+    def is_cancelled(self) -> bool: ...
+
+
+class Observer(Protocol):
+    def observe_ttft(self, seconds: float) -> None: ...
+    def observe_itl(self, seconds: float) -> None: ...
+
+
+@dataclass
+class _Active:
+    """Per-request state of one engine request (touched by the response thread only)."""
+    req: EngineRequest
+    sender: Sender
+    start: float = field(default_factory=time.monotonic)
+    last: float = 0.0
+    context_sent: bool = False
+    done: bool = False
+    stopped: bool = False
+    token_ids: list[int] = field(default_factory=list)     # non-streaming: accumulated
+    logprobs: list[Any] = field(default_factory=list)
+
+    def outputs(self, ids, logprobs, finish_reason, num_prompt, num_output) -> dict:
+        context = "" if self.context_sent else self.req.context
+        self.context_sent = True
+        return {"output_ids": ids, "logprobs": _logprobs_json(logprobs), "finish_reason": finish_reason or "",
+                "num_input_tokens": num_prompt, "num_output_tokens": num_output,
+                "context": context, "request_key": self.req.request_key}
+
+
+class EngineDriver:
+    def __init__(self, engine, make_sampling_params: Callable[[dict], Any], observer: Observer | None = None):
+        self.engine = engine
+        self.make_sampling_params = make_sampling_params
+        self.observer = observer
+        self.active: dict[str, _Active] = {}
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._drain, name="deepinfer-responses", daemon=True)
+        self._thread.start()
+
+    # -- called from execute() ----------------------------------------------------------------
+    def submit(self, req: EngineRequest, sender: Sender) -> None:
+        if req.stop:
+            self.stop(req.request_key)
+            sender.send(None, True)
+            return
+        state = _Active(req, sender)
+        if not req.input_ids:   # rejected by the preprocess: answer at once (the context has the error)
+            sender.send(state.outputs([], None, "error", 0, 0), True)
+            return
+        try:
+            params = self.make_sampling_params(req.sampling)
+            if req.request_key in self.active:
+                raise ValueError(f"request key {req.request_key!r} is already running")
+            self.active[req.request_key] = state
+            self.engine.add_request(req.request_key, req.input_ids, params,
+                                    lambda delta: self._events.put((state, delta)))
+        except (TypeError, ValueError) as e:
+            if self.active.get(req.request_key) is state:
+                del self.active[req.request_key]
+            sender.send_error(str(e), "INVALID_ARG")
+
+    def stop(self, request_key: str) -> None:
+        """The explicit stop input (a gateway, or the postprocess on a matched stop sequence)."""
+        state = self.active.get(request_key)
+        if state is not None:
+            state.stopped = True
+            self._abort(request_key)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for key in list(self.active):
+            self.stop(key)
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._events.put(None)
+        self._thread.join(timeout)
+
+    # -- on the response thread -----------------------------------------------------------------
+    def _drain(self) -> None:
+        while (item := self._events.get()) is not None:
+            state, delta = item
+            if state.done:
+                continue
+            try:
+                self._handle(state, delta)
+            except Exception as e:  # noqa: BLE001 - a dead client must not stop the other streams
+                self._finish(state)
+                try:
+                    state.sender.send_error(f"{type(e).__name__}: {e}", "INTERNAL")
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def _handle(self, state: _Active, delta) -> None:
+        finished = delta.finish_reason is not None
+        self._observe(state, delta)
+        if not finished and not state.stopped and state.sender.is_cancelled():
+            self._abort(state.req.request_key)
+            self._finish(state)
+            state.sender.send_error("request was cancelled", "CANCELLED")
+            return
+        if delta.finish_reason == "error":
+            self._finish(state)
+            state.sender.send_error(delta.error or "engine error", "INTERNAL")
+            return
+        new_lp = list(delta.new_logprobs) if delta.new_logprobs else []
+        if finished:
+            self._finish(state)
+        if state.req.streaming:
+            if delta.new_token_ids or finished:
+                state.sender.send(state.outputs(list(delta.new_token_ids), new_lp, delta.finish_reason,
+                                                delta.num_prompt_tokens, delta.num_output_tokens), finished)
+            return
+        state.token_ids += list(delta.new_token_ids)
+        state.logprobs += new_lp
+        if finished:
+            state.sender.send(state.outputs(state.token_ids, state.logprobs, delta.finish_reason,
+                                            delta.num_prompt_tokens, delta.num_output_tokens), True)
+
+    def _finish(self, state: _Active) -> None:
+        state.done = True
+        if self.active.get(state.req.request_key) is state:
+            del self.active[state.req.request_key]
+
+    def _observe(self, state: _Active, delta) -> None:
+        if self.observer is None or not delta.new_token_ids:
+            return
+        now = time.monotonic()
+        if state.last == 0.0:
+            self.observer.observe_ttft(now - state.start)
+        else:
+            self.observer.observe_itl((now - state.last) / len(delta.new_token_ids))
+        state.last = now
+
+    def _abort(self, request_key: str) -> None:
+        try:
+            self.engine.abort(request_key)
+        except KeyError:   # already finished
+            pass
+
+
+def _logprobs_json(entries: list) -> str:
+    """[(logprob, [(id, logprob), ...]), ...] as JSON; "" when logprobs are off."""
+    if not entries:
+        return ""
+    out = []
+    for e in entries:
+        if isinstance(e, dict):
+            e = (e.get("logprob"), e.get("top_logprobs") or e.get("top") or [])
+        lp, top = e[0], e[1] if len(e) > 1 else []
+        out.append([float(lp), [[int(i), float(p)] for i, p in (top.items() if isinstance(top, dict) else top)]])
+    return json.dumps(out)

@@ -1,0 +1,78 @@
+"""Engine statistics as Triton custom metrics (pb_utils.MetricFamily), served on the metrics port.
+
+Counters and gauges are copied from the engine's stats snapshot (deepinfer/stats.py) by a poll
+thread; TTFT and inter-token latency are observed by the engine driver as responses leave the
+engine. pb_utils is passed in, so this module does not import Triton.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+TTFT_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0]
+COUNTERS = {"prompt_tokens_total": "Prompt tokens of admitted requests",
+            "generation_tokens_total": "Generated tokens delivered",
+            "preemptions_total": "Requests preempted to free cache"}
+GAUGES = {"num_requests_running": "Requests in the running batch",
+          "num_requests_waiting": "Requests waiting to be scheduled",
+          "cache_usage": "Fraction of KV cache blocks in use"}
+
+
+class TritonMetrics:
+    def __init__(self, pb_utils, labels: dict, snapshot: Callable[[], dict], period_s: float = 1.0):
+        self.snapshot = snapshot
+        self.period_s = period_s
+        mf = pb_utils.MetricFamily
+        self._families = []
+
+        def family(name, doc, kind):
+            f = mf(name=f"deepinfer_{name}", description=doc, kind=kind)
+            self._families.append(f)
+            return f
+
+        self.counters = {k: family(k, d, mf.COUNTER).Metric(labels=labels) for k, d in COUNTERS.items()}
+        self.gauges = {k: family(k, d, mf.GAUGE).Metric(labels=labels) for k, d in GAUGES.items()}
+        hist = getattr(mf, "HISTOGRAM", None)
+        self.ttft = self.itl = None
+        if hist is not None:   # python_backend 24.09+
+            self.ttft = family("time_to_first_token_seconds", "Time to first token", hist).Metric(
+                labels=labels, buckets=TTFT_BUCKETS)
+            self.itl = family("inter_token_latency_seconds", "Inter-token latency", hist).Metric(
+                labels=labels, buckets=ITL_BUCKETS)
+        self._last = {k: 0 for k in COUNTERS}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="deepinfer-metrics", daemon=True)
+        self._thread.start()
+
+    def observe_ttft(self, seconds: float) -> None:
+        if self.ttft is not None:
+            self.ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        if self.itl is not None:
+            self.itl.observe(seconds)
+
+    def update(self) -> None:
+        snap = self.snapshot()
+        for k, metric in self.counters.items():
+            value = snap["counters"].get(k, 0)
+            if value > self._last[k]:
+                metric.increment(value - self._last[k])
+                self._last[k] = value
+        for k, metric in self.gauges.items():
+            metric.set(float(snap["gauges"].get(k, 0)))
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.update()
+            except Exception:  # noqa: BLE001 - metrics must never take the model down
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2 * self.period_s)
+        self.counters = self.gauges = {}
+        self.ttft = self.itl = None
