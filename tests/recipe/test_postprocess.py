@@ -1,0 +1,124 @@
+"""Postprocess: engine token ids -> chunks that parse and accumulate with the recipe's own response
+classes; usage equals the engine's token count; stop sequences; the text API; the stream registry."""
+
+from __future__ import annotations
+
+import json
+
+import deepseek_recipe as dr
+import pytest
+
+from deepinfer.recipe import Postprocessor, ResponseStream
+from tests.recipe.conftest import TOOL, chat, messages, responses
+
+ANSWER = ('Let me think.</think>I will check.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+          '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+RESPONSE_CLASSES = {"chat.completions": dr.ChatCompletionResponse, "responses": dr.ResponsesResponse,
+                    "messages": dr.MessagesResponse}
+CHUNK_CLASSES = {"chat.completions": "choices", "responses": "type", "messages": "type"}
+BODIES = {"chat.completions": lambda **kw: chat(tools=[TOOL], **kw),
+          "responses": lambda **kw: responses(tools=[{"type": "function", **TOOL["function"]}], **kw),
+          "messages": lambda **kw: messages(tools=[{"name": "get_weather", "description": "Get the weather.",
+                                                    "input_schema": TOOL["function"]["parameters"]}], **kw)}
+
+
+def answer_ids(pre) -> list[int]:
+    return pre.tokenizer.encode(ANSWER) + [1]   # + EOS, as the engine emits it
+
+
+def run(pre, api, stream, step=1):
+    p = pre.prepare(api, json.dumps(BODIES[api](stream=stream)))
+    s = ResponseStream(p.context, pre.tokenizer)
+    ids, outs = answer_ids(pre), []
+    for i in range(0, len(ids), step):
+        last = i + step >= len(ids)
+        outs.append(s.push(ids[i:i + step], None, "stop" if last else None))
+    return p, ids, outs
+
+
+@pytest.mark.parametrize("api", list(BODIES))
+def test_streamed_equals_complete_and_usage_is_engine_count(pre, api):
+    p, ids, outs = run(pre, api, stream=True)
+    assert outs[-1].done and not any(o.done for o in outs[:-1])
+    chunks = [c for o in outs for c in o.chunks]
+    for c in chunks:
+        json.loads(c)
+    _, _, whole = run(pre, api, stream=False, step=len(ids))
+    complete = json.loads(whole[-1].chunks[0])
+    usage = complete["usage"]
+    n_out = usage.get("completion_tokens", usage.get("output_tokens"))
+    assert n_out == len(ids) == outs[-1].num_output_tokens
+    text = json.dumps(complete)
+    assert "Paris" in text and "get_weather" in text and "Let me think." in text
+    assert "end▁of▁sentence" not in text
+
+
+def test_chat_stream_chunks_accumulate(pre):
+    p, ids, outs = run(pre, "chat.completions", stream=True, step=3)
+    chunks = [json.loads(c) for o in outs for c in o.chunks]
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks)
+    assert reasoning == "Let me think."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(tc["function"]["arguments"] for tc in calls)) == {"city": "Paris"}
+    assert "".join(o.text for o in outs) == "I will check."
+
+
+def test_stop_sequence_ends_the_answer_and_asks_to_stop_the_engine(pre):
+    body = chat(thinking={"type": "disabled"}, stop=["STOP"], stream=True)
+    p = pre.prepare("chat.completions", json.dumps(body))
+    s = ResponseStream(p.context, pre.tokenizer)
+    ids = pre.tokenizer.encode("Hello STOP and more text")
+    outs = [s.push([t]) for t in ids]
+    stopped = [i for i, o in enumerate(outs) if o.stopped]
+    assert len(stopped) == 1 and outs[stopped[0]].done and outs[stopped[0]].finish_reason == "stop"
+    assert "".join(o.text for o in outs).strip() == "Hello"
+    assert s.push([5], None, "length").chunks == []      # the engine's late tokens are dropped
+
+
+def test_text_api_decodes_incrementally(pre):
+    from deepinfer.recipe import prepare_inputs
+    p = prepare_inputs(pre, {"text_input": "Hi", "stream": True, "exclude_input_in_output": False,
+                             "stop_words": ["zz"]})
+    s = ResponseStream(p.context, pre.tokenizer)
+    ids = pre.tokenizer.encode("Grüße 🦀 yes")
+    outs = [s.push([t]) for t in ids] + [s.push([1], None, "stop")]
+    assert "".join(o.text for o in outs) == "HiGrüße 🦀 yes"
+    assert all(o.chunks == [] for o in outs) and outs[-1].num_output_tokens == len(ids) + 1
+
+
+def test_postprocessor_registry(pre, tokenizer_path):
+    post = Postprocessor(tokenizer_path)
+    p = pre.prepare("messages", json.dumps(messages(stream=True)))
+    ids = pre.tokenizer.encode("Hi there") + [1]
+    out0, stop = post.process({"request_key": "k", "context": p.context.to_json(), "output_ids": ids[:1],
+                               "logprobs": "", "finish_reason": "", "num_input_tokens": 1, "num_output_tokens": 1})
+    assert not stop and "k" in post.streams and out0["status"] == 200
+    assert json.loads(out0["response"][0])["type"] == "message_start"
+    out1, _ = post.process({"request_key": "k", "context": "", "output_ids": ids[1:], "logprobs": "",
+                            "finish_reason": "stop", "num_input_tokens": 1, "num_output_tokens": len(ids)})
+    assert "k" not in post.streams and out1["finish_reason"] == "stop"
+    assert json.loads(out1["response"][-1])["type"] == "message_stop"
+    events = [json.loads(c) for c in out0["response"] + out1["response"]]
+    usage = [e for e in events if e["type"] == "message_delta"][0]["usage"]
+    assert usage["output_tokens"] == len(ids)
+
+
+def test_postprocessor_rejection(pre, tokenizer_path):
+    post = Postprocessor(tokenizer_path)
+    p = pre.prepare("messages", "{oops")
+    out, stop = post.process({"request_key": "k", "context": p.context.to_json(), "output_ids": [],
+                              "logprobs": "", "finish_reason": "error"})
+    assert out["status"] == 400 and json.loads(out["response"][0])["type"] == "error" and not post.streams
+
+
+def test_logprobs_reach_the_chunks(pre):
+    body = chat(thinking={"type": "disabled"}, logprobs=True, top_logprobs=1, stream=True)
+    p = pre.prepare("chat.completions", json.dumps(body))
+    s = ResponseStream(p.context, pre.tokenizer)
+    ids = pre.tokenizer.encode("Hello")
+    out = s.push(ids, [(-0.5, [(ids[0], -0.5)])] * len(ids), "stop")
+    lp = [json.loads(c)["choices"][0]["logprobs"] for c in out.chunks]
+    assert any(x and x.get("content") for x in lp)
