@@ -8,6 +8,16 @@ serving side needs besides AsyncEngine (which runs an Engine on a background thr
 
 Not thread-safe: one thread drives it (AsyncEngine's loop, LLM.generate, a test).
 A fault inside a step fails the requests of that step (finish_reason "error"), not the engine.
+
+Async scheduling (default on CUDA): step() launches step N+1 before it finishes step N, so the
+CPU schedules and builds N+1 while the device runs N:
+
+    CPU:    schedule N+1 | build N+1 | launch N+1 | wait N, update N | schedule N+2 | ...
+    device: ......... step N ............. | ......... step N+1 ......... |
+    
+A request that stops at step N has one wasted token in N+1 (dropped). On CPU there is nothing
+to overlap (torch CPU ops are synchronous), so the plain step is used.
+Draft verification needs the accepted count before the next step: not combined with async yet.
 """
 
 from __future__ import annotations
@@ -42,7 +52,8 @@ class Engine:
     def _init_model(self) -> None:
         from deepinfer.worker.loading import load_model
         self.device = self.args.resolved_device()
-        self.model, self.model_args = load_model(self.args.checkpoint, self.device, self.args.dtype)
+        self.model, self.model_args = load_model(self.args.checkpoint, self.device, self.args.dtype,
+                                                   self.args.model_overrides)
         cfg = _read_hf_config(self.args.checkpoint)
         self.eos_token_id = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
         tc = cfg.get("text_config", {})
@@ -73,6 +84,9 @@ class Engine:
         self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks)
 
     def _init_runner(self) -> None:
+        a = self.args
+        self.async_scheduling = a.async_scheduling if a.async_scheduling is not None else self.device.startswith("cuda")
+        self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
         from deepinfer.worker.model_runner import ModelRunner
         self.runner = ModelRunner(self.model, self.caches, self.device, self.args.max_num_seqs,
                                   self.max_model_len, self.args.block_tokens,
@@ -121,16 +135,36 @@ class Engine:
         return self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)[0]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_pipelined()
         sched_out = self.scheduler.schedule()
         try:
             runner_out = self.runner.execute(sched_out)
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
             return self._fail_step(sched_out, e)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        self._update_gauges()
+        return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Launch the next step, then finish the one in flight (its outputs are returned)."""
+        outputs, launched = [], None
+        sched_out = self.scheduler.schedule()
+        try:
+            launched = self.runner.launch(sched_out)
+        except Exception as e:  # noqa: BLE001
+            outputs += self._fail_step(sched_out, e)
+        if self._in_flight is not None:
+            prev_out, prev = self._in_flight
+            try:
+                outputs += self.scheduler.update_from_output(prev_out, self.runner.resolve(prev))
+            except Exception as e:  # noqa: BLE001
+                outputs += self._fail_step(prev_out, e)
+        self._in_flight = (sched_out, launched) if launched is not None else None
         self._update_gauges()
         return outputs
 

@@ -15,11 +15,11 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
 
 
-def load_model(checkpoint: str, device: str, dtype: str):
+def load_model(checkpoint: str, device: str, dtype: str, overrides: dict | None = None):
     """(Transformer, ModelArgs) from a release-format checkpoint folder."""
     from deepinfer.model.loader import load_model as _load
     torch_dtype(dtype)  # validate early
-    model = _load(checkpoint, device=device, progress=False)
+    model = _load(checkpoint, device=device, progress=False, **(overrides or {}))
     return model, model.args
 
 
