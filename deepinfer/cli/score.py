@@ -28,9 +28,12 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-dspark", action="store_true", help="skip the DSpark drafts")
-    p.add_argument("--emulate-index-k-alias", action="store_true",
-                   help="reproduce the reference's decode-time index-key aliasing (see ModelArgs)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--index-k-alias", choices=("auto", "on", "off"), default="auto",
+                   help="reproduce the official reference's decode-time index-key aliasing "
+                        "(ModelArgs.emulate_index_k_alias). auto: on when --teacher-force's file was "
+                        "produced by DeepSeek's reference code (its meta names it), else off")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: tiny models gain nothing from more; 0 = torch default)")
     return p.parse_args(argv)
 
 
@@ -51,7 +54,7 @@ def score_prompt(model, ids: list[int], steps: int, forced: dict | None, dump_hi
     if out.hash_ids is not None:
         res["engram_hash_ids"] = out.hash_ids.cpu().numpy()
     if dump_hidden:
-        res["hidden"] = out.hidden.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3).cpu().numpy()
+        res["hidden"] = out.hidden.cpu().numpy()
         res["attn_out"] = out.attn_out.cpu().numpy()
     use_dspark = dspark and model.args.dspark_block_size and out.main_hidden is not None
     if use_dspark:
@@ -89,18 +92,18 @@ def main(argv=None) -> int:
     from deepinfer.model.loader import CheckpointError, load_model
 
     t0 = time.time()
+    forced_npz = np.load(a.teacher_force) if a.teacher_force else None
+    forced_meta = json.loads(str(forced_npz["meta_json"])) if forced_npz is not None and "meta_json" in forced_npz else {}
+    alias = a.index_k_alias == "on" or (a.index_k_alias == "auto" and "reference" in forced_meta)
     try:
-        model = load_model(a.checkpoint, a.device, progress=sys.stderr.isatty(),
-                           emulate_index_k_alias=a.emulate_index_k_alias)
+        model = load_model(a.checkpoint, a.device, progress=sys.stderr.isatty(), emulate_index_k_alias=alias)
     except (CheckpointError, ConfigError) as e:
         print(f"deepinfer-score: {e}", file=sys.stderr)
         return 2
     prompts = load_prompts(a.prompts)
-    forced_npz = np.load(a.teacher_force) if a.teacher_force else None
     draft_steps = [0, a.decode_steps - 1] if a.decode_steps > 0 else []
-    if forced_npz is not None and "meta_json" in forced_npz:
-        meta = json.loads(str(forced_npz["meta_json"]))
-        draft_steps = [s for s in meta.get("draft_logit_steps", draft_steps) if s < a.decode_steps] or draft_steps
+    if "draft_logit_steps" in forced_meta:
+        draft_steps = [s for s in forced_meta["draft_logit_steps"] if s < a.decode_steps] or draft_steps
     out = {}
     for i, ids in enumerate(prompts):
         forced = None
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
         out.update({f"p{i}_{k}": v for k, v in res.items()})
     meta = {"format": "dsv41-parity-candidate/1", "engine": "deepinfer", "teacher_forced": forced_npz is not None,
             "decode_steps": a.decode_steps, "draft_logit_steps": draft_steps, "device": a.device,
-            "emulate_index_k_alias": a.emulate_index_k_alias, "seconds": round(time.time() - t0, 2)}
+            "emulate_index_k_alias": alias, "seconds": round(time.time() - t0, 2)}
     out["meta_json"] = np.array(json.dumps(meta))
     np.savez(a.out, **out)
     print(f"deepinfer-score: {len(prompts)} prompts, {a.decode_steps} decode steps -> {a.out} "
