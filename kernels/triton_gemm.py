@@ -1,0 +1,192 @@
+"""Triton FP8 GEMMs with the release's 32-wide scale blocks (exact against the reference Linear).
+
+    fp8_gemm(a, sa, b, sb)                 D[M, N] = sum_kb (A_kb . B_kb^T) * sa[m, kb] * sb[n/R, kb]
+    fp8_grouped_gemm_masked(a, sa, b, sb, masked_m)   the same per group g over rows < masked_m[g]
+                                           (DeepGEMM's masked layout: a [G, Mmax, K], d [G, Mmax, N])
+    fp8_linear(x, w, w_scale)              act_quant to FP8 (per 32, pow2) + fp8_gemm, bf16 out
+    fp4_to_fp8_weight(packed, scale)       MXFP4 expert weight -> e4m3 [N, K] + per-(row, 32) scale:
+                                           exact (every e2m1 value is an e4m3 value)
+
+Why not DeepGEMM directly: its SM90 FP8 kernels promote the accumulator once per 128 K with one
+activation scale per (row, 128) and one weight scale per 128x128 tile (`BLOCK_K == 128`,
+"Only support per-128-channel FP8 scaling"). Our activations carry a scale per 32 and our
+weights one per 32x32 tile, so the reference numbers need a promotion every 32 K. Here every
+32-wide K step is one tensor-core dot (fp32 out) scaled by sa*sb (powers of two: exact) and added
+in fp32: the same products and the same per-32 rounding points as the reference's FP8 GEMM.
+
+Config: small M (decode) swaps A and B so N fills the MMA's 64/128-row side; split-K over a
+fixed fp32 workspace (summed in a fixed order) fills the SMs. With batch_invariant=True the tile
+shape and split count depend only on (N, K), never on M, so a row's result is the same at any
+batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import e8m0_to_float
+
+NUM_SMS_DEFAULT = 132
+
+
+@triton.jit
+def fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
+                    M, N, K, SPLIT_K,
+                    BM: tl.constexpr, BN: tl.constexpr, SB_ROWS: tl.constexpr,
+                    SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
+    """a [G, M, K] e4m3, sa [G, M, K/32] f32, b [G, N, K] e4m3, sb [G, N/SB_ROWS, K/32] f32.
+    Grid (N/BN, M/BM, G*SPLIT_K). OUT_F32: c is the split-K workspace [SPLIT_K, G, M, N] f32,
+    else c is [G, M, N] bf16. GROUPED: rows >= mm[g] are skipped (masked layout)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_z = tl.program_id(2)
+    g = pid_z // SPLIT_K
+    split = pid_z % SPLIT_K
+    m_lim = M
+    if GROUPED:
+        m_lim = tl.load(mm_ptr + g)
+    if pid_m * BM >= m_lim:
+        return
+    nkb = K // 32
+    per = tl.cdiv(nkb, SPLIT_K)
+    kb0 = split * per
+    kb1 = tl.minimum(kb0 + per, nkb)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, 32)
+    g64 = g.to(tl.int64)
+    m_ok = rm < m_lim
+    n_ok = rn < N
+    a_ptrs = a_ptr + g64 * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+    b_ptrs = b_ptr + g64 * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
+    sa_ptrs = sa_ptr + g64 * M * nkb + rm.to(tl.int64) * nkb
+    sb_ptrs = sb_ptr + g64 * (N // SB_ROWS) * nkb + (rn // SB_ROWS).to(tl.int64) * nkb
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
+        a = tl.load(a_ptrs + kb * 32, mask=m_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs + kb * 32, mask=n_ok[:, None], other=0.0)
+        sa = tl.load(sa_ptrs + kb, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptrs + kb, mask=n_ok, other=0.0)
+        if SWAP:
+            acc += tl.dot(b, tl.trans(a)) * (sb[:, None] * sa[None, :])
+        else:
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    if OUT_F32:
+        c_base = c_ptr + (split.to(tl.int64) * tl.num_programs(2) // SPLIT_K + g64) * M * N
+    else:
+        c_base = c_ptr + g64 * M * N
+    if SWAP:
+        c_ptrs = c_base + rm[None, :].to(tl.int64) * N + rn[:, None]
+        mask = n_ok[:, None] & m_ok[None, :]
+    else:
+        c_ptrs = c_base + rm[:, None].to(tl.int64) * N + rn[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+    if OUT_F32:
+        tl.store(c_ptrs, acc, mask=mask)
+    else:
+        tl.store(c_ptrs, acc.to(tl.bfloat16), mask=mask)
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return NUM_SMS_DEFAULT
+
+
+def gemm_config(m: int, n: int, k: int, groups: int, device, batch_invariant: bool = False) -> dict:
+    """Tile shape and split-K. Decode-sized M swaps A/B; split-K only where the (N, G) grid alone
+    leaves SMs idle. batch_invariant: the choice ignores m entirely."""
+    nkb = k // 32
+    if batch_invariant:
+        swap, bm, bn = False, 64, 128
+    elif m <= 64:
+        swap, bm, bn = True, max(16, triton.next_power_of_2(m)), 128 if n >= 4096 else 64
+    else:
+        swap, bm, bn = False, 128 if m >= 256 else 64, 128
+    tiles = triton.cdiv(n, bn) * groups
+    split = 1
+    if (m <= 64 or batch_invariant) and tiles < 2 * _num_sms(device):
+        split = max(1, min(2 * _num_sms(device) // tiles, nkb // 8, 16))
+    return dict(BM=bm, BN=bn, SWAP=swap, SPLIT_K=split, NUM_STAGES=4 if swap else 3,
+                num_warps=4 if (swap or bm == 64) else 8)
+
+
+def _launch(a, sa, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None):
+    dev = a.device
+    split = cfg["SPLIT_K"]
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), groups * split)
+    mm = masked_m if masked_m is not None else sa
+    kw = dict(BM=cfg["BM"], BN=cfg["BN"], SB_ROWS=sb_rows, SWAP=cfg["SWAP"], GROUPED=masked_m is not None,
+              NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"])
+    if split == 1:
+        c = out if out is not None else torch.empty(groups, m, n, dtype=torch.bfloat16, device=dev)
+        fp8_gemm_kernel[grid](a, sa, b, sb, c, mm, m, n, k, 1, OUT_F32=False, **kw)
+        return c
+    ws = torch.zeros(split, groups, m, n, dtype=torch.float32, device=dev) if masked_m is not None else \
+        torch.empty(split, groups, m, n, dtype=torch.float32, device=dev)
+    fp8_gemm_kernel[grid](a, sa, b, sb, ws, mm, m, n, k, split, OUT_F32=True, **kw)
+    c = ws.sum(0).to(torch.bfloat16)
+    if out is not None:
+        out.copy_(c)
+        return out
+    return c
+
+
+def fp8_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+             batch_invariant: bool = False) -> torch.Tensor:
+    """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [N/32, K/32] (32x32 tiles) or [N, K/32]
+    (per row) f32 -> [M, N] bf16."""
+    m, k = a.shape
+    n = b.shape[0]
+    assert k % 32 == 0 and b.shape[1] == k and sa.shape == (m, k // 32)
+    sb_rows = n // sb.shape[0]
+    assert sb_rows in (1, 32) and sb.shape[1] == k // 32 and n % sb_rows == 0
+    if m == 0:
+        return torch.empty(0, n, dtype=torch.bfloat16, device=a.device)
+    cfg = gemm_config(m, n, k, 1, a.device, batch_invariant)
+    return _launch(a, sa.contiguous(), b, sb.contiguous(), None, m, n, k, 1, sb_rows, cfg)[0]
+
+
+def fp8_grouped_gemm_masked(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                            masked_m: torch.Tensor, expected_m: int, out: torch.Tensor | None = None,
+                            batch_invariant: bool = False) -> torch.Tensor:
+    """a [G, Mmax, K] e4m3, sa [G, Mmax, K/32], b [G, N, K] e4m3, sb [G, N/R, K/32], masked_m [G]
+    int32 -> d [G, Mmax, N] bf16 (rows >= masked_m[g] left unwritten, as in DeepGEMM)."""
+    groups, mmax, k = a.shape
+    n = b.shape[1]
+    sb_rows = n // sb.shape[1]
+    assert sb_rows in (1, 32) and sa.shape == (groups, mmax, k // 32)
+    cfg = gemm_config(expected_m, n, k, groups, a.device, batch_invariant)
+    if expected_m > 64 and not batch_invariant:
+        cfg = gemm_config(expected_m, n, k, groups, a.device)
+    if cfg["SWAP"] and cfg["BM"] < triton.next_power_of_2(max(1, expected_m)):
+        cfg["BM"] = triton.next_power_of_2(expected_m)
+    return _launch(a, sa.contiguous(), b, sb.contiguous(), masked_m.to(torch.int32), mmax, n, k, groups, sb_rows,
+                   cfg, out)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """x [..., K] bf16, w [N, K] e4m3, w_scale [N/32, K/32] f32 (or raw E8M0) -> [..., N] bf16: the
+    reference Linear for FP8 weights (act_quant per 32, fp32-accumulated product)."""
+    from .triton_quant import act_quant_fp8
+    if w_scale.dtype != torch.float32:
+        w_scale = e8m0_to_float(w_scale)
+    q, s = act_quant_fp8(x)
+    y = fp8_gemm(q, s, w, w_scale, batch_invariant)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def fp4_to_fp8_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K/2] e2m1 pairs (element 2j in the low nibble) + E8M0 [N, K/32] -> (e4m3 [N, K], f32
+    [N, K/32]). Exact: the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} is a subset of e4m3."""
+    u = packed.view(torch.uint8)
+    grid = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), device=u.device)
+    table = torch.cat([grid, -grid]).to(torch.float8_e4m3fn)
+    w = torch.stack([table[(u & 15).long()], table[(u >> 4).long()]], -1).flatten(-2)
+    return w.contiguous(), e8m0_to_float(scale).contiguous()

@@ -1,0 +1,158 @@
+"""Triton sparse sink attention (reference: kernels/reference.py `sparse_attn_ref`).
+
+    sparse_attn(q [n, H, D] bf16, kv [M, D] bf16, sink [H] f32, idxs [n, L] int, scale) -> [n, H, D]
+
+Each query attends to its own list of kv rows (K = V = the same latent, MQA over H heads; -1 =
+nothing). Dataflow per program (one query, BH heads, one split of the list): walk the list in
+blocks of 64 rows (the reference's block), gather the rows, S = q.K^T * scale in fp32, online
+softmax with the running max, P = exp(S - m) rounded to bf16 for P.V while the denominator sums P
+in fp32. The sink enters the denominator only: out = acc / (l + exp(sink - m)).
+
+Split-KV: the list is cut into a number of splits that depends on L only (never on n), each split
+writes (acc, m, l) and a combine pass merges them in split order, so a query's result does not
+depend on the batch it is in.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import sparse_attn_ref  # noqa: F401  (the reference this follows)
+
+BLOCK_N = 64
+# The CPU interpreter (TRITON_INTERPRET=1, used for CPU checks of the kernel logic) mis-multiplies
+# bf16 dots; there the operands are upcast to fp32 first (the products are exact either way).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def sparse_attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
+                       n, H, L, blocks_per_split, scale,
+                       D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                       UPCAST: tl.constexpr = False):
+    """Grid (n, H/BH, num_splits). SPLIT: write unnormalized acc [S, n, H, D] and (m, l) [S, n, H, 2]
+    to the workspace; else write the normalized bf16 output with the sink."""
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    rh = hb * BH + tl.arange(0, BH)
+    rd = tl.arange(0, D)
+    rn = tl.arange(0, BN)
+    t64 = t.to(tl.int64)
+    q = tl.load(q_ptr + (t64 * H + rh[:, None]) * D + rd[None, :])              # [BH, D] bf16
+    m_i = tl.full((BH,), -1e30, tl.float32)
+    l_i = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH, D), tl.float32)
+    b0 = sp * blocks_per_split
+    nblk = tl.cdiv(L, BN)
+    b1 = tl.minimum(b0 + blocks_per_split, nblk)
+    for b in range(b0, b1):
+        j = b * BN + rn
+        idx = tl.load(idx_ptr + t64 * L + j, mask=j < L, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        k = tl.load(kv_ptr + rows[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0)   # [BN, D]
+        s = _dot(q, tl.trans(k), UPCAST) * scale                                     # [BH, BN] fp32
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), k, UPCAST)
+        m_i = m_new
+    if SPLIT:
+        ws = (sp.to(tl.int64) * n + t64) * H + rh
+        tl.store(acc_ptr + ws[:, None] * D + rd[None, :], acc)
+        tl.store(ml_ptr + ws * 2, m_i)
+        tl.store(ml_ptr + ws * 2 + 1, l_i)
+    else:
+        sink = tl.load(sink_ptr + rh)
+        den = l_i + tl.exp(sink - m_i)
+        out = acc / den[:, None]
+        tl.store(o_ptr + (t64 * H + rh[:, None]) * D + rd[None, :], out.to(tl.bfloat16))
+
+
+@triton.jit
+def sparse_attn_combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n, H, S,
+                               D: tl.constexpr, BH: tl.constexpr):
+    """Merge S splits in order: M = max m_s; out = sum acc_s e^(m_s-M) / (sum l_s e^(m_s-M) + e^(sink-M))."""
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    rh = hb * BH + tl.arange(0, BH)
+    rd = tl.arange(0, D)
+    t64 = t.to(tl.int64)
+    m = tl.full((BH,), -1e30, tl.float32)
+    for s in range(S):
+        ws = (s * n + t64) * H + rh
+        m = tl.maximum(m, tl.load(ml_ptr + ws * 2))
+    l_tot = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH, D), tl.float32)
+    for s in range(S):
+        ws = (s * n + t64) * H + rh
+        c = tl.exp(tl.load(ml_ptr + ws * 2) - m)
+        l_tot += tl.load(ml_ptr + ws * 2 + 1) * c
+        acc += tl.load(acc_ptr + ws[:, None] * D + rd[None, :]) * c[:, None]
+    den = l_tot + tl.exp(tl.load(sink_ptr + rh) - m)
+    tl.store(o_ptr + (t64 * H + rh[:, None]) * D + rd[None, :], (acc / den[:, None]).to(tl.bfloat16))
+
+
+def num_splits_for(L: int, blocks_per_split: int = 4) -> int:
+    """Splits depend on the list length only (batch invariance)."""
+    return max(1, triton.cdiv(triton.cdiv(L, BLOCK_N), blocks_per_split))
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idxs: torch.Tensor, scale: float,
+                block: int = BLOCK_N, block_h: int = 32, blocks_per_split: int = 4, num_warps: int = 8,
+                num_stages: int = 2) -> torch.Tensor:
+    """Same contract as sparse_attn_ref (block must be 64, the walk granularity)."""
+    assert block == BLOCK_N
+    n, H, D = q.shape
+    L = idxs.shape[1]
+    if n == 0:
+        return torch.empty_like(q)
+    if L == 0:
+        return torch.zeros_like(q)
+    bh = min(block_h, H)
+    assert H % bh == 0 and D == triton.next_power_of_2(D)
+    q = q.contiguous()
+    kv = kv.contiguous()
+    idxs = idxs.to(torch.int32).contiguous()
+    sink = sink.float().contiguous()
+    out = torch.empty_like(q)
+    S = num_splits_for(L, blocks_per_split)
+    grid = (n, H // bh, S)
+    kw = dict(D=D, BH=bh, BN=BLOCK_N, UPCAST=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    if S == 1:
+        sparse_attn_kernel[grid](q, kv, idxs, sink, out, out, out, n, H, L, blocks_per_split, float(scale),
+                                 SPLIT=False, **kw)
+        return out
+    acc = torch.empty(S, n, H, D, dtype=torch.float32, device=q.device)
+    ml = torch.empty(S, n, H, 2, dtype=torch.float32, device=q.device)
+    sparse_attn_kernel[grid](q, kv, idxs, sink, out, acc, ml, n, H, L, blocks_per_split, float(scale),
+                             SPLIT=True, **kw)
+    sparse_attn_combine_kernel[(n, H // bh)](acc, ml, sink, out, n, H, S, D=D, BH=bh, num_warps=num_warps)
+    return out
+
+
+def attn_flops(n: int, H: int, L: int, D: int) -> float:
+    """QK^T and PV multiply-adds of one call (2 FLOP each)."""
+    return 4.0 * n * H * L * D
+
+
+def attn_bytes(n: int, H: int, L: int, D: int, kv_bytes_per_row: float = None) -> float:
+    """Fewest bytes: every gathered row read once per query, q read and out written once."""
+    row = kv_bytes_per_row if kv_bytes_per_row is not None else 2 * D
+    return n * (L * row + 2 * H * D * 2 + 4 * L)
+
+
