@@ -1,0 +1,74 @@
+"""Run under TRITON_INTERPRET=1 (CPU): the Triton kernels' logic against the references at tiny
+shapes. Exact where the kernel's outputs are exact (quantization); elsewhere within a few bf16
+ulps (the interpreter truncates float->bf16 casts where the GPU rounds to nearest)."""
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1"
+
+import torch  # noqa: E402
+
+from deepinfer.kernels import triton_gemm, triton_indexer, triton_mhc, triton_quant, triton_sparse_attn  # noqa: E402
+from deepinfer.kernels.reference import (  # noqa: E402
+    act_quant_ref, dequant_fp4_ref, fp4_quant_ref, hc_split_sinkhorn_ref, sparse_attn_ref)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main():
+    torch.manual_seed(0)
+    x = (torch.randn(5, 256) * torch.exp(2 * torch.randn(5, 1))).bfloat16()
+    assert torch.equal(triton_quant.act_quant(x), act_quant_ref(x))
+    for b in (16, 32):
+        assert torch.equal(triton_quant.fp4_quant(x, b), fp4_quant_ref(x, b))
+    # grouped masked GEMM on FP4-origin experts, split-K path (fp32 workspace, no bf16 truncation)
+    G, mmax, n, k = 2, 4, 64, 512
+    packed = torch.randint(0, 256, (G, n, k // 2), dtype=torch.uint8)
+    sc = torch.randint(120, 125, (G, n, k // 32), dtype=torch.uint8)
+    ws = [triton_gemm.fp4_to_fp8_weight(packed[g], sc[g]) for g in range(G)]
+    w8, s8 = torch.stack([a for a, _ in ws]), torch.stack([b for _, b in ws])
+    xa = torch.randn(G, mmax, k).bfloat16()
+    q, s = triton_quant.act_quant_fp8(xa.view(-1, k))
+    d = triton_gemm.fp8_grouped_gemm_masked(q.view(G, mmax, k), s.view(G, mmax, k // 32), w8, s8,
+                                            torch.tensor([3, 4], dtype=torch.int32), 4)
+    for g, r in ((0, 3), (1, 4)):
+        ref = torch.nn.functional.linear(act_quant_ref(xa[g, :r]).float(), dequant_fp4_ref(packed[g], sc[g]))
+        assert rel(d[g, :r], ref) < 5e-3, rel(d[g, :r], ref)
+    # sparse attention with splits and a fully masked query
+    qa = torch.randn(2, 16, 64).bfloat16()
+    kv = torch.randn(300, 64).bfloat16()
+    sink = torch.randn(16)
+    idx = torch.randint(-1, 300, (2, 300))
+    idx[1] = -1
+    o = triton_sparse_attn.sparse_attn(qa, kv, sink, idx, 0.125, block_h=16, blocks_per_split=2)
+    r = sparse_attn_ref(qa, kv, sink, idx, 0.125)
+    assert rel(o, r) < 2e-2 and torch.equal(o[1], r[1])
+    # mHC
+    xh = torch.randn(3, 4, 256).bfloat16()
+    fn, scale, base = torch.randn(24, 1024) * 0.05, torch.rand(3) + 0.5, torch.randn(24) * 0.3
+    pre_prev = torch.rand(3, 4)
+    got = triton_mhc.hc_mixes_pre(xh, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
+    ref = triton_mhc.hc_mixes_pre_ref(xh, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
+    for a, b in zip(got[:3], ref[:3]):
+        assert (a - b).abs().max() < 1e-5
+    assert rel(got[3], ref[3]) < 1e-2
+    mixes = torch.randn(3, 24)
+    for a, b in zip(triton_mhc.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6),
+                    hc_split_sinkhorn_ref(mixes, scale, base, 4, 20, 1e-6)):
+        assert (a - b).abs().max() < 1e-5
+    # indexer
+    qi = fp4_quant_ref(torch.randn(2, 32, 128).bfloat16(), 32)
+    ki = fp4_quant_ref(torch.randn(150, 128).bfloat16(), 32)
+    wi = (torch.randn(2, 32) * 0.02).bfloat16()
+    lens = torch.tensor([20, 150])
+    a, b = triton_indexer.index_scores(qi, wi, ki, lens), triton_indexer.index_scores_ref(qi, wi, ki, lens)
+    fin = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), fin) and rel(a[fin], b[fin]) < 2e-2
+    print("interpret checks passed")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

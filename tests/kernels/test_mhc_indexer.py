@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+from deepinfer.kernels.reference import fp4_quant_ref, hc_split_sinkhorn_ref
+
+from kernel_utils import rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("T", [1, 64, 300])
+def test_hc_mixes_pre(T):
+    from deepinfer.kernels.triton_mhc import hc_mixes_pre, hc_mixes_pre_ref
+    hc, d = 4, 5120
+    x = torch.randn(T, hc, d, device="cuda").bfloat16()
+    fn = torch.randn(24, hc * d, device="cuda") * 0.01
+    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda") * 0.3
+    pre_prev = torch.rand(T, hc, device="cuda")
+    out = hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
+    ref = hc_mixes_pre_ref(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
+    for a, b in zip(out[:3], ref[:3]):
+        assert (a - b).abs().max().item() < 1e-4
+    assert rel_err(out[3], ref[3]) < 1e-3
+
+
+def test_sinkhorn_and_post():
+    from deepinfer.kernels.triton_mhc import hc_post, hc_post_ref, hc_split_sinkhorn
+    mixes = torch.randn(100, 24, device="cuda")
+    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda")
+    for a, b in zip(hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6),
+                    hc_split_sinkhorn_ref(mixes, scale, base, 4, 20, 1e-6)):
+        assert (a - b).abs().max().item() < 1e-5
+    T, d = 64, 5120
+    y = torch.randn(T, d, device="cuda").bfloat16()
+    res = torch.randn(T, 4, d, device="cuda").bfloat16()
+    _, post, comb = hc_split_sinkhorn_ref(torch.randn(T, 24, device="cuda"), scale, base, 4, 20, 1e-6)
+    assert rel_err(hc_post(y, res, post, comb), hc_post_ref(y, res, post, comb)) < 1e-3
+
+
+@pytest.mark.parametrize("n,E", [(1, 4096), (64, 2048), (3, 333)])
+def test_index_scores(n, E):
+    from deepinfer.kernels.triton_indexer import index_scores, index_scores_ref
+    q = fp4_quant_ref(torch.randn(n, 32, 128, device="cuda").bfloat16(), 32)
+    k = fp4_quant_ref(torch.randn(E, 128, device="cuda").bfloat16(), 32)
+    w = (torch.randn(n, 32, device="cuda") * 0.02).bfloat16()
+    lens = torch.randint(1, E + 1, (n,), device="cuda")
+    out, ref = index_scores(q, w, k, lens), index_scores_ref(q, w, k, lens)
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(out), fin)
+    assert rel_err(out[fin], ref[fin]) < 5e-3
+    # the top-k picks agree (ties aside)
+    kk = min(512, E)
+    a = out.float().topk(kk, -1).values
+    b = ref.float().topk(kk, -1).values
+    assert rel_err(a[torch.isfinite(b)], b[torch.isfinite(b)]) < 5e-3

@@ -1,0 +1,26 @@
+import pytest
+import torch
+
+from deepinfer.kernels.reference import act_quant_ref, fp4_quant_ref
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("shape", [(1, 5120), (64, 1280), (257, 512), (3, 7, 128), (4096, 2304)])
+def test_act_quant_bit_exact(shape):
+    from deepinfer.kernels.triton_quant import act_quant, act_quant_fp8
+    x = (torch.randn(shape, device="cuda") * torch.exp(3 * torch.randn(*shape[:-1], 1, device="cuda"))).bfloat16()
+    x.view(-1)[:40] = 0                      # an all-zero block hits the 1e-4 amax floor
+    ref = act_quant_ref(x)
+    assert torch.equal(act_quant(x), ref)
+    q, s = act_quant_fp8(x)
+    deq = (q.float().view(-1, shape[-1] // 32, 32) * s[..., None]).view(ref.shape).bfloat16()
+    assert torch.equal(deq, ref)
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("shape", [(1, 512), (33, 512), (64, 32, 128)])
+def test_fp4_quant_bit_exact(shape, block):
+    from deepinfer.kernels.triton_quant import fp4_quant
+    x = (torch.randn(shape, device="cuda") * torch.exp(2 * torch.randn(*shape[:-1], 1, device="cuda"))).bfloat16()
+    assert torch.equal(fp4_quant(x, block), fp4_quant_ref(x, block))
