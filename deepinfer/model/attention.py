@@ -234,8 +234,15 @@ class Attention(nn.Module):
         if self.is_candidate_source:
             s.candidates = select_candidate_blocks(score, lens, self.args.candidate_topk_blocks,
                                                    self.args.candidate_block_size)
-        elif self.uses_candidates:
-            score = score.masked_fill(~s.candidates, -torch.inf)
-        k = min(self.args.index_topk, n_entries)
-        idx = score.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
-        return torch.where(idx < lens[:, None], idx, -1)
+        return index_topk(score, lens, self.args.index_topk, s.candidates if self.uses_candidates else None)
+
+
+def index_topk(score: torch.Tensor, lens: torch.Tensor, topk: int, candidates: torch.Tensor | None = None):
+    """score [n, E] (entries >= lens already -inf) -> [n, min(topk, E)] entry ids ascending, -1 where
+    the pick is not reachable. A re-indexer (candidates given) scores only inside the candidate
+    blocks of its candidate source: everything else is -inf before the top-k."""
+    if candidates is not None:
+        score = score.masked_fill(~candidates, -torch.inf)
+    k = min(topk, score.shape[-1])
+    idx = score.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    return torch.where(idx < lens[:, None], idx, -1)
