@@ -78,7 +78,7 @@ def _invoke_tag(tool: dict[str, Any]) -> TagFormat:
     schema = tool["parameters"] if tool["strict"] else {"type": "object"}
     return TagFormat(
         begin=INVOKE_PREFIX + tool["name"] + INVOKE_SUFFIX,
-        content=JSONSchemaFormat(json_schema=schema, style="deepseek_v4_1_xml"),
+        content=JSONSchemaFormat(json_schema=schema, style="deepseek_v4_1_xml", max_whitespace_cnt=1),
         end=INVOKE_END,
     )
 

@@ -1,0 +1,232 @@
+"""Structured output with the real V4 vocabulary: compile, mask correctness, generation over random
+logits (JSON schema, regex, EBNF, DSML tool calls read back by deepseek-recipe), thinking gate,
+rollback, and rejection of bad constraints."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+
+from deepinfer.sample import GrammarState, InvalidConstraintError, SamplingRow
+from deepinfer.sample.grammar import THINK_END_TOKEN_ID
+from deepinfer.sampling_params import OutputConstraint, SamplingParams
+
+from conftest import VOCAB, generate_random
+from schemas import SCHEMAS
+
+
+def decode(tokenizer, ids):
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_json_schema_outputs_validate(sampler, tokenizer, i):
+    schema = SCHEMAS[i]
+    outs = generate_random(sampler, OutputConstraint("json_schema", json.dumps(schema)), seeds=list(range(4)),
+                           max_tokens=300, logit_seed=i)
+    for ids in outs:
+        jsonschema.validate(json.loads(decode(tokenizer, ids)), schema)
+
+
+def test_json_object(structured, tokenizer):
+    """json_object: any JSON object (compact); other top-level values are refused."""
+    c = OutputConstraint("json_object")
+    st = structured.new_state(c)
+    for t in tokenizer.encode('{"a": [1, {"b": null}], "c": "x"}').ids:
+        assert st.accept(t)
+    assert st.accept(1) and st.is_terminated
+    st = structured.new_state(c)
+    assert not st.accept(tokenizer.encode("[").ids[0])
+
+
+def test_regex_full_match(sampler, tokenizer):
+    pattern = r"(yes|no) [0-9]{1,3}(\.[0-9]{2})?"
+    outs = generate_random(sampler, OutputConstraint("regex", pattern), seeds=list(range(8)))
+    for ids in outs:
+        assert re.fullmatch(pattern, decode(tokenizer, ids))
+
+
+EBNF = r'''
+root ::= expr
+expr ::= term (("+" | "-") term){0,3}
+term ::= num | "(" expr ")"
+num ::= [1-9] [0-9]{0,2}
+'''
+
+
+def test_ebnf(sampler, tokenizer):
+    outs = generate_random(sampler, OutputConstraint("ebnf", EBNF), seeds=list(range(8)), max_tokens=300)
+    g = xgr.Grammar.from_ebnf(EBNF)
+    for ids in outs:
+        text = decode(tokenizer, ids)
+        assert re.fullmatch(r"[0-9+\-()]+", text)
+        assert text.count("(") == text.count(")")
+        eval(text)  # a well-formed arithmetic expression  # noqa: S307
+
+
+def test_mask_agrees_with_matcher(structured, tokenizer):
+    """Walk a schema prefix with the real tokenizer; every probed token the bitmask allows is accepted
+    by the matcher and every probed token it forbids is refused."""
+    c = OutputConstraint("json_schema", json.dumps(SCHEMAS[0]))
+    st = structured.new_state(c)
+    bm = xgr.allocate_token_bitmask(1, VOCAB)
+    g = torch.Generator().manual_seed(0)
+    for tok in tokenizer.encode('{"name": "ab", "age": 1').ids:
+        assert st.fill_bitmask(bm, 0)
+        probe = torch.randint(0, VOCAB, (40,), generator=g).tolist() + [tok]
+        for t in probe:
+            allowed = bool((bm[0, t // 32] >> (t % 32)) & 1)
+            fork = st.matcher.fork()
+            assert fork.accept_token(t) == allowed, (t, tokenizer.id_to_token(t))
+        assert st.accept(tok)
+
+
+def recipe_tool_calls(text: str, tools: list, tool_choice) -> tuple[list, str]:
+    """Parse model output with deepseek-recipe's own Chat stream processor."""
+    import deepseek_recipe as dr
+
+    body = {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+            "tool_choice": tool_choice, "thinking": {"type": "disabled"}}
+    req = dr.ChatCompletionRequest(json.dumps(body)).convert(dr.ConversionOptions())
+    proc = dr.StreamProcessor(dr.ChatCompletionRequest.chunk_generator(req, "r", "DeepSeek-V4.1-Flash"),
+                              req.parsing_options)
+    resp = dr.ChatCompletionResponse("r", "DeepSeek-V4.1-Flash", 0, 1, 0)
+    for ch in (dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=1, prompt_cache_hit_tokens=0),
+                                       system_fingerprint="fp"),
+               dr.InferenceChunk.text(text, token_count=1), dr.InferenceChunk.finish(dr.InferenceFinishReason.Stop)):
+        for out in proc.push(ch):
+            resp.accumulate(out)
+    choice = json.loads(resp.to_json())["choices"][0]
+    oc = req.inference_options.output_constraint
+    return choice, (oc.kind, oc.schema)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather.", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "unit": {"type": "string", "enum": ["c", "f"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "unit", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "set_alarm", "description": "Alarm.", "strict": True, "parameters": {
+        "type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                                         "labels": {"type": "array", "items": {"type": "string", "enum": ["work", "home"]}, "maxItems": 2},
+                                         "loud": {"type": "boolean"}},
+        "required": ["hour", "labels", "loud"], "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}],
+                         ids=["required", "named"])
+def test_strict_tool_calls_parse_and_validate(sampler, tokenizer, tool_choice):
+    _, (kind, spec) = recipe_tool_calls("", TOOLS, tool_choice)
+    assert OutputConstraint.from_recipe(kind, spec).tool_choice == "required"
+    # the recipe drops maxLength / maxItems from strict schemas; keep ours so that a random model ends
+    named = [t for t in TOOLS if t["function"]["name"] in spec]
+    c = OutputConstraint("tool_calls", json.dumps(named), tool_choice="required")
+    outs = generate_random(sampler, c, seeds=list(range(6)), max_tokens=1500)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for ids in outs:
+        choice, _ = recipe_tool_calls(decode(tokenizer, ids), TOOLS, tool_choice)
+        calls = choice["message"]["tool_calls"]
+        assert calls and choice["finish_reason"] == "tool_calls"
+        for call in calls:
+            name = call["function"]["name"]
+            if isinstance(tool_choice, dict):
+                assert name == "set_alarm"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
+
+
+def test_tool_calls_auto_walk(structured, tokenizer):
+    """auto: free text, then a calls block whose arguments the recipe reads back."""
+    _, (kind, spec) = recipe_tool_calls("", TOOLS, "auto")
+    c = OutputConstraint.from_recipe(kind, spec)
+    assert c.tool_choice == "auto"
+    text = ('Let me check.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+            '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
+            '<｜DSML｜ parameter name="unit" string="true">c</｜DSML｜ parameter>\n'
+            '<｜DSML｜ parameter name="days" string="false">3</｜DSML｜ parameter>\n'
+            '</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+    st = structured.new_state(c)
+    for t in tokenizer.encode(text).ids:
+        assert st.accept(t), tokenizer.id_to_token(t)
+    assert st.accept(1) and st.is_terminated
+    choice, _ = recipe_tool_calls(text, TOOLS, "auto")
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "c", "days": 3}
+    # a wrong argument type is refused by the grammar
+    st = structured.new_state(c)
+    bad = text.replace(">3<", ">9<")
+    assert not all(st.accept(t) for t in tokenizer.encode(bad).ids)
+
+
+def test_after_think_gate_and_rollback(structured, tokenizer):
+    c = OutputConstraint("regex", "[0-9]+", after_think=True)
+    st = structured.new_state(c)
+    bm = xgr.allocate_token_bitmask(1, VOCAB)
+    think = tokenizer.encode("I think").ids
+    for t in think:
+        assert not st.fill_bitmask(bm, 0)        # reasoning is unconstrained
+        assert st.accept(t)
+    assert st.accept(THINK_END_TOKEN_ID) and st.active
+    letter = tokenizer.encode("a").ids[0]
+    assert not st.matcher.fork().accept_token(letter)
+    digits = tokenizer.encode("42").ids
+    for t in digits:
+        assert st.accept(t)
+    st.rollback(len(digits) + 1)                  # back before </think>: unconstrained again
+    assert not st.active
+    assert st.accept(letter)                      # still thinking
+    assert st.accept(THINK_END_TOKEN_ID)
+    for t in digits:
+        assert st.accept(t)
+    assert st.accept(1) and st.is_terminated
+
+
+def test_rollback_restores_mask(structured, tokenizer):
+    st = structured.new_state(OutputConstraint("json_schema", json.dumps(SCHEMAS[1])))
+    a, b = xgr.allocate_token_bitmask(1, VOCAB), xgr.allocate_token_bitmask(1, VOCAB)
+    ids = tokenizer.encode('{"color": "red", "ok": true}').ids
+    for t in ids[:3]:
+        st.accept(t)
+    st.fill_bitmask(a, 0)
+    for t in ids[3:]:
+        assert st.accept(t)
+    st.rollback(len(ids) - 3)
+    st.fill_bitmask(b, 0)
+    assert torch.equal(a, b)
+
+
+BAD = [
+    OutputConstraint("json_schema", "{not json"),
+    OutputConstraint("json_schema", '{"type": "objectx"}'),
+    OutputConstraint("json_schema", '{"type": "object", "properties": {"a": {"minimum": "zero"}}}'),
+    OutputConstraint("json_schema", "[1, 2]"),
+    OutputConstraint("regex", "[a-"),
+    OutputConstraint("regex", "(a"),
+    OutputConstraint("ebnf", "root ::= foo"),
+    OutputConstraint("ebnf", "root ::= "),
+    OutputConstraint("tool_calls", "[]"),
+    OutputConstraint("tool_calls", '[{"type": "function", "function": {"name": "f", "strict": true, '
+                                   '"parameters": {"type": "objectx"}}}]'),
+]
+
+
+@pytest.mark.parametrize("c", BAD, ids=[f"{c.kind}:{c.spec[:30]}" for c in BAD])
+def test_bad_constraints_rejected_at_admission(sampler, c):
+    with pytest.raises(InvalidConstraintError) as e:
+        sampler.new_state(SamplingParams(constraint=c))
+    assert isinstance(e.value, ValueError)
+    assert "/project/cpp" not in str(e.value) and str(e.value)
+    # the sampler keeps serving
+    st = sampler.new_state(SamplingParams(temperature=0, constraint=OutputConstraint("regex", "ok")))
+    out = sampler.sample(torch.zeros(1, VOCAB), [SamplingRow(st, (), 0)])
+    assert out.token_ids.item() != 1
+
+
+def test_compiled_grammars_are_cached(structured):
+    c = OutputConstraint("json_schema", json.dumps(SCHEMAS[2]))
+    assert structured.compile(c) is structured.compile(c)
