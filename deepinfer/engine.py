@@ -132,7 +132,9 @@ class Engine:
         """Finish a request now (caches freed); its final output has finish_reason "abort"."""
         if request_id not in self.scheduler.requests:
             raise UnknownRequestError(f"unknown request id {request_id!r}")
-        return self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)[0]
+        out = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)[0]
+        self._update_gauges(step=False)
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -172,12 +174,13 @@ class Engine:
         logger.exception("engine step failed; failing its %d requests", len(sched_out.num_scheduled_tokens))
         outs = self.scheduler.finish_requests(list(sched_out.num_scheduled_tokens), RequestStatus.FINISHED_ERROR,
                                               error=f"{type(exc).__name__}: {exc}")
-        self._update_gauges()
+        self._update_gauges(step=False)
         return outs
 
-    def _update_gauges(self) -> None:
+    def _update_gauges(self, step: bool = True) -> None:
         s, kv = self.scheduler, self.kv_cache
-        self.stats.inc("steps_total")
+        if step:
+            self.stats.inc("steps_total")
         self.stats.set_gauges(num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
                               cache_blocks_used=kv.num_used_blocks,
                               cache_usage=kv.num_used_blocks / self.num_cache_blocks)

@@ -58,3 +58,11 @@ def fixture_checkpoint(tmp_path_factory):
     cmd = [str(py) if py.exists() else "python", str(tool), "--from-fixture", str(src), "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_args(fixture_checkpoint):
+    """Small real-model engine settings: CPU, block_tokens 8, a modest cache."""
+    from deepinfer.config import EngineArgs
+    return dict(checkpoint=str(fixture_checkpoint), device="cpu", max_num_seqs=8, max_num_batched_tokens=64,
+                block_tokens=8, num_cache_blocks=64)

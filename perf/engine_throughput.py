@@ -1,0 +1,86 @@
+"""Engine throughput: generated tokens/s at batch 1, 4, 16, 64 and the ratio to batch 1.
+
+    python perf/engine_throughput.py --checkpoint DIR [--device cpu] [--prompt-len 32] [--output-len 64]
+
+Without --checkpoint it builds the tiny preset (deepinfer.cli.make_checkpoint) or, until that
+exists, the shared v41-tiny-bf16 fixture into a temp folder. Every batch runs the same prompts
+through LLM.generate (greedy, ignore_eos) after a warm-up, in one process, so the ratios compare
+like with like. Goal on CPU (tiny): batch 16 >= 6x batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def default_checkpoint(tmp: Path, preset: str) -> str:
+    out = tmp / preset
+    try:
+        subprocess.run([sys.executable, "-m", "deepinfer.cli.make_checkpoint", "--preset", preset, "--out", str(out)],
+                       check=True, capture_output=True)
+        return str(out)
+    except subprocess.CalledProcessError:
+        shared = Path(__file__).resolve().parents[2] / "shared"
+        if not shared.exists():
+            shared = Path("/work/shared")
+        out = tmp / "v41-tiny-bf16"
+        subprocess.run([sys.executable, str(shared / "tools" / "make-fixture"), "--from-fixture",
+                        str(shared / "fixtures" / "v41-tiny-bf16"), "--out", str(out)], check=True, capture_output=True)
+        return str(out)
+
+
+def measure(llm, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> tuple[float, float]:
+    from deepinfer import SamplingParams
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    assert n == batch * output_len, n
+    return n / dt, dt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    a = p.parse_args()
+
+    import torch
+
+    from deepinfer import LLM
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = a.checkpoint or default_checkpoint(Path(tmp), a.preset)
+        max_b = max(a.batches)
+        llm = LLM(ckpt, device=a.device, max_num_seqs=max_b,
+                  max_num_batched_tokens=max(2048, max_b * a.prompt_len),
+                  num_cache_blocks=max_b * (-(-(a.prompt_len + a.output_len) // 64)) + 8)
+        vocab = llm.engine.vocab_size
+        measure(llm, 2, a.prompt_len, 4, vocab, seed=123)  # warm-up
+        print(f"checkpoint={ckpt} device={llm.engine.device} async={llm.engine.async_scheduling} "
+              f"prompt_len={a.prompt_len} output_len={a.output_len} threads={torch.get_num_threads()}")
+        print(f"{'batch':>6} {'tok/s':>10} {'seconds':>9} {'x batch1':>9}")
+        base = None
+        for b in a.batches:
+            tps, dt = measure(llm, b, a.prompt_len, a.output_len, vocab, seed=b)
+            base = base or tps
+            print(f"{b:>6} {tps:>10.1f} {dt:>9.2f} {tps / base:>9.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The engine and its public API on the real tiny model (CPU): bad input, abort, async API."""
+
+import asyncio
+import threading
+
+import pytest
+
+from deepinfer import AsyncEngine, EngineArgs, InvalidRequestError, LLM, SamplingParams, UnknownRequestError
+from deepinfer.engine import Engine
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine_args):
+    return Engine(EngineArgs(**tiny_engine_args))
+
+
+def run_all(engine):
+    finals = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finals[o.request_id] = o
+    return finals
+
+
+def test_bad_input_raises_to_caller_and_engine_keeps_serving(engine):
+    engine.add_request("good", [5, 6, 7], GREEDY)
+    with pytest.raises(InvalidRequestError, match="empty prompt"):
+        engine.add_request("empty", [], GREEDY)
+    with pytest.raises(InvalidRequestError, match="context limit"):
+        engine.add_request("long", [5] * (engine.max_model_len + 1), GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    bad = SamplingParams(max_tokens=3)
+    bad.max_tokens = 0  # mutated after validation: the engine checks again
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        engine.add_request("zero", [5], bad)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        engine.add_request("oov", [10**9], GREEDY)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("good", [1], GREEDY)
+    with pytest.raises(UnknownRequestError):
+        engine.abort("nope")
+    finals = run_all(engine)
+    assert finals["good"].finish_reason == "length" and finals["good"].num_output_tokens == 4
+    assert engine.kv_cache.num_used_blocks == 0
+
+
+def test_abort_mid_generation_frees_everything(engine):
+    engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    engine.add_request("b", [9, 8, 7], GREEDY)
+    for _ in range(3):
+        engine.step()
+    out = engine.abort("a")
+    assert out.finish_reason == "abort" and out.new_token_ids == []
+    finals = run_all(engine)
+    assert "a" not in finals and finals["b"].finish_reason == "length"
+    assert engine.kv_cache.num_used_blocks == 0
+    engine.kv_cache.check()
+
+
+def test_step_fault_fails_only_that_step(engine, monkeypatch):
+    engine.add_request("x", [4, 5], GREEDY)
+    orig = engine.runner.launch
+
+    def boom(sched_out):
+        monkeypatch.setattr(engine.runner, "launch", orig)
+        raise RuntimeError("device fault")
+    monkeypatch.setattr(engine.runner, "launch", boom)
+    finals = run_all(engine)
+    assert finals["x"].finish_reason == "error" and "device fault" in finals["x"].error
+    engine.add_request("y", [4, 5], GREEDY)
+    assert run_all(engine)["y"].finish_reason == "length"
+    assert engine.stats.snapshot()["counters"]["requests_finished_error"] >= 1
+
+
+def test_async_scheduling_matches_sync_teacher_forced(tiny_engine_args):
+    """The pipelined step feeds device-side tokens; teacher-forced logits must equal the sync ones."""
+    import numpy as np
+    prompts = [[11, 12, 13, 14, 15], list(range(100, 130)), [7]]
+    forced = [[21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36], [41, 42, 43, 44, 45, 46]]
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    res = {}
+    for mode in (False, True):
+        llm = LLM(**{**tiny_engine_args, "async_scheduling": mode})
+        res[mode] = llm.generate(prompts, params, forced_token_ids=forced, return_logits=True)
+    for s, a, f in zip(res[False], res[True], forced):
+        assert s.token_ids[:6] == a.token_ids[:6] == f
+        assert s.logits.shape == a.logits.shape == (7, s.logits.shape[1])
+        np.testing.assert_allclose(a.logits, s.logits, atol=0.05 * float(s.logits.std()))
+
+
+def test_llm_generate_and_stats(tiny_engine_args):
+    llm = LLM(**tiny_engine_args)
+    outs = llm.generate([[3, 4, 5], [6] * 20], [GREEDY, SamplingParams(max_tokens=2, temperature=0)])
+    assert [len(o.token_ids) for o in outs] == [4, 2] and outs[0].finish_reason == "length"
+    snap = llm.stats()
+    assert snap["counters"]["generation_tokens_total"] == 6
+    assert snap["counters"]["prompt_tokens_total"] == 23
+    assert snap["histograms"]["time_to_first_token_seconds"]["count"] == 2
+    assert snap["histograms"]["inter_token_latency_seconds"]["count"] == 4
+    assert snap["gauges"]["cache_blocks_used"] == 0 and snap["gauges"]["cache_blocks_total"] == 64
+
+
+def test_async_engine_generate_stream_callback_abort(tiny_engine_args):
+    eng = AsyncEngine(EngineArgs(**tiny_engine_args))
+    try:
+        async def agen():
+            deltas = [o async for o in eng.generate([3, 4, 5], GREEDY, "ag")]
+            with pytest.raises(InvalidRequestError):
+                async for _ in eng.generate([], GREEDY, "bad"):
+                    pass
+            return deltas
+        deltas = asyncio.run(agen())
+        assert sum(len(d.new_token_ids) for d in deltas) == 4
+        assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+        assert deltas[-1].num_prompt_tokens == 3 and deltas[-1].num_output_tokens == 4
+
+        streamed = list(eng.stream("st", [8, 9], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
+        assert sum(len(d.new_token_ids) for d in streamed) == 3
+
+        got, done = [], threading.Event()
+
+        def cb(out):
+            got.append(out)
+            if out.finished:
+                done.set()
+        eng.add_request("cb", [5] * 10, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True), cb)
+        while not got:
+            done.wait(0.01)
+        eng.abort("cb")
+        n_at_abort = sum(len(o.new_token_ids) for o in got)
+        assert done.wait(30)
+        assert got[-1].finish_reason == "abort"
+        assert sum(len(o.new_token_ids) for o in got) == n_at_abort  # nothing after the abort
+        with pytest.raises(UnknownRequestError):
+            eng.abort("cb")
+        assert eng.num_in_flight() == 0
+        assert eng.stats()["gauges"]["cache_blocks_used"] == 0
+    finally:
+        eng.shutdown()
