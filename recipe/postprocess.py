@@ -176,8 +176,9 @@ class Postprocessor:
         else:
             self.streams[key] = (stream, time.monotonic())
         self._evict_idle()
-        return _outputs(step.chunks, step.text, stream.ctx.prompt_tokens, step.num_output_tokens,
-                        step.finish_reason, 200), step.stopped
+        # the engine's own counts (the recipe's usage counts the same tokens, unless a stop sequence cut them)
+        return _outputs(step.chunks, step.text, inputs.get("num_input_tokens") or stream.ctx.prompt_tokens,
+                        inputs.get("num_output_tokens") or step.num_output_tokens, step.finish_reason, 200), step.stopped
 
     def _evict_idle(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,54 @@
+"""One real tritonserver (from the nvidia-pytriton wheel) per session, on free ports, serving the
+runtime copy of model_repository/ with a tiny checkpoint; always stopped at the end."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.serving.checkpoints import build_tiny_checkpoint
+
+MAX_MODEL_LEN = 2048
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+    log: Path
+    checkpoint: Path
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    out = build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+    if out is None:
+        pytest.skip("no checkpoint generator (deepinfer.cli.make_checkpoint or ../shared/tools/make-fixture)")
+    return out
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, checkpoint):
+    from deepinfer.ensemble import serve
+    tmp = tmp_path_factory.mktemp("triton")
+    repo = serve.runtime_repository(tmp / "model_repository", str(checkpoint), MAX_MODEL_LEN,
+                                    {"max_num_seqs": 40})
+    ports = [free_port() for _ in range(3)]
+    log = tmp / "tritonserver.log"
+    srv = serve.TritonServer(repo, *ports, log_path=log)
+    srv.start(timeout=240)
+    try:
+        yield Server(f"http://127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", f"http://127.0.0.1:{ports[2]}/metrics",
+                     log, checkpoint)
+    finally:
+        srv.stop()
