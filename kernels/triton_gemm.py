@@ -157,7 +157,8 @@ def fp8_grouped_gemm_masked(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, 
                             masked_m: torch.Tensor, expected_m: int, out: torch.Tensor | None = None,
                             batch_invariant: bool = False) -> torch.Tensor:
     """a [G, Mmax, K] e4m3, sa [G, Mmax, K/32], b [G, N, K] e4m3, sb [G, N/R, K/32], masked_m [G]
-    int32 -> d [G, Mmax, N] bf16 (rows >= masked_m[g] left unwritten, as in DeepGEMM)."""
+    int32 -> d [G, Mmax, N] bf16. Rows >= masked_m[g] are garbage (unwritten as in DeepGEMM, or
+    zero after a split-K reduction): consumers read only the first masked_m[g] rows."""
     groups, mmax, k = a.shape
     n = b.shape[1]
     sb_rows = n // sb.shape[1]

@@ -1,0 +1,281 @@
+"""Per-op GPU benchmark: each fast op against its roofline (bytes over the measured copy bandwidth,
+or FLOPs over the measured matmul rate, whichever is larger) and against the library kernel where
+one exists (DeepGEMM FP8 GEMM / masked grouped GEMM, FlashMLA sparse decode), plus the torch path
+the model uses today. All ratios come from this one run.
+
+    python perf/bench_kernels.py [--quick]      (writes kernels.json, kernels.md, kernels_*.png to $OUT)
+
+Shapes are DeepSeek-V4.1-Flash's (dim 5120, 64 heads x 512, q_lora 1280, o_lora 8 x 1024, MoE
+inter 2304, 384 experts; EP8 -> 48 local experts), decode batches as tokens per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchutil import copies_for, measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
+
+from deepinfer.kernels import deepgemm, flashmla, triton_gemm, triton_indexer, triton_mhc, triton_quant  # noqa: E402
+from deepinfer.kernels import triton_sparse_attn as tsa  # noqa: E402
+from deepinfer.kernels.reference import act_quant_ref, e8m0_to_float, fp4_quant_ref, sparse_attn_ref  # noqa: E402
+
+ROWS: list[dict] = []
+C: dict = {}
+
+
+def roof(nbytes: float, flops: float = 0.0, peak: str = "bf16_flops") -> float:
+    return max(nbytes / C["copy_bw"], flops / C[peak] if flops else 0.0)
+
+
+def row(op, shape, t, nbytes, flops=0.0, peak="bf16_flops", lib=None, t_lib=None, t_torch=None, note=""):
+    r = dict(op=op, shape=shape, us=t * 1e6, roof_us=roof(nbytes, flops, peak) * 1e6, GBps=nbytes / t / 1e9,
+             TFLOPs=flops / t / 1e12 if flops else 0.0, lib=lib, lib_us=t_lib * 1e6 if t_lib else None,
+             torch_us=t_torch * 1e6 if t_torch else None, note=note)
+    r["frac_roof"] = r["roof_us"] / r["us"]
+    r["lib_over_ours"] = (r["lib_us"] / r["us"]) if t_lib else None
+    ROWS.append(r)
+    lib_s = f" | {lib} {r['lib_us']:.1f}us lib/ours {r['lib_over_ours']:.2f}" if t_lib else ""
+    tor_s = f" | torch {r['torch_us']:.1f}us" if t_torch else ""
+    print(f"{op:22s} {shape:28s} {r['us']:9.1f}us roof {r['roof_us']:8.1f}us ({r['frac_roof']:.2f})"
+          f" {r['GBps']:7.0f}GB/s{lib_s}{tor_s} {note}", flush=True)
+
+
+def rand_w(n, k, rows=32):
+    """e4m3 [n, k] and pow2 scales [n/rows, k/32] (rows = 32: linear tiles; 1: per-row experts)."""
+    w = (torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    s = torch.exp2(torch.randint(-12, -6, (n // rows, k // 32), device="cuda").float())
+    return w, s
+
+
+# ---------------------------------------------------------------------------------------------
+def bench_quant(quick):
+    for M, K in ([(64, 5120), (4096, 5120)] if not quick else [(64, 5120)]):
+        n = copies_for(M * K * 4)
+        xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(n)]
+        t = time_calls([lambda x=x: triton_quant.act_quant(x) for x in xs])
+        tt = time_calls([lambda x=x: act_quant_ref(x) for x in xs[:2]], iters=3)
+        row("act_quant fp8 fake", f"{M}x{K}", t, 4 * M * K, t_torch=tt)
+        t = time_calls([lambda x=x: triton_quant.act_quant_fp8(x) for x in xs])
+        row("act_quant -> fp8+s", f"{M}x{K}", t, 3 * M * K + M * K // 8)
+    for blk in (16, 32):
+        M, K = 4096, 512
+        n = copies_for(M * K * 4)
+        xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(n)]
+        t = time_calls([lambda x=x: triton_quant.fp4_quant(x, blk) for x in xs])
+        tt = time_calls([lambda x=x: fp4_quant_ref(x, blk) for x in xs[:2]], iters=3)
+        row(f"fp4_quant b{blk}", f"{M}x{K}", t, 4 * M * K, t_torch=tt)
+
+
+GEMM_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192),
+               "shared_w13": (4608, 5120), "shared_w2": (5120, 2304)}
+
+
+def bench_gemm(quick):
+    dg = deepgemm.load()
+    ms = (1, 64) if quick else (1, 64, 128)
+    for name, (N, K) in GEMM_SHAPES.items():
+        wbytes = N * K
+        n = copies_for(wbytes)
+        ws = [rand_w(N, K) for _ in range(n)]
+        wdg = [deepgemm.reblock_weight_128(w, s)[:2] for w, s in ws] if dg else None
+        wbf = [(w.float() * s.repeat_interleave(32, 0).repeat_interleave(32, 1)).bfloat16() for w, s in ws[:max(1, n // 2)]]
+        for M in ms + ((4096,) if name in ("wo_b", "shared_w13") and not quick else ()):
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            q, sa = triton_quant.act_quant_fp8(x)
+            nbytes = wbytes + N * K // 256 + M * K * 2 + M * N * 2
+            flops = 2.0 * M * N * K
+            t = time_calls([lambda w=w, s=s: triton_gemm.fp8_gemm(q, sa, w, s) for w, s in ws])
+            t_full = time_calls([lambda w=w, s=s: triton_gemm.fp8_linear(x, w, s) for w, s in ws])
+            t_lib = None
+            if dg:
+                q128, sa128 = deepgemm.act_reblock_128(q, sa)
+                sa128 = deepgemm.prepare_sfa(sa128)
+                try:
+                    t_lib = time_calls([lambda w=w, s=s: deepgemm.fp8_gemm_nt(q128, sa128, w, s) for w, s in wdg])
+                except Exception as e:  # noqa: BLE001
+                    print("deepgemm failed", name, M, repr(e)[:200])
+            t_torch = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in wbf])
+            row(f"fp8_gemm {name}", f"M{M} N{N} K{K}", t, nbytes, flops, "fp8_flops", "DeepGEMM", t_lib, t_torch,
+                note=f"+act_quant {t_full * 1e6:.1f}us")
+            if M == 64:
+                t_bi = time_calls([lambda w=w, s=s: triton_gemm.fp8_gemm(q, sa, w, s, batch_invariant=True)
+                                   for w, s in ws])
+                row(f"fp8_gemm {name} BI", f"M{M} N{N} K{K}", t_bi, nbytes, flops, "fp8_flops",
+                    note=f"batch-invariant cost x{t_bi / t:.2f}")
+
+
+def bench_moe(quick):
+    dg = deepgemm.load()
+    G, mmax = 48, 128
+    for name, (N, K) in (("moe_w13", (4608, 5120)), ("moe_w2", (5120, 2304))):
+        w = (torch.randn(G, N, K, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+        s = torch.exp2(torch.randint(-12, -6, (G, N, K // 32), device="cuda").float())
+        if dg:
+            s128 = torch.exp2(torch.randint(-12, -6, (G, N // 128, K // 128), device="cuda").float())
+        for em in ((8,) if quick else (8, 32)):
+            mm = torch.full((G,), em, dtype=torch.int32, device="cuda")
+            x = torch.randn(G * mmax, K, device="cuda").bfloat16()
+            q, sa = triton_quant.act_quant_fp8(x)
+            q, sa = q.view(G, mmax, K), sa.view(G, mmax, K // 32)
+            out = torch.empty(G, mmax, N, device="cuda", dtype=torch.bfloat16)
+            nbytes = G * (N * K + N * K // 32 * 4 + em * K + em * N * 2)
+            flops = 2.0 * G * em * N * K
+            t = time_calls([lambda: triton_gemm.fp8_grouped_gemm_masked(q, sa, w, s, mm, em, out=out)], iters=5)
+            t_lib = None
+            if dg:
+                q128, sa128 = deepgemm.act_reblock_128(q.view(-1, K), sa.view(-1, K // 32))
+                q128, sa128 = q128.view(G, mmax, K), sa128.view(G, mmax, K // 128)
+                try:
+                    t_lib = time_calls([lambda: deepgemm.grouped_masked(q128, sa128, w, s128, mm, em, out=out)],
+                                       iters=5)
+                except Exception as e:  # noqa: BLE001
+                    print("deepgemm masked failed", repr(e)[:300])
+            row(f"moe masked {name}", f"G{G} m{em} N{N} K{K}", t, nbytes, flops, "fp8_flops", "DeepGEMM masked",
+                t_lib)
+        del w, s
+
+
+def bench_attn(quick):
+    fm = flashmla.load()
+    H, D, L, ctx = 64, 512, 640, 8192
+    for b in ((64,) if quick else (1, 16, 64, 128)):
+        rows = b * ctx
+        kv = act_quant_ref(torch.randn(rows, D, device="cuda").bfloat16())
+        q = torch.randn(b, H, D, device="cuda").bfloat16()
+        sink = torch.randn(H, device="cuda")
+        base = (torch.arange(b, device="cuda") * ctx)[:, None]
+        idx = (base + torch.randint(0, ctx, (b, L), device="cuda")).int()
+        flops = tsa.attn_flops(b, H, L, D)
+        nbytes = tsa.attn_bytes(b, H, L, D)
+        best = None
+        variants = [(32, 4, 8), (64, 4, 8), (32, 2, 8), (16, 4, 4)] if b == 64 and not quick else [(32, 4, 8)]
+        for bh, bps, nw in variants:
+            try:
+                t = time_calls([lambda: tsa.sparse_attn(q, kv, sink, idx, D ** -0.5, block_h=bh, blocks_per_split=bps,
+                                                        num_warps=nw)])
+            except Exception as e:  # noqa: BLE001
+                print("attn variant failed", bh, bps, nw, repr(e)[:200])
+                continue
+            if len(variants) > 1:
+                print(f"   attn variant BH{bh} bps{bps} w{nw}: {t * 1e6:.1f}us")
+            if best is None or t < best[0]:
+                best = (t, bh, bps, nw)
+        t_lib = None
+        if fm:
+            cache = flashmla.pack_v4(kv)
+            _, sched = flashmla.sparse_decode(q, cache, idx, sink, D ** -0.5)
+            try:
+                t_lib = time_calls([lambda: flashmla.sparse_decode(q, cache, idx, sink, D ** -0.5, sched)])
+            except Exception as e:  # noqa: BLE001
+                print("flashmla failed", repr(e)[:300])
+        t_torch = time_calls([lambda: sparse_attn_ref(q, kv, sink, idx, D ** -0.5)], iters=2) if b <= 16 else None
+        row("sparse_attn bf16 KV", f"b{b} H{H} L{L}", best[0], nbytes, flops, "bf16_flops", "FlashMLA V4 fp8", t_lib,
+            t_torch, note=f"BH{best[1]} bps{best[2]} w{best[3]}; FlashMLA reads {L * 584 / 1024:.0f}KB/q vs ours "
+            f"{L * 1024 / 1024:.0f}KB/q")
+        del kv
+
+
+def bench_mhc(quick):
+    hc, d = 4, 5120
+    fn = torch.randn(24, hc * d, device="cuda") * 0.01
+    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda")
+    for T in ((64,) if quick else (64, 4096)):
+        n = copies_for(T * hc * d * 2)
+        xs = [torch.randn(T, hc, d, device="cuda").bfloat16() for _ in range(n)]
+        pre = torch.rand(T, hc, device="cuda")
+        t = time_calls([lambda x=x: triton_mhc.hc_mixes_pre(x, fn, scale, base, pre, 20, 1e-6, 1e-20) for x in xs])
+        tt = time_calls([lambda x=x: triton_mhc.hc_mixes_pre_ref(x, fn, scale, base, pre, 20, 1e-6, 1e-20)
+                         for x in xs[:2]], iters=3)
+        row("hc_mixes+sinkhorn+pre", f"T{T}", t, T * hc * d * 2 + 24 * hc * d * 4 + T * d * 2,
+            2.0 * T * 24 * hc * d, "bf16_flops", t_torch=tt)
+        y = torch.randn(T, d, device="cuda").bfloat16()
+        post, comb = torch.rand(T, hc, device="cuda"), torch.rand(T, hc, hc, device="cuda")
+        t = time_calls([lambda x=x: triton_mhc.hc_post(y, x, post, comb) for x in xs])
+        tt = time_calls([lambda x=x: triton_mhc.hc_post_ref(y, x, post, comb) for x in xs[:2]], iters=3)
+        row("hc_post", f"T{T}", t, T * d * 2 + 2 * T * hc * d * 2, t_torch=tt)
+
+
+def bench_indexer(quick):
+    n, E = 64, 8192
+    q = fp4_quant_ref(torch.randn(n, 32, 128, device="cuda").bfloat16(), 32)
+    w = (torch.randn(n, 32, device="cuda") * 0.02).bfloat16()
+    ks = [fp4_quant_ref(torch.randn(E, 128, device="cuda").bfloat16(), 32) for _ in range(copies_for(E * 256))]
+    t = time_calls([lambda k=k: triton_indexer.index_scores(q, w, k) for k in ks])
+    tt = time_calls([lambda k=k: triton_indexer.index_scores_ref(q, w, k) for k in ks[:2]], iters=3)
+    row("index_scores", f"n{n} IH32 E{E}", t, E * 256 + n * E * 2, 2.0 * n * 32 * E * 128, "bf16_flops", t_torch=tt)
+    s = triton_indexer.index_scores(q, w, ks[0])
+    t = time_calls([lambda: s.topk(512, dim=-1)])
+    row("topk 512 (torch)", f"n{n} E{E}", t, n * E * 2)
+
+
+def plot(path_prefix):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return
+    labels = [f"{r['op']} {r['shape']}" for r in ROWS]
+    fig, ax = plt.subplots(figsize=(11, 0.28 * len(ROWS) + 1.5))
+    ax.barh(range(len(ROWS)), [r["frac_roof"] for r in ROWS], color="tab:blue")
+    ax.set_yticks(range(len(ROWS)), labels, fontsize=7)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("roofline time / measured time (1.0 = at the roofline)")
+    ax.set_title(f"H200 ops vs roofline (copy {C['copy_bw'] / 1e12:.2f} TB/s, bf16 {C['bf16_flops'] / 1e12:.0f} / "
+                 f"fp8 {C['fp8_flops'] / 1e12:.0f} TFLOP/s measured)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path_prefix + "_roofline.png", dpi=110)
+    lib = [r for r in ROWS if r["lib_over_ours"]]
+    if lib:
+        fig, ax = plt.subplots(figsize=(11, 0.3 * len(lib) + 1.5))
+        ax.barh(range(len(lib)), [r["lib_over_ours"] for r in lib], color="tab:green")
+        ax.set_yticks(range(len(lib)), [f"{r['op']} {r['shape']} vs {r['lib']}" for r in lib], fontsize=7)
+        ax.axvline(0.9, color="r", lw=0.8, ls="--")
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xlabel("library time / our time (>= 0.9 is the goal)")
+        ax.invert_yaxis()
+        fig.tight_layout()
+        fig.savefig(path_prefix + "_vs_library.png", dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="quant,gemm,moe,attn,mhc,indexer")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    C.update(measure_ceilings())
+    print(f"ceilings: copy {C['copy_bw'] / 1e12:.3f} TB/s, bf16 {C['bf16_flops'] / 1e12:.0f} TFLOP/s, "
+          f"fp8 {C['fp8_flops'] / 1e12:.0f} TFLOP/s; {torch.cuda.get_device_name()}", flush=True)
+    for part in args.only.split(","):
+        try:
+            globals()[f"bench_{part}"](args.quick)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            print(f"bench {part} failed: {e!r}"[:400])
+        torch.cuda.empty_cache()
+    save_json("kernels.json", {"ceilings": C, "rows": ROWS})
+    def fmt(v, spec=".1f"):
+        return "" if v is None else format(v, spec)
+
+    with open(os.path.join(out_dir(), "kernels.md"), "w") as f:
+        f.write("| op | shape | us | roofline us | frac | GB/s | lib | lib us | lib/ours | torch us | note |\n")
+        f.write("|---|---|---|---|---|---|---|---|---|---|---|\n")
+        for r in ROWS:
+            f.write(f"| {r['op']} | {r['shape']} | {r['us']:.1f} | {r['roof_us']:.1f} | {r['frac_roof']:.2f} | "
+                    f"{r['GBps']:.0f} | {r['lib'] or ''} | {fmt(r['lib_us'])} | {fmt(r['lib_over_ours'], '.2f')} | "
+                    f"{fmt(r['torch_us'])} | {r['note']} |\n")
+    plot(os.path.join(out_dir(), "kernels"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Timing helpers for the GPU benchmarks (METHOD.md): ceilings measured in the same run, CUDA-graph
+replay (no launch gaps), inputs rotated over several copies so a working set smaller than L2 is
+not timed from cache, medians."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import torch
+
+L2_BYTES = 60 * 2**20
+
+
+def out_dir() -> str:
+    d = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def copies_for(nbytes: float, cap: int = 16) -> int:
+    """How many distinct input sets make one graph replay stream at least ~4x the L2 size."""
+    return int(max(1, min(cap, -(-4 * L2_BYTES // max(1, int(nbytes))))))
+
+
+def time_calls(calls, iters: int = 10, reps: int = 5) -> float:
+    """Median seconds of one call, for a list of calls (each on its own inputs), timed as CUDA graph
+    replays of all of them in sequence."""
+    for c in calls:                                   # compile / JIT / autotune outside the graph
+        c()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            for c in calls:
+                c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / (iters * len(calls)))
+    del g
+    return statistics.median(times)
+
+
+def time_eager(fn, iters: int = 20) -> float:
+    """Median seconds of an eager call (for paths that cannot be captured)."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(ts)
+
+
+def measure_ceilings() -> dict:
+    """Device-to-device copy bandwidth (bytes read + written) and dense matmul rates on random data."""
+    n = 2**30 // 2
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    t = time_calls([lambda: y.copy_(x)], iters=5)
+    copy_bw = 2 * x.numel() * 2 / t
+    del x, y
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = time_calls([lambda: a @ b], iters=5)
+    bf16 = 2 * 8192**3 / t
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    try:
+        t = time_calls([lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)], iters=5)
+        fp8 = 2 * 8192**3 / t
+    except Exception:  # noqa: BLE001
+        fp8 = 2 * bf16
+    return {"copy_bw": copy_bw, "bf16_flops": bf16, "fp8_flops": fp8}
+
+
+def save_json(name: str, obj) -> str:
+    p = os.path.join(out_dir(), name)
+    with open(p, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    return p
