@@ -28,10 +28,19 @@ class Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features), persistent=False)
         self.quantized = False
 
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None   # FP4 (codes, E8M0 scales) kept packed
+
+    def dense(self) -> torch.Tensor:
+        """The exact weight values; packed FP4 experts are dequantized on the fly (bounded memory)."""
+        if self.packed is None:
+            return self.weight
+        return ops.dequant_fp4(*self.packed).to(compute_dtype(self.packed[0].device))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized:
             x = ops.act_quant(x)
-        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight).to(ACT)
+        w = self.dense()
+        return torch.nn.functional.linear(x.to(w.dtype), w).to(ACT)
 
     def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 in, fp32 out (the ratio>1 compressor promotes its weights to fp32)."""

@@ -220,8 +220,11 @@ def _target(model, name: str):
 
 
 def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progress: bool = True,
-               tokenizer_json: str | Path | None = None, **arg_overrides):
-    """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input."""
+               tokenizer_json: str | Path | None = None, pack_experts: bool | None = None, **arg_overrides):
+    """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input.
+
+    pack_experts: keep FP4 routed experts packed on the device and dequantize them per use (default:
+    on for CUDA, where a full-width layer's experts would take 27 GB dequantized; off on CPU)."""
     from .engram import NgramHasher, compressed_token_map
     from .layers import compute_dtype
     from .transformer import Transformer
@@ -242,6 +245,8 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     model = model.to_empty(device=device)
     model.hasher = hasher.to(device) if hasher is not None else None
     wdtype = compute_dtype(device)
+    if pack_experts is None:
+        pack_experts = torch.device(device).type != "cpu"
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(infos[name].file, []).append(name)
@@ -252,7 +257,7 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     for path, names in by_file.items():
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             for name in names:
-                _load_one(model, name, expected[name][0], infos, mm, args, device, wdtype)
+                _load_one(model, name, expected[name][0], infos, mm, args, device, wdtype, pack_experts)
                 if bar is not None:
                     bar.update(1)
     if bar is not None:
@@ -274,7 +279,7 @@ def _fill_optional(model, infos, device) -> None:
                 mod.bias_vl = mod.bias.clone()
 
 
-def _load_one(model, name, kind, infos, mm, args, device, wdtype):
+def _load_one(model, name, kind, infos, mm, args, device, wdtype, pack_experts=False):
     info = infos[name]
     t = _read(info, mm)
     scale_info = infos.get(_scale_name(name, ".scale")) if name.endswith(".weight") else None
@@ -289,6 +294,11 @@ def _load_one(model, name, kind, infos, mm, args, device, wdtype):
         t = ops.dequant_fp8(t, _read(scale_info, mm))
         quantized = True
     elif kind == "fp4" and info.dtype == "I8":
+        if pack_experts:
+            mod.packed = (t.to(device), _read(scale_info, mm).view(torch.uint8).to(device))
+            mod.weight = torch.empty(0, device=device)
+            mod.quantized = True
+            return
         t = ops.dequant_fp4(t, _read(scale_info, mm))
         quantized = True
     # wo_a is block-diagonal and run as a bf16 einsum (convert.py dequantizes it): no act rounding
