@@ -22,6 +22,7 @@ Draft verification needs the accepted count before the next step: not combined w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -87,10 +88,14 @@ class Engine:
         a = self.args
         self.async_scheduling = a.async_scheduling if a.async_scheduling is not None else self.device.startswith("cuda")
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
+        from deepinfer.sample import Sampler
         from deepinfer.worker.model_runner import ModelRunner
-        self.runner = ModelRunner(self.model, self.caches, self.device, self.args.max_num_seqs,
-                                  self.max_model_len, self.args.block_tokens,
-                                  ngram_width=max(self.model_args.engram_max_ngram_size - 1, 0))
+        tokenizer = Path(a.checkpoint) / "tokenizer.json"
+        self.sampler = Sampler(self.vocab_size, str(tokenizer) if tokenizer.is_file() else None)
+        self.runner = ModelRunner(self.model, self.caches, self.device, a.max_num_seqs,
+                                  self.max_model_len, a.block_tokens,
+                                  ngram_width=max(self.model_args.engram_max_ngram_size - 1, 0),
+                                  sampler=self.sampler)
 
     # requests ----------------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None) -> SamplingParams:
@@ -112,6 +117,12 @@ class Engine:
             raise InvalidRequestError(f"request {request_id}: sampling_params must be a SamplingParams")
         if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
             raise InvalidRequestError(f"request {request_id}: max_tokens must be at least 1, got {params.max_tokens}")
+        if params.constraint is not None:
+            self.sampler.new_state(params)  # compiles the grammar; InvalidConstraintError to this caller
+        if params.seed is None and not params.greedy:
+            # fix the random stream now, so a preempted and recomputed request draws the same tokens
+            from deepinfer.sample.random import resolve_seed
+            params = dataclasses.replace(params, seed=resolve_seed(None))
         return params
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,

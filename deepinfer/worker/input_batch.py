@@ -31,6 +31,8 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.ring_slot = np.zeros(max_num_seqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_seqs
+        self.sampling_state: list = [None] * max_num_seqs            # Sampler's SamplingState per row
+        self.needs_sampler = np.zeros(max_num_seqs, dtype=bool)      # not plain greedy argmax
         self.forced: dict[int, list[int]] = {}               # row -> forced output ids (teacher forcing)
         self.return_logits: set[int] = set()                 # rows that keep their logits
         self.row_of: dict[str, int] = {}
@@ -45,6 +47,8 @@ class InputBatch:
         if row is None:
             return
         self.params[row] = None
+        self.sampling_state[row] = None
+        self.needs_sampler[row] = False
         self.forced.pop(row, None)
         self.return_logits.discard(row)
         self.block_table[row, :self.num_blocks[row]] = -1
@@ -65,6 +69,7 @@ class InputBatch:
         self.num_blocks[row] = nb
         self.ring_slot[row] = new.ring_slot
         self.params[row] = new.sampling_params
+        self.needs_sampler[row] = needs_sampler(new.sampling_params)
         if new.forced_token_ids is not None:
             self.forced[row] = new.forced_token_ids
         if new.return_logits:
@@ -128,6 +133,12 @@ class InputBatch:
             unknown = np.nonzero((src >= 0) & (positions >= self.num_tokens[rows_rep]))[0]
             batch.input_ids[to(unknown)] = prev_sampled[to(src[unknown])]
         return batch, rows, num_logits
+
+
+def needs_sampler(p: SamplingParams) -> bool:
+    """False when argmax alone gives the token (the fast path, no host sync on the device)."""
+    return not p.greedy or p.logprobs is not None or p.constraint is not None or bool(
+        p.presence_penalty or p.frequency_penalty)
 
 
 def _ragged_arange(counts: np.ndarray) -> np.ndarray:

@@ -33,7 +33,7 @@ from deepinfer.worker.input_batch import InputBatch
 
 
 def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
-    """[N, V] fp32 -> [N] int64. The one place the sampler plugs in."""
+    """[N, V] fp32 -> [N] int64: the fast path when every row is plain greedy (stays on the device)."""
     return logits.argmax(dim=-1)
 
 
@@ -48,13 +48,15 @@ class _InFlight:
     done: object | None         # CUDA event after the device-to-host copy; None on CPU
     fed: torch.Tensor | None    # [N] token fed at each logits row (draft verification only)
     logits: torch.Tensor | None # [N, V] fp32, only when some request returns logits
+    logprobs: list | None = None  # [N] TokenLogprob | None per logits row (Sampler)
     seq: int = 0                # launch sequence number
 
 
 class ModelRunner:
     def __init__(self, model, caches, device: torch.device, max_num_seqs: int, max_model_len: int,
-                 block_tokens: int, ngram_width: int = 3) -> None:
+                 block_tokens: int, ngram_width: int = 3, sampler=None) -> None:
         self.model = model
+        self.sampler = sampler        # deepinfer.sample.Sampler; None = greedy only
         self.caches = caches
         self.device = torch.device(device)
         max_blocks = -(-(max_model_len + 16) // block_tokens)
@@ -83,7 +85,7 @@ class ModelRunner:
         batch, rows, num_logits = ib.build(req_ids, q_lens, num_spec, self.device, self._prev_sampled)
         with torch.inference_mode():
             logits = self.model(batch, self.caches).logits                 # [N, V] fp32
-            sampled = sample_greedy(logits)                                # [N] on the device
+            sampled, logprobs = self._sample(logits, batch, rows, num_logits, num_spec)  # [N] on the device
             self._apply_forcing(sampled, rows, num_logits)
         self._set_pending(rows, num_logits, num_spec)
         self._prev_sampled = sampled
@@ -91,7 +93,8 @@ class ModelRunner:
         keep_logits = logits if ib.return_logits else None
         host, done = self._to_host(sampled)
         self._launch_seq += 1
-        return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits, self._launch_seq)
+        return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits,
+                         logprobs=logprobs, seq=self._launch_seq)
 
     def resolve(self, step: _InFlight | None) -> ModelRunnerOutput:
         if step is None:
@@ -101,11 +104,12 @@ class ModelRunner:
         per_req = self._accept(step.sampled.numpy(), step.num_logits, step.num_spec,
                                None if step.fed is None else step.fed.cpu().numpy())
         out_logits = self._gather_logits(step, per_req)
+        logprobs = self._per_request_logprobs(step, per_req)
         self._append(step, per_req)
         if step.seq == self._launch_seq:  # nothing launched after it: every token is known here now
             self.input_batch.pending_index[:] = -1
             self._prev_sampled = None
-        return ModelRunnerOutput(step.req_ids, per_req, logits=out_logits)
+        return ModelRunnerOutput(step.req_ids, per_req, logprobs=logprobs, logits=out_logits)
 
     # helpers -----------------------------------------------------------------------------------
     def _update_states(self, sched_out: SchedulerOutput) -> None:
@@ -115,6 +119,47 @@ class ModelRunner:
             self.input_batch.add(new)
         for diff in sched_out.cached_reqs:
             self.input_batch.update(diff)
+
+    def _sample(self, logits, batch, rows, num_logits, num_spec):
+        """Argmax on the device when every sampling row is plain greedy; else the Sampler
+        (temperature, top-k/p, min-p, penalties, grammar, logprobs), which syncs."""
+        ib = self.input_batch
+        sampling_rows = rows[num_logits > 0]
+        if self.sampler is None or not ib.needs_sampler[sampling_rows].any():
+            return sample_greedy(logits), None
+        from deepinfer.sample import SamplingRow
+        positions = (batch.positions[batch.logits_indices] + 1).tolist()   # position of each sampled token
+        sample_rows, k = [], 0
+        for row, n in zip(rows.tolist(), num_logits.tolist()):
+            state = ib.sampling_state[row]
+            if state is None and n:
+                state = ib.sampling_state[row] = self._new_state(row)
+            for _ in range(n):
+                outs = ib.token_ids[row, ib.num_prompt[row]:ib.num_tokens[row]].tolist()
+                sample_rows.append(SamplingRow(state, outs, positions[k]))
+                k += 1
+        out = self.sampler.sample(logits, sample_rows, advance=not num_spec.any())
+        return out.token_ids.to(logits.device), out.logprobs
+
+    def _new_state(self, row: int):
+        """Sampler state of a row; a resumed request's grammar re-accepts its outputs so far."""
+        ib = self.input_batch
+        state = self.sampler.new_state(ib.params[row])
+        if state.grammar is not None:
+            for t in ib.token_ids[row, ib.num_prompt[row]:ib.num_tokens[row]].tolist():
+                state.grammar.accept(t)
+        return state
+
+    @staticmethod
+    def _per_request_logprobs(step: _InFlight, per_req: list[list[int]]):
+        if step.logprobs is None:
+            return None
+        res, off = [], 0
+        for n, toks in zip(step.num_logits.tolist(), per_req):
+            lps = step.logprobs[off:off + len(toks)]
+            res.append(lps if n and any(lp is not None for lp in lps) else None)
+            off += n
+        return res
 
     def _set_pending(self, rows, num_logits, num_spec) -> None:
         """Rows whose new token is only on the device until resolve() (one per sampling request)."""

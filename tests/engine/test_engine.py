@@ -141,3 +141,14 @@ def test_async_engine_generate_stream_callback_abort(tiny_engine_args):
         assert eng.stats()["gauges"]["cache_blocks_used"] == 0
     finally:
         eng.shutdown()
+
+
+def test_sampler_path_seeded_and_logprobs(tiny_engine_args):
+    llm = LLM(**{**tiny_engine_args, "max_num_seqs": 4})
+    p = SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=7, logprobs=2, ignore_eos=True)
+    a = llm.generate([[3, 4, 5], [9] * 12], p)
+    b = llm.generate([[9] * 12], p)
+    assert a[1].token_ids == b[0].token_ids            # same seed, other batch: same tokens
+    assert len(a[0].logprobs) == 5 and len(a[0].logprobs[0].top) == 2
+    g = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, temperature=0, logprobs=0, ignore_eos=True))
+    assert len(g[0].logprobs) == 3 and g[0].logprobs[0].logprob <= 0
