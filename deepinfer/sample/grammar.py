@@ -22,6 +22,7 @@ from collections import OrderedDict
 
 import xgrammar as xgr
 
+from deepinfer.request import InvalidRequestError
 from deepinfer.sample.tool_grammar import parse_tools, tool_call_structural_tag
 from deepinfer.sampling_params import OutputConstraint
 
@@ -31,7 +32,7 @@ GRAMMAR_TEXT_TOKENS = {"｜DSML｜"}
 BLANKED_TEXT_TOKENS = {"<think>", "</think>"}
 
 
-class InvalidConstraintError(ValueError):
+class InvalidConstraintError(InvalidRequestError):
     """The request's output constraint cannot be enforced (bad JSON schema, regex or grammar).
     Raised at admission, before any generation; the serving layer answers with a 400."""
 

@@ -86,11 +86,22 @@ class Sampler:
             self._structured = StructuredOutput.from_tokenizer_file(self.tokenizer_path, self.vocab_size)
         return self._structured
 
-    def new_state(self, params: SamplingParams) -> SamplingState:
-        """Validate and compile the request's constraint. Raises InvalidConstraintError (a 400)."""
+    def check(self, params: SamplingParams) -> None:
+        """Admission check from any thread: compiles (and caches) the constraint.
+        Raises InvalidConstraintError (an InvalidRequestError, a 400) before anything runs."""
+        if params.constraint is not None:
+            self.structured.compile(params.constraint)
+
+    def new_state(self, params: SamplingParams, output_token_ids: Sequence[int] = ()) -> SamplingState:
+        """The request's sampling state. output_token_ids: tokens already generated (a request
+        recomputed after preemption), replayed into the grammar so its masks continue where they
+        were. Keep one state per request for its whole life where possible (a seedless request
+        draws a fresh seed here). Raises InvalidConstraintError."""
         grammar = None
         if params.constraint is not None:
             grammar = self.structured.new_state(params.constraint, params.stop_token_ids)
+            for t in output_token_ids:
+                grammar.accept(int(t))
         return SamplingState(params, resolve_seed(params.seed), grammar)
 
     # ---- one step ----------------------------------------------------------------------------

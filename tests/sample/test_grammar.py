@@ -230,3 +230,19 @@ def test_bad_constraints_rejected_at_admission(sampler, c):
 def test_compiled_grammars_are_cached(structured):
     c = OutputConstraint("json_schema", json.dumps(SCHEMAS[2]))
     assert structured.compile(c) is structured.compile(c)
+
+
+def test_new_state_replays_outputs_after_preemption(sampler, tokenizer):
+    params = SamplingParams(constraint=OutputConstraint("json_schema", json.dumps(SCHEMAS[1])), seed=5)
+    ids = tokenizer.encode('{"color": "gr').ids
+    live = sampler.new_state(params)
+    for t in ids:
+        live.grammar.accept(t)
+    resumed = sampler.new_state(params, ids)
+    a, b = xgr.allocate_token_bitmask(1, VOCAB), xgr.allocate_token_bitmask(1, VOCAB)
+    live.grammar.fill_bitmask(a, 0)
+    resumed.grammar.fill_bitmask(b, 0)
+    assert torch.equal(a, b) and resumed.seed == live.seed == 5
+    sampler.check(params)
+    with pytest.raises(InvalidConstraintError):
+        sampler.check(SamplingParams(constraint=OutputConstraint("regex", "(")))
