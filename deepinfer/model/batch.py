@@ -26,8 +26,8 @@ class ForwardBatch:
     positions: torch.Tensor        # [T] int64, absolute position of each new token
     cu_seqlens: torch.Tensor       # [B+1] int64 (CPU), prefix sums of the new-token counts
     start_pos: torch.Tensor        # [B] int64 (CPU), tokens already in the caches per sequence
-    ngram_history: torch.Tensor    # [B, max_ngram_size-1] int64, token ids at start_pos-3..start_pos-1 (-1 before 0)
-    ring_slots: torch.Tensor       # [B] int64, the window-ring slot each sequence owns
+    ngram_history: torch.Tensor    # [B, max_ngram_size-1] int64, token ids at start_pos-3..start_pos-1 (-1 before 0, -2 image-span token)
+    ring_slots: torch.Tensor       # [B] int64 (CPU), the window-ring / compressor-carry slot each sequence owns
     block_tables: torch.Tensor     # [B, max_blocks] int64, compressed-cache blocks per sequence (-1 = none)
     logits_indices: torch.Tensor   # [N] int64, rows of T whose logits are wanted (last token, or all verified ones)
     token_mask: torch.Tensor | None = None   # [T] bool, False inside image spans (Engram dead, VL router bias)
