@@ -3,9 +3,8 @@ small block pool, requests, and runner outputs computed from the SchedulerOutput
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,23 +45,41 @@ def fake_runner_output(sched_out: SchedulerOutput, sched: Scheduler, token=7, ac
     return ModelRunnerOutput(req_ids, sampled)
 
 
-@pytest.fixture(scope="session")
-def fixture_checkpoint(tmp_path_factory):
-    """The v41-tiny-bf16 shared fixture, built into a temp dir (about 5 s)."""
-    src = SHARED / "fixtures" / "v41-tiny-bf16"
+_built: dict[str, Path] = {}
+
+
+def build_fixture(name: str, tmp_path_factory) -> Path:
+    """A shared fixture's checkpoint, built into a temp dir once per session (about 5 s)."""
+    if name in _built:
+        return _built[name]
+    src = SHARED / "fixtures" / name
     tool = SHARED / "tools" / "make-fixture"
     if not src.exists() or not tool.exists():
-        pytest.skip(f"shared fixtures not found at {SHARED} (needs ../shared/fixtures and ../shared/tools)")
-    out = tmp_path_factory.mktemp("fixture") / "v41-tiny-bf16"
-    py = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
-    cmd = [str(py) if py.exists() else "python", str(tool), "--from-fixture", str(src), "--out", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True)
+        pytest.skip(f"shared fixture {name} not found at {SHARED} (needs ../shared/fixtures and ../shared/tools)")
+    out = tmp_path_factory.mktemp("fixture") / name
+    subprocess.run([sys.executable, str(tool), "--from-fixture", str(src), "--out", str(out)],
+                   check=True, capture_output=True)
+    _built[name] = out
     return out
 
 
 @pytest.fixture(scope="session")
-def tiny_engine_args(fixture_checkpoint):
+def fixture_checkpoint(tmp_path_factory):
+    """The v41-tiny-bf16 shared fixture."""
+    return build_fixture("v41-tiny-bf16", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The project's own tiny preset (deepinfer.cli.make_checkpoint), for the bulk engine tests."""
+    out = tmp_path_factory.mktemp("preset") / "tiny"
+    subprocess.run([sys.executable, "-m", "deepinfer.cli.make_checkpoint", "--preset", "tiny", "--seed", "0",
+                    "--out", str(out)], check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_args(tiny_checkpoint):
     """Small real-model engine settings: CPU, block_tokens 8, a modest cache."""
-    from deepinfer.config import EngineArgs
-    return dict(checkpoint=str(fixture_checkpoint), device="cpu", max_num_seqs=8, max_num_batched_tokens=64,
+    return dict(checkpoint=str(tiny_checkpoint), device="cpu", max_num_seqs=8, max_num_batched_tokens=64,
                 block_tokens=8, num_cache_blocks=64)

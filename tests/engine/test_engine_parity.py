@@ -11,7 +11,7 @@ import pytest
 from deepinfer.config import EngineArgs
 from deepinfer.engine import Engine
 from deepinfer.sampling_params import SamplingParams
-from tests.engine.conftest import SHARED
+from tests.engine.conftest import SHARED, build_fixture
 
 COPIES = 4  # 4 prompts x 4 copies = 16 requests
 
@@ -42,9 +42,9 @@ def run_teacher_forced(engine: Engine, expected) -> dict[str, np.ndarray]:
     return {rid: np.concatenate(rows) for rid, rows in logits.items()}
 
 
-@pytest.mark.parametrize("fixture_name", ["v41-tiny-bf16"])
-def test_sixteen_mixed_requests_pass_check_parity(fixture_checkpoint, fixture_name, tmp_path):
-    ckpt = fixture_checkpoint
+@pytest.mark.parametrize("fixture_name", ["v41-tiny-bf16", "v41-tiny"])
+def test_sixteen_mixed_requests_pass_check_parity(fixture_name, tmp_path, tmp_path_factory):
+    ckpt = build_fixture(fixture_name, tmp_path_factory)
     expected = np.load(ckpt / "expected.npz")
     engine = Engine(EngineArgs(checkpoint=str(ckpt), device="cpu", max_num_seqs=16,
                                max_num_batched_tokens=192, block_tokens=64, num_cache_blocks=16 * 13,

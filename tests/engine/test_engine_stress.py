@@ -12,9 +12,9 @@ N = 2000
 MAX_IN_FLIGHT = 96
 
 
-def test_two_thousand_requests_with_aborts_and_preemption(fixture_checkpoint):
+def test_two_thousand_requests_with_aborts_and_preemption(tiny_checkpoint):
     rng = random.Random(1234)
-    eng = AsyncEngine(EngineArgs(checkpoint=str(fixture_checkpoint), device="cpu", max_num_seqs=48,
+    eng = AsyncEngine(EngineArgs(checkpoint=str(tiny_checkpoint), device="cpu", max_num_seqs=48,
                                  max_num_batched_tokens=256, block_tokens=8, num_cache_blocks=40))
     lock = threading.Lock()
     tokens: dict[str, int] = {}
