@@ -58,10 +58,16 @@ def library_dir(state_dir: Path = STATE_DIR) -> Path:
 
 
 def server_env() -> dict:
-    """The copied stub finds the wheel's bundled libraries (its RPATH pointed next to them)."""
+    """The copied stub finds the wheel's bundled libraries (its RPATH pointed next to them) and the
+    libpython of the venv's own interpreter: with a pyenv Python, the system libpython3.x would be
+    found first and the venv's extension modules (_ssl...) fail on missing symbols."""
+    import sysconfig
     env = dict(os.environ)
-    libs = pytriton_root().parent / "nvidia_pytriton.libs"
-    env["LD_LIBRARY_PATH"] = f"{libs}:{env.get('LD_LIBRARY_PATH', '')}"
+    paths = [str(pytriton_root().parent / "nvidia_pytriton.libs")]
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if libdir and Path(libdir, f"libpython{sys.version_info.major}.{sys.version_info.minor}.so.1.0").exists():
+        paths.append(libdir)
+    env["LD_LIBRARY_PATH"] = ":".join(paths + [env.get("LD_LIBRARY_PATH", "")])
     return env
 
 
@@ -84,6 +90,13 @@ def runtime_repository(dest: Path, checkpoint: str, max_model_len: int, engine_a
     if dest.exists():
         shutil.rmtree(dest)
     return config.build_runtime_repository(dest, params, execution_env=sys.prefix)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class TritonServer:
@@ -116,7 +129,7 @@ class TritonServer:
         url = f"http://127.0.0.1:{self.http_port}/v2/health/ready"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {self.proc.returncode} (log: {self.log_path})")
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -126,6 +139,11 @@ class TritonServer:
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"tritonserver not ready after {timeout}s (log: {self.log_path})")
+
+    def log_tail(self, n: int = 3000) -> str:
+        if self.log_path is None or not Path(self.log_path).exists():
+            return "(no log)"
+        return Path(self.log_path).read_bytes()[-n:].decode("utf-8", "replace")
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
