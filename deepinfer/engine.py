@@ -34,6 +34,7 @@ from deepinfer.request import InvalidRequestError, Request, RequestStatus, Unkno
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sched.scheduler import Scheduler
 from deepinfer.stats import EngineStats
+from deepinfer.worker.input_batch import needs_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +89,8 @@ class Engine:
         a = self.args
         self.async_scheduling = a.async_scheduling if a.async_scheduling is not None else self.device.startswith("cuda")
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
-        from deepinfer.sample import Sampler
         from deepinfer.worker.model_runner import ModelRunner
-        tokenizer = Path(a.checkpoint) / "tokenizer.json"
-        self.sampler = Sampler(self.vocab_size, str(tokenizer) if tokenizer.is_file() else None)
+        self.sampler = _make_sampler(a.checkpoint, self.vocab_size)
         self.runner = ModelRunner(self.model, self.caches, self.device, a.max_num_seqs,
                                   self.max_model_len, a.block_tokens,
                                   ngram_width=max(self.model_args.engram_max_ngram_size - 1, 0),
@@ -117,6 +116,9 @@ class Engine:
             raise InvalidRequestError(f"request {request_id}: sampling_params must be a SamplingParams")
         if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
             raise InvalidRequestError(f"request {request_id}: max_tokens must be at least 1, got {params.max_tokens}")
+        if self.sampler is None and needs_sampler(params):
+            raise InvalidRequestError(f"request {request_id}: only greedy sampling is available "
+                                      "(deepinfer.sample could not be imported)")
         if params.constraint is not None:
             self.sampler.new_state(params)  # compiles the grammar; InvalidConstraintError to this caller
         if params.seed is None and not params.greedy:
@@ -195,6 +197,17 @@ class Engine:
         self.stats.set_gauges(num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
                               cache_blocks_used=kv.num_used_blocks,
                               cache_usage=kv.num_used_blocks / self.num_cache_blocks)
+
+
+def _make_sampler(checkpoint: str, vocab_size: int):
+    """The Sampler, or None (greedy only) where its dependencies (xgrammar) are missing."""
+    try:
+        from deepinfer.sample import Sampler
+    except ImportError as e:
+        logger.warning("deepinfer.sample unavailable (%s): greedy sampling only", e)
+        return None
+    tokenizer = Path(checkpoint) / "tokenizer.json"
+    return Sampler(vocab_size, str(tokenizer) if tokenizer.is_file() else None)
 
 
 def _read_hf_config(checkpoint: str) -> dict:
