@@ -72,14 +72,16 @@ def time_eager(fn, iters: int = 20) -> float:
 
 def measure_ceilings() -> dict:
     """Device-to-device copy bandwidth (bytes read + written) and dense matmul rates on random data."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(200):                              # ~1 s of work: clocks up from idle first
+        a @ b
+    torch.cuda.synchronize()
     n = 2**30 // 2
     x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    t = time_calls([lambda: y.copy_(x)], iters=5)
-    copy_bw = 2 * x.numel() * 2 / t
+    copy_bw = max(2 * x.numel() * 2 / time_calls([lambda: y.copy_(x)], iters=10) for _ in range(2))
     del x, y
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t = time_calls([lambda: a @ b], iters=5)
     bf16 = 2 * 8192**3 / t
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()

@@ -87,6 +87,13 @@ def streamed_tokens_per_s(export: dict) -> tuple[float, int]:
     return total / ((last - first) / 1e9), total
 
 
+def first_response_latencies(export: dict) -> list[float]:
+    """Seconds from each request to its first response (perf_analyzer's own figure for this
+    decoupled ensemble is the whole request's latency)."""
+    return sorted((min(r["response_timestamps"]) - r["timestamp"]) / 1e9
+                  for exp in export["experiments"] for r in exp["requests"] if r["response_timestamps"])
+
+
 def _value(v):
     return v[0] if isinstance(v, list) else v
 
@@ -117,6 +124,9 @@ def main(argv=None) -> int:
             if server is not None:
                 server.stop()
     ens_tps, n_tokens = streamed_tokens_per_s(result["export"])
+    ttft = first_response_latencies(result["export"])
+    print(f"first-response latency (profile export): avg {sum(ttft) / len(ttft) * 1e3:.0f} ms, "
+          f"p50 {ttft[len(ttft) // 2] * 1e3:.0f} ms, p90 {ttft[int(len(ttft) * 0.9)] * 1e3:.0f} ms")
     print(f"ensemble streamed tokens/s at concurrency {args.concurrency}: {ens_tps:.1f} ({n_tokens} tokens)")
     if engine_tps:
         print(f"engine tokens/s (in-process AsyncEngine, same load): {engine_tps:.1f}")

@@ -254,3 +254,17 @@ def test_metrics(server):
     for name in ("deepinfer_generation_tokens_total", "deepinfer_num_requests_running", "deepinfer_cache_usage",
                  "deepinfer_time_to_first_token_seconds", "deepinfer_preemptions_total"):
         assert name in text, name
+
+
+def test_perf_analyzer_streaming_load(server, tmp_path):
+    """perf/perf_analyzer_ensemble.py's perf_analyzer run (tritonclient 2.51 wheel) on the ensemble."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "perf" / "perf_analyzer_ensemble.py"
+    spec = importlib.util.spec_from_file_location("perf_analyzer_ensemble", path)
+    perf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(perf)
+    result = perf.run_perf_analyzer(server.grpc_url, concurrency=4, num_requests=8, out_dir=tmp_path)
+    assert "Response Throughput" in result["stdout"]
+    tokens_per_s, n_tokens = perf.streamed_tokens_per_s(result["export"])
+    assert tokens_per_s > 0 and n_tokens > 0 and perf.first_response_latencies(result["export"])
