@@ -16,11 +16,15 @@ Sinkhorn pass is a second tiny kernel on [T, 24] (pre / post / comb live in regi
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .reference import hc_split_sinkhorn_ref  # noqa: F401  (the reference this follows)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 MIX_PAD = 32
 
@@ -28,8 +32,8 @@ MIX_PAD = 32
 @triton.jit
 def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, T, d,
                         HC: tl.constexpr, MIX: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                        CH: tl.constexpr, MIXP: tl.constexpr):
-    """Grid (T/BT, d/CH). x [T, HC, d] bf16, fn [MIX, HC*d] f32, pre [T, HC] f32 -> partial mixes
+                        CH: tl.constexpr, MIXP: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
+    """Grid (T/BT, d/CH). The fp32 product uses 3-pass tf32 (error ~ fp32's) on the tensor cores. x [T, HC, d] bf16, fn [MIX, HC*d] f32, pre [T, HC] f32 -> partial mixes
     mixp [d/CH, T, MIXP] and partial squares sqp [d/CH, T] of this column chunk, y [T, d] bf16."""
     pid = tl.program_id(0)
     pc = tl.program_id(1)
@@ -48,8 +52,8 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, T, d,
             xs = tl.load(x_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], mask=t_ok[:, None],
                          other=0.0).to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
-            f = tl.load(fn_ptr + rj[None, :].to(tl.int64) * hd + col[:, None], mask=j_ok[None, :], other=0.0)
-            acc += tl.dot(xs, f, input_precision="ieee")
+            f = tl.load(fn_ptr + rj[:, None].to(tl.int64) * hd + col[None, :], mask=j_ok[:, None], other=0.0)
+            acc += tl.dot(xs, tl.trans(f), input_precision=PREC)
             pk = tl.load(pre_ptr + rt * HC + k, mask=t_ok, other=0.0)
             yacc += pk[:, None] * xs
         tl.store(y_ptr + rt[:, None].to(tl.int64) * d + (c + rk)[None, :], yacc.to(tl.bfloat16),
@@ -166,7 +170,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     assert fn.shape[1] == hc * d and mix <= MIX_PAD and mix == (2 + hc) * hc
     x = x.contiguous()
     bk = 128 if d % 128 == 0 else 64
-    ch = bk * 2 if d % (bk * 2) == 0 else bk
+    ch = bk
     assert d % ch == 0
     nc = d // ch
     mixp = torch.empty(nc, T, MIX_PAD, dtype=torch.float32, device=x.device)
@@ -178,7 +182,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     bt = 16
     hc_mixes_pre_kernel[(triton.cdiv(T, bt), nc)](x, fn.float().contiguous(), pre_prev.float().contiguous(), mixp, sqp,
                                                   y, T, d, HC=hc, MIX=mix, BT=bt, BK=bk, CH=ch, MIXP=MIX_PAD,
-                                                  num_warps=4)
+                                                  PREC="ieee" if INTERPRET else "tf32x3", num_warps=4)
     pre, post, comb = _sinkhorn_launch(mixp, sqp, scale, base, T, hc, iters, hc_eps, nc, 1.0 / (hc * d), norm_eps)
     return pre, post, comb, y
 

@@ -113,7 +113,7 @@ def num_splits_for(L: int, blocks_per_split: int = 4) -> int:
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idxs: torch.Tensor, scale: float,
-                block: int = BLOCK_N, block_h: int = 32, blocks_per_split: int = 4, num_warps: int = 8,
+                block: int = BLOCK_N, block_h: int = 64, blocks_per_split: int = 4, num_warps: int = 8,
                 num_stages: int = 2) -> torch.Tensor:
     """Same contract as sparse_attn_ref (block must be 64, the walk granularity)."""
     assert block == BLOCK_N

@@ -91,7 +91,9 @@ def bench_gemm(quick):
             q, sa = triton_quant.act_quant_fp8(x)
             nbytes = wbytes + N * K // 256 + M * K * 2 + M * N * 2
             flops = 2.0 * M * N * K
-            t = time_calls([lambda w=w, s=s: triton_gemm.fp8_gemm(q, sa, w, s) for w, s in ws])
+            xq = triton_quant.act_quant(x)
+            t8 = time_calls([lambda w=w, s=s: triton_gemm.fp8_gemm(q, sa, w, s) for w, s in ws])
+            t = time_calls([lambda w=w, s=s: triton_gemm.w8a16_gemm(xq, w, s) for w, s in ws])
             t_full = time_calls([lambda w=w, s=s: triton_gemm.fp8_linear(x, w, s) for w, s in ws])
             t_lib = None
             if dg:
@@ -103,9 +105,9 @@ def bench_gemm(quick):
                     print("deepgemm failed", name, M, repr(e)[:200])
             t_torch = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in wbf])
             row(f"fp8_gemm {name}", f"M{M} N{N} K{K}", t, nbytes, flops, "fp8_flops", "DeepGEMM", t_lib, t_torch,
-                note=f"+act_quant {t_full * 1e6:.1f}us")
+                note=f"w8a16; fp8xfp8 per-32 promotion {t8 * 1e6:.1f}us; +act_quant {t_full * 1e6:.1f}us")
             if M == 64:
-                t_bi = time_calls([lambda w=w, s=s: triton_gemm.fp8_gemm(q, sa, w, s, batch_invariant=True)
+                t_bi = time_calls([lambda w=w, s=s: triton_gemm.w8a16_gemm(xq, w, s, batch_invariant=True)
                                    for w, s in ws])
                 row(f"fp8_gemm {name} BI", f"M{M} N{N} K{K}", t_bi, nbytes, flops, "fp8_flops",
                     note=f"batch-invariant cost x{t_bi / t:.2f}")
@@ -127,7 +129,9 @@ def bench_moe(quick):
             out = torch.empty(G, mmax, N, device="cuda", dtype=torch.bfloat16)
             nbytes = G * (N * K + N * K // 32 * 4 + em * K + em * N * 2)
             flops = 2.0 * G * em * N * K
-            t = time_calls([lambda: triton_gemm.fp8_grouped_gemm_masked(q, sa, w, s, mm, em, out=out)], iters=5)
+            t8 = time_calls([lambda: triton_gemm.fp8_grouped_gemm_masked(q, sa, w, s, mm, em, out=out)], iters=5)
+            xq = triton_quant.act_quant(x).view(G, mmax, K)
+            t = time_calls([lambda: triton_gemm.w8a16_grouped_gemm_masked(xq, w, s, mm, em, out=out)], iters=5)
             t_lib = None
             if dg:
                 q128, sa128 = deepgemm.act_reblock_128(q.view(-1, K), sa.view(-1, K // 32))
@@ -138,7 +142,7 @@ def bench_moe(quick):
                 except Exception as e:  # noqa: BLE001
                     print("deepgemm masked failed", repr(e)[:300])
             row(f"moe masked {name}", f"G{G} m{em} N{N} K{K}", t, nbytes, flops, "fp8_flops", "DeepGEMM masked",
-                t_lib)
+                t_lib, note=f"w8a16; fp8xfp8 per-32 promotion {t8 * 1e6:.1f}us")
         del w, s
 
 
@@ -155,7 +159,9 @@ def bench_attn(quick):
         flops = tsa.attn_flops(b, H, L, D)
         nbytes = tsa.attn_bytes(b, H, L, D)
         best = None
-        variants = [(32, 4, 8), (64, 4, 8), (32, 2, 8), (16, 4, 4)] if b == 64 and not quick else [(32, 4, 8)]
+        variants = [(64, 4, 8), (64, 2, 8), (32, 4, 8)] if not quick else [(64, 4, 8)]
+        if b == 64 and not quick:
+            variants += [(64, 4, 4), (64, 8, 8)]
         for bh, bps, nw in variants:
             try:
                 t = time_calls([lambda: tsa.sparse_attn(q, kv, sink, idx, D ** -0.5, block_h=bh, blocks_per_split=bps,

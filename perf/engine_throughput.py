@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
     a = p.parse_args()
 
     import torch
@@ -67,7 +68,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = a.checkpoint or default_checkpoint(Path(tmp), a.preset)
         max_b = max(a.batches)
-        llm = LLM(ckpt, device=a.device, max_num_seqs=max_b,
+        mode = {"auto": None, "on": True, "off": False}[a.async_scheduling]
+        llm = LLM(ckpt, device=a.device, max_num_seqs=max_b, async_scheduling=mode,
                   max_num_batched_tokens=max(2048, max_b * a.prompt_len),
                   num_cache_blocks=max_b * (-(-(a.prompt_len + a.output_len) // 64)) + 8)
         vocab = llm.engine.vocab_size

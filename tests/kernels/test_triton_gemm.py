@@ -33,10 +33,23 @@ def test_batch_invariant_rows():
         assert torch.equal(fp8_linear(x[:m], w, s, batch_invariant=True), full[:m])
 
 
-@pytest.mark.parametrize("expected_m", [4, 32])
-def test_grouped_masked_fp4_experts(expected_m):
-    from deepinfer.kernels.triton_gemm import fp4_to_fp8_weight, fp8_grouped_gemm_masked
+@pytest.mark.parametrize("m,n,k", [(1, 1280, 5120), (64, 5120, 2304), (300, 512, 1280)])
+def test_fp8xfp8_gemm_per32_promotion(m, n, k):
+    """The FP8 x FP8 kernel (tensor-core dot per 32 K, scaled and added in fp32)."""
+    from deepinfer.kernels.reference import e8m0_to_float
+    from deepinfer.kernels.triton_gemm import fp8_gemm
     from deepinfer.kernels.triton_quant import act_quant_fp8
+    w, s = rand_fp8_weight(n, k, "cuda", seed=7)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    q, sa = act_quant_fp8(x)
+    assert rel_err(fp8_gemm(q, sa, w, e8m0_to_float(s)), _ref_linear(x, w, s)) < 2e-3
+
+
+@pytest.mark.parametrize("expected_m", [4, 32])
+@pytest.mark.parametrize("kind", ["w8a16", "fp8"])
+def test_grouped_masked_fp4_experts(expected_m, kind):
+    from deepinfer.kernels.triton_gemm import fp4_to_fp8_weight, fp8_grouped_gemm_masked, w8a16_grouped_gemm_masked
+    from deepinfer.kernels.triton_quant import act_quant, act_quant_fp8
     G, mmax, n, k = 6, 64, 512, 1024
     packed = torch.randint(0, 256, (G, n, k // 2), dtype=torch.uint8, device="cuda")
     sc = torch.randint(118, 124, (G, n, k // 32), dtype=torch.uint8, device="cuda")
@@ -46,7 +59,10 @@ def test_grouped_masked_fp4_experts(expected_m):
     q, s = act_quant_fp8(x.view(-1, k))
     mm = torch.randint(0, 2 * expected_m, (G,), device="cuda").clamp_max(mmax).int()
     d = torch.empty((G, mmax, n), device="cuda", dtype=torch.bfloat16)
-    fp8_grouped_gemm_masked(q.view(G, mmax, k), s.view(G, mmax, k // 32), w8, s8, mm, expected_m, out=d)
+    if kind == "fp8":
+        fp8_grouped_gemm_masked(q.view(G, mmax, k), s.view(G, mmax, k // 32), w8, s8, mm, expected_m, out=d)
+    else:
+        w8a16_grouped_gemm_masked(act_quant(x), w8, s8, mm, expected_m, out=d)
     for g in range(G):
         r = int(mm[g])
         if r:
