@@ -104,8 +104,8 @@ def w8a16_gemm_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
                       M, N, K, SPLIT_K,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SB_ROWS: tl.constexpr,
                       SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False):
-    """x [G, M, K] bf16 holding FP8-rounded activations (act_quant's fake-quant values: q * 2^e, exact
+                      NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False):
+    """SB_E8M0: sb holds raw E8M0 bytes (1 B per 32 weights instead of 4). x [G, M, K] bf16 holding FP8-rounded activations (act_quant's fake-quant values: q * 2^e, exact
     in bf16), b [G, N, K] e4m3, sb [G, N/SB_ROWS, K/32] f32 pow2. Each weight tile is dequantized in
     registers (q * s: exact in bf16) and fed to a bf16 MMA accumulating in place in fp32: the same
     exact products as the reference, with no per-32 promotion step. Grid as fp8_gemm_kernel."""
@@ -140,7 +140,11 @@ def w8a16_gemm_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
     for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + kb * BK, mask=m_ok[:, None], other=0.0)
         w = tl.load(b_ptrs + kb * BK, mask=n_ok[:, None], other=0.0)
-        sb = tl.load(sb_ptrs + kb * (BK // 32), mask=n_ok[:, None], other=0.0)
+        if SB_E8M0:
+            sb = (tl.load(sb_ptrs + kb * (BK // 32), mask=n_ok[:, None], other=0).to(tl.int32) << 23).to(
+                tl.float32, bitcast=True)
+        else:
+            sb = tl.load(sb_ptrs + kb * (BK // 32), mask=n_ok[:, None], other=0.0)
         if UPCAST:                       # CPU interpreter only: its bf16 casts and dots are wrong
             wd = tl.reshape(tl.reshape(w.to(tl.float32), (BN, BK // 32, 32)) * sb[:, :, None], (BN, BK))
             x = x.to(tl.float32)
@@ -205,7 +209,7 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None):
     mm = masked_m if masked_m is not None else sb
     kw = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], SB_ROWS=sb_rows, SWAP=cfg["SWAP"],
               GROUPED=masked_m is not None, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"],
-              UPCAST=INTERPRET)
+              UPCAST=INTERPRET, SB_E8M0=sb.dtype != torch.float32)
     c = out if out is not None else torch.empty(groups, m, n, dtype=torch.bfloat16, device=dev)
     if split == 1:
         w8a16_gemm_kernel[grid](x, b, sb, c, mm, m, n, k, 1, OUT_F32=False, **kw)
@@ -217,9 +221,14 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None):
     return c
 
 
+def _as_scale(sb: torch.Tensor) -> torch.Tensor:
+    """f32 pow2 scales pass through; E8M0 (float8_e8m0fnu / uint8) travel as raw bytes."""
+    return sb if sb.dtype == torch.float32 else sb.view(torch.uint8)
+
+
 def w8a16_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """x [M, K] bf16 (already FP8-rounded by act_quant), b [N, K] e4m3, sb [N/32, K/32] or [N, K/32]
-    f32 pow2 -> [M, N] bf16. Same values as fp8_gemm on (act_quant_fp8(x), ...)."""
+    (f32 pow2 or raw E8M0) -> [M, N] bf16. Same values as fp8_gemm on (act_quant_fp8(x), ...)."""
     m, k = x.shape
     n = b.shape[0]
     sb_rows = n // sb.shape[0]
@@ -227,7 +236,7 @@ def w8a16_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch_invaria
     if m == 0:
         return torch.empty(0, n, dtype=torch.bfloat16, device=x.device)
     cfg = w8a16_config(m, n, k, 1, x.device, batch_invariant)
-    return _launch_w8a16(x.contiguous(), b, sb.contiguous(), None, m, n, k, 1, sb_rows, cfg)[0]
+    return _launch_w8a16(x.contiguous(), b, _as_scale(sb).contiguous(), None, m, n, k, 1, sb_rows, cfg)[0]
 
 
 def w8a16_grouped_gemm_masked(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, masked_m: torch.Tensor,
@@ -240,8 +249,8 @@ def w8a16_grouped_gemm_masked(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
     cfg = w8a16_config(expected_m, n, k, groups, x.device, batch_invariant)
     if cfg["SWAP"]:
         cfg["BM"] = max(cfg["BM"], 16)
-    return _launch_w8a16(x.contiguous(), b, sb.contiguous(), masked_m.to(torch.int32), mmax, n, k, groups, sb_rows,
-                         cfg, out)
+    return _launch_w8a16(x.contiguous(), b, _as_scale(sb).contiguous(), masked_m.to(torch.int32), mmax, n, k, groups,
+                         sb_rows, cfg, out)
 
 
 def _num_sms(device) -> int:
@@ -327,17 +336,16 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, batch_in
     """x [..., K] bf16, w [N, K] e4m3, w_scale [N/32, K/32] f32 (or raw E8M0) -> [..., N] bf16: the
     reference Linear for FP8 weights (act_quant per 32, fp32-accumulated product)."""
     from .triton_quant import act_quant
-    if w_scale.dtype != torch.float32:
-        w_scale = e8m0_to_float(w_scale)
     y = w8a16_gemm(act_quant(x.reshape(-1, x.shape[-1])), w, w_scale, batch_invariant)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def fp4_to_fp8_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp4_to_fp8_weight(packed: torch.Tensor, scale: torch.Tensor, keep_e8m0: bool = False):
     """[N, K/2] e2m1 pairs (element 2j in the low nibble) + E8M0 [N, K/32] -> (e4m3 [N, K], f32
-    [N, K/32]). Exact: the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} is a subset of e4m3."""
+    [N, K/32], or the E8M0 bytes with keep_e8m0). Exact: the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}
+    is a subset of e4m3."""
     u = packed.view(torch.uint8)
     grid = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), device=u.device)
     table = torch.cat([grid, -grid]).to(torch.float8_e4m3fn)
     w = torch.stack([table[(u & 15).long()], table[(u >> 4).long()]], -1).flatten(-2)
-    return w.contiguous(), e8m0_to_float(scale).contiguous()
+    return w.contiguous(), (scale.view(torch.uint8).contiguous() if keep_e8m0 else e8m0_to_float(scale).contiguous())

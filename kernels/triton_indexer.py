@@ -22,9 +22,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, o_ptr, n, E,
+def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, o_ptr, n, E,
                         IH: tl.constexpr, ID: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-                        HAS_LENS: tl.constexpr, UPCAST: tl.constexpr):
+                        HAS_LENS: tl.constexpr, UPCAST: tl.constexpr, PER_TOKEN_KEYS: tl.constexpr):
+    """PER_TOKEN_KEYS (BT == 1): query t reads keys rows ks[t] .. ks[t] + E of a shared pool (one
+    sequence's keys per decode token), else all queries share keys[0:E]."""
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
     rq = pid_t * BT * IH + tl.arange(0, BT * IH)             # flattened (token, head) rows
@@ -33,7 +35,10 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, o_ptr, n, E,
     q_ok = rq < n * IH
     e_ok = re < E
     q = tl.load(q_ptr + rq[:, None].to(tl.int64) * ID + rd[None, :], mask=q_ok[:, None], other=0.0)
-    k = tl.load(k_ptr + re[:, None].to(tl.int64) * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
+    kbase = 0
+    if PER_TOKEN_KEYS:
+        kbase = tl.load(ks_ptr + pid_t).to(tl.int64)
+    k = tl.load(k_ptr + (kbase + re[:, None].to(tl.int64)) * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
     if UPCAST:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:
@@ -50,18 +55,22 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, o_ptr, n, E,
              mask=(rt < n)[:, None] & e_ok[None, :])
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor | None = None,
+                 key_start: torch.Tensor | None = None, num_keys: int | None = None) -> torch.Tensor:
+    """key_start [n] (with num_keys): query t scores keys[key_start[t] : key_start[t] + num_keys]
+    (a batch of decode tokens, each over its own sequence's keys); out [n, num_keys]."""
     n, ih, idim = q.shape
-    E = keys.shape[0]
+    E = keys.shape[0] if key_start is None else num_keys
     out = torch.empty(n, E, dtype=torch.bfloat16, device=q.device)
     if n == 0 or E == 0:
         return out
-    bt = max(1, min(128 // ih, triton.next_power_of_2(n)))
+    bt = 1 if key_start is not None else max(1, min(128 // ih, triton.next_power_of_2(n)))
     be = 128
     lens_t = lens.to(torch.int32).contiguous() if lens is not None else out
+    ks = key_start.to(torch.int64).contiguous() if key_start is not None else out
     index_scores_kernel[(triton.cdiv(n, bt), triton.cdiv(E, be))](
-        q.contiguous(), w.contiguous(), keys.contiguous(), lens_t, out, n, E, IH=ih, ID=idim, BT=bt, BE=be,
-        HAS_LENS=lens is not None, UPCAST=INTERPRET, num_warps=4)
+        q.contiguous(), w.contiguous(), keys.contiguous(), lens_t, ks, out, n, E, IH=ih, ID=idim, BT=bt, BE=be,
+        HAS_LENS=lens is not None, UPCAST=INTERPRET, PER_TOKEN_KEYS=key_start is not None, num_warps=4)
     return out
 
 

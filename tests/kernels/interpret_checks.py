@@ -67,6 +67,22 @@ def main():
     a, b = triton_indexer.index_scores(qi, wi, ki, lens), triton_indexer.index_scores_ref(qi, wi, ki, lens)
     fin = torch.isfinite(b)
     assert torch.equal(torch.isfinite(a), fin) and rel(a[fin], b[fin]) < 2e-2
+    # per-token key ranges (decode batch, each token over its own sequence's keys)
+    pool = fp4_quant_ref(torch.randn(2 * 150, 128).bfloat16(), 32)
+    a = triton_indexer.index_scores(qi, wi, pool, lens, key_start=torch.tensor([0, 150]), num_keys=150)
+    b0 = triton_indexer.index_scores_ref(qi[:1], wi[:1], pool[:150], lens[:1])
+    b1 = triton_indexer.index_scores_ref(qi[1:], wi[1:], pool[150:], lens[1:])
+    b = torch.cat([b0, b1])
+    fin = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), fin) and rel(a[fin], b[fin]) < 2e-2
+    # W8A16 GEMM with raw E8M0 expert scales (grouped, masked)
+    xq = triton_quant.act_quant(xa.view(-1, k)).view(G, mmax, k)
+    w8e, s8e = zip(*[triton_gemm.fp4_to_fp8_weight(packed[g], sc[g], keep_e8m0=True) for g in range(G)])
+    d2 = triton_gemm.w8a16_grouped_gemm_masked(xq, torch.stack(w8e), torch.stack(s8e),
+                                               torch.tensor([3, 4], dtype=torch.int32), 4)
+    for g, r in ((0, 3), (1, 4)):
+        ref = torch.nn.functional.linear(act_quant_ref(xa[g, :r]).float(), dequant_fp4_ref(packed[g], sc[g]))
+        assert rel(d2[g, :r], ref) < 8e-3, rel(d2[g, :r], ref)
     print("interpret checks passed")
 
 
