@@ -176,7 +176,8 @@ def main(argv=None) -> int:
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port)
     print(" ".join(server.command()), flush=True)
     server.proc = subprocess.Popen(server.command(), env=server_env())
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    # forward SIGTERM as SIGINT (tritonserver's graceful stop); the wait below then returns
+    signal.signal(signal.SIGTERM, lambda *_: server.proc.send_signal(signal.SIGINT))
     try:
         return server.proc.wait()
     except KeyboardInterrupt:
