@@ -118,7 +118,8 @@ def bench_moe(quick):
     G, mmax = 48, 128
     for name, (N, K) in (("moe_w13", (4608, 5120)), ("moe_w2", (5120, 2304))):
         w = (torch.randn(G, N, K, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-        s = torch.exp2(torch.randint(-12, -6, (G, N, K // 32), device="cuda").float())
+        s_e8 = torch.randint(115, 121, (G, N, K // 32), device="cuda", dtype=torch.uint8)
+        s = e8m0_to_float(s_e8)
         if dg:
             s128 = torch.exp2(torch.randint(-12, -6, (G, N // 128, K // 128), device="cuda").float())
         for em in ((8,) if quick else (8, 32)):
@@ -127,11 +128,11 @@ def bench_moe(quick):
             q, sa = triton_quant.act_quant_fp8(x)
             q, sa = q.view(G, mmax, K), sa.view(G, mmax, K // 32)
             out = torch.empty(G, mmax, N, device="cuda", dtype=torch.bfloat16)
-            nbytes = G * (N * K + N * K // 32 * 4 + em * K + em * N * 2)
+            nbytes = G * (N * K + N * K // 32 + em * K * 2 + em * N * 2)
             flops = 2.0 * G * em * N * K
             t8 = time_calls([lambda: triton_gemm.fp8_grouped_gemm_masked(q, sa, w, s, mm, em, out=out)], iters=5)
             xq = triton_quant.act_quant(x).view(G, mmax, K)
-            t = time_calls([lambda: triton_gemm.w8a16_grouped_gemm_masked(xq, w, s, mm, em, out=out)], iters=5)
+            t = time_calls([lambda: triton_gemm.w8a16_grouped_gemm_masked(xq, w, s_e8, mm, em, out=out)], iters=5)
             t_lib = None
             if dg:
                 q128, sa128 = deepgemm.act_reblock_128(q.view(-1, K), sa.view(-1, K // 32))
@@ -143,7 +144,7 @@ def bench_moe(quick):
                     print("deepgemm masked failed", repr(e)[:300])
             row(f"moe masked {name}", f"G{G} m{em} N{N} K{K}", t, nbytes, flops, "fp8_flops", "DeepGEMM masked",
                 t_lib, note=f"w8a16; fp8xfp8 per-32 promotion {t8 * 1e6:.1f}us")
-        del w, s
+        del w, s, s_e8
 
 
 def bench_attn(quick):
