@@ -226,7 +226,8 @@ def _as_scale(sb: torch.Tensor) -> torch.Tensor:
     return sb if sb.dtype == torch.float32 else sb.view(torch.uint8)
 
 
-def w8a16_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+def w8a16_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch_invariant: bool = False,
+               cfg_override: dict | None = None) -> torch.Tensor:
     """x [M, K] bf16 (already FP8-rounded by act_quant), b [N, K] e4m3, sb [N/32, K/32] or [N, K/32]
     (f32 pow2 or raw E8M0) -> [M, N] bf16. Same values as fp8_gemm on (act_quant_fp8(x), ...)."""
     m, k = x.shape
@@ -236,12 +237,13 @@ def w8a16_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch_invaria
     if m == 0:
         return torch.empty(0, n, dtype=torch.bfloat16, device=x.device)
     cfg = w8a16_config(m, n, k, 1, x.device, batch_invariant)
+    cfg.update(cfg_override or {})
     return _launch_w8a16(x.contiguous(), b, _as_scale(sb).contiguous(), None, m, n, k, 1, sb_rows, cfg)[0]
 
 
 def w8a16_grouped_gemm_masked(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, masked_m: torch.Tensor,
                               expected_m: int, out: torch.Tensor | None = None,
-                              batch_invariant: bool = False) -> torch.Tensor:
+                              batch_invariant: bool = False, cfg_override: dict | None = None) -> torch.Tensor:
     """Masked grouped form: x [G, Mmax, K] bf16 (FP8-rounded), b [G, N, K] e4m3, sb [G, N/R, K/32]."""
     groups, mmax, k = x.shape
     n = b.shape[1]
@@ -249,6 +251,7 @@ def w8a16_grouped_gemm_masked(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
     cfg = w8a16_config(expected_m, n, k, groups, x.device, batch_invariant)
     if cfg["SWAP"]:
         cfg["BM"] = max(cfg["BM"], 16)
+    cfg.update(cfg_override or {})
     return _launch_w8a16(x.contiguous(), b, _as_scale(sb).contiguous(), masked_m.to(torch.int32), mmax, n, k, groups,
                          sb_rows, cfg, out)
 

@@ -73,6 +73,8 @@ def bench_quant(quick):
         row(f"fp4_quant b{blk}", f"{M}x{K}", t, 4 * M * K, t_torch=tt)
 
 
+SWEEP = [dict(BN=256, num_warps=8, NUM_STAGES=3), dict(BK=256, NUM_STAGES=3), dict(num_warps=8),
+         dict(NUM_STAGES=6), dict(BN=64), dict(SPLIT_K=1)]
 GEMM_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192),
                "shared_w13": (4608, 5120), "shared_w2": (5120, 2304)}
 
@@ -106,6 +108,14 @@ def bench_gemm(quick):
             t_torch = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in wbf])
             row(f"fp8_gemm {name}", f"M{M} N{N} K{K}", t, nbytes, flops, "fp8_flops", "DeepGEMM", t_lib, t_torch,
                 note=f"w8a16; fp8xfp8 per-32 promotion {t8 * 1e6:.1f}us; +act_quant {t_full * 1e6:.1f}us")
+            if M == 64 and name in ("wo_b", "shared_w13", "wq_a") and not quick:
+                for ov in SWEEP:
+                    try:
+                        tv = time_calls([lambda w=w, s=s: triton_gemm.w8a16_gemm(xq, w, s, cfg_override=ov)
+                                         for w, s in ws])
+                        print(f"   sweep {name} M64 {ov}: {tv * 1e6:.1f}us (default {t * 1e6:.1f})", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"   sweep {name} {ov} failed {repr(e)[:120]}")
             if M == 64:
                 t_bi = time_calls([lambda w=w, s=s: triton_gemm.w8a16_gemm(xq, w, s, batch_invariant=True)
                                    for w, s in ws])
@@ -142,6 +152,14 @@ def bench_moe(quick):
                                        iters=5)
                 except Exception as e:  # noqa: BLE001
                     print("deepgemm masked failed", repr(e)[:300])
+            if not quick and em == 8:
+                for ov in SWEEP[:4]:
+                    try:
+                        tv = time_calls([lambda: triton_gemm.w8a16_grouped_gemm_masked(xq, w, s_e8, mm, em, out=out,
+                                                                                       cfg_override=ov)], iters=5)
+                        print(f"   sweep {name} m{em} {ov}: {tv * 1e6:.1f}us (default {t * 1e6:.1f})", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"   sweep {name} {ov} failed {repr(e)[:120]}")
             row(f"moe masked {name}", f"G{G} m{em} N{N} K{K}", t, nbytes, flops, "fp8_flops", "DeepGEMM masked",
                 t_lib, note=f"w8a16; fp8xfp8 per-32 promotion {t8 * 1e6:.1f}us")
         del w, s, s_e8
