@@ -14,6 +14,16 @@ from tests.serving.checkpoints import build_tiny_checkpoint
 MAX_MODEL_LEN = 2048
 
 
+def _has_batch_invariant_mode() -> bool:
+    import dataclasses
+    from deepinfer import EngineArgs
+    return "batch_invariant" in {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+BATCH_INVARIANT = _has_batch_invariant_mode()
+ENGINE_ARGS = {"max_num_seqs": 40, **({"batch_invariant": True} if BATCH_INVARIANT else {})}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,8 +51,7 @@ def checkpoint(tmp_path_factory):
 def server(tmp_path_factory, checkpoint):
     from deepinfer.ensemble import serve
     tmp = tmp_path_factory.mktemp("triton")
-    repo = serve.runtime_repository(tmp / "model_repository", str(checkpoint), MAX_MODEL_LEN,
-                                    {"max_num_seqs": 40})
+    repo = serve.runtime_repository(tmp / "model_repository", str(checkpoint), MAX_MODEL_LEN, ENGINE_ARGS)
     ports = [free_port() for _ in range(3)]
     log = tmp / "tritonserver.log"
     srv = serve.TritonServer(repo, *ports, log_path=log)
