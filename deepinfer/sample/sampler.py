@@ -11,8 +11,9 @@ Per step, for every row (all ops are per row, so a row's result never depends on
 u is a pure function of (seed, position) (random.py). Inverse-CDF sampling in vocabulary order
 needs one uniform per token and no ordering of ties, and every filter is a threshold on values
 (k-th largest logit, the top_p cut, min_p * max), so sorting order never matters. No `.sum()`
-reductions: totals come from the row's cumsum, whose order is fixed (torch's CPU row sums are not
-batch-invariant; measured in tests/sample/test_sampler.py).
+reductions over a whole vocabulary row (torch's CPU row sums split a single row across threads, so
+they are not batch-invariant; measured in tests/sample/test_sampler.py): totals come from sums of
+fixed 128-token blocks and cumsums, whose order is fixed.
 
 Filter semantics: top_k keeps logits >= the k-th largest (ties at the cut are kept); top_p keeps the
 smallest set of most likely tokens whose mass reaches top_p (ties at the cut kept), computed on the
@@ -32,6 +33,7 @@ from deepinfer.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 TOP_P_FIRST_K = 1024   # top_p looks at this many candidates before falling back to a full sort
+CDF_BLOCK = 128        # inverse-CDF sampling: block sums, then a cumsum inside one block
 
 
 class TokenLogprob(NamedTuple):
@@ -174,10 +176,11 @@ class Sampler:
         out = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.state.params.greedy]
         random = [i for i, r in enumerate(rows) if not r.state.params.greedy]
+        take = lambda idx: logits if len(idx) == len(rows) else logits[idx]   # noqa: E731 - no copy when all
         if greedy:
-            out[greedy] = logits[greedy].argmax(dim=-1)
+            out[greedy] = take(greedy).argmax(dim=-1)
         if random:
-            out[random] = sample_rows(logits[random], [rows[i].state.params for i in random],
+            out[random] = sample_rows(take(random), [rows[i].state.params for i in random],
                                       uniforms([rows[i].state.seed for i in random],
                                                [rows[i].position for i in random]))
         return out
@@ -192,10 +195,35 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Ten
     probs = torch.softmax(x, dim=-1)                                                  # [n, V]
     _top_p(probs, [p.top_p for p in params])
     _min_p(probs, [p.min_p for p in params])
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)                            # [n, V]
-    target = u.to(dev)[:, None] * cdf[:, -1:]
-    tok = torch.searchsorted(cdf, target, right=True)[:, 0]
-    return tok.clamp_(max=logits.shape[-1] - 1)
+    return inverse_cdf(probs, u.to(dev))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = CDF_BLOCK) -> torch.Tensor:
+    """The first token whose cumulative probability (vocabulary order) exceeds u * total; [n] int64.
+
+    Two levels, to avoid a full-vocabulary cumsum (slow on CPU): block sums ([n, V/block], each a
+    fixed-order sum of `block` contiguous values, many outputs per row so never split differently by
+    the batch size), a cumsum over the blocks, then a cumsum inside the chosen block. Tokens of
+    probability 0 are never chosen (clamped to the last positive block / token).
+    """
+    n, vocab = probs.shape
+    pad = (-vocab) % block
+    blocks = torch.nn.functional.pad(probs, (0, pad)).view(n, -1, block)             # [n, nb, block]
+    bcdf = blocks.sum(-1).to(torch.float64).cumsum(-1)                                # [n, nb]
+    target = u[:, None] * bcdf[:, -1:]                                                # [n, 1]
+    b = torch.searchsorted(bcdf, target, right=True)
+    b = torch.minimum(b, _last_positive(bcdf.diff(dim=-1, prepend=torch.zeros_like(bcdf[:, :1]))))
+    prev = torch.where(b > 0, bcdf.gather(1, (b - 1).clamp_(min=0)), torch.zeros_like(target))
+    inner = blocks.gather(1, b[:, :, None].expand(n, 1, block))[:, 0]                  # [n, block]
+    icdf = prev + inner.to(torch.float64).cumsum(-1)                                  # [n, block]
+    j = torch.minimum(torch.searchsorted(icdf, target, right=True), _last_positive(inner))
+    return (b * block + j)[:, 0]
+
+
+def _last_positive(x: torch.Tensor) -> torch.Tensor:
+    """[n, m] -> [n, 1]: index of the last entry > 0 (0 if none)."""
+    idx = torch.arange(x.shape[-1], device=x.device).expand_as(x)
+    return torch.where(x > 0, idx, torch.zeros_like(idx)).amax(dim=-1, keepdim=True)
 
 
 def _top_k(x: torch.Tensor, ks: list[int]) -> None:

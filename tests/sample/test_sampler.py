@@ -162,3 +162,22 @@ def test_top_p_wide_nucleus_falls_back_to_full_sort():
                       for i in range(4)])
     assert (toks >= 100).all()
     assert len(set(toks.tolist())) > 1000
+
+
+@pytest.mark.parametrize("vocab", [1000, 5003])
+def test_chi_square_multi_block_vocab(vocab):
+    """Many 128-token CDF blocks (and a padded last one): rare tokens lumped into one bin."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(vocab, generator=g) * 3.0
+    n = 20_000
+    sampler = Sampler(vocab)
+    rows = rows_for(SamplingParams(temperature=1.0), n, seed=77)
+    counts = np.zeros(vocab)
+    for s in range(0, n, 500):
+        out = sampler.sample(logits.expand(500, vocab).contiguous(), rows[s:s + 500])
+        counts += np.bincount(out.token_ids.numpy(), minlength=vocab)
+    p = expected_probs(logits.numpy())
+    big = p * n >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(p[big] * n, p[~big].sum() * n)
+    assert chisquare(obs, exp).pvalue > 1e-3
