@@ -18,6 +18,7 @@ class EngineArgs:
     cache_memory_fraction: float = 0.85     # of free device memory, when num_cache_blocks is None on CUDA
     async_scheduling: bool | None = None    # None = on for CUDA, off for CPU
     seed: int = 0
+    batch_invariant: bool = False           # a request's logits do not depend on the batch (deepinfer/sample/BATCH_INVARIANCE.md)
     model_overrides: dict = field(default_factory=dict)  # ModelArgs runtime switches, e.g. {"emulate_index_k_alias": True}
 
     def __post_init__(self) -> None:

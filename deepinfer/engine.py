@@ -94,7 +94,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.caches, self.device, a.max_num_seqs,
                                   self.max_model_len, a.block_tokens,
                                   ngram_width=max(self.model_args.engram_max_ngram_size - 1, 0),
-                                  sampler=self.sampler)
+                                  sampler=self.sampler, batch_invariant=a.batch_invariant)
 
     # requests ----------------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None) -> SamplingParams:

@@ -28,6 +28,7 @@ import torch
 
 from dataclasses import dataclass
 
+from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.worker.input_batch import InputBatch
 
@@ -54,8 +55,9 @@ class _InFlight:
 
 class ModelRunner:
     def __init__(self, model, caches, device: torch.device, max_num_seqs: int, max_model_len: int,
-                 block_tokens: int, ngram_width: int = 3, sampler=None) -> None:
+                 block_tokens: int, ngram_width: int = 3, sampler=None, batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant   # torch path: row-by-row GEMMs (kernels/batch_invariant.py)
         self.sampler = sampler        # deepinfer.sample.Sampler; None = greedy only
         self.caches = caches
         self.device = torch.device(device)
@@ -84,7 +86,8 @@ class ModelRunner:
                 num_spec[i] = len(drafts)
         batch, rows, num_logits = ib.build(req_ids, q_lens, num_spec, self.device, self._prev_sampled)
         with torch.inference_mode():
-            logits = self.model(batch, self.caches).logits                 # [N, V] fp32
+            with batch_invariant_mode(self.batch_invariant):
+                logits = self.model(batch, self.caches).logits             # [N, V] fp32
             sampled, logprobs = self._sample(logits, batch, rows, num_logits, num_spec)  # [N] on the device
             self._apply_forcing(sampled, rows, num_logits)
         self._set_pending(rows, num_logits, num_spec)

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.llm import LLM
 from deepinfer.sample import InvalidConstraintError
 from deepinfer.sampling_params import OutputConstraint, SamplingParams
@@ -80,20 +79,25 @@ def test_strict_tool_calls_through_engine(llm, tokenizer, tool_choice):
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
 
 
-def test_same_seed_same_tokens_alone_and_in_batches(llm):
+@pytest.fixture(scope="module")
+def llm_invariant(checkpoint_dir):
+    return LLM(str(checkpoint_dir), max_num_seqs=32, batch_invariant=True)
+
+
+def test_same_seed_same_tokens_alone_and_in_batches(llm_invariant):
+    llm = llm_invariant
     mine = [0, 5000, 6000, 7000, 8000]
     sp = SamplingParams(max_tokens=12, temperature=0.8, top_k=50, min_p=0.01, seed=1234, ignore_eos=True)
     other = [SamplingParams(max_tokens=5 + i % 9, temperature=1.0 + 0.1 * (i % 3), top_p=0.95, seed=i,
                             presence_penalty=0.3 * (i % 2)) for i in range(31)]
-    with batch_invariant_mode():
-        alone = llm.generate([mine], sp, return_logits=True)[0]
-        runs = []
-        for size, pos in ((16, 7), (5, 0), (32, 31)):
-            ps = prompts(size - 1, salt=size)
-            ps.insert(pos, mine)
-            params = other[:size - 1]
-            params.insert(pos, sp)
-            runs.append(llm.generate(ps, params, return_logits=True)[pos])
+    alone = llm.generate([mine], sp, return_logits=True)[0]
+    runs = []
+    for size, pos in ((16, 7), (5, 0), (32, 31)):
+        ps = prompts(size - 1, salt=size)
+        ps.insert(pos, mine)
+        params = other[:size - 1]
+        params.insert(pos, sp)
+        runs.append(llm.generate(ps, params, return_logits=True)[pos])
     for out in runs:
         assert out.token_ids == alone.token_ids
         assert np.array_equal(out.logits, alone.logits)
