@@ -132,3 +132,29 @@ def test_bad_constraint_rejected_before_generation_engine_keeps_serving(llm):
         llm.generate(prompts(1), SamplingParams(constraint=OutputConstraint("regex", "(unclosed")))
     out = llm.generate(prompts(1, salt=4), good)[0]
     assert len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["content", "reasoning_content"])
+def test_logprobs_reach_the_recipe_chat_response(llm, tokenizer_path, thinking):
+    """The engine's TokenLogprob entries go into deepseek-recipe's InferenceChunk.tokens as they are;
+    Chat returns them as logprobs.content (answer) or logprobs.reasoning_content (thinking)."""
+    import deepseek_recipe as dr
+
+    out = llm.generate(prompts(1, salt=9), SamplingParams(max_tokens=8, temperature=0.8, seed=9, logprobs=2,
+                                                          ignore_eos=True))[0]
+    body = {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "hi"}],
+            "thinking": {"type": "enabled" if thinking else "disabled"}, "logprobs": True, "top_logprobs": 2}
+    req = dr.ChatCompletionRequest(json.dumps(body)).convert(dr.ConversionOptions())
+    proc = dr.StreamProcessor(dr.ChatCompletionRequest.chunk_generator(req, "r", "DeepSeek-V4.1-Flash"),
+                              req.parsing_options, dr.Tokenizer.from_file(tokenizer_path))
+    resp = dr.ChatCompletionResponse("r", "DeepSeek-V4.1-Flash", 0, 4, 0)
+    for ch in (dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=4, prompt_cache_hit_tokens=0),
+                                       system_fingerprint="fp"),
+               dr.InferenceChunk.tokens(out.token_ids, logprobs=out.logprobs),
+               dr.InferenceChunk.finish(dr.InferenceFinishReason.Length)):
+        for chunk in proc.push(ch):
+            resp.accumulate(chunk)
+    lp = json.loads(resp.to_json())["choices"][0]["logprobs"]
+    entries = lp["reasoning_content" if thinking else "content"]
+    ours = {round(x.logprob, 5) for x in out.logprobs}
+    assert entries and all(round(e["logprob"], 5) in ours and len(e["top_logprobs"]) == 2 for e in entries)
