@@ -76,15 +76,19 @@ def test_step_fault_fails_only_that_step(engine, monkeypatch):
     assert engine.stats.snapshot()["counters"]["requests_finished_error"] >= 1
 
 
-def test_async_scheduling_matches_sync_teacher_forced(tiny_engine_args):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_async_scheduling_matches_sync_teacher_forced(tiny_engine_args, device):
     """The pipelined step feeds device-side tokens; teacher-forced logits must equal the sync ones."""
     import numpy as np
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
     prompts = [[11, 12, 13, 14, 15], list(range(100, 130)), [7]]
     forced = [[21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36], [41, 42, 43, 44, 45, 46]]
     params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
     res = {}
     for mode in (False, True):
-        llm = LLM(**{**tiny_engine_args, "async_scheduling": mode})
+        llm = LLM(**{**tiny_engine_args, "async_scheduling": mode, "device": device})
         res[mode] = llm.generate(prompts, params, forced_token_ids=forced, return_logits=True)
     for s, a, f in zip(res[False], res[True], forced):
         assert s.token_ids[:6] == a.token_ids[:6] == f
