@@ -157,12 +157,19 @@ class GrammarState:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
-    def fill_bitmask(self, bitmask, row: int) -> bool:
-        """Write the allowed-token mask of the next token into bitmask[row]; False when unconstrained."""
-        if not self.active:
-            return False
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        return True
+    def fill_bitmask(self, bitmask, row: int, lookahead=()) -> bool:
+        """Write the allowed-token mask of the next token into bitmask[row]; False when unconstrained.
+        lookahead: tokens to accept first, tentatively (draft verification), rolled back after."""
+        n = 0
+        for t in lookahead:
+            if not self.accept(int(t)):
+                break   # a draft the grammar refuses: verification rejects it anyway
+            n += 1
+        filled = self.active
+        if filled:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.rollback(n)
+        return filled
 
     def accept(self, token_id: int) -> bool:
         """Advance by one generated token. False if the grammar refuses it (state unchanged)."""

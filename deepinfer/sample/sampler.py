@@ -52,6 +52,12 @@ class SamplingState:
     seed: int                                # resolved: a request without a seed gets a random one
     grammar: GrammarState | None = None
 
+    def accept(self, token_ids: Sequence[int]) -> None:
+        """Advance the grammar by tokens that are now part of the output (accepted drafts + bonus)."""
+        if self.grammar is not None:
+            for t in token_ids:
+                self.grammar.accept(int(t))
+
 
 @dataclass
 class SamplingRow:
@@ -60,6 +66,12 @@ class SamplingRow:
     state: SamplingState
     output_token_ids: Sequence[int] = ()     # the request's generated tokens so far (penalties)
     position: int = 0                        # absolute position of the token being sampled
+    lookahead: Sequence[int] = ()            # draft tokens between those and this row (verification:
+                                             # row j of a request with drafts d_1..d_k has d_1..d_j)
+
+    @property
+    def token_history(self) -> Sequence[int]:
+        return list(self.output_token_ids) + list(self.lookahead) if self.lookahead else self.output_token_ids
 
 
 @dataclass
@@ -109,7 +121,8 @@ class Sampler:
     # ---- one step ----------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], advance: bool = True) -> SamplerOutput:
         """logits [N, V] (N == len(rows)) -> SamplerOutput. With advance, each row's grammar accepts
-        its sampled token (the normal decode step; verification rolls back what it rejects)."""
+        its sampled token (the normal decode step). Draft verification passes advance=False and
+        rows with `lookahead`, then SamplingState.accept(the accepted tokens)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         logits = logits.float()
         logprobs = self._logprobs(logits, rows)
@@ -145,12 +158,13 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        idx = [i for i, r in enumerate(rows) if r.output_token_ids and
+        idx = [i for i, r in enumerate(rows) if (r.output_token_ids or r.lookahead) and
                (r.state.params.presence_penalty or r.state.params.frequency_penalty)]
         if not idx:
             return
-        row_of = [j for j, i in enumerate(idx) for _ in rows[i].output_token_ids]
-        toks = [t for i in idx for t in rows[i].output_token_ids]
+        hist = [rows[i].token_history for i in idx]
+        row_of = [j for j, h in enumerate(hist) for _ in h]
+        toks = [int(t) for h in hist for t in h]
         counts = torch.zeros(len(idx), logits.shape[1], device=logits.device)
         counts.index_put_((torch.tensor(row_of, device=logits.device), torch.tensor(toks, device=logits.device)),
                           torch.ones(len(toks), device=logits.device), accumulate=True)
@@ -159,16 +173,19 @@ class Sampler:
         logits[idx] -= freq[:, None] * counts + pres[:, None] * (counts > 0)
 
     def _apply_grammar(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        active = [i for i, r in enumerate(rows) if r.state.grammar is not None and r.state.grammar.active]
-        if not active:
+        if not any(r.state.grammar is not None for r in rows):
             return
         import xgrammar as xgr
 
         n, vocab = logits.shape
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = xgr.allocate_token_bitmask(max(n, 16), vocab)
-        for i in active:
-            rows[i].state.grammar.fill_bitmask(self._bitmask, i)
+        active = []
+        for i, r in enumerate(rows):
+            if r.state.grammar is not None and r.state.grammar.fill_bitmask(self._bitmask, i, r.lookahead):
+                active.append(i)
+        if not active:
+            return
         mask = self._bitmask[:n].to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, mask, indices=active)
 

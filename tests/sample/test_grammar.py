@@ -246,3 +246,23 @@ def test_new_state_replays_outputs_after_preemption(sampler, tokenizer):
     sampler.check(params)
     with pytest.raises(InvalidConstraintError):
         sampler.check(SamplingParams(constraint=OutputConstraint("regex", "(")))
+
+
+def test_draft_rows_get_masks_after_their_lookahead(sampler, tokenizer):
+    """Verification of drafts d1..d3: row j's mask is the grammar's after d1..dj; the state is
+    unchanged by sampling (advance=False) and then advanced by the accepted tokens."""
+    params = SamplingParams(temperature=0, constraint=OutputConstraint("json_schema", json.dumps(SCHEMAS[1])))
+    drafts = tokenizer.encode('{"color": "').ids[:3]
+    state = sampler.new_state(params)
+    rows = [SamplingRow(state, (), 10 + j, lookahead=drafts[:j]) for j in range(4)]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, VOCAB, generator=g)
+    out = sampler.sample(logits, rows, advance=False)
+    ref = sampler.new_state(params)
+    for j in range(4):   # the same row computed step by step
+        step = sampler.sample(logits[j:j + 1], [SamplingRow(ref, drafts[:j], 10 + j)], advance=False)
+        assert step.token_ids[0] == out.token_ids[j]
+        ref.accept([drafts[j]] if j < 3 else [])
+    assert not state.grammar._history           # nothing advanced
+    state.accept(drafts[:2] + [int(out.token_ids[2])])
+    assert len(state.grammar._history) == 3
