@@ -58,6 +58,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over all batch sizes; the best round per batch is reported (noisy shared hosts)")
     a = p.parse_args()
 
     import torch
@@ -76,11 +78,18 @@ def main() -> None:
         measure(llm, 2, a.prompt_len, 4, vocab, seed=123)  # warm-up
         print(f"checkpoint={ckpt} device={llm.engine.device} async={llm.engine.async_scheduling} "
               f"prompt_len={a.prompt_len} output_len={a.output_len} threads={torch.get_num_threads()}")
+        best: dict[int, tuple[float, float]] = {}
+        for r in range(a.repeat):  # round-robin, so load from others hits every batch size alike
+            for b in a.batches:
+                tps, dt = measure(llm, b, a.prompt_len, a.output_len, vocab, seed=b)
+                if b not in best or tps > best[b][0]:
+                    best[b] = (tps, dt)
+                if a.repeat > 1:
+                    print(f"  round {r} batch {b}: {tps:.1f} tok/s", flush=True)
         print(f"{'batch':>6} {'tok/s':>10} {'seconds':>9} {'x batch1':>9}")
-        base = None
+        base = best[a.batches[0]][0]
         for b in a.batches:
-            tps, dt = measure(llm, b, a.prompt_len, a.output_len, vocab, seed=b)
-            base = base or tps
+            tps, dt = best[b]
             print(f"{b:>6} {tps:>10.1f} {dt:>9.2f} {tps / base:>9.2f}", flush=True)
 
 
