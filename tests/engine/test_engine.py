@@ -156,3 +156,34 @@ def test_sampler_path_seeded_and_logprobs(tiny_engine_args):
     assert len(a[0].logprobs) == 5 and len(a[0].logprobs[0].top) == 2
     g = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, temperature=0, logprobs=0, ignore_eos=True))
     assert len(g[0].logprobs) == 3 and g[0].logprobs[0].logprob <= 0
+
+
+def test_draft_verification_and_rollback_on_the_real_model(tiny_engine_args):
+    """Drafts (k per step) verified in one step: accepted ones kept, rejected positions rolled back
+    (num_computed_tokens lowered, blocks past them freed); greedy output equals plain decoding."""
+    args = {**tiny_engine_args, "block_tokens": 8}
+    prompt = list(range(500, 530))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = LLM(**args).generate([prompt], params)[0].token_ids
+
+    engine = Engine(EngineArgs(**args))
+    engine.add_request("s", prompt, params)
+    got = []
+    step = 0
+    while engine.has_unfinished_requests():
+        req = engine.scheduler.requests.get("s")
+        if req is not None and req.num_output_tokens:
+            n = req.num_output_tokens
+            good = plain[n:n + 1 + step % 3]            # 1-3 right drafts ...
+            req.spec_token_ids = good + [7, 8, 9][:4 - len(good)]   # ... then wrong ones: 4 drafts
+        for out in engine.step():
+            got += out.new_token_ids
+        if req is not None and req.status.name == "RUNNING":
+            assert req.num_tokens - req.num_computed_tokens == 1   # rejected positions rolled back
+            blocks = len(engine.kv_cache.block_ids["s"])
+            assert blocks == engine.kv_cache.num_blocks_for(req.num_computed_tokens)
+        engine.kv_cache.check()
+        step += 1
+    assert got == plain, (got, plain)
+    assert step < len(plain), "drafts were not accepted (no fewer steps than tokens)"
+    assert engine.kv_cache.num_used_blocks == 0
