@@ -178,7 +178,7 @@ class GrammarState:
                 self._start = len(self._history) + 1
             self._history.append(False)
             return True
-        if not self.matcher.accept_token(int(token_id)):
+        if self.matcher.is_terminated() or not self.matcher.accept_token(int(token_id)):
             return False
         self._history.append(True)
         return True

@@ -108,6 +108,7 @@ class ModelRunner:
                                None if step.fed is None else step.fed.cpu().numpy())
         out_logits = self._gather_logits(step, per_req)
         logprobs = self._per_request_logprobs(step, per_req)
+        self._advance_after_verification(step, per_req)
         self._append(step, per_req)
         if step.seq == self._launch_seq:  # nothing launched after it: every token is known here now
             self.input_batch.pending_index[:] = -1
@@ -137,12 +138,23 @@ class ModelRunner:
             state = ib.sampling_state[row]
             if state is None and n:
                 state = ib.sampling_state[row] = self._new_state(row)
-            for _ in range(n):
-                outs = ib.token_ids[row, ib.num_prompt[row]:ib.num_tokens[row]].tolist()
-                sample_rows.append(SamplingRow(state, outs, positions[k]))
+            outs = ib.token_ids[row, ib.num_prompt[row]:ib.num_tokens[row]].tolist() if n else []
+            drafts = ib.token_ids[row, ib.num_tokens[row]:ib.num_tokens[row] + n - 1].tolist() if n > 1 else []
+            for j in range(n):   # row j of a verified request: its mask follows drafts d_1..d_j
+                sample_rows.append(SamplingRow(state, outs, positions[k], lookahead=drafts[:j]))
                 k += 1
         out = self.sampler.sample(logits, sample_rows, advance=not num_spec.any())
         return out.token_ids.to(logits.device), out.logprobs
+
+    def _advance_after_verification(self, step: _InFlight, per_req: list[list[int]]) -> None:
+        """With drafts the Sampler does not advance grammars (advance=False): the accepted tokens do."""
+        if not step.num_spec.any():
+            return
+        ib = self.input_batch
+        for req_id, row, toks in zip(step.req_ids, step.rows.tolist(), per_req):
+            state = ib.sampling_state[row] if ib.row_of.get(req_id) == row else None
+            if state is not None and toks:
+                state.accept(toks)
 
     def _new_state(self, row: int):
         """Sampler state of a row; a resumed request's grammar re-accepts its outputs so far."""

@@ -158,3 +158,28 @@ def test_logprobs_reach_the_recipe_chat_response(llm, tokenizer_path, thinking):
     entries = lp["reasoning_content" if thinking else "content"]
     ours = {round(x.logprob, 5) for x in out.logprobs}
     assert entries and all(round(e["logprob"], 5) in ours and len(e["top_logprobs"]) == 2 for e in entries)
+
+
+def test_grammar_with_draft_verification_matches_plain_decode(llm, tokenizer):
+    """Drafts (some right, some wrong) verified under a JSON-schema grammar give exactly the tokens of
+    plain decoding (greedy verification is lossless), and the grammar state follows the accepted ones."""
+    c = OutputConstraint("json_schema", json.dumps(SCHEMAS[1]))
+    params = SamplingParams(max_tokens=60, temperature=0, constraint=c)
+    prompt = prompts(1, salt=11)[0]
+    ref = llm.generate([prompt], params)[0].token_ids
+    engine = llm.engine
+    engine.add_request("drafted", prompt, params)
+    got, step = [], 0
+    while engine.has_unfinished_requests():
+        req = engine.scheduler.requests.get("drafted")
+        if req is not None and got:
+            k = 1 + step % 3
+            drafts = list(ref[len(got):len(got) + k])
+            if step % 4 == 3 and drafts:
+                drafts[-1] = 17   # a wrong draft: rejected
+            req.spec_token_ids = drafts
+        for out in engine.step():
+            got += out.new_token_ids
+        step += 1
+    assert got == ref and got[-1] == EOS
+    jsonschema.validate(json.loads(tokenizer.decode(got[:-1], skip_special_tokens=False)), SCHEMAS[1])
