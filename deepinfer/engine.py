@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import random
+import threading
 from pathlib import Path
 
 from deepinfer.cache.kv_cache_manager import KVCacheManager, cdiv
@@ -45,6 +47,8 @@ class Engine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.stats = EngineStats()
+        self._seed_rng = random.Random(args.seed)   # seeds of requests that bring none
+        self._seed_lock = threading.Lock()          # validate() runs on callers' threads
         self._init_model()
         self._init_caches()
         self._init_scheduler()
@@ -122,9 +126,11 @@ class Engine:
         if params.constraint is not None:
             self.sampler.new_state(params)  # compiles the grammar; InvalidConstraintError to this caller
         if params.seed is None and not params.greedy:
-            # fix the random stream now, so a preempted and recomputed request draws the same tokens
-            from deepinfer.sample.random import resolve_seed
-            params = dataclasses.replace(params, seed=resolve_seed(None))
+            # fix the random stream now (from EngineArgs.seed), so a preempted and recomputed request
+            # draws the same tokens and a rerun of the same requests is reproducible
+            with self._seed_lock:
+                seed = self._seed_rng.getrandbits(63)
+            params = dataclasses.replace(params, seed=seed)
         return params
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
