@@ -62,6 +62,39 @@ def _clean(err: Exception) -> str:
     return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", str(err)).strip()
 
 
+# Keywords xgrammar accepts but does not enforce (measured: random generations violate them), so a
+# request using them would get output that fails its own schema: refuse it instead (a 400).
+UNENFORCED_KEYWORDS = {"not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+                       "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef"}
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions"}
+_SCHEMA_LISTS = {"anyOf", "oneOf", "allOf", "prefixItems"}
+_SCHEMA_ONE = {"items", "additionalProperties", "propertyNames", "additionalItems", "unevaluatedProperties",
+               "unevaluatedItems"}
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+
+
+def unenforced_feature(schema, path: str = "#") -> str | None:
+    """The first schema feature the grammar cannot enforce, as 'keyword at path', or None."""
+    if not isinstance(schema, dict):
+        return None
+    for key, val in schema.items():
+        where = f"{path}/{key}"
+        if key in UNENFORCED_KEYWORDS or (key == "uniqueItems" and val is True):
+            return f"'{key}' at {where}"
+        if key == "$ref" and isinstance(val, str) and not val.startswith("#"):
+            return f"remote '$ref' {val!r} at {where}"
+        if key == "pattern" and isinstance(val, str) and _LOOKAROUND.search(val):
+            return f"lookaround in 'pattern' at {where}"
+        subs = (val.items() if key in _SCHEMA_MAPS and isinstance(val, dict) else
+                enumerate(val) if (key in _SCHEMA_LISTS or key in _SCHEMA_ONE) and isinstance(val, list) else
+                [("", val)] if key in _SCHEMA_ONE else [])
+        for name, sub in subs:
+            found = unenforced_feature(sub, f"{where}/{name}" if name != "" else where)
+            if found:
+                return found
+    return None
+
+
 def _check_json_schema(spec: str, what: str = "json_schema") -> dict | bool:
     try:
         schema = json.loads(spec)
@@ -69,6 +102,9 @@ def _check_json_schema(spec: str, what: str = "json_schema") -> dict | bool:
         raise InvalidConstraintError(f"{what}: the schema is not valid JSON ({e})") from None
     if not isinstance(schema, (dict, bool)):
         raise InvalidConstraintError(f"{what}: a schema must be a JSON object or boolean")
+    found = unenforced_feature(schema)
+    if found:
+        raise InvalidConstraintError(f"{what}: {found} is not supported (structured output cannot enforce it)")
     try:
         import jsonschema
     except ImportError:  # the metaschema check is extra; xgrammar still rejects what it cannot convert

@@ -210,6 +210,14 @@ BAD = [
     OutputConstraint("ebnf", "root ::= foo"),
     OutputConstraint("ebnf", "root ::= "),
     OutputConstraint("tool_calls", "[]"),
+    OutputConstraint("json_schema", '{"type": "array", "items": {"type": "integer"}, "uniqueItems": true}'),
+    OutputConstraint("json_schema", '{"type": "object", "properties": {"a": {"not": {"const": 1}}}}'),
+    OutputConstraint("json_schema", '{"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}'),
+    OutputConstraint("json_schema", '{"type": "array", "contains": {"const": 1}}'),
+    OutputConstraint("json_schema", '{"type": "string", "pattern": "^(?=a)[a-c]+$"}'),
+    OutputConstraint("json_schema", '{"$ref": "https://example.com/schema.json"}'),
+    OutputConstraint("regex", r"(a)\1"),
+    OutputConstraint("regex", r"(?=a)a"),
     OutputConstraint("tool_calls", '[{"type": "function", "function": {"name": "f", "strict": true, '
                                    '"parameters": {"type": "objectx"}}}]'),
 ]
@@ -266,3 +274,10 @@ def test_draft_rows_get_masks_after_their_lookahead(sampler, tokenizer):
     assert not state.grammar._history           # nothing advanced
     state.accept(drafts[:2] + [int(out.token_ids[2])])
     assert len(state.grammar._history) == 3
+
+
+def test_keyword_names_as_property_names_are_fine(structured):
+    """'not' / 'if' as *property names* (or inside enum data) are not the unenforced keywords."""
+    schema = {"type": "object", "properties": {"not": {"type": "boolean"}, "if": {"enum": [{"not": 1}]}},
+              "required": ["not", "if"], "additionalProperties": False}
+    structured.compile(OutputConstraint("json_schema", json.dumps(schema)))
