@@ -64,55 +64,125 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, T, d,
 
 
 @triton.jit
+def _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, E: tl.constexpr, HC: tl.constexpr,
+             BT: tl.constexpr, PARTIAL: tl.constexpr):
+    """Comb logit E (row E // 4, column E % 4) of BT tokens: scale * (mixes * rsqrt) + base."""
+    v = tl.zeros((BT,), tl.float32)
+    if PARTIAL:
+        for c in range(NC):
+            v += tl.load(mix_ptr + (c * T + rt) * stride + 2 * HC + E, mask=t_ok, other=0.0)
+    else:
+        v = tl.load(mix_ptr + rt * stride + 2 * HC + E, mask=t_ok, other=0.0)
+    return v * rs * s2 + tl.load(base_ptr + 2 * HC + E)
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    t = a + b + c + d + eps
+    return a / t, b / t, c / t, d / t
+
+
+@triton.jit
 def hc_sinkhorn_kernel(mix_ptr, sqp_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, iters, eps,
                        NC, inv_hd, norm_eps,
                        HC: tl.constexpr, BT: tl.constexpr, MIXP: tl.constexpr, PARTIAL: tl.constexpr):
-    """mix [T, (2+HC)*HC] -> pre [T, HC], post [T, HC], comb [T, HC, HC] (row softmax + eps, a column
-    pass, then (iters-1) x (row, column), each normalization dividing by (sum + eps)).
-    PARTIAL: mix holds NC column-chunk partials [NC, T, MIXP] summed here in chunk order, and
-    scaled by rsqrt(sum(sqp) / (HC*d) + norm_eps)."""
+    """mix [T, 24] -> pre [T, 4], post [T, 4], comb [T, 4, 4] (HC == 4): row softmax + eps, a column
+    pass, then (iters-1) x (row, column), each normalization dividing by (sum + eps). The 16 comb
+    entries are 16 [BT] vectors, so every row / column sum is three plain adds in one thread.
+    PARTIAL: mix holds NC column-chunk partials [NC, T, MIXP] summed here in chunk order, scaled by
+    rsqrt(sum(sqp) / (HC*d) + norm_eps)."""
     MIX: tl.constexpr = (2 + HC) * HC
     pid = tl.program_id(0)
     rt = pid * BT + tl.arange(0, BT)
     t_ok = rt < T
-    rh = tl.arange(0, HC)
-    cij = rh[:, None] * HC + rh[None, :]                                     # [HC, HC]
+    rh = tl.arange(0, 8)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
     if PARTIAL:
-        m_pre = tl.zeros((BT, HC), tl.float32)
-        m_post = tl.zeros((BT, HC), tl.float32)
-        m_c = tl.zeros((BT, HC, HC), tl.float32)
-        sq = tl.zeros((BT,), tl.float32)
+        rs = tl.zeros((BT,), tl.float32)
         for c in range(NC):
-            row = c * T + rt
-            m_pre += tl.load(mix_ptr + row[:, None] * MIXP + rh[None, :], mask=t_ok[:, None], other=0.0)
-            m_post += tl.load(mix_ptr + row[:, None] * MIXP + HC + rh[None, :], mask=t_ok[:, None], other=0.0)
-            m_c += tl.load(mix_ptr + row[:, None, None] * MIXP + 2 * HC + cij[None, :, :],
-                           mask=t_ok[:, None, None], other=0.0)
-            sq += tl.load(sqp_ptr + row, mask=t_ok, other=0.0)
-        rs = 1.0 / tl.sqrt_rn(sq * inv_hd + norm_eps)
-        m_pre = m_pre * rs[:, None]
-        m_post = m_post * rs[:, None]
-        m_c = m_c * rs[:, None, None]
+            rs += tl.load(sqp_ptr + c * T + rt, mask=t_ok, other=0.0)
+        rs = 1.0 / tl.sqrt_rn(rs * inv_hd + norm_eps)
+        stride = MIXP
     else:
-        m_pre = tl.load(mix_ptr + rt[:, None] * MIX + rh[None, :], mask=t_ok[:, None], other=0.0)
-        m_post = tl.load(mix_ptr + rt[:, None] * MIX + HC + rh[None, :], mask=t_ok[:, None], other=0.0)
-        m_c = tl.load(mix_ptr + rt[:, None, None] * MIX + 2 * HC + cij[None, :, :], mask=t_ok[:, None, None],
-                      other=0.0)
-    pre = tl.sigmoid(m_pre * s0 + tl.load(base_ptr + rh)[None, :]) + eps
-    post = 2.0 * tl.sigmoid(m_post * s1 + tl.load(base_ptr + HC + rh)[None, :])
-    c = m_c * s2 + tl.load(base_ptr + 2 * HC + cij)[None, :, :]
-    c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
-    c = c / tl.sum(c, axis=2)[:, :, None] + eps
-    c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+        rs = tl.full((BT,), 1.0, tl.float32)
+        stride = MIX
+    # pre / post: [BT, 8] block of the first 8 mixes
+    m8 = tl.zeros((BT, 8), tl.float32)
+    if PARTIAL:
+        for c in range(NC):
+            m8 += tl.load(mix_ptr + (c * T + rt)[:, None] * MIXP + rh[None, :], mask=t_ok[:, None], other=0.0)
+    else:
+        m8 = tl.load(mix_ptr + rt[:, None] * MIX + rh[None, :], mask=t_ok[:, None], other=0.0)
+    m8 = m8 * rs[:, None]
+    b8 = tl.load(base_ptr + rh)
+    is_pre = rh < HC
+    z = m8 * tl.where(is_pre, s0, s1)[None, :] + b8[None, :]
+    sg = tl.sigmoid(z)
+    pp = tl.where(is_pre[None, :], sg + eps, 2.0 * sg)
+    col = tl.where(is_pre, rh, rh - HC)
+    tl.store(pre_ptr + rt[:, None] * HC + col[None, :], pp, mask=t_ok[:, None] & is_pre[None, :])
+    tl.store(post_ptr + rt[:, None] * HC + col[None, :], pp, mask=t_ok[:, None] & (rh >= HC)[None, :])
+    # comb: 16 vectors c{i}{j} (written out: no Python lists inside the kernel)
+    c00 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 0, HC, BT, PARTIAL)
+    c01 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 1, HC, BT, PARTIAL)
+    c02 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 2, HC, BT, PARTIAL)
+    c03 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 3, HC, BT, PARTIAL)
+    c10 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 4, HC, BT, PARTIAL)
+    c11 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 5, HC, BT, PARTIAL)
+    c12 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 6, HC, BT, PARTIAL)
+    c13 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 7, HC, BT, PARTIAL)
+    c20 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 8, HC, BT, PARTIAL)
+    c21 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 9, HC, BT, PARTIAL)
+    c22 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 10, HC, BT, PARTIAL)
+    c23 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 11, HC, BT, PARTIAL)
+    c30 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 12, HC, BT, PARTIAL)
+    c31 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 13, HC, BT, PARTIAL)
+    c32 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 14, HC, BT, PARTIAL)
+    c33 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 15, HC, BT, PARTIAL)
+    # row softmax + eps
+    m0 = tl.maximum(tl.maximum(c00, c01), tl.maximum(c02, c03))
+    m1 = tl.maximum(tl.maximum(c10, c11), tl.maximum(c12, c13))
+    m2 = tl.maximum(tl.maximum(c20, c21), tl.maximum(c22, c23))
+    m3 = tl.maximum(tl.maximum(c30, c31), tl.maximum(c32, c33))
+    c00, c01, c02, c03 = _norm4(tl.exp(c00 - m0), tl.exp(c01 - m0), tl.exp(c02 - m0), tl.exp(c03 - m0), 0.0)
+    c10, c11, c12, c13 = _norm4(tl.exp(c10 - m1), tl.exp(c11 - m1), tl.exp(c12 - m1), tl.exp(c13 - m1), 0.0)
+    c20, c21, c22, c23 = _norm4(tl.exp(c20 - m2), tl.exp(c21 - m2), tl.exp(c22 - m2), tl.exp(c23 - m2), 0.0)
+    c30, c31, c32, c33 = _norm4(tl.exp(c30 - m3), tl.exp(c31 - m3), tl.exp(c32 - m3), tl.exp(c33 - m3), 0.0)
+    c00, c01, c02, c03 = c00 + eps, c01 + eps, c02 + eps, c03 + eps
+    c10, c11, c12, c13 = c10 + eps, c11 + eps, c12 + eps, c13 + eps
+    c20, c21, c22, c23 = c20 + eps, c21 + eps, c22 + eps, c23 + eps
+    c30, c31, c32, c33 = c30 + eps, c31 + eps, c32 + eps, c33 + eps
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
     for _ in range(iters - 1):
-        c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
-        c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
-    tl.store(pre_ptr + rt[:, None] * HC + rh[None, :], pre, mask=t_ok[:, None])
-    tl.store(post_ptr + rt[:, None] * HC + rh[None, :], post, mask=t_ok[:, None])
-    tl.store(comb_ptr + rt[:, None, None] * (HC * HC) + cij[None, :, :], c, mask=t_ok[:, None, None])
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    tl.store(comb_ptr + rt * 16 + 0, c00, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 1, c01, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 2, c02, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 3, c03, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 4, c10, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 5, c11, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 6, c12, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 7, c13, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 8, c20, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 9, c21, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 10, c22, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 11, c23, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 12, c30, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 13, c31, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 14, c32, mask=t_ok)
+    tl.store(comb_ptr + rt * 16 + 15, c33, mask=t_ok)
 
 
 @triton.jit
@@ -143,7 +213,8 @@ def _sinkhorn_launch(mix, sqp, scale, base, T, hc, iters, eps, nc=0, inv_hd=0.0,
     post = torch.empty_like(pre)
     comb = torch.empty(T, hc, hc, dtype=torch.float32, device=dev)
     if T:
-        bt = 32
+        assert hc == 4, "the Sinkhorn kernel is written for hc_mult 4"
+        bt = 128
         hc_sinkhorn_kernel[(triton.cdiv(T, bt),)](mix, sqp, scale.float().contiguous(), base.float().contiguous(),
                                                   pre, post, comb, T, iters, float(eps), nc, float(inv_hd),
                                                   float(norm_eps), HC=hc, BT=bt, MIXP=MIX_PAD, PARTIAL=nc > 0,
@@ -179,7 +250,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     if T == 0:
         z = torch.empty(0, hc, device=x.device)
         return z, z.clone(), torch.empty(0, hc, hc, device=x.device), y
-    bt = 16
+    bt = 64 if T >= 1024 else 16
     hc_mixes_pre_kernel[(triton.cdiv(T, bt), nc)](x, fn.float().contiguous(), pre_prev.float().contiguous(), mixp, sqp,
                                                   y, T, d, HC=hc, MIX=mix, BT=bt, BK=bk, CH=ch, MIXP=MIX_PAD,
                                                   PREC="ieee" if INTERPRET else "tf32x3", num_warps=4)

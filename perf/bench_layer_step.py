@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchutil import measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
 
+from deepinfer.kernels import deepgemm as dgm  # noqa: E402
 from deepinfer.kernels import triton_gemm as tg  # noqa: E402
 from deepinfer.kernels import triton_indexer as ti  # noqa: E402
 from deepinfer.kernels import triton_mhc as tm  # noqa: E402
@@ -61,6 +62,25 @@ def fp8_weight(n, k, per_row=False, dev=None):
     e = -6 - round(0.5 * math.log2(k))
     shape = (n, k // 32) if per_row else (n // 32, k // 32)
     return w, torch.full(shape, 127 + e, dtype=torch.uint8, device=dev)
+
+
+class Lin8:
+    """An FP8 linear in one of two modes. 'triton': our exact W8A16 kernel on (act_quant(x), e4m3,
+    E8M0 32x32 tiles). 'deepgemm': the weight re-expressed on 128x128 tiles at construction and the
+    FP8-rounded activation re-expressed per (row, 128) at run time (near-exact, see deepgemm.py)."""
+
+    def __init__(self, w, s, mode):
+        self.mode, self.n = mode, w.shape[0]
+        if mode == "deepgemm":
+            self.w, self.s, _ = dgm.reblock_weight_128(w, (s.to(torch.int32) << 23).view(torch.float32))
+        else:
+            self.w, self.s = w, s
+
+    def __call__(self, x):
+        if self.mode == "deepgemm":
+            q, sa = tq.act_quant_fp8(tq.act_quant(x), block=128)
+            return dgm.fp8_gemm_nt(q, sa, self.w, self.s)
+        return tg.fp8_linear(x, self.w, self.s)
 
 
 def rms(x, w):
@@ -84,30 +104,26 @@ def rope(x, cos, sin, inverse=False):
 class Layer:
     """One full-width decoder layer's weights and the static buffers of a decode step at batch B."""
 
-    def __init__(self, B: int, ctx: int, reindex: bool, seed: int = 0):
+    def __init__(self, B: int, ctx: int, reindex: bool, seed: int = 0, mode: str = "triton"):
         g = torch.Generator(device="cpu").manual_seed(seed)
         dev = DEV
-        self.B, self.ctx, self.reindex = B, ctx, reindex
+        self.B, self.ctx, self.reindex, self.mode = B, ctx, reindex, mode
         self.fn = [torch.randn(24, HC * D, device=dev) * 1e-3 for _ in range(2)]
         self.hc_scale = torch.ones(3, device=dev)
         self.hc_base = torch.zeros(24, device=dev)
         self.norm_w = {k: torch.ones(n, device=dev) for k, n in (("attn", D), ("ffn", D), ("q", QL), ("kv", HD))}
-        self.wq_a, self.wq_b, self.wkv = fp8_weight(QL, D), fp8_weight(H * HD, QL), fp8_weight(HD, D)
+        self.wq_a, self.wq_b, self.wkv = (Lin8(*fp8_weight(n, k), mode) for n, k in ((QL, D), (H * HD, QL), (HD, D)))
         wo_a, so_a = fp8_weight(OG * OL, H * HD // OG)
         self.wo_a = (wo_a.view(OG, OL, -1), so_a.view(OG, OL // 32, -1))
-        self.wo_b = fp8_weight(D, OG * OL)
+        self.wo_b = Lin8(*fp8_weight(D, OG * OL), mode)
         self.sink = torch.randn(H, device=dev)
         self.gate_w = torch.randn(NE, D, device=dev) / math.sqrt(D)
         self.gate_b = torch.randn(NE, device=dev) * 0.1
-        self.sh_w13, self.sh_w2 = fp8_weight(2 * INTER, D), fp8_weight(D, INTER)
-        w13 = [fp8_weight(2 * INTER, D, per_row=True) for _ in range(LOCAL)]
-        self.ex_w13 = (torch.stack([w for w, _ in w13]), torch.stack([s for _, s in w13]))
-        del w13
-        w2 = [fp8_weight(D, INTER, per_row=True) for _ in range(LOCAL)]
-        self.ex_w2 = (torch.stack([w for w, _ in w2]), torch.stack([s for _, s in w2]))
-        del w2
+        self.sh_w13, self.sh_w2 = Lin8(*fp8_weight(2 * INTER, D), mode), Lin8(*fp8_weight(D, INTER), mode)
+        self.ex_w13 = self._experts(2 * INTER, D)
+        self.ex_w2 = self._experts(D, INTER)
         if reindex:
-            self.idx_wq_b = fp8_weight(IH * ID, QL)
+            self.idx_wq_b = Lin8(*fp8_weight(IH * ID, QL), mode)
             self.wproj = (torch.randn(IH, D, device=dev) / math.sqrt(D)).bfloat16()
             self.index_k = tq.fp4_quant(torch.randn(B * ctx, ID, device=dev).bfloat16(), 32)
             self.cand = torch.rand(B, ctx, device=dev) < 0.9
@@ -126,7 +142,7 @@ class Layer:
         pairs = TOPK * B
         counts = torch.bincount(torch.randint(0, LOCAL, (pairs,), generator=g), minlength=LOCAL)
         self.touched = int((counts > 0).sum())
-        self.mmax = max(16, int(counts.max()))
+        self.mmax = -(-max(16, int(counts.max())) // 64) * 64              # DeepGEMM masked: whole 64-row blocks
         self.expected_m = max(1, pairs // LOCAL)
         self.masked_m = counts.int().to(dev)
         src = torch.zeros(LOCAL, self.mmax, dtype=torch.long)
@@ -141,17 +157,39 @@ class Layer:
         self.X = torch.randn(B, HC, D, device=dev).bfloat16()
         self.pre_prev = torch.full((B, HC), 0.25, device=dev)
 
+    def _experts(self, n, k):
+        """LOCAL FP4-origin experts: e4m3 + E8M0 per (row, 32); in deepgemm mode re-expressed exactly
+        on 128x128 tiles (E = max - 6 per tile, see deepgemm.fp4_weight_to_fp8_128)."""
+        ws, ss = [], []
+        for _ in range(LOCAL):
+            w, s = fp8_weight(n, k, per_row=True)
+            w = (w.float().clamp(-6, 6)).to(torch.float8_e4m3fn)          # FP4-grid magnitudes
+            if self.mode == "deepgemm":
+                w, s, _ = dgm.fp4_weight_to_fp8_128(w, (s.to(torch.int32) << 23).view(torch.float32))
+            ws.append(w)
+            ss.append(s)
+        return torch.stack(ws), torch.stack(ss)
+
+    def grouped(self, xe, w):
+        """Masked grouped GEMM over the local experts: xe [LOCAL, mmax, K] bf16 (FP8-rounded)."""
+        if self.mode == "deepgemm":
+            k = xe.shape[-1]
+            q, sa = tq.act_quant_fp8(xe.view(-1, k), block=128)
+            return dgm.grouped_masked(q.view(LOCAL, self.mmax, k), sa.view(LOCAL, self.mmax, k // 128), *w,
+                                      self.masked_m, self.expected_m)
+        return tg.w8a16_grouped_gemm_masked(xe, *w, self.masked_m, self.expected_m)
+
     # ---- the step ---------------------------------------------------------------------------
     def attention(self, x, qr_out: list):
         B = self.B
-        qr = rms(tg.fp8_linear(x, *self.wq_a), self.norm_w["q"])
+        qr = rms(self.wq_a(x), self.norm_w["q"])
         qr_out.append(qr)
-        q = rope(tg.fp8_linear(qr, *self.wq_b).view(B, H, HD), self.cos, self.sin)
-        kv = tq.act_quant(rope(rms(tg.fp8_linear(x, *self.wkv), self.norm_w["kv"]), self.cos, self.sin))
+        q = rope(self.wq_b(qr).view(B, H, HD), self.cos, self.sin)
+        kv = tq.act_quant(rope(rms(self.wkv(x), self.norm_w["kv"]), self.cos, self.sin))
         self.kv.index_copy_(0, self.ring_rows, kv)
         idx = self.idx
         if self.reindex:
-            iq = tg.fp8_linear(qr, *self.idx_wq_b).view(B, IH, ID)
+            iq = self.idx_wq_b(qr).view(B, IH, ID)
             iq = tq.fp4_quant(rope(iq, self.cos, self.sin), 32)
             w = (F.linear(x, self.wproj) * (ID ** -0.5 * IH ** -0.5)).bfloat16()
             sc = ti.index_scores(iq, w, self.index_k, self.lens, key_start=self.key_start, num_keys=self.ctx)
@@ -163,7 +201,7 @@ class Layer:
         o = rope(o, self.cos, self.sin, inverse=True).view(B, OG, -1).transpose(0, 1).contiguous()
         mm = torch.full((OG,), B, dtype=torch.int32, device=x.device)
         o = tg.w8a16_grouped_gemm_masked(o, *self.wo_a, mm, B)                   # [OG, B, OL]
-        return tg.fp8_linear(o.transpose(0, 1).reshape(B, OG * OL), *self.wo_b)
+        return self.wo_b(o.transpose(0, 1).reshape(B, OG * OL))
 
     def moe(self, x):
         B = self.B
@@ -173,15 +211,15 @@ class Layer:
         wts = wts / (wts.sum(-1, keepdim=True) + 1e-20) * 1.5
         xq = tq.act_quant(x)
         xe = xq.index_select(0, self.src).view(LOCAL, self.mmax, D)
-        h = tg.w8a16_grouped_gemm_masked(xe, *self.ex_w13, self.masked_m, self.expected_m).float()
+        h = self.grouped(xe, self.ex_w13).float()
         gate, up = h[..., :INTER].clamp(max=10.0), h[..., INTER:].clamp(-10.0, 10.0)
         a = (F.silu(gate) * up * (self.route_w.view(LOCAL, self.mmax, 1) + wts.mean())).bfloat16()
-        y = tg.w8a16_grouped_gemm_masked(tq.act_quant(a), *self.ex_w2, self.masked_m, self.expected_m)
+        y = self.grouped(tq.act_quant(a), self.ex_w2)
         out = torch.zeros(B + 1, D, device=x.device)
         out.index_add_(0, self.dst, y.view(-1, D).float())
-        hs = tg.fp8_linear(x, *self.sh_w13).float()
+        hs = self.sh_w13(x).float()
         hs = (F.silu(hs[:, :INTER].clamp(max=10.0)) * hs[:, INTER:].clamp(-10.0, 10.0)).bfloat16()
-        return (out[:B] + tg.fp8_linear(hs, *self.sh_w2).float()).bfloat16()
+        return (out[:B] + self.sh_w2(hs).float()).bfloat16()
 
     def step(self):
         X = self.X
@@ -220,49 +258,62 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 128])
     ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--modes", nargs="+", default=["triton", "deepgemm"])
     a = ap.parse_args()
     torch.manual_seed(0)
     C = measure_ceilings()
     bw = C["copy_bw"]
     print(f"copy {bw / 1e12:.3f} TB/s; bf16 {C['bf16_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     res = []
-    for B in a.batches:
-        r = {"batch": B}
-        for kind in ("reuse", "reindex"):
-            layer = Layer(B, a.ctx, reindex=kind == "reindex")
-            t = time_calls([layer.step], iters=5, reps=5)
-            by = layer.bytes()
-            r[kind] = dict(us=t * 1e6, bytes=by, GBps=by["total"] / t / 1e9, frac_copy=by["total"] / t / bw,
-                           touched_experts=layer.touched)
-            print(f"B{B:4d} {kind:8s} {t * 1e6:8.1f} us  {by['total'] / 1e6:8.1f} MB  {by['total'] / t / 1e12:.2f} TB/s"
-                  f" = {by['total'] / t / bw:.2f} of copy  (experts touched {layer.touched}/48, "
-                  f"expert bytes {by['experts'] / by['total']:.0%})", flush=True)
-            del layer
-            torch.cuda.empty_cache()
-        th = head_time(B)
-        step = 32 * r["reuse"]["us"] + 8 * r["reindex"]["us"] + th * 1e6
-        r["head_us"] = th * 1e6
-        r["model_step_ms"] = step / 1e3
-        r["tok_s_per_gpu"] = B / (step / 1e6)
-        print(f"B{B:4d} whole-model estimate: 32 x reuse + 8 x reindex + head {th * 1e6:.0f} us = {step / 1e3:.2f} ms "
-              f"per step -> {r['tok_s_per_gpu']:.0f} tok/s per GPU at EP8 ({B} tokens per GPU per step)", flush=True)
-        res.append(r)
+    if dgm.load() is None:
+        a.modes = [m for m in a.modes if m != "deepgemm"]
+    for mode in a.modes:
+        for B in a.batches:
+            r = {"batch": B, "mode": mode}
+            for kind in ("reuse", "reindex"):
+                try:
+                    layer = Layer(B, a.ctx, reindex=kind == "reindex", mode=mode)
+                    t = time_calls([layer.step], iters=5, reps=5)
+                except Exception as e:  # noqa: BLE001
+                    print(f"B{B} {kind} {mode} failed: {e!r}"[:300], flush=True)
+                    break
+                by = layer.bytes()
+                r[kind] = dict(us=t * 1e6, bytes=by, GBps=by["total"] / t / 1e9, frac_copy=by["total"] / t / bw,
+                               touched_experts=layer.touched)
+                print(f"{mode:8s} B{B:4d} {kind:8s} {t * 1e6:8.1f} us  {by['total'] / 1e6:8.1f} MB  "
+                      f"{by['total'] / t / 1e12:.2f} TB/s = {by['total'] / t / bw:.2f} of copy  (experts touched "
+                      f"{layer.touched}/48, expert bytes {by['experts'] / by['total']:.0%})", flush=True)
+                del layer
+                torch.cuda.empty_cache()
+            if "reindex" not in r:
+                continue
+            th = head_time(B)
+            step = 32 * r["reuse"]["us"] + 8 * r["reindex"]["us"] + th * 1e6
+            r["head_us"] = th * 1e6
+            r["model_step_ms"] = step / 1e3
+            r["tok_s_per_gpu"] = B / (step / 1e6)
+            print(f"{mode:8s} B{B:4d} whole-model estimate: 32 x reuse + 8 x reindex + head {th * 1e6:.0f} us = "
+                  f"{step / 1e3:.2f} ms per step -> {r['tok_s_per_gpu']:.0f} tok/s per GPU at EP8", flush=True)
+            res.append(r)
     save_json("layer_step.json", {"ceilings": C, "ctx": a.ctx, "results": res})
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-        bs = [r["batch"] for r in res]
-        for kind in ("reuse", "reindex"):
-            ax[0].plot(bs, [r[kind]["frac_copy"] for r in res], "o-", label=kind)
+        for mode in a.modes:
+            rr = [r for r in res if r["mode"] == mode]
+            bs = [r["batch"] for r in rr]
+            for kind in ("reuse", "reindex"):
+                ax[0].plot(bs, [r[kind]["frac_copy"] for r in rr], "o-", label=f"{kind} ({mode})")
+            ax[1].plot(bs, [r["tok_s_per_gpu"] for r in rr], "o-", label=mode)
         ax[0].axhline(0.7, color="r", ls="--", lw=0.8, label="goal 0.7")
         ax[0].set_xscale("log", base=2)
         ax[0].set_xlabel("decode batch (tokens per GPU)")
         ax[0].set_ylabel("achieved bytes/s over copy bandwidth")
         ax[0].set_title(f"full-width layer decode step, ctx {a.ctx}")
         ax[0].legend()
-        ax[1].plot(bs, [r["tok_s_per_gpu"] for r in res], "o-")
+        ax[1].legend()
         ax[1].set_xscale("log", base=2)
         ax[1].set_xlabel("decode batch (tokens per GPU)")
         ax[1].set_ylabel("estimated decode tok/s per GPU (EP8)")
