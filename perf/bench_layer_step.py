@@ -259,6 +259,7 @@ def main():
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 128])
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--modes", nargs="+", default=["triton", "deepgemm"])
+    ap.add_argument("--tag", default="", help="suffix of the output files")
     a = ap.parse_args()
     torch.manual_seed(0)
     C = measure_ceilings()
@@ -295,7 +296,7 @@ def main():
             print(f"{mode:8s} B{B:4d} whole-model estimate: 32 x reuse + 8 x reindex + head {th * 1e6:.0f} us = "
                   f"{step / 1e3:.2f} ms per step -> {r['tok_s_per_gpu']:.0f} tok/s per GPU at EP8", flush=True)
             res.append(r)
-    save_json("layer_step.json", {"ceilings": C, "ctx": a.ctx, "results": res})
+    save_json(f"layer_step{a.tag}.json", {"ceilings": C, "ctx": a.ctx, "results": res})
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -318,7 +319,7 @@ def main():
         ax[1].set_xlabel("decode batch (tokens per GPU)")
         ax[1].set_ylabel("estimated decode tok/s per GPU (EP8)")
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir(), "layer_step.png"), dpi=110)
+        fig.savefig(os.path.join(out_dir(), f"layer_step{a.tag}.png"), dpi=110)
     except Exception as e:  # noqa: BLE001
         print("plot failed", e)
 
