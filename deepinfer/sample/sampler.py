@@ -89,6 +89,7 @@ class Sampler:
         self.tokenizer_path = tokenizer_path
         self._structured = structured
         self._bitmask = None
+        self._batch_matcher = None
 
     # ---- admission ---------------------------------------------------------------------------
     @property
@@ -180,10 +181,24 @@ class Sampler:
         n, vocab = logits.shape
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = xgr.allocate_token_bitmask(max(n, 16), vocab)
-        active = []
+        active, plain = [], []
         for i, r in enumerate(rows):
-            if r.state.grammar is not None and r.state.grammar.fill_bitmask(self._bitmask, i, r.lookahead):
-                active.append(i)
+            g = r.state.grammar
+            if g is None:
+                continue
+            if r.lookahead:               # draft rows: tentative accept, fill, roll back (sequential)
+                if g.fill_bitmask(self._bitmask, i, r.lookahead):
+                    active.append(i)
+            elif g.active:
+                plain.append(i)
+        if len(plain) > 1:                # one call, xgrammar's threads, the GIL released
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask(
+                [rows[i].state.grammar.matcher for i in plain], self._bitmask, plain)
+        elif plain:
+            rows[plain[0]].state.grammar.fill_bitmask(self._bitmask, plain[0])
+        active += plain
         if not active:
             return
         mask = self._bitmask[:n].to(logits.device, non_blocking=True)
