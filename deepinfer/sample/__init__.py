@@ -1,10 +1,17 @@
 """Sampling and structured output: seeded batch-invariant sampling, penalties, logprobs, xgrammar masks.
 
-The engine's runner uses three names:
+The engine uses:
 
-    sampler = Sampler(vocab_size, tokenizer_path)            # once
-    state = sampler.new_state(params)                        # at admission; InvalidConstraintError -> 400
+    sampler = Sampler(vocab_size, tokenizer_path)            # once (the checkpoint's tokenizer.json)
+    sampler.check(params)                                    # admission, any thread: compiles the
+                                                             #   constraint; InvalidConstraintError (a 400)
+    state = sampler.new_state(params, output_ids_so_far)     # per request (replays a resumed grammar)
     out = sampler.sample(logits, [SamplingRow(state, output_ids, position), ...])   # each step
+        # out.token_ids [N] int64; out.logprobs[i]: TokenLogprob(logprob, [(id, lp), ...]) or None
+
+Draft verification: rows j = 0..k of a request carry lookahead=drafts[:j]; call
+sample(..., advance=False), then state.accept(accepted tokens). Details in sampler.py / grammar.py;
+what batch invariance needs from the model in BATCH_INVARIANCE.md.
 """
 
 from deepinfer.sample.grammar import GrammarState, InvalidConstraintError, StructuredOutput
