@@ -16,8 +16,8 @@ from deepinfer.llm import LLM
 from deepinfer.sample import InvalidConstraintError
 from deepinfer.sampling_params import OutputConstraint, SamplingParams
 
-from schemas import SCHEMAS
-from test_grammar import EBNF, TOOLS, recipe_tool_calls
+from sample_schemas import SCHEMAS
+from sample_utils import EBNF, TOOLS, recipe_tool_calls
 
 EOS = 1
 

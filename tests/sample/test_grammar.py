@@ -16,8 +16,8 @@ from deepinfer.sample import GrammarState, InvalidConstraintError, SamplingRow
 from deepinfer.sample.grammar import THINK_END_TOKEN_ID
 from deepinfer.sampling_params import OutputConstraint, SamplingParams
 
-from conftest import VOCAB, generate_random
-from schemas import SCHEMAS
+from sample_schemas import SCHEMAS
+from sample_utils import EBNF, TOOLS, VOCAB, generate_random, recipe_tool_calls
 
 
 def decode(tokenizer, ids):
@@ -51,14 +51,6 @@ def test_regex_full_match(sampler, tokenizer):
         assert re.fullmatch(pattern, decode(tokenizer, ids))
 
 
-EBNF = r'''
-root ::= expr
-expr ::= term (("+" | "-") term){0,3}
-term ::= num | "(" expr ")"
-num ::= [1-9] [0-9]{0,2}
-'''
-
-
 def test_ebnf(sampler, tokenizer):
     outs = generate_random(sampler, OutputConstraint("ebnf", EBNF), seeds=list(range(8)), max_tokens=300)
     g = xgr.Grammar.from_ebnf(EBNF)
@@ -84,40 +76,6 @@ def test_mask_agrees_with_matcher(structured, tokenizer):
             fork = st.matcher.fork()
             assert fork.accept_token(t) == allowed, (t, tokenizer.id_to_token(t))
         assert st.accept(tok)
-
-
-def recipe_tool_calls(text: str, tools: list, tool_choice) -> tuple[list, str]:
-    """Parse model output with deepseek-recipe's own Chat stream processor."""
-    import deepseek_recipe as dr
-
-    body = {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
-            "tool_choice": tool_choice, "thinking": {"type": "disabled"}}
-    req = dr.ChatCompletionRequest(json.dumps(body)).convert(dr.ConversionOptions())
-    proc = dr.StreamProcessor(dr.ChatCompletionRequest.chunk_generator(req, "r", "DeepSeek-V4.1-Flash"),
-                              req.parsing_options)
-    resp = dr.ChatCompletionResponse("r", "DeepSeek-V4.1-Flash", 0, 1, 0)
-    for ch in (dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=1, prompt_cache_hit_tokens=0),
-                                       system_fingerprint="fp"),
-               dr.InferenceChunk.text(text, token_count=1), dr.InferenceChunk.finish(dr.InferenceFinishReason.Stop)):
-        for out in proc.push(ch):
-            resp.accumulate(out)
-    choice = json.loads(resp.to_json())["choices"][0]
-    oc = req.inference_options.output_constraint
-    return choice, (oc.kind, oc.schema)
-
-
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather.", "strict": True, "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                         "unit": {"type": "string", "enum": ["c", "f"]},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "unit", "days"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "set_alarm", "description": "Alarm.", "strict": True, "parameters": {
-        "type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
-                                         "labels": {"type": "array", "items": {"type": "string", "enum": ["work", "home"]}, "maxItems": 2},
-                                         "loud": {"type": "boolean"}},
-        "required": ["hour", "labels", "loud"], "additionalProperties": False}}},
-]
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}],
