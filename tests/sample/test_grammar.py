@@ -12,7 +12,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from deepinfer.sample import GrammarState, InvalidConstraintError, SamplingRow
+from deepinfer.sample import InvalidConstraintError, SamplingRow
 from deepinfer.sample.grammar import THINK_END_TOKEN_ID
 from deepinfer.sampling_params import OutputConstraint, SamplingParams
 
