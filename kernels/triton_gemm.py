@@ -137,25 +137,17 @@ def w8a16_gemm_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-    # Register double buffering: the tiles of step kb+1 are requested before step kb is computed.
-    # (The weight tile is dequantized in registers, so Triton's cp.async pipeliner does not apply.)
-    # The prefetch index is clamped into the split (the last step re-requests its own tile).
-    kn = tl.minimum(kb0, nkb - 1)
-    x_n = tl.load(x_ptrs + kn * BK, mask=m_ok[:, None], other=0.0)
-    w_n = tl.load(b_ptrs + kn * BK, mask=n_ok[:, None], other=0.0)
-    s_n = tl.load(sb_ptrs + kn * (BK // 32), mask=n_ok[:, None], other=0)
-    for kb in range(kb0, kb1):
-        x = x_n
-        w = w_n
-        sraw = s_n
-        kn = tl.minimum(kb + 1, kb1 - 1)
-        x_n = tl.load(x_ptrs + kn * BK, mask=m_ok[:, None], other=0.0)
-        w_n = tl.load(b_ptrs + kn * BK, mask=n_ok[:, None], other=0.0)
-        s_n = tl.load(sb_ptrs + kn * (BK // 32), mask=n_ok[:, None], other=0)
+    # NOTE: the weight tile goes through registers for the dequant, so Triton's cp.async pipeliner
+    # does not apply (no cp.async in the PTX); explicit register double buffering was measured 1.7x
+    # slower on the H200 (run 3), so the loop stays plain.
+    for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
+        x = tl.load(x_ptrs + kb * BK, mask=m_ok[:, None], other=0.0)
+        w = tl.load(b_ptrs + kb * BK, mask=n_ok[:, None], other=0.0)
         if SB_E8M0:
-            sb = (sraw.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            sb = (tl.load(sb_ptrs + kb * (BK // 32), mask=n_ok[:, None], other=0).to(tl.int32) << 23).to(
+                tl.float32, bitcast=True)
         else:
-            sb = sraw
+            sb = tl.load(sb_ptrs + kb * (BK // 32), mask=n_ok[:, None], other=0.0)
         if UPCAST:                       # CPU interpreter only: its bf16 casts and dots are wrong
             wd = tl.reshape(tl.reshape(w.to(tl.float32), (BN, BK // 32, 32)) * sb[:, :, None], (BN, BK))
             x = x.to(tl.float32)
