@@ -3,10 +3,6 @@ small block pool, requests, and runner outputs computed from the SchedulerOutput
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from deepinfer.cache.kv_cache_manager import KVCacheManager
@@ -14,10 +10,6 @@ from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sched.scheduler import Scheduler
-
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-if not SHARED.exists():
-    SHARED = Path("/work/shared")
 
 
 def create_scheduler(num_blocks=64, block_tokens=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=None):
@@ -43,39 +35,6 @@ def fake_runner_output(sched_out: SchedulerOutput, sched: Scheduler, token=7, ac
         a = len(drafts) if accept is None else accept(req_id, drafts)
         sampled.append(list(drafts[:a]) + [token])
     return ModelRunnerOutput(req_ids, sampled)
-
-
-_built: dict[str, Path] = {}
-
-
-def build_fixture(name: str, tmp_path_factory) -> Path:
-    """A shared fixture's checkpoint, built into a temp dir once per session (about 5 s)."""
-    if name in _built:
-        return _built[name]
-    src = SHARED / "fixtures" / name
-    tool = SHARED / "tools" / "make-fixture"
-    if not src.exists() or not tool.exists():
-        pytest.skip(f"shared fixture {name} not found at {SHARED} (needs ../shared/fixtures and ../shared/tools)")
-    out = tmp_path_factory.mktemp("fixture") / name
-    subprocess.run([sys.executable, str(tool), "--from-fixture", str(src), "--out", str(out)],
-                   check=True, capture_output=True)
-    _built[name] = out
-    return out
-
-
-@pytest.fixture(scope="session")
-def fixture_checkpoint(tmp_path_factory):
-    """The v41-tiny-bf16 shared fixture."""
-    return build_fixture("v41-tiny-bf16", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
-    """The project's own tiny preset (deepinfer.cli.make_checkpoint), for the bulk engine tests."""
-    out = tmp_path_factory.mktemp("preset") / "tiny"
-    subprocess.run([sys.executable, "-m", "deepinfer.cli.make_checkpoint", "--preset", "tiny", "--seed", "0",
-                    "--out", str(out)], check=True, capture_output=True)
-    return out
 
 
 @pytest.fixture(scope="session")

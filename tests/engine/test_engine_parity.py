@@ -11,7 +11,7 @@ import pytest
 from deepinfer.config import EngineArgs
 from deepinfer.engine import Engine
 from deepinfer.sampling_params import SamplingParams
-from tests.engine.conftest import SHARED, build_fixture
+from tests.conftest import SHARED, build_fixture
 
 COPIES = 4  # 4 prompts x 4 copies = 16 requests
 

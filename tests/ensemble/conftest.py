@@ -2,15 +2,10 @@ from tests.recipe.conftest import tokenizer_path  # noqa: F401  (the V4.1 tokeni
 
 import pytest
 
-from tests.serving.checkpoints import build_tiny_checkpoint
-
 
 @pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory):
-    out = build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
-    if out is None:
-        pytest.skip("no checkpoint generator (deepinfer.cli.make_checkpoint or ../shared/tools/make-fixture)")
-    return out
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

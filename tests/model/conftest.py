@@ -1,40 +1,9 @@
-"""Shared builders for the model tests: fixture checkpoints built into a temp folder (never the repo)."""
+"""Model-test helpers: the bf16 fixture model and check-parity's err (fixture builders live in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("DEEPINFER_SHARED", REPO / ".." / "shared")).resolve()
-FIXTURES = SHARED / "fixtures"
-
-
-def _need_shared():
-    if not (FIXTURES / "v41-tiny" / "recipe.json").is_file():
-        pytest.skip(f"shared fixtures not found at {FIXTURES} (set DEEPINFER_SHARED to the shared folder)")
-
-
-@pytest.fixture(scope="session")
-def fixture_dir(tmp_path_factory):
-    """fixture_dir(name) -> built checkpoint folder (make-fixture, checksums verified)."""
-    built: dict[str, Path] = {}
-
-    def build(name: str) -> Path:
-        _need_shared()
-        if name not in built:
-            out = tmp_path_factory.mktemp("fixtures") / name
-            subprocess.run([sys.executable, str(SHARED / "tools" / "make-fixture"), "--from-fixture",
-                            str(FIXTURES / name), "--out", str(out)], check=True, capture_output=True)
-            built[name] = out
-        return built[name]
-
-    return build
 
 
 @pytest.fixture(scope="session")
@@ -53,9 +22,3 @@ def _logit_err(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="session")
 def logit_err():
     return _logit_err
-
-
-@pytest.fixture(scope="session")
-def shared_dir():
-    _need_shared()
-    return SHARED

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.checkpoints import build_tiny_checkpoint
 
 MAX_MODEL_LEN = 2048
 
@@ -40,11 +39,8 @@ class Server:
 
 
 @pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory):
-    out = build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
-    if out is None:
-        pytest.skip("no checkpoint generator (deepinfer.cli.make_checkpoint or ../shared/tools/make-fixture)")
-    return out
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
