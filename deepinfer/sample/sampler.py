@@ -219,10 +219,11 @@ class Sampler:
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """logits [n, V] fp32 (masked/penalized), u [n] float64 in [0, 1) -> [n] int64 token ids."""
+    """logits [n, V] fp32 (masked/penalized; consumed: scaled in place), u [n] float64 in [0, 1)
+    -> [n] int64 token ids."""
     dev = logits.device
     temp = torch.tensor([p.temperature for p in params], device=dev)
-    x = logits / temp[:, None]
+    x = logits.div_(temp[:, None])
     _top_k(x, [p.top_k for p in params])
     probs = torch.softmax(x, dim=-1)                                                  # [n, V]
     _top_p(probs, [p.top_p for p in params])
@@ -240,7 +241,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = CDF_BLOCK) ->
     """
     n, vocab = probs.shape
     pad = (-vocab) % block
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(n, -1, block)             # [n, nb, block]
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(n, -1, block)   # [n, nb, block]
     bcdf = blocks.sum(-1).to(torch.float64).cumsum(-1)                                # [n, nb]
     target = u[:, None] * bcdf[:, -1:]                                                # [n, 1]
     b = torch.searchsorted(bcdf, target, right=True)
