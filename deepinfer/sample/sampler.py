@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from deepinfer.sample.grammar import GrammarState, StructuredOutput
+from deepinfer.sample.grammar import GrammarState, InvalidConstraintError, StructuredOutput
 from deepinfer.sample.random import resolve_seed, uniforms
 from deepinfer.sampling_params import SamplingParams
 
@@ -96,8 +96,8 @@ class Sampler:
     def structured(self) -> StructuredOutput:
         """Built on the first constrained request (loading the vocabulary takes ~0.5 s)."""
         if self._structured is None:
-            if self.tokenizer_path is None:
-                raise RuntimeError("structured output needs the checkpoint's tokenizer.json (tokenizer_path)")
+            if self.tokenizer_path is None:   # refuse the request, keep serving the others
+                raise InvalidConstraintError("structured output is unavailable: the checkpoint has no tokenizer.json")
             self._structured = StructuredOutput.from_tokenizer_file(self.tokenizer_path, self.vocab_size)
         return self._structured
 

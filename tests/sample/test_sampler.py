@@ -181,3 +181,11 @@ def test_chi_square_multi_block_vocab(vocab):
     obs = np.append(counts[big], counts[~big].sum())
     exp = np.append(p[big] * n, p[~big].sum() * n)
     assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_constraint_without_tokenizer_is_refused_cleanly():
+    from deepinfer.sample import InvalidConstraintError
+    from deepinfer.sampling_params import OutputConstraint
+
+    with pytest.raises(InvalidConstraintError, match="tokenizer.json"):
+        Sampler(V).check(SamplingParams(constraint=OutputConstraint("regex", "a+")))
