@@ -9,8 +9,14 @@ The vocabulary is the checkpoint's tokenizer.json (byte-level BPE) at the model'
 bitmask row matches a logits row. Added tokens are blanked for the grammar (never allowed inside
 constrained text) except EOS, the stop token, and `｜DSML｜`, which the tool-call grammar spells.
 
-In thinking mode (constraint.after_think) the matcher is idle until the `</think>` token: the
-reasoning is unconstrained and costs no mask work.
+In thinking mode (constraint.after_think) the matcher is idle until the `</think>` token (id
+128822; a `</think>` spelled from smaller tokens does not open the gate): the reasoning is
+unconstrained and costs no mask work.
+
+JSON (json_object, json_schema) is compact: `", "` and `": "` separators, no other whitespace. A
+model that would pretty-print is kept on one line, and no model can spend its budget on endless
+whitespace between values (a random-weight one would). Schema features xgrammar accepts but does not
+enforce are refused (UNENFORCED_KEYWORDS), so every accepted schema is really enforced.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ others as JSON), so each tool's arguments follow its schema. What differs from x
                            invoke: one or more invokes, then `</｜DSML｜ calls>`. A named
                            tool_choice is `required` with only that tool listed (the recipe filters).
 
-Arguments are schema-constrained for tools with `strict: true`; other tools get the DSML structure
+Whitespace between parameter lines is at most one character (the canonical `\n`): unbounded
+whitespace there lets a model idle forever. Arguments are schema-constrained for tools with `strict: true`; other tools get the DSML structure
 with any JSON-object arguments (OpenAI's meaning of non-strict), so a schema we cannot enforce is
 never a reason to refuse a non-strict request.
 """
