@@ -138,7 +138,9 @@ class ModelRunner:
             state = ib.sampling_state[row]
             if state is None and n:
                 state = ib.sampling_state[row] = self._new_state(row)
-            outs = ib.token_ids[row, ib.num_prompt[row]:ib.num_tokens[row]].tolist() if n else []
+            p = ib.params[row]   # output ids only feed the penalties: skip the copy otherwise
+            outs = (ib.token_ids[row, ib.num_prompt[row]:ib.num_tokens[row]].tolist()
+                    if n and p is not None and (p.presence_penalty or p.frequency_penalty) else [])
             drafts = ib.token_ids[row, ib.num_tokens[row]:ib.num_tokens[row] + n - 1].tolist() if n > 1 else []
             for j in range(n):   # row j of a verified request: its mask follows drafts d_1..d_j
                 sample_rows.append(SamplingRow(state, outs, positions[k], lookahead=drafts[:j]))
