@@ -21,22 +21,12 @@ from __future__ import annotations
 
 import torch
 
-_DG = None
-_TRIED = False
+from .optional import first_importable
 
 
 def load():
     """The DeepGEMM module, or None."""
-    global _DG, _TRIED
-    if not _TRIED:
-        _TRIED = True
-        for name in ("deep_gemm", "vllm.third_party.deep_gemm"):
-            try:
-                _DG = __import__(name, fromlist=["fp8_gemm_nt"])
-                break
-            except Exception:  # noqa: BLE001 - missing package or a CUDA-less machine
-                continue
-    return _DG
+    return first_importable("deep_gemm", "vllm.third_party.deep_gemm")
 
 
 def _pow2_scale_max(s: torch.Tensor, fr: int, fc: int) -> torch.Tensor:

@@ -20,24 +20,15 @@ from __future__ import annotations
 
 import torch
 
+from .optional import first_importable
+
 D_NOPE, D_ROPE, TILE, NUM_TILES = 448, 64, 64, 7
 BYTES_PER_TOKEN = D_NOPE + 2 * D_ROPE + NUM_TILES + 1           # 584
-_MOD = None
-_TRIED = False
 
 
 def load():
     """The FlashMLA interface module (with flash_mla_with_kvcache), or None."""
-    global _MOD, _TRIED
-    if not _TRIED:
-        _TRIED = True
-        for name in ("flash_mla", "vllm.third_party.flashmla.flash_mla_interface"):
-            try:
-                _MOD = __import__(name, fromlist=["flash_mla_with_kvcache"])
-                break
-            except Exception:  # noqa: BLE001
-                continue
-    return _MOD
+    return first_importable("flash_mla", "vllm.third_party.flashmla.flash_mla_interface")
 
 
 def pack_v4(kv: torch.Tensor, block: int = 64) -> torch.Tensor:
