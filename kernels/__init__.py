@@ -10,6 +10,7 @@ from .reference import (  # noqa: F401
     e8m0_to_float,
     fp4_quant_ref,
     hc_split_sinkhorn_ref,
+    index_scores_paged_ref,
     pow2_ceil,
     rope_freqs_ref,
     rope_ref,
@@ -22,3 +23,4 @@ fp4_quant = fp4_quant_ref
 sparse_attn = sparse_attn_ref
 hc_split_sinkhorn = hc_split_sinkhorn_ref
 rope = rope_ref
+index_scores_paged = index_scores_paged_ref

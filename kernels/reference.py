@@ -9,6 +9,7 @@ Every op here runs on any device and is the ground truth the fast paths are test
     dequant_fp4_ref      I8-packed e2m1 weight [N, K/2] + E8M0 scale per 32 along K -> exact values
     e8m0_to_float        raw E8M0 bytes -> 2^(b - 127)
     sparse_attn_ref      sink attention over gathered rows, online softmax in blocks of 64
+    index_scores_paged_ref  lightning-indexer scores of a batch, each query against its sequence's keys
     hc_split_sinkhorn_ref  mHC pre / post / comb coefficients (Sinkhorn ending on a column pass)
     rope_ref             rotary embedding on adjacent pairs (optionally inverse)
     rope_freqs_ref       YaRN-blended rotary frequencies
@@ -167,3 +168,21 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idxs:
     pv = torch.einsum("nhbl,nbld->nhbd", pb, rows.view(n, nb, block, D))
     out = (pv * carry[..., None]).sum(2) / den[..., None]
     return out.to(q.dtype)
+
+
+def index_scores_paged_ref(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seq_of: torch.Tensor,
+                           row_in_seq: torch.Tensor, max_q: int, lens: torch.Tensor) -> torch.Tensor:
+    """Indexer scores of a batch: query t (of sequence seq_of[t]) against that sequence's keys.
+
+    q [T, IH, ID], w [T, IH], keys [B, E, ID] (sequence b's entries 0..E-1), lens [T] -> [T, E]
+    bf16: sum_h relu(q_h . k) * w_h with bf16 rounding after the product, the weighting and the head
+    sum; entries e >= lens[t] are -inf. The queries are laid out per sequence ([B, max_q], row
+    row_in_seq[t]) so each sequence is one product against its own keys."""
+    T, IH, ID = q.shape
+    B, E, _ = keys.shape
+    qp = q.new_zeros(B, max_q, IH, ID)
+    qp[seq_of, row_in_seq] = q
+    s = torch.einsum("bqhd,bed->bqhe", qp.float(), keys.float())[seq_of, row_in_seq].to(torch.bfloat16)
+    s = s.relu() * w.unsqueeze(-1)
+    s = s.float().sum(1).to(torch.bfloat16)                                # [T, E]
+    return s.masked_fill(torch.arange(E, device=s.device) >= lens[:, None], -math.inf)

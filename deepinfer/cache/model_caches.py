@@ -86,6 +86,9 @@ class ModelCaches:
         keep = slice(max(0, positions.numel() - self.ring_len), None)   # only the last RING rows
         self.window_kv[layer][slot, positions[keep] % self.ring_len] = rows[keep].to(self.window_kv[layer].dtype)
 
+    def entries_per_block(self, src: int) -> int:
+        return self.block_tokens // self.ratios[src]
+
     def _addr(self, src: int, block_table: torch.Tensor, entries: torch.Tensor):
         per = self.block_tokens // self.ratios[src]
         blocks = block_table[entries // per]

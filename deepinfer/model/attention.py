@@ -13,32 +13,14 @@ after, width min(n, window)); any other chunk the decode layout (width window, p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import ops
 from .layers import ACT, Linear, RMSNorm
-
-
-@dataclass
-class SeqStep:
-    """One sequence's part of a step (host-side ints plus small device tensors)."""
-    rows: slice                  # its rows of the flat batch
-    start: int                   # first new position
-    n: int                       # new tokens
-    ring_slot: int
-    block_table: torch.Tensor    # [max_blocks] int64 on device
-    positions: torch.Tensor      # [n] int64 on device
-    topk: dict = field(default_factory=dict)        # index source layer -> [n, K] entry ids or -1
-    candidates: torch.Tensor | None = None          # [n, entries] bool, from the candidate source
-    index_k_owner: int = -1                         # quirk emulation: last layer that published index keys
-
-    @property
-    def end(self) -> int:
-        return self.start + self.n
+from .step_metadata import StepMetadata
 
 
 def window_lists(start: int, n: int, window: int, first_pos: int, device) -> torch.Tensor:
@@ -60,8 +42,8 @@ def select_candidate_blocks(scores: torch.Tensor, compress_lens: torch.Tensor, t
     b = F.pad(scores, (0, -width % block_size), value=-torch.inf).unflatten(-1, (-1, block_size)).amax(-1)
     last = (compress_lens - 1) // block_size
     b = b.masked_fill(torch.arange(b.size(-1), device=b.device) == last[:, None], torch.inf)
-    top = b.topk(min(topk_blocks, b.size(-1)), dim=-1)
-    keep = torch.zeros_like(b, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    top = topk_ids(b, min(topk_blocks, b.size(-1)))
+    keep = torch.zeros_like(b, dtype=torch.bool).scatter_(-1, top, b.gather(-1, top) > -torch.inf)
     return keep.repeat_interleave(block_size, dim=-1)[..., :width]
 
 
@@ -157,84 +139,114 @@ class Attention(nn.Module):
         return self.wo_b(o.flatten(1))
 
     # ---- the forward over a step --------------------------------------------------------------
-    def forward(self, x: torch.Tensor, seqs: list[SeqStep], caches, rope_tables, positions) -> torch.Tensor:
-        cis = rope_tables[self.rope_kind](positions)
+    def forward(self, x: torch.Tensor, meta: StepMetadata, caches, rope_tables) -> torch.Tensor:
+        """x [T, d] normed rows of every sequence -> [T, d]. One sparse_attn call for the whole batch
+        over one gathered buffer (step_metadata.py draws its layout)."""
+        cis = rope_tables[self.rope_kind](meta.positions, meta.last_pos)
         qr, q, kv = self.qkv(x, cis)
         raw = self.compressor.project(x) if self.compressor is not None else None
         iq = self.indexer.queries(x, qr, cis) if self.indexer is not None else None
-        o = torch.empty_like(q)
-        for s in seqs:
-            r = s.rows
-            lo = max(0, s.start - self.window + 1)
-            old = caches.read_ring(self.layer_id, s.ring_slot, torch.arange(lo, s.start, device=x.device))
-            buf = torch.cat([old.to(kv.dtype), kv[r]])                         # positions lo .. end-1
-            idx = window_lists(s.start, s.n, self.window, lo, x.device)
-            if self.ratio:
-                if self.is_kv_source:
-                    self._compress(s, raw, caches, rope_tables)
-                if self.is_index_source:
-                    s.topk[self.layer_id] = self._index(s, iq, caches)
-                topk = s.topk[self.index_source]
-                n_entries = s.end // self.ratio
-                comp = caches.read_entries(caches.compressed_kv, self.kv_source, s.block_table, n_entries)
-                idx = torch.cat([idx, torch.where(topk >= 0, topk + buf.shape[0], -1)], dim=1)
-                buf = torch.cat([buf, comp.to(buf.dtype)])
-            o[r] = ops.sparse_attn(q[r], buf, self.attn_sink, idx, self.scale)
-        for s in seqs:
-            caches.write_ring(self.layer_id, s.ring_slot, s.positions, kv[s.rows])
+        ring = caches.window_kv[self.layer_id].flatten(0, 1)                   # [slots * RING, D]
+        parts, idx = [ring[meta.ring_read].to(kv.dtype), kv], meta.win_idx      # [B*Wr + T, D], [T, Lw]
+        if self.ratio:
+            if self.is_kv_source:
+                self._compress(meta, raw, caches, rope_tables)
+            if self.is_index_source:
+                meta.topk[self.layer_id] = self._index(meta, iq, caches)
+            E = meta.plan(self.ratio).num_entries
+            if E:
+                rows = meta.entry_rows(caches.entries_per_block(self.kv_source), E).flatten()
+                parts.append(caches.compressed_kv[self.kv_source].flatten(0, 1)[rows].to(kv.dtype))  # [B*E, D]
+                topk = meta.topk[self.index_source]                                 # [T, K]
+                comp = torch.where(topk >= 0, topk + (meta.fresh_offset + meta.num_tokens) + meta.seq_of[:, None] * E, -1)
+                idx = append_lists(idx, meta.win_len, comp)
+        o = ops.sparse_attn(q, torch.cat(parts), self.attn_sink, idx, self.scale)
+        new = kv if meta.ring_write_rows is None else kv[meta.ring_write_rows]
+        ring[meta.ring_write] = new.to(ring.dtype)
         return self.out(o, cis)
 
-    def _compress(self, s: SeqStep, raw, caches, rope_tables) -> None:
-        """New compressed entries of this sequence (groups completed in this step) -> the pools."""
-        ratio, dev = self.ratio, s.positions.device
-        kv_new, score_new = raw[0][s.rows], (raw[1][s.rows] if raw[1] is not None else None)
-        first_entry, end_entry = s.start // ratio, s.end // ratio
+    def _compress(self, meta: StepMetadata, raw, caches, rope_tables) -> None:
+        """Entries completed in this step, all sequences at once -> the pools. A ratio>1 group that
+        straddles steps takes its first members from the compressor carry ring."""
+        ratio, L = self.ratio, self.layer_id
+        plan = meta.plan(ratio)
         if ratio == 1:
-            latent = self.compressor.norm(kv_new)
+            latent = self.compressor.norm(raw[0])                                # [T, D]: one entry per row
         else:
-            g0 = first_entry * ratio                         # first position of the first open group
-            carry_pos = torch.arange(g0, s.start, device=dev)
-            ckv = caches.carry_kv[self.layer_id][s.ring_slot, carry_pos % caches.ring_len]
-            csc = caches.carry_score[self.layer_id][s.ring_slot, carry_pos % caches.ring_len]
-            keep = slice(max(0, s.n - caches.ring_len), None)
-            caches.carry_kv[self.layer_id][s.ring_slot, s.positions[keep] % caches.ring_len] = kv_new[keep]
-            caches.carry_score[self.layer_id][s.ring_slot, s.positions[keep] % caches.ring_len] = score_new[keep]
-            n_groups = end_entry - first_entry
-            if n_groups <= 0:
+            carry_kv, carry_sc = caches.carry_kv[L].flatten(0, 1), caches.carry_score[L].flatten(0, 1)
+            if plan.group_seq.numel():
+                fresh = (plan.member_rows >= 0)[..., None]                        # [G, ratio, 1]
+                frow = plan.member_rows.clamp_min(0)
+                crow = meta.ring_slots[plan.group_seq][:, None] * meta.ring_len + plan.member_carry.clamp_min(0)
+                kv_all = torch.where(fresh, raw[0][frow], carry_kv[crow])           # [G, ratio, D] fp32
+                sc_all = torch.where(fresh, raw[1][frow], carry_sc[crow])
+            rows = meta.ring_write_rows                                          # read before writing
+            carry_kv[meta.ring_write] = raw[0] if rows is None else raw[0][rows]
+            carry_sc[meta.ring_write] = raw[1] if rows is None else raw[1][rows]
+            if plan.group_seq.numel() == 0:
                 return
-            kv_all = torch.cat([ckv, kv_new])[: n_groups * ratio].unflatten(0, (n_groups, ratio))
-            sc_all = torch.cat([csc, score_new])[: n_groups * ratio].unflatten(0, (n_groups, ratio))
-            latent = self.compressor.pool(kv_all, sc_all)
-        entries = torch.arange(first_entry, end_entry, device=dev)
-        if latent.shape[0] == 0:
-            return
-        cis = rope_tables[self.rope_kind](entries * ratio)    # an entry rotates at its group's first position
+            latent = self.compressor.pool(kv_all, sc_all)                        # [G, D]
+        entries = plan.group_entry
+        cis = rope_tables[self.rope_kind](entries * ratio, meta.last_pos)       # an entry rotates at its group's first position
+        dst = meta.entry_rows(caches.entries_per_block(L), 0, plan.group_seq, entries)
         if self.indexer is not None:
             k = self.indexer.k_norm(self.indexer.wk(latent))
             k = ops.fp4_quant(ops.rope(k, cis), 32)
-            caches.write_entries(caches.index_k, self.layer_id, s.block_table, entries, k)
-            s.index_k_owner = self.layer_id
+            pool = caches.index_k[L]
+            pool.flatten(0, 1)[dst] = k.to(pool.dtype)
+            meta.index_k_owner[plan.seqs_with_new] = L
         latent = ops.fp4_quant(ops.rope(latent, cis), 16)
-        caches.write_entries(caches.compressed_kv, self.layer_id, s.block_table, entries, latent)
+        pool = caches.compressed_kv[L]
+        pool.flatten(0, 1)[dst] = latent.to(pool.dtype)
 
-    def _index(self, s: SeqStep, iq, caches) -> torch.Tensor:
-        """[n, K] chosen compressed entry ids per query (ascending), -1 for unreachable picks."""
-        ratio, dev = self.ratio, s.positions.device
-        n_entries = s.end // ratio
-        if n_entries == 0:
-            return torch.empty(s.n, 0, dtype=torch.int64, device=dev)
-        key_src = self.kv_source
-        if self.args.emulate_index_k_alias and s.index_k_owner >= 0:
-            key_src = s.index_k_owner
-        keys = caches.read_entries(caches.index_k, key_src, s.block_table, n_entries)
-        q, w = iq[0][s.rows], iq[1][s.rows]
-        score = Indexer.scores(q, w, keys)                                       # [n, E]
-        lens = (s.positions + 1) // ratio                                        # visible entries per query
-        score = score.masked_fill(torch.arange(n_entries, device=dev) >= lens[:, None], -torch.inf)
+    def _index(self, meta: StepMetadata, iq, caches) -> torch.Tensor:
+        """[T, K] chosen compressed entry ids per query (ascending), -1 for unreachable picks;
+        K = min(index_topk, E) with E the step's widest sequence (narrower ones pad with -1)."""
+        plan = meta.plan(self.ratio)
+        E = plan.num_entries
+        if E == 0:
+            return torch.empty(meta.num_tokens, 0, dtype=torch.int64, device=meta.positions.device)
+        keys = self._index_keys(meta, caches, E)                                 # [B, E, ID]
+        score = ops.index_scores_paged(iq[0], iq[1], keys, meta.seq_of, meta.row_in_seq, meta.max_q, plan.lens)
         if self.is_candidate_source:
-            s.candidates = select_candidate_blocks(score, lens, self.args.candidate_topk_blocks,
-                                                   self.args.candidate_block_size)
-        return index_topk(score, lens, self.args.index_topk, s.candidates if self.uses_candidates else None)
+            meta.candidates = select_candidate_blocks(score, plan.lens, self.args.candidate_topk_blocks,
+                                                      self.args.candidate_block_size)
+        return index_topk(score, plan.lens, self.args.index_topk, meta.candidates if self.uses_candidates else None)
+
+    def _index_keys(self, meta: StepMetadata, caches, E: int) -> torch.Tensor:
+        """[B, E, ID] index keys of every sequence. Quirk emulation: a sequence reads the keys of the
+        last layer that published index keys for it (a loop over those few layers, not sequences)."""
+        owners = np.full(meta.num_seqs, self.kv_source)
+        if self.args.emulate_index_k_alias:
+            owners = np.where(meta.index_k_owner >= 0, meta.index_k_owner, owners)
+        keys = None
+        for src in np.unique(owners).tolist():
+            k = caches.index_k[src].flatten(0, 1)[meta.entry_rows(caches.entries_per_block(src), E)]
+            if keys is None:
+                keys = k
+            else:
+                sel = torch.from_numpy(owners == src).to(k.device)
+                keys = torch.where(sel[:, None, None], k, keys)
+        return keys
+
+
+def append_lists(win: torch.Tensor, win_len: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
+    """win [T, Lw] (-1 beyond win_len[t]), comp [T, K] -> [T, Lw + K]: each row's compressed picks
+    right after ITS OWN window list, as the per-sequence lists had them; -1 after."""
+    T, K = comp.shape
+    out = torch.cat([win, win.new_full((T, K), -1)], dim=1)
+    return out.scatter_(1, win_len[:, None] + torch.arange(K, device=win.device), comp)
+
+
+def topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim, ties to the lowest index: deterministic and
+    independent of the row's padded width (torch.topk's tie order depends on both), so a sequence's
+    picks do not depend on what else is in the batch."""
+    bits = x.float().contiguous().view(torch.int32)
+    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)                               # monotone in the float value
+    ids = torch.arange(x.shape[-1], device=x.device)
+    key = order.to(torch.int64) * (1 << 32) + ((1 << 31) - 1 - ids)
+    return key.topk(k, dim=-1, sorted=False).indices
 
 
 def index_topk(score: torch.Tensor, lens: torch.Tensor, topk: int, candidates: torch.Tensor | None = None):
@@ -244,5 +256,8 @@ def index_topk(score: torch.Tensor, lens: torch.Tensor, topk: int, candidates: t
     if candidates is not None:
         score = score.masked_fill(~candidates, -torch.inf)
     k = min(topk, score.shape[-1])
-    idx = score.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
-    return torch.where(idx < lens[:, None], idx, -1)
+    idx = topk_ids(score, k).sort(dim=-1).values
+    # NOTE(model): a pick with a -inf score is unreachable (or, for a re-indexer, outside the
+    # candidates): -1, so narrower and wider padded rows agree
+    ok = (idx < lens[:, None]) & (score.gather(-1, idx) > -torch.inf)
+    return torch.where(ok, idx, -1)

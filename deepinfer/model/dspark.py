@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,19 +36,28 @@ class DraftOutput:
 class DSparkAttention(Attention):
     def forward_draft(self, x: torch.Tensor, anchors_pos: list[int], ring_slots: list[int], block: int,
                       caches, rope_tables) -> torch.Tensor:
-        """x [B*block, d] normed draft rows -> [B*block, d]."""
-        dev = x.device
-        pos = torch.tensor([p + 1 + j for p in anchors_pos for j in range(block)], device=dev)
-        cis = rope_tables[self.rope_kind](pos)
+        """x [B*block, d] normed draft rows -> [B*block, d]. One sparse_attn call for all sequences:
+        buffer [B x window ring rows | B*block draft rows]; the rows of sequence b attend to its ring
+        positions max(0, p-window+1)..p in ring-slot order (the reference's), then its block's rows."""
+        dev, W, B = x.device, self.window, len(anchors_pos)
+        p = np.asarray(anchors_pos, dtype=np.int64)
+        pos = torch.from_numpy(np.repeat(p, block) + np.tile(np.arange(1, block + 1), B)).to(dev)
+        cis = rope_tables[self.rope_kind](pos, int(p.max(initial=0)) + block)
         qr, q, kv = self.qkv(x, cis)
-        o = torch.empty_like(q)
-        for b, (p, slot) in enumerate(zip(anchors_pos, ring_slots)):
-            ring_pos = torch.arange(max(0, p - self.window + 1), p + 1, device=dev)
-            ring_pos = ring_pos[torch.argsort(ring_pos % self.window)]        # the reference's slot order
-            rows = slice(b * block, (b + 1) * block)
-            buf = torch.cat([caches.read_ring(self.layer_id, slot, ring_pos).to(kv.dtype), kv[rows]])
-            idx = torch.arange(buf.shape[0], device=dev).expand(block, -1)
-            o[rows] = ops.sparse_attn(q[rows], buf, self.attn_sink, idx, self.scale)
+        r = np.arange(W)
+        ring_pos = p[:, None] - (p[:, None] - r) % W              # [B, W]: the position in ring slot r
+        nv = np.minimum(p + 1, W)                                 # valid slots are 0 .. nv-1
+        slots = np.asarray(ring_slots, dtype=np.int64)
+        flat = slots[:, None] * caches.ring_len + np.maximum(ring_pos, 0) % caches.ring_len
+        ring = caches.window_kv[self.layer_id].flatten(0, 1)
+        buf = torch.cat([ring[torch.from_numpy(flat.ravel()).to(dev)].to(kv.dtype), kv])
+        j = np.arange(W + block)
+        ring_idx = np.arange(B)[:, None] * W + j
+        draft_idx = B * W + np.arange(B)[:, None] * block + j - nv[:, None]
+        lists = np.where(j < nv[:, None], ring_idx, np.where(j < (nv + block)[:, None], draft_idx, -1))
+        width = int((nv + block).max(initial=0))
+        idx = torch.from_numpy(np.repeat(lists[:, :width], block, axis=0)).to(dev)     # [B*block, width]
+        o = ops.sparse_attn(q, buf, self.attn_sink, idx, self.scale)
         return self.out(o, cis)
 
     def main_kv(self, main_x: torch.Tensor, positions: torch.Tensor, rope_tables) -> torch.Tensor:
@@ -100,11 +110,17 @@ def dspark_absorb(model, main_hidden: torch.Tensor, positions: torch.Tensor, rin
                   cu_seqlens: list[int], caches) -> None:
     """main_hidden [T, k*d] rows at `positions` [T]; sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1]."""
     main_x = _main_x(model, main_hidden)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    counts = cu[1:] - cu[:-1]
+    ring_len = caches.ring_len
+    keep = np.arange(int(cu[-1])) >= np.repeat(cu[1:], counts) - ring_len      # only the last RING rows
+    rows = torch.from_numpy(np.nonzero(keep)[0]).to(positions.device)
+    slots = torch.from_numpy(np.repeat(np.asarray(ring_slots, dtype=np.int64), counts)[keep]).to(positions.device)
+    dst = slots * ring_len + positions[rows] % ring_len
     for m in model.mtp:
         kv = m.attn.main_kv(main_x, positions, model.rope)
-        for i, slot in enumerate(ring_slots):
-            r = slice(cu_seqlens[i], cu_seqlens[i + 1])
-            caches.write_ring(m.layer_id, slot, positions[r], kv[r])
+        ring = caches.window_kv[m.layer_id].flatten(0, 1)
+        ring[dst] = kv[rows].to(ring.dtype)
 
 
 @torch.inference_mode()

@@ -68,8 +68,11 @@ class RopeTable:
         self.params = (dim, original_seq_len, base, factor, beta_fast, beta_slow)
         self.table: torch.Tensor | None = None
 
-    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
-        need = int(positions.max()) + 1 if positions.numel() else 1
+    def __call__(self, positions: torch.Tensor, max_pos: int | None = None) -> torch.Tensor:
+        """max_pos: the largest position if the caller knows it (no device-to-host read)."""
+        if max_pos is None:
+            max_pos = int(positions.max()) if positions.numel() else 0
+        need = max_pos + 1
         if self.table is None or self.table.shape[0] < need or self.table.device != positions.device:
             n = max(4096, 1 << (need - 1).bit_length())
             dim, orig, base, factor, bf, bs = self.params

@@ -7,6 +7,7 @@ from deepinfer.kernels import (  # noqa: F401
     e8m0_to_float,
     fp4_quant,
     hc_split_sinkhorn,
+    index_scores_paged,
     rope,
     rope_freqs_ref as rope_freqs,
     sparse_attn,

@@ -3,7 +3,8 @@ blocks (Engram before a block where configured) -> collapse with the last pre-mi
 
 One `forward(batch, caches)` serves every step shape: a whole prefill, a chunk continuing a cache,
 one-token decode and 1+k verification, for any number of sequences at once (see model/batch.py).
-Linears, MoE, mHC and norms run flat over all T new tokens; attention loops over sequences.
+Everything runs flat over all T new tokens of all sequences; attention gathers one KV buffer per
+layer for the whole batch (model/step_metadata.py builds the index lists once per step).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from torch import nn
 
 from . import ops
 from .args import ModelArgs
-from .attention import SeqStep
 from .block import Block
 from .batch import ForwardBatch
 from .engram import NgramHasher
 from .dspark import DSparkBlock
 from .layers import ACT, Embedding, Linear, RMSNorm, rope_tables
+from .step_metadata import StepMetadata
 
 
 @dataclass
@@ -53,23 +54,15 @@ class Transformer(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.head.weight.float())
 
-    def seq_steps(self, batch: ForwardBatch) -> list[SeqStep]:
-        cu = batch.cu_seqlens.tolist()
-        starts = batch.start_pos.tolist()
-        slots = batch.ring_slots.tolist()
-        out = []
-        for i in range(len(starts)):
-            rows = slice(cu[i], cu[i + 1])
-            out.append(SeqStep(rows=rows, start=starts[i], n=cu[i + 1] - cu[i], ring_slot=slots[i],
-                               block_table=batch.block_tables[i], positions=batch.positions[rows],
-                               index_k_owner=self._last_index_owner if self.args.emulate_index_k_alias else -1))
-        return out
+    def step_metadata(self, batch: ForwardBatch, caches) -> StepMetadata:
+        owner = self._last_index_owner if self.args.emulate_index_k_alias else -1
+        return StepMetadata.build(batch, self.args.window_size, caches.ring_len, owner)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches, dump_hidden: bool = False) -> ModelOutput:
         args = self.args
-        seqs = self.seq_steps(batch)
+        meta = self.step_metadata(batch, caches)
         image_mask = None if batch.token_mask is None else ~batch.token_mask
         hashes = None
         if args.engram_layer_ids:
@@ -85,7 +78,7 @@ class Transformer(nn.Module):
                 h = layer.engram(h, hashes[:, layer.engram.hash_index], batch.token_mask)
             if i in args.dspark_target_layer_ids:
                 taps.append(h.mean(dim=1))
-            attn_fn = lambda xn, layer=layer: layer.attn(xn, seqs, caches, self.rope, batch.positions)  # noqa: E731
+            attn_fn = lambda xn, layer=layer: layer.attn(xn, meta, caches, self.rope)  # noqa: E731
             h, pre = layer(h, pre, attn_fn, image_mask, attn_outs)
         if dump_hidden:
             snaps.append(h.float())
