@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ops
 from .layers import ACT, Linear
 
 
@@ -63,6 +64,23 @@ class MoE(nn.Module):
         order in fp32 (the reference's accumulation order), then the shared expert is added."""
         weights, indices = self.gate(x, image_mask)
         T, K = indices.shape
+        if self._stacked(x.device) is not None:
+            outs = self._routed_grouped(x, weights, indices)
+        else:
+            outs = self._routed_loop(x, weights, indices)
+        # per token: add in ascending expert id
+        rank = torch.argsort(indices, dim=1, stable=True)
+        outs = outs.gather(1, rank[..., None].expand(-1, -1, self.dim))
+        y = torch.zeros(T, self.dim, device=x.device)
+        for k in range(K):
+            y = y + outs[:, k].float()
+        y = y + self.shared_experts(x).float()
+        return y.to(ACT)
+
+    def _routed_loop(self, x, weights, indices) -> torch.Tensor:
+        """[T, K, d] bf16: one Expert call per non-empty expert (packed FP4 experts dequantize per
+        use). NOTE(perf): the counts come to the host once per layer (a sync on CUDA)."""
+        T, K = indices.shape
         outs = torch.zeros(T, K, self.dim, dtype=ACT, device=x.device)
         flat = indices.flatten()
         order = torch.argsort(flat, stable=True)
@@ -75,11 +93,61 @@ class MoE(nn.Module):
             pos += c
             t, k = sel // K, sel % K
             outs[t, k] = self.experts[e](x[t], weights[t, k, None])
-        # per token: add in ascending expert id
-        rank = torch.argsort(indices, dim=1, stable=True)
-        outs = outs.gather(1, rank[..., None].expand(-1, -1, self.dim))
-        y = torch.zeros(T, self.dim, device=x.device)
-        for k in range(K):
-            y = y + outs[:, k].float()
-        y = y + self.shared_experts(x).float()
-        return y.to(ACT)
+        return outs
+
+    def _routed_grouped(self, x, weights, indices) -> torch.Tensor:
+        """[T, K, d] bf16: token-expert pairs sorted by expert into padded groups [A, C, d] (A experts
+        in use, C = the largest group), three batched matmuls, the pairs scattered back. Same
+        rounding points as Expert.forward (bf16 after each linear, fp32 SwiGLU, weight before w2).
+        Measured on CPU (1 thread, layer 3, us loop / grouped): tiny T=1 497/171, T=16 1011/234,
+        T=64 1318/385; small T=1 728/448, T=16 3090/2086, T=64 4895/5481 (padding to the largest
+        group costs more than the loop saves there). A batched matmul over all 32 experts of the
+        small preset was 1.4-2.6x slower than the loop, hence only the experts in use."""
+        w1, w3, w2 = self._stack
+        T, K = indices.shape
+        E, dev = self.n_experts, x.device
+        flat = indices.flatten()                                           # [T*K] pair -> expert
+        order = torch.argsort(flat, stable=True)                           # pairs grouped by expert
+        e_sorted = flat[order]
+        counts = torch.bincount(flat, minlength=E)
+        rank = torch.arange(T * K, device=dev) - (counts.cumsum(0) - counts)[e_sorted]   # row in its group
+        C = int(counts.max())                                              # CPU only: a free host read
+        active = counts > 0                                                # groups of the experts in use only
+        e_sorted = (active.cumsum(0) - 1)[e_sorted]
+        w1, w3, w2 = w1[active], w3[active], w2[active]
+        E = w1.shape[0]
+        ex = self.experts[0]
+        xin = ops.act_quant(x) if ex.w1.quantized else x
+        xp = torch.zeros(E, C, self.dim, dtype=w1.dtype, device=dev)
+        xp[e_sorted, rank] = xin[order // K].to(w1.dtype)
+        gate = torch.bmm(xp, w1.transpose(1, 2)).to(ACT).float()          # [E, C, inter]
+        up = torch.bmm(xp, w3.transpose(1, 2)).to(ACT).float()
+        if ex.limit > 0:
+            up = up.clamp(-ex.limit, ex.limit)
+            gate = gate.clamp(max=ex.limit)
+        h = F.silu(gate) * up
+        wp = torch.zeros(E, C, 1, device=dev)
+        wp[e_sorted, rank] = weights.flatten()[order, None]
+        h = (wp * h).to(ACT)
+        if ex.w2.quantized:
+            h = ops.act_quant(h)
+        out = torch.bmm(h.to(w2.dtype), w2.transpose(1, 2)).to(ACT)        # [E, C, d]
+        outs = torch.empty(T * K, self.dim, dtype=ACT, device=dev)
+        outs[order] = out[e_sorted, rank]
+        return outs.view(T, K, self.dim)
+
+    def _stacked(self, device) -> tuple | None:
+        """Dense expert weights stacked [E, out, in], on the CPU (where experts are dequantized at
+        load): each expert's weight becomes a view into the stack, so no memory is added. Packed
+        FP4 experts (CUDA) keep the loop and their format."""
+        if torch.device(device).type != "cpu" or any(e.w1.packed is not None for e in self.experts):
+            return None
+        if getattr(self, "_stack", None) is None:
+            stack = []
+            for name in ("w1", "w3", "w2"):
+                w = torch.stack([getattr(e, name).weight for e in self.experts])
+                for e, we in zip(self.experts, w):
+                    getattr(e, name).weight = we
+                stack.append(w)
+            self._stack = tuple(stack)
+        return self._stack
