@@ -186,3 +186,21 @@ def index_scores_paged_ref(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
     s = s.relu() * w.unsqueeze(-1)
     s = s.float().sum(1).to(torch.bfloat16)                                # [T, E]
     return s.masked_fill(torch.arange(E, device=s.device) >= lens[:, None], -math.inf)
+
+
+def hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps):
+    """Block.hc_mixes(x) and Block.hc_pre(x, pre_prev) in one contract: x [T, hc, d] bf16 ->
+    pre, post [T, hc], comb [T, hc, hc] (fp32) of this sublayer and y [T, d] (x collapsed with the
+    previous sublayer's pre-mix)."""
+    xf = x.flatten(1).float()
+    rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = torch.nn.functional.linear(xf, fn.float()) * rs
+    pre, post, comb = hc_split_sinkhorn_ref(mixes, scale, base, x.shape[1], iters, hc_eps)
+    y = (pre_prev.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+    return pre, post, comb, y
+
+
+def hc_post_ref(y, res, post, comb):
+    """y [T, d], res [T, hc, d], post [T, hc], comb [T, hc, hc] -> [T, hc, d] in y's dtype."""
+    out = post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * res.unsqueeze(-2)).sum(dim=1)
+    return out.to(y.dtype)

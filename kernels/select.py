@@ -1,8 +1,6 @@
 """Per-call dispatch: the Triton fast path for CUDA tensors on a capable GPU, the torch reference
-otherwise. Same names and contracts as the references, so wiring is one import:
-
-    # kernels/__init__.py
-    from .select import act_quant, fp4_quant, sparse_attn, hc_split_sinkhorn  # noqa: F401,E402
+otherwise. Same names and contracts as the references; deepinfer/model/ops.py binds these names, so on a CPU
+(or DEEPINFER_KERNELS=ref) every call lands on the torch reference.
 
 Knobs (environment, read once):
     DEEPINFER_KERNELS=ref        always the torch references
@@ -106,17 +104,25 @@ def index_scores(q, w, keys, lens=None):
     return index_scores_ref(q, w, keys, lens)
 
 
+def index_scores_paged(q, w, keys, seq_of, row_in_seq, max_q, lens):
+    """Batch form: query t against its sequence's keys [B, E, ID] (reference.index_scores_paged_ref);
+    the Triton kernel reads each token's key range of the flattened pool (key_start)."""
+    if use_fast(q):
+        from .triton_indexer import index_scores as fast
+        E = keys.shape[1]
+        return fast(q, w, keys.flatten(0, 1), lens, key_start=seq_of * E, num_keys=E)
+    return _ref.index_scores_paged_ref(q, w, keys, seq_of, row_in_seq, max_q, lens)
+
+
 def hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps):
-    if use_fast(x):
+    if use_fast(x) and x.shape[1] == 4:
         from .triton_mhc import hc_mixes_pre as fast
         return fast(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps)
-    from .triton_mhc import hc_mixes_pre_ref
-    return hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps)
+    return _ref.hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps)
 
 
 def hc_post(y, res, post, comb):
     if use_fast(y):
         from .triton_mhc import hc_post as fast
         return fast(y, res, post, comb)
-    from .triton_mhc import hc_post_ref
-    return hc_post_ref(y, res, post, comb)
+    return _ref.hc_post_ref(y, res, post, comb)

@@ -270,17 +270,6 @@ def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
     return out
 
 
-# ---- torch references of the fused contracts (Block's own code, restated for tests) ------------
+# ---- torch references of the fused contracts (Block's own code, restated in reference.py) ----
 
-def hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps):
-    xf = x.flatten(1).float()
-    rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = torch.nn.functional.linear(xf, fn.float()) * rs
-    pre, post, comb = hc_split_sinkhorn_ref(mixes, scale, base, x.shape[1], iters, hc_eps)
-    y = (pre_prev.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
-    return pre, post, comb, y
-
-
-def hc_post_ref(y, res, post, comb):
-    out = post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * res.unsqueeze(-2)).sum(dim=1)
-    return out.to(y.dtype)
+from .reference import hc_mixes_pre_ref, hc_post_ref  # noqa: E402,F401

@@ -8,7 +8,11 @@ Output: RoPE removed again, grouped low-rank wo_a, then wo_b.
 
 Per-query attention lists keep the reference's order, since the kernel's blockwise softmax rounding
 depends on it: a chunk starting at 0 uses the prefill layout (valid window positions first, -1 pads
-after, width min(n, window)); any other chunk the decode layout (width window, pads first).
+after, width min(n, window)); any other chunk the decode layout (width window, pads first); the
+compressed picks follow right after each row's own window list. All sequences of a step share one
+gathered buffer and one sparse_attn call per layer (model/step_metadata.py draws the layout);
+tests/model/seq_loop_ref.py keeps the per-sequence loop this replaced, and the test holds them
+bitwise equal.
 """
 
 from __future__ import annotations

@@ -56,12 +56,18 @@ class Block(nn.Module):
     def forward(self, x, pre_mix, attn_fn, image_mask=None, attn_out: list | None = None):
         """x [T, hc, d]; attn_fn(x_norm) -> [T, d]. Returns (x, the FFN's pre-mix for the next block)."""
         res = x
-        a_pre, a_post, a_comb = self.hc_mixes(x, "attn")
-        a = attn_fn(self.attn_norm(self.hc_pre(x, pre_mix)))
+        a_pre, a_post, a_comb, xa = self.mixes_pre(x, "attn", pre_mix)
+        a = attn_fn(self.attn_norm(xa))
         if attn_out is not None:
             attn_out.append(a)
-        x = self.hc_post(a, res, a_post, a_comb)
+        x = ops.hc_post(a, res, a_post, a_comb)
         res = x
-        f_pre, f_post, f_comb = self.hc_mixes(x, "ffn")
-        y = self.ffn(self.ffn_norm(self.hc_pre(x, a_pre)), image_mask)
-        return self.hc_post(y, res, f_post, f_comb), f_pre
+        f_pre, f_post, f_comb, xf = self.mixes_pre(x, "ffn", a_pre)
+        y = self.ffn(self.ffn_norm(xf), image_mask)
+        return ops.hc_post(y, res, f_post, f_comb), f_pre
+
+    def mixes_pre(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor):
+        """hc_mixes(x, sub) and hc_pre(x, pre_prev) in one pass over x (ops.hc_mixes_pre):
+        pre, post [T, hc], comb [T, hc, hc] fp32 and the collapsed input [T, d]."""
+        return ops.hc_mixes_pre(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                                getattr(self, f"hc_{sub}_base"), pre_prev, self.iters, self.hc_eps, self.eps)

@@ -137,7 +137,7 @@ class NgramHasher(nn.Module):
         hist_c = torch.where(hist >= 0, self.token_map[hist.clamp_min(0)], hist)     # [B, h]
         # one extended row per sequence: [history (h), new tokens]; flat token k sits at ext_idx[k]
         q_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(dev)
-        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), q_lens)
+        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), q_lens, output_size=T)   # no host read
         local = torch.arange(T, device=dev) - cu_seqlens[:-1].to(dev)[seq_of]
         ext_off = cu_seqlens[:-1].to(dev) + h * torch.arange(B, device=dev)
         ext = torch.empty(T + h * B, dtype=torch.int64, device=dev)

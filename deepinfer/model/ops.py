@@ -1,14 +1,24 @@
-"""The one place the model binds kernels (deepinfer.kernels); swap an implementation here."""
+"""The one place the model binds kernels (deepinfer.kernels); swap an implementation here.
+
+The hot ops come from kernels/select.py: per call, the Triton fast path for CUDA tensors on a GPU of
+compute capability >= 8.9 (perf/H200_NOTES.md; validated end to end on the bf16 fixture by
+tests/kernels/test_model_fast_path.py), the torch reference otherwise, so the CPU runs exactly the
+references. Weight formats (FP8 linears, FP4 experts) stay as the loader made them.
+"""
 
 from deepinfer.kernels import (  # noqa: F401
-    act_quant,
     dequant_fp4_ref as dequant_fp4,
     dequant_fp8_ref as dequant_fp8,
     e8m0_to_float,
-    fp4_quant,
-    hc_split_sinkhorn,
-    index_scores_paged,
     rope,
     rope_freqs_ref as rope_freqs,
+)
+from deepinfer.kernels.select import (  # noqa: F401
+    act_quant,
+    fp4_quant,
+    hc_mixes_pre,
+    hc_post,
+    hc_split_sinkhorn,
+    index_scores_paged,
     sparse_attn,
 )

@@ -11,6 +11,20 @@ mutates (KV caches, rings) lives in tensors allocated before capture. Padding ro
 `pad_fill` (zeros by default): make them harmless for the step (e.g. attention index lists of -1,
 slot mappings to a scratch row). On a device without CUDA (or enabled=False) the runner calls the
 function eagerly on the padded inputs, so the padding logic is testable on a CPU.
+
+Where the model forward stands (Transformer.forward): every shape and every index list comes from
+host-side ints (ForwardBatch.cu_seqlens / start_pos are CPU tensors; model/step_metadata.py builds
+the attention metadata once per step; rope tables take the step's last position from it; Engram's
+repeat_interleave has its output size), so the decode forward reads nothing back from the device,
+except:
+  * MoE with packed FP4 experts (the CUDA loader's format): one `bincount(...).tolist()` per layer
+    for the per-expert loop. Capture needs the grouped form there (capacity = T rows per expert, or
+    a masked grouped GEMM: perf/H200_NOTES.md's MoE kernels), not validated without a GPU.
+  * StepMetadata's tensors are built per step with numpy and copied to the device: for capture they
+    must be copied into static buffers sized for the padded batch (index lists padded with -1,
+    ring writes pointed at a scratch slot), and shapes that depend on the step (max entries E,
+    ring width, list width) fixed per captured size (E from max_model_len, width window + topk).
+  * DSpark's main_kv (absorb) still sizes its rope table from the device positions.
 """
 
 from __future__ import annotations

@@ -75,6 +75,13 @@ def main():
     b = torch.cat([b0, b1])
     fin = torch.isfinite(b)
     assert torch.equal(torch.isfinite(a), fin) and rel(a[fin], b[fin]) < 2e-2
+    # the model's batch form (select.index_scores_paged): keys [B, E, ID], each token its sequence's
+    from deepinfer.kernels.reference import index_scores_paged_ref
+    seq_of, row_in_seq = torch.tensor([0, 1]), torch.tensor([0, 0])
+    a = triton_indexer.index_scores(qi, wi, pool, lens, key_start=seq_of * 150, num_keys=150)
+    b = index_scores_paged_ref(qi, wi, pool.view(2, 150, 128), seq_of, row_in_seq, 1, lens)
+    fin = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), fin) and rel(a[fin], b[fin]) < 2e-2
     # W8A16 GEMM with raw E8M0 expert scales (grouped, masked)
     xq = triton_quant.act_quant(xa.view(-1, k)).view(G, mmax, k)
     w8e, s8e = zip(*[triton_gemm.fp4_to_fp8_weight(packed[g], sc[g], keep_e8m0=True) for g in range(G)])
