@@ -180,9 +180,13 @@ def index_scores_paged_ref(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
     row_in_seq[t]) so each sequence is one product against its own keys."""
     T, IH, ID = q.shape
     B, E, _ = keys.shape
-    qp = q.new_zeros(B, max_q, IH, ID)
-    qp[seq_of, row_in_seq] = q
-    s = torch.einsum("bqhd,bed->bqhe", qp.float(), keys.float())[seq_of, row_in_seq].to(torch.bfloat16)
+    if T == B * max_q:        # every sequence has max_q rows (a prefill, a decode batch): a view
+        s = torch.einsum("bqhd,bed->bqhe", q.view(B, max_q, IH, ID).float(), keys.float()).flatten(0, 1)
+    else:
+        qp = q.new_zeros(B, max_q, IH, ID)
+        qp[seq_of, row_in_seq] = q
+        s = torch.einsum("bqhd,bed->bqhe", qp.float(), keys.float())[seq_of, row_in_seq]
+    s = s.to(torch.bfloat16)
     s = s.relu() * w.unsqueeze(-1)
     s = s.float().sum(1).to(torch.bfloat16)                                # [T, E]
     return s.masked_fill(torch.arange(E, device=s.device) >= lens[:, None], -math.inf)
