@@ -81,7 +81,13 @@ class ResponseStream:
         eos = ids[-1] == EOS_TOKEN_ID
         if eos:
             ids, logprobs = ids[:-1], (logprobs[:-1] if logprobs else logprobs)
-        chunks = self.processor.push(dr.InferenceChunk.tokens(ids, logprobs)) if ids else []
+        # One id per push: the recipe holds back a whole multi-id chunk that ends inside a UTF-8
+        # character and drops it at finish, so grouping would change the text (a complete response
+        # would lose a step's worth of tokens that the same request streamed).
+        chunks = []
+        for i, token_id in enumerate(ids):
+            lp = logprobs[i:i + 1] if logprobs else logprobs
+            chunks += self.processor.push(dr.InferenceChunk.tokens([token_id], lp))
         if eos and not self.processor.finished:
             chunks += self.processor.push(dr.InferenceChunk.text("", token_count=1))
         return chunks

@@ -122,3 +122,20 @@ def test_logprobs_reach_the_chunks(pre):
     out = s.push(ids, [(-0.5, [(ids[0], -0.5)])] * len(ids), "stop")
     lp = [json.loads(c)["choices"][0]["logprobs"] for c in out.chunks]
     assert any(x and x.get("content") for x in lp)
+
+
+def test_text_does_not_depend_on_how_the_engine_groups_ids(pre):
+    """A request cut by max_tokens inside a multi-byte character (its last id is a partial UTF-8
+    byte token) reads the same whether its ids came one per step or all in one response."""
+    body = json.dumps(chat(max_tokens=8, thinking={"type": "disabled"}))
+    partial = pre.tokenizer.encode("🦀")[:1]          # 🦀 is three byte tokens: keep the first
+    ids = pre.tokenizer.encode(" engineering-founder polyethylene") + partial
+
+    def content(step: int) -> str:
+        p = pre.prepare("chat.completions", body)
+        s = ResponseStream(p.context, pre.tokenizer)
+        outs = [s.push(ids[i:i + step], None, "length" if i + step >= len(ids) else None)
+                for i in range(0, len(ids), step)]
+        return json.loads(outs[-1].chunks[-1])["choices"][0]["message"]["content"]
+
+    assert content(1) == content(len(ids)) == content(3) == " engineering-founder polyethylene"
