@@ -52,6 +52,9 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     (PREPROCESS,  IN,  "seed",                    UINT64, (1,),  True,  "seed"),
     (PREPROCESS,  IN,  "stop_words",              BYTES,  (-1,), True,  "stop_words"),
     (PREPROCESS,  IN,  "exclude_input_in_output", BOOL,   (1,),  True,  "exclude_input_in_output"),
+    # the client's own request key (unique; default: a fresh uuid): a gateway knows the key to stop
+    # the engine with before any response arrives (a disconnect during prefill, a non-streaming request)
+    (PREPROCESS,  IN,  "request_key",             BYTES,  (1,),  True,  "request_key"),
     (PREPROCESS,  OUT, "input_ids",               INT32,  (-1,), False, "_input_ids"),
     (PREPROCESS,  OUT, "sampling",                BYTES,  (1,),  False, "_sampling"),      # SamplingParams JSON
     (PREPROCESS,  OUT, "streaming",               BOOL,   (1,),  False, "_streaming"),

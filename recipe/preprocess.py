@@ -152,7 +152,15 @@ def _new_id(api: str) -> str:
 
 
 def prepare_inputs(pre: Preprocessor, inputs: dict) -> PreparedRequest:
-    """Dispatch on the preprocess inputs (contract names, plain Python values, None when absent)."""
+    """Dispatch on the preprocess inputs (contract names, plain Python values, None when absent);
+    a client-chosen `request_key` replaces the generated one."""
+    prepared = _prepare_inputs(pre, inputs)
+    if inputs.get("request_key"):
+        prepared.request_key = inputs["request_key"]
+    return prepared
+
+
+def _prepare_inputs(pre: Preprocessor, inputs: dict) -> PreparedRequest:
     if inputs.get("request") is not None:
         return pre.prepare(inputs.get("api") or "chat.completions", inputs["request"])
     if inputs.get("text_input") is None:

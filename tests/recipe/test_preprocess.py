@@ -107,3 +107,10 @@ def test_text_input_path(pre):
 def test_neither_request_nor_text_input(pre):
     p = prepare_inputs(pre, {})
     assert p.rejected and "text_input" in json.loads(p.context.error_body)["error"]["message"]
+
+
+def test_client_request_key_replaces_the_generated_one(pre):
+    body = json.dumps(chat(thinking={"type": "disabled"}))
+    assert prepare_inputs(pre, {"request": body, "api": "chat.completions", "request_key": "gw-1"}).request_key == "gw-1"
+    assert prepare_inputs(pre, {"text_input": "hi", "request_key": "gw-2"}).request_key == "gw-2"
+    assert len(prepare_inputs(pre, {"text_input": "hi"}).request_key) == 32
