@@ -20,6 +20,11 @@ class EngineArgs:
     seed: int = 0
     batch_invariant: bool = False           # a request's logits do not depend on the batch (deepinfer/sample/BATCH_INVARIANCE.md)
     model_overrides: dict = field(default_factory=dict)  # ModelArgs runtime switches, e.g. {"emulate_index_k_alias": True}
+    # speculative decoding (deepinfer/spec/): "dspark" drafts with the checkpoint's DSpark blocks; async
+    # scheduling is then off (verification needs the accepted count before the next step)
+    speculative: str | None = None          # None (off) or "dspark"
+    num_speculative_tokens: int = 5         # drafts proposed per request and step (at most the DSpark block, 5)
+    spec_confidence_threshold: float = 0.5  # verify drafts 1..j while prod_{i<=j} sigmoid(c_i) >= this (0 = all)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -30,6 +35,10 @@ class EngineArgs:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
         if self.num_cache_blocks is not None and self.num_cache_blocks < 1:
             raise ValueError(f"num_cache_blocks must be >= 1, got {self.num_cache_blocks}")
+        if self.speculative not in (None, "dspark"):
+            raise ValueError(f"speculative must be None or 'dspark', got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
 

@@ -17,7 +17,8 @@ CPU schedules and builds N+1 while the device runs N:
     
 A request that stops at step N has one wasted token in N+1 (dropped). On CPU there is nothing
 to overlap (torch CPU ops are synchronous), so the plain step is used.
-Draft verification needs the accepted count before the next step: not combined with async yet.
+Draft verification needs the accepted count before the next step: EngineArgs.speculative ("dspark",
+deepinfer/spec/) turns async scheduling off.
 """
 
 from __future__ import annotations
@@ -85,20 +86,29 @@ class Engine:
     def _init_scheduler(self) -> None:
         a = self.args
         self.kv_cache = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs)
+        policy = None
+        if a.speculative == "dspark":
+            from deepinfer.spec.policy import StaticThresholdPolicy
+            policy = StaticThresholdPolicy(a.spec_confidence_threshold)
         self.scheduler = Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len,
-                                   self.kv_cache, self.stats)
+                                   self.kv_cache, self.stats, spec_policy=policy)
         self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks)
 
     def _init_runner(self) -> None:
         a = self.args
         self.async_scheduling = a.async_scheduling if a.async_scheduling is not None else self.device.startswith("cuda")
+        proposer = None
+        if a.speculative == "dspark":
+            from deepinfer.spec.dspark_proposer import DSparkProposer
+            proposer = DSparkProposer(self.model, self.caches, a.num_speculative_tokens)
+            self.async_scheduling = False   # verification needs the accepted count before the next step
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
         from deepinfer.worker.model_runner import ModelRunner
         self.sampler = _make_sampler(a.checkpoint, self.vocab_size)
         self.runner = ModelRunner(self.model, self.caches, self.device, a.max_num_seqs,
                                   self.max_model_len, a.block_tokens,
                                   ngram_width=max(self.model_args.engram_max_ngram_size - 1, 0),
-                                  sampler=self.sampler, batch_invariant=a.batch_invariant)
+                                  sampler=self.sampler, batch_invariant=a.batch_invariant, proposer=proposer)
 
     # requests ----------------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None) -> SamplingParams:
@@ -203,6 +213,12 @@ class Engine:
         self.stats.set_gauges(num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
                               cache_blocks_used=kv.num_used_blocks,
                               cache_usage=kv.num_used_blocks / self.num_cache_blocks)
+        if self.args.speculative:
+            c = self.stats.counters   # engine thread: the only writer
+            steps, verified = c["spec_verify_steps_total"], c["spec_draft_tokens_verified_total"]
+            accepted = c["spec_draft_tokens_accepted_total"]
+            self.stats.set_gauges(spec_mean_accepted_length=1 + accepted / steps if steps else 0.0,
+                                  spec_acceptance_rate=accepted / verified if verified else 0.0)
 
 
 def _make_sampler(checkpoint: str, vocab_size: int):

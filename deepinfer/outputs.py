@@ -79,7 +79,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]              # per request: accepted drafts + 1 new token; [] for a partial prefill
     logprobs: list[list[Any] | None] | None = None  # per request, one entry per sampled token (sampler's format)
     logits: dict[str, Any] | None = None            # req_id -> fp32 [n, V] logits of the sampled positions (return_logits)
-    draft_token_ids: list[list[int]] | None = None  # next step's proposals (DSpark), batch order
+    draft_token_ids: list[list[int]] | None = None  # next step's proposals (DSpark), batch order; [] = none
+    draft_confidences: list[list[float]] | None = None  # per draft, the confidence logit (pre-sigmoid); the
+                                                        # scheduler's policy picks the prefix to verify
 
 
 @dataclass

@@ -55,6 +55,12 @@ class EngineStats:
             "requests_finished_abort": 0,
             "requests_finished_error": 0,
             "steps_total": 0,
+            # speculative decoding (DSpark): drafts proposed, sent to verification (after the
+            # confidence policy and the token budget), accepted; request-steps that verified drafts
+            "spec_draft_tokens_proposed_total": 0,
+            "spec_draft_tokens_verified_total": 0,
+            "spec_draft_tokens_accepted_total": 0,
+            "spec_verify_steps_total": 0,
         }
         self.gauges = {
             "num_requests_running": 0,
@@ -62,6 +68,8 @@ class EngineStats:
             "cache_blocks_used": 0,
             "cache_blocks_total": 0,
             "cache_usage": 0.0,
+            "spec_mean_accepted_length": 0.0,   # tokens per verifying request-step: 1 + accepted / verify steps
+            "spec_acceptance_rate": 0.0,        # accepted / verified drafts
         }
         self.histograms = {
             "time_to_first_token_seconds": Histogram(TTFT_BUCKETS),

@@ -18,6 +18,10 @@ scheduled while this one runs: a request with a placeholder then runs its not-ye
     known:  | prompt + outputs (num_tokens) | placeholder | drafts |
     cached: | ... num_computed_tokens ...                  |   (after schedule)
 
+Speculative decoding: the runner returns drafts with confidence logits; `spec_policy` (spec/policy.py)
+picks the prefix to verify, which becomes the request's spec_token_ids, scheduled next step after
+its last token as far as the budget allows, then lowered by the rejected ones (_advance).
+
 The scheduler never sees tensors; what the runner must do is a value in the SchedulerOutput.
 """
 
@@ -35,12 +39,13 @@ from deepinfer.stats import EngineStats
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 kv_cache: KVCacheManager, stats: EngineStats | None = None) -> None:
+                 kv_cache: KVCacheManager, stats: EngineStats | None = None, spec_policy=None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv_cache = kv_cache
         self.stats = stats or EngineStats()
+        self.spec_policy = spec_policy           # num_to_verify(confidence logits) -> int; None = all drafts
         self.requests: dict[str, Request] = {}   # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # admission order = priority order
@@ -176,8 +181,6 @@ class Scheduler:
                 continue  # aborted while the step ran: drop its tokens
             sampled = runner_out.sampled_token_ids[i]
             self._advance(req, sched_out, sampled)
-            if runner_out.draft_token_ids is not None:
-                req.spec_token_ids = list(runner_out.draft_token_ids[i])
             if not sampled:
                 continue  # a prompt chunk that did not reach the end
             new_ids, status = self._append_tokens(req, sampled)
@@ -188,6 +191,8 @@ class Scheduler:
                 self.running.remove(req)
                 self._finished_for_runner.add(req_id)
                 self._finish(req, status)
+            elif runner_out.draft_token_ids is not None:
+                self._take_drafts(req, runner_out, i)
             outputs.append(RequestOutput(req_id, new_ids, req.finish_reason, req.num_prompt_tokens,
                                          req.num_output_tokens, logprobs, logits))
         return outputs
@@ -198,10 +203,25 @@ class Scheduler:
             req.num_output_placeholders -= 1
         spec = sched_out.spec_tokens.get(req.request_id)
         if spec:
-            num_rejected = len(spec) - (len(sampled) - 1)
+            num_accepted = len(sampled) - 1
+            num_rejected = len(spec) - num_accepted
+            self.stats.inc("spec_draft_tokens_verified_total", len(spec))
+            self.stats.inc("spec_draft_tokens_accepted_total", num_accepted)
+            self.stats.inc("spec_verify_steps_total")
             req.num_computed_tokens -= num_rejected
             self.kv_cache.rollback(req.request_id, req.num_computed_tokens)
             req.spec_token_ids = []
+
+    def _take_drafts(self, req: Request, runner_out: ModelRunnerOutput, i: int) -> None:
+        """Next step's drafts: the prefix the policy keeps, no more than max_tokens leaves room for."""
+        drafts = runner_out.draft_token_ids[i]
+        if not drafts:
+            return
+        self.stats.inc("spec_draft_tokens_proposed_total", len(drafts))
+        confs = runner_out.draft_confidences[i] if runner_out.draft_confidences else None
+        n = self.spec_policy.num_to_verify(confs) if self.spec_policy is not None and confs else len(drafts)
+        room = req.sampling_params.max_tokens - req.num_output_tokens - 1   # the step samples one more
+        req.spec_token_ids = list(drafts[:max(0, min(n, room))])
 
     def _append_tokens(self, req: Request, sampled: list[int]) -> tuple[list[int], RequestStatus | None]:
         params = req.sampling_params

@@ -15,6 +15,11 @@ sampled list is g_0..g_a (a accepted drafts + 1 new token). The scheduler then l
 num_computed_tokens by the k - a rejected positions and frees the blocks past them; the caches
 need nothing else (addressed by absolute position).
 
+DSpark (a DSparkProposer, when EngineArgs.speculative == "dspark"): after the acceptance, the
+main_hidden rows of the accepted positions go into the DSpark rings and every request that sampled
+gets num_speculative_tokens drafts with their confidence logits (ModelRunnerOutput); the scheduler
+picks how many to verify (spec/dspark_proposer.py has the position ruler).
+
 Async scheduling splits execute() into launch() (steps 1-3, the samples stay on the device and
 are copied back asynchronously) and resolve() (step 4). Between them the engine schedules and
 launches the next step, whose tokens that are not yet known on the host are gathered from the
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
-from deepinfer.worker.input_batch import InputBatch
+from deepinfer.worker.input_batch import InputBatch, _ragged_arange
 
 
 def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -51,12 +56,23 @@ class _InFlight:
     logits: torch.Tensor | None # [N, V] fp32, only when some request returns logits
     logprobs: list | None = None  # [N] TokenLogprob | None per logits row (Sampler)
     seq: int = 0                # launch sequence number
+    spec: "_SpecInputs | None" = None   # what the DSpark proposer needs (speculative decoding only)
+
+
+@dataclass
+class _SpecInputs:
+    main_hidden: torch.Tensor   # [T, k*dim] the step's DSpark input rows
+    q_lens: np.ndarray          # [B] tokens run per request
+    start: np.ndarray           # [B] position of each request's first row
+    ring_slots: np.ndarray      # [B]
 
 
 class ModelRunner:
     def __init__(self, model, caches, device: torch.device, max_num_seqs: int, max_model_len: int,
-                 block_tokens: int, ngram_width: int = 3, sampler=None, batch_invariant: bool = False) -> None:
+                 block_tokens: int, ngram_width: int = 3, sampler=None, batch_invariant: bool = False,
+                 proposer=None) -> None:
         self.model = model
+        self.proposer = proposer      # deepinfer.spec.DSparkProposer; None = no drafts
         self.batch_invariant = batch_invariant   # torch path: row-by-row GEMMs (kernels/batch_invariant.py)
         self.sampler = sampler        # deepinfer.sample.Sampler; None = greedy only
         self.caches = caches
@@ -87,7 +103,8 @@ class ModelRunner:
         batch, rows, num_logits = ib.build(req_ids, q_lens, num_spec, self.device, self._prev_sampled)
         with torch.inference_mode():
             with batch_invariant_mode(self.batch_invariant):
-                logits = self.model(batch, self.caches).logits             # [N, V] fp32
+                out = self.model(batch, self.caches)
+            logits = out.logits                                            # [N, V] fp32
             sampled, logprobs = self._sample(logits, batch, rows, num_logits, num_spec)  # [N] on the device
             self._apply_forcing(sampled, rows, num_logits)
         self._set_pending(rows, num_logits, num_spec)
@@ -96,8 +113,11 @@ class ModelRunner:
         keep_logits = logits if ib.return_logits else None
         host, done = self._to_host(sampled)
         self._launch_seq += 1
+        spec = None
+        if self.proposer is not None and out.main_hidden is not None:
+            spec = _SpecInputs(out.main_hidden, q_lens, batch.start_pos.numpy(), ib.ring_slot[rows].copy())
         return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits,
-                         logprobs=logprobs, seq=self._launch_seq)
+                         logprobs=logprobs, seq=self._launch_seq, spec=spec)
 
     def resolve(self, step: _InFlight | None) -> ModelRunnerOutput:
         if step is None:
@@ -110,10 +130,40 @@ class ModelRunner:
         logprobs = self._per_request_logprobs(step, per_req)
         self._advance_after_verification(step, per_req)
         self._append(step, per_req)
+        drafts, confidences = self._speculate(step, per_req) if step.spec is not None else (None, None)
         if step.seq == self._launch_seq:  # nothing launched after it: every token is known here now
             self.input_batch.pending_index[:] = -1
             self._prev_sampled = None
-        return ModelRunnerOutput(step.req_ids, per_req, logprobs=logprobs, logits=out_logits)
+        return ModelRunnerOutput(step.req_ids, per_req, logprobs=logprobs, logits=out_logits,
+                                 draft_token_ids=drafts, draft_confidences=confidences)
+
+    def _speculate(self, step: _InFlight, per_req: list[list[int]]):
+        """Absorb the accepted rows into the DSpark rings, then draft for the requests that sampled
+        (and can still generate). -> (draft ids, confidence logits) per request, [] for the others."""
+        sp, ib = step.spec, self.input_batch
+        num_acc = np.array([max(len(t) - 1, 0) for t in per_req], dtype=np.int64)
+        keep = np.where(step.num_logits > 0, sp.q_lens - step.num_spec + num_acc, sp.q_lens)   # [B]
+        cu = np.zeros(len(keep) + 1, dtype=np.int64)
+        np.cumsum(sp.q_lens, out=cu[1:])
+        idx = np.repeat(cu[:-1], keep) + _ragged_arange(keep)            # accepted rows of the step
+        pos = np.repeat(sp.start, keep) + _ragged_arange(keep)
+        dev = sp.main_hidden.device
+        cu_keep = np.concatenate([[0], np.cumsum(keep)]).tolist()
+        self.proposer.absorb(sp.main_hidden[torch.from_numpy(idx).to(dev)], torch.from_numpy(pos).to(dev),
+                             sp.ring_slots.tolist(), cu_keep)
+        which = [i for i, (req_id, row, toks) in enumerate(zip(step.req_ids, step.rows.tolist(), per_req))
+                 if toks and ib.row_of.get(req_id) == row and self._can_generate(row)]
+        props = self.proposer.propose([per_req[i][-1] for i in which],
+                                      [int(sp.start[i] + keep[i] - 1) for i in which],
+                                      [int(sp.ring_slots[i]) for i in which])
+        drafts, confs = [[] for _ in per_req], [[] for _ in per_req]
+        for j, i in enumerate(which):
+            drafts[i], confs[i] = props.draft_ids[j], props.confidences[j]
+        return drafts, confs
+
+    def _can_generate(self, row: int) -> bool:
+        ib = self.input_batch
+        return ib.num_tokens[row] - ib.num_prompt[row] < ib.params[row].max_tokens
 
     # helpers -----------------------------------------------------------------------------------
     def _update_states(self, sched_out: SchedulerOutput) -> None:

@@ -1,0 +1,66 @@
+"""DSpark proposer: after each verified step, feed the DSpark rings and draft the next tokens
+(reference DSparkBlock; MODEL.md section 8.1). The runner calls it with tensors; it decides no
+policy (how many drafts to verify is the scheduler's, spec/policy.py).
+
+One request's positions after a step that ran q tokens from `start`, k of them drafts, a accepted:
+
+    positions: start ........................ start+q-1
+               | known tokens (q-k) | d_1 .. d_a | d_a+1 .. d_k |
+               |<----- absorbed (q-k+a) ------->|  rejected: never absorbed
+    anchor:    the token sampled after the last absorbed position p = start+q-k+a-1 (at p+1)
+    drafts:    positions p+2 .. p+1+num_speculative_tokens
+
+The rings are addressed by position (slot p % RING) and a draft row reads positions <= p only,
+all of which this request absorbed (prefill chunks absorb every row), so rejected positions leave
+nothing behind and a preempted request rebuilds its rings by recomputing from position 0.
+
+Drafts are picked greedily (a point-mass draft distribution q = onehot(d)). For such a draft,
+lossless speculative sampling accepts d with min(1, p(d)/q(d)) = p(d) and resamples at a rejection
+from norm(max(0, p - q)) = p without d: exactly what the runner's verification does (sample g
+from the target with the per-(seed, position) stream, accept d iff d == g). So temperature > 0
+needs nothing else, and the tokens equal those of a run without drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.model.dspark import dspark_absorb, dspark_propose
+
+
+@dataclass
+class DraftProposals:
+    draft_ids: list[list[int]]         # per proposing request: num_speculative_tokens draft ids
+    confidences: list[list[float]]     # per proposing request: confidence logits (pre-sigmoid), same length
+
+
+class DSparkProposer:
+    def __init__(self, model, caches, num_speculative_tokens: int = 5) -> None:
+        block = model.args.dspark_block_size
+        if not block or not len(model.mtp):
+            raise ValueError("speculative='dspark' needs a checkpoint with DSpark draft blocks "
+                             "(dspark_block_size and num_nextn_predict_layers)")
+        if not 1 <= num_speculative_tokens <= block:
+            raise ValueError(f"num_speculative_tokens must be in [1, {block}] (the DSpark block), "
+                             f"got {num_speculative_tokens}")
+        self.model = model
+        self.caches = caches
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def absorb(self, main_hidden: torch.Tensor, positions: torch.Tensor, ring_slots: list[int],
+               cu_seqlens: list[int]) -> None:
+        """main_hidden [T, k*dim] rows of accepted positions [T]; sequence i owns rows cu[i]:cu[i+1]."""
+        if main_hidden.shape[0]:
+            dspark_absorb(self.model, main_hidden, positions, ring_slots, cu_seqlens, self.caches)
+
+    def propose(self, anchor_ids: list[int], positions: list[int], ring_slots: list[int]) -> DraftProposals:
+        """anchor_ids [B]: the token at p+1; positions [B]: p, the last absorbed position."""
+        if not anchor_ids:
+            return DraftProposals([], [])
+        dev = self.caches.window_kv[0].device
+        ids = torch.tensor(anchor_ids, dtype=torch.int64, device=dev)
+        out = dspark_propose(self.model, ids, positions, ring_slots, self.caches)
+        k = self.num_speculative_tokens
+        return DraftProposals(out.draft_ids[:, :k].tolist(), out.confidence[:, :k].float().tolist())
