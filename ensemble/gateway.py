@@ -1,0 +1,313 @@
+"""The HTTP gateway: OpenAI Chat Completions and Responses, Anthropic Messages, in front of the ensemble.
+
+    python -m deepinfer.ensemble.gateway --triton-grpc localhost:8001 --port 9000
+
+    POST /v1/chat/completions   POST /v1/responses   POST /v1/messages   GET /v1/models   GET /health
+
+The gateway renders nothing: the postprocess already writes each chunk / event / whole response in
+the request's own format, so a body goes out as the ensemble's `response` output, unchanged; the
+gateway only frames it (SSE as each official API does) and turns `status` into the HTTP status.
+
+    client --HTTP--> gateway --one gRPC stream per request, one shared channel--> deepseek_v41_flash
+           <--SSE---         <--decoupled responses (chunk JSONs, status)-------
+
+Why a stream per request on one channel (tritonclient.grpc.aio): a request's responses and its FINAL
+arrive on its own stream, so nothing routes responses between requests (the sync GrpcClient runs one
+request at a time per stream); HTTP/2 multiplexes the streams on one connection, so no per-request
+connection setup. The gRPC call is awaited on the aiohttp loop: no thread per request.
+
+Stopping (DESIGN.md: cancelling an ensemble request does not reach a running engine step): the
+gateway chooses each request's key (the ensemble's optional `request_key` input), so when a client
+disconnects (handler cancelled, or a write fails) it sends the engine's explicit stop
+(`request_key` + `stop`) at once, before or after the first response, streaming or not. A stop that
+arrives before the engine admitted the request finds nothing, so it is repeated while the request's
+stream shows the request alive, until its FINAL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+import grpc
+from aiohttp import web
+
+from . import contract as c
+from .client import _input_tensor, decode_result
+
+log = logging.getLogger("deepinfer.gateway")
+
+ROUTES = {"/v1/chat/completions": "chat.completions", "/v1/responses": "responses", "/v1/messages": "messages"}
+SERVED_MODELS = ("deepseek-flash", "DeepSeek-V4.1-Flash", "deepseek_v41_flash")   # what the preprocess accepts
+_STOP_RETRY_S = (0.25, 1.0, 3.0)   # re-send a stop while the request may not have been admitted yet
+_ABANDON_S = 60.0                  # how long an abandoned request's stream is drained for its FINAL
+
+
+# -- each API's error body and SSE framing --------------------------------------------------------
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                     529: "overloaded_error"}
+
+
+def error_body(api: str, status: int, message: str) -> str:
+    """The API's own error JSON (what the recipe writes for rejections, for the gateway's own errors)."""
+    if api == "messages":
+        return json.dumps({"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"),
+                                                      "message": message}})
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+
+
+def sse_frame(api: str, chunk: str) -> bytes:
+    """Chat: `data: {...}`; Responses and Messages: `event: <type>` + `data: {...}`."""
+    if api == "chat.completions":
+        return f"data: {chunk}\n\n".encode()
+    return f"event: {json.loads(chunk).get('type', 'message')}\ndata: {chunk}\n\n".encode()
+
+
+def sse_error(api: str, message: str) -> bytes:
+    """An error after the stream began (headers sent): the event each SDK raises on."""
+    if api == "chat.completions":
+        return sse_frame(api, error_body(api, 500, message))
+    if api == "messages":
+        return sse_frame(api, error_body(api, 500, message))
+    return sse_frame(api, json.dumps({"type": "error", "code": "server_error", "message": message, "param": None}))
+
+
+SSE_END = {"chat.completions": b"data: [DONE]\n\n", "responses": b"", "messages": b""}
+
+
+def json_response(status: int, body: str) -> web.Response:
+    return web.Response(status=status, body=body.encode(), content_type="application/json")
+
+
+def wants_stream(raw: bytes) -> bool:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return False   # the preprocess answers with the API's error
+    return isinstance(body, dict) and body.get("stream") is True
+
+
+# -- one ensemble request ---------------------------------------------------------------------------
+class TritonUnavailable(RuntimeError):
+    pass
+
+
+class TritonStreamError(RuntimeError):
+    pass
+
+
+class EnsembleCall:
+    """One ModelStreamInfer call for one request. A reader task pumps its responses into a queue, so
+    waiting for the next one with a timeout never cancels the gRPC read."""
+
+    def __init__(self, client, model: str, tensors: list, request_id: str):
+        self._closed = asyncio.Event()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.engine_done = False   # a finish_reason, a FINAL or an error seen: nothing runs in the engine
+        self._it = client.stream_infer(self._requests(model, tensors, request_id))
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _requests(self, model, tensors, request_id):
+        yield {"model_name": model, "inputs": tensors, "request_id": request_id,
+               "parameters": {"triton_enable_empty_final_response": True}}
+        await self._closed.wait()   # keep our half of the stream open until the call ends
+
+    async def _read(self) -> None:
+        try:
+            async for result, error in self._it:
+                if error is not None:
+                    self.queue.put_nowait(TritonStreamError(str(error)))
+                    return
+                response = result.get_response()
+                if response.outputs:
+                    self.queue.put_nowait(decode_result(result))
+                final = response.parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    break
+            self.queue.put_nowait(None)
+        except grpc.aio.AioRpcError as e:
+            kind = TritonUnavailable if e.code() == grpc.StatusCode.UNAVAILABLE else TritonStreamError
+            self.queue.put_nowait(kind(f"{e.code().name}: {e.details()}"))
+        except asyncio.CancelledError:
+            self.queue.put_nowait(None)
+
+    async def next(self, timeout: float | None = None) -> dict | None:
+        """The next decoded response; None after FINAL. Raises TritonUnavailable/TritonStreamError."""
+        item = await asyncio.wait_for(self.queue.get(), timeout)
+        if item is None or isinstance(item, Exception):
+            self.engine_done = True
+            if isinstance(item, Exception):
+                raise item
+            return None
+        if item.get("finish_reason"):
+            self.engine_done = True
+        return item
+
+    def close(self) -> None:
+        self._closed.set()
+        self._it.cancel()
+        self._reader.cancel()
+
+
+# -- the application ----------------------------------------------------------------------------------
+class Gateway:
+    def __init__(self, triton_grpc: str, model: str = c.ENSEMBLE, served_models=SERVED_MODELS):
+        self.triton_grpc, self.model, self.served_models = triton_grpc, model, tuple(served_models)
+        self.client = None
+        self._background: set[asyncio.Task] = set()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        for path, api in ROUTES.items():
+            app.router.add_post(path, lambda request, api=api: self.handle(request, api))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _app) -> None:
+        import tritonclient.grpc.aio as aio
+        self.client = aio.InferenceServerClient(self.triton_grpc)
+
+    async def _close(self, _app) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=10)
+        await self.client.close()
+
+    # -- the three APIs ---------------------------------------------------------------------------
+    async def handle(self, request: web.Request, api: str) -> web.StreamResponse:
+        raw = await request.read()
+        key = "gw-" + uuid.uuid4().hex
+        call = self._call({"request": raw, "api": api, "request_key": key}, key)
+        try:
+            first = await call.next()
+            if first is None:
+                return json_response(500, error_body(api, 500, "the ensemble sent no response"))
+            if first["status"] != 200 or not wants_stream(raw):
+                return json_response(first["status"], first["response"][0])
+            return await self._stream(request, api, call, first)
+        except TritonUnavailable as e:
+            return json_response(503, error_body(api, 503, f"Triton is unreachable at {self.triton_grpc}: {e}"))
+        except TritonStreamError as e:
+            return json_response(500, error_body(api, 500, str(e)))
+        finally:
+            if call.engine_done:
+                call.close()
+            else:   # the client left (cancelled handler, failed write): stop the engine request now
+                self._spawn(self._abandon(call, key))
+
+    async def _stream(self, request: web.Request, api: str, call: EnsembleCall, first: dict) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        out = first
+        try:
+            while out is not None:
+                if out["status"] != 200:
+                    await response.write(sse_error(api, out["response"][0] if out["response"] else "error"))
+                    break
+                frames = b"".join(sse_frame(api, chunk) for chunk in out["response"])
+                if frames:
+                    await response.write(frames)
+                out = await call.next()
+            else:
+                await response.write(SSE_END[api])
+        except (TritonUnavailable, TritonStreamError) as e:
+            await response.write(sse_error(api, str(e)))
+        except ConnectionResetError:
+            return response   # the client left; handle()'s finally stops the engine request
+        await response.write_eof()
+        return response
+
+    def _call(self, inputs: dict, key: str) -> EnsembleCall:
+        specs = {t.name: t for t in c.ensemble_inputs()}
+        tensors = [_input_tensor(_grpc_module(), specs[k], v) for k, v in inputs.items()]
+        return EnsembleCall(self.client, self.model, tensors, key)
+
+    # -- stopping -------------------------------------------------------------------------------------
+    async def stop_engine(self, key: str, timeout: float = 10.0) -> None:
+        """request_key + stop=true to the engine model (the contract's stop; FINAL only comes back)."""
+        specs = {t.name: t for t in c.tensors(c.ENGINE, c.IN)}
+        tensors = [_input_tensor(_grpc_module(), specs["request_key"], key),
+                   _input_tensor(_grpc_module(), specs["stop"], True)]
+        call = EnsembleCall(self.client, c.ENGINE, tensors, f"{key}-stop")
+        try:
+            while await call.next(timeout) is not None:
+                pass
+        except (asyncio.TimeoutError, TritonUnavailable, TritonStreamError) as e:
+            log.warning("stop of %s: %s", key, e)
+        finally:
+            call.close()
+
+    async def _abandon(self, call: EnsembleCall, key: str) -> None:
+        """Stop the request, then drain its stream until FINAL, stopping again while it shows life
+        (the first stop may have come before the engine admitted it)."""
+        try:
+            await self.stop_engine(key)
+            retries, last_stop = list(_STOP_RETRY_S), time.monotonic()
+            deadline = last_stop + _ABANDON_S
+            while not call.engine_done and time.monotonic() < deadline:
+                try:
+                    out = await call.next(retries.pop(0) if retries else 5.0)
+                except asyncio.TimeoutError:
+                    out = {}
+                except (TritonUnavailable, TritonStreamError):
+                    break
+                if out is not None and not call.engine_done and time.monotonic() - last_stop > 0.2:
+                    await self.stop_engine(key)
+                    last_stop = time.monotonic()
+        finally:
+            call.close()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- models and health ------------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        if "anthropic-version" in request.headers:   # the Anthropic SDK's models.list()
+            data = [{"type": "model", "id": m, "display_name": m, "created_at": "2026-01-01T00:00:00Z"}
+                    for m in self.served_models]
+            return web.json_response({"data": data, "has_more": False, "first_id": data[0]["id"],
+                                      "last_id": data[-1]["id"]})
+        return web.json_response({"object": "list", "data": [
+            {"id": m, "object": "model", "created": 0, "owned_by": "deepseek"} for m in self.served_models]})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        try:
+            ready = await self.client.is_model_ready(self.model, client_timeout=5)
+        except Exception as e:  # noqa: BLE001 - any failure to ask is "not ready"
+            return web.json_response({"status": "unavailable", "error": str(e)}, status=503)
+        return web.json_response({"status": "ready" if ready else "loading"}, status=200 if ready else 503)
+
+
+def _grpc_module():
+    import tritonclient.grpc as grpcclient
+    return grpcclient
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="OpenAI/Anthropic HTTP gateway in front of the Triton ensemble.")
+    ap.add_argument("--triton-grpc", default="localhost:8001", help="Triton's gRPC address")
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=9000)
+    ap.add_argument("--model", default=c.ENSEMBLE, help="the ensemble's name in Triton")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # handler_cancellation: a client that disconnects cancels its handler at once, even while it
+    # waits for the first token or a whole non-streaming answer, so the engine request is stopped
+    web.run_app(Gateway(args.triton_grpc, args.model).app(), host=args.host, port=args.port,
+                handler_cancellation=True, print=lambda s: log.info(s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""The HTTP gateway (ensemble/gateway.py) as a subprocess in front of the session tritonserver, driven
+by the official openai (Chat Completions, Responses) and anthropic (Messages) SDKs: everything the
+SDKs parse, usage, the APIs' errors through the SDKs' exception types, 503 without Triton, and a
+client that disconnects stops the engine request (the engine's running-requests gauge)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.responses import Response
+
+from tests.serving.conftest import free_port
+from tests.serving.test_ensemble import MAX_TOKENS, TOOL, responses_sdk_compat
+
+pytestmark = pytest.mark.triton
+
+MODEL = "deepseek-flash"
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def start_gateway(triton_grpc: str, log_path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer.ensemble.gateway", "--triton-grpc", triton_grpc,
+                             "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, open(log_path).read()
+        try:
+            httpx.get(f"{url}/health", timeout=2)
+            return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    stop_gateway(proc)
+    raise TimeoutError(open(log_path).read())
+
+
+def stop_gateway(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def gateway(server, tmp_path_factory):
+    proc, url = start_gateway(server.grpc_url, tmp_path_factory.mktemp("gateway") / "gateway.log")
+    try:
+        yield url
+    finally:
+        stop_gateway(proc)
+
+
+@pytest.fixture(scope="module")
+def oai(gateway):
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(gateway):
+    return anthropic.Anthropic(base_url=gateway, api_key="none", max_retries=0, timeout=120)
+
+
+def test_health_and_models(gateway, oai, claude):
+    assert httpx.get(f"{gateway}/health").json() == {"status": "ready"}
+    assert MODEL in [m.id for m in oai.models.list()]
+    assert MODEL in [m.id for m in claude.models.list()]
+
+
+def test_chat_completions(oai):
+    kw = dict(model=MODEL, messages=USER, tools=[TOOL], max_tokens=MAX_TOKENS, seed=1,
+              extra_body={"thinking": {"type": "enabled"}})
+    whole = oai.chat.completions.create(**kw)
+    assert whole.usage.completion_tokens == MAX_TOKENS and whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens > 0 and whole.usage.total_tokens == whole.usage.prompt_tokens + MAX_TOKENS
+    state = ChatCompletionStreamState()
+    chunks = list(oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    streamed = state.current_completion_snapshot
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS == streamed.usage.completion_tokens
+    assert streamed.choices[0].finish_reason == "length"
+    # the same seed: the same answer and reasoning, streamed or not
+    extra = lambda m: (m.model_extra or {}).get("reasoning_content")  # noqa: E731
+    assert (streamed.choices[0].message.content, extra(streamed.choices[0].message)) == \
+           (whole.choices[0].message.content, extra(whole.choices[0].message))
+
+
+def test_chat_sse_framing(gateway):
+    body = {"model": MODEL, "messages": USER, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    assert all(json.loads(line[6:])["object"] == "chat.completion.chunk" for line in lines[:-1])
+
+
+def test_responses(oai, gateway):
+    kw = dict(model="DeepSeek-V4.1-Flash", input="Weather in Paris?", reasoning={"effort": "high"},
+              tools=[{"type": "function", **TOOL["function"]}], max_output_tokens=MAX_TOKENS)
+    raw = oai.responses.with_raw_response.create(**kw)
+    whole = raw.parse()
+    assert whole.usage.output_tokens == MAX_TOKENS and whole.status == "incomplete"
+    Response.model_validate(responses_sdk_compat(json.loads(raw.http_response.text)))   # strict: the SDK type
+    events = list(oai.responses.create(**kw, stream=True))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.output_tokens == MAX_TOKENS
+    seqs = [e.sequence_number for e in events]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    with httpx.stream("POST", f"{gateway}/v1/responses", json={**kw, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    pairs = list(zip(lines[::2], lines[1::2]))   # event: <type> then data: {...}
+    assert len(lines) % 2 == 0 and all(e == f"event: {json.loads(d[6:])['type']}" for e, d in pairs)
+
+
+def test_messages(claude):
+    kw = dict(model="deepseek_v41_flash", max_tokens=MAX_TOKENS, messages=USER,
+              thinking={"type": "enabled", "budget_tokens": 1024},
+              tools=[{"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}])
+    whole = claude.messages.create(**kw)
+    assert whole.usage.output_tokens == MAX_TOKENS and whole.stop_reason == "max_tokens"
+    with claude.messages.stream(**kw) as stream:
+        types = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert types[0] == "message_start" and types[-1] == "message_stop"
+    assert final.usage.output_tokens == MAX_TOKENS and final.stop_reason == "max_tokens"
+
+
+def test_bad_input_is_the_api_error(oai, claude):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="gpt-4o", messages=USER)
+    assert e.value.status_code == 400 and "gpt-4o" in e.value.message
+    with pytest.raises(openai.BadRequestError):   # refused before the stream starts: status + JSON
+        oai.chat.completions.create(model="gpt-4o", messages=USER, stream=True)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model=MODEL, input="hi", max_output_tokens="x")
+    assert "invalid type" in e.value.message
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="nope", max_tokens=5, messages=USER)
+    assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "nope" in e.value.message
+
+
+def test_unreachable_triton_is_503(tmp_path):
+    proc, url = start_gateway(f"127.0.0.1:{free_port()}", tmp_path / "gateway.log")
+    try:
+        assert httpx.get(f"{url}/health").status_code == 503
+        with pytest.raises(openai.APIStatusError) as e:
+            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0).chat.completions.create(
+                model=MODEL, messages=USER)
+        assert e.value.status_code == 503 and "unreachable" in e.value.message
+        with pytest.raises(anthropic.APIStatusError) as e:
+            anthropic.Anthropic(base_url=url, api_key="none", max_retries=0).messages.create(
+                model=MODEL, max_tokens=5, messages=USER)
+        assert e.value.status_code == 503 and e.value.body["type"] == "error"
+    finally:
+        stop_gateway(proc)
+
+
+def running(server) -> float:
+    text = httpx.get(server.metrics_url).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("deepinfer_num_requests_running"))
+
+
+def wait_running(server, want, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (running(server) == 0) == (want == 0):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_stops_the_engine_request(server, gateway, stream):
+    """1500 tokens would take the engine tens of seconds; a client that leaves frees it at once."""
+    assert wait_running(server, 0, 30)
+    body = {"model": MODEL, "messages": USER, "max_tokens": 1500, "stream": stream,
+            "thinking": {"type": "disabled"}}
+    if stream:
+        with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            assert wait_running(server, 1, 5)   # the gauge is polled once a second; the stream keeps going
+    else:   # a non-streaming request: the client gives up while the whole answer is generated
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=2.5))
+        assert running(server) >= 1
+    assert wait_running(server, 0, 6), "the engine request kept running after the client left"
