@@ -4,6 +4,8 @@ CHECKPOINT ?= checkpoints/tiny
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+# GATEWAY_PORT=9000: also start the OpenAI/Anthropic HTTP gateway (ensemble/gateway.py)
+GATEWAY_PORT ?=
 PYTEST_ARGS ?=
 
 .PHONY: venv serve test checkpoint
@@ -15,7 +17,8 @@ checkpoint: venv
 	@[ -f $(CHECKPOINT)/config.json ] || $(PY) -m deepinfer.cli.make_checkpoint --preset tiny --seed 0 --out $(CHECKPOINT)
 
 serve: venv checkpoint
-	$(PY) -m deepinfer.ensemble.serve --checkpoint $(CHECKPOINT) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	$(PY) -m deepinfer.ensemble.serve --checkpoint $(CHECKPOINT) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		$(if $(GATEWAY_PORT),--gateway-port $(GATEWAY_PORT))
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,6 +1,7 @@
 """Serve the model repository with tritonserver from the nvidia-pytriton wheel (Triton 2.51).
 
     python -m deepinfer.ensemble.serve --checkpoint DIR [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
+                                       [--gateway-port 9000]   # also the OpenAI/Anthropic HTTP gateway
 
 What it sets up (TRITON.md section 5.3): the Python backend with the stub built for this Python,
 a runtime copy of model_repository/ whose configs carry the checkpoint, the engine arguments and
@@ -170,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--engine-args", default="{}", help="JSON of deepinfer.EngineArgs fields")
+    ap.add_argument("--gateway-port", type=int, default=0,
+                    help="also start the OpenAI/Anthropic HTTP gateway (ensemble/gateway.py) on this port")
     args = ap.parse_args(argv)
     repo = runtime_repository(STATE_DIR / "model_repository", args.checkpoint, args.max_model_len,
                               json.loads(args.engine_args))
@@ -178,11 +181,23 @@ def main(argv=None) -> int:
     server.proc = subprocess.Popen(server.command(), env=server_env())
     # forward SIGTERM as SIGINT (tritonserver's graceful stop); the wait below then returns
     signal.signal(signal.SIGTERM, lambda *_: server.proc.send_signal(signal.SIGINT))
+    gateway = start_gateway(args.gateway_port, f"127.0.0.1:{args.grpc_port}") if args.gateway_port else None
     try:
         return server.proc.wait()
     except KeyboardInterrupt:
         server.stop()
         return 0
+    finally:
+        if gateway is not None:
+            gateway.terminate()
+            gateway.wait(15)
+
+
+def start_gateway(port: int, triton_grpc: str) -> subprocess.Popen:
+    """The HTTP gateway beside tritonserver (its /health says ready once the ensemble is)."""
+    cmd = [sys.executable, "-m", "deepinfer.ensemble.gateway", "--triton-grpc", triton_grpc, "--port", str(port)]
+    print(" ".join(cmd), flush=True)
+    return subprocess.Popen(cmd)
 
 
 if __name__ == "__main__":
