@@ -137,6 +137,29 @@ def test_messages(claude):
     assert final.usage.output_tokens == MAX_TOKENS and final.stop_reason == "max_tokens"
 
 
+def test_concurrent_streams_share_one_channel(gateway):
+    """8 streams at once through the gateway's one gRPC channel: each gets its own chunks, in order."""
+    import asyncio
+
+    async def one(client, i):
+        ids, text, usage = set(), [], None
+        async for chunk in await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=MAX_TOKENS,
+                seed=i, stream=True, stream_options={"include_usage": True}, extra_body={"thinking": {"type": "disabled"}}):
+            ids.add(chunk.id)
+            text += [c.delta.content or "" for c in chunk.choices]
+            usage = chunk.usage or usage
+        return ids, "".join(text), usage
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(8)))
+
+    results = asyncio.run(run())
+    assert all(len(ids) == 1 and usage.completion_tokens == MAX_TOKENS for ids, _, usage in results)
+    assert len({next(iter(ids)) for ids, _, _ in results}) == 8
+
+
 def test_bad_input_is_the_api_error(oai, claude):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model="gpt-4o", messages=USER)
