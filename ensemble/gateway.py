@@ -2,7 +2,7 @@
 
     python -m deepinfer.ensemble.gateway --triton-grpc localhost:8001 --port 9000
 
-    POST /v1/chat/completions   POST /v1/responses   POST /v1/messages   GET /v1/models   GET /health
+    POST /v1/chat/completions   POST /v1/responses   POST /v1/messages   GET /v1/models[/{id}]   GET /health
 
 The gateway renders nothing: the postprocess already writes each chunk / event / whole response in
 the request's own format, so a body goes out as the ensemble's `response` output, unchanged; the
@@ -167,6 +167,7 @@ class Gateway:
         for path, api in ROUTES.items():
             app.router.add_post(path, lambda request, api=api: self.handle(request, api))
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id}", self.model_info)
         app.router.add_get("/health", self.health)
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
@@ -273,13 +274,18 @@ class Gateway:
 
     # -- models and health ------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
+        data = [_model_entry(m, request) for m in self.served_models]
         if "anthropic-version" in request.headers:   # the Anthropic SDK's models.list()
-            data = [{"type": "model", "id": m, "display_name": m, "created_at": "2026-01-01T00:00:00Z"}
-                    for m in self.served_models]
             return web.json_response({"data": data, "has_more": False, "first_id": data[0]["id"],
                                       "last_id": data[-1]["id"]})
-        return web.json_response({"object": "list", "data": [
-            {"id": m, "object": "model", "created": 0, "owned_by": "deepseek"} for m in self.served_models]})
+        return web.json_response({"object": "list", "data": data})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if model_id in self.served_models:
+            return web.json_response(_model_entry(model_id, request))
+        api = "messages" if "anthropic-version" in request.headers else "chat.completions"
+        return json_response(404, error_body(api, 404, f"The model {model_id!r} does not exist."))
 
     async def health(self, _request: web.Request) -> web.Response:
         try:
@@ -287,6 +293,12 @@ class Gateway:
         except Exception as e:  # noqa: BLE001 - any failure to ask is "not ready"
             return web.json_response({"status": "unavailable", "error": str(e)}, status=503)
         return web.json_response({"status": "ready" if ready else "loading"}, status=200 if ready else 503)
+
+
+def _model_entry(model_id: str, request: web.Request) -> dict:
+    if "anthropic-version" in request.headers:
+        return {"type": "model", "id": model_id, "display_name": model_id, "created_at": "2026-01-01T00:00:00Z"}
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "deepseek"}
 
 
 def _grpc_module():

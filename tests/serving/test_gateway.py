@@ -76,6 +76,9 @@ def test_health_and_models(gateway, oai, claude):
     assert httpx.get(f"{gateway}/health").json() == {"status": "ready"}
     assert MODEL in [m.id for m in oai.models.list()]
     assert MODEL in [m.id for m in claude.models.list()]
+    assert oai.models.retrieve(MODEL).id == claude.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4o")
 
 
 def test_chat_completions(oai):
