@@ -1,10 +1,9 @@
-"""Shared builders for sampler / structured-output tests: the V4 tokenizer from a fixture checkpoint
-built into a temp dir (session-scoped), a StructuredOutput on it, and a constrained generator over
+"""Shared builders for sampler / structured-output tests: the tiny preset's V4.1 tokenizer
+(tests/conftest.py builds it once per session), a StructuredOutput on it, and a constrained generator over
 random logits (a stand-in for a random-weight model)."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,15 +11,10 @@ import pytest
 from deepinfer.sample import Sampler, StructuredOutput
 from sample_utils import VOCAB
 
-SHARED = Path("/work/shared")
-
 
 @pytest.fixture(scope="session")
-def checkpoint_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt") / "tiny"
-    subprocess.run([str(SHARED / "tools/make-fixture"), "--from-fixture", str(SHARED / "fixtures/v41-tiny-bf16"),
-                    "--out", str(out)], check=True, capture_output=True)
-    return out
+def checkpoint_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
