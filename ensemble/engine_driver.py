@@ -38,6 +38,8 @@ class EngineRequest:
                    sampling=json.loads(inputs.get("sampling") or "{}"), streaming=bool(inputs.get("streaming")),
                    context=inputs.get("context") or "", stop=bool(inputs.get("stop")))
 
+EARLY_STOP_TTL_S = 60.0   # how long a stop waits for a request that has not arrived
+
 
 class Sender(Protocol):
     def send(self, outputs: dict | None, final: bool) -> None: ...        # outputs by contract name
@@ -77,6 +79,9 @@ class EngineDriver:
         self.make_sampling_params = make_sampling_params
         self.observer = observer
         self.active: dict[str, _Active] = {}
+        # stops that arrived before their request (a client gone while its request was in the
+        # preprocess): the request is answered "abort" on arrival instead of running to the end
+        self._early_stops: dict[str, float] = {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._drain, name="deepinfer-responses", daemon=True)
         self._thread.start()
@@ -88,6 +93,9 @@ class EngineDriver:
             sender.send(None, True)
             return
         state = _Active(req, sender)
+        if self._early_stops.pop(req.request_key, None) is not None:
+            sender.send(state.outputs([], None, "abort", len(req.input_ids), 0), True)
+            return
         if not req.input_ids:   # rejected by the preprocess: answer at once (the context has the error)
             sender.send(state.outputs([], None, "error", 0, 0), True)
             return
@@ -109,6 +117,10 @@ class EngineDriver:
         if state is not None:
             state.stopped = True
             self._abort(request_key)
+            return
+        now = time.monotonic()
+        self._early_stops = {k: t for k, t in self._early_stops.items() if now - t < EARLY_STOP_TTL_S}
+        self._early_stops[request_key] = now
 
     def shutdown(self, timeout: float = 10.0) -> None:
         for key in list(self.active):

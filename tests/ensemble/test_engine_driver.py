@@ -95,6 +95,17 @@ def test_explicit_stop(driver):
     assert s.finals == 1 and s.responses[-1]["finish_reason"] == "abort" and len(s.responses) < 500
 
 
+def test_stop_before_the_request_arrives(driver, engine):
+    """A client that leaves while its request is still in the preprocess: the stop comes first."""
+    stopper = RecordingSender()
+    driver.submit(EngineRequest("early1", stop=True), stopper)
+    s = RecordingSender()
+    driver.submit(request("early1", max_tokens=500), s)
+    s.wait(), stopper.wait()
+    assert s.finals == 1 and [r["finish_reason"] for r in s.responses] == ["abort"]
+    assert "early1" not in driver.active and engine.num_in_flight() == 0
+
+
 def test_bad_params_and_rejected_requests(driver):
     bad = RecordingSender()
     driver.submit(request("b1", top_p=7.0), bad)
