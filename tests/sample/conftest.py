@@ -1,4 +1,4 @@
-"""Shared builders for sampler / structured-output tests: the tiny preset's V4.1 tokenizer
+"""Shared builders for sampler / structured-output tests: the v41-tiny-bf16 fixture's V4.1 tokenizer
 (tests/conftest.py builds it once per session), a StructuredOutput on it, and a constrained generator over
 random logits (a stand-in for a random-weight model)."""
 
@@ -13,8 +13,9 @@ from sample_utils import VOCAB
 
 
 @pytest.fixture(scope="session")
-def checkpoint_dir(tiny_checkpoint) -> Path:
-    return tiny_checkpoint
+def checkpoint_dir(fixture_checkpoint) -> Path:
+    """The v41-tiny-bf16 fixture: the generation-length budgets of these tests were set on it."""
+    return fixture_checkpoint
 
 
 @pytest.fixture(scope="session")
