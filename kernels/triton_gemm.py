@@ -38,6 +38,27 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K,
+                SWAP: tl.constexpr, OUT_F32: tl.constexpr):
+    """The GEMMs' epilogue: acc ([BN, BM] when SWAP, else [BM, BN]) into c. OUT_F32: c is the split-K
+    workspace [SPLIT_K, G, M, N] f32 (this program's split slice), else c is [G, M, N] bf16."""
+    if OUT_F32:
+        c_base = c_ptr + (split.to(tl.int64) * (tl.num_programs(2) // SPLIT_K) + g64) * M * N
+    else:
+        c_base = c_ptr + g64 * M * N
+    if SWAP:
+        c_ptrs = c_base + rm[None, :].to(tl.int64) * N + rn[:, None]
+        mask = n_ok[:, None] & m_ok[None, :]
+    else:
+        c_ptrs = c_base + rm[:, None].to(tl.int64) * N + rn[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+    if OUT_F32:
+        tl.store(c_ptrs, acc, mask=mask)
+    else:
+        tl.store(c_ptrs, acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
 def fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
                     M, N, K, SPLIT_K,
                     BM: tl.constexpr, BN: tl.constexpr, SB_ROWS: tl.constexpr,
@@ -83,20 +104,7 @@ def fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
             acc += tl.dot(b, tl.trans(a)) * (sb[:, None] * sa[None, :])
         else:
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-    if OUT_F32:
-        c_base = c_ptr + (split.to(tl.int64) * tl.num_programs(2) // SPLIT_K + g64) * M * N
-    else:
-        c_base = c_ptr + g64 * M * N
-    if SWAP:
-        c_ptrs = c_base + rm[None, :].to(tl.int64) * N + rn[:, None]
-        mask = n_ok[:, None] & m_ok[None, :]
-    else:
-        c_ptrs = c_base + rm[:, None].to(tl.int64) * N + rn[None, :]
-        mask = m_ok[:, None] & n_ok[None, :]
-    if OUT_F32:
-        tl.store(c_ptrs, acc, mask=mask)
-    else:
-        tl.store(c_ptrs, acc.to(tl.bfloat16), mask=mask)
+    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32)
 
 
 @triton.jit
@@ -105,10 +113,11 @@ def w8a16_gemm_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SB_ROWS: tl.constexpr,
                       SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
                       NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False):
-    """SB_E8M0: sb holds raw E8M0 bytes (1 B per 32 weights instead of 4). x [G, M, K] bf16 holding FP8-rounded activations (act_quant's fake-quant values: q * 2^e, exact
+    """x [G, M, K] bf16 holding FP8-rounded activations (act_quant's fake-quant values: q * 2^e, exact
     in bf16), b [G, N, K] e4m3, sb [G, N/SB_ROWS, K/32] f32 pow2. Each weight tile is dequantized in
     registers (q * s: exact in bf16) and fed to a bf16 MMA accumulating in place in fp32: the same
-    exact products as the reference, with no per-32 promotion step. Grid as fp8_gemm_kernel."""
+    exact products as the reference, with no per-32 promotion step. Grid as fp8_gemm_kernel.
+    SB_E8M0: sb holds raw E8M0 bytes (1 B per 32 weights instead of 4)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_z = tl.program_id(2)
@@ -158,20 +167,7 @@ def w8a16_gemm_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
             acc = tl.dot(wd, tl.trans(x), acc)
         else:
             acc = tl.dot(x, tl.trans(wd), acc)
-    if OUT_F32:
-        c_base = c_ptr + (split.to(tl.int64) * (tl.num_programs(2) // SPLIT_K) + g64) * M * N
-    else:
-        c_base = c_ptr + g64 * M * N
-    if SWAP:
-        c_ptrs = c_base + rm[None, :].to(tl.int64) * N + rn[:, None]
-        mask = n_ok[:, None] & m_ok[None, :]
-    else:
-        c_ptrs = c_base + rm[:, None].to(tl.int64) * N + rn[None, :]
-        mask = m_ok[:, None] & n_ok[None, :]
-    if OUT_F32:
-        tl.store(c_ptrs, acc, mask=mask)
-    else:
-        tl.store(c_ptrs, acc.to(tl.bfloat16), mask=mask)
+    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32)
 
 
 @triton.jit
