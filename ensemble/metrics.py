@@ -14,10 +14,16 @@ TTFT_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0]
 COUNTERS = {"prompt_tokens_total": "Prompt tokens of admitted requests",
             "generation_tokens_total": "Generated tokens delivered",
-            "preemptions_total": "Requests preempted to free cache"}
+            "preemptions_total": "Requests preempted to free cache",
+            "spec_draft_tokens_proposed_total": "DSpark draft tokens proposed",
+            "spec_draft_tokens_verified_total": "DSpark draft tokens verified (after the confidence policy)",
+            "spec_draft_tokens_accepted_total": "DSpark draft tokens accepted",
+            "spec_verify_steps_total": "Request-steps that verified drafts"}
 GAUGES = {"num_requests_running": "Requests in the running batch",
           "num_requests_waiting": "Requests waiting to be scheduled",
-          "cache_usage": "Fraction of KV cache blocks in use"}
+          "cache_usage": "Fraction of KV cache blocks in use",
+          "spec_mean_accepted_length": "Tokens per verifying request-step (1 + accepted drafts)",
+          "spec_acceptance_rate": "Accepted / verified draft tokens"}
 
 
 class TritonMetrics:
