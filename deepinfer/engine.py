@@ -59,8 +59,10 @@ class Engine:
     def _init_model(self) -> None:
         from deepinfer.worker.loading import load_model
         self.device = self.args.resolved_device()
-        self.model, self.model_args = load_model(self.args.checkpoint, self.device, self.args.dtype,
-                                                   self.args.model_overrides)
+        # batch invariance also needs chunking invariance: one window layout for every chunk
+        overrides = {**({"step_shape_invariant": True} if self.args.batch_invariant else {}),
+                     **self.args.model_overrides}
+        self.model, self.model_args = load_model(self.args.checkpoint, self.device, self.args.dtype, overrides)
         cfg = _read_hf_config(self.args.checkpoint)
         self.eos_token_id = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
         tc = cfg.get("text_config", {})

@@ -77,12 +77,32 @@ def matmul_rows_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.matmul(a[..., i:i + 1, :], b) for i in range(a.shape[-2])], dim=-2)
 
 
+# CPU elementwise kernels run a vectorized body and a scalar tail whose transcendentals differ in the
+# last ulp, so an element's sigmoid / exp / ... depends on where it falls in the tensor, i.e. on how
+# many rows share the call (measured: mHC pre/post of one token differ between a 7- and a 300-token
+# step). These run on a contiguous copy padded to whole vectors, so every element takes the body.
+_UNARY = {aten.sigmoid.default, aten.exp.default, aten.log.default, aten.rsqrt.default, aten.sqrt.default,
+          aten.tanh.default, aten.silu.default, aten.expm1.default, aten.log1p.default, aten.erf.default}
+_PAD = 256
+
+
+def unary_padded_ref(func, x: torch.Tensor) -> torch.Tensor:
+    """func(x) with every element in the kernel's vectorized body (see _UNARY)."""
+    flat = x.contiguous().view(-1)
+    n = flat.numel()
+    padded = torch.cat([flat, flat.new_zeros(-n % _PAD + _PAD)])   # never a tail, even for n = 0
+    return func(padded)[:n].view(x.shape)
+
+
 class BatchInvariantMode(TorchDispatchMode):
     """Routes aten linear / matmul / einsum / mm / addmm / bmm / baddbmm to the row-by-row versions (under
-    inference_mode, composite ops such as linear and einsum reach the mode undecomposed)."""
+    inference_mode, composite ops such as linear and einsum reach the mode undecomposed), and CPU
+    transcendentals to their padded form."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _UNARY and not kwargs and args[0].is_floating_point() and not args[0].is_cuda:
+            return unary_padded_ref(func, args[0])
         if func is aten.linear.default:
             return linear_rows_ref(*args, **kwargs)
         if func is aten.matmul.default:

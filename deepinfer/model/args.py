@@ -80,6 +80,14 @@ class ModelArgs:
     # last (model.py Indexer: `shared_attn.index_k` is not republished). False = every indexer uses
     # its own KV source's keys (the intended semantics).
     emulate_index_k_alias: bool = False
+    # NOTE(model): runtime switch. Two things make a token's numbers depend on the step it ran in:
+    # the reference lays out a chunk that starts at 0 with window keys first and pads after
+    # (prefill), any later chunk with pads first (decode), and the blockwise softmax rounds
+    # differently in the two; and the MoE runs small steps grouped, large ones expert by expert
+    # (other GEMM operand layouts). True = the decode layout for every chunk and the per-expert MoE
+    # for every step, so a prompt's logits do not depend on where the scheduler cut it (the engine's
+    # batch-invariant mode sets it).
+    step_shape_invariant: bool = False
     extra: dict = field(default_factory=dict, repr=False)
 
     # ---- derived layer roles -------------------------------------------------------------

@@ -63,13 +63,14 @@ class MoE(nn.Module):
         self.gate = Gate(args, n_experts, topk)
         self.experts = nn.ModuleList([Expert(args.dim, args.moe_inter_dim, args.swiglu_limit) for _ in range(n_experts)])
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
+        self.grouped_ok = not args.step_shape_invariant   # one formulation for every step size
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, d] bf16 -> [T, d] bf16. Routed outputs are summed per token in ascending expert id
         order in fp32 (the reference's accumulation order), then the shared expert is added."""
         weights, indices = self.gate(x, image_mask)
         T, K = indices.shape
-        if T * K <= GROUPED_MAX_PAIRS and self._stacked(x.device) is not None:
+        if self.grouped_ok and T * K <= GROUPED_MAX_PAIRS and self._stacked(x.device) is not None:
             outs = self._routed_grouped(x, weights, indices)
         else:
             outs = self._routed_loop(x, weights, indices)

@@ -12,7 +12,8 @@ and every query row t gets its own index list into it, in the order the per-sequ
 
     row t: | its window list (w_t wide) | its compressed picks (K wide) | -1 ... |
     window list: a chunk starting at 0 uses the prefill layout (valid positions first, pads after,
-    w_t = min(n, window)), any other chunk the decode layout (w_t = window, pads first).
+    w_t = min(n, window)), any other chunk the decode layout (w_t = window, pads first); with
+    canonical_layout every chunk uses the decode layout (chunking-invariant numerics).
 
 Host-side ints (num_seqs, max_q, max_end, group counts) decide every shape, so the forward could be
 captured in a CUDA graph once these tensors live in static buffers.
@@ -74,7 +75,8 @@ class StepMetadata:
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def build(cls, batch, window: int, ring_len: int, index_k_owner: int = -1) -> "StepMetadata":
+    def build(cls, batch, window: int, ring_len: int, index_k_owner: int = -1,
+              canonical_layout: bool = False) -> "StepMetadata":
         cu = batch.cu_seqlens.numpy().astype(np.int64)
         starts = batch.start_pos.numpy().astype(np.int64)
         q = cu[1:] - cu[:-1]
@@ -84,7 +86,7 @@ class StepMetadata:
         seq = np.repeat(np.arange(B), q)                                     # [T]
         pos = np.repeat(starts - cu[:-1], q) + np.arange(T)                  # [T] (== batch.positions)
         wr = int(min(window - 1, starts.max(initial=0)))
-        win_idx, win_len = _window_lists(pos, seq, starts, q, cu, window, wr)
+        win_idx, win_len = _window_lists(pos, seq, starts, q, cu, window, wr, canonical_layout)
         ring_pos = starts[:, None] - wr + np.arange(wr)                      # [B, Wr]
         slots = batch.ring_slots.to(dev)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)   # noqa: E731
@@ -138,10 +140,10 @@ class StepMetadata:
         return blocks.clamp_min(0) * entries_per_block + entries % entries_per_block
 
 
-def _window_lists(pos, seq, starts, q, cu, window: int, wr: int):
+def _window_lists(pos, seq, starts, q, cu, window: int, wr: int, canonical: bool = False):
     """[T, Lw] window lists in buffer coords (ring region first, then fresh rows) and their widths."""
     s, n = starts[seq], q[seq]
-    prefill = s == 0
+    prefill = (s == 0) & (not canonical)
     w = np.where(prefill, np.minimum(n, window), window)
     lw = int(w.max(initial=0))
     j = np.arange(lw)

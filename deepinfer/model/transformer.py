@@ -56,7 +56,8 @@ class Transformer(nn.Module):
 
     def step_metadata(self, batch: ForwardBatch, caches) -> StepMetadata:
         owner = self._last_index_owner if self.args.emulate_index_k_alias else -1
-        return StepMetadata.build(batch, self.args.window_size, caches.ring_len, owner)
+        return StepMetadata.build(batch, self.args.window_size, caches.ring_len, owner,
+                                  canonical_layout=self.args.step_shape_invariant)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()

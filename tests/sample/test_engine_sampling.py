@@ -105,6 +105,21 @@ def test_same_seed_same_tokens_alone_and_in_batches(llm_invariant):
     assert reseeded.token_ids != alone.token_ids
 
 
+
+def test_same_tokens_however_the_prompt_is_chunked(checkpoint_dir):
+    """Batch invariance includes chunking: the scheduler cuts a prompt by whatever budget is left, so a
+    request's logits must not depend on where the cuts fall (prompt longer than the window, so
+    chunks continue over the ring, the compressor carry and the compressed entries)."""
+    prompt = [0] + [int(t) for t in np.random.default_rng(99).integers(100, 120000, 299)]
+    sp = SamplingParams(max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)
+    outs = []
+    for budget in (7, 64, 512):
+        llm = LLM(str(checkpoint_dir), max_num_seqs=4, max_num_batched_tokens=budget, batch_invariant=True)
+        outs.append(llm.generate([prompt], sp, return_logits=True)[0])
+    for out in outs[1:]:
+        assert out.token_ids == outs[0].token_ids
+        assert np.array_equal(out.logits, outs[0].logits)
+
 def test_logprobs_and_finish_reasons(llm):
     params = [SamplingParams(max_tokens=6, temperature=0.7, seed=3, logprobs=5, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True),
