@@ -18,6 +18,7 @@ import deepseek_recipe as dr
 
 from .context import TEXT_API, RequestContext
 from .preprocess import EOS_TOKEN_ID, REQUEST_CLASSES, conversion_options
+from .token_bytes import TokenBytes
 
 RESPONSE_CLASSES = {"chat.completions": dr.ChatCompletionResponse, "responses": dr.ResponsesResponse,
                     "messages": dr.MessagesResponse}
@@ -37,9 +38,12 @@ class StepOutput:
 
 
 class ResponseStream:
-    def __init__(self, ctx: RequestContext, tokenizer: dr.Tokenizer, options: dr.ConversionOptions | None = None):
+    def __init__(self, ctx: RequestContext, tokenizer: dr.Tokenizer, options: dr.ConversionOptions | None = None,
+                 token_bytes: TokenBytes | None = None):
         self.ctx = ctx
         self.num_output_tokens = 0
+        self.token_bytes = token_bytes          # counts back ids of a character cut off at the end
+        self._last_ids: list[int] = []
         self._pending_input_text = ctx.input_text
         self.processor = _stream_processor(ctx, tokenizer, options or conversion_options())
         self.response = None
@@ -62,9 +66,14 @@ class ResponseStream:
         protocol_chunks, self._ready = self._ready, []
         if token_ids:
             self.num_output_tokens += len(token_ids)
+            self._last_ids = (self._last_ids + list(token_ids))[-4:]
             protocol_chunks += self._push_ids(list(token_ids), logprobs)
         out.stopped = self.processor.finished and not finish_reason
         if finish_reason and not self.processor.finished:
+            text_ids = self._last_ids[:-1] if self._last_ids[-1:] == [EOS_TOKEN_ID] else self._last_ids
+            cut = self.token_bytes.incomplete_tail(text_ids) if self.token_bytes is not None else 0
+            if cut:   # the recipe drops a character cut off at the end without counting its ids
+                protocol_chunks += self.processor.push(dr.InferenceChunk.text("", token_count=cut))
             reason = FINISH_REASONS.get(finish_reason, dr.InferenceFinishReason.Stop)
             protocol_chunks += self.processor.push(dr.InferenceChunk.finish(reason))
             protocol_chunks += self.processor.finish()
@@ -154,6 +163,7 @@ class Postprocessor:
 
     def __init__(self, tokenizer_path: str, max_idle_s: float = 600.0):
         self.tokenizer = dr.Tokenizer.from_file(str(tokenizer_path))
+        self.token_bytes = TokenBytes.from_file(tokenizer_path)
         self.options = conversion_options()
         self.max_idle_s = max_idle_s
         self.streams: dict[str, tuple[ResponseStream, float]] = {}
@@ -166,7 +176,7 @@ class Postprocessor:
             ctx = RequestContext.from_json(context)
             if ctx.error_status:
                 return _outputs([ctx.error_body], "", ctx.prompt_tokens, 0, "error", ctx.error_status), False
-            self.streams[key] = (ResponseStream(ctx, self.tokenizer, self.options), time.monotonic())
+            self.streams[key] = (ResponseStream(ctx, self.tokenizer, self.options, self.token_bytes), time.monotonic())
         entry = self.streams.get(key)
         if entry is None:   # evicted, or the stream already ended on a stop sequence
             return _outputs([], "", inputs.get("num_input_tokens") or 0, inputs.get("num_output_tokens") or 0,

@@ -124,18 +124,33 @@ def test_logprobs_reach_the_chunks(pre):
     assert any(x and x.get("content") for x in lp)
 
 
-def test_text_does_not_depend_on_how_the_engine_groups_ids(pre):
+def test_text_does_not_depend_on_how_the_engine_groups_ids(pre, tokenizer_path):
     """A request cut by max_tokens inside a multi-byte character (its last id is a partial UTF-8
-    byte token) reads the same whether its ids came one per step or all in one response."""
+    byte token) reads the same whether its ids came one per step or all in one response, and its
+    usage still counts every id the engine generated."""
+    from deepinfer.recipe.token_bytes import TokenBytes
     body = json.dumps(chat(max_tokens=8, thinking={"type": "disabled"}))
-    partial = pre.tokenizer.encode("🦀")[:1]          # 🦀 is three byte tokens: keep the first
+    partial = pre.tokenizer.encode("🦀")[:2]          # 🦀 is three byte tokens: keep two
     ids = pre.tokenizer.encode(" engineering-founder polyethylene") + partial
+    token_bytes = TokenBytes.from_file(tokenizer_path)
 
-    def content(step: int) -> str:
+    def final(step: int) -> dict:
         p = pre.prepare("chat.completions", body)
-        s = ResponseStream(p.context, pre.tokenizer)
+        s = ResponseStream(p.context, pre.tokenizer, token_bytes=token_bytes)
         outs = [s.push(ids[i:i + step], None, "length" if i + step >= len(ids) else None)
                 for i in range(0, len(ids), step)]
-        return json.loads(outs[-1].chunks[-1])["choices"][0]["message"]["content"]
+        return json.loads(outs[-1].chunks[-1])
 
-    assert content(1) == content(len(ids)) == content(3) == " engineering-founder polyethylene"
+    for step in (1, 3, len(ids)):
+        response = final(step)
+        assert response["choices"][0]["message"]["content"] == " engineering-founder polyethylene"
+        assert response["usage"]["completion_tokens"] == len(ids)
+
+
+def test_incomplete_utf8_tail(pre, tokenizer_path):
+    from deepinfer.recipe.token_bytes import TokenBytes
+    tb = TokenBytes.from_file(tokenizer_path)
+    crab, word = pre.tokenizer.encode("🦀"), pre.tokenizer.encode(" hello")
+    assert len(crab) == 3
+    assert [tb.incomplete_tail(word + crab[:k]) for k in range(4)] == [0, 1, 2, 0]
+    assert tb.incomplete_tail(word + [1]) == 0 and tb.incomplete_tail([]) == 0
