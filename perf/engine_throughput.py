@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over all batch sizes; the best round per batch is reported (noisy shared hosts)")
+    p.add_argument("--plot", help="write the tokens/s-by-batch plot to this PNG")
     a = p.parse_args()
 
     import torch
@@ -91,6 +92,29 @@ def main() -> None:
         for b in a.batches:
             tps, dt = best[b]
             print(f"{b:>6} {tps:>10.1f} {dt:>9.2f} {tps / base:>9.2f}", flush=True)
+        if a.plot:
+            plot(a.plot, a.batches, [best[b][0] for b in a.batches],
+                 f"{Path(ckpt).name}, {llm.engine.device}, prompt {a.prompt_len}, output {a.output_len}")
+
+
+def plot(path: str, batches: list[int], tps: list[float], title: str) -> None:
+    """Measured tokens/s against batch size, with the linear-scaling line from batch 1."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    ax.plot(batches, tps, "o-", label="measured")
+    ax.plot(batches, [tps[0] * b / batches[0] for b in batches], "--", color="gray", label="linear from batch 1")
+    for b, t in zip(batches, tps):
+        ax.annotate(f"{t / tps[0]:.1f}x", (b, t), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (concurrent requests)")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(f"Engine throughput ({title})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
