@@ -20,8 +20,8 @@ Stopping (DESIGN.md: cancelling an ensemble request does not reach a running eng
 gateway chooses each request's key (the ensemble's optional `request_key` input), so when a client
 disconnects (handler cancelled, or a write fails) it sends the engine's explicit stop
 (`request_key` + `stop`) at once, before or after the first response, streaming or not. A stop that
-arrives before the engine admitted the request finds nothing, so it is repeated while the request's
-stream shows the request alive, until its FINAL.
+reaches the engine model before its request does is kept there, and the request is answered
+"abort" when it arrives (ensemble/engine_driver.py), so one stop is enough.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ log = logging.getLogger("deepinfer.gateway")
 
 ROUTES = {"/v1/chat/completions": "chat.completions", "/v1/responses": "responses", "/v1/messages": "messages"}
 SERVED_MODELS = ("deepseek-flash", "DeepSeek-V4.1-Flash", "deepseek_v41_flash")   # what the preprocess accepts
-_STOP_RETRY_S = (0.25, 1.0, 3.0)   # re-send a stop while the request may not have been admitted yet
 _ABANDON_S = 60.0                  # how long an abandoned request's stream is drained for its FINAL
 
 
@@ -248,22 +247,18 @@ class Gateway:
             call.close()
 
     async def _abandon(self, call: EnsembleCall, key: str) -> None:
-        """Stop the request, then drain its stream until FINAL, stopping again while it shows life
-        (the first stop may have come before the engine admitted it)."""
+        """Stop the request, then drain its stream until FINAL (or give up after _ABANDON_S)."""
         try:
             await self.stop_engine(key)
-            retries, last_stop = list(_STOP_RETRY_S), time.monotonic()
-            deadline = last_stop + _ABANDON_S
+            deadline = time.monotonic() + _ABANDON_S
             while not call.engine_done and time.monotonic() < deadline:
                 try:
-                    out = await call.next(retries.pop(0) if retries else 5.0)
+                    if await call.next(5.0) is None:
+                        break
                 except asyncio.TimeoutError:
-                    out = {}
+                    continue
                 except (TritonUnavailable, TritonStreamError):
                     break
-                if out is not None and not call.engine_done and time.monotonic() - last_stop > 0.2:
-                    await self.stop_engine(key)
-                    last_stop = time.monotonic()
         finally:
             call.close()
 
