@@ -94,6 +94,12 @@ def unary_padded_ref(func, x: torch.Tensor) -> torch.Tensor:
     return func(padded)[:n].view(x.shape)
 
 
+def _add_scaled(rows_ref, bias, a, b, alpha=1, beta=1):
+    """addmm / baddbmm: beta * bias + alpha * (a @ b), the product row by row."""
+    out = rows_ref(a, b)
+    return (out * alpha if alpha != 1 else out) + (bias if beta == 1 else beta * bias)
+
+
 class BatchInvariantMode(TorchDispatchMode):
     """Routes aten linear / matmul / einsum / mm / addmm / bmm / baddbmm to the row-by-row versions (under
     inference_mode, composite ops such as linear and einsum reach the mode undecomposed), and CPU
@@ -114,19 +120,11 @@ class BatchInvariantMode(TorchDispatchMode):
         if func is aten.mm.default:
             return mm_rows_ref(*args)
         if func is aten.addmm.default:
-            bias, a, b = args
-            out = mm_rows_ref(a, b)
-            alpha, beta = kwargs.get("alpha", 1), kwargs.get("beta", 1)
-            if alpha != 1:
-                out = out * alpha
-            return out + (bias if beta == 1 else beta * bias)
+            return _add_scaled(mm_rows_ref, *args, **kwargs)
         if func is aten.bmm.default:
             return bmm_rows_ref(*args)
         if func is aten.baddbmm.default:
-            bias, a, b = args
-            out = bmm_rows_ref(a, b)
-            alpha, beta = kwargs.get("alpha", 1), kwargs.get("beta", 1)
-            return (out * alpha if alpha != 1 else out) + (bias if beta == 1 else beta * bias)
+            return _add_scaled(bmm_rows_ref, *args, **kwargs)
         return func(*args, **kwargs)
 
 
