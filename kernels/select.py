@@ -10,6 +10,9 @@ Knobs (environment, read once):
                                  there yet.
     DEEPINFER_BATCH_INVARIANT=1  fixed-split configs in the GEMMs (attention and mHC are batch
                                  invariant by construction: their splits depend on L / d only)
+    TRITON_INTERPRET=1           with DEEPINFER_KERNELS=fast, CPU tensors take the fast paths too,
+                                 through Triton's interpreter (tests/kernels/fast_model_smoke.py: the
+                                 whole model's dispatch and shapes checked on a CPU, slowly)
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ KERNELS = os.environ.get("DEEPINFER_KERNELS", "ref")
 if KERNELS not in ("ref", "fast"):
     raise ValueError(f"DEEPINFER_KERNELS must be 'ref' or 'fast', got {KERNELS!r}")
 BATCH_INVARIANT = os.environ.get("DEEPINFER_BATCH_INVARIANT", "0") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,7 +46,9 @@ def _fast_ok(device_index: int) -> bool:
 
 
 def use_fast(t: torch.Tensor) -> bool:
-    return t.is_cuda and _fast_ok(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    if not t.is_cuda:
+        return INTERPRET and KERNELS == "fast"
+    return _fast_ok(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def capability_report() -> dict:
@@ -121,7 +127,7 @@ def index_scores_paged(q, w, keys, seq_of, row_in_seq, max_q, lens):
 
 
 def hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps):
-    if use_fast(x) and x.shape[1] == 4:
+    if use_fast(x) and x.shape[1] == 4 and x.shape[-1] % 64 == 0:   # the kernel reads 64-wide column chunks
         from .triton_mhc import hc_mixes_pre as fast
         return fast(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps)
     return _ref.hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps)
