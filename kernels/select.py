@@ -95,17 +95,70 @@ def hc_split_sinkhorn(mixes, scale, base, hc, iters, eps):
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """FP8-weight Linear (w [N, K] e4m3, w_scale [N/32, K/32] E8M0 or f32): Triton 32-block GEMM
-    on capable GPUs, else act_quant + fp32 matmul of the exactly dequantized weight."""
-    if use_fast(x):
+    """FP8-weight Linear: x [..., K] bf16, w [N, K] e4m3, w_scale E8M0 bytes (or f32 pow2) per 32x32
+    tile [N/32, K/32] or per (row, 32) [N, K/32] -> [..., N] bf16. Triton W8A16 GEMM on capable
+    GPUs, else act_quant + the matmul of the exactly dequantized weight in the model's dense compute
+    dtype (fp32 on CPU, bf16 elsewhere): the very ops of a dense Linear, so the same bits."""
+    if use_fast(x) and _fast_gemm_ok(w, w_scale):
         from .triton_gemm import fp8_linear as fast
         return fast(x, w, w_scale, batch_invariant=BATCH_INVARIANT)
-    if w_scale.dtype == torch.float32:
-        s = w_scale.repeat_interleave(32, 0)[: w.shape[0]].repeat_interleave(32, 1)[:, : w.shape[1]]
-        wf = w.float() * s
-    else:
-        wf = _ref.dequant_fp8_ref(w, w_scale)
-    return torch.nn.functional.linear(_ref.act_quant_ref(x).float(), wf).to(torch.bfloat16)
+    dt = _dense_dtype(x)
+    return torch.nn.functional.linear(_ref.act_quant_ref(x).to(dt), dequant_fp8(w, w_scale).to(dt)).to(torch.bfloat16)
+
+
+# Reference grouped GEMM: experts dequantized this many weight elements at a time (256 MB in fp32),
+# so a layer's FP8 stack never exists densely all at once.
+GROUPED_REF_CHUNK = 1 << 26
+
+
+def grouped_fp8_linear_masked(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, masked_m: torch.Tensor,
+                              expected_m: int | None = None) -> torch.Tensor:
+    """Masked grouped FP8 GEMM (DeepGEMM's masked layout): x [G, C, K] bf16, already FP8-rounded
+    (act_quant values), w [G, N, K] e4m3, w_scale [G, N, K/32] or [G, N/32, K/32] E8M0, masked_m [G]
+    int32 (device) -> [G, C, N] bf16; rows >= masked_m[g] are unspecified (the Triton kernel skips
+    them, the reference computes them from whatever x holds there). expected_m: a host-side guess of
+    the rows per group (tile choice only; default C). No host read of masked_m on either path."""
+    if use_fast(x) and x.shape[1] > 0 and _fast_gemm_ok(w[0], w_scale[0]):
+        from .triton_gemm import w8a16_grouped_gemm_masked as fast
+        return fast(x, w, w_scale, masked_m, expected_m or x.shape[1], batch_invariant=BATCH_INVARIANT)
+    G, C, _ = x.shape
+    dt = _dense_dtype(x)
+    out = torch.empty(G, C, w.shape[1], dtype=torch.bfloat16, device=x.device)
+    step = max(1, GROUPED_REF_CHUNK // (w.shape[1] * w.shape[2]))
+    for g in range(0, G, step):
+        wd = dequant_fp8(w[g:g + step], w_scale[g:g + step]).to(dt)                # [g, N, K]
+        out[g:g + step] = torch.bmm(x[g:g + step].to(dt), wd.transpose(1, 2)).to(torch.bfloat16)
+    return out
+
+
+def dequant_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """[..., N, K] e4m3 + E8M0 bytes (or f32 pow2) per 32x32 tile [..., N/32, K/32] or per (row, 32)
+    [..., N, K/32] -> exact float32 values (reference.dequant_fp8_ref for the 2-D tile case)."""
+    n, k = w.shape[-2:]
+    s = w_scale if w_scale.dtype == torch.float32 else _ref.e8m0_to_float(w_scale)
+    if s.shape[-2] != n:                                               # one scale per 32 rows
+        s = s.repeat_interleave(32, -2)[..., :n, :]
+    return w.view(torch.float8_e4m3fn).float() * s.repeat_interleave(32, -1)[..., :k]
+
+
+def fp4_to_fp8_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 weight [N, K/2] (e2m1 pairs) + E8M0 [N, K/32] -> (e4m3 [N, K], E8M0 bytes [N, K/32]).
+    Exact: the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} is a subset of e4m3 and the per-(row, 32) scales
+    stay as they are (triton_gemm.fp4_to_fp8_weight in plain torch, so a CPU load needs no Triton)."""
+    unit = torch.full_like(scale.view(torch.uint8), 127)                   # 2^0: the bare e2m1 values
+    return _ref.dequant_fp4_ref(packed, unit).to(torch.float8_e4m3fn), scale.view(torch.uint8).contiguous()
+
+
+def _fast_gemm_ok(w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """The Triton W8A16 GEMMs take K % 32 == 0 and one scale per row or per 32 rows."""
+    n, k = w.shape
+    return k % 32 == 0 and w_scale.shape[-1] == k // 32 and n in (w_scale.shape[0], 32 * w_scale.shape[0])
+
+
+def _dense_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dense Linear's compute dtype (deepinfer.model.layers.compute_dtype): fp32 matmuls on a
+    CPU (faster there, same fp32-accumulated values), bf16 on a GPU."""
+    return torch.float32 if x.device.type == "cpu" else torch.bfloat16
 
 
 def index_scores(q, w, keys, lens=None):

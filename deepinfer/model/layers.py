@@ -20,23 +20,34 @@ def compute_dtype(device: torch.device | str) -> torch.dtype:
 class Linear(nn.Module):
     """y = x @ W^T, bf16 out. `quantized` (FP8 / FP4 weights in the checkpoint): the input is first
     FP8-rounded per 32 (act_quant), as the release GEMMs do; the GEMM itself is an fp32-accumulated
-    product of exactly dequantized values ("FP8/FP4 GEMMs as one fp32 matmul": noise-free)."""
+    product of exactly dequantized values ("FP8/FP4 GEMMs as one fp32 matmul": noise-free).
+
+    The weight lives in one of three forms (the loader picks, loader.load_model weight_format):
+        weight   dense values in the compute dtype (bf16 checkpoints; weight_format="dense")
+        fp8      (e4m3 [N, K], E8M0 bytes [N/32, K/32] per tile or [N, K/32] per row): the release
+                 format, run by ops.fp8_linear (Triton W8A16 GEMM on a GPU, act_quant + the
+                 dequantized matmul elsewhere: the dense form's bits); `weight` is then empty
+        packed   FP4 (codes, E8M0 scales) of a routed expert, dequantized per use"""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.empty(out_features, in_features), persistent=False)
         self.quantized = False
-
+        self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None      # FP8 (e4m3 weight, E8M0 scales)
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None   # FP4 (codes, E8M0 scales) kept packed
 
     def dense(self) -> torch.Tensor:
-        """The exact weight values; packed FP4 experts are dequantized on the fly (bounded memory)."""
+        """The exact weight values; FP8 / packed FP4 weights are dequantized on the fly (bounded memory)."""
+        if self.fp8 is not None:
+            return ops.dequant_fp8(*self.fp8).to(compute_dtype(self.fp8[0].device))
         if self.packed is None:
             return self.weight
         return ops.dequant_fp4(*self.packed).to(compute_dtype(self.packed[0].device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return ops.fp8_linear(x, *self.fp8)
         if self.quantized:
             x = ops.act_quant(x)
         w = self.dense()
@@ -44,7 +55,7 @@ class Linear(nn.Module):
 
     def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 in, fp32 out (the ratio>1 compressor promotes its weights to fp32)."""
-        return torch.nn.functional.linear(x.float(), self.weight.float())
+        return torch.nn.functional.linear(x.float(), self.dense().float())
 
 
 class RMSNorm(nn.Module):

@@ -7,12 +7,24 @@ dtypes the config implies BEFORE any data is read, so a bad checkpoint fails wit
 the tensor and nothing half-loaded is returned. Data is then read lazily, shard by shard (mmap).
 
 Renaming rules (checkpoint name -> module attribute) live in one place: `_target`.
+
+Weight formats on the device (`load_model(weight_format=...)`):
+    "dense"  FP8 linears dequantized to the compute dtype (fp32 on CPU, bf16 on CUDA); FP4 experts
+             dequantized too, or kept packed and dequantized per use (pack_experts, CUDA default).
+             The CPU default.
+    "fp8"    the release format: FP8 linears keep e4m3 + E8M0 (Linear.fp8, run by ops.fp8_linear);
+             FP4 experts become FP8 once at load (exact) in per-layer stacks (moe.ExpertStacks) for
+             the grouped and masked GEMMs. The CUDA default. Same logits as "dense" on a CPU
+             (tests/model/test_weight_formats.py).
+    Either way wo_a stays dense: attention runs it as a block-diagonal bf16 einsum on `.weight`
+    (no activation rounding, as convert.py dequantizes it), so there is nothing for an FP8 GEMM.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,16 +232,25 @@ def _target(model, name: str):
 
 
 def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progress: bool = True,
-               tokenizer_json: str | Path | None = None, pack_experts: bool | None = None, **arg_overrides):
+               tokenizer_json: str | Path | None = None, pack_experts: bool | None = None,
+               weight_format: str | None = None, moe_masked: bool | None = None, **arg_overrides):
     """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input.
 
-    pack_experts: keep FP4 routed experts packed on the device and dequantize them per use (default:
-    on for CUDA, where a full-width layer's experts would take 27 GB dequantized; off on CPU)."""
+    weight_format: "dense" or "fp8" (the module docstring); default "fp8" on CUDA, "dense" elsewhere.
+    pack_experts ("dense" only): keep FP4 routed experts packed on the device and dequantize them per
+    use (default: on for CUDA, where a full-width layer's experts would take 27 GB dequantized).
+    moe_masked ("fp8" only): MoE.masked, the sync-free masked expert form; None = on CUDA for
+    decode-sized steps, True = every step on any device (CPU tests), False = never."""
     from .engram import NgramHasher, compressed_token_map
     from .layers import compute_dtype
+    from .moe import MoE
     from .transformer import Transformer
 
     ckpt = Path(ckpt_dir)
+    cuda = torch.device(device).type == "cuda"
+    weight_format = weight_format or ("fp8" if cuda else "dense")
+    if weight_format not in ("dense", "fp8"):
+        raise ValueError(f"weight_format must be 'dense' or 'fp8', got {weight_format!r}")
     args = ModelArgs.from_checkpoint(ckpt, **arg_overrides)
     infos = checkpoint_index(ckpt)
     expected = validate(args, infos)
@@ -242,11 +263,9 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
         hasher = NgramHasher(args, token_map, size)
     with torch.device("meta"):
         model = Transformer(args, hasher=None)
-    model = model.to_empty(device=device)
     model.hasher = hasher.to(device) if hasher is not None else None
-    wdtype = compute_dtype(device)
-    if pack_experts is None:
-        pack_experts = torch.device(device).type != "cpu"
+    fmt = _Format(device, compute_dtype(device), weight_format,
+                  cuda if pack_experts is None else pack_experts)
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(infos[name].file, []).append(name)
@@ -257,13 +276,40 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     for path, names in by_file.items():
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             for name in names:
-                _load_one(model, name, expected[name][0], infos, mm, args, device, wdtype, pack_experts)
+                _load_one(model, name, expected[name][0], infos, mm, fmt)
                 if bar is not None:
                     bar.update(1)
     if bar is not None:
         bar.close()
+    _materialize_rest(model, device)
     _fill_optional(model, infos, device)
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            mod.masked = moe_masked
     return model.eval()
+
+
+@dataclass
+class _Format:
+    """How _load_one places a tensor (load_model's arguments, resolved)."""
+    device: torch.device | str
+    wdtype: torch.dtype            # dense linear weights: the compute dtype
+    weight_format: str             # "dense" | "fp8"
+    pack_experts: bool             # "dense": FP4 experts stay packed
+
+
+def _materialize_rest(model, device) -> None:
+    """Buffers the checkpoint did not fill (gate.bias_vl, which _fill_optional sets next) get device
+    memory, as `to_empty` would give them. The model stays on `meta` while loading so only loaded
+    tensors take memory: `to_empty` first would allocate every declared buffer, each linear at its
+    full fp32 size, before the checkpoint replaces it (a full-width layer's 384 experts: 54 GB)."""
+    for mod in model.modules():
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if buf is not None and buf.is_meta:
+                setattr(mod, name, torch.empty_like(buf, device=device))
+        for name, par in list(mod.named_parameters(recurse=False)):
+            if par.is_meta:
+                setattr(mod, name, torch.nn.Parameter(torch.empty_like(par, device=device), par.requires_grad))
 
 
 def _fill_optional(model, infos, device) -> None:
@@ -279,34 +325,53 @@ def _fill_optional(model, infos, device) -> None:
                 mod.bias_vl = mod.bias.clone()
 
 
-def _load_one(model, name, kind, infos, mm, args, device, wdtype, pack_experts=False):
+_EXPERT = re.compile(r"(.+)\.experts\.\d+\.w[123]\.weight")
+
+
+def _load_one(model, name, kind, infos, mm, fmt: _Format):
     info = infos[name]
     t = _read(info, mm)
     scale_info = infos.get(_scale_name(name, ".scale")) if name.endswith(".weight") else None
     mod, attr = _target(model, name)
+    device = fmt.device
     if kind == "table":
         mod.weight = t.to(device)
         sinfo = infos[_scale_name(name, ".scale")]
         mod.scale = _read(sinfo, mm).view(torch.uint8).to(device)
         return
     quantized = False
+    # wo_a is block-diagonal and run as a bf16 einsum (convert.py dequantizes it): no act rounding
+    wo_a = name.endswith("attn.wo_a.weight")
     if kind == "fp8" and info.dtype == "F8_E4M3":
-        t = ops.dequant_fp8(t, _read(scale_info, mm))
-        quantized = True
-    elif kind == "fp4" and info.dtype == "I8":
-        if pack_experts:
-            mod.packed = (t.to(device), _read(scale_info, mm).view(torch.uint8).to(device))
+        scale = _read(scale_info, mm).view(torch.uint8)
+        if fmt.weight_format == "fp8" and not wo_a:
+            mod.fp8 = (t.to(device), scale.to(device))
             mod.weight = torch.empty(0, device=device)
             mod.quantized = True
             return
-        t = ops.dequant_fp4(t, _read(scale_info, mm))
+        t = ops.dequant_fp8(t, scale)
         quantized = True
-    # wo_a is block-diagonal and run as a bf16 einsum (convert.py dequantizes it): no act rounding
-    if name.endswith("attn.wo_a.weight"):
+    elif kind == "fp4" and info.dtype == "I8":
+        scale = _read(scale_info, mm).view(torch.uint8)
+        if fmt.weight_format == "fp8":
+            if mod.fp8 is None:                     # the layer's first expert tensor: allocate its stacks
+                _target(model, _EXPERT.fullmatch(name).group(1) + ".stacks")[0].init_fp8_stacks(device)
+            w8, s8 = ops.fp4_to_fp8_weight(t.to(device), scale.to(device))
+            mod.fp8[0].copy_(w8)                    # views into the layer's stacks
+            mod.fp8[1].copy_(s8)
+            return
+        if fmt.pack_experts:
+            mod.packed = (t.to(device), scale.to(device))
+            mod.weight = torch.empty(0, device=device)
+            mod.quantized = True
+            return
+        t = ops.dequant_fp4(t, scale)
+        quantized = True
+    if wo_a:
         quantized = False
     cur = getattr(mod, attr)
     if kind in ("fp8", "fp4", "bf16") and cur.dtype != torch.bfloat16:
-        target_dtype = wdtype       # linear weights: exact values in the compute dtype
+        target_dtype = fmt.wdtype   # linear weights: exact values in the compute dtype
     else:
         target_dtype = cur.dtype
     setattr(mod, attr, t.to(device=device, dtype=target_dtype))

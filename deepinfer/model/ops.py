@@ -8,14 +8,17 @@ references. Weight formats (FP8 linears, FP4 experts) stay as the loader made th
 
 from deepinfer.kernels import (  # noqa: F401
     dequant_fp4_ref as dequant_fp4,
-    dequant_fp8_ref as dequant_fp8,
     e8m0_to_float,
     rope,
     rope_freqs_ref as rope_freqs,
 )
 from deepinfer.kernels.select import (  # noqa: F401
     act_quant,
+    dequant_fp8,
     fp4_quant,
+    fp4_to_fp8_weight,
+    fp8_linear,
+    grouped_fp8_linear_masked,
     hc_mixes_pre,
     hc_post,
     hc_split_sinkhorn,

@@ -1,0 +1,144 @@
+"""Loader weight formats: "fp8" (FP8 linears kept as e4m3 + E8M0 and run by ops.fp8_linear, MXFP4
+experts converted once to FP8 stacks) gives the same logits as "dense" (everything dequantized at
+load) on the tiny preset, bit for bit on a CPU: both are act_quant + an fp32 matmul of the same exact
+weight values. And "fp8" keeps no dense copy next to the FP8 bytes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepinfer.model import ops
+from deepinfer.model.layers import Linear
+from deepinfer.model.loader import load_model
+from deepinfer.model.moe import MoE
+from deepinfer.model.simple import SequenceRunner
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint):
+    torch.set_num_threads(1)
+    return {
+        "dense": load_model(tiny_checkpoint, progress=False, weight_format="dense"),
+        "fp8": load_model(tiny_checkpoint, progress=False, weight_format="fp8"),
+        "fp8-masked": load_model(tiny_checkpoint, progress=False, weight_format="fp8", moe_masked=True),
+    }
+
+
+def _run(model) -> list[torch.Tensor]:
+    """A 70-token prompt (every row's logits), three decodes, a 3-token step, a DSpark proposal."""
+    torch.manual_seed(0)
+    prompt = torch.randint(1000, 50000, (70,)).tolist()
+    r = SequenceRunner(model, max_len=96)
+    out = r.step(prompt, logits="all", dump_hidden=True)
+    outs = [out.logits, out.hidden]
+    for tok in (5, 77, 1234):
+        o = r.step([tok])
+        outs.append(o.logits)
+    o = r.step([3, 4, 5], logits="all")
+    outs += [o.logits, o.main_hidden]
+    r.dspark_absorb(o.main_hidden, r._last_positions)
+    draft = r.dspark_propose(int(o.logits[-1].argmax()), len(r.tokens))
+    outs += [t for t in vars(draft).values() if isinstance(t, torch.Tensor)]
+    return outs
+
+
+def test_fp8_format_equals_dense(models):
+    ref = _run(models["dense"])
+    for fmt in ("fp8", "fp8-masked"):
+        got = _run(models[fmt])
+        assert len(got) == len(ref)
+        for i, (g, r) in enumerate(zip(got, ref)):
+            assert torch.equal(g, r), f"{fmt}: output {i} differs by {(g.float() - r.float()).abs().max()}"
+
+
+def test_fp8_format_keeps_release_bytes(models):
+    """Every FP8 linear but wo_a holds e4m3 + E8M0 and an empty dense buffer; experts are views of
+    their layer's stacks; the whole model takes fewer bytes than the dense one."""
+    dense, fp8 = models["dense"], models["fp8"]
+    n_fp8 = 0
+    for name, mod in fp8.named_modules():
+        if not isinstance(mod, Linear):
+            continue
+        if name.endswith("wo_a"):
+            assert mod.fp8 is None and mod.weight.numel() > 0        # the bf16 einsum reads .weight
+        elif mod.fp8 is not None:
+            n_fp8 += 1
+            w, s = mod.fp8
+            assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.uint8 and mod.weight.numel() == 0
+            assert torch.equal(ops.dequant_fp8(w, s), dict(dense.named_modules())[name].weight), name
+    assert n_fp8 > 0
+    for moe in (m for m in fp8.modules() if isinstance(m, MoE)):
+        st = moe.stacks
+        for e, ex in enumerate(moe.experts):
+            assert ex.w1.fp8[0].data_ptr() == st.w13[e].data_ptr()
+            assert ex.w3.fp8[0].data_ptr() == st.w13[e, moe.experts[0].w2.in_features:].data_ptr()
+            assert ex.w2.fp8[1].data_ptr() == st.s2[e].data_ptr()
+
+    def linear_bytes(model):
+        """Storage behind every FP8/FP4 checkpoint linear (shared stacks counted once)."""
+        seen, total = set(), 0
+        for name, mod in model.named_modules():
+            if not isinstance(mod, Linear) or not any(k in name for k in FP8_OR_FP4):
+                continue
+            for t in (mod.weight, *(mod.fp8 or ())):
+                key = t.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += t.untyped_storage().nbytes()
+        return total
+
+    # dense keeps fp32 on a CPU (4 B per weight); FP8 1 + 1/32 B (1 + 1/1024 for 32x32 tiles), and
+    # wo_a stays dense in both
+    assert linear_bytes(fp8) < 0.4 * linear_bytes(dense)
+
+
+FP8_OR_FP4 = ("wq_a", "wq_b", "attn.wkv", "wo_a", "wo_b", "experts", "engram.wkv", "main_proj")
+
+
+def test_bad_weight_format(tiny_checkpoint):
+    with pytest.raises(ValueError, match="weight_format"):
+        load_model(tiny_checkpoint, progress=False, weight_format="fp4")
+
+
+# Run with TRITON_INTERPRET=1 DEEPINFER_KERNELS=fast (read at import, hence a subprocess).
+_FAST_DISPATCH = """
+import sys, torch
+from deepinfer.kernels import select
+from deepinfer.model.loader import load_model
+m = load_model(sys.argv[1], progress=False, weight_format="fp8")
+torch.manual_seed(0)
+def both(f):
+    select.KERNELS = "fast"; assert select.use_fast(torch.zeros(1)); a = f()
+    select.KERNELS = "ref"; b = f()
+    return a.float(), b.float()
+checks = []
+for lin in (m.layers[3].attn.wq_b, m.layers[3].attn.wo_b, m.layers[3].ffn.shared_experts.w2, m.layers[4].engram.wkv):
+    x = torch.randn(5, lin.in_features).to(torch.bfloat16)
+    checks.append(both(lambda: select.fp8_linear(x, *lin.fp8)))
+st, E, T = m.layers[3].ffn.stacks, m.layers[3].ffn.n_experts, 7
+masked_m = torch.tensor([0, 7, 3, 1, 0, 2, 7, 5], dtype=torch.int32)[:E]
+for w, s in ((st.w13, st.s13), (st.w2, st.s2)):
+    xp = select._ref.act_quant_ref(torch.randn(E, T, w.shape[2]).to(torch.bfloat16))
+    valid = lambda y: torch.cat([y[e, :masked_m[e]] for e in range(E)])
+    checks.append(both(lambda: valid(select.grouped_fp8_linear_masked(xp, w, s, masked_m, 3))))
+for a, b in checks:
+    # the interpreter truncates float -> bf16 casts where a GPU rounds: one bf16 ulp apart at most
+    assert ((a - b).abs() <= b.abs() * 2 ** -7 + 1e-30).all(), ((a - b).abs() / b.abs()).max()
+print("ok", len(checks))
+"""
+
+
+def test_fp8_fast_dispatch_under_interpreter(tiny_checkpoint):
+    """select.fp8_linear / grouped_fp8_linear_masked take the Triton W8A16 kernels on the model's
+    own FP8 tensors (32x32-tile and per-row E8M0 scales, int32 masked_m, empty groups) through
+    Triton's interpreter, and agree with the references to the last bf16 bit."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_KERNELS="fast")
+    r = subprocess.run([sys.executable, "-c", _FAST_DISPATCH, str(tiny_checkpoint)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok 6" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
