@@ -74,6 +74,9 @@ PRESETS = {
         engram_vocab_size=20000, engram_n_heads=8, engram_head_dim=256, dspark_target_layer_ids=[4, 5, 6],
         dspark_markov_rank=256, dspark_n_routed_experts=128, dspark_num_experts_per_tok=3),
 }
+# one GPU's share at EP8 (48 of the 384 routed experts, 16 of DSpark's 128), the rest full width: the
+# GPU decode benchmark (perf/bench_model_decode.py) loads it where the whole preset (~75 GB) does not fit
+PRESETS["full-width-ep8"] = dict(PRESETS["full-width-layers"], n_routed_experts=48, dspark_n_routed_experts=16)
 
 INIT = dict(post_base=-2.0, comb_diag=1.0, expert_spread=0.3, gate_bias_std=1.0, head_std=7.0, head_norm_sigma=0.8)
 SHARD_BYTES = 2 << 30
