@@ -25,6 +25,15 @@ class EngineArgs:
     speculative: str | None = None          # None (off) or "dspark"
     num_speculative_tokens: int = 5         # drafts proposed per request and step (at most the DSpark block, 5)
     spec_confidence_threshold: float = 0.5  # verify drafts 1..j while prod_{i<=j} sigmoid(c_i) >= this (0 = all)
+    # CUDA graphs for pure decode steps (deepinfer/worker/graph_step.py): batch sizes captured at start;
+    # None = (1, 2, 4, .., 128) on CUDA and none on CPU (sizes given on a CPU run the padded step
+    # eagerly: a test mode). Off with enforce_eager, batch_invariant, speculative decoding and the
+    # index-key alias emulation.
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    enforce_eager: bool = False             # never use CUDA graphs (vLLM's flag)
+    # a decode step takes a graph only while every sequence is shorter than this (vLLM's knob): the
+    # static step reads E = max_seq_len_to_capture // ratio compressed entries per sequence
+    max_seq_len_to_capture: int = 8192
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -39,6 +48,8 @@ class EngineArgs:
             raise ValueError(f"speculative must be None or 'dspark', got {self.speculative!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.max_seq_len_to_capture < 1:
+            raise ValueError(f"max_seq_len_to_capture must be >= 1, got {self.max_seq_len_to_capture}")
         if not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
 

@@ -68,6 +68,8 @@ class Engine:
         tc = cfg.get("text_config", {})
         self.max_position = int(tc.get("max_position_embeddings", cfg.get("max_position_embeddings", 1 << 20)))
         self.vocab_size = self.model_args.vocab_size
+        from deepinfer.worker.graph_step import graph_sizes
+        self.graph_sizes = graph_sizes(self.args, self.model_args, self.device)
 
     def _init_caches(self) -> None:
         from deepinfer.worker.loading import allocate_caches, cache_bytes_per_block
@@ -83,7 +85,7 @@ class Engine:
         self.max_model_len = min(a.max_model_len or self.max_position, self.max_position,
                                  num_blocks * a.block_tokens)
         self.caches = allocate_caches(self.model_args, a.max_num_seqs, num_blocks, a.block_tokens,
-                                      self.device, a.dtype)
+                                      self.device, a.dtype, scratch=bool(self.graph_sizes))
 
     def _init_scheduler(self) -> None:
         a = self.args
@@ -110,7 +112,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.caches, self.device, a.max_num_seqs,
                                   self.max_model_len, a.block_tokens,
                                   ngram_width=max(self.model_args.engram_max_ngram_size - 1, 0),
-                                  sampler=self.sampler, batch_invariant=a.batch_invariant, proposer=proposer)
+                                  sampler=self.sampler, batch_invariant=a.batch_invariant, proposer=proposer,
+                                  graph_sizes=self.graph_sizes, graph_max_len=a.max_seq_len_to_capture)
 
     # requests ----------------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None) -> SamplingParams:

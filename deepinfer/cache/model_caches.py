@@ -40,12 +40,20 @@ class ModelCaches:
     compressed_kv: dict[int, torch.Tensor]         # source -> [num_blocks, block_tokens // ratio, head_dim]
     index_k: dict[int, torch.Tensor]               # source with indexer -> [num_blocks, block_tokens // ratio, index_head_dim]
     ratios: dict[int, int]                         # source -> compress ratio
+    # one ring slot and one pool block that no sequence owns (allocate(scratch=True)): the padding
+    # rows of a static decode step (CUDA graphs) write there; -1 = none
+    scratch_slot: int = -1
+    scratch_block: int = -1
 
     # ---- construction and sizing -------------------------------------------------------------
     @classmethod
     def allocate(cls, args, num_ring_slots: int, num_blocks: int, block_tokens: int = 64,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> "ModelCaches":
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                 scratch: bool = False) -> "ModelCaches":
+        """scratch: one more ring slot (id num_ring_slots) and pool block (id num_blocks) for padding."""
         ring = 2 * args.window_size
+        slots, blocks = num_ring_slots, num_blocks
+        num_ring_slots, num_blocks = num_ring_slots + scratch, num_blocks + scratch
         for s in args.kv_source_layers:
             if block_tokens % args.compress_ratios[s]:
                 raise ValueError(f"block_tokens {block_tokens} is not a multiple of layer {s}'s ratio")
@@ -58,7 +66,8 @@ class ModelCaches:
         ckv = {s: torch.zeros(num_blocks, block_tokens // r, D, dtype=dtype, device=device) for s, r in ratios.items()}
         ik = {s: torch.zeros(num_blocks, block_tokens // r, ID, dtype=dtype, device=device)
               for s, r in ratios.items() if s in args.index_source_layers}
-        return cls(ring, block_tokens, window, carry_kv, carry_score, ckv, ik, ratios)
+        return cls(ring, block_tokens, window, carry_kv, carry_score, ckv, ik, ratios,
+                   scratch_slot=slots if scratch else -1, scratch_block=blocks if scratch else -1)
 
     @staticmethod
     def bytes_per_ring_slot(args, dtype: torch.dtype = torch.bfloat16) -> int:

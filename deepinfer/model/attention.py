@@ -48,7 +48,7 @@ def select_candidate_blocks(scores: torch.Tensor, compress_lens: torch.Tensor, t
     b = b.masked_fill(torch.arange(b.size(-1), device=b.device) == last[:, None], torch.inf)
     top = topk_ids(b, min(topk_blocks, b.size(-1)))
     keep = torch.zeros_like(b, dtype=torch.bool).scatter_(-1, top, b.gather(-1, top) > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+    return keep[..., None].expand(*keep.shape, block_size).flatten(-2)[..., :width]    # repeat_interleave, no host read
 
 
 class Compressor(nn.Module):
@@ -159,15 +159,30 @@ class Attention(nn.Module):
                 meta.topk[self.layer_id] = self._index(meta, iq, caches)
             E = meta.plan(self.ratio).num_entries
             if E:
-                rows = meta.entry_rows(caches.entries_per_block(self.kv_source), E).flatten()
-                parts.append(caches.compressed_kv[self.kv_source].flatten(0, 1)[rows].to(kv.dtype))  # [B*E, D]
-                topk = meta.topk[self.index_source]                                 # [T, K]
-                comp = torch.where(topk >= 0, topk + (meta.fresh_offset + meta.num_tokens) + meta.seq_of[:, None] * E, -1)
+                rows, comp = self._compressed_rows(meta, caches, meta.topk[self.index_source], E)
+                parts.append(caches.compressed_kv[self.kv_source].flatten(0, 1)[rows].to(kv.dtype))
                 idx = append_lists(idx, meta.win_len, comp)
         o = ops.sparse_attn(q, torch.cat(parts), self.attn_sink, idx, self.scale)
         new = kv if meta.ring_write_rows is None else kv[meta.ring_write_rows]
         ring[meta.ring_write] = new.to(ring.dtype)
         return self.out(o, cis)
+
+    def _compressed_rows(self, meta: StepMetadata, caches, topk: torch.Tensor, E: int):
+        """Pool rows to gather after the fresh rows, and each query's picks in buffer coords ([T, K],
+        -1 kept). Whichever is fewer: every entry 0..E-1 of every sequence ([B*E] rows: a prefill)
+        or only the picks ([T*K] rows: a decode step, where E may be the static max_model_len // ratio).
+        The lists point at the same rows in the same order either way, so the numbers agree."""
+        epb = caches.entries_per_block(self.kv_source)
+        base = meta.fresh_offset + meta.num_tokens
+        T, K = topk.shape
+        if T * K < meta.num_seqs * E:
+            seq = meta.seq_of[:, None].expand(T, K).flatten()
+            rows = meta.entry_rows(epb, 0, seq, topk.clamp_min(0).flatten())                 # [T*K]
+            at = base + torch.arange(T * K, device=topk.device).view(T, K)
+        else:
+            rows = meta.entry_rows(epb, E).flatten()                                         # [B*E]
+            at = topk + base + meta.seq_of[:, None] * E
+        return rows, torch.where(topk >= 0, at, -1)
 
     def _compress(self, meta: StepMetadata, raw, caches, rope_tables) -> None:
         """Entries completed in this step, all sequences at once -> the pools. A ratio>1 group that
@@ -192,7 +207,8 @@ class Attention(nn.Module):
             latent = self.compressor.pool(kv_all, sc_all)                        # [G, D]
         entries = plan.group_entry
         cis = rope_tables[self.rope_kind](entries * ratio, meta.last_pos)       # an entry rotates at its group's first position
-        dst = meta.entry_rows(caches.entries_per_block(L), 0, plan.group_seq, entries)
+        dst = plan.group_rows if plan.group_rows is not None else \
+            meta.entry_rows(caches.entries_per_block(L), 0, plan.group_seq, entries)
         if self.indexer is not None:
             k = self.indexer.k_norm(self.indexer.wk(latent))
             k = ops.fp4_quant(ops.rope(k, cis), 32)

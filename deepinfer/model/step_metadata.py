@@ -15,16 +15,20 @@ and every query row t gets its own index list into it, in the order the per-sequ
     w_t = min(n, window)), any other chunk the decode layout (w_t = window, pads first); with
     canonical_layout every chunk uses the decode layout (chunking-invariant numerics).
 
-Host-side ints (num_seqs, max_q, max_end, group counts) decide every shape, so the forward could be
-captured in a CUDA graph once these tensors live in static buffers.
+Host-side ints (num_seqs, max_q, max_end, group counts) decide every shape. `DecodeStepBuffers`
+is the static form of a pure decode step (CUDA graphs): shapes fixed per padded batch size, every
+tensor a view of one int64 buffer that the runner refills each step (see its docstring).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 
 import numpy as np
 import torch
+
+from .batch import ForwardBatch
 
 
 @dataclass
@@ -38,10 +42,13 @@ class CompressPlan:
     member_rows: torch.Tensor | None     # [G, ratio] fresh row of each member, or -1 (ratio > 1)
     member_carry: torch.Tensor | None    # [G, ratio] carry-ring position of each member, or -1
     seqs_with_new: np.ndarray        # [B] bool: the sequence completed at least one entry
+    group_rows: torch.Tensor | None = None   # [G] flat pool row of each new entry (static decode form,
+                                             # padding groups -> a scratch row); None = from block_tables
 
 
 @dataclass
 class StepMetadata:
+    """starts / ends / cu / positions_host are None in the static decode form (its plans are prebuilt)."""
     num_seqs: int
     num_tokens: int
     max_q: int                       # longest new-token run of a sequence
@@ -129,15 +136,160 @@ class StepMetadata:
     def entry_rows(self, entries_per_block: int, num_entries: int, seq: torch.Tensor | None = None,
                    entries: torch.Tensor | None = None) -> torch.Tensor:
         """Flat rows of a [num_blocks * entries_per_block, D] pool view: for every sequence its entries
-        0 .. num_entries-1 ([B, E]), or (seq, entries) pairs ([G]). Unallocated blocks read row 0."""
+        0 .. num_entries-1 ([B, E]), or (seq, entries) pairs ([N]). Unallocated blocks read row 0."""
         if entries is None:
             entries = torch.arange(num_entries, device=self.positions.device).expand(self.num_seqs, -1)
-            tables = self.block_tables
-        else:
-            tables = self.block_tables[seq]
         col = (entries // entries_per_block).clamp_max(self.block_tables.shape[1] - 1)
-        blocks = tables.gather(-1, col) if entries.dim() == 2 else tables.gather(-1, col[:, None])[:, 0]
+        blocks = self.block_tables.gather(-1, col) if seq is None else self.block_tables[seq, col]
         return blocks.clamp_min(0) * entries_per_block + entries % entries_per_block
+
+
+class DecodeStepBuffers:
+    """A pure decode step (one new token per sequence, start > 0, no drafts) padded to B sequences,
+    in static buffers: the CUDA-graph form of ForwardBatch + StepMetadata. Its shapes depend only on
+    (B, window, max_model_len, ratios, block-table width), never on the step:
+
+        ring width Wr = window - 1      window list width = window (decode layout, pads first)
+        E = max_model_len // ratio      G = B groups per ratio (a decode token closes at most one)
+        last_pos = the caller's max_pos (rope tables grown once, before capture)
+        ring_write_rows = None          (a one-token step keeps every row)
+
+    Rows n..B-1 are padding: index lists of -1, lens 0. Their ring / carry writes and the pool writes
+    of every group NOT closed in this step go to scratch rows (ring slot `scratch_slot`, pool block
+    `scratch_block`) that no sequence owns and no list points at. Every tensor is a view of ONE
+    int64 buffer, so a step is a numpy `fill` of a host buffer with the same layout and one copy:
+
+        flat = | input_ids B | positions B | ngram_history B x h | ring_slots B | block_tables B x mb |
+               | ring_read B*Wr | win_idx B x W | ring_write B | per ratio r: lens, entry, rows B     |
+               | (r > 1: member_rows, member_carry B x r) | cu_seqlens B+1 | seq, zeros, win_len B | extra B |
+
+    Indexer scores over the padded entries are masked by lens (as in the dynamic form), and the
+    lists only grow by trailing -1s, so the step computes the dynamic form's numbers.
+    """
+
+    def __init__(self, num_seqs: int, *, window: int, ring_len: int, max_model_len: int, block_tokens: int,
+                 max_blocks: int, ngram_width: int, ratios, scratch_slot: int, scratch_block: int,
+                 extra: tuple[str, ...] = (), device="cpu"):
+        B = self.num_seqs = num_seqs
+        self.window, self.ring_len, self.block_tokens = window, ring_len, block_tokens
+        self.ratios = tuple(sorted(set(ratios)))
+        self.num_entries = {r: max_model_len // r for r in self.ratios}
+        self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
+        shapes = {"input_ids": (B,), "positions": (B,), "ngram_history": (B, ngram_width), "ring_slots": (B,),
+                  "block_tables": (B, max_blocks), "ring_read": (B * (window - 1),), "win_idx": (B, window),
+                  "ring_write": (B,)}
+        for r in self.ratios:
+            shapes.update({f"lens{r}": (B,), f"entry{r}": (B,), f"rows{r}": (B,)})
+            if r > 1:
+                shapes.update({f"member_rows{r}": (B, r), f"member_carry{r}": (B, r)})
+        shapes.update({"cu_seqlens": (B + 1,), "seq": (B,), "zeros": (B,), "win_len": (B,)})
+        shapes.update({name: (B,) for name in extra})
+        self.shapes = shapes
+        self.numel = sum(prod(s) for s in shapes.values())
+        self.flat = torch.zeros(self.numel, dtype=torch.int64, device=device)
+        self.v = self.views(self.flat)
+
+    def views(self, buf) -> dict:
+        """name -> view of `buf` (a torch tensor or a numpy array with this layout)."""
+        out, off = {}, 0
+        for name, shape in self.shapes.items():
+            n = prod(shape)
+            out[name] = buf[off:off + n].reshape(shape)
+            off += n
+        return out
+
+    def fill(self, host: np.ndarray, positions, input_ids, ngram_history, ring_slots, block_tables,
+             **extra) -> None:
+        """Write a step into `host` (int64, at least numel long, this layout): n = len(positions) <= B
+        sequences, sequence i runs token input_ids[i] at positions[i] (0 < positions[i] <
+        max_model_len). `extra`: [n] per field named at construction (padding -1)."""
+        v = self.views(host[:self.numel])
+        B, W, RL, n = self.num_seqs, self.window, self.ring_len, len(positions)
+        assert n <= B, (n, B)
+        wr, seq = W - 1, np.arange(n)
+        pos = np.asarray(positions, dtype=np.int64)
+        slots = np.asarray(ring_slots, dtype=np.int64)
+        _put(v["input_ids"], input_ids, 0)
+        _put(v["positions"], pos, 0)
+        _put(v["ngram_history"], ngram_history, -1)
+        _put(v["ring_slots"], slots, self.scratch_slot)
+        bt = v["block_tables"]                      # the first max_blocks columns hold every position < max_model_len
+        w = min(bt.shape[1], block_tables.shape[1])
+        bt[:] = -1
+        bt[:n, :w] = block_tables[:, :w]
+        # ring region: positions pos-Wr .. pos-1 (those before 0 read row 0 and are never listed)
+        rr = v["ring_read"].reshape(B, wr)
+        rr[:n] = slots[:, None] * RL + np.maximum(pos[:, None] - wr + np.arange(wr), 0) % RL
+        rr[n:] = self.scratch_slot * RL
+        # window list: key j is position pos-Wr+j, ring row seq*Wr + j; the last key is the fresh row
+        j = np.arange(W)
+        idx = np.where(j < wr, seq[:, None] * wr + j, B * wr + seq[:, None])
+        v["win_idx"][:n] = np.where(pos[:, None] - wr + j >= 0, idx, -1)
+        v["win_idx"][n:] = -1
+        pad = np.arange(B)
+        v["ring_write"][:n] = slots * RL + pos % RL
+        v["ring_write"][n:] = self.scratch_slot * RL + pad[n:] % RL
+        for r in self.ratios:
+            self._fill_plan(v, r, pos, n)
+        v["cu_seqlens"][:] = np.arange(B + 1)
+        v["seq"][:] = pad
+        v["zeros"][:] = 0
+        v["win_len"][:] = W
+        for name, a in extra.items():
+            _put(v[name], a, -1)
+
+    def _fill_plan(self, v: dict, r: int, pos: np.ndarray, n: int) -> None:
+        """Group g = sequence g: closed when its token is the group's last member ((pos+1) % r == 0);
+        an open or padding group pools garbage into a scratch row."""
+        B, epb, seq = self.num_seqs, self.block_tokens // r, np.arange(n)
+        entry = pos // r
+        closed = (pos + 1) % r == 0
+        _put(v[f"lens{r}"], (pos + 1) // r, 0)
+        _put(v[f"entry{r}"], entry, 0)
+        bt = v["block_tables"]
+        blocks = bt[seq, np.minimum(entry // epb, bt.shape[1] - 1)]
+        scratch = self.scratch_block * epb + np.arange(B) % epb
+        rows = v[f"rows{r}"]
+        rows[:] = scratch
+        rows[:n] = np.where(closed, np.maximum(blocks, 0) * epb + entry % epb, scratch[:n])
+        if r > 1:
+            mpos = entry[:, None] * r + np.arange(r)                  # [n, r] member positions
+            fresh = mpos >= pos[:, None]                              # the token itself (closed groups)
+            v[f"member_rows{r}"][:n] = np.where(fresh, seq[:, None], -1)
+            v[f"member_rows{r}"][n:] = -1
+            v[f"member_carry{r}"][:n] = np.where(fresh, -1, mpos % self.ring_len)
+            v[f"member_carry{r}"][n:] = 0
+
+    def forward_batch(self, n: int | None = None) -> ForwardBatch:
+        """The ForwardBatch over the buffers (cu_seqlens and start_pos on the device here); n: its
+        first n sequences only (what a caller reads back after the step, e.g. positions)."""
+        v, n = self.v, self.num_seqs if n is None else n
+        return ForwardBatch(input_ids=v["input_ids"][:n], positions=v["positions"][:n],
+                            cu_seqlens=v["cu_seqlens"][:n + 1], start_pos=v["positions"][:n],
+                            ngram_history=v["ngram_history"][:n], ring_slots=v["ring_slots"][:n],
+                            block_tables=v["block_tables"][:n], logits_indices=v["seq"][:n])
+
+    def metadata(self, max_pos: int) -> StepMetadata:
+        """A fresh StepMetadata over the buffers (its per-forward state, topk / candidates, is new)."""
+        v, B = self.v, self.num_seqs
+        plans = {r: CompressPlan(num_entries=self.num_entries[r], lens=v[f"lens{r}"], group_seq=v["seq"],
+                                 group_entry=v[f"entry{r}"], member_rows=v.get(f"member_rows{r}"),
+                                 member_carry=v.get(f"member_carry{r}"), seqs_with_new=np.ones(B, dtype=bool),
+                                 group_rows=v[f"rows{r}"]) for r in self.ratios}
+        return StepMetadata(num_seqs=B, num_tokens=B, max_q=1, window=self.window, ring_len=self.ring_len,
+                            starts=None, ends=None, cu=None, positions=v["positions"], positions_host=None,
+                            seq_of=v["seq"], row_in_seq=v["zeros"], ring_slots=v["ring_slots"],
+                            block_tables=v["block_tables"], ring_width=self.window - 1, ring_read=v["ring_read"],
+                            win_idx=v["win_idx"], win_len=v["win_len"], ring_write_rows=None,
+                            ring_write=v["ring_write"], last_pos=max_pos, plans=plans,
+                            index_k_owner=np.full(B, -1, dtype=np.int64))
+
+
+def _put(dst: np.ndarray, src, pad: int) -> None:
+    """dst[:n] = src, dst[n:] = pad (n = len(src))."""
+    n = len(src)
+    dst[:n] = src
+    dst[n:] = pad
 
 
 def _window_lists(pos, seq, starts, q, cu, window: int, wr: int, canonical: bool = False):

@@ -61,9 +61,12 @@ class Transformer(nn.Module):
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, caches, dump_hidden: bool = False) -> ModelOutput:
+    def forward(self, batch: ForwardBatch, caches, dump_hidden: bool = False,
+                meta: StepMetadata | None = None) -> ModelOutput:
+        """meta: the step's metadata when the caller holds it in static buffers (CUDA graphs,
+        step_metadata.DecodeStepBuffers); None = built here from the batch's host arrays."""
         args = self.args
-        meta = self.step_metadata(batch, caches)
+        meta = self.step_metadata(batch, caches) if meta is None else meta
         image_mask = None if batch.token_mask is None else ~batch.token_mask
         hashes = None
         if args.engram_layer_ids:

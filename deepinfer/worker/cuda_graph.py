@@ -12,19 +12,24 @@ mutates (KV caches, rings) lives in tensors allocated before capture. Padding ro
 slot mappings to a scratch row). On a device without CUDA (or enabled=False) the runner calls the
 function eagerly on the padded inputs, so the padding logic is testable on a CPU.
 
-Where the model forward stands (Transformer.forward): every shape and every index list comes from
-host-side ints (ForwardBatch.cu_seqlens / start_pos are CPU tensors; model/step_metadata.py builds
-the attention metadata once per step; rope tables take the step's last position from it; Engram's
-repeat_interleave has its output size), so the decode forward reads nothing back from the device,
-except:
-  * MoE with packed FP4 experts (the CUDA loader's format): one `bincount(...).tolist()` per layer
-    for the per-expert loop. Capture needs the grouped form there (capacity = T rows per expert, or
-    a masked grouped GEMM: perf/H200_NOTES.md's MoE kernels), not validated without a GPU.
-  * StepMetadata's tensors are built per step with numpy and copied to the device: for capture they
-    must be copied into static buffers sized for the padded batch (index lists padded with -1,
-    ring writes pointed at a scratch slot), and shapes that depend on the step (max entries E,
-    ring width, list width) fixed per captured size (E from max_model_len, width window + topk).
-  * DSpark's main_kv (absorb) still sizes its rope table from the device positions.
+The model's decode step keeps that contract (worker/graph_step.py runs it; what changed to get there):
+  * StepMetadata's shapes came from the step (ring width min(window-1, max start), list width,
+    E = entries of the longest sequence, G = groups closed in the step, ring-write rows or None):
+    model/step_metadata.py's DecodeStepBuffers fixes them per captured size (ring width window-1,
+    E = max_model_len // ratio, G = B groups per ratio, scratch rows for padding and for groups a
+    step does not close) and holds every index tensor in one int64 buffer, refilled each step by one
+    host fill + one H2D copy.
+  * Host reads on the decode path: the rope tables take last_pos from the metadata (fixed, tables
+    grown before capture); Engram's hasher gets cu_seqlens on the device and sizes its
+    repeat_interleave itself; the compressed KV part gathers only the top-k picks in decode (B*K
+    rows, not B*E: E is now max_model_len // ratio). Data-dependent Python branches remaining
+    (`if plan.group_seq.numel()`, `np.unique(owners)`) read shapes or host constants only, except
+    under ModelArgs.emulate_index_k_alias (per-sequence owners): graphs are off then.
+  * MoE (model/moe.py, not this package): the FP8 expert stacks (the CUDA default weight format)
+    run the masked grouped form up to MASKED_MAX_PAIRS token-expert pairs, with no host read; the
+    per-expert loop (dense / packed FP4 experts on CUDA) reads the counts with `.tolist()`, so
+    capture fails there and worker/graph_step.py keeps decode eager (with a logged warning).
+  * DSpark (spec decode stays eager): main_kv sizes its rope table from the device positions.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class CudaGraphRunner:
         self.enabled = torch.cuda.is_available() if enabled is None else enabled
         self.warmup = warmup
         self.pool = None
+        self.num_replays = 0            # graph replays (eager calls on the padded inputs not counted)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.static_in: dict[int, tuple[torch.Tensor, ...]] = {}
         self.static_out: dict[int, object] = {}
@@ -54,8 +60,14 @@ class CudaGraphRunner:
             raise ValueError(f"batch {n} exceeds the largest captured size {self.batch_sizes[-1]}")
         return self.batch_sizes[i]
 
-    def capture(self, make_inputs: Callable[[int], tuple[torch.Tensor, ...]]) -> None:
-        """Capture from the largest size down so smaller graphs reuse the largest one's memory pool."""
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def capture(self, make_inputs: Callable[[int], tuple]) -> None:
+        """Capture from the largest size down so smaller graphs reuse the largest one's memory pool.
+        make_inputs(bs) -> the static inputs of size bs (tensors, or objects holding them: `run`
+        hands them to fn as they are)."""
         for bs in reversed(self.batch_sizes):
             inputs = tuple(make_inputs(bs))
             self.static_in[bs] = inputs
@@ -85,12 +97,16 @@ class CudaGraphRunner:
             dst[:n].copy_(src)
             if n < bs:
                 dst[n:].fill_(0 if pad_fill is None else pad_fill[i])
-        if self.enabled:
-            self.graphs[bs].replay()
-            out = self.static_out[bs]
-        else:
-            out = self.fn(*static)
-        return _slice(out, n)
+        return _slice(self.run(bs), n)
+
+    def run(self, bs: int):
+        """Replay size bs on what its static inputs hold now (eagerly without CUDA); the full padded
+        output (a graph's static output: the next replay overwrites it)."""
+        if not self.enabled:
+            return self.fn(*self.static_in[bs])
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        return self.static_out[bs]
 
 
 def _slice(out, n: int):

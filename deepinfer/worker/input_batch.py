@@ -112,9 +112,7 @@ class InputBatch:
         positions = np.repeat(start - cu[:-1], q_lens) + np.arange(T)       # [T]
         rows_rep = np.repeat(rows, q_lens)
         input_ids = self.token_ids[rows_rep, positions]                      # [T]
-        hist_pos = start[:, None] + np.arange(-self.ngram_width, 0)         # [B, n-1]
-        hist = self.token_ids[rows[:, None], np.maximum(hist_pos, 0)]
-        hist[hist_pos < 0] = -1
+        hist = self._history(rows, start)
         pending = self.pending_index[rows] >= 0
         reaches_end = start + q_lens - num_spec >= self.num_tokens[rows] + pending
         num_logits = np.where(reaches_end, 1 + num_spec, 0)                 # [B]
@@ -133,6 +131,34 @@ class InputBatch:
             unknown = np.nonzero((src >= 0) & (positions >= self.num_tokens[rows_rep]))[0]
             batch.input_ids[to(unknown)] = prev_sampled[to(src[unknown])]
         return batch, rows, num_logits
+
+    def decode_rows(self, req_ids: list[str], q_lens: np.ndarray, num_spec: np.ndarray) -> np.ndarray | None:
+        """The rows of a pure decode step (every request runs its next token, one new token at a
+        start > 0, no drafts, and samples), else None: the steps a CUDA graph can serve."""
+        if num_spec.any() or (q_lens != 1).any():
+            return None
+        rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        start = self.num_computed[rows]
+        pending = self.pending_index[rows] >= 0
+        if (start == 0).any() or (start + 1 < self.num_tokens[rows] + pending).any():
+            return None
+        return rows
+
+    def decode_inputs(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Host arrays of a pure decode step (DecodeStepBuffers.fill's arguments). pending_src: index
+        of the row's input token in the last launched step's device samples, -1 = known here."""
+        start = self.num_computed[rows]                                      # [B] = the new token's position
+        return dict(positions=start, input_ids=self.token_ids[rows, start],
+                    ngram_history=self._history(rows, start), ring_slots=self.ring_slot[rows],
+                    block_tables=self.block_table[rows],
+                    pending_src=np.where(start >= self.num_tokens[rows], self.pending_index[rows], -1))
+
+    def _history(self, rows: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """[B, n-1] token ids at start-n+1 .. start-1 (Engram's look-back), -1 before position 0."""
+        hist_pos = start[:, None] + np.arange(-self.ngram_width, 0)
+        hist = self.token_ids[rows[:, None], np.maximum(hist_pos, 0)]
+        hist[hist_pos < 0] = -1
+        return hist
 
 
 def needs_sampler(p: SamplingParams) -> bool:

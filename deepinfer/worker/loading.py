@@ -33,6 +33,8 @@ def ring_slot_bytes(model_args, dtype: str) -> int:
     return ModelCaches.bytes_per_ring_slot(model_args, torch_dtype(dtype))
 
 
-def allocate_caches(model_args, num_ring_slots: int, num_blocks: int, block_tokens: int, device: str, dtype: str):
+def allocate_caches(model_args, num_ring_slots: int, num_blocks: int, block_tokens: int, device: str, dtype: str,
+                    scratch: bool = False):
     from deepinfer.cache.model_caches import ModelCaches
-    return ModelCaches.allocate(model_args, num_ring_slots, num_blocks, block_tokens, device, torch_dtype(dtype))
+    return ModelCaches.allocate(model_args, num_ring_slots, num_blocks, block_tokens, device, torch_dtype(dtype),
+                                scratch=scratch)

@@ -24,6 +24,10 @@ Async scheduling splits execute() into launch() (steps 1-3, the samples stay on 
 are copied back asynchronously) and resolve() (step 4). Between them the engine schedules and
 launches the next step, whose tokens that are not yet known on the host are gathered from the
 previous step's device-side samples (InputBatch.pending_index). execute() = resolve(launch()).
+
+CUDA graphs (graph_sizes, worker/graph_step.py): a pure decode step (every request runs its next
+token, no drafts) that a captured size holds replays the captured forward instead of step 3;
+everything else (prefill chunks, mixed steps, verification) runs eagerly.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ class _SpecInputs:
 class ModelRunner:
     def __init__(self, model, caches, device: torch.device, max_num_seqs: int, max_model_len: int,
                  block_tokens: int, ngram_width: int = 3, sampler=None, batch_invariant: bool = False,
-                 proposer=None) -> None:
+                 proposer=None, graph_sizes: tuple[int, ...] = (), graph_max_len: int = 8192) -> None:
         self.model = model
         self.proposer = proposer      # deepinfer.spec.DSparkProposer; None = no drafts
         self.batch_invariant = batch_invariant   # torch path: row-by-row GEMMs (kernels/batch_invariant.py)
@@ -81,6 +85,11 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks, ngram_width)
         self._prev_sampled: torch.Tensor | None = None   # [N] device samples of the last launched step
         self._launch_seq = 0
+        self.graphs = None            # DecodeGraphs: captured pure-decode steps (needs scratch caches)
+        if graph_sizes:
+            from deepinfer.worker.graph_step import DecodeGraphs
+            self.graphs = DecodeGraphs(model, caches, self.input_batch, graph_sizes, max_model_len,
+                                       block_tokens, self.device, max_len=graph_max_len)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.resolve(self.launch(sched_out))
@@ -100,11 +109,8 @@ class ModelRunner:
             if drafts:
                 ib.write_drafts(req_id, drafts)
                 num_spec[i] = len(drafts)
-        batch, rows, num_logits = ib.build(req_ids, q_lens, num_spec, self.device, self._prev_sampled)
+        batch, rows, num_logits, logits, main_hidden = self._forward(req_ids, q_lens, num_spec)  # logits [N, V] fp32
         with torch.inference_mode():
-            with batch_invariant_mode(self.batch_invariant):
-                out = self.model(batch, self.caches)
-            logits = out.logits                                            # [N, V] fp32
             sampled, logprobs = self._sample(logits, batch, rows, num_logits, num_spec)  # [N] on the device
             self._apply_forcing(sampled, rows, num_logits)
         self._set_pending(rows, num_logits, num_spec)
@@ -114,8 +120,8 @@ class ModelRunner:
         host, done = self._to_host(sampled)
         self._launch_seq += 1
         spec = None
-        if self.proposer is not None and out.main_hidden is not None:
-            spec = _SpecInputs(out.main_hidden, q_lens, batch.start_pos.numpy(), ib.ring_slot[rows].copy())
+        if self.proposer is not None and main_hidden is not None:
+            spec = _SpecInputs(main_hidden, q_lens, batch.start_pos.numpy(), ib.ring_slot[rows].copy())
         return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits,
                          logprobs=logprobs, seq=self._launch_seq, spec=spec)
 
@@ -166,6 +172,21 @@ class ModelRunner:
         return ib.num_tokens[row] - ib.num_prompt[row] < ib.params[row].max_tokens
 
     # helpers -----------------------------------------------------------------------------------
+    def _forward(self, req_ids: list[str], q_lens: np.ndarray, num_spec: np.ndarray):
+        """-> (batch, rows, num_logits, logits [N, V], main_hidden | None): a CUDA-graph replay when the
+        step is a pure decode step a captured size holds, else the eager forward."""
+        ib = self.input_batch
+        rows = ib.decode_rows(req_ids, q_lens, num_spec) if self.graphs is not None else None
+        if rows is not None and self.graphs.serves(len(rows), int(ib.num_computed[rows].max())):
+            batch, logits = self.graphs.step(ib.decode_inputs(rows), self._prev_sampled)
+            if ib.return_logits:      # kept until resolve(): the next replay overwrites the static output
+                logits = logits.clone()
+            return batch, rows, np.ones(len(rows), dtype=np.int64), logits, None
+        batch, rows, num_logits = ib.build(req_ids, q_lens, num_spec, self.device, self._prev_sampled)
+        with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
+            out = self.model(batch, self.caches)
+        return batch, rows, num_logits, out.logits, out.main_hidden
+
     def _update_states(self, sched_out: SchedulerOutput) -> None:
         for req_id in sched_out.finished_req_ids | sched_out.preempted_req_ids:
             self.input_batch.remove(req_id)

@@ -1,0 +1,173 @@
+"""Pure decode steps through CUDA graphs: the model runner's fast path.
+
+A step in which every request runs exactly its next token (one new token at a start > 0, no
+drafts) and whose batch fits a captured size is padded to that size and replayed:
+
+    rows = input_batch.decode_rows(...)                 # None: not a pure decode step -> eager
+    host = input_batch.decode_inputs(rows)              # numpy: positions, ids, history, slots, tables
+    DecodeStepBuffers.fill(pinned, **host)              # padded metadata, one int64 buffer (model side)
+    static.copy_(pinned, non_blocking=True)             # one H2D copy
+    static input_ids <- previous step's device samples  # async scheduling: tokens not known on the host
+    graph.replay(); logits = static_logits[:n]
+
+The captured function is Transformer.forward on the static ForwardBatch / StepMetadata views
+(model/step_metadata.py DecodeStepBuffers draws the layout and the padding rules). Capture happens
+once, at engine start (after the caches exist), largest size first into one memory pool, each size
+warmed up first so Triton compilation and allocator growth happen outside capture. Without CUDA
+(or with enabled=False) CudaGraphRunner calls the function eagerly on the same padded buffers:
+the CPU tests of this path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from deepinfer.model.batch import ForwardBatch
+from deepinfer.model.step_metadata import DecodeStepBuffers
+from deepinfer.worker.cuda_graph import CudaGraphRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# positions past max_model_len an eager step may reach (drafts under verification): the rope tables
+# are grown to cover them before capture, so no later step reallocates a table a graph reads
+DRAFT_ROOM = 64
+
+
+def graph_sizes(args, model_args, device: str) -> tuple[int, ...]:
+    """Decode batch sizes to capture for EngineArgs `args`; () = eager only. Off for enforce_eager,
+    batch_invariant (row-by-row GEMMs), speculative decoding (verification steps) and the index-key
+    alias emulation (per-sequence host-side key owners). cuda_graph_sizes None: DEFAULT_SIZES on
+    CUDA, none on CPU; sizes given on a CPU run the padded step eagerly (a test mode)."""
+    if args.enforce_eager or args.batch_invariant or args.speculative or model_args.emulate_index_k_alias:
+        return ()
+    sizes = args.cuda_graph_sizes
+    if sizes is None:
+        sizes = DEFAULT_SIZES if device.startswith("cuda") else ()
+    sizes = sorted(set(int(s) for s in sizes))
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"cuda_graph_sizes must be >= 1, got {sizes}")
+    holds_all = [s for s in sizes if s >= args.max_num_seqs][:1]          # none past the first that holds every request
+    return tuple([s for s in sizes if s < args.max_num_seqs] + holds_all)
+
+
+class DecodeGraphs:
+    """The captured decode steps of one model + caches: `serves(n, max_position)` says whether a pure
+    decode step of n requests takes a graph, `step(...)` runs it. max_len (the engine's
+    max_seq_len_to_capture): the static step holds positions below it only (E = max_len // ratio
+    entries per sequence: the indexer's work per step grows with it); longer sequences run eagerly."""
+
+    def __init__(self, model, caches, input_batch, sizes, max_model_len: int, block_tokens: int, device,
+                 enabled: bool | None = None, max_len: int | None = None):
+        self.model, self.caches, self.device = model, caches, torch.device(device)
+        if caches.scratch_slot < 0:
+            raise ValueError("CUDA-graph decode needs caches allocated with scratch=True")
+        args = model.args
+        self.max_pos = max_model_len + DRAFT_ROOM - 1       # rope tables cover every eager step too
+        self.max_len = min(max_model_len, max_len or max_model_len)
+        self._layout = dict(window=args.window_size, ring_len=caches.ring_len, max_model_len=self.max_len,
+                            block_tokens=block_tokens,
+                            max_blocks=min(input_batch.block_table.shape[1], -(-self.max_len // block_tokens)),
+                            ngram_width=input_batch.ngram_width,
+                            ratios=[r for r in args.compress_ratios[:args.n_layers] if r > 0],
+                            scratch_slot=caches.scratch_slot, scratch_block=caches.scratch_block,
+                            extra=("pending_src",), device=self.device)
+        cuda = self.device.type == "cuda"
+        self.graphs = CudaGraphRunner(self._forward, sizes, enabled=cuda if enabled is None else enabled and cuda)
+        self._capture()
+        self._host, self._host_free = self._host_buffers(cuda)
+        self._next_host = 0
+        self.num_steps = 0            # steps served (graph replays, or eager runs of the padded step)
+
+    # construction ------------------------------------------------------------------------------
+    def _capture(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.graphs.capture(self._inputs)
+        except Exception:  # noqa: BLE001 - a step the graph cannot hold must not stop the engine
+            logger.exception("CUDA graph capture failed: decode steps stay eager")
+            self.graphs = None
+            return
+        if self.graphs.enabled:
+            logger.info("captured decode CUDA graphs for batch sizes %s (positions < %d) in %.1f s",
+                        self.graphs.batch_sizes, self.max_len, time.perf_counter() - t0)
+        # a graph reads the rope tables it was captured with: they must never be reallocated
+        self._rope_ptrs = self._rope_table_ptrs()
+
+    def _inputs(self, bs: int) -> tuple[DecodeStepBuffers]:
+        """Static buffers of size bs holding an all-padding step (what warm-up and capture run)."""
+        bufs = DecodeStepBuffers(bs, **self._layout)
+        host = np.zeros(bufs.numel, dtype=np.int64)
+        h = self._layout["ngram_width"]
+        bufs.fill(host, positions=[], input_ids=[], ngram_history=np.zeros((0, h), dtype=np.int64),
+                  ring_slots=[], block_tables=np.zeros((0, 0), dtype=np.int64), pending_src=[])
+        bufs.flat.copy_(torch.from_numpy(host))
+        return (bufs,)
+
+    def _host_buffers(self, cuda: bool):
+        """Two pinned host buffers used in turn, each with the event of its last H2D copy: with async
+        scheduling the next step is filled while the device may not have read the previous one."""
+        if self.graphs is None or not cuda:
+            return None, None
+        numel = max(self.graphs.static_in[bs][0].numel for bs in self.graphs.batch_sizes)
+        host = [torch.zeros(numel, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        return host, [None, None]
+
+    def _rope_table_ptrs(self) -> dict:
+        return {k: t.table.data_ptr() if t.table is not None else 0 for k, t in self.model.rope.items()}
+
+    # the step ----------------------------------------------------------------------------------
+    def serves(self, n: int, max_position: int) -> bool:
+        """True when a captured size holds n requests whose new tokens sit at positions up to
+        max_position (and the graphs are still valid)."""
+        if self.graphs is None or n > self.graphs.max_batch_size or max_position >= self.max_len:
+            return False
+        if self.graphs.enabled and self._rope_table_ptrs() != self._rope_ptrs:
+            logger.warning("a rope table was reallocated after capture: CUDA graphs off, decode stays eager")
+            self.graphs = None
+            return False
+        return True
+
+    def step(self, host_inputs: dict[str, np.ndarray], prev_sampled: torch.Tensor | None):
+        """-> (ForwardBatch views of the n real rows, logits [n, V] fp32). The logits are a view of
+        the graph's static output: the next step overwrites them."""
+        n = len(host_inputs["positions"])
+        bs = self.graphs.padded(n)
+        bufs: DecodeStepBuffers = self.graphs.static_in[bs][0]
+        self._load(bufs, host_inputs)
+        if prev_sampled is not None and (host_inputs["pending_src"] >= 0).any():
+            v = bufs.v
+            src = v["pending_src"]
+            v["input_ids"].copy_(torch.where(src >= 0, prev_sampled[src.clamp_min(0)], v["input_ids"]))
+        logits = self.graphs.run(bs)[:n]
+        self.num_steps += 1
+        return bufs.forward_batch(n), logits
+
+    @property
+    def num_replays(self) -> int:
+        return 0 if self.graphs is None else self.graphs.num_replays
+
+    def _load(self, bufs: DecodeStepBuffers, host_inputs: dict) -> None:
+        """Host fill + one H2D copy (CPU: the fill writes the static buffer itself)."""
+        if self._host is None:
+            bufs.fill(bufs.flat.numpy(), **host_inputs)
+            return
+        i = self._next_host
+        self._next_host ^= 1
+        if self._host_free[i] is not None:
+            self._host_free[i].synchronize()            # its previous copy has been read
+        host = self._host[i][:bufs.numel]
+        bufs.fill(host.numpy(), **host_inputs)
+        bufs.flat.copy_(host, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._host_free[i] = ev
+
+    def _forward(self, bufs: DecodeStepBuffers) -> torch.Tensor:
+        """The captured function: [B, V] fp32 logits of the padded step."""
+        with torch.inference_mode():
+            return self.model(bufs.forward_batch(), self.caches, meta=bufs.metadata(self.max_pos)).logits
