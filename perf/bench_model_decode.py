@@ -1,0 +1,211 @@
+"""The model's own decode step on the GPU: Transformer.forward on the `full-width-ep8` checkpoint
+(real widths, one layer per role, 48 local experts = one GPU's EP8 share) at batch 1/16/64/128 with
+every sequence at position --ctx, eager against the CUDA graph the engine replays (worker/graph_step.py
+builds the same static step), as achieved HBM bandwidth over the copy bandwidth measured in the
+same run, and the EP8 whole-model estimate built from it.
+
+    python perf/bench_model_decode.py [--checkpoint DIR | --preset full-width-ep8] [--batches 1 16 64 128]
+                                      [--ctx 8192]                    (model_decode.json/.png in $OUT)
+
+Unlike perf/bench_layer_step.py (the same shapes composed from the kernels by hand), this runs the
+code the engine runs: loader formats (FP8 linears, FP4 experts as FP8 stacks), the masked MoE, the
+static decode metadata, whatever kernels/select.py binds (DEEPINFER_KERNELS=fast for the Triton
+paths). Caches hold zeros: timing does not depend on their values; every sequence attends to its
+full window and index_topk compressed picks, and the indexers score every entry below --ctx.
+
+Bytes counted per step (the floor a perfect kernel set would move): every weight of every layer
+(routed experts: only the expected number in use, E * (1 - (1 - k/E)^B) under uniform routing), the
+head and the batch's embedding rows, and per sequence and layer the window rows, the compressed
+picks and the index keys the indexers scan. The EP8 estimate scales the per-layer mean to the real
+40 layers (2 window-only, 18 ratio-2, 20 ratio-1; our 7 have 2/2/3) and adds the head: all-to-all
+dispatch/combine, DSpark drafting and Engram lookups are not in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchutil import measure_ceilings, out_dir, save_json, time_eager  # noqa: E402
+
+FULL_LAYERS = 40
+
+
+def build_checkpoint(preset: str) -> str:
+    out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"deepinfer-{preset}")
+    if not os.path.isfile(os.path.join(out, "model.safetensors.index.json")):
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "deepinfer.cli.make_checkpoint", "--preset", preset, "--out", out],
+                       check=True)
+        print(f"built {preset} in {time.time() - t0:.0f} s", flush=True)
+    return out
+
+
+def tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(o) for o in obj)
+    return 0
+
+
+def module_bytes(mod, skip=()) -> int:
+    """Buffers plus the FP8 (weight, scale) pairs Linear keeps outside its buffers."""
+    from deepinfer.model.layers import Linear
+    total = 0
+    for name, m in mod.named_modules():
+        if any(name.startswith(s) for s in skip):
+            continue
+        total += sum(tensor_bytes(b) for b in m.buffers(recurse=False))
+        if isinstance(m, Linear):
+            total += tensor_bytes(m.fp8) + tensor_bytes(m.packed)
+    return total
+
+
+def step_bytes(model, B: int, ctx: int) -> dict:
+    """What one decode step of B sequences at position ctx has to read, by part."""
+    a = model.args
+    parts = {"attention+shared": 0, "experts": 0, "kv": 0, "head": 0}
+    kv_row = a.head_dim * 2                                      # bf16 latent rows
+    for layer in model.layers:
+        moe = layer.ffn
+        stacks = getattr(moe, "stacks", None)
+        routed = tensor_bytes([stacks.w13, stacks.s13, stacks.w2, stacks.s2]) if stacks is not None else \
+            module_bytes(moe.experts)
+        E, k = moe.n_experts, moe.gate.topk
+        parts["experts"] += routed * (1 - (1 - k / E) ** B)
+        parts["attention+shared"] += module_bytes(layer, skip=("ffn.experts",))
+        ratio = a.compress_ratios[layer.layer_id]
+        per_seq = a.window_size * kv_row
+        if ratio:
+            per_seq += min(a.index_topk, ctx // ratio) * kv_row
+            if layer.attn.indexer is not None:
+                per_seq += (ctx // ratio) * a.index_head_dim * 2
+        parts["kv"] += B * per_seq
+    parts["head"] = tensor_bytes(model.head.fp8) + tensor_bytes(model.head.weight) + B * a.dim * 2
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def decode_step(model, caches, B: int, ctx: int, max_len: int, block_tokens: int, device="cuda"):
+    """Static padded decode buffers of B sequences at position ctx and the step function on them."""
+    from deepinfer.model.step_metadata import DecodeStepBuffers
+    a = model.args
+    bps = -(-max_len // block_tokens)
+    bufs = DecodeStepBuffers(B, window=a.window_size, ring_len=caches.ring_len, max_model_len=max_len,
+                             block_tokens=block_tokens, max_blocks=bps,
+                             ngram_width=max(a.engram_max_ngram_size - 1, 0),
+                             ratios=[r for r in a.compress_ratios[:a.n_layers] if r > 0],
+                             scratch_slot=caches.scratch_slot, scratch_block=caches.scratch_block, device=device)
+    rng = np.random.default_rng(B)
+    host = np.zeros(bufs.numel, dtype=np.int64)
+    bufs.fill(host, positions=np.full(B, ctx), input_ids=rng.integers(1000, 100000, B),
+              ngram_history=rng.integers(1000, 100000, (B, max(a.engram_max_ngram_size - 1, 0))),
+              ring_slots=np.arange(B), block_tables=np.arange(B * bps).reshape(B, bps))
+    bufs.flat.copy_(torch.from_numpy(host))
+    max_pos = max_len + 63
+
+    def step():
+        return model(bufs.forward_batch(), caches, meta=bufs.metadata(max_pos)).logits
+    return step
+
+
+def time_graph(fn, iters: int = 20, reps: int = 5) -> float:
+    """Median seconds of one replay of fn captured as a CUDA graph (warmed up eagerly first)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            g.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / iters)
+    del g
+    return float(np.median(times))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint")
+    p.add_argument("--preset", default="full-width-ep8")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
+    p.add_argument("--ctx", type=int, default=8192)
+    a = p.parse_args()
+
+    from deepinfer.cache.model_caches import ModelCaches
+    from deepinfer.kernels.select import capability_report
+    from deepinfer.model.loader import load_model
+
+    ckpt = a.checkpoint or build_checkpoint(a.preset)
+    t0 = time.time()
+    model = load_model(ckpt, "cuda")
+    print(f"loaded {ckpt} in {time.time() - t0:.0f} s; kernels: {capability_report()}", flush=True)
+    ceil = measure_ceilings()
+    copy_bw = ceil["copy_bw"]
+    block_tokens, max_len = 64, a.ctx + 64
+    bmax = max(a.batches)
+    caches = ModelCaches.allocate(model.args, bmax, bmax * -(-max_len // block_tokens), block_tokens, "cuda",
+                                  scratch=True)
+    # the head alone (bf16 or FP8 [V, dim]): subtracted to get the per-layer time
+    rows = []
+    print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'graph x':>8} {'MB':>8} {'of copy':>8} "
+          f"{'head ms':>8} {'layer us':>9} {'EP8 tok/s/GPU':>14}", flush=True)
+    for B in a.batches:
+        with torch.inference_mode():
+            step = decode_step(model, caches, B, a.ctx, max_len, block_tokens)
+            eager = time_eager(step, iters=5)
+            graph = time_graph(step)
+            x = torch.randn(B, model.args.dim, device="cuda").bfloat16()
+            head = time_graph(lambda: model.head(x))
+        nb = step_bytes(model, B, a.ctx)
+        frac = nb["total"] / graph / copy_bw
+        layer = (graph - head) / model.args.n_layers
+        ep8_step = FULL_LAYERS * layer + head
+        row = dict(batch=B, eager_ms=eager * 1e3, graph_ms=graph * 1e3, graph_speedup=eager / graph,
+                   bytes=nb, of_copy=frac, head_ms=head * 1e3, layer_us=layer * 1e6,
+                   ep8_tok_s_per_gpu=B / ep8_step)
+        rows.append(row)
+        print(f"{B:>5} {eager * 1e3:>9.2f} {graph * 1e3:>9.2f} {eager / graph:>8.2f} {nb['total'] / 1e6:>8.0f} "
+              f"{frac:>8.2f} {head * 1e3:>8.2f} {layer * 1e6:>9.0f} {B / ep8_step:>14.0f}", flush=True)
+    save_json("model_decode.json", dict(checkpoint=ckpt, ctx=a.ctx, ceilings=ceil, rows=rows))
+    plot(rows, os.path.join(out_dir(), "model_decode.png"))
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    b = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    ax[0].plot(b, [r["of_copy"] for r in rows], "o-", label="CUDA graph")
+    ax[0].plot(b, [r["of_copy"] * r["graph_speedup"] for r in rows], "s--", label="eager (same bytes)")
+    ax[0].axhline(0.7, color="gray", ls=":", label="goal 0.70 (batch 64)")
+    ax[0].set(xscale="log", xlabel="batch", ylabel="bytes / time / copy bandwidth", title="model decode step, full width")
+    ax[0].legend(fontsize=8)
+    ax[1].plot(b, [r["ep8_tok_s_per_gpu"] for r in rows], "o-")
+    ax[1].set(xscale="log", yscale="log", xlabel="batch per rank", ylabel="tokens/s per GPU (estimate)",
+              title="EP8 whole-model decode estimate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
