@@ -1,6 +1,7 @@
 """Engine throughput: generated tokens/s at batch 1, 4, 16, 64 and the ratio to batch 1.
 
     python perf/engine_throughput.py --checkpoint DIR [--device cpu] [--prompt-len 32] [--output-len 64]
+                                     [--compare-graphs]    (CUDA: decode through CUDA graphs vs eager)
 
 Without --checkpoint it builds the tiny preset (deepinfer.cli.make_checkpoint) or, until that
 exists, the shared v41-tiny-bf16 fixture into a temp folder. Every batch runs the same prompts
@@ -61,6 +62,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over all batch sizes; the best round per batch is reported (noisy shared hosts)")
     p.add_argument("--plot", help="write the tokens/s-by-batch plot to this PNG")
+    p.add_argument("--compare-graphs", action="store_true",
+                   help="also run every batch with enforce_eager=True and print graphs/eager side by side")
     a = p.parse_args()
 
     import torch
@@ -72,11 +75,15 @@ def main() -> None:
         ckpt = a.checkpoint or default_checkpoint(Path(tmp), a.preset)
         max_b = max(a.batches)
         mode = {"auto": None, "on": True, "off": False}[a.async_scheduling]
-        llm = LLM(ckpt, device=a.device, max_num_seqs=max_b, async_scheduling=mode,
+        kw = dict(device=a.device, max_num_seqs=max_b, async_scheduling=mode,
                   max_num_batched_tokens=max(2048, max_b * a.prompt_len),
                   num_cache_blocks=max_b * (-(-(a.prompt_len + a.output_len) // 64)) + 8)
+        llm = LLM(ckpt, **kw)
         vocab = llm.engine.vocab_size
         measure(llm, 2, a.prompt_len, 4, vocab, seed=123)  # warm-up
+        if a.compare_graphs:
+            compare_graphs(llm, LLM(ckpt, enforce_eager=True, **kw), a.batches, a.prompt_len, a.output_len, vocab)
+            return
         print(f"checkpoint={ckpt} device={llm.engine.device} async={llm.engine.async_scheduling} "
               f"prompt_len={a.prompt_len} output_len={a.output_len} threads={torch.get_num_threads()}")
         best: dict[int, tuple[float, float]] = {}
@@ -95,6 +102,19 @@ def main() -> None:
         if a.plot:
             plot(a.plot, a.batches, [best[b][0] for b in a.batches],
                  f"{Path(ckpt).name}, {llm.engine.device}, prompt {a.prompt_len}, output {a.output_len}")
+
+
+def compare_graphs(llm, eager, batches, prompt_len: int, output_len: int, vocab: int) -> None:
+    """Same prompts through the engine with decode CUDA graphs and with enforce_eager, batch by batch."""
+    measure(eager, 2, prompt_len, 4, vocab, seed=123)
+    print(f"{'batch':>6} {'graphs tok/s':>13} {'eager tok/s':>12} {'graphs/eager':>13}")
+    for b in batches:
+        g, _ = measure(llm, b, prompt_len, output_len, vocab, seed=b)
+        e, _ = measure(eager, b, prompt_len, output_len, vocab, seed=b)
+        print(f"{b:>6} {g:>13.1f} {e:>12.1f} {g / e:>13.2f}", flush=True)
+    runner = llm.engine.runner if hasattr(llm.engine, "runner") else None
+    graphs = getattr(runner, "graphs", None)
+    print(f"decode graph replays: {getattr(graphs, 'num_replays', 'n/a')}")
 
 
 def plot(path: str, batches: list[int], tps: list[float], title: str) -> None:
