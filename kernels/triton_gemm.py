@@ -17,6 +17,19 @@ weights one per 32x32 tile, so the reference numbers need a promotion every 32 K
 32-wide K step is one tensor-core dot (fp32 out) scaled by sa*sb (powers of two: exact) and added
 in fp32: the same products and the same per-32 rounding points as the reference's FP8 GEMM.
 
+W8A16 variants (launch config key VARIANT, default W8A16_VARIANT = $DEEPINFER_W8A16_VARIANT or "v2"):
+    v1  the weight tile [BN, BK] is converted e4m3 -> bf16 by Triton (cvt e4m3x2 -> f16x2, then one scalar
+        f16 -> bf16 cvt per element: both on the 16/clk/SM conversion pipe) and reshaped to [BN, BK/32, 32]
+        for the scale; E8M0 scales are read with byte loads the pipeliner skips (one exposed global load
+        per K step).
+    v2  w8a16_v2_kernel: the same products, dequantized with integer/bf16x2 ops only (each e4m3 byte
+        placed into a bf16 bit pattern, then two exact bf16x2 multiplies: no conversion instruction) and
+        scales read as int32 words of 4 E8M0 bytes (or f32 columns), so every load of the loop is a
+        pipelined cp.async. SWAP (decode): one K=32 dot per scale block on a [BN, 32] tile read as int16
+        pairs; otherwise one dot per BK with the scale tile broadcast to [BN, BK].
+    v3  w8a16_v2_kernel with one dot per BK for SWAP too (fewer wgmma waits, a shared-memory shuffle).
+    perf/ptx_check.py prints what each compiles to for sm_90; perf/bench_kernels.py times them.
+
 Config: small M (decode) swaps A and B so N fills the MMA's 64/128-row side; split-K over a
 fixed fp32 workspace (summed in a fixed order) fills the SMs. With batch_invariant=True the tile
 shape and split count depend only on (N, K), never on M, so a row's result is the same at any
@@ -35,6 +48,8 @@ from .reference import e8m0_to_float
 
 NUM_SMS_DEFAULT = 132
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+W8A16_VARIANTS = ("v1", "v2", "v3")
+W8A16_VARIANT = os.environ.get("DEEPINFER_W8A16_VARIANT", "v2")
 
 
 @triton.jit
@@ -170,6 +185,204 @@ def w8a16_gemm_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
     _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32)
 
 
+# ---------------------------------------------------------------------------------------------------
+# W8A16 v2: dequantization without the conversion pipe, every loop load pipelined.
+#
+# An e4m3 byte b = s eeee mmm placed as the bf16 bit pattern (b & 0x80) << 8 | (b & 0x7f) << 4 is the
+# bf16 value w * 2^-120 for every e4m3 w: the exponent bias moves from 7 to 127 and subnormals stay
+# subnormal (m/8 * 2^-6 -> m/8 * 2^-126). Multiplying by 2^120 then gives w (exact: |w| <= 448) and by
+# the pow2 scale s gives w * s, the same bf16 value as v1's `w.to(bf16) * s.to(bf16)`. On sm_90 that is
+# a PRMT (spread two bytes into 16-bit lanes with their sign replicated), SHL, AND and two bf16x2
+# multiplies per two weights: ALU/FMA-pipe instructions, where v1 spends 1.5 conversion-pipe
+# instructions (16/clk/SM) per weight. The PTX is in the two helpers below; _dequant_pair_ref is the
+# same arithmetic in plain Triton ops (fp32) for the CPU interpreter, which cannot run inline asm.
+
+
+# The PTX of the two dequant helpers (module constants so that tests/kernels/test_interpret.py can run
+# the very same text through a small PTX emulator on the CPU, over every byte value).
+# Pair form, pack=1: $2 = one int16 (two e4m3 bytes), $3 = its bf16 scale; $0/$1 = low/high byte * s.
+_PAIR_ASM = tl.constexpr("""
+{
+.reg .b32 t, c, u;
+mov.b32 c, 0x7B807B80;
+cvt.u32.u16 t, $2;
+prmt.b32 t, t, 0, 0x9180;
+shl.b32 t, t, 4;
+and.b32 t, t, 0x87F087F0;
+mul.rn.bf16x2 t, t, c;
+mov.b32 u, {$3, $3};
+mul.rn.bf16x2 t, t, u;
+mov.b32 {$0, $1}, t;
+}
+""")
+# Byte form, pack=4: $2 = four e4m3 bytes, $3/$4 = bf16x2 scales of bytes 0,1 / 2,3; $0/$1 = bf16x2 out.
+_BYTES_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi, c;
+mov.b32 c, 0x7B807B80;
+prmt.b32 lo, $2, 0, 0x9180;
+prmt.b32 hi, $2, 0, 0xB3A2;
+shl.b32 lo, lo, 4;
+shl.b32 hi, hi, 4;
+and.b32 lo, lo, 0x87F087F0;
+and.b32 hi, hi, 0x87F087F0;
+mul.rn.bf16x2 lo, lo, c;
+mul.rn.bf16x2 hi, hi, c;
+mul.rn.bf16x2 $0, lo, $3;
+mul.rn.bf16x2 $1, hi, $4;
+}
+""")
+
+
+@triton.jit
+def _dequant_pair_bf16(w2, s):
+    """w2 int16 = two e4m3 weights (k = 2i in the low byte, 2i + 1 in the high byte), s bf16 pow2 scale
+    of the same shape -> (lo, hi) bf16 weights * s."""
+    return tl.inline_asm_elementwise(asm=_PAIR_ASM, constraints="=h,=h,h,h", args=[w2, s],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _dequant_bytes_bf16(w, s):
+    """w e4m3 (any layout), s bf16 pow2 of the same shape -> bf16 w * s (four weights per asm block)."""
+    return tl.inline_asm_elementwise(asm=_BYTES_ASM, constraints="=r,=r,r,r,r",
+                                     args=[w.to(tl.uint8, bitcast=True), s], dtype=tl.bfloat16, is_pure=True,
+                                     pack=4)
+
+
+_P120 = tl.constexpr(2.0 ** 120)
+
+
+@triton.jit
+def _e4m3_bits_f32(b):
+    """int32 byte (0..255) -> fp32 w * 2^-120 by the same bit placement as the asm (the CPU reference)."""
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequant_pair_ref(w2, s):
+    """_dequant_pair_bf16 in fp32 with plain Triton ops (interpreter): (lo, hi) = bytes * 2^120 * s."""
+    b = w2.to(tl.int32) & 0xFFFF
+    lo = _e4m3_bits_f32(b & 0xFF) * _P120 * s
+    hi = _e4m3_bits_f32(b >> 8) * _P120 * s
+    return lo, hi
+
+
+@triton.jit
+def _e8m0_scale(e, UPCAST: tl.constexpr):
+    """E8M0 byte (int32 0..255) -> 2^(e - 127): bf16 (GPU) or fp32 (interpreter); 0 -> 0, 255 -> inf,
+    as the fp32 decode of v1."""
+    if UPCAST:
+        return (e << 23).to(tl.float32, bitcast=True)
+    else:
+        return (e << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def w8a16_v2_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
+                    M, N, K, SPLIT_K,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SB_ROWS: tl.constexpr,
+                    SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
+                    NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False,
+                    PER32: tl.constexpr = True):
+    """w8a16_gemm_kernel's contract and products (x FP8-rounded bf16, b e4m3, sb pow2 f32 or raw E8M0),
+    K % 128 == 0 and BK % 128 == 0 (E8M0 scales are read as int32 words of 4 bytes; the row stride
+    K // 32 is written as (K // BK) * (BK // 32) so that the compiler can prove 4-byte alignment).
+    PER32: one K=32 dot per scale block, the weights read as [BN, 16] int16 pairs and the scale a [BN]
+    column (SWAP). Else one dot per BK, the [BN, BK] e4m3 tile scaled by a [BN, BK/32] scale tile
+    broadcast to [BN, BK]. Either way: loads -> integer/bf16x2 dequant -> bf16 wgmma, fp32 in place."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_z = tl.program_id(2)
+    g = pid_z // SPLIT_K
+    split = pid_z % SPLIT_K
+    m_lim = M
+    if GROUPED:
+        m_lim = tl.load(mm_ptr + g)
+    if pid_m * BM >= m_lim:
+        return
+    nkb = K // BK
+    per = tl.cdiv(nkb, SPLIT_K)
+    kb0 = split * per
+    kb1 = tl.minimum(kb0 + per, nkb)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    g64 = g.to(tl.int64)
+    m_ok = rm < m_lim
+    n_ok = rn < N
+    srow = g64 * (N // SB_ROWS) + (rn // SB_ROWS).to(tl.int64)          # scale row of each weight row
+    if SB_E8M0:
+        sw_ptrs = sb_ptr.to(tl.pointer_type(tl.int32)) + srow * (nkb * (BK // 128))
+    else:
+        s_ptrs = sb_ptr + srow * (nkb * (BK // 32))
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if PER32:
+        r32 = tl.arange(0, 32)
+        r16 = tl.arange(0, 16)
+        x_ptrs = x_ptr + g64 * M * K + rm[:, None].to(tl.int64) * K + r32[None, :]
+        w_ptrs = (b_ptr.to(tl.pointer_type(tl.int16)) + g64 * N * (K // 2) + rn[:, None].to(tl.int64) * (K // 2)
+                  + r16[None, :])
+        for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
+            for j in tl.static_range(BK // 32):
+                x = tl.load(x_ptrs + (kb * BK + j * 32), mask=m_ok[:, None], other=0.0)
+                w2 = tl.load(w_ptrs + (kb * (BK // 2) + j * 16), mask=n_ok[:, None], other=0)
+                if SB_E8M0:
+                    if j % 4 == 0:
+                        word = tl.load(sw_ptrs + (kb * (BK // 128) + j // 4), mask=n_ok, other=0)
+                    s = _e8m0_scale((word >> (8 * (j % 4))) & 0xFF, UPCAST)
+                else:
+                    s = tl.load(s_ptrs + (kb * (BK // 32) + j), mask=n_ok, other=0.0)
+                    if not UPCAST:
+                        s = s.to(tl.bfloat16)
+                s = tl.broadcast_to(s[:, None], (BN, 16))
+                if UPCAST:                   # CPU interpreter: the same bit arithmetic in fp32
+                    lo, hi = _dequant_pair_ref(w2, s)
+                    x = x.to(tl.float32)
+                else:
+                    lo, hi = _dequant_pair_bf16(w2, s)
+                wd = tl.reshape(tl.join(lo, hi), (BN, 32))
+                if SWAP:
+                    acc = tl.dot(wd, tl.trans(x), acc)
+                else:
+                    acc = tl.dot(x, tl.trans(wd), acc)
+    else:
+        rk = tl.arange(0, BK)
+        rc = tl.arange(0, BK // 32)
+        x_ptrs = x_ptr + g64 * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+        w_ptrs = b_ptr + g64 * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
+        if SB_E8M0:
+            rw = tl.arange(0, BK // 128)
+            sc_ptrs = sw_ptrs[:, None] + rw[None, :]               # [BN, BK/128] int32 words
+        else:
+            sc_ptrs = s_ptrs[:, None] + rc[None, :]
+        for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
+            x = tl.load(x_ptrs + kb * BK, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs + kb * BK, mask=n_ok[:, None], other=0.0)
+            if SB_E8M0:
+                word = tl.load(sc_ptrs + kb * (BK // 128), mask=n_ok[:, None], other=0)
+                e = (word[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
+                sc = _e8m0_scale(tl.reshape(e, (BN, BK // 32)), UPCAST)
+            else:
+                sc = tl.load(sc_ptrs + kb * (BK // 32), mask=n_ok[:, None], other=0.0)
+                if not UPCAST:
+                    sc = sc.to(tl.bfloat16)
+            s = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+            if UPCAST:
+                wd = w.to(tl.float32) * s
+                x = x.to(tl.float32)
+            else:
+                wd = _dequant_bytes_bf16(w, s)
+            if SWAP:
+                acc = tl.dot(wd, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(wd), acc)
+    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32)
+
+
 @triton.jit
 def splitk_reduce_kernel(ws_ptr, c_ptr, S, total, BLOCK: tl.constexpr):
     """c[i] = bf16(sum_s ws[s, i]) summed in split order (deterministic)."""
@@ -201,7 +414,21 @@ def w8a16_config(m: int, n: int, k: int, groups: int, device, batch_invariant: b
     return dict(BM=bm, BN=bn, BK=bk, SWAP=swap, SPLIT_K=split, NUM_STAGES=4, num_warps=warps)
 
 
-def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None):
+def w8a16_variant(cfg: dict, b: torch.Tensor, sb: torch.Tensor, k: int) -> str:
+    """The W8A16 kernel a launch runs: cfg["VARIANT"] (else W8A16_VARIANT); v2/v3 need K and BK multiples
+    of 128 and 2-byte / 4-byte aligned weights / E8M0 scales (int16 and int32 views), else v1."""
+    variant = cfg.get("VARIANT", W8A16_VARIANT)
+    if variant not in W8A16_VARIANTS:
+        raise ValueError(f"unknown W8A16 variant {variant!r} (one of {W8A16_VARIANTS})")
+    if variant != "v1" and (k % 128 or cfg["BK"] % 128 or b.data_ptr() % 2
+                            or (sb.dtype != torch.float32 and sb.data_ptr() % 4)):
+        return "v1"
+    return variant
+
+
+def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, partials=False):
+    """partials=True: return the fp32 split-K workspace [SPLIT_K, G, M, N] instead of reducing it (tests:
+    its sum is exact on integer-valued data, on the GPU and in the interpreter alike)."""
     dev = x.device
     split = cfg["SPLIT_K"]
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), groups * split)
@@ -209,12 +436,19 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None):
     kw = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], SB_ROWS=sb_rows, SWAP=cfg["SWAP"],
               GROUPED=masked_m is not None, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"],
               UPCAST=INTERPRET, SB_E8M0=sb.dtype != torch.float32)
+    variant = w8a16_variant(cfg, b, sb, k)
+    kernel = w8a16_gemm_kernel
+    if variant != "v1":
+        kernel = w8a16_v2_kernel
+        kw["PER32"] = variant == "v2" and cfg["SWAP"]
     c = out if out is not None else torch.empty(groups, m, n, dtype=torch.bfloat16, device=dev)
-    if split == 1:
-        w8a16_gemm_kernel[grid](x, b, sb, c, mm, m, n, k, 1, OUT_F32=False, **kw)
+    if split == 1 and not partials:
+        kernel[grid](x, b, sb, c, mm, m, n, k, 1, OUT_F32=False, **kw)
         return c
     ws = (torch.zeros if masked_m is not None else torch.empty)(split, groups, m, n, dtype=torch.float32, device=dev)
-    w8a16_gemm_kernel[grid](x, b, sb, ws, mm, m, n, k, split, OUT_F32=True, **kw)
+    kernel[grid](x, b, sb, ws, mm, m, n, k, split, OUT_F32=True, **kw)
+    if partials:
+        return ws
     total = groups * m * n
     splitk_reduce_kernel[(triton.cdiv(total, 1024),)](ws, c, split, total, BLOCK=1024, num_warps=4)
     return c
@@ -253,6 +487,21 @@ def w8a16_grouped_gemm_masked(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
     cfg.update(cfg_override or {})
     return _launch_w8a16(x.contiguous(), b, _as_scale(sb).contiguous(), masked_m.to(torch.int32), mmax, n, k, groups,
                          sb_rows, cfg, out)
+
+
+def w8a16_partials(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, masked_m: torch.Tensor | None = None,
+                   cfg_override: dict | None = None) -> torch.Tensor:
+    """Test hook: the W8A16 kernel's fp32 split-K partial sums [SPLIT_K, G, M, N] (no bf16 rounding).
+    x [M, K] with b [N, K] (G = 1), or x [G, Mmax, K] with b [G, N, K] and masked_m [G]."""
+    grouped = x.dim() == 3
+    x3, b3, s3 = (x, b, sb) if grouped else (x[None], b[None], sb[None])
+    groups, m, k = x3.shape
+    n = b3.shape[1]
+    cfg = w8a16_config(m, n, k, groups, x.device)
+    cfg.update(cfg_override or {})
+    mm = masked_m.to(torch.int32) if masked_m is not None else None
+    return _launch_w8a16(x3.contiguous(), b3, _as_scale(s3).contiguous(), mm, m, n, k, groups, n // s3.shape[1], cfg,
+                         partials=True)
 
 
 def _num_sms(device) -> int:

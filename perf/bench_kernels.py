@@ -4,6 +4,14 @@ one exists (DeepGEMM FP8 GEMM / masked grouped GEMM, FlashMLA sparse decode), pl
 the model uses today. All ratios come from this one run.
 
     python perf/bench_kernels.py [--quick]      (writes kernels.json, kernels.md, kernels_*.png to $OUT)
+    python perf/bench_kernels.py --only variants [--variants v1,v2,v3]
+                                                 W8A16 kernel variants side by side with DeepGEMM
+
+The `variants` part times each W8A16 variant (triton_gemm.W8A16_VARIANTS: v1 = Triton's e4m3 -> bf16
+conversion, v2/v3 = integer/bf16x2 dequant with every load pipelined; perf/ptx_check.py shows what each
+compiles to) on the FP8 linears (E8M0 scales, as the checkpoint) and the masked MoE shapes, in one run,
+against DeepGEMM, printing vN/v1 and DeepGEMM/vN ratios (without --no-sweep also the best of a few tile
+configs per variant).
 
 Shapes are DeepSeek-V4.1-Flash's (dim 5120, 64 heads x 512, q_lora 1280, o_lora 8 x 1024, MoE
 inter 2304, 384 experts; EP8 -> 48 local experts), decode batches as tokens per GPU.
@@ -107,7 +115,8 @@ def bench_gemm(quick):
                     print("deepgemm failed", name, M, repr(e)[:200])
             t_torch = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in wbf])
             row(f"fp8_gemm {name}", f"M{M} N{N} K{K}", t, nbytes, flops, "fp8_flops", "DeepGEMM", t_lib, t_torch,
-                note=f"w8a16; fp8xfp8 per-32 promotion {t8 * 1e6:.1f}us; +act_quant {t_full * 1e6:.1f}us")
+                note=f"w8a16 {triton_gemm.W8A16_VARIANT}; fp8xfp8 per-32 promotion {t8 * 1e6:.1f}us; "
+                f"+act_quant {t_full * 1e6:.1f}us")
             if M == 64 and name in ("wo_b", "shared_w13", "wq_a") and not quick:
                 for ov in SWEEP:
                     try:
@@ -161,8 +170,118 @@ def bench_moe(quick):
                     except Exception as e:  # noqa: BLE001
                         print(f"   sweep {name} {ov} failed {repr(e)[:120]}")
             row(f"moe masked {name}", f"G{G} m{em} N{N} K{K}", t, nbytes, flops, "fp8_flops", "DeepGEMM masked",
-                t_lib, note=f"w8a16; fp8xfp8 per-32 promotion {t8 * 1e6:.1f}us")
+                t_lib, note=f"w8a16 {triton_gemm.W8A16_VARIANT}; fp8xfp8 per-32 promotion {t8 * 1e6:.1f}us")
         del w, s, s_e8
+
+
+MOE_GROUPS = (48, 128)                       # local experts (EP8 share), capacity rows per expert
+MOE_SHAPES = {"moe_w13": (4608, 5120), "moe_w2": (5120, 2304)}
+VARIANT_SWEEP = [dict(num_warps=8), dict(NUM_STAGES=3), dict(BN=256, num_warps=8, NUM_STAGES=3)]
+
+
+def _e8m0_bytes(s: torch.Tensor) -> torch.Tensor:
+    """pow2 f32 scales -> the same values as raw E8M0 bytes."""
+    return (torch.log2(s).round() + 127).to(torch.uint8)
+
+
+def _time_variants(label, shape, calls, variants, nbytes, t_lib, sweep):
+    """Times calls(cfg_override) (a list of callables, one GEMM each) per variant: the default config, then
+    the best of VARIANT_SWEEP with sweep; prints the side-by-side line and adds one row per variant."""
+    times = {}
+    for var in variants:
+        try:
+            t = time_calls(calls(dict(VARIANT=var)), iters=5)
+        except Exception as e:  # noqa: BLE001
+            print(f"   {label} {shape} {var} failed {repr(e)[:200]}", flush=True)
+            continue
+        best, best_ov = t, {}
+        for ov in (VARIANT_SWEEP if sweep else []):
+            try:
+                tv = time_calls(calls(dict(ov, VARIANT=var)), iters=5)
+            except Exception as e:  # noqa: BLE001
+                print(f"   {label} {var} {ov} failed {repr(e)[:120]}", flush=True)
+                continue
+            if tv < best:
+                best, best_ov = tv, ov
+        times[var] = (t, best, best_ov)
+    if not times:
+        return
+    base = times.get("v1", (None,))[0]
+    parts = []
+    for var, (t, best, ov) in times.items():
+        p = f"{var} {t * 1e6:7.1f}us ({nbytes / t / 1e12:.2f} TB/s)"
+        if base and var != "v1":
+            p += f" x{base / t:.2f} vs v1"
+        if t_lib:
+            p += f" DG/{var} {t_lib / t:.2f}"
+        if ov:
+            p += f" [best {best * 1e6:.1f}us {ov}]"
+        parts.append(p)
+    lib = f" | DeepGEMM {t_lib * 1e6:.1f}us ({nbytes / t_lib / 1e12:.2f} TB/s)" if t_lib else ""
+    print(f"W8A16 {label:18s} {shape:26s} " + " | ".join(parts) + lib, flush=True)
+    for var, (t, best, ov) in times.items():
+        note = f"vs v1 x{base / t:.2f}" if base and var != "v1" else ""
+        if ov:
+            note += f"; best {best * 1e6:.1f}us with {ov}"
+        row(f"w8a16 {var} {label}", shape, t, nbytes, 0.0, "fp8_flops", "DeepGEMM" if t_lib else None, t_lib,
+            note=note)
+
+
+def bench_variants(quick, variants=None, sweep=True):
+    """W8A16 variants side by side: FP8 linears (E8M0 scales) at decode sizes and the masked MoE GEMMs."""
+    variants = variants or list(triton_gemm.W8A16_VARIANTS)
+    dg = deepgemm.load()
+    ms = (1, 64) if quick else (1, 64, 128)
+    for name, (N, K) in GEMM_SHAPES.items():
+        n = copies_for(N * K)
+        ws = [rand_w(N, K) for _ in range(n)]
+        ws8 = [(w, _e8m0_bytes(s)) for w, s in ws]
+        wdg = [deepgemm.reblock_weight_128(w, s)[:2] for w, s in ws] if dg else None
+        for M in ms:
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            xq = triton_quant.act_quant(x)
+            nbytes = N * K + N * K // 1024 + M * K * 2 + M * N * 2
+            t_lib = None
+            if dg:
+                q, sa = triton_quant.act_quant_fp8(x)
+                q128, sa128 = deepgemm.act_reblock_128(q, sa)
+                sa128 = deepgemm.prepare_sfa(sa128)
+                try:
+                    t_lib = time_calls([lambda w=w, s=s: deepgemm.fp8_gemm_nt(q128, sa128, w, s) for w, s in wdg])
+                except Exception as e:  # noqa: BLE001
+                    print("deepgemm failed", name, M, repr(e)[:200])
+
+            def calls(ov, xq=xq):
+                return [lambda w=w, s=s: triton_gemm.w8a16_gemm(xq, w, s, cfg_override=ov) for w, s in ws8]
+            _time_variants(f"linear {name}", f"M{M} N{N} K{K}", calls, variants, nbytes, t_lib, sweep)
+        del ws, ws8, wdg
+    G, mmax = MOE_GROUPS
+    for name, (N, K) in MOE_SHAPES.items():
+        w = (torch.randn(G, N, K, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+        s_e8 = torch.randint(115, 121, (G, N, K // 32), device="cuda", dtype=torch.uint8)
+        if dg:
+            s128 = torch.exp2(torch.randint(-12, -6, (G, N // 128, K // 128), device="cuda").float())
+        for em in ((8,) if quick else (8, 32)):
+            mm = torch.full((G,), em, dtype=torch.int32, device="cuda")
+            x = torch.randn(G * mmax, K, device="cuda").bfloat16()
+            xq = triton_quant.act_quant(x).view(G, mmax, K)
+            out = torch.empty(G, mmax, N, device="cuda", dtype=torch.bfloat16)
+            nbytes = G * (N * K + N * K // 32 + em * K * 2 + em * N * 2)
+            t_lib = None
+            if dg:
+                q, sa = triton_quant.act_quant_fp8(x)
+                q128, sa128 = deepgemm.act_reblock_128(q, sa)
+                q128, sa128 = q128.view(G, mmax, K), sa128.view(G, mmax, K // 128)
+                try:
+                    t_lib = time_calls([lambda: deepgemm.grouped_masked(q128, sa128, w, s128, mm, em, out=out)],
+                                       iters=5)
+                except Exception as e:  # noqa: BLE001
+                    print("deepgemm masked failed", repr(e)[:300])
+
+            def calls(ov, xq=xq, mm=mm, em=em):
+                return [lambda: triton_gemm.w8a16_grouped_gemm_masked(xq, w, s_e8, mm, em, out=out, cfg_override=ov)]
+            _time_variants(f"moe masked {name}", f"G{G} m{em} N{N} K{K}", calls, variants, nbytes, t_lib, sweep)
+        del w, s_e8
 
 
 def bench_attn(quick):
@@ -272,21 +391,38 @@ def plot(path_prefix):
         fig.savefig(path_prefix + "_vs_library.png", dpi=110)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="quant,gemm,moe,attn,mhc,indexer")
+    ap.add_argument("--parse-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--only", default="quant,gemm,moe,variants,attn,mhc,indexer")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps")
-    args = ap.parse_args()
+    ap.add_argument("--variants", default=",".join(triton_gemm.W8A16_VARIANTS),
+                    help="W8A16 variants the `variants` part compares (default: all)")
+    args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - set(triton_gemm.W8A16_VARIANTS)
+    if unknown:
+        ap.error(f"unknown W8A16 variants {sorted(unknown)}; known {list(triton_gemm.W8A16_VARIANTS)}")
+    parts = [p for p in args.only.split(",") if p]
+    missing = [p for p in parts if f"bench_{p}" not in globals()]
+    if missing:
+        ap.error(f"unknown parts {missing}")
+    if args.parse_only:
+        print(f"parts {parts}, variants {variants}, sweep {not args.no_sweep}")
+        return
     torch.manual_seed(0)
     C.update(measure_ceilings())
     print(f"ceilings: copy {C['copy_bw'] / 1e12:.3f} TB/s, bf16 {C['bf16_flops'] / 1e12:.0f} TFLOP/s, "
           f"fp8 {C['fp8_flops'] / 1e12:.0f} TFLOP/s; {torch.cuda.get_device_name()}", flush=True)
     if args.no_sweep:
         SWEEP.clear()
-    for part in args.only.split(","):
+    for part in parts:
         try:
-            globals()[f"bench_{part}"](args.quick)
+            if part == "variants":
+                bench_variants(args.quick, variants, sweep=not args.no_sweep)
+            else:
+                globals()[f"bench_{part}"](args.quick)
         except Exception as e:  # noqa: BLE001
             import traceback
             traceback.print_exc()

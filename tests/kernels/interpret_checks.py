@@ -18,6 +18,64 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def w8a16_exact_case(g, m, n, k, rows, e8m0, seed):
+    """Integer-valued W8A16 operands: dequantized weights v in [-15, 15] stored as e4m3 v / 2^p with pow2
+    scales 2^p, p in 3..9 (so small v at p = 9 are e4m3 subnormals), activations in [-4, 4]. Every product
+    and partial sum is an fp32 integer below 2^24: exact in any summation order, so a kernel with exact
+    products and fp32 accumulation must reproduce x @ v^T bit for bit. Same generator as the GPU test."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randint(3, 10, (g, n // rows, k // 32), generator=gen)
+    v = torch.randint(-15, 16, (g, n, k), generator=gen).float()
+    scale = torch.exp2(p.float()).repeat_interleave(rows, 1).repeat_interleave(32, 2)
+    w = (v / scale).to(torch.float8_e4m3fn)
+    assert torch.equal(w.float() * scale, v)
+    s = (p + 127).to(torch.uint8) if e8m0 else torch.exp2(p.float())
+    x = torch.randint(-4, 5, (g, m, k), generator=gen).bfloat16()
+    return x, w, s, torch.einsum("gmk,gnk->gmn", x.double(), v.double())
+
+
+def check_w8a16_variants():
+    """Every W8A16 variant, dense and masked grouped, E8M0 bytes and f32 scales, per-32x32 and per-row
+    scales, split-K on and off, swapped and not: the fp32 partial sums exactly, the bf16 entry points
+    within the interpreter's truncation."""
+    m, n, k = 5, 64, 256
+    for var in triton_gemm.W8A16_VARIANTS:
+        for e8m0 in (True, False):
+            for rows in (32, 1):
+                x, w, s, ref = w8a16_exact_case(1, m, n, k, rows, e8m0, seed=rows + e8m0)
+                for split in (1, 3):
+                    for swap in (True, False):
+                        cfg = dict(VARIANT=var, SPLIT_K=split, SWAP=swap, BM=16, BN=64, BK=128)
+                        assert triton_gemm.w8a16_variant(cfg, w, s, k) == var
+                        ws = triton_gemm.w8a16_partials(x[0], w[0], s[0], cfg_override=cfg)
+                        assert ws.shape == (split, 1, m, n)
+                        assert torch.equal(ws.double().sum(0), ref), (var, e8m0, rows, split, swap)
+                        y = triton_gemm.w8a16_gemm(x[0], w[0], s[0], cfg_override=cfg)
+                        assert rel(y, ref[0]) < 8e-3, (var, e8m0, rows, split, swap, rel(y, ref[0]))
+        if var != "v1":                     # BK = 256: two scale words per row and K step
+            for e8m0 in (True, False):
+                x, w, s, ref = w8a16_exact_case(1, m, n, 512, 1, e8m0, seed=3)
+                for swap in (True, False):
+                    cfg = dict(VARIANT=var, SPLIT_K=1, SWAP=swap, BM=16, BN=64, BK=256)
+                    ws = triton_gemm.w8a16_partials(x[0], w[0], s[0], cfg_override=cfg)
+                    assert torch.equal(ws.double().sum(0), ref), (var, e8m0, swap, "BK256")
+        # masked grouped: an empty group, a full one, a partial one
+        G, mmax = 3, 8
+        mm = torch.tensor([5, 0, 8], dtype=torch.int32)
+        for e8m0, rows in ((True, 1), (False, 32)):
+            x, w, s, ref = w8a16_exact_case(G, mmax, n, k, rows, e8m0, seed=7)
+            for split in (1, 2):
+                cfg = dict(VARIANT=var, SPLIT_K=split, BK=128)
+                ws = triton_gemm.w8a16_partials(x, w, s, mm, cfg_override=cfg).double().sum(0)
+                d = triton_gemm.w8a16_grouped_gemm_masked(x, w, s, mm, 4, cfg_override=cfg)
+                for g in range(G):
+                    r = int(mm[g])
+                    assert torch.equal(ws[g, :r], ref[g, :r]), (var, e8m0, split, g)
+                    assert not ws[g, r:].any()
+                    if r:
+                        assert rel(d[g, :r], ref[g, :r]) < 8e-3, (var, e8m0, split, g)
+
+
 def main():
     torch.manual_seed(0)
     x = (torch.randn(5, 256) * torch.exp(2 * torch.randn(5, 1))).bfloat16()
@@ -90,6 +148,7 @@ def main():
     for g, r in ((0, 3), (1, 4)):
         ref = torch.nn.functional.linear(act_quant_ref(xa[g, :r]).float(), dequant_fp4_ref(packed[g], sc[g]))
         assert rel(d2[g, :r], ref) < 8e-3, rel(d2[g, :r], ref)
+    check_w8a16_variants()
     print("interpret checks passed")
 
 
