@@ -98,9 +98,9 @@ def w8a16_exact_case(g, m, n, k, rows, e8m0, seed, device="cuda"):
     w = (v / scale).to(torch.float8_e4m3fn)
     assert torch.equal(w.float() * scale, v)
     s = (p + 127).to(torch.uint8) if e8m0 else torch.exp2(p.float())
-    x = torch.randint(-4, 5, (g, m, k), generator=gen).bfloat16()
-    ref = torch.einsum("gmk,gnk->gmn", x.double(), v.double())
-    return x.to(device), w.to(device), s.to(device), ref.to(device)
+    x = torch.randint(-4, 5, (g, m, k), generator=gen).bfloat16().to(device)
+    ref = torch.einsum("gmk,gnk->gmn", x.double(), v.to(device).double())
+    return x, w.to(device), s.to(device), ref
 
 
 @pytest.mark.parametrize("variant", W8A16_VARIANTS)
