@@ -119,6 +119,9 @@ class BatchInvariantMode(TorchDispatchMode):
                 return out
         if func is aten.mm.default:
             return mm_rows_ref(*args)
+        if func is aten.mm.dtype:                     # bf16 x bf16 -> fp32 (the CUDA head): the fp32 values
+            out_dtype = kwargs.get("out_dtype", args[2] if len(args) > 2 else torch.float32)
+            return mm_rows_ref(args[0].float(), args[1].float()).to(out_dtype)
         if func is aten.addmm.default:
             return _add_scaled(mm_rows_ref, *args, **kwargs)
         if func is aten.bmm.default:
