@@ -17,7 +17,7 @@ weights one per 32x32 tile, so the reference numbers need a promotion every 32 K
 32-wide K step is one tensor-core dot (fp32 out) scaled by sa*sb (powers of two: exact) and added
 in fp32: the same products and the same per-32 rounding points as the reference's FP8 GEMM.
 
-W8A16 variants (launch config key VARIANT, default W8A16_VARIANT = $DEEPINFER_W8A16_VARIANT or "v2"):
+W8A16 variants (launch config key VARIANT, default W8A16_VARIANT = $DEEPINFER_W8A16_VARIANT or "v3"):
     v1  the weight tile [BN, BK] is converted e4m3 -> bf16 by Triton (cvt e4m3x2 -> f16x2, then one scalar
         f16 -> bf16 cvt per element: both on the 16/clk/SM conversion pipe) and reshaped to [BN, BK/32, 32]
         for the scale; E8M0 scales are read with byte loads the pipeliner skips (one exposed global load
@@ -29,6 +29,9 @@ W8A16 variants (launch config key VARIANT, default W8A16_VARIANT = $DEEPINFER_W8
         pairs; otherwise one dot per BK with the scale tile broadcast to [BN, BK].
     v3  w8a16_v2_kernel with one dot per BK for SWAP too (fewer wgmma waits, a shared-memory shuffle).
     perf/ptx_check.py prints what each compiles to for sm_90; perf/bench_kernels.py times them.
+    H200 (session 2, `bench_kernels.py --only variants`): v3 is the default, 1.03-1.42x v1 on every
+    decode shape but wq_b M64 (0.72x); MoE masked 48 experts w13/w2 at m=8: v1 560/270 us, v2 920/428,
+    v3 440/190 (DeepGEMM 313/153, so 0.71/0.80x of it). v2's per-32 dots wait on each wgmma: slowest.
 
 Config: small M (decode) swaps A and B so N fills the MMA's 64/128-row side; split-K over a
 fixed fp32 workspace (summed in a fixed order) fills the SMs. With batch_invariant=True the tile
@@ -49,7 +52,7 @@ from .reference import e8m0_to_float
 NUM_SMS_DEFAULT = 132
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 W8A16_VARIANTS = ("v1", "v2", "v3")
-W8A16_VARIANT = os.environ.get("DEEPINFER_W8A16_VARIANT", "v2")
+W8A16_VARIANT = os.environ.get("DEEPINFER_W8A16_VARIANT", "v3")
 
 
 @triton.jit
