@@ -253,7 +253,9 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     bt = 64 if T >= 1024 else 16
     hc_mixes_pre_kernel[(triton.cdiv(T, bt), nc)](x, fn.float().contiguous(), pre_prev.float().contiguous(), mixp, sqp,
                                                   y, T, d, HC=hc, MIX=mix, BT=bt, BK=bk, CH=ch, MIXP=MIX_PAD,
-                                                  PREC="ieee" if INTERPRET else "tf32x3", num_warps=4)
+                                                  PREC="ieee" if INTERPRET else "tf32x3", num_warps=4,
+                                                  num_stages=1)   # one column chunk per program: nothing to pipeline, and
+                                                                  # 3 stages at BT=64 asked 288 KB of shared memory
     pre, post, comb = _sinkhorn_launch(mixp, sqp, scale, base, T, hc, iters, hc_eps, nc, 1.0 / (hc * d), norm_eps)
     return pre, post, comb, y
 

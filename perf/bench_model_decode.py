@@ -6,6 +6,7 @@ same run, and the EP8 whole-model estimate built from it.
 
     python perf/bench_model_decode.py [--checkpoint DIR | --preset full-width-ep8] [--batches 1 16 64 128]
                                       [--ctx 8192]                    (model_decode.json/.png in $OUT)
+                                      [--profile 64]   GPU kernel time of one step by kernel (torch.profiler)
 
 Unlike perf/bench_layer_step.py (the same shapes composed from the kernels by hand), this runs the
 code the engine runs: loader formats (FP8 linears, FP4 experts as FP8 stacks), the masked MoE, the
@@ -148,6 +149,7 @@ def main() -> None:
     p.add_argument("--preset", default="full-width-ep8")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     p.add_argument("--ctx", type=int, default=8192)
+    p.add_argument("--profile", type=int, default=0, help="also profile one eager step at this batch size")
     a = p.parse_args()
 
     from deepinfer.cache.model_caches import ModelCaches
@@ -187,6 +189,32 @@ def main() -> None:
               f"{frac:>8.2f} {head * 1e3:>8.2f} {layer * 1e6:>9.0f} {B / ep8_step:>14.0f}", flush=True)
     save_json("model_decode.json", dict(checkpoint=ckpt, ctx=a.ctx, ceilings=ceil, rows=rows))
     plot(rows, os.path.join(out_dir(), "model_decode.png"))
+    if a.profile:
+        with torch.inference_mode():
+            profile(decode_step(model, caches, a.profile, a.ctx, max_len, block_tokens), a.profile)
+
+
+def profile(step, B: int, top: int = 30) -> None:
+    """Where the GPU time of one decode step goes: CUDA kernel time summed by kernel name (eager, so
+    launch gaps are not counted; the kernels are the ones the graph replays)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            by_name.setdefault(ev.name[:90], []).append(ev.device_time_total if hasattr(ev, "device_time_total")
+                                                        else ev.cuda_time_total)
+    total = sum(sum(v) for v in by_name.values())
+    n = sum(len(v) for v in by_name.values())
+    print(f"profile batch {B}: {n} kernels, {total / 1e3:.2f} ms of kernel time")
+    print(f"{'us':>9} {'share':>6} {'calls':>6}  kernel")
+    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"{sum(v):>9.0f} {sum(v) / total:>6.1%} {len(v):>6}  {name}")
 
 
 def plot(rows, path: str) -> None:
