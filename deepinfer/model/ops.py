@@ -23,5 +23,6 @@ from deepinfer.kernels.select import (  # noqa: F401
     hc_post,
     hc_split_sinkhorn,
     index_scores_paged,
+    index_scores_pool,
     sparse_attn,
 )

@@ -34,7 +34,7 @@ def main(ckpt: str) -> None:
     prompt = torch.randint(1000, 50000, (70,)).tolist()   # > 64: two attention blocks, compressed entries
     calls: dict[str, int] = {}
     wrapped = {}
-    for name in ("act_quant", "fp4_quant", "sparse_attn", "hc_mixes_pre", "hc_post", "index_scores_paged",
+    for name in ("act_quant", "fp4_quant", "sparse_attn", "hc_mixes_pre", "hc_post", "index_scores_paged", "index_scores_pool",
                  "fp8_linear", "grouped_fp8_linear_masked"):
         fn = getattr(select, name, None)
         if fn is None:

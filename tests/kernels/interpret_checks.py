@@ -105,14 +105,16 @@ def main():
     r = sparse_attn_ref(qa, kv, sink, idx, 0.125)
     assert rel(o, r) < 2e-2 and torch.equal(o[1], r[1])
     # mHC
-    xh = torch.randn(3, 4, 256).bfloat16()
-    fn, scale, base = torch.randn(24, 1024) * 0.05, torch.rand(3) + 0.5, torch.randn(24) * 0.3
-    pre_prev = torch.rand(3, 4)
-    got = triton_mhc.hc_mixes_pre(xh, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
-    ref = triton_mhc.hc_mixes_pre_ref(xh, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
-    for a, b in zip(got[:3], ref[:3]):
-        assert (a - b).abs().max() < 1e-5
-    assert rel(got[3], ref[3]) < 1e-2
+    scale, base = torch.rand(3) + 0.5, torch.randn(24) * 0.3
+    for d in (256, 1280):       # 2 and 10 column-chunk partials (10: a masked tail in the chunk sum)
+        xh = torch.randn(3, 4, d).bfloat16()
+        fn = torch.randn(24, 4 * d) * 0.05 * (256 / d) ** 0.5
+        pre_prev = torch.rand(3, 4)
+        got = triton_mhc.hc_mixes_pre(xh, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
+        ref = triton_mhc.hc_mixes_pre_ref(xh, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
+        for a, b in zip(got[:3], ref[:3]):
+            assert (a - b).abs().max() < 1e-5, d
+        assert rel(got[3], ref[3]) < 1e-2
     mixes = torch.randn(3, 24)
     for a, b in zip(triton_mhc.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6),
                     hc_split_sinkhorn_ref(mixes, scale, base, 4, 20, 1e-6)):
@@ -140,6 +142,11 @@ def main():
     b = index_scores_paged_ref(qi, wi, pool.view(2, 150, 128), seq_of, row_in_seq, 1, lens)
     fin = torch.isfinite(b)
     assert torch.equal(torch.isfinite(a), fin) and rel(a[fin], b[fin]) < 2e-2
+    # keys read in place through a row table (select.index_scores_pool): the gathered copy's bits
+    rows = torch.randperm(2 * 150).view(2, 150)
+    a = triton_indexer.index_scores(qi, wi, pool, lens, key_start=seq_of * 150, num_keys=150, rows=rows.flatten())
+    g = triton_indexer.index_scores(qi, wi, pool[rows].flatten(0, 1), lens, key_start=seq_of * 150, num_keys=150)
+    assert torch.equal(a, g)
     # W8A16 GEMM with raw E8M0 expert scales (grouped, masked)
     xq = triton_quant.act_quant(xa.view(-1, k)).view(G, mmax, k)
     w8e, s8e = zip(*[triton_gemm.fp4_to_fp8_weight(packed[g], sc[g], keep_e8m0=True) for g in range(G)])

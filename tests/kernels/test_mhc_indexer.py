@@ -54,3 +54,24 @@ def test_index_scores(n, E):
     a = out.float().topk(kk, -1).values
     b = ref.float().topk(kk, -1).values
     assert rel_err(a[torch.isfinite(b)], b[torch.isfinite(b)]) < 5e-3
+
+
+@pytest.mark.parametrize("B,E", [(1, 4096), (64, 2048), (3, 333)])
+def test_index_scores_pool_reads_keys_in_place(B, E):
+    """select.index_scores_pool: keys read through a row table (the model's decode path) give the
+    bits of the same kernel on the gathered [B, E, ID] copy, and the reference's values."""
+    from deepinfer.kernels.reference import index_scores_paged_ref
+    from deepinfer.kernels.triton_indexer import index_scores
+    pool = fp4_quant_ref(torch.randn(B * E + 7, 128, device="cuda").bfloat16(), 32)
+    rows = torch.randperm(B * E + 7, device="cuda")[:B * E].view(B, E)
+    q = fp4_quant_ref(torch.randn(B, 32, 128, device="cuda").bfloat16(), 32)
+    w = (torch.randn(B, 32, device="cuda") * 0.02).bfloat16()
+    lens = torch.randint(1, E + 1, (B,), device="cuda")
+    seq_of = torch.arange(B, device="cuda")
+    paged = index_scores(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten())
+    gathered = index_scores(q, w, pool[rows].flatten(0, 1), lens, key_start=seq_of * E, num_keys=E)
+    assert torch.equal(paged, gathered)
+    ref = index_scores_paged_ref(q, w, pool[rows], seq_of, torch.zeros_like(seq_of), 1, lens)
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(paged), fin)
+    assert rel_err(paged[fin], ref[fin]) < 5e-3
