@@ -15,7 +15,8 @@ paths). Caches hold zeros: timing does not depend on their values; every sequenc
 full window and index_topk compressed picks, and the indexers score every entry below --ctx.
 
 Bytes counted per step (the floor a perfect kernel set would move): every weight of every layer
-(routed experts: only the expected number in use, E * (1 - (1 - k/E)^B) under uniform routing), the
+(routed experts: only the expected number in use, E * (1 - (1 - k/E)^B) under uniform routing;
+Engram tables: the rows looked up), the
 head and the batch's embedding rows, and per sequence and layer the window rows, the compressed
 picks and the index keys the indexers scan. The EP8 estimate scales the per-layer mean to the real
 40 layers (2 window-only, 18 ratio-2, 20 ratio-1; our 7 have 2/2/3) and adds the head: all-to-all
@@ -84,7 +85,11 @@ def step_bytes(model, B: int, ctx: int) -> dict:
             module_bytes(moe.experts)
         E, k = moe.n_experts, moe.gate.topk
         parts["experts"] += routed * (1 - (1 - k / E) ** B)
-        parts["attention+shared"] += module_bytes(layer, skip=("ffn.experts",))
+        parts["attention+shared"] += module_bytes(layer, skip=("ffn.experts", "engram.embed"))
+        if layer.engram is not None:   # the table rows looked up, not the table
+            t = layer.engram.embed
+            row = t.weight.shape[1] + t.scale.shape[1]
+            parts["attention+shared"] += B * a.n_hash_cols * row
         ratio = a.compress_ratios[layer.layer_id]
         per_seq = a.window_size * kv_row
         if ratio:
