@@ -22,6 +22,7 @@ CPU torch; full-vocabulary-length row sums are not (the sampler avoids them).
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -131,11 +132,25 @@ class BatchInvariantMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_state = threading.local()
+
+
+def active() -> bool:
+    """True inside batch_invariant_mode() on this thread: the Triton GEMMs (which no dispatch mode
+    sees) then take their fixed-split configs (kernels/select.py)."""
+    return getattr(_state, "depth", 0) > 0
+
+
 @contextlib.contextmanager
 def batch_invariant_mode(enabled: bool = True):
-    """Within the block, matmuls are computed row by row (see module docstring). Per thread."""
+    """Within the block, matmuls are computed row by row (see module docstring), and the fast GEMMs
+    use tile shapes and split counts that depend on (N, K) only. Per thread."""
     if not enabled:
         yield
         return
-    with BatchInvariantMode():
-        yield
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        with BatchInvariantMode():
+            yield
+    finally:
+        _state.depth -= 1

@@ -68,3 +68,9 @@ def fixture_checkpoint(tmp_path_factory) -> Path:
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """The project's tiny preset: what `make serve` serves by default."""
     return build_preset("tiny", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory) -> Path:
+    """The project's small preset (widths whose GEMMs take the Triton kernels on a GPU)."""
+    return build_preset("small", tmp_path_factory)
