@@ -2,6 +2,7 @@
 
     python perf/engine_throughput.py --checkpoint DIR [--device cpu] [--prompt-len 32] [--output-len 64]
                                      [--compare-graphs]    (CUDA: decode through CUDA graphs vs eager)
+                                     [--compare-batch-invariant]   (the cost of batch_invariant=True)
 
 Without --checkpoint it builds the tiny preset (deepinfer.cli.make_checkpoint) or, until that
 exists, the shared v41-tiny-bf16 fixture into a temp folder. Every batch runs the same prompts
@@ -64,6 +65,8 @@ def main() -> None:
     p.add_argument("--plot", help="write the tokens/s-by-batch plot to this PNG")
     p.add_argument("--compare-graphs", action="store_true",
                    help="also run every batch with enforce_eager=True and print graphs/eager side by side")
+    p.add_argument("--compare-batch-invariant", action="store_true",
+                   help="also run every batch with batch_invariant=True (eager both) and print the ratio")
     a = p.parse_args()
 
     import torch
@@ -82,7 +85,12 @@ def main() -> None:
         vocab = llm.engine.vocab_size
         measure(llm, 2, a.prompt_len, 4, vocab, seed=123)  # warm-up
         if a.compare_graphs:
-            compare_graphs(llm, LLM(ckpt, enforce_eager=True, **kw), a.batches, a.prompt_len, a.output_len, vocab)
+            compare(llm, LLM(ckpt, enforce_eager=True, **kw), ("graphs", "eager"), a.batches, a.prompt_len,
+                    a.output_len, vocab)
+            return
+        if a.compare_batch_invariant:
+            compare(LLM(ckpt, batch_invariant=True, **kw), LLM(ckpt, enforce_eager=True, **kw),
+                    ("invariant", "default"), a.batches, a.prompt_len, a.output_len, vocab)
             return
         print(f"checkpoint={ckpt} device={llm.engine.device} async={llm.engine.async_scheduling} "
               f"prompt_len={a.prompt_len} output_len={a.output_len} threads={torch.get_num_threads()}")
@@ -104,17 +112,18 @@ def main() -> None:
                  f"{Path(ckpt).name}, {llm.engine.device}, prompt {a.prompt_len}, output {a.output_len}")
 
 
-def compare_graphs(llm, eager, batches, prompt_len: int, output_len: int, vocab: int) -> None:
-    """Same prompts through the engine with decode CUDA graphs and with enforce_eager, batch by batch."""
-    measure(eager, 2, prompt_len, 4, vocab, seed=123)
-    print(f"{'batch':>6} {'graphs tok/s':>13} {'eager tok/s':>12} {'graphs/eager':>13}")
-    for b in batches:
-        g, _ = measure(llm, b, prompt_len, output_len, vocab, seed=b)
-        e, _ = measure(eager, b, prompt_len, output_len, vocab, seed=b)
-        print(f"{b:>6} {g:>13.1f} {e:>12.1f} {g / e:>13.2f}", flush=True)
-    runner = llm.engine.runner if hasattr(llm.engine, "runner") else None
-    graphs = getattr(runner, "graphs", None)
-    print(f"decode graph replays: {getattr(graphs, 'num_replays', 'n/a')}")
+def compare(llm_a, llm_b, names: tuple[str, str], batches, prompt_len: int, output_len: int, vocab: int) -> None:
+    """Same prompts through two engines (e.g. decode CUDA graphs vs enforce_eager), batch by batch."""
+    for llm in (llm_a, llm_b):
+        measure(llm, 2, prompt_len, 4, vocab, seed=123)
+    a, b = names
+    print(f"{'batch':>6} {a + ' tok/s':>16} {b + ' tok/s':>16} {a + '/' + b:>18}")
+    for bs in batches:
+        ta, _ = measure(llm_a, bs, prompt_len, output_len, vocab, seed=bs)
+        tb, _ = measure(llm_b, bs, prompt_len, output_len, vocab, seed=bs)
+        print(f"{bs:>6} {ta:>16.1f} {tb:>16.1f} {ta / tb:>18.2f}", flush=True)
+    graphs = getattr(llm_a.engine.runner, "graphs", None)
+    print(f"decode graph replays ({a}): {getattr(graphs, 'num_replays', 0)}")
 
 
 def plot(path: str, batches: list[int], tps: list[float], title: str) -> None:
