@@ -3,6 +3,8 @@
 Every op here runs on any device and is the ground truth the fast paths are tested against:
 
     act_quant_ref        FP8 e4m3 fake-quantization, blocks of 32, power-of-two (ue8m0) scales
+    act_quant_fp8_ref    the same rounding returned as (e4m3 values, fp32 pow2 scales) for the FP8
+                         GEMMs (triton_quant.act_quant_fp8; block 128 feeds DeepGEMM)
     fp4_quant_ref        FP4 e2m1 fake-quantization: block 16 with e4m3 scales (compressed KV),
                          block 32 with power-of-two scales (indexer q / k)
     dequant_fp8_ref      FP8 weight [N, K] + E8M0 scale per 32x32 block -> exact float values
@@ -46,6 +48,15 @@ def act_quant_ref(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) * torch.tensor(_INV448))
     q = (g / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     return (q * s).flatten(-2).to(x.dtype)
+
+
+def act_quant_fp8_ref(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_quant_ref's rounding as (e4m3 [M, K], fp32 pow2 scales [M, K/block]), M = prod(leading
+    dims): the reference of triton_quant.act_quant_fp8. q * s equals act_quant_ref(x, block) exactly."""
+    g = x.reshape(-1, x.shape[-1]).float().unflatten(-1, (-1, block))
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) * torch.tensor(_INV448))
+    q = (g / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s.squeeze(-1)
 
 
 def e2m1_round(v: torch.Tensor) -> torch.Tensor:

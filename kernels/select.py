@@ -10,6 +10,13 @@ Knobs (environment, read once):
     DEEPINFER_KERNELS=ref        the torch references everywhere (what the fast paths are tested against)
     DEEPINFER_BATCH_INVARIANT=1  fixed-split configs in the GEMMs (attention and mHC are batch
                                  invariant by construction: their splits depend on L / d only)
+    DEEPINFER_GEMM=triton        the FP8 linears and the masked MoE GEMMs on our exact Triton kernels
+                                 (default)
+    DEEPINFER_GEMM=deepgemm      the same GEMMs through DeepGEMM on 128x128-tile weights and per-(row,
+                                 128) activation scales (near-exact, kernels/deepgemm.py) where it can
+                                 run: the fast path on for the tensor, an SM90 GPU, DeepGEMM importable,
+                                 not batch-invariant mode, N and K multiples of 128; else the path above.
+                                 load_model converts the weights once (deepgemm.prepare_deepgemm)
     TRITON_INTERPRET=1           with DEEPINFER_KERNELS=fast set explicitly, CPU tensors take the fast paths too,
                                  through Triton's interpreter (tests/kernels/fast_model_smoke.py: the
                                  whole model's dispatch and shapes checked on a CPU, slowly)
@@ -22,12 +29,17 @@ import os
 
 import torch
 
+from . import deepgemm as _dg
+from . import batch_invariant as _bi
 from . import reference as _ref
 
 KERNELS = os.environ.get("DEEPINFER_KERNELS", "fast")
 if KERNELS not in ("ref", "fast"):
     raise ValueError(f"DEEPINFER_KERNELS must be 'ref' or 'fast', got {KERNELS!r}")
 BATCH_INVARIANT = os.environ.get("DEEPINFER_BATCH_INVARIANT", "0") == "1"
+GEMM = os.environ.get("DEEPINFER_GEMM", "triton")
+if GEMM not in ("triton", "deepgemm"):
+    raise ValueError(f"DEEPINFER_GEMM must be 'triton' or 'deepgemm', got {GEMM!r}")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -45,10 +57,37 @@ def _fast_ok(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
+def _batch_invariant() -> bool:
+    """DEEPINFER_BATCH_INVARIANT=1, or inside batch_invariant_mode() (EngineArgs.batch_invariant)."""
+    return BATCH_INVARIANT or _bi.active()
+
+
 def use_fast(t: torch.Tensor) -> bool:
     if not t.is_cuda:
         return INTERPRET and KERNELS == "fast" and os.environ.get("DEEPINFER_KERNELS") == "fast"
     return _fast_ok(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _deepgemm_ok(device_index: int) -> bool:
+    """An SM90 GPU (DeepGEMM's fp32-scale 1D2D kernels) and DeepGEMM importable."""
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device_index)[0] != 9:
+        return False
+    return _dg.load() is not None
+
+
+def deepgemm_usable(t: torch.Tensor) -> bool:
+    """DeepGEMM can run the GEMMs of CUDA tensor t (whatever DEEPINFER_GEMM says): the fast paths on
+    for it, an SM90 GPU, DeepGEMM importable, and not batch-invariant mode (DeepGEMM picks its tiles
+    by M). Host-side checks only."""
+    if not t.is_cuda or _batch_invariant() or not use_fast(t):
+        return False
+    return _deepgemm_ok(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def deepgemm_active(t: torch.Tensor) -> bool:
+    """DEEPINFER_GEMM=deepgemm and DeepGEMM can run for t."""
+    return GEMM == "deepgemm" and deepgemm_usable(t)
 
 
 def capability_report() -> dict:
@@ -98,12 +137,29 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
     """FP8-weight Linear: x [..., K] bf16, w [N, K] e4m3, w_scale E8M0 bytes (or f32 pow2) per 32x32
     tile [N/32, K/32] or per (row, 32) [N, K/32] -> [..., N] bf16. Triton W8A16 GEMM on capable
     GPUs, else act_quant + the matmul of the exactly dequantized weight in the model's dense compute
-    dtype (fp32 on CPU, bf16 elsewhere): the very ops of a dense Linear, so the same bits."""
+    dtype (fp32 on CPU, bf16 elsewhere): the very ops of a dense Linear, so the same bits.
+    DEEPINFER_GEMM=deepgemm: DeepGEMM on the weight's cached 128x128-tile form where it can run
+    (deepgemm_active, N and K multiples of 128). A weight already in that form (f32 [N/128, K/128]
+    scales: experts converted in place by deepgemm.prepare_deepgemm) runs through DeepGEMM whenever
+    it can run, else through the same reference on its exact values."""
+    if _dg.is_tile128(w, w_scale):
+        if deepgemm_usable(x):
+            return _dg.linear(x, w, w_scale)
+        return _ref_fp8_linear(x, _dg.dequant_tile128(w, w_scale))
+    if deepgemm_active(x) and _dg.shapes_ok(*w.shape) and _fast_gemm_ok(w, w_scale):
+        pair = _dg.cached_tile128(w, w_scale)
+        if pair is not None:
+            return _dg.linear(x, *pair)
     if use_fast(x) and _fast_gemm_ok(w, w_scale):
         from .triton_gemm import fp8_linear as fast
-        return fast(x, w, w_scale, batch_invariant=BATCH_INVARIANT)
+        return fast(x, w, w_scale, batch_invariant=_batch_invariant())
+    return _ref_fp8_linear(x, dequant_fp8(w, w_scale))
+
+
+def _ref_fp8_linear(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+    """act_quant + the matmul of the exactly dequantized weight wd in the dense compute dtype."""
     dt = _dense_dtype(x)
-    return torch.nn.functional.linear(_ref.act_quant_ref(x).to(dt), dequant_fp8(w, w_scale).to(dt)).to(torch.bfloat16)
+    return torch.nn.functional.linear(_ref.act_quant_ref(x).to(dt), wd.to(dt)).to(torch.bfloat16)
 
 
 # Reference grouped GEMM: experts dequantized this many weight elements at a time (256 MB in fp32),
@@ -117,16 +173,27 @@ def grouped_fp8_linear_masked(x: torch.Tensor, w: torch.Tensor, w_scale: torch.T
     (act_quant values), w [G, N, K] e4m3, w_scale [G, N, K/32] or [G, N/32, K/32] E8M0, masked_m [G]
     int32 (device) -> [G, C, N] bf16; rows >= masked_m[g] are unspecified (the Triton kernel skips
     them, the reference computes them from whatever x holds there). expected_m: a host-side guess of
-    the rows per group (tile choice only; default C). No host read of masked_m on either path."""
-    if use_fast(x) and x.shape[1] > 0 and _fast_gemm_ok(w[0], w_scale[0]):
+    the rows per group (tile choice only; default C). No host read of masked_m on either path.
+    DEEPINFER_GEMM=deepgemm: DeepGEMM's m_grouped_fp8_gemm_nt_masked on the stack's 128x128-tile form
+    (prepared in place at load, f32 [G, N/128, K/128] scales, or cached on first use), as fp8_linear."""
+    tile = _dg.is_tile128(w, w_scale)
+    if x.shape[1] > 0:
+        if tile and deepgemm_usable(x):
+            return _dg.grouped_linear_masked(x, w, w_scale, masked_m, expected_m or x.shape[1])
+        if not tile and deepgemm_active(x) and _dg.shapes_ok(*w.shape[-2:]) and _fast_gemm_ok(w[0], w_scale[0]):
+            pair = _dg.cached_tile128(w, w_scale)
+            if pair is not None:
+                return _dg.grouped_linear_masked(x, *pair, masked_m, expected_m or x.shape[1])
+    if not tile and use_fast(x) and x.shape[1] > 0 and _fast_gemm_ok(w[0], w_scale[0]):
         from .triton_gemm import w8a16_grouped_gemm_masked as fast
-        return fast(x, w, w_scale, masked_m, expected_m or x.shape[1], batch_invariant=BATCH_INVARIANT)
+        return fast(x, w, w_scale, masked_m, expected_m or x.shape[1], batch_invariant=_batch_invariant())
     G, C, _ = x.shape
     dt = _dense_dtype(x)
+    deq = _dg.dequant_tile128 if tile else dequant_fp8
     out = torch.empty(G, C, w.shape[1], dtype=torch.bfloat16, device=x.device)
     step = max(1, GROUPED_REF_CHUNK // (w.shape[1] * w.shape[2]))
     for g in range(0, G, step):
-        wd = dequant_fp8(w[g:g + step], w_scale[g:g + step]).to(dt)                # [g, N, K]
+        wd = deq(w[g:g + step], w_scale[g:g + step]).to(dt)                         # [g, N, K]
         out[g:g + step] = torch.bmm(x[g:g + step].to(dt), wd.transpose(1, 2)).to(torch.bfloat16)
     return out
 

@@ -286,6 +286,9 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     for mod in model.modules():
         if isinstance(mod, MoE):
             mod.masked = moe_masked
+    if weight_format == "fp8":                  # DEEPINFER_GEMM=deepgemm: 128-tile weights, once (else a no-op)
+        from deepinfer.kernels.deepgemm import prepare_deepgemm
+        prepare_deepgemm(model)
     return model.eval()
 
 
