@@ -187,13 +187,7 @@ def test_deepgemm_backend_no_host_sync_and_graph_capture(monkeypatch):
         assert torch.equal(o_g[i, :r], o_e[i, :r])
 
 
-@pytest.fixture(scope="module")
-def small_ckpt(tmp_path_factory):
-    from test_deepgemm_backend import build_preset
-    return build_preset("small", tmp_path_factory)
-
-
-def test_small_preset_decode_logits_deepgemm_vs_triton(small_ckpt, monkeypatch):
+def test_small_preset_decode_logits_deepgemm_vs_triton(small_checkpoint, monkeypatch):
     """The small preset (every dim a multiple of 128: every FP8 linear and MoE goes to DeepGEMM) on
     CUDA: a 24-token prefill on the Triton path, then 12 tokens each decoded from that same state
     (rollback in between) on the Triton path and, after prepare_deepgemm (experts in place, 0 elements
@@ -209,7 +203,7 @@ def test_small_preset_decode_logits_deepgemm_vs_triton(small_ckpt, monkeypatch):
     torch.manual_seed(0)
     prompt = torch.randint(1000, 50000, (24,)).tolist()
     toks = torch.randint(1000, 50000, (12,)).tolist()
-    model = load_model(small_ckpt, device="cuda", progress=False, weight_format="fp8")   # masked MoE on CUDA
+    model = load_model(small_checkpoint, device="cuda", progress=False, weight_format="fp8")   # masked MoE on CUDA
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     assert moes and not any(deepgemm.is_tile128(m.stacks.w13, m.stacks.s13) for m in moes)
     kernels = select.KERNELS

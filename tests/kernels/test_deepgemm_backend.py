@@ -5,12 +5,10 @@ The GPU half (DeepGEMM itself, CUDA graphs, the small preset's logits) is tests/
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,29 +20,15 @@ from deepinfer.kernels.reference import (act_quant_fp8_ref, act_quant_ref, dequa
 
 from kernel_utils import rand_fp8_weight, rel_err
 
-REPO = Path(__file__).resolve().parents[2]
-
 # Logits of the small preset through the DeepGEMM numerics vs the exact path, in check-parity's err
 # (max |diff| over the exact run's top-512 ids, in units of its logit std). The random-weight model is
 # chaotic at its discrete choices (MoE top-k, indexer top-k): one bf16 ulp moved in one GEMM of a
 # 24-token prefill moved later rows' logits by up to 1.0 (CPU probe), unrelated logits are ~20 apart.
 # So the check decodes several tokens from one identical state (the exact path's prefill, rollback in
-# between): the median token must agree to DECODE_TOL (the CPU emulation: 0 for 31 of 32 tokens, 0.04
-# for one), and every token to FLIP_TOL (a routing / index flip, not garbage).
+# between): the median token must agree to DECODE_TOL (the CPU emulation: 0 for most tokens, 0.002-0.09
+# for 3 of 12), and every token to FLIP_TOL (a routing / index flip, not garbage).
 DECODE_TOL = 0.1
 FLIP_TOL = 2.5
-
-
-def _root_conftest():
-    spec = importlib.util.spec_from_file_location("deepinfer_tests_root_conftest", REPO / "tests" / "conftest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def build_preset(name: str, tmp_path_factory) -> Path:
-    """tests/conftest.py build_preset (the module is loaded by path: tests/kernels has its own conftest)."""
-    return _root_conftest().build_preset(name, tmp_path_factory)
 
 
 def logit_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -349,17 +333,12 @@ def _run_model(model, prompt, decode=(5, 77)):
     return outs
 
 
-@pytest.fixture(scope="module")
-def small_ckpt(tmp_path_factory):
-    return build_preset("small", tmp_path_factory)
-
-
 def _fp8_linears(model):
     from deepinfer.model.layers import Linear
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and m.fp8 is not None]
 
 
-def test_prepare_converts_the_small_preset(small_ckpt):
+def test_prepare_converts_the_small_preset(small_checkpoint):
     """prepare_deepgemm on the small preset (every dim a multiple of 128): every MoE's stacks in place
     on 128x128 tiles (f32 scales, same e4m3 storage, expert views re-pointed, 0 elements changed), every
     other FP8 linear with its 128-tile copy cached (changes counted exactly); where DeepGEMM cannot run
@@ -368,7 +347,7 @@ def test_prepare_converts_the_small_preset(small_ckpt):
     from deepinfer.model.moe import MoE
     torch.manual_seed(0)
     prompt = torch.randint(1000, 50000, (9,)).tolist()
-    model = load_model(small_ckpt, progress=False, weight_format="fp8", moe_masked=True)
+    model = load_model(small_checkpoint, progress=False, weight_format="fp8", moe_masked=True)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     ref = {masked: (setattr_all(moes, masked), _run_model(model, prompt))[1] for masked in (True, False)}
     ptrs = [(m.stacks.w13.data_ptr(), m.stacks.w2.data_ptr()) for m in moes]
@@ -440,7 +419,7 @@ def check_decode_errors(errs: list[float]) -> None:
     assert sorted(errs)[len(errs) // 2] <= DECODE_TOL and max(errs) <= FLIP_TOL, errs
 
 
-def test_small_preset_through_fake_deepgemm(small_ckpt, fake_dg):
+def test_small_preset_through_fake_deepgemm(small_checkpoint, fake_dg):
     """The whole small preset through the backend path with DeepGEMM's numerics emulated: prepare at
     load, a prefill in the masked and the loop MoE forms (within FLIP_TOL of the exact path), and the
     decode check above; DeepGEMM called for the linears and the masked experts."""
@@ -450,10 +429,10 @@ def test_small_preset_through_fake_deepgemm(small_ckpt, fake_dg):
     prompt = torch.randint(1000, 50000, (12,)).tolist()
     toks = torch.randint(1000, 50000, (8,)).tolist()
     select.GEMM = "triton"                        # the exact model first (monkeypatch restores the knob)
-    exact = load_model(small_ckpt, progress=False, weight_format="fp8", moe_masked=True)
+    exact = load_model(small_checkpoint, progress=False, weight_format="fp8", moe_masked=True)
     ref = _run_model(exact, prompt)
     select.GEMM = "deepgemm"
-    model = load_model(small_ckpt, progress=False, weight_format="fp8", moe_masked=True)   # prepared at load
+    model = load_model(small_checkpoint, progress=False, weight_format="fp8", moe_masked=True)   # prepared at load
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     assert all(dg.is_tile128(m.stacks.w13, m.stacks.s13) for m in moes)
     errs = [logit_err(g, r) for g, r in zip(_run_model(model, prompt), ref)]
@@ -466,7 +445,7 @@ def test_small_preset_through_fake_deepgemm(small_ckpt, fake_dg):
     assert max(errs) <= FLIP_TOL, errs
 
     select.GEMM = "triton"
-    exact = load_model(small_ckpt, progress=False, weight_format="fp8")
+    exact = load_model(small_checkpoint, progress=False, weight_format="fp8")
 
     def to_deepgemm():
         select.GEMM = "deepgemm"
