@@ -65,23 +65,15 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, T, d,
 
 @triton.jit
 def _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, E: tl.constexpr, HC: tl.constexpr,
-             BT: tl.constexpr, PARTIAL: tl.constexpr, NCP: tl.constexpr):
+             BT: tl.constexpr, PARTIAL: tl.constexpr):
     """Comb logit E (row E // 4, column E % 4) of BT tokens: scale * (mixes * rsqrt) + base."""
+    v = tl.zeros((BT,), tl.float32)
     if PARTIAL:
-        v = _chunk_sum(mix_ptr, rt, t_ok, T, NC, stride, 2 * HC + E, NCP)
+        for c in range(NC):
+            v += tl.load(mix_ptr + (c * T + rt) * stride + 2 * HC + E, mask=t_ok, other=0.0)
     else:
         v = tl.load(mix_ptr + rt * stride + 2 * HC + E, mask=t_ok, other=0.0)
     return v * rs * s2 + tl.load(base_ptr + 2 * HC + E)
-
-
-@triton.jit
-def _chunk_sum(ptr, rt, t_ok, T, NC, stride, col, NCP: tl.constexpr):
-    """sum over the NC column-chunk partials ptr[c, t, col] as one [NCP, BT] load and a tree sum whose
-    order depends on NC only (d), not T: a load per chunk in a loop waited a memory latency each
-    (~720 in a row per program: 68 us per call at T=64 on the H200)."""
-    rc = tl.arange(0, NCP)
-    m = (rc < NC)[:, None] & t_ok[None, :]
-    return tl.sum(tl.load(ptr + (rc[:, None] * T + rt[None, :]) * stride + col, mask=m, other=0.0), axis=0)
 
 
 @triton.jit
@@ -93,13 +85,12 @@ def _norm4(a, b, c, d, eps):
 @triton.jit
 def hc_sinkhorn_kernel(mix_ptr, sqp_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, iters, eps,
                        NC, inv_hd, norm_eps,
-                       HC: tl.constexpr, BT: tl.constexpr, MIXP: tl.constexpr, PARTIAL: tl.constexpr,
-                       NCP: tl.constexpr = 1):
+                       HC: tl.constexpr, BT: tl.constexpr, MIXP: tl.constexpr, PARTIAL: tl.constexpr):
     """mix [T, 24] -> pre [T, 4], post [T, 4], comb [T, 4, 4] (HC == 4): row softmax + eps, a column
     pass, then (iters-1) x (row, column), each normalization dividing by (sum + eps). The 16 comb
     entries are 16 [BT] vectors, so every row / column sum is three plain adds in one thread.
-    PARTIAL: mix holds NC (<= NCP) column-chunk partials [NC, T, MIXP] summed here (_chunk_sum), scaled
-    by rsqrt(sum(sqp) / (HC*d) + norm_eps)."""
+    PARTIAL: mix holds NC column-chunk partials [NC, T, MIXP] summed here in chunk order, scaled by
+    rsqrt(sum(sqp) / (HC*d) + norm_eps)."""
     MIX: tl.constexpr = (2 + HC) * HC
     pid = tl.program_id(0)
     rt = pid * BT + tl.arange(0, BT)
@@ -109,7 +100,9 @@ def hc_sinkhorn_kernel(mix_ptr, sqp_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr,
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
     if PARTIAL:
-        rs = _chunk_sum(sqp_ptr, rt, t_ok, T, NC, 1, 0, NCP)
+        rs = tl.zeros((BT,), tl.float32)
+        for c in range(NC):
+            rs += tl.load(sqp_ptr + c * T + rt, mask=t_ok, other=0.0)
         rs = 1.0 / tl.sqrt_rn(rs * inv_hd + norm_eps)
         stride = MIXP
     else:
@@ -118,8 +111,8 @@ def hc_sinkhorn_kernel(mix_ptr, sqp_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr,
     # pre / post: [BT, 8] block of the first 8 mixes
     m8 = tl.zeros((BT, 8), tl.float32)
     if PARTIAL:
-        for j in tl.static_range(8):
-            m8 += tl.where(rh[None, :] == j, _chunk_sum(mix_ptr, rt, t_ok, T, NC, MIXP, j, NCP)[:, None], 0.0)
+        for c in range(NC):
+            m8 += tl.load(mix_ptr + (c * T + rt)[:, None] * MIXP + rh[None, :], mask=t_ok[:, None], other=0.0)
     else:
         m8 = tl.load(mix_ptr + rt[:, None] * MIX + rh[None, :], mask=t_ok[:, None], other=0.0)
     m8 = m8 * rs[:, None]
@@ -132,22 +125,22 @@ def hc_sinkhorn_kernel(mix_ptr, sqp_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr,
     tl.store(pre_ptr + rt[:, None] * HC + col[None, :], pp, mask=t_ok[:, None] & is_pre[None, :])
     tl.store(post_ptr + rt[:, None] * HC + col[None, :], pp, mask=t_ok[:, None] & (rh >= HC)[None, :])
     # comb: 16 vectors c{i}{j} (written out: no Python lists inside the kernel)
-    c00 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 0, HC, BT, PARTIAL, NCP)
-    c01 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 1, HC, BT, PARTIAL, NCP)
-    c02 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 2, HC, BT, PARTIAL, NCP)
-    c03 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 3, HC, BT, PARTIAL, NCP)
-    c10 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 4, HC, BT, PARTIAL, NCP)
-    c11 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 5, HC, BT, PARTIAL, NCP)
-    c12 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 6, HC, BT, PARTIAL, NCP)
-    c13 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 7, HC, BT, PARTIAL, NCP)
-    c20 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 8, HC, BT, PARTIAL, NCP)
-    c21 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 9, HC, BT, PARTIAL, NCP)
-    c22 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 10, HC, BT, PARTIAL, NCP)
-    c23 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 11, HC, BT, PARTIAL, NCP)
-    c30 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 12, HC, BT, PARTIAL, NCP)
-    c31 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 13, HC, BT, PARTIAL, NCP)
-    c32 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 14, HC, BT, PARTIAL, NCP)
-    c33 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 15, HC, BT, PARTIAL, NCP)
+    c00 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 0, HC, BT, PARTIAL)
+    c01 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 1, HC, BT, PARTIAL)
+    c02 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 2, HC, BT, PARTIAL)
+    c03 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 3, HC, BT, PARTIAL)
+    c10 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 4, HC, BT, PARTIAL)
+    c11 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 5, HC, BT, PARTIAL)
+    c12 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 6, HC, BT, PARTIAL)
+    c13 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 7, HC, BT, PARTIAL)
+    c20 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 8, HC, BT, PARTIAL)
+    c21 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 9, HC, BT, PARTIAL)
+    c22 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 10, HC, BT, PARTIAL)
+    c23 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 11, HC, BT, PARTIAL)
+    c30 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 12, HC, BT, PARTIAL)
+    c31 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 13, HC, BT, PARTIAL)
+    c32 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 14, HC, BT, PARTIAL)
+    c33 = _comb_in(mix_ptr, base_ptr, rt, t_ok, T, NC, stride, rs, s2, 15, HC, BT, PARTIAL)
     # row softmax + eps
     m0 = tl.maximum(tl.maximum(c00, c01), tl.maximum(c02, c03))
     m1 = tl.maximum(tl.maximum(c10, c11), tl.maximum(c12, c13))
@@ -221,11 +214,11 @@ def _sinkhorn_launch(mix, sqp, scale, base, T, hc, iters, eps, nc=0, inv_hd=0.0,
     comb = torch.empty(T, hc, hc, dtype=torch.float32, device=dev)
     if T:
         assert hc == 4, "the Sinkhorn kernel is written for hc_mult 4"
-        bt = 32 if T <= 4096 else 128          # several programs even at decode sizes
+        bt = 128
         hc_sinkhorn_kernel[(triton.cdiv(T, bt),)](mix, sqp, scale.float().contiguous(), base.float().contiguous(),
                                                   pre, post, comb, T, iters, float(eps), nc, float(inv_hd),
                                                   float(norm_eps), HC=hc, BT=bt, MIXP=MIX_PAD, PARTIAL=nc > 0,
-                                                  NCP=triton.next_power_of_2(max(nc, 1)), num_warps=4)
+                                                  num_warps=4)
     return pre, post, comb
 
 
