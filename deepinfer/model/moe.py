@@ -32,7 +32,9 @@ MASKED_MAX_PAIRS = 4096
 class ExpertStacks:
     """A layer's routed experts in FP8 for the grouped GEMMs (weight_format="fp8"), converted once at
     load from MXFP4 (exact: ops.fp4_to_fp8_weight). w1 and w3 share one stack so one GEMM makes gate
-    and up; each expert's Linear holds views of its rows (Expert.forward / the loop run unchanged)."""
+    and up; each expert's Linear holds views of its rows (Expert.forward / the loop run unchanged).
+    With DEEPINFER_GEMM=deepgemm, deepgemm.prepare_deepgemm re-expresses the stacks in place on
+    128x128 tiles: the scales are then f32 [E, N/128, K/128] (kernels/deepgemm.py)."""
     w13: torch.Tensor    # [E, 2 * inter, dim] e4m3: w1 rows, then w3 rows
     s13: torch.Tensor    # [E, 2 * inter, dim / 32] E8M0 bytes, one per (row, 32)
     w2: torch.Tensor     # [E, dim, inter] e4m3
