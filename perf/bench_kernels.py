@@ -38,6 +38,17 @@ ROWS: list[dict] = []
 C: dict = {}
 
 
+def time_deepgemm_linear(q, sa, wdg, name: str, M: int):
+    """DeepGEMM fp8_gemm_nt on our per-32 activation re-expressed per 128 (None where it fails)."""
+    q128, sa128 = deepgemm.act_reblock_128(q, sa)
+    sa128 = deepgemm.prepare_sfa(sa128)
+    try:
+        return time_calls([lambda w=w, s=s: deepgemm.fp8_gemm_nt(q128, sa128, w, s) for w, s in wdg])
+    except Exception as e:  # noqa: BLE001
+        print("deepgemm failed", name, M, repr(e)[:200])
+        return None
+
+
 def roof(nbytes: float, flops: float = 0.0, peak: str = "bf16_flops") -> float:
     return max(nbytes / C["copy_bw"], flops / C[peak] if flops else 0.0)
 
@@ -107,12 +118,7 @@ def bench_gemm(quick):
             t_full = time_calls([lambda w=w, s=s: triton_gemm.fp8_linear(x, w, s) for w, s in ws])
             t_lib = None
             if dg:
-                q128, sa128 = deepgemm.act_reblock_128(q, sa)
-                sa128 = deepgemm.prepare_sfa(sa128)
-                try:
-                    t_lib = time_calls([lambda w=w, s=s: deepgemm.fp8_gemm_nt(q128, sa128, w, s) for w, s in wdg])
-                except Exception as e:  # noqa: BLE001
-                    print("deepgemm failed", name, M, repr(e)[:200])
+                t_lib = time_deepgemm_linear(q, sa, wdg, name, M)
             t_torch = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in wbf])
             row(f"fp8_gemm {name}", f"M{M} N{N} K{K}", t, nbytes, flops, "fp8_flops", "DeepGEMM", t_lib, t_torch,
                 note=f"w8a16 {triton_gemm.W8A16_VARIANT}; fp8xfp8 per-32 promotion {t8 * 1e6:.1f}us; "
@@ -244,12 +250,7 @@ def bench_variants(quick, variants=None, sweep=True):
             t_lib = None
             if dg:
                 q, sa = triton_quant.act_quant_fp8(x)
-                q128, sa128 = deepgemm.act_reblock_128(q, sa)
-                sa128 = deepgemm.prepare_sfa(sa128)
-                try:
-                    t_lib = time_calls([lambda w=w, s=s: deepgemm.fp8_gemm_nt(q128, sa128, w, s) for w, s in wdg])
-                except Exception as e:  # noqa: BLE001
-                    print("deepgemm failed", name, M, repr(e)[:200])
+                t_lib = time_deepgemm_linear(q, sa, wdg, name, M)
 
             def calls(ov, xq=xq):
                 return [lambda w=w, s=s: triton_gemm.w8a16_gemm(xq, w, s, cfg_override=ov) for w, s in ws8]

@@ -9,6 +9,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 
 import torch  # noqa: E402
 
+from kernel_utils import w8a16_exact_case  # noqa: E402
 from deepinfer.kernels import triton_gemm, triton_indexer, triton_mhc, triton_quant, triton_sparse_attn  # noqa: E402
 from deepinfer.kernels.reference import (  # noqa: E402
     act_quant_ref, dequant_fp4_ref, fp4_quant_ref, hc_split_sinkhorn_ref, sparse_attn_ref)
@@ -16,22 +17,6 @@ from deepinfer.kernels.reference import (  # noqa: E402
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def w8a16_exact_case(g, m, n, k, rows, e8m0, seed):
-    """Integer-valued W8A16 operands: dequantized weights v in [-15, 15] stored as e4m3 v / 2^p with pow2
-    scales 2^p, p in 3..9 (so small v at p = 9 are e4m3 subnormals), activations in [-4, 4]. Every product
-    and partial sum is an fp32 integer below 2^24: exact in any summation order, so a kernel with exact
-    products and fp32 accumulation must reproduce x @ v^T bit for bit. Same generator as the GPU test."""
-    gen = torch.Generator().manual_seed(seed)
-    p = torch.randint(3, 10, (g, n // rows, k // 32), generator=gen)
-    v = torch.randint(-15, 16, (g, n, k), generator=gen).float()
-    scale = torch.exp2(p.float()).repeat_interleave(rows, 1).repeat_interleave(32, 2)
-    w = (v / scale).to(torch.float8_e4m3fn)
-    assert torch.equal(w.float() * scale, v)
-    s = (p + 127).to(torch.uint8) if e8m0 else torch.exp2(p.float())
-    x = torch.randint(-4, 5, (g, m, k), generator=gen).bfloat16()
-    return x, w, s, torch.einsum("gmk,gnk->gmn", x.double(), v.double())
 
 
 def check_w8a16_variants():

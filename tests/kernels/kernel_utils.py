@@ -18,3 +18,20 @@ def rand_fp8_weight(n: int, k: int, device, seed: int = 0):
     e = torch.ceil(torch.log2(amax / 448))
     q = (t / 2 ** e).to(torch.float8_e4m3fn).view(n, k)
     return q.to(device), (e.view(n // 32, k // 32) + 127).to(torch.uint8).to(device)
+
+
+def w8a16_exact_case(g, m, n, k, rows, e8m0, seed, device="cpu"):
+    """Integer-valued W8A16 operands: dequantized weights v in [-15, 15] stored as e4m3 v / 2^p with pow2
+    scales 2^p, p in 3..9 (small v at p = 9 are e4m3 subnormals), activations in [-4, 4]. Products and
+    partial sums are fp32 integers below 2^24, exact in any order: a kernel with exact products and fp32
+    accumulation returns bf16(x @ v^T) bit for bit. -> x, w, s (E8M0 bytes or f32), float64 reference."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randint(3, 10, (g, n // rows, k // 32), generator=gen)
+    v = torch.randint(-15, 16, (g, n, k), generator=gen).float()
+    scale = torch.exp2(p.float()).repeat_interleave(rows, 1).repeat_interleave(32, 2)
+    w = (v / scale).to(torch.float8_e4m3fn)
+    assert torch.equal(w.float() * scale, v)
+    s = (p + 127).to(torch.uint8) if e8m0 else torch.exp2(p.float())
+    x = torch.randint(-4, 5, (g, m, k), generator=gen).bfloat16().to(device)
+    ref = torch.einsum("gmk,gnk->gmn", x.double(), v.to(device).double())
+    return x, w.to(device), s.to(device), ref

@@ -6,7 +6,7 @@ import triton.language as tl
 from deepinfer.kernels.reference import act_quant_ref, dequant_fp4_ref, dequant_fp8_ref
 from deepinfer.kernels.triton_gemm import W8A16_VARIANTS, _dequant_bytes_bf16, _dequant_pair_bf16
 
-from kernel_utils import rand_fp8_weight, rel_err
+from kernel_utils import rand_fp8_weight, rel_err, w8a16_exact_case
 
 pytestmark = pytest.mark.gpu
 
@@ -86,23 +86,6 @@ def test_grouped_masked_fp4_experts(expected_m, kind, monkeypatch):
 
 # --- W8A16 variants: exact products, bit for bit --------------------------------------------------------
 
-def w8a16_exact_case(g, m, n, k, rows, e8m0, seed, device="cuda"):
-    """Integer-valued W8A16 operands (as tests/kernels/interpret_checks.py): dequantized weights v in
-    [-15, 15] stored as e4m3 v / 2^p with pow2 scales 2^p, p in 3..9 (small v at p = 9 are e4m3
-    subnormals), activations in [-4, 4]. Products and partial sums are fp32 integers below 2^24, exact in
-    any order: a kernel with exact products and fp32 accumulation returns bf16(x @ v^T) bit for bit."""
-    gen = torch.Generator().manual_seed(seed)
-    p = torch.randint(3, 10, (g, n // rows, k // 32), generator=gen)
-    v = torch.randint(-15, 16, (g, n, k), generator=gen).float()
-    scale = torch.exp2(p.float()).repeat_interleave(rows, 1).repeat_interleave(32, 2)
-    w = (v / scale).to(torch.float8_e4m3fn)
-    assert torch.equal(w.float() * scale, v)
-    s = (p + 127).to(torch.uint8) if e8m0 else torch.exp2(p.float())
-    x = torch.randint(-4, 5, (g, m, k), generator=gen).bfloat16().to(device)
-    ref = torch.einsum("gmk,gnk->gmn", x.double(), v.to(device).double())
-    return x, w.to(device), s.to(device), ref
-
-
 @pytest.mark.parametrize("variant", W8A16_VARIANTS)
 @pytest.mark.parametrize("e8m0", [True, False])
 @pytest.mark.parametrize("rows", [32, 1])
@@ -114,7 +97,7 @@ def test_w8a16_variants_exact(variant, e8m0, rows, m, bi, split):
     split-K partial sums."""
     from deepinfer.kernels import triton_gemm
     n, k = 1280, 5120
-    x, w, s, ref = w8a16_exact_case(1, m, n, k, rows, e8m0, seed=m + rows)
+    x, w, s, ref = w8a16_exact_case(1, m, n, k, rows, e8m0, seed=m + rows, device="cuda")
     cfg = dict(VARIANT=variant) if split is None else dict(VARIANT=variant, SPLIT_K=split)
     full = triton_gemm.w8a16_config(m, n, k, 1, x.device, bi)
     full.update(cfg)
@@ -132,7 +115,7 @@ def test_w8a16_grouped_masked_variants_exact(variant, e8m0, rows, expected_m, sp
     """Masked grouped form, every variant, with empty groups: rows < masked_m[g] are bf16(x @ v^T) exactly."""
     from deepinfer.kernels import triton_gemm
     G, mmax, n, k = 6, 64, 512, 1024
-    x, w, s, ref = w8a16_exact_case(G, mmax, n, k, rows, e8m0, seed=expected_m + rows)
+    x, w, s, ref = w8a16_exact_case(G, mmax, n, k, rows, e8m0, seed=expected_m + rows, device="cuda")
     mm = torch.tensor([0, 3, 64, 0, 17, 1], dtype=torch.int32, device="cuda")
     cfg = dict(VARIANT=variant) if split is None else dict(VARIANT=variant, SPLIT_K=split)
     d = torch.empty((G, mmax, n), device="cuda", dtype=torch.bfloat16)
