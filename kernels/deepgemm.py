@@ -299,7 +299,7 @@ def prepare_deepgemm(model, force: bool = False) -> dict:
         _convert_stacks(moe, rep)
     for lin in lins:
         w, s = lin.fp8
-        if is_tile128(w, s):                          # an expert view, converted with its stack
+        if is_tile128(w, s) or getattr(lin, "fused", False):   # a view: converted with its stack
             continue
         if not (shapes_ok(*w.shape) and select._fast_gemm_ok(w, s)):
             rep["skipped"] += 1

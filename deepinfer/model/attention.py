@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from .fused_linears import fuse_fp8_linears
 from .layers import ACT, Linear, RMSNorm
 from .step_metadata import StepMetadata
 
@@ -124,15 +125,25 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(self.head_dim, args.norm_eps)
         self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank)
         self.wo_b = Linear(self.n_groups * self.o_lora_rank, args.dim)
+        self.wqkv_a: Linear | None = None     # wq_a and wkv stacked (fuse_input_linears)
         self.compressor = Compressor(args, self.ratio) if self.is_kv_source else None
         self.indexer = Indexer(args, owns_k=self.is_kv_source) if self.is_index_source else None
 
     # ---- shared pieces -------------------------------------------------------------------------
+    def fuse_input_linears(self) -> bool:
+        """wq_a and wkv (both read x) as one FP8 GEMM (model/fused_linears.py); True if fused."""
+        self.wqkv_a = fuse_fp8_linears([self.wq_a, self.wkv])
+        return self.wqkv_a is not None
+
     def qkv(self, x: torch.Tensor, cis: torch.Tensor):
         """qr [T, q_lora], q [T, H, D] (RoPE'd), kv [T, D] (RoPE'd, FP8-rounded over all D dims)."""
-        qr = self.q_norm(self.wq_a(x))
+        if self.wqkv_a is not None:
+            qa, kv = self.wqkv_a(x).split([self.wq_a.out_features, self.head_dim], dim=-1)
+        else:
+            qa, kv = self.wq_a(x), self.wkv(x)
+        qr = self.q_norm(qa)
         q = ops.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cis)
-        kv = ops.act_quant(ops.rope(self.kv_norm(self.wkv(x)), cis))
+        kv = ops.act_quant(ops.rope(self.kv_norm(kv), cis))
         return qr, q, kv
 
     def out(self, o: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:

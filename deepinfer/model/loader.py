@@ -233,14 +233,17 @@ def _target(model, name: str):
 
 def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progress: bool = True,
                tokenizer_json: str | Path | None = None, pack_experts: bool | None = None,
-               weight_format: str | None = None, moe_masked: bool | None = None, **arg_overrides):
+               weight_format: str | None = None, moe_masked: bool | None = None, fuse_linears: bool | None = None,
+               **arg_overrides):
     """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input.
 
     weight_format: "dense" or "fp8" (the module docstring); default "fp8" on CUDA, "dense" elsewhere.
     pack_experts ("dense" only): keep FP4 routed experts packed on the device and dequantize them per
     use (default: on for CUDA, where a full-width layer's experts would take 27 GB dequantized).
     moe_masked ("fp8" only): MoE.masked, the sync-free masked expert form; None = on CUDA for
-    decode-sized steps, True = every step on any device (CPU tests), False = never."""
+    decode-sized steps, True = every step on any device (CPU tests), False = never.
+    fuse_linears ("fp8" only): Linears that read the same input run as one GEMM (model/fused_linears.py);
+    None = on CUDA (a CPU keeps them apart: its fp32 matmuls are what the fixtures' bits were made with)."""
     from .engram import NgramHasher, compressed_token_map
     from .layers import compute_dtype
     from .moe import MoE
@@ -286,10 +289,17 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     for mod in model.modules():
         if isinstance(mod, MoE):
             mod.masked = moe_masked
+    if weight_format == "fp8" and (cuda if fuse_linears is None else fuse_linears):
+        fuse_input_linears(model)
     if weight_format == "fp8":                  # DEEPINFER_GEMM=deepgemm: 128-tile weights, once (else a no-op)
         from deepinfer.kernels.deepgemm import prepare_deepgemm
         prepare_deepgemm(model)
     return model.eval()
+
+
+def fuse_input_linears(model) -> int:
+    """Every module's Linears that share an input, stacked into one GEMM; returns how many fused."""
+    return sum(bool(m.fuse_input_linears()) for m in model.modules() if hasattr(m, "fuse_input_linears"))
 
 
 @dataclass

@@ -26,6 +26,8 @@ def models(tiny_checkpoint):
         "dense": load_model(tiny_checkpoint, progress=False, weight_format="dense"),
         "fp8": load_model(tiny_checkpoint, progress=False, weight_format="fp8"),
         "fp8-masked": load_model(tiny_checkpoint, progress=False, weight_format="fp8", moe_masked=True),
+        "fp8-fused": load_model(tiny_checkpoint, progress=False, weight_format="fp8", moe_masked=True,
+                                fuse_linears=True),
     }
 
 
@@ -49,7 +51,7 @@ def _run(model) -> list[torch.Tensor]:
 
 def test_fp8_format_equals_dense(models):
     ref = _run(models["dense"])
-    for fmt in ("fp8", "fp8-masked"):
+    for fmt in ("fp8", "fp8-masked", "fp8-fused"):
         got = _run(models[fmt])
         assert len(got) == len(ref)
         for i, (g, r) in enumerate(zip(got, ref)):
@@ -142,3 +144,16 @@ def test_fp8_fast_dispatch_under_interpreter(tiny_checkpoint):
     r = subprocess.run([sys.executable, "-c", _FAST_DISPATCH, str(tiny_checkpoint)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "ok 6" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_fused_input_linears_share_one_weight(models):
+    """fuse_linears: wq_a and wkv of every layer become views of one stacked FP8 weight (no copy kept
+    beside it), and the stacked Linear is what qkv runs."""
+    fused = [m for m in models["fp8-fused"].modules() if getattr(m, "wqkv_a", None) is not None]
+    assert fused and all(getattr(m, "wqkv_a", None) is None for m in models["fp8"].modules())
+    for att in fused:
+        w, s = att.wqkv_a.fp8
+        assert att.wq_a.fp8[0].data_ptr() == w.data_ptr()
+        assert att.wkv.fp8[0].data_ptr() == w[att.wq_a.out_features:].data_ptr()
+        assert w.shape[0] == att.wq_a.out_features + att.wkv.out_features
+        assert att.wkv.fp8[1].data_ptr() == s[s.shape[0] - att.wkv.fp8[1].shape[0]:].data_ptr()
