@@ -17,13 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import ops
 from .attention import Attention
 from .block import Block
-from .layers import Embedding, Linear, RMSNorm
+from .layers import Embedding, Linear, RMSNorm, linear_fp32
 
 
 @dataclass
@@ -73,7 +72,7 @@ class MarkovHead(nn.Module):
 
     def forward(self, ids: torch.Tensor):
         e = self.embed(ids)
-        return F.linear(e.float(), self.head.weight.float()), e
+        return linear_fp32(e, self.head.weight), e
 
 
 class ConfidenceHead(nn.Module):
@@ -151,5 +150,5 @@ def dspark_propose(model, anchor_ids: torch.Tensor, positions: list[int], ring_s
         embeds.append(e)
         out[:, i + 1] = logits[:, i].argmax(-1) if sample is None else sample(logits[:, i])
     feat = torch.cat([x.view(B, blk, -1), torch.stack(embeds, 1)], dim=-1)
-    conf = F.linear(feat.float(), last.confidence_head.proj.weight.float()).squeeze(-1)
+    conf = linear_fp32(feat, last.confidence_head.proj.weight).squeeze(-1)
     return DraftOutput(draft_ids=out[:, 1:], logits=logits, confidence=conf)

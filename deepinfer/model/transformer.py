@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import ops
@@ -21,7 +20,7 @@ from .block import Block
 from .batch import ForwardBatch
 from .engram import NgramHasher
 from .dspark import DSparkBlock
-from .layers import ACT, Embedding, Linear, RMSNorm, rope_tables
+from .layers import ACT, Embedding, Linear, RMSNorm, linear_fp32, rope_tables
 from .step_metadata import StepMetadata
 
 
@@ -55,10 +54,7 @@ class Transformer(nn.Module):
         """[N, V] fp32 = x @ head^T over fp32 values. On CUDA a bf16 GEMM with fp32 output gives those
         values (bf16 x bf16 products are exact in fp32, the sum is fp32) without materializing an
         fp32 copy of the [V, dim] head each step (2.6 GB written and read at full width)."""
-        w = self.head.weight
-        if x.is_cuda and x.dtype == w.dtype == torch.bfloat16:
-            return torch.mm(x, w.t(), out_dtype=torch.float32)
-        return F.linear(x.float(), w.float())
+        return linear_fp32(x, self.head.weight)
 
     def step_metadata(self, batch: ForwardBatch, caches) -> StepMetadata:
         owner = self._last_index_owner if self.args.emulate_index_k_alias else -1
