@@ -120,10 +120,19 @@ def fp4_quant(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def sparse_attn(q, kv, sink, idxs, scale, block: int = 64):
+    """kv [M, D], or a tuple of up to three such tensors that idxs counts across in order (read in
+    place by the Triton kernel; the reference concatenates them)."""
     if use_fast(q) and block == 64:
         from .triton_sparse_attn import sparse_attn as fast
         return fast(q, kv, sink, idxs, scale)
+    if isinstance(kv, (tuple, list)):
+        kv = torch.cat([t.to(q.dtype) for t in kv])
     return _ref.sparse_attn_ref(q, kv, sink, idxs, scale, block)
+
+
+def sparse_attn_in_place(q) -> bool:
+    """sparse_attn reads a tuple of kv tensors in place (no concatenation): the Triton path."""
+    return use_fast(q)
 
 
 def hc_split_sinkhorn(mixes, scale, base, hc, iters, eps):

@@ -37,12 +37,24 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _row_ptrs(kv_ptr, kv1_ptr, kv2_ptr, rows, R0, R1, D: tl.constexpr, SOURCES: tl.constexpr):
+    """Row pointers in the sources' joint row space: [0, R0) kv, [R0, R0+R1) kv1, the rest kv2."""
+    p = kv_ptr + rows * D
+    if SOURCES > 1:
+        p = tl.where(rows >= R0, kv1_ptr + (rows - R0) * D, p)
+    if SOURCES > 2:
+        p = tl.where(rows >= R0 + R1, kv2_ptr + (rows - R0 - R1) * D, p)
+    return p
+
+
+@triton.jit
 def sparse_attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
-                       n, H, L, blocks_per_split, scale,
+                       n, H, L, blocks_per_split, scale, kv1_ptr, kv2_ptr, R0, R1,
                        D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                       UPCAST: tl.constexpr = False):
+                       UPCAST: tl.constexpr = False, SOURCES: tl.constexpr = 1):
     """Grid (n, H/BH, num_splits). SPLIT: write unnormalized acc [S, n, H, D] and (m, l) [S, n, H, 2]
-    to the workspace; else write the normalized bf16 output with the sink."""
+    to the workspace; else write the normalized bf16 output with the sink. SOURCES > 1: the rows
+    live in up to three tensors (_row_ptrs), read in place."""
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -62,7 +74,8 @@ def sparse_attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
         idx = tl.load(idx_ptr + t64 * L + j, mask=j < L, other=-1)
         valid = idx >= 0
         rows = tl.where(valid, idx, 0).to(tl.int64)
-        k = tl.load(kv_ptr + rows[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0)   # [BN, D]
+        ptrs = _row_ptrs(kv_ptr, kv1_ptr, kv2_ptr, rows, R0, R1, D, SOURCES)
+        k = tl.load(ptrs[:, None] + rd[None, :], mask=valid[:, None], other=0.0)     # [BN, D]
         s = _dot(q, tl.trans(k), UPCAST) * scale                                     # [BH, BN] fp32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -112,10 +125,12 @@ def num_splits_for(L: int, blocks_per_split: int = 4) -> int:
     return max(1, triton.cdiv(triton.cdiv(L, BLOCK_N), blocks_per_split))
 
 
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idxs: torch.Tensor, scale: float,
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor | tuple, sink: torch.Tensor, idxs: torch.Tensor, scale: float,
                 block: int = BLOCK_N, block_h: int = 64, blocks_per_split: int = 4, num_warps: int = 8,
                 num_stages: int = 2) -> torch.Tensor:
-    """Same contract as sparse_attn_ref (block must be 64, the walk granularity)."""
+    """Same contract as sparse_attn_ref (block must be 64, the walk granularity). kv may also be a
+    tuple of up to three [M_i, D] tensors read in place, idxs then counting rows across them in
+    order (the same result as torch.cat(kv), without writing it)."""
     assert block == BLOCK_N
     n, H, D = q.shape
     L = idxs.shape[1]
@@ -130,21 +145,25 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idxs: tor
     bh = min(block_h, H)
     assert H % bh == 0 and D == triton.next_power_of_2(D)
     q = q.contiguous()
-    kv = kv.contiguous()
+    srcs = [t.contiguous() for t in (kv if isinstance(kv, (tuple, list)) else (kv,))]
+    assert 1 <= len(srcs) <= 3 and all(t.shape[-1] == D and t.dtype == srcs[0].dtype for t in srcs)
+    kv, kv1, kv2 = (srcs + [srcs[0]] * 2)[:3]
+    extra = (kv1, kv2, srcs[0].shape[0], srcs[1].shape[0] if len(srcs) > 1 else 0)
     idxs = idxs.to(torch.int32).contiguous()
     sink = sink.float().contiguous()
     out = torch.empty_like(q)
     S = num_splits_for(L, blocks_per_split)
     grid = (n, H // bh, S)
-    kw = dict(D=D, BH=bh, BN=BLOCK_N, UPCAST=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    kw = dict(D=D, BH=bh, BN=BLOCK_N, UPCAST=INTERPRET, SOURCES=len(srcs), num_warps=num_warps,
+              num_stages=num_stages)
     if S == 1:
         sparse_attn_kernel[grid](q, kv, idxs, sink, out, out, out, n, H, L, blocks_per_split, float(scale),
-                                 SPLIT=False, **kw)
+                                 *extra, SPLIT=False, **kw)
         return out
     acc = torch.empty(S, n, H, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(S, n, H, 2, dtype=torch.float32, device=q.device)
     sparse_attn_kernel[grid](q, kv, idxs, sink, out, acc, ml, n, H, L, blocks_per_split, float(scale),
-                             SPLIT=True, **kw)
+                             *extra, SPLIT=True, **kw)
     sparse_attn_combine_kernel[(n, H // bh)](acc, ml, sink, out, n, H, S, D=D, BH=bh, num_warps=num_warps)
     return out
 

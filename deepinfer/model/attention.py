@@ -162,7 +162,8 @@ class Attention(nn.Module):
         raw = self.compressor.project(x) if self.compressor is not None else None
         iq = self.indexer.queries(x, qr, cis) if self.indexer is not None else None
         ring = caches.window_kv[self.layer_id].flatten(0, 1)                   # [slots * RING, D]
-        parts, idx = [ring[meta.ring_read].to(kv.dtype), kv], meta.win_idx      # [B*Wr + T, D], [T, Lw]
+        # the step's rows: [ring[ring_read] (B*Wr) | kv (T) | compressed picks]; idx points into them
+        sources, idx = [(ring, meta.ring_read), (kv, None)], meta.win_idx
         if self.ratio:
             if self.is_kv_source:
                 self._compress(meta, raw, caches, rope_tables)
@@ -171,12 +172,28 @@ class Attention(nn.Module):
             E = meta.plan(self.ratio).num_entries
             if E:
                 rows, comp = self._compressed_rows(meta, caches, meta.topk[self.index_source], E)
-                parts.append(caches.compressed_kv[self.kv_source].flatten(0, 1)[rows].to(kv.dtype))
+                sources.append((caches.compressed_kv[self.kv_source].flatten(0, 1), rows))
                 idx = append_lists(idx, meta.win_len, comp)
-        o = ops.sparse_attn(q, torch.cat(parts), self.attn_sink, idx, self.scale)
+        o = self._attend(q, sources, idx)
         new = kv if meta.ring_write_rows is None else kv[meta.ring_write_rows]
         ring[meta.ring_write] = new.to(ring.dtype)
         return self.out(o, cis)
+
+    def _attend(self, q: torch.Tensor, sources: list, idx: torch.Tensor) -> torch.Tensor:
+        """Sink attention of q over the rows (tensor, row ids or None = all) of `sources` in order,
+        idx [T, L] counting rows across them. A kernel that reads several tensors in place
+        (select.sparse_attn_in_place) gets the pools and idx mapped to pool rows: the gathered
+        copy and its concatenation (at batch 64 and 8k context ~33k rows a layer) are never written."""
+        if not ops.sparse_attn_in_place(q):
+            rows = [t if r is None else t[r] for t, r in sources]
+            return ops.sparse_attn(q, torch.cat([r.to(q.dtype) for r in rows]), self.attn_sink, idx, self.scale)
+        table, base = [], 0
+        for t, r in sources:
+            table.append(base + (r if r is not None else torch.arange(t.shape[0], device=q.device)))
+            base += t.shape[0]
+        table = torch.cat(table)
+        pool_idx = torch.where(idx >= 0, table[idx.clamp_min(0)], -1)
+        return ops.sparse_attn(q, tuple(t for t, _ in sources), self.attn_sink, pool_idx, self.scale)
 
     def _compressed_rows(self, meta: StepMetadata, caches, topk: torch.Tensor, E: int):
         """Pool rows to gather after the fresh rows, and each query's picks in buffer coords ([T, K],

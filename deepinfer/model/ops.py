@@ -25,4 +25,5 @@ from deepinfer.kernels.select import (  # noqa: F401
     index_scores_paged,
     index_scores_pool,
     sparse_attn,
+    sparse_attn_in_place,
 )

@@ -89,6 +89,12 @@ def main():
     o = triton_sparse_attn.sparse_attn(qa, kv, sink, idx, 0.125, block_h=16, blocks_per_split=2)
     r = sparse_attn_ref(qa, kv, sink, idx, 0.125)
     assert rel(o, r) < 2e-2 and torch.equal(o[1], r[1])
+    # the same rows held in three tensors, read in place: the same bits as the concatenated buffer
+    parts = (kv[:100], kv[100:101], kv[101:])
+    o3 = triton_sparse_attn.sparse_attn(qa, parts, sink, idx, 0.125, block_h=16, blocks_per_split=2)
+    assert torch.equal(o3, o), (o3.float() - o.float()).abs().max()
+    o2 = triton_sparse_attn.sparse_attn(qa, (kv[:7], kv[7:]), sink, idx, 0.125, block_h=16, blocks_per_split=2)
+    assert torch.equal(o2, o)
     # mHC
     scale, base = torch.rand(3) + 0.5, torch.randn(24) * 0.3
     for d in (256, 1280):       # 2 and 10 column-chunk partials (10: a masked tail in the chunk sum)
