@@ -37,6 +37,20 @@ def test_sparse_attn_batch_invariant():
     assert torch.equal(sparse_attn(q[:16], kv, sink, idx[:16], D ** -0.5), full[:16])
 
 
+def test_sparse_attn_sources_in_place():
+    """The window ring, the fresh rows and the compressed pool read in place (a tuple of kv tensors)
+    give the bits of the same rows concatenated, at decode shapes with splits."""
+    from deepinfer.kernels.triton_sparse_attn import sparse_attn
+    D, H, L, n = 512, 64, 640, 64
+    kv = torch.randn(12000, D, device="cuda").bfloat16()
+    q = torch.randn(n, H, D, device="cuda").bfloat16()
+    sink = torch.randn(H, device="cuda")
+    idx = torch.randint(-1, kv.shape[0], (n, L), device="cuda", dtype=torch.int32)
+    full = sparse_attn(q, kv, sink, idx, D ** -0.5)
+    assert torch.equal(sparse_attn(q, (kv[:8192], kv[8192:8256], kv[8256:]), sink, idx, D ** -0.5), full)
+    assert torch.equal(sparse_attn(q, (kv[:100], kv[100:]), sink, idx, D ** -0.5), full)
+
+
 def test_flashmla_v4_fits_window_kv():
     """FlashMLA (V4 584-B record) against the reference on window-style (FP8 per 32) KV: close, and
     how close is reported; compressed FP4 KV does not fit the record exactly (see flashmla.py)."""
