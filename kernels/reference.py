@@ -224,3 +224,10 @@ def hc_post_ref(y, res, post, comb):
     """y [T, d], res [T, hc, d], post [T, hc], comb [T, hc, hc] -> [T, hc, d] in y's dtype."""
     out = post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * res.unsqueeze(-2)).sum(dim=1)
     return out.to(y.dtype)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], weight [D] -> [..., D] in x's dtype: normalized in fp32, then the fp32 weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)

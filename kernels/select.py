@@ -278,3 +278,18 @@ def hc_post(y, res, post, comb):
         from .triton_mhc import hc_post as fast
         return fast(y, res, post, comb)
     return _ref.hc_post_ref(y, res, post, comb)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_fast(x) and x.shape[-1] <= 16384:
+        from .triton_norm import rms_norm as fast
+        return fast(x, weight, eps)
+    return _ref.rms_norm_ref(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    half = cis.shape[-1]
+    if use_fast(x) and cis.dim() == 2 and cis.shape[0] == x.shape[0] and half & (half - 1) == 0:
+        from .triton_rope import rope as fast
+        return fast(x, cis, inverse)
+    return _ref.rope_ref(x, cis, inverse)

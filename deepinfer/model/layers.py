@@ -74,10 +74,7 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", torch.ones(dim), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class RopeTable:

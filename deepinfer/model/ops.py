@@ -9,7 +9,6 @@ references. Weight formats (FP8 linears, FP4 experts) stay as the loader made th
 from deepinfer.kernels import (  # noqa: F401
     dequant_fp4_ref as dequant_fp4,
     e8m0_to_float,
-    rope,
     rope_freqs_ref as rope_freqs,
 )
 from deepinfer.kernels.select import (  # noqa: F401
@@ -24,6 +23,8 @@ from deepinfer.kernels.select import (  # noqa: F401
     hc_split_sinkhorn,
     index_scores_paged,
     index_scores_pool,
+    rms_norm,
+    rope,
     sparse_attn,
     sparse_attn_in_place,
 )

@@ -1,0 +1,73 @@
+"""Triton RoPE (reference: kernels/reference.py `rope_ref`).
+
+    rope(x, cis, inverse)   x [T, ..., D], cis [T, rd/2] complex64 -> a new [T, ..., D] in x's dtype:
+                            the first D - rd dims copied, the last rd dims (adjacent pairs as complex
+                            numbers) multiplied by cis (by conj(cis) when inverse), in fp32
+
+Dataflow: one program per (token, BLOCK_H heads) copies the D - rd leading dims and loads the rope
+part as [BLOCK_H, rd/2, 2], splits it into (re, im), rotates by the token's cis row with the
+reference's complex product (re*c - im*s, re*s + im*c), joins, casts and stores. The products and
+sums are fp32 as in torch's complex64 multiply; launched without FMA contraction, so the fp32
+values are those of torch's unfused multiply.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import rope_ref  # noqa: F401  (the reference this follows)
+
+
+@triton.jit
+def rope_kernel(x_ptr, cis_ptr, y_ptr, H, sx_t, sx_h, sc_t,
+                D: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = hs[:, None] < H
+    src = x_ptr + t * sx_t + hs.to(tl.int64)[:, None] * sx_h                    # [BLOCK_H, 1]
+    dst = y_ptr + (t * H + hs.to(tl.int64)[:, None]) * D
+    if NOPE > 0:                                                                # pass-through dims
+        cols = tl.arange(0, BLOCK_NOPE)[None, :]
+        m = hm & (cols < NOPE)
+        tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
+    i = tl.arange(0, HALF)
+    c = tl.load(cis_ptr + t * sc_t + 2 * i)                                      # [HALF] fp32
+    s = tl.load(cis_ptr + t * sc_t + 2 * i + 1)
+    if INVERSE:
+        s = -s
+    pair = tl.arange(0, HALF)[:, None] * 2 + tl.arange(0, 2)[None, :]            # [HALF, 2]
+    offs = NOPE + pair[None, :, :]                                               # [1, HALF, 2]
+    m3 = hm[:, :, None]
+    z = tl.load(src[:, :, None] + offs, mask=m3, other=0.0).to(tl.float32)       # [BLOCK_H, HALF, 2]
+    a, b = tl.split(z)                                                           # [BLOCK_H, HALF] each
+    re = a * c[None, :] - b * s[None, :]
+    im = a * s[None, :] + b * c[None, :]
+    out = tl.join(re, im)                                                        # [BLOCK_H, HALF, 2]
+    tl.store(dst[:, :, None] + offs, out.to(y_ptr.dtype.element_ty), mask=m3)
+
+
+def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [T, ..., D] (last dim contiguous; other strides free), cis [T, rd/2] complex64 (rd/2 a power
+    of two) -> new contiguous tensor of x's shape and dtype."""
+    T, D = x.shape[0], x.shape[-1]
+    half = cis.shape[-1]
+    assert cis.dim() == 2 and cis.shape[0] == T and 2 * half <= D and half == triton.next_power_of_2(half)
+    x3 = x.reshape(T, -1, D) if x.dim() != 3 else x                             # [T, H, D]
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    cis = cis.resolve_conj()
+    cr = torch.view_as_real(cis if cis.stride(-1) == 1 else cis.contiguous())  # [T, rd/2, 2] fp32
+    H = x3.shape[1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if T == 0 or H == 0:
+        return y
+    nope = D - 2 * half
+    BLOCK_H = min(triton.next_power_of_2(H), 16)
+    grid = (T, triton.cdiv(H, BLOCK_H))
+    rope_kernel[grid](x3, cr, y, H, x3.stride(0), x3.stride(1), cr.stride(0),
+                      D=D, NOPE=nope, HALF=half, INVERSE=inverse, BLOCK_H=BLOCK_H,
+                      BLOCK_NOPE=triton.next_power_of_2(max(nope, 1)), num_warps=4, enable_fp_fusion=False)
+    return y
