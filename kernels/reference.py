@@ -12,6 +12,10 @@ Every op here runs on any device and is the ground truth the fast paths are test
     e8m0_to_float        raw E8M0 bytes -> 2^(b - 127)
     sparse_attn_ref      sink attention over gathered rows, online softmax in blocks of 64
     index_scores_paged_ref  lightning-indexer scores of a batch, each query against its sequence's keys
+    moe_route_ref        the masked MoE's pair -> slab row map (stable by expert) and per-expert counts
+    moe_dispatch_ref     act_quant of each token into its pairs' slab rows
+    moe_swiglu_quant_ref clamped SwiGLU x routing weight, bf16, act_quant, at the pairs' rows
+    moe_combine_ref      per-token fp32 sum of the routed rows (ascending expert id) + the shared expert
     hc_split_sinkhorn_ref  mHC pre / post / comb coefficients (Sinkhorn ending on a column pass)
     rope_ref             rotary embedding on adjacent pairs (optionally inverse)
     rope_freqs_ref       YaRN-blended rotary frequencies
@@ -206,6 +210,65 @@ def index_scores_paged_ref(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
     s = s.relu() * w.unsqueeze(-1)
     s = s.float().sum(1).to(torch.bfloat16)                                # [T, E]
     return s.masked_fill(torch.arange(E, device=s.device) >= lens[:, None], -math.inf)
+
+
+def moe_route_ref(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [T, K] -> (counts [E] int32, slot [T*K] int64): pair p = t*K + k goes to row
+    slot[p] = e * T + rank of the [E, T, d] slab, rank = its place in a stable sort by expert:
+
+        e_sorted   0  0  0 | 2 | 5  5 ...      order: the pair at each sorted position
+        start      counts' exclusive cumsum: start[0] = 0, start[2] = 3, start[5] = 4
+        rank       position - start[e_sorted] = 0 1 2 | 0 | 0 1
+    No host read (scatter_add, not bincount)."""
+    T = indices.shape[0]
+    flat = indices.flatten()
+    order = torch.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    rank = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[e_sorted]
+    slot = torch.empty_like(flat)
+    slot[order] = e_sorted * T + rank
+    return counts, slot
+
+
+def moe_dispatch_ref(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) -> torch.Tensor:
+    """x [T, d] -> xp [E, T, d] with row slot[p] = act_quant(x)[p // K] (other rows unset)."""
+    T, d = x.shape
+    xp = x.new_empty(n_experts, T, d)
+    xp.view(-1, d)[slot] = act_quant_ref(x)[torch.arange(T * K, device=x.device) // K]
+    return xp
+
+
+def moe_swiglu_quant_ref(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
+                         inter: int) -> torch.Tensor:
+    """gu [E, T, 2 inter] -> hp [E, T, inter]: at each pair's row, the clamped SwiGLU in fp32 times
+    the routing weight, to bf16, then act_quant (Expert.forward's rounding points; rows unset elsewhere)."""
+    E, T, _ = gu.shape
+    g = gu.view(-1, 2 * inter)[slot].float()                                # [T*K, 2 inter]
+    gate, up = g[:, :inter], g[:, inter:]
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    h = (weights.flatten()[:, None] * (torch.nn.functional.silu(gate) * up)).to(gu.dtype)
+    hp = gu.new_empty(E, T, inter)
+    hp.view(-1, inter)[slot] = act_quant_ref(h)
+    return hp
+
+
+def moe_combine_ref(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """out [E, T, d] -> [T, d]: per token, its picks' rows summed in fp32 in ascending expert id
+    (the reference's accumulation order), then + shared [T, d], cast to shared's dtype."""
+    T, K = indices.shape
+    d = out.shape[-1]
+    outs = out.view(-1, d)[slot].view(T, K, d)
+    rank = torch.argsort(indices, dim=1, stable=True)
+    outs = outs.gather(1, rank[..., None].expand(-1, -1, d))
+    y = torch.zeros(T, d, device=out.device)
+    for k in range(K):
+        y = y + outs[:, k].float()
+    y = y + shared.float()
+    return y.to(shared.dtype)
 
 
 def hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps):

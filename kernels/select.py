@@ -207,6 +207,39 @@ def grouped_fp8_linear_masked(x: torch.Tensor, w: torch.Tensor, w_scale: torch.T
     return out
 
 
+def moe_route(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masked MoE's routing map (reference.moe_route_ref): (counts [E] int32, slot [T*K] int64)."""
+    if use_fast(indices):
+        from .triton_moe import moe_route as fast
+        return fast(indices, n_experts)
+    return _ref.moe_route_ref(indices, n_experts)
+
+
+def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) -> torch.Tensor:
+    """act_quant(x) into the pairs' rows of an [E, T, d] slab (reference.moe_dispatch_ref)."""
+    if use_fast(x) and x.shape[-1] % 32 == 0:
+        from .triton_moe import moe_dispatch as fast
+        return fast(x, slot, K, n_experts)
+    return _ref.moe_dispatch_ref(x, slot, K, n_experts)
+
+
+def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
+                     inter: int) -> torch.Tensor:
+    """Clamped SwiGLU x routing weight, bf16, act_quant at the pairs' rows (reference.moe_swiglu_quant_ref)."""
+    if use_fast(gu) and inter % 32 == 0:
+        from .triton_moe import moe_swiglu_quant as fast
+        return fast(gu, slot, weights, limit, inter)
+    return _ref.moe_swiglu_quant_ref(gu, slot, weights, limit, inter)
+
+
+def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """Per-token fp32 sum of the routed rows in ascending expert id + shared (reference.moe_combine_ref)."""
+    if use_fast(out):
+        from .triton_moe import moe_combine as fast
+        return fast(out, slot, indices, shared)
+    return _ref.moe_combine_ref(out, slot, indices, shared)
+
+
 def dequant_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """[..., N, K] e4m3 + E8M0 bytes (or f32 pow2) per 32x32 tile [..., N/32, K/32] or per (row, 32)
     [..., N, K/32] -> exact float32 values (reference.dequant_fp8_ref for the 2-D tile case)."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from .fused_linears import fuse_fp8_linears
 from .layers import ACT, Linear
 
 
@@ -94,6 +95,7 @@ class MoE(nn.Module):
         self.gate = Gate(args, n_experts, topk)
         self.experts = nn.ModuleList([Expert(args.dim, args.moe_inter_dim, args.swiglu_limit) for _ in range(n_experts)])
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
+        self.shared_w13: Linear | None = None             # shared w1 and w3 stacked (fuse_input_linears)
         self.grouped_ok = not args.step_shape_invariant   # one formulation for every step size
         self.stacks: ExpertStacks | None = None            # FP8 experts (weight_format="fp8")
         # the masked form: None = on CUDA for steps up to MASKED_MAX_PAIRS; True = every step (a
@@ -104,6 +106,9 @@ class MoE(nn.Module):
         """x [T, d] bf16 -> [T, d] bf16. Routed outputs are summed per token in ascending expert id
         order in fp32 (the reference's accumulation order), then the shared expert is added."""
         weights, indices = self.gate(x, image_mask)
+        if self._use_masked(x, indices):
+            out, slot = self._masked_experts(x, weights, indices)
+            return ops.moe_combine(out, slot, indices, self._shared(x))
         T, K = indices.shape
         outs = self._routed(x, weights, indices)
         # per token: add in ascending expert id
@@ -112,21 +117,44 @@ class MoE(nn.Module):
         y = torch.zeros(T, self.dim, device=x.device)
         for k in range(K):
             y = y + outs[:, k].float()
-        y = y + self.shared_experts(x).float()
+        y = y + self._shared(x).float()
         return y.to(ACT)
+
+    def _use_masked(self, x, indices) -> bool:
+        """The masked form: FP8 stacks, and forced (self.masked) or a CUDA step of at most
+        MASKED_MAX_PAIRS pairs."""
+        if self.stacks is None or self.masked is False:
+            return False
+        return bool(self.masked) or (self.grouped_ok and x.is_cuda and indices.numel() <= MASKED_MAX_PAIRS)
 
     def _routed(self, x, weights, indices) -> torch.Tensor:
         """[T, K, d] bf16 in the form this step's size and the weight format call for (on a CPU
         every form gives the same bits: tests/model/test_moe_grouped.py, test_moe_masked.py)."""
         pairs = indices.numel()
         if self.stacks is not None:
-            auto = self.grouped_ok and x.is_cuda and pairs <= MASKED_MAX_PAIRS
-            if self.masked or (self.masked is None and auto):
+            if self._use_masked(x, indices):
                 return self._routed_masked(x, weights, indices)
             return self._routed_loop(x, weights, indices)
         if self.grouped_ok and pairs <= GROUPED_MAX_PAIRS and self._stacked(x.device) is not None:
             return self._routed_grouped(x, weights, indices)
         return self._routed_loop(x, weights, indices)
+
+    def fuse_input_linears(self) -> bool:
+        """The shared expert's w1 and w3 (both read x) as one FP8 GEMM (model/fused_linears.py; the
+        loader calls this on CUDA); True if fused."""
+        self.shared_w13 = fuse_fp8_linears([self.shared_experts.w1, self.shared_experts.w3])
+        return self.shared_w13 is not None
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert [T, d] bf16: Expert.forward, with gate and up from one GEMM when fused."""
+        se = self.shared_experts
+        if self.shared_w13 is None:
+            return se(x)
+        gate, up = self.shared_w13(x).float().split(se.w1.out_features, dim=-1)
+        if se.limit > 0:
+            up = up.clamp(-se.limit, se.limit)
+            gate = gate.clamp(max=se.limit)
+        return se.w2((F.silu(gate) * up).to(ACT))
 
     def init_fp8_stacks(self, device) -> ExpertStacks:
         """Allocate the FP8 stacks and point every expert's Linear at its rows (views, no copies):
@@ -162,44 +190,30 @@ class MoE(nn.Module):
             outs[t, k] = self.experts[e](x[t], weights[t, k, None])
         return outs
 
-    def _routed_masked(self, x, weights, indices) -> torch.Tensor:
-        """[T, K, d] bf16 with no host read (CUDA-graph capturable): DeepGEMM's masked layout over
-        the FP8 stacks with capacity C = T (an expert can take every token: nothing overflows).
-
-            pair p = t*K + k; stable sort by expert (token order inside a group):
-            e_sorted   0  0  0 | 2 | 5  5 ...      order: the pair at each position
-            start      counts' exclusive cumsum: start[0] = 0, start[2] = 3, start[5] = 4
-            rank       position - start[e_sorted] = 0 1 2 | 0 | 0 1: the pair's row in its slab
-            xp[e, rank] = act_quant(x)[t]  -> [E, C, d], masked_m = counts (stays on the device)
-
-        Same rounding points as Expert.forward: bf16 after each GEMM, fp32 clamped SwiGLU, the
-        routing weight before w2, act_quant of the w2 input; SwiGLU and act_quant run on the T*K
-        valid rows only (gathered from, then scattered back into, the slabs)."""
+    def _masked_experts(self, x, weights, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [E, C, d] bf16, slot [T*K]) with no host read (CUDA-graph capturable): DeepGEMM's
+        masked layout over the FP8 stacks with capacity C = T (an expert can take every token:
+        nothing overflows). Pair p = t*K + k lives at row slot[p] = e*T + rank of the slabs (rank:
+        its place among e's pairs in token order; kernels/reference.py moe_route_ref draws it); rows
+        >= counts[e] are never read. Same rounding points as Expert.forward: act_quant of x, bf16
+        after each GEMM, fp32 clamped SwiGLU, the routing weight before the bf16 cast, act_quant of
+        the w2 input (kernels/triton_moe.py fuses the glue between the GEMMs)."""
         st, ex = self.stacks, self.experts[0]
         T, K = indices.shape
-        E, inter, dev = self.n_experts, st.w2.shape[2], x.device
-        flat = indices.flatten()                                                # [T*K] pair -> expert
-        order = torch.argsort(flat, stable=True)
-        e_sorted = flat[order]
-        counts = torch.zeros(E, dtype=torch.int32, device=dev).scatter_add_(
-            0, flat, torch.ones_like(flat, dtype=torch.int32))                  # bincount syncs on CUDA
-        rank = torch.arange(T * K, device=dev) - (counts.cumsum(0) - counts)[e_sorted]
+        E, inter = self.n_experts, st.w2.shape[2]
+        counts, slot = ops.moe_route(indices, E)                                # [E] int32, [T*K]
         expected_m = -(-T * K // E)                                             # host ints: tile choice
-        xp = x.new_empty(E, T, self.dim)          # rows >= counts[e] are never read back: no memset
-        xp[e_sorted, rank] = ops.act_quant(x)[order // K]
+        xp = ops.moe_dispatch(x, slot, K, E)                                    # [E, C, d]
         gu = ops.grouped_fp8_linear_masked(xp, st.w13, st.s13, counts, expected_m)   # [E, C, 2 inter]
-        gu = gu[e_sorted, rank].float()                                         # [T*K, 2 inter] sorted
-        gate, up = gu[:, :inter], gu[:, inter:]
-        if ex.limit > 0:
-            up = up.clamp(-ex.limit, ex.limit)
-            gate = gate.clamp(max=ex.limit)
-        h = (weights.flatten()[order, None] * (F.silu(gate) * up)).to(ACT)
-        hp = x.new_empty(E, T, inter)
-        hp[e_sorted, rank] = ops.act_quant(h)
+        hp = ops.moe_swiglu_quant(gu, slot, weights, ex.limit, inter)           # [E, C, inter]
         out = ops.grouped_fp8_linear_masked(hp, st.w2, st.s2, counts, expected_m)    # [E, C, d]
-        outs = torch.empty(T * K, self.dim, dtype=ACT, device=dev)
-        outs[order] = out[e_sorted, rank]
-        return outs.view(T, K, self.dim)
+        return out, slot
+
+    def _routed_masked(self, x, weights, indices) -> torch.Tensor:
+        """[T, K, d] bf16: the masked form's per-pair outputs (the forward combines them in place
+        instead: ops.moe_combine)."""
+        out, slot = self._masked_experts(x, weights, indices)
+        return out.view(-1, self.dim)[slot].view(*indices.shape, self.dim)
 
     def _routed_grouped(self, x, weights, indices) -> torch.Tensor:
         """[T, K, d] bf16: token-expert pairs sorted by expert into padded groups [A, C, d] (A experts

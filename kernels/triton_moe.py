@@ -1,0 +1,182 @@
+"""Triton glue of the masked MoE step (reference: kernels/reference.py `moe_route_ref`,
+`moe_dispatch_ref`, `moe_swiglu_quant_ref`, `moe_combine_ref`; model/moe.py `MoE._masked_experts`).
+
+    moe_route(indices, E)          -> counts [E] int32, slot [T*K] int64: pair p's row e*T + rank
+    moe_dispatch(x, slot, K, E)    -> xp [E, T, d]: act_quant(x)[p // K] at row slot[p]
+    moe_swiglu_quant(gu, slot, ..) -> hp [E, T, inter]: act_quant(bf16(w_p * silu(gate) * up)) at row slot[p]
+    moe_combine(out, slot, ..)     -> y [T, d]: fp32 sum of a token's picks in ascending expert id, + shared
+
+Replaces ~30 small torch launches per layer (argsort, scatter_add, cumsum, index scatters/gathers,
+casts, clamp, silu, act_quant, the K-step add loop) with four; no host read anywhere (CUDA-graph
+capturable). Same rounding points as the torch code, so the same bits: act_quant as
+triton_quant.act_quant_kernel, IEEE division in silu, libdevice expf (CUDA's expf, what torch's silu
+calls) on the GPU. MANUAL (the CPU interpreter): exp in fp64 rounded to fp32, and float->bf16 and
+float->e4m3 rounded to nearest even by hand (the interpreter's casts truncate).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .triton_quant import _pow2_ceil, _to_e4m3
+from .reference import moe_combine_ref, moe_dispatch_ref, moe_route_ref, moe_swiglu_quant_ref  # noqa: F401
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+QBLOCK = 32          # act_quant block along the last dim
+
+
+@triton.jit
+def _fake_quant(v, BD: tl.constexpr, MANUAL: tl.constexpr):
+    """v [1, BD] fp32 -> FP8 e4m3 fake-quantized per 32 with pow2 scales (act_quant_kernel's steps)."""
+    g = tl.reshape(v, (1, BD // 32, 32))
+    amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
+    s, inv = _pow2_ceil(amax * (1.0 / 448.0))
+    q = _to_e4m3(tl.clamp(g * inv[:, :, None], -448.0, 448.0), MANUAL)
+    return tl.reshape(q.to(tl.float32) * s[:, :, None], (1, BD))
+
+
+@triton.jit
+def _round_bf16(v, MANUAL: tl.constexpr):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32."""
+    if MANUAL:
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        return b.to(tl.float32, bitcast=True)
+    return v.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def moe_route_kernel(idx_ptr, counts_ptr, slot_ptr, T, P, BLOCK: tl.constexpr):
+    """One program per expert e: a running inclusive cumsum of (idx == e) over the pairs in order
+    gives each of e's pairs its rank (token order inside the group)."""
+    e = tl.program_id(0)
+    base = tl.zeros((), dtype=tl.int32)
+    for start in range(0, P, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < P
+        idx = tl.load(idx_ptr + offs, mask=inb, other=-1)
+        hit = (idx == e).to(tl.int32)
+        rank = base + tl.cumsum(hit, 0) - 1
+        tl.store(slot_ptr + offs, e.to(tl.int64) * T + rank.to(tl.int64), mask=inb & (hit != 0))
+        base += tl.sum(hit, 0)
+    tl.store(counts_ptr + e, base)
+
+
+@triton.jit
+def moe_dispatch_kernel(x_ptr, slot_ptr, xp_ptr, d, K, BD: tl.constexpr, MANUAL: tl.constexpr):
+    """Program (t, column chunk): act_quant of x[t] once, stored to the rows of t's K pairs."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
+    m = cols < d
+    x = tl.load(x_ptr + t.to(tl.int64) * d + cols, mask=m, other=0.0).to(tl.float32)
+    q = _fake_quant(x, BD, MANUAL).to(xp_ptr.dtype.element_ty)
+    for k in range(K):
+        r = tl.load(slot_ptr + t * K + k)
+        tl.store(xp_ptr + r * d + cols, q, mask=m)
+
+
+@triton.jit
+def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter,
+                            HAS_LIMIT: tl.constexpr, BI: tl.constexpr, MANUAL: tl.constexpr):
+    """Program (pair p, column chunk) at row r = slot[p]: clamped SwiGLU in fp32, times the routing
+    weight, rounded to bf16, FP8 fake-quantized per 32 -> hp[r]."""
+    p = tl.program_id(0)
+    cols = tl.program_id(1) * BI + tl.arange(0, BI)[None, :]
+    m = cols < inter
+    r = tl.load(slot_ptr + p)
+    w = tl.load(w_ptr + p)
+    row = gu_ptr + r * (2 * inter)
+    gate = tl.load(row + cols, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(row + inter + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        gate = tl.minimum(gate, limit)
+    if MANUAL:
+        e = tl.exp((-gate).to(tl.float64)).to(tl.float32)
+    else:
+        e = libdevice.exp(-gate)
+    silu = tl.math.div_rn(gate, 1.0 + e)
+    h = _round_bf16(w * (silu * up), MANUAL)
+    q = _fake_quant(h, BI, MANUAL)
+    tl.store(hp_ptr + r * inter + cols, q.to(hp_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def moe_combine_kernel(out_ptr, slot_ptr, idx_ptr, shared_ptr, y_ptr, d,
+                       K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, MANUAL: tl.constexpr):
+    """Program (t, column chunk): y = 0; y += out[slot] of t's picks in ascending expert id (rank =
+    how many of t's picks have a smaller id: the experts are distinct); y += shared[t]; bf16."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = cols < d
+    ks = tl.arange(0, KP)
+    valid = ks < K
+    idx = tl.load(idx_ptr + t * K + ks, mask=valid, other=0)
+    slots = tl.load(slot_ptr + t * K + ks, mask=valid, other=0)
+    smaller = (idx[None, :] < idx[:, None]) & valid[None, :]                 # [KP, KP]
+    rank = tl.sum(smaller.to(tl.int32), 1)
+    y = tl.zeros((BD,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.sum(tl.where(valid & (rank == j), slots, 0), 0)
+        y = y + tl.load(out_ptr + r * d + cols, mask=m, other=0.0).to(tl.float32)
+    y = y + tl.load(shared_ptr + t.to(tl.int64) * d + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t.to(tl.int64) * d + cols, _round_bf16(y, MANUAL).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _chunk(n: int, cap: int = 1024) -> int:
+    return min(cap, max(QBLOCK, triton.next_power_of_2(n)))
+
+
+def moe_route(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [T, K] int -> (counts [E] int32, slot [T*K] int64 = e * T + rank of the pair in e)."""
+    T, _ = indices.shape
+    flat = indices.reshape(-1).contiguous()
+    counts = torch.empty(n_experts, dtype=torch.int32, device=indices.device)
+    slot = torch.empty(flat.numel(), dtype=torch.int64, device=indices.device)
+    block = min(4096, triton.next_power_of_2(max(1, flat.numel())))
+    moe_route_kernel[(n_experts,)](flat, counts, slot, T, flat.numel(), BLOCK=block)
+    return counts, slot
+
+
+def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) -> torch.Tensor:
+    """x [T, d] bf16 -> xp [E, T, d] with row slot[p] = act_quant(x)[p // K]; other rows unset."""
+    T, d = x.shape
+    assert d % QBLOCK == 0 and slot.numel() == T * K
+    xp = x.new_empty(n_experts, T, d)
+    if T:
+        bd = _chunk(d)
+        moe_dispatch_kernel[(T, triton.cdiv(d, bd))](x.contiguous(), slot, xp, d, K, BD=bd, MANUAL=INTERPRET)
+    return xp
+
+
+def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
+                     inter: int) -> torch.Tensor:
+    """gu [E, T, 2 inter] bf16 -> hp [E, T, inter] at the pairs' rows (others unset)."""
+    E, T, two = gu.shape
+    assert two == 2 * inter and inter % QBLOCK == 0 and weights.numel() == slot.numel()
+    hp = gu.new_empty(E, T, inter)
+    P = slot.numel()
+    if P:
+        bi = _chunk(inter)
+        w = weights.reshape(-1).float().contiguous()
+        moe_swiglu_quant_kernel[(P, triton.cdiv(inter, bi))](gu.contiguous(), slot, w, hp, float(limit), inter,
+                                                             HAS_LIMIT=limit > 0, BI=bi, MANUAL=INTERPRET)
+    return hp
+
+
+def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """out [E, T, d] bf16 -> y [T, d] bf16: per token, fp32 sum of its picks' rows in ascending
+    expert id, plus shared [T, d]."""
+    T, K = indices.shape
+    d = out.shape[-1]
+    y = torch.empty(T, d, dtype=shared.dtype, device=out.device)
+    if T:
+        bd = _chunk(d)
+        moe_combine_kernel[(T, triton.cdiv(d, bd))](out.contiguous(), slot, indices.contiguous(), shared.contiguous(),
+                                                    y, d, K=K, KP=triton.next_power_of_2(K), BD=bd, MANUAL=INTERPRET)
+    return y

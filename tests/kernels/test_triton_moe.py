@@ -1,0 +1,157 @@
+"""kernels/triton_moe.py (the masked MoE's glue) against its torch references, and the rewired MoE.
+
+    CPU, Triton's interpreter    this file run as a script in a subprocess (TRITON_INTERPRET and
+                                 DEEPINFER_KERNELS are read at import): every kernel vs its
+                                 reference, then an FP8 MoE layer's forward on the fast ops vs refs
+    CUDA (-m gpu)                the same kernel checks on the GPU
+    CPU                          the masked MoE forward (route / dispatch / combine) = the loop form
+
+    python tests/kernels/test_triton_moe.py [TINY_CHECKPOINT]
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SHAPES = [(1, 6, 8), (5, 6, 8), (64, 6, 8), (1, 6, 48), (5, 6, 48), (64, 6, 48)]   # (T, K, E)
+DIM, INTER = 256, 128
+
+
+def _case(T, K, E, device, seed=0):
+    """x [T, d] bf16, weights [T, K] fp32, indices [T, K]: K distinct experts per token, drawn
+    from the even ids only when E > 2K (so some experts get no token), shuffled in k."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.arange(0, E, 2) if E >= 4 * K else torch.arange(E)
+    idx = torch.stack([pool[torch.randperm(len(pool), generator=g)[:K]] for _ in range(T)])
+    x = (torch.randn(T, DIM, generator=g) * torch.exp(2 * torch.randn(T, 1, generator=g))).bfloat16()
+    x[0, :32] = 0                                               # an all-zero block: the 1e-4 amax floor
+    w = torch.rand(T, K, generator=g) + 0.05
+    return x.to(device), w.to(device), idx.to(device)
+
+
+def _bf16_ulp_close(a, b, max_frac):
+    """a == b except on at most max_frac of the entries, which may move by one FP8 step (a bf16 ulp
+    of the SwiGLU output, seen through act_quant)."""
+    diff = a != b
+    if not diff.any():
+        return
+    assert diff.float().mean().item() <= max_frac, diff.float().mean().item()
+    rel = ((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-30))[diff]
+    assert rel.max().item() <= 0.25, rel.max().item()
+
+
+def check_kernels(device) -> None:
+    from deepinfer.kernels import triton_moe as tm
+    from deepinfer.kernels import reference as ref
+    for T, K, E in SHAPES:
+        x, w, idx = _case(T, K, E, device, seed=T * E)
+        counts, slot = tm.moe_route(idx, E)
+        rc, rs = ref.moe_route_ref(idx, E)
+        assert counts.dtype == torch.int32 and slot.dtype == torch.int64
+        assert torch.equal(counts, rc) and torch.equal(slot, rs), (T, K, E)
+        assert (counts == 0).any() or E == 8 and T > 1
+        valid = slot                                            # rows written; the rest are unset
+        xp = tm.moe_dispatch(x, slot, K, E).view(E * T, DIM)[valid]
+        assert torch.equal(xp, ref.moe_dispatch_ref(x, slot, K, E).view(E * T, DIM)[valid]), (T, K, E)
+        for limit in (0.0, 7.0):
+            g = torch.Generator().manual_seed(T + E)
+            gu = (torch.randn(E, T, 2 * INTER, generator=g) * 4).bfloat16().to(device)
+            hp = tm.moe_swiglu_quant(gu, slot, w, limit, INTER).view(E * T, INTER)[valid]
+            rh = ref.moe_swiglu_quant_ref(gu, slot, w, limit, INTER).view(E * T, INTER)[valid]
+            _bf16_ulp_close(hp, rh, 2e-3)
+        out = (torch.randn(E, T, DIM, generator=g) * 3).bfloat16().to(device)
+        shared = torch.randn(T, DIM, generator=g).bfloat16().to(device)
+        assert torch.equal(tm.moe_combine(out, slot, idx, shared), ref.moe_combine_ref(out, slot, idx, shared))
+    big = torch.randint(0, 48, (700, 6), generator=torch.Generator().manual_seed(3)).to(device)   # > 4096 pairs
+    assert all(torch.equal(a, b) for a, b in zip(tm.moe_route(big, 48), ref.moe_route_ref(big, 48)))
+
+
+def check_moe_forward(ckpt: str) -> None:
+    """An FP8 MoE layer (masked form) on the fast ops vs the same layer on the references: bit-equal
+    with the GEMMs left on the references (the glue kernels only), and close with every op fast
+    (loose: the interpreter's GEMMs truncate float->bf16 casts where a GPU rounds)."""
+    import deepinfer.model.ops as ops
+    from deepinfer.kernels import select
+    from deepinfer.model.loader import load_model
+    model = load_model(ckpt, progress=False, weight_format="fp8", moe_masked=True)
+    calls = []
+    for name in ("moe_route", "moe_dispatch", "moe_swiglu_quant", "moe_combine"):
+        fn = getattr(select, name)
+        setattr(ops, name, lambda *a, _fn=fn, _n=name: (calls.append((_n, select.use_fast(a[0]))), _fn(*a))[1])
+
+    def on_refs(fn):
+        def run(*a, **k):
+            kernels, select.KERNELS = select.KERNELS, "ref"
+            try:
+                return fn(*a, **k)
+            finally:
+                select.KERNELS = kernels
+        return run
+    gemms = {n: getattr(ops, n) for n in ("grouped_fp8_linear_masked", "fp8_linear")}
+    torch.manual_seed(0)
+    for layer in (model.layers[0], model.layers[-1], model.mtp[0]):
+        moe = layer.ffn
+        for T in (1, 9):
+            x = torch.randn(T, model.args.dim).bfloat16()
+            select.KERNELS = "ref"
+            slow = moe(x)
+            select.KERNELS = "fast"
+            fast = moe(x)
+            for n, fn in gemms.items():
+                setattr(ops, n, on_refs(fn))
+            glue = moe(x)
+            for n, fn in gemms.items():
+                setattr(ops, n, fn)
+            assert torch.equal(glue, slow)
+            err = ((fast.float() - slow.float()).abs().max() / slow.float().std()).item()
+            assert err < 0.5, err
+    assert {n for n, f in calls if f} == {"moe_route", "moe_dispatch", "moe_swiglu_quant", "moe_combine"}, calls
+
+
+def test_kernels_and_moe_under_interpreter(tiny_checkpoint):
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_KERNELS="fast")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, __file__, str(tiny_checkpoint)], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.gpu
+def test_kernels_cuda():
+    check_kernels("cuda")
+
+
+@pytest.fixture(scope="module")
+def fp8_models(tiny_checkpoint):
+    from deepinfer.model.loader import load_model
+    masked = load_model(tiny_checkpoint, progress=False, weight_format="fp8", moe_masked=True)
+    loop = load_model(tiny_checkpoint, progress=False, weight_format="fp8", moe_masked=False)
+    return masked, loop
+
+
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_masked_forward_equals_loop(fp8_models, T):
+    """The rewired masked forward (moe_route -> moe_dispatch -> GEMM -> moe_swiglu_quant -> GEMM ->
+    moe_combine, references on a CPU) gives the loop form's bits."""
+    masked, loop = fp8_models
+    torch.manual_seed(T)
+    for lm, ll in zip(masked.layers, loop.layers):
+        x = torch.randn(T, masked.args.dim).bfloat16()
+        assert lm.ffn._use_masked(x, torch.zeros(T, 1)) and not ll.ffn._use_masked(x, torch.zeros(T, 1))
+        assert torch.equal(lm.ffn(x), ll.ffn(x))
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    check_kernels("cpu")
+    print("kernels: ok")
+    if len(sys.argv) > 1:
+        check_moe_forward(sys.argv[1])
+        print("moe forward: ok")
