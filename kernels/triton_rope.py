@@ -6,9 +6,11 @@
 
 Dataflow: one program per (token, BLOCK_H heads) copies the D - rd leading dims and loads the rope
 part as [BLOCK_H, rd/2, 2], splits it into (re, im), rotates by the token's cis row with the
-reference's complex product (re*c - im*s, re*s + im*c), joins, casts and stores. The products and
-sums are fp32 as in torch's complex64 multiply; launched without FMA contraction, so the fp32
-values are those of torch's unfused multiply.
+reference's complex product, joins, casts and stores. Bit-exact against rope_ref on each device:
+NOTE: torch's complex64 multiply rounds differently per device. CUDA (nvcc contracts c10::complex's
+operator*): re = fma(a, c, -(b*d)), im = fma(a, d, b*c), measured on the H200. CPU (AVX mul + hsub):
+re = a*c - b*d, im = a*d + b*c, each product rounded. FMA picks the form (x.is_cuda); the kernel
+is launched without FMA contraction so the unfused form stays unfused.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .reference import rope_ref  # noqa: F401  (the reference this follows)
 
 @triton.jit
 def rope_kernel(x_ptr, cis_ptr, y_ptr, H, sx_t, sx_h, sc_t,
-                D: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr,
+                D: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr, FMA: tl.constexpr,
                 BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -43,8 +45,13 @@ def rope_kernel(x_ptr, cis_ptr, y_ptr, H, sx_t, sx_h, sc_t,
     m3 = hm[:, :, None]
     z = tl.load(src[:, :, None] + offs, mask=m3, other=0.0).to(tl.float32)       # [BLOCK_H, HALF, 2]
     a, b = tl.split(z)                                                           # [BLOCK_H, HALF] each
-    re = a * c[None, :] - b * s[None, :]
-    im = a * s[None, :] + b * c[None, :]
+    c, s = c[None, :], s[None, :]
+    if FMA:                                                                      # torch on CUDA
+        re = tl.fma(a, c, -(b * s))
+        im = tl.fma(a, s, b * c)
+    else:                                                                        # torch on CPU
+        re = a * c - b * s
+        im = a * s + b * c
     out = tl.join(re, im)                                                        # [BLOCK_H, HALF, 2]
     tl.store(dst[:, :, None] + offs, out.to(y_ptr.dtype.element_ty), mask=m3)
 
@@ -68,6 +75,6 @@ def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Ten
     BLOCK_H = min(triton.next_power_of_2(H), 16)
     grid = (T, triton.cdiv(H, BLOCK_H))
     rope_kernel[grid](x3, cr, y, H, x3.stride(0), x3.stride(1), cr.stride(0),
-                      D=D, NOPE=nope, HALF=half, INVERSE=inverse, BLOCK_H=BLOCK_H,
+                      D=D, NOPE=nope, HALF=half, INVERSE=inverse, FMA=x.is_cuda, BLOCK_H=BLOCK_H,
                       BLOCK_NOPE=triton.next_power_of_2(max(nope, 1)), num_warps=4, enable_fp_fusion=False)
     return y
