@@ -13,7 +13,7 @@ from torch import nn
 
 from . import ops
 from .fused_linears import fuse_fp8_linears
-from .layers import ACT, Linear
+from .layers import ACT, Linear, linear_fp32
 
 
 # Above this many token-expert pairs the padded groups cost more than the per-expert loop's
@@ -60,7 +60,7 @@ class Gate(nn.Module):
         self.register_buffer("bias_vl", torch.zeros(n_experts), persistent=False)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None):
-        scores = F.linear(x.float(), self.weight.float()) / self.temp
+        scores = linear_fp32(x, self.weight) / self.temp
         scores = F.softplus(scores).sqrt()
         bias = self.bias if image_mask is None else torch.where(image_mask[:, None], self.bias_vl, self.bias)
         indices = (scores + bias).topk(self.topk, dim=-1)[1]
