@@ -245,7 +245,7 @@ def moe_swiglu_quant_ref(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Te
     """gu [E, T, 2 inter] -> hp [E, T, inter]: at each pair's row, the clamped SwiGLU in fp32 times
     the routing weight, to bf16, then act_quant (Expert.forward's rounding points; rows unset elsewhere)."""
     E, T, _ = gu.shape
-    g = gu.view(-1, 2 * inter)[slot].float()                                # [T*K, 2 inter]
+    g = gu.reshape(-1, 2 * inter)[slot].float()                                # [T*K, 2 inter]
     gate, up = g[:, :inter], g[:, inter:]
     if limit > 0:
         up = up.clamp(-limit, limit)
@@ -261,7 +261,7 @@ def moe_combine_ref(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor
     (the reference's accumulation order), then + shared [T, d], cast to shared's dtype."""
     T, K = indices.shape
     d = out.shape[-1]
-    outs = out.view(-1, d)[slot].view(T, K, d)
+    outs = out.reshape(-1, d)[slot].view(T, K, d)
     rank = torch.argsort(indices, dim=1, stable=True)
     outs = outs.gather(1, rank[..., None].expand(-1, -1, d))
     y = torch.zeros(T, d, device=out.device)

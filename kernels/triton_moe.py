@@ -81,7 +81,13 @@ def moe_dispatch_kernel(x_ptr, slot_ptr, xp_ptr, d, K, BD: tl.constexpr, MANUAL:
 
 
 @triton.jit
-def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter,
+def _slab_row(slot, T, stride_e, stride_row):
+    """Offset of slab row slot = e*T + rank in an [E, C >= T, N] view (DeepGEMM pads C)."""
+    return (slot // T) * stride_e + (slot % T) * stride_row
+
+
+@triton.jit
+def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, stride_e, stride_row,
                             HAS_LIMIT: tl.constexpr, BI: tl.constexpr, MANUAL: tl.constexpr):
     """Program (pair p, column chunk) at row r = slot[p]: clamped SwiGLU in fp32, times the routing
     weight, rounded to bf16, FP8 fake-quantized per 32 -> hp[r]."""
@@ -90,7 +96,7 @@ def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter,
     m = cols < inter
     r = tl.load(slot_ptr + p)
     w = tl.load(w_ptr + p)
-    row = gu_ptr + r * (2 * inter)
+    row = gu_ptr + _slab_row(r, T, stride_e, stride_row)
     gate = tl.load(row + cols, mask=m, other=0.0).to(tl.float32)
     up = tl.load(row + inter + cols, mask=m, other=0.0).to(tl.float32)
     if HAS_LIMIT:
@@ -107,7 +113,7 @@ def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter,
 
 
 @triton.jit
-def moe_combine_kernel(out_ptr, slot_ptr, idx_ptr, shared_ptr, y_ptr, d,
+def moe_combine_kernel(out_ptr, slot_ptr, idx_ptr, shared_ptr, y_ptr, d, T, stride_e, stride_row,
                        K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, MANUAL: tl.constexpr):
     """Program (t, column chunk): y = 0; y += out[slot] of t's picks in ascending expert id (rank =
     how many of t's picks have a smaller id: the experts are distinct); y += shared[t]; bf16."""
@@ -123,7 +129,7 @@ def moe_combine_kernel(out_ptr, slot_ptr, idx_ptr, shared_ptr, y_ptr, d,
     y = tl.zeros((BD,), dtype=tl.float32)
     for j in tl.static_range(K):
         r = tl.sum(tl.where(valid & (rank == j), slots, 0), 0)
-        y = y + tl.load(out_ptr + r * d + cols, mask=m, other=0.0).to(tl.float32)
+        y = y + tl.load(out_ptr + _slab_row(r, T, stride_e, stride_row) + cols, mask=m, other=0.0).to(tl.float32)
     y = y + tl.load(shared_ptr + t.to(tl.int64) * d + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + t.to(tl.int64) * d + cols, _round_bf16(y, MANUAL).to(y_ptr.dtype.element_ty), mask=m)
 
@@ -164,8 +170,10 @@ def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor
     if P:
         bi = _chunk(inter)
         w = weights.reshape(-1).float().contiguous()
-        moe_swiglu_quant_kernel[(P, triton.cdiv(inter, bi))](gu.contiguous(), slot, w, hp, float(limit), inter,
-                                                             HAS_LIMIT=limit > 0, BI=bi, MANUAL=INTERPRET)
+        gu = gu if gu.stride(-1) == 1 else gu.contiguous()       # DeepGEMM's padded view: read in place
+        moe_swiglu_quant_kernel[(P, triton.cdiv(inter, bi))](gu, slot, w, hp, float(limit), inter, T, gu.stride(0),
+                                                             gu.stride(1), HAS_LIMIT=limit > 0, BI=bi,
+                                                             MANUAL=INTERPRET)
     return hp
 
 
@@ -174,9 +182,13 @@ def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, sh
     expert id, plus shared [T, d]."""
     T, K = indices.shape
     d = out.shape[-1]
+    assert out.dim() == 3 and out.shape[1] == T, (tuple(out.shape), T)
     y = torch.empty(T, d, dtype=shared.dtype, device=out.device)
     if T:
         bd = _chunk(d)
-        moe_combine_kernel[(T, triton.cdiv(d, bd))](out.contiguous(), slot, indices.contiguous(), shared.contiguous(),
-                                                    y, d, K=K, KP=triton.next_power_of_2(K), BD=bd, MANUAL=INTERPRET)
+        out = out if out.stride(-1) == 1 else out.contiguous()   # DeepGEMM's padded view: read in place
+        moe_combine_kernel[(T, triton.cdiv(d, bd))](out, slot, indices.contiguous(), shared.contiguous(), y, d,
+                                                    T, out.stride(0),
+                                                    out.stride(1), K=K, KP=triton.next_power_of_2(K), BD=bd,
+                                                    MANUAL=INTERPRET)
     return y

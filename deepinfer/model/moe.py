@@ -213,7 +213,7 @@ class MoE(nn.Module):
         """[T, K, d] bf16: the masked form's per-pair outputs (the forward combines them in place
         instead: ops.moe_combine)."""
         out, slot = self._masked_experts(x, weights, indices)
-        return out.view(-1, self.dim)[slot].view(*indices.shape, self.dim)
+        return out.reshape(-1, self.dim)[slot].view(*indices.shape, self.dim)
 
     def _routed_grouped(self, x, weights, indices) -> torch.Tensor:
         """[T, K, d] bf16: token-expert pairs sorted by expert into padded groups [A, C, d] (A experts

@@ -65,9 +65,18 @@ def check_kernels(device) -> None:
             hp = tm.moe_swiglu_quant(gu, slot, w, limit, INTER).view(E * T, INTER)[valid]
             rh = ref.moe_swiglu_quant_ref(gu, slot, w, limit, INTER).view(E * T, INTER)[valid]
             _bf16_ulp_close(hp, rh, 2e-3)
+            # DeepGEMM's masked output: [E, C padded, N][:, :T], read in place
+            padded = torch.zeros(E, T + 3, 2 * INTER, dtype=gu.dtype, device=device)
+            padded[:, :T] = gu
+            hv = tm.moe_swiglu_quant(padded[:, :T], slot, w, limit, INTER).view(E * T, INTER)[valid]
+            assert torch.equal(hv, hp), (T, K, E)
         out = (torch.randn(E, T, DIM, generator=g) * 3).bfloat16().to(device)
         shared = torch.randn(T, DIM, generator=g).bfloat16().to(device)
-        assert torch.equal(tm.moe_combine(out, slot, idx, shared), ref.moe_combine_ref(out, slot, idx, shared))
+        y = tm.moe_combine(out, slot, idx, shared)
+        assert torch.equal(y, ref.moe_combine_ref(out, slot, idx, shared))
+        padded = torch.zeros(E, T + 5, DIM, dtype=out.dtype, device=device)
+        padded[:, :T] = out
+        assert torch.equal(tm.moe_combine(padded[:, :T], slot, idx, shared), y), (T, K, E)
     big = torch.randint(0, 48, (700, 6), generator=torch.Generator().manual_seed(3)).to(device)   # > 4096 pairs
     assert all(torch.equal(a, b) for a, b in zip(tm.moe_route(big, 48), ref.moe_route_ref(big, 48)))
 
