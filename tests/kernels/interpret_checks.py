@@ -106,6 +106,8 @@ def main():
         for a, b in zip(got[:3], ref[:3]):
             assert (a - b).abs().max() < 1e-5, d
         assert rel(got[3], ref[3]) < 1e-2
+        one = triton_mhc.hc_mixes_pre(xh[:1], fn, scale, base, pre_prev[:1], 20, 1e-6, 1e-20)
+        assert all(torch.equal(a[:1], b) for a, b in zip(got, one)), d      # a token's bits: not the batch's
     mixes = torch.randn(3, 24)
     for a, b in zip(triton_mhc.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6),
                     hc_split_sinkhorn_ref(mixes, scale, base, 4, 20, 1e-6)):
