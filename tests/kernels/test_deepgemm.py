@@ -187,6 +187,12 @@ def test_deepgemm_backend_no_host_sync_and_graph_capture(monkeypatch):
         assert torch.equal(o_g[i, :r], o_e[i, :r])
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "open defect, measured on the H200 (session 3, perf/deepgemm_drift.py): DeepGEMM vs Triton median "
+    "1.01 / max 1.40 logit std over 12 decodes where the torch reference vs Triton is 0.02 / 1.21, with "
+    "or without fused input linears; every per-op DeepGEMM test in this file passes and the CPU "
+    "emulation of its numerics (test_deepgemm_backend.py) stays within DECODE_TOL. Cause not found yet: "
+    "DEEPINFER_GEMM=deepgemm stays opt-in"))
 def test_small_preset_decode_logits_deepgemm_vs_triton(small_checkpoint, monkeypatch):
     """The small preset (every dim a multiple of 128: every FP8 linear and MoE goes to DeepGEMM) on
     CUDA: a 24-token prefill on the Triton path, then 12 tokens each decoded from that same state
