@@ -158,15 +158,7 @@ def bench_moe(quick):
             t8 = time_calls([lambda: triton_gemm.fp8_grouped_gemm_masked(q, sa, w, s, mm, em, out=out)], iters=5)
             xq = triton_quant.act_quant(x).view(G, mmax, K)
             t = time_calls([lambda: triton_gemm.w8a16_grouped_gemm_masked(xq, w, s_e8, mm, em, out=out)], iters=5)
-            t_lib = None
-            if dg:
-                q128, sa128 = deepgemm.act_reblock_128(q.view(-1, K), sa.view(-1, K // 32))
-                q128, sa128 = q128.view(G, mmax, K), sa128.view(G, mmax, K // 128)
-                try:
-                    t_lib = time_calls([lambda: deepgemm.grouped_masked(q128, sa128, w, s128, mm, em, out=out)],
-                                       iters=5)
-                except Exception as e:  # noqa: BLE001
-                    print("deepgemm masked failed", repr(e)[:300])
+            t_lib = _deepgemm_masked_time(q, sa, w, s128, mm, em, out) if dg else None
             if not quick and em == 8:
                 for ov in SWEEP[:2]:
                     try:
@@ -188,6 +180,20 @@ VARIANT_SWEEP = [dict(num_warps=8), dict(NUM_STAGES=3), dict(BN=256, num_warps=8
 def _e8m0_bytes(s: torch.Tensor) -> torch.Tensor:
     """pow2 f32 scales -> the same values as raw E8M0 bytes."""
     return (torch.log2(s).round() + 127).to(torch.uint8)
+
+
+def _deepgemm_masked_time(q, sa, w, s128, mm, em, out) -> float | None:
+    """Time of DeepGEMM's masked grouped GEMM on our FP8 activations (q e4m3 with per-32 scales sa,
+    G * C rows in any shape) re-blocked to its per-128 scales, into out [G, C, N]; None if it fails."""
+    G, C, N = out.shape
+    K = q.shape[-1]
+    q128, sa128 = deepgemm.act_reblock_128(q.reshape(-1, K), sa.reshape(-1, K // 32))
+    q128, sa128 = q128.view(G, C, K), sa128.view(G, C, K // 128)
+    try:
+        return time_calls([lambda: deepgemm.grouped_masked(q128, sa128, w, s128, mm, em, out=out)], iters=5)
+    except Exception as e:  # noqa: BLE001
+        print("deepgemm masked failed", repr(e)[:300])
+        return None
 
 
 def _time_variants(label, shape, calls, variants, nbytes, t_lib, sweep):
@@ -268,16 +274,7 @@ def bench_variants(quick, variants=None, sweep=True):
             xq = triton_quant.act_quant(x).view(G, mmax, K)
             out = torch.empty(G, mmax, N, device="cuda", dtype=torch.bfloat16)
             nbytes = G * (N * K + N * K // 32 + em * K * 2 + em * N * 2)
-            t_lib = None
-            if dg:
-                q, sa = triton_quant.act_quant_fp8(x)
-                q128, sa128 = deepgemm.act_reblock_128(q, sa)
-                q128, sa128 = q128.view(G, mmax, K), sa128.view(G, mmax, K // 128)
-                try:
-                    t_lib = time_calls([lambda: deepgemm.grouped_masked(q128, sa128, w, s128, mm, em, out=out)],
-                                       iters=5)
-                except Exception as e:  # noqa: BLE001
-                    print("deepgemm masked failed", repr(e)[:300])
+            t_lib = _deepgemm_masked_time(*triton_quant.act_quant_fp8(x), w, s128, mm, em, out) if dg else None
 
             def calls(ov, xq=xq, mm=mm, em=em):
                 return [lambda: triton_gemm.w8a16_grouped_gemm_masked(xq, w, s_e8, mm, em, out=out, cfg_override=ov)]
