@@ -295,11 +295,19 @@ def append_lists(win: torch.Tensor, win_len: torch.Tensor, comp: torch.Tensor) -
 def topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest along the last dim, ties to the lowest index: deterministic and
     independent of the row's padded width (torch.topk's tie order depends on both), so a sequence's
-    picks do not depend on what else is in the batch."""
+    picks do not depend on what else is in the batch. The top-k runs on one integer key per entry,
+    (value order, reversed index): 32 bits for bf16 scores in rows up to 2^16 wide (the indexer's:
+    half the radix passes of the 64-bit key), 64 bits otherwise; both order entries the same way."""
     bits = x.float().contiguous().view(torch.int32)
     order = bits ^ ((bits >> 31) & 0x7FFFFFFF)                               # monotone in the float value
-    ids = torch.arange(x.shape[-1], device=x.device)
-    key = order.to(torch.int64) * (1 << 32) + ((1 << 31) - 1 - ids)
+    width = x.shape[-1]
+    ids = torch.arange(width, device=x.device, dtype=torch.int32)
+    if x.dtype == torch.bfloat16 and width <= 1 << 16:
+        # a bf16's float bits end in 16 zeros (16 ones after the flip for negatives): order >> 16
+        # keeps every distinct value apart, in the same order
+        key = ((order >> 16) << 16) | ((1 << 16) - 1 - ids)
+    else:
+        key = order.to(torch.int64) * (1 << 32) + ((1 << 31) - 1 - ids.to(torch.int64))
     return key.topk(k, dim=-1, sorted=False).indices
 
 
