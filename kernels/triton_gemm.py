@@ -77,6 +77,23 @@ def _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K,
 
 
 @triton.jit
+def _grid_work(mm_ptr, M, K, SPLIT_K, BK: tl.constexpr, GROUPED: tl.constexpr):
+    """This program's group g, split-K slice, row limit (the group's masked count when GROUPED) and
+    K-block range [kb0, kb1) of the nkb blocks: the FP8 / W8A16 kernels' shared grid decomposition."""
+    pid_z = tl.program_id(2)
+    g = pid_z // SPLIT_K
+    split = pid_z % SPLIT_K
+    m_lim = M
+    if GROUPED:
+        m_lim = tl.load(mm_ptr + g)
+    nkb = K // BK
+    per = tl.cdiv(nkb, SPLIT_K)
+    kb0 = split * per
+    kb1 = tl.minimum(kb0 + per, nkb)
+    return g, split, m_lim, nkb, kb0, kb1
+
+
+@triton.jit
 def fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
                     M, N, K, SPLIT_K,
                     BM: tl.constexpr, BN: tl.constexpr, SB_ROWS: tl.constexpr,
@@ -87,18 +104,9 @@ def fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
     else c is [G, M, N] bf16. GROUPED: rows >= mm[g] are skipped (masked layout)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    pid_z = tl.program_id(2)
-    g = pid_z // SPLIT_K
-    split = pid_z % SPLIT_K
-    m_lim = M
-    if GROUPED:
-        m_lim = tl.load(mm_ptr + g)
+    g, split, m_lim, nkb, kb0, kb1 = _grid_work(mm_ptr, M, K, SPLIT_K, 32, GROUPED)
     if pid_m * BM >= m_lim:
         return
-    nkb = K // 32
-    per = tl.cdiv(nkb, SPLIT_K)
-    kb0 = split * per
-    kb1 = tl.minimum(kb0 + per, nkb)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, 32)
@@ -126,23 +134,6 @@ def fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
 
 
 @triton.jit
-def _w8a16_work(mm_ptr, M, K, SPLIT_K, BK: tl.constexpr, GROUPED: tl.constexpr):
-    """This program's group g, split-K slice, row limit (the group's masked count when GROUPED) and
-    K-block range [kb0, kb1) of the nkb blocks: the W8A16 kernels' shared grid decomposition."""
-    pid_z = tl.program_id(2)
-    g = pid_z // SPLIT_K
-    split = pid_z % SPLIT_K
-    m_lim = M
-    if GROUPED:
-        m_lim = tl.load(mm_ptr + g)
-    nkb = K // BK
-    per = tl.cdiv(nkb, SPLIT_K)
-    kb0 = split * per
-    kb1 = tl.minimum(kb0 + per, nkb)
-    return g, split, m_lim, nkb, kb0, kb1
-
-
-@triton.jit
 def w8a16_gemm_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
                       M, N, K, SPLIT_K,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SB_ROWS: tl.constexpr,
@@ -155,7 +146,7 @@ def w8a16_gemm_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
     SB_E8M0: sb holds raw E8M0 bytes (1 B per 32 weights instead of 4)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    g, split, m_lim, nkb, kb0, kb1 = _w8a16_work(mm_ptr, M, K, SPLIT_K, BK, GROUPED)
+    g, split, m_lim, nkb, kb0, kb1 = _grid_work(mm_ptr, M, K, SPLIT_K, BK, GROUPED)
     if pid_m * BM >= m_lim:
         return
     rm = pid_m * BM + tl.arange(0, BM)
@@ -305,7 +296,7 @@ def w8a16_v2_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
     broadcast to [BN, BK]. Either way: loads -> integer/bf16x2 dequant -> bf16 wgmma, fp32 in place."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    g, split, m_lim, nkb, kb0, kb1 = _w8a16_work(mm_ptr, M, K, SPLIT_K, BK, GROUPED)
+    g, split, m_lim, nkb, kb0, kb1 = _grid_work(mm_ptr, M, K, SPLIT_K, BK, GROUPED)
     if pid_m * BM >= m_lim:
         return
     rm = pid_m * BM + tl.arange(0, BM)
