@@ -346,6 +346,8 @@ def _convert_stacks(moe, rep: dict) -> None:
             rep["expert_elements"] += we.numel()
             STATS["expert_changed"] += changed
         setattr(st, sname, s_new)
+    if hasattr(st, "r13"):                            # row scales (ExpertStacks.to_row_scales) no longer apply
+        st.r13 = st.r2 = None
     for e, ex in enumerate(moe.experts):
         old = ex.w1.fp8[0] if ex.w1.fp8 is not None else None
         ex.w1.fp8 = (st.w13[e, :inter], st.s13[e, :inter // 128])

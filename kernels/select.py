@@ -241,13 +241,44 @@ def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, sh
 
 
 def dequant_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """[..., N, K] e4m3 + E8M0 bytes (or f32 pow2) per 32x32 tile [..., N/32, K/32] or per (row, 32)
-    [..., N, K/32] -> exact float32 values (reference.dequant_fp8_ref for the 2-D tile case)."""
+    """[..., N, K] e4m3 + E8M0 bytes (or f32 pow2) per 32x32 tile [..., N/32, K/32], per (row, 32)
+    [..., N, K/32] or per row [..., N, 1] -> exact float32 values (reference.dequant_fp8_ref for the
+    2-D tile case)."""
     n, k = w.shape[-2:]
     s = w_scale if w_scale.dtype == torch.float32 else _ref.e8m0_to_float(w_scale)
     if s.shape[-2] != n:                                               # one scale per 32 rows
         s = s.repeat_interleave(32, -2)[..., :n, :]
-    return w.view(torch.float8_e4m3fn).float() * s.repeat_interleave(32, -1)[..., :k]
+    cols = k if s.shape[-1] == 1 else 32
+    return w.view(torch.float8_e4m3fn).float() * s.repeat_interleave(cols, -1)[..., :k]
+
+
+def row_scaled_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor):
+    """[..., N, K] e4m3 + per-(row, 32) E8M0 [..., N, K/32] -> (e4m3 w', f32 [..., N, 1]) with one pow2
+    scale per row and w' * row scale == w * block scale for every element, or None where some element
+    has no exact e4m3 form at its row's scale (a row's block exponents spread too far: > 14 for e2m1
+    values). The row exponent puts the row's largest element at e4m3's top binade (2^8), so the
+    smaller blocks shift down as little as they can. The K loop of the W8A16 kernel then needs no scale
+    at all (triton_gemm.w8a16_rows_kernel): MXFP4 experts re-expressed once at load."""
+    n, k = w.shape[-2:]
+    if w_scale.shape[-2] != n or w_scale.shape[-1] != k // 32 or k % 32:
+        return None
+    wf = w.view(torch.float8_e4m3fn).float().unflatten(-1, (k // 32, 32))        # [..., N, K/32, 32]
+    e = w_scale.view(torch.uint8).to(torch.int32) - 127                          # block exponents
+    amax = wf.abs().amax(-1)
+    top = torch.where(amax > 0, e + torch.frexp(amax).exponent - 1, torch.full_like(e, -1 << 20))
+    row_e = (top.amax(-1, keepdim=True) - 8).clamp(-127, 127)                   # all-zero row: 2^-127
+
+    def shifted(r):
+        return wf * torch.ldexp(torch.ones_like(amax), (e - r).clamp(-126, 127))[..., None]
+
+    # 1.875 * 2^8 is past e4m3's largest value (448): such rows take one binade less
+    row_e = row_e + (shifted(row_e).abs().amax((-2, -1))[..., None] > 448).to(row_e.dtype)
+    wq = shifted(row_e).to(torch.float8_e4m3fn)
+    row_scale = torch.ldexp(torch.ones_like(row_e, dtype=torch.float32), row_e)
+    exact = torch.ldexp(wf.double(), e[..., None].double())
+    if not torch.equal(wq.double() * row_scale.double()[..., None], exact):
+        return None
+    return wq.flatten(-2), row_scale
 
 
 def fp4_to_fp8_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,8 +290,11 @@ def fp4_to_fp8_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.
 
 
 def _fast_gemm_ok(w: torch.Tensor, w_scale: torch.Tensor) -> bool:
-    """The Triton W8A16 GEMMs take K % 32 == 0 and one scale per row or per 32 rows."""
+    """The Triton W8A16 GEMMs take K % 32 == 0 and, per 32 columns, one scale per row or per 32 rows,
+    or one f32 scale per whole row (row_scaled_fp8_weight)."""
     n, k = w.shape
+    if w_scale.shape[-1] == 1 and k > 32:
+        return k % 32 == 0 and w_scale.dtype == torch.float32 and w_scale.shape[0] == n
     return k % 32 == 0 and w_scale.shape[-1] == k // 32 and n in (w_scale.shape[0], 32 * w_scale.shape[0])
 
 

@@ -376,6 +376,85 @@ def w8a16_v2_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
     _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32)
 
 
+# ---------------------------------------------------------------------------------------------------
+# W8A16 with one scale per row (FP4 experts): MXFP4 experts re-expressed as e4m3 w' = w * 2^(e - E_row)
+# with one pow2 scale 2^E_row per weight row (exact while a row's block exponents span <= 14:
+# rows_scaled_fp8_weight). Nothing in the K loop depends on a scale: the dequant is the byte placement
+# and one bf16x2 multiply by 2^120 per two weights, and the row scale multiplies the fp32 result once.
+# Same exact bf16 products (up to the pow2 factor 2^E_row, moved out of the sum), same fp32 accumulation.
+# The weights are read as int16 pairs: each pair's dequant yields the two adjacent-K bf16 values that
+# one register of the wgmma A fragment holds, so the tile goes from shared memory straight into that
+# layout (sm_90 PTX, perf/ptx_check.py: no shared-memory shuffle, 4 SASS instructions per weight where
+# v3 spends 5 and 8 barriers per K step).
+_PAIR_ASM_NOSCALE = tl.constexpr("""
+{
+.reg .b32 t, c;
+mov.b32 c, 0x7B807B80;
+cvt.u32.u16 t, $2;
+prmt.b32 t, t, 0, 0x9180;
+shl.b32 t, t, 4;
+and.b32 t, t, 0x87F087F0;
+mul.rn.bf16x2 t, t, c;
+mov.b32 {$0, $1}, t;
+}
+""")
+
+
+@triton.jit
+def _e4m3_pair_to_bf16(w2):
+    """int16 = two e4m3 weights (k = 2i low byte, 2i + 1 high byte) -> (lo, hi) bf16."""
+    return tl.inline_asm_elementwise(asm=_PAIR_ASM_NOSCALE, constraints="=h,=h,h", args=[w2],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+
+@triton.jit
+def w8a16_rows_kernel(x_ptr, b_ptr, sr_ptr, c_ptr, mm_ptr,
+                      M, N, K, SPLIT_K,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
+                      NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False):
+    """x [G, M, K] bf16 (FP8-rounded activations), b [G, N, K] e4m3, sr [G, N] f32 pow2 row scales:
+    c = (x . b^T) * sr, the dot over exact bf16 weights with fp32 accumulation. Grid as fp8_gemm_kernel."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    g, split, m_lim, nkb, kb0, kb1 = _grid_work(mm_ptr, M, K, SPLIT_K, BK, GROUPED)
+    if pid_m * BM >= m_lim:
+        return
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    g64 = g.to(tl.int64)
+    m_ok = rm < m_lim
+    n_ok = rn < N
+    r2 = tl.arange(0, BK // 2)
+    x_ptrs = x_ptr + g64 * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+    w_ptrs = (b_ptr.to(tl.pointer_type(tl.int16)) + g64 * N * (K // 2) + rn[:, None].to(tl.int64) * (K // 2)
+              + r2[None, :])
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
+        x = tl.load(x_ptrs + kb * BK, mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptrs + kb * (BK // 2), mask=n_ok[:, None], other=0)
+        if UPCAST:                       # CPU interpreter: the same bit arithmetic in fp32
+            lo, hi = _dequant_pair_ref(w, 1.0)
+            x = x.to(tl.float32)
+        else:
+            lo, hi = _e4m3_pair_to_bf16(w)
+        wd = tl.reshape(tl.join(lo, hi), (BN, BK))
+        if SWAP:
+            acc = tl.dot(wd, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(wd), acc)
+    sr = tl.load(sr_ptr + g64 * N + rn, mask=n_ok, other=0.0)
+    if SWAP:
+        acc = acc * sr[:, None]
+    else:
+        acc = acc * sr[None, :]
+    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32)
+
+
 @triton.jit
 def splitk_reduce_kernel(ws_ptr, c_ptr, S, total, BLOCK: tl.constexpr):
     """c[i] = bf16(sum_s ws[s, i]) summed in split order (deterministic)."""
@@ -429,11 +508,15 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, p
     kw = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], SB_ROWS=sb_rows, SWAP=cfg["SWAP"],
               GROUPED=masked_m is not None, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"],
               UPCAST=INTERPRET, SB_E8M0=sb.dtype != torch.float32)
-    variant = w8a16_variant(cfg, b, sb, k)
-    kernel = w8a16_gemm_kernel
-    if variant != "v1":
+    if sb.shape[-1] == 1 and k > 32:                  # one scale per row: rows_scaled_fp8_weight
+        assert sb.dtype == torch.float32 and sb_rows == 1
+        kernel = w8a16_rows_kernel
+        del kw["SB_ROWS"], kw["SB_E8M0"]
+    elif w8a16_variant(cfg, b, sb, k) == "v1":
+        kernel = w8a16_gemm_kernel
+    else:
         kernel = w8a16_v2_kernel
-        kw["PER32"] = variant == "v2" and cfg["SWAP"]
+        kw["PER32"] = w8a16_variant(cfg, b, sb, k) == "v2" and cfg["SWAP"]
     c = out if out is not None else torch.empty(groups, m, n, dtype=torch.bfloat16, device=dev)
     if split == 1 and not partials:
         kernel[grid](x, b, sb, c, mm, m, n, k, 1, OUT_F32=False, **kw)
@@ -459,7 +542,7 @@ def w8a16_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch_invaria
     m, k = x.shape
     n = b.shape[0]
     sb_rows = n // sb.shape[0]
-    assert k % 32 == 0 and sb_rows in (1, 32) and sb.shape[1] == k // 32
+    assert k % 32 == 0 and sb_rows in (1, 32) and sb.shape[1] in (k // 32, 1)
     if m == 0:
         return torch.empty(0, n, dtype=torch.bfloat16, device=x.device)
     cfg = w8a16_config(m, n, k, 1, x.device, batch_invariant)

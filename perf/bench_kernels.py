@@ -32,7 +32,8 @@ from benchutil import copies_for, measure_ceilings, out_dir, save_json, time_cal
 
 from deepinfer.kernels import deepgemm, flashmla, triton_gemm, triton_indexer, triton_mhc, triton_quant  # noqa: E402
 from deepinfer.kernels import triton_sparse_attn as tsa  # noqa: E402
-from deepinfer.kernels.reference import act_quant_ref, e8m0_to_float, fp4_quant_ref, sparse_attn_ref  # noqa: E402
+from deepinfer.kernels.reference import E2M1_GRID, act_quant_ref, e8m0_to_float, fp4_quant_ref, sparse_attn_ref  # noqa: E402
+from deepinfer.kernels.select import row_scaled_fp8_weight  # noqa: E402
 
 ROWS: list[dict] = []
 C: dict = {}
@@ -175,6 +176,8 @@ def bench_moe(quick):
 MOE_GROUPS = (48, 128)                       # local experts (EP8 share), capacity rows per expert
 MOE_SHAPES = {"moe_w13": (4608, 5120), "moe_w2": (5120, 2304)}
 VARIANT_SWEEP = [dict(num_warps=8), dict(NUM_STAGES=3), dict(BN=256, num_warps=8, NUM_STAGES=3)]
+ROWS_SWEEP = [dict(num_warps=8), dict(NUM_STAGES=3), dict(NUM_STAGES=6), dict(BN=64), dict(BN=256, num_warps=8),
+              dict(BK=256, NUM_STAGES=3), dict(BN=64, NUM_STAGES=6)]
 
 
 def _e8m0_bytes(s: torch.Tensor) -> torch.Tensor:
@@ -196,9 +199,9 @@ def _deepgemm_masked_time(q, sa, w, s128, mm, em, out) -> float | None:
         return None
 
 
-def _time_variants(label, shape, calls, variants, nbytes, t_lib, sweep):
+def _time_variants(label, shape, calls, variants, nbytes, t_lib, sweep, sweep_list=VARIANT_SWEEP):
     """Times calls(cfg_override) (a list of callables, one GEMM each) per variant: the default config, then
-    the best of VARIANT_SWEEP with sweep; prints the side-by-side line and adds one row per variant."""
+    the best of sweep_list with sweep; prints the side-by-side line and adds one row per variant."""
     times = {}
     for var in variants:
         try:
@@ -207,7 +210,7 @@ def _time_variants(label, shape, calls, variants, nbytes, t_lib, sweep):
             print(f"   {label} {shape} {var} failed {repr(e)[:200]}", flush=True)
             continue
         best, best_ov = t, {}
-        for ov in (VARIANT_SWEEP if sweep else []):
+        for ov in (sweep_list if sweep else []):
             try:
                 tv = time_calls(calls(dict(ov, VARIANT=var)), iters=5)
             except Exception as e:  # noqa: BLE001
@@ -263,9 +266,16 @@ def bench_variants(quick, variants=None, sweep=True):
             _time_variants(f"linear {name}", f"M{M} N{N} K{K}", calls, variants, nbytes, t_lib, sweep)
         del ws, ws8, wdg
     G, mmax = MOE_GROUPS
+    grid = torch.tensor(E2M1_GRID, device="cuda")
+    grid = torch.cat([grid, -grid])
     for name, (N, K) in MOE_SHAPES.items():
-        w = (torch.randn(G, N, K, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+        # MXFP4 experts as the loader holds them: e2m1 values in e4m3, E8M0 per (row, 32), and the same
+        # weights with one scale per row (select.row_scaled_fp8_weight) for the rows kernel
+        w = grid[torch.randint(0, 16, (G, N, K), device="cuda")].to(torch.float8_e4m3fn)
         s_e8 = torch.randint(115, 121, (G, N, K // 32), device="cuda", dtype=torch.uint8)
+        wr, sr = torch.empty_like(w), torch.empty(G, N, 1, device="cuda")
+        for g in range(G):
+            wr[g], sr[g] = row_scaled_fp8_weight(w[g], s_e8[g])
         if dg:
             s128 = torch.exp2(torch.randint(-12, -6, (G, N // 128, K // 128), device="cuda").float())
         for em in ((8,) if quick else (8, 32)):
@@ -279,7 +289,18 @@ def bench_variants(quick, variants=None, sweep=True):
             def calls(ov, xq=xq, mm=mm, em=em):
                 return [lambda: triton_gemm.w8a16_grouped_gemm_masked(xq, w, s_e8, mm, em, out=out, cfg_override=ov)]
             _time_variants(f"moe masked {name}", f"G{G} m{em} N{N} K{K}", calls, variants, nbytes, t_lib, sweep)
-        del w, s_e8
+
+            def calls_rows(ov, xq=xq, mm=mm, em=em):
+                ov = {k: v for k, v in ov.items() if k != "VARIANT"}
+                return [lambda: triton_gemm.w8a16_grouped_gemm_masked(xq, wr, sr, mm, em, out=out, cfg_override=ov)]
+            ref = triton_gemm.w8a16_grouped_gemm_masked(xq, w, s_e8, mm, em, cfg_override=dict(VARIANT="v3"))
+            got = triton_gemm.w8a16_grouped_gemm_masked(xq, wr, sr, mm, em)
+            same = torch.equal(got[:, :em], ref[:, :em])
+            print(f"   rows kernel vs v3 on the same weights: {'bitwise equal' if same else 'DIFFERENT'} "
+                  f"(max abs diff {(got[:, :em].float() - ref[:, :em].float()).abs().max().item():.3g})", flush=True)
+            _time_variants(f"moe masked {name}", f"G{G} m{em} N{N} K{K}", calls_rows, ["rows"],
+                           G * (N * K + N * 4 + em * K * 2 + em * N * 2), t_lib, sweep, ROWS_SWEEP)
+        del w, s_e8, wr, sr
 
 
 def bench_attn(quick):

@@ -87,6 +87,16 @@ def _moe(g, em, n, k, rows=1, e8m0=True, mmax=128):
     return call
 
 
+def _moe_rows(g, em, n, k, mmax=128):
+    def call(cfg):
+        w = torch.empty(g, n, k, dtype=torch.float8_e4m3fn, device=META)
+        s = torch.empty(g, n, 1, dtype=torch.float32, device=META)
+        x = torch.empty(g, mmax, k, dtype=torch.bfloat16, device=META)
+        mm = torch.empty(g, dtype=torch.int32, device=META)
+        tg.w8a16_grouped_gemm_masked(x, w, s, mm, em, cfg_override=cfg)
+    return call
+
+
 def _fp8xfp8(m, n, k):
     def call(cfg):
         w, s = _w(n, k, 32, e8m0=False)
@@ -108,6 +118,9 @@ CASES = {
     "moe_w13_m8": (_moe(48, 8, 4608, 5120), True),
     "moe_w2_m32": (_moe(48, 32, 5120, 2304), True),
     "moe_w13_m8_rows32": (_moe(48, 8, 4608, 5120, rows=32), True),
+    "moe_w13_m8_rowscale": (_moe_rows(48, 8, 4608, 5120), False),
+    "moe_w2_m8_rowscale": (_moe_rows(48, 8, 5120, 2304), False),
+    "moe_w13_m32_rowscale": (_moe_rows(48, 32, 4608, 5120), False),
     "fp8xfp8_wq_a_m64": (_fp8xfp8(64, 1280, 5120), False),
 }
 
@@ -249,8 +262,9 @@ def _sass(cubin: bytes):
     return out
 
 
-def sass_loop(sass):
-    """Opcode counts of the SASS K loop: the backward branch region with the most HGMMA/HMMA."""
+def sass_loop(sass, lines=False):
+    """Opcode counts of the SASS K loop: the backward branch region with the most HGMMA/HMMA
+    (lines=True: the loop's instructions themselves)."""
     addr = {a: i for i, (a, _) in enumerate(sass)}
     best, best_n = None, 0
     for i, (a, ins) in enumerate(sass):
@@ -264,7 +278,9 @@ def sass_loop(sass):
             if n > best_n or (n == best_n and best and i - j < best[1] - best[0]):
                 best, best_n = (j, i), n
     if not best:
-        return {}
+        return [] if lines else {}
+    if lines:
+        return [x for _, x in sass[best[0]:best[1] + 1]]
     from collections import Counter
     return Counter(x.split()[0].split(".")[0] for _, x in sass[best[0]:best[1] + 1])
 
@@ -281,8 +297,10 @@ def analyze(kernel, arch=90) -> dict:
     regs, spill = _ptxas_info(ptx, arch)
     loop = _main_loop(lines)
     body = [x for x in lines[loop[0]:loop[1] + 1] if x.endswith(";") and not x.startswith(("//", "."))] if loop else []
-    sl = sass_loop(_sass(kernel.asm["cubin"]))
+    sass = _sass(kernel.asm["cubin"])
+    sl = sass_loop(sass)
     return {
+        "sass_lines": sass_loop(sass, lines=True),
         "sass": sum(sl.values()) if sl else "-",
         "sass_ops": sl,
         "loop": len(body),
@@ -314,6 +332,7 @@ def main(argv=None):
     ap.add_argument("--all-kernels", action="store_true", help="also the split-K reduce kernel")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--ops", action="store_true", help="print the SASS opcode mix of each K loop")
+    ap.add_argument("--sass", action="store_true", help="print each K loop's SASS")
     ap.add_argument("--matrix", action="store_true", help="compile every constexpr combination (small shapes)")
     args = ap.parse_args(argv)
     cases = dict(CASES)
@@ -358,7 +377,10 @@ def main(argv=None):
                       + " ".join(f"{str(r[c]):>9s}" for c in COLS), flush=True)
                 if args.ops and r["sass_ops"]:
                     print("    " + ", ".join(f"{o}:{c}" for o, c in r["sass_ops"].most_common(24)))
-                results.append(dict(case=case, variant=var, kernel=fn.__name__, config=conf, **r))
+                if args.sass:
+                    print("\n".join("      " + ln for ln in r["sass_lines"]))
+                results.append(dict(case=case, variant=var, kernel=fn.__name__, config=conf,
+                                    **{c: v for c, v in r.items() if c != "sass_lines"}))
                 if args.dump:
                     os.makedirs(args.dump, exist_ok=True)
                     stem = os.path.join(args.dump, f"{case}_{var}_{fn.__name__}")

@@ -234,7 +234,7 @@ def _target(model, name: str):
 def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progress: bool = True,
                tokenizer_json: str | Path | None = None, pack_experts: bool | None = None,
                weight_format: str | None = None, moe_masked: bool | None = None, fuse_linears: bool | None = None,
-               **arg_overrides):
+               expert_row_scales: bool | None = None, **arg_overrides):
     """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input.
 
     weight_format: "dense" or "fp8" (the module docstring); default "fp8" on CUDA, "dense" elsewhere.
@@ -243,7 +243,10 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     moe_masked ("fp8" only): MoE.masked, the sync-free masked expert form; None = on CUDA for
     decode-sized steps, True = every step on any device (CPU tests), False = never.
     fuse_linears ("fp8" only): Linears that read the same input run as one GEMM (model/fused_linears.py);
-    None = on CUDA (a CPU keeps them apart: its fp32 matmuls are what the fixtures' bits were made with)."""
+    None = on CUDA (a CPU keeps them apart: its fp32 matmuls are what the fixtures' bits were made with).
+    expert_row_scales ("fp8" only): re-express the FP8 expert stacks with one scale per row where that is
+    exact (ExpertStacks.to_row_scales: the same values, a scale-free K loop in the masked GEMMs);
+    None = on CUDA."""
     from .engram import NgramHasher, compressed_token_map
     from .layers import compute_dtype
     from .moe import MoE
@@ -291,6 +294,10 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
             mod.masked = moe_masked
     if weight_format == "fp8" and (cuda if fuse_linears is None else fuse_linears):
         fuse_input_linears(model)
+    if weight_format == "fp8" and (cuda if expert_row_scales is None else expert_row_scales):
+        for mod in model.modules():
+            if isinstance(mod, MoE) and mod.stacks is not None:
+                mod.stacks.to_row_scales()
     if weight_format == "fp8":                  # DEEPINFER_GEMM=deepgemm: 128-tile weights, once (else a no-op)
         from deepinfer.kernels.deepgemm import prepare_deepgemm
         prepare_deepgemm(model)

@@ -40,6 +40,31 @@ class ExpertStacks:
     s13: torch.Tensor    # [E, 2 * inter, dim / 32] E8M0 bytes, one per (row, 32)
     w2: torch.Tensor     # [E, dim, inter] e4m3
     s2: torch.Tensor     # [E, dim, inter / 32] E8M0 bytes
+    # one f32 pow2 scale per row [E, N, 1] once to_row_scales re-expressed the stack (s13 / s2 then
+    # hold that same scale in every block, so the per-expert Linear views stay valid)
+    r13: torch.Tensor | None = None
+    r2: torch.Tensor | None = None
+
+    def to_row_scales(self) -> bool:
+        """Re-express both stacks in place with one scale per row (ops.row_scaled_fp8_weight: the
+        masked GEMMs' K loop then reads no scale). Per stack, only if every expert converts exactly;
+        True if both did."""
+        for wname, sname, rname in (("w13", "s13", "r13"), ("w2", "s2", "r2")):
+            w, s = getattr(self, wname), getattr(self, sname)
+            conv = [ops.row_scaled_fp8_weight(w[e], s[e]) for e in range(w.shape[0])]
+            if any(c is None for c in conv):
+                continue
+            rows = torch.stack([r for _, r in conv])                              # [E, N, 1] f32
+            for e, (we, _) in enumerate(conv):
+                w[e].copy_(we)
+            s.view(torch.uint8).copy_((torch.frexp(rows).exponent + 126).to(torch.uint8).expand(s.shape))
+            setattr(self, rname, rows)
+        return self.r13 is not None and self.r2 is not None
+
+    def masked_weights(self) -> tuple:
+        """(w13, scale, w2, scale) for the masked GEMMs: the row scales where present."""
+        return (self.w13, self.r13 if self.r13 is not None else self.s13,
+                self.w2, self.r2 if self.r2 is not None else self.s2)
 
     @classmethod
     def empty(cls, n_experts: int, dim: int, inter: int, device) -> "ExpertStacks":
@@ -204,9 +229,10 @@ class MoE(nn.Module):
         counts, slot = ops.moe_route(indices, E)                                # [E] int32, [T*K]
         expected_m = -(-T * K // E)                                             # host ints: tile choice
         xp = ops.moe_dispatch(x, slot, K, E)                                    # [E, C, d]
-        gu = ops.grouped_fp8_linear_masked(xp, st.w13, st.s13, counts, expected_m)   # [E, C, 2 inter]
+        w13, s13, w2, s2 = st.masked_weights()
+        gu = ops.grouped_fp8_linear_masked(xp, w13, s13, counts, expected_m)    # [E, C, 2 inter]
         hp = ops.moe_swiglu_quant(gu, slot, weights, ex.limit, inter)           # [E, C, inter]
-        out = ops.grouped_fp8_linear_masked(hp, st.w2, st.s2, counts, expected_m)    # [E, C, d]
+        out = ops.grouped_fp8_linear_masked(hp, w2, s2, counts, expected_m)     # [E, C, d]
         return out, slot
 
     def _routed_masked(self, x, weights, indices) -> torch.Tensor:

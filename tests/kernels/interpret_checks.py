@@ -61,6 +61,32 @@ def check_w8a16_variants():
                         assert rel(d[g, :r], ref[g, :r]) < 8e-3, (var, e8m0, split, g)
 
 
+def check_w8a16_rows():
+    """The row-scaled W8A16 kernel (one f32 scale per weight row, select.row_scaled_fp8_weight): dense and
+    masked grouped, split-K on and off, swapped and not: the fp32 partial sums exactly."""
+    from deepinfer.kernels.select import row_scaled_fp8_weight
+    m, n, k = 5, 64, 256
+    for g, mm in ((1, None), (3, torch.tensor([5, 0, 3], dtype=torch.int32))):
+        x, w, s, ref = w8a16_exact_case(g, m, n, k, 1, True, seed=11 + g)
+        wr, sr = zip(*(row_scaled_fp8_weight(w[i], s[i]) for i in range(g)))
+        wr, sr = torch.stack(wr), torch.stack(sr)
+        assert sr.shape == (g, n, 1)
+        for split in (1, 3):
+            for swap in (True, False):
+                cfg = dict(SPLIT_K=split, SWAP=swap, BM=16, BN=64, BK=128)
+                if mm is None:
+                    ws = triton_gemm.w8a16_partials(x[0], wr[0], sr[0], cfg_override=cfg).double().sum(0)
+                    assert torch.equal(ws, ref), (split, swap)
+                    y = triton_gemm.w8a16_gemm(x[0], wr[0], sr[0], cfg_override=cfg)
+                    assert rel(y, ref[0]) < 8e-3, (split, swap, rel(y, ref[0]))
+                else:
+                    ws = triton_gemm.w8a16_partials(x, wr, sr, mm, cfg_override=cfg).double().sum(0)
+                    for i in range(g):
+                        r = int(mm[i])
+                        assert torch.equal(ws[i, :r], ref[i, :r]), (split, swap, i)
+                        assert not ws[i, r:].any()
+
+
 def main():
     torch.manual_seed(0)
     x = (torch.randn(5, 256) * torch.exp(2 * torch.randn(5, 1))).bfloat16()
@@ -149,6 +175,7 @@ def main():
         ref = torch.nn.functional.linear(act_quant_ref(xa[g, :r]).float(), dequant_fp4_ref(packed[g], sc[g]))
         assert rel(d2[g, :r], ref) < 8e-3, rel(d2[g, :r], ref)
     check_w8a16_variants()
+    check_w8a16_rows()
     print("interpret checks passed")
 
 

@@ -122,6 +122,11 @@ def test_w8a16_dequant_ptx_every_byte(scale_exp):
     for out, byte in (("$0", v & 0xFF), ("$1", v >> 8)):
         ok = finite(byte)
         assert np.array_equal(r[out][ok], _expected_bf16_bits(byte, 2.0 ** scale_exp)[ok]), out
+    # the row-scaled kernel's pair form (no scale): every int16
+    r = run_ptx(tg._PAIR_ASM_NOSCALE.value, {"$2": v})
+    for out, byte in (("$0", v & 0xFF), ("$1", v >> 8)):
+        ok = finite(byte)
+        assert np.array_equal(r[out][ok], _expected_bf16_bits(byte, 1.0)[ok]), ("noscale", out)
     # byte form: every byte value in each of the four positions, scales per byte pair
     b = np.arange(256, dtype=np.int64)
     word = b | (((b + 37) % 256) << 8) | (((b + 101) % 256) << 16) | (((b + 199) % 256) << 24)

@@ -125,6 +125,43 @@ def test_w8a16_grouped_masked_variants_exact(variant, e8m0, rows, expected_m, sp
         assert torch.equal(d[g, :r], ref[g, :r].float().bfloat16()), g
 
 
+@pytest.mark.parametrize("expected_m,split", [(4, None), (8, None), (32, None), (32, 2), (300, None)])
+def test_w8a16_rows_kernel_exact_and_equal_to_v3(expected_m, split):
+    """Row-scaled weights (select.row_scaled_fp8_weight) through w8a16_rows_kernel: rows < masked_m[g] are
+    bf16(x @ v^T) exactly (dense too), and on FP4-origin experts the output equals v3's on the per-32
+    form bit for bit (same products, the pow2 row factor outside the sum)."""
+    from deepinfer.kernels import triton_gemm
+    from deepinfer.kernels.select import row_scaled_fp8_weight
+    G, mmax, n, k = 6, 320, 512, 1024
+    x, w, s, ref = w8a16_exact_case(G, mmax, n, k, 1, True, seed=expected_m, device="cuda")
+    wr, sr = row_scaled_fp8_weight(w, s)
+    mm = torch.tensor([0, 3, 64, 0, 17, 300], dtype=torch.int32, device="cuda")
+    cfg = {} if split is None else dict(SPLIT_K=split)
+    d = triton_gemm.w8a16_grouped_gemm_masked(x, wr, sr, mm, expected_m, cfg_override=cfg)
+    for g in range(G):
+        r = int(mm[g])
+        assert torch.equal(d[g, :r], ref[g, :r].float().bfloat16()), g
+    y = triton_gemm.w8a16_gemm(x[5, :expected_m], wr[5], sr[5], cfg_override=cfg)
+    assert torch.equal(y, ref[5, :expected_m].float().bfloat16())
+    # FP4-origin experts on random activations: the same bits as v3 on the per-32 stack
+    packed = torch.randint(0, 256, (G, n, k // 2), dtype=torch.uint8, device="cuda")
+    sc = torch.randint(116, 126, (G, n, k // 32), dtype=torch.uint8, device="cuda")
+    w8, s8 = zip(*(triton_gemm.fp4_to_fp8_weight(packed[g], sc[g], keep_e8m0=True) for g in range(G)))
+    w8, s8 = torch.stack(w8), torch.stack(s8)
+    wr, sr = row_scaled_fp8_weight(w8, s8)
+    xq = triton_quant_act(torch.randn(G, mmax, k, device="cuda").bfloat16())
+    a = triton_gemm.w8a16_grouped_gemm_masked(xq, wr, sr, mm, expected_m, cfg_override=cfg)
+    b = triton_gemm.w8a16_grouped_gemm_masked(xq, w8, s8, mm, expected_m, cfg_override=dict(cfg, VARIANT="v3"))
+    for g in range(G):
+        r = int(mm[g])
+        assert torch.equal(a[g, :r], b[g, :r]), g
+
+
+def triton_quant_act(x):
+    from deepinfer.kernels.triton_quant import act_quant
+    return act_quant(x)
+
+
 @triton.jit
 def _dequant_probe_kernel(w2_ptr, w_ptr, s_ptr, lo_ptr, hi_ptr, d_ptr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

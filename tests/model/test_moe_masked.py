@@ -21,6 +21,11 @@ def models(tiny_checkpoint):
     return dense, fp8
 
 
+@pytest.fixture(scope="module")
+def row_scaled(tiny_checkpoint):
+    return load_model(tiny_checkpoint, progress=False, weight_format="fp8", moe_masked=True, expert_row_scales=True)
+
+
 def _layers(model):
     """A window-only layer, a ratio-2 layer, the last backbone layer, a DSpark layer (4 experts, top-2)."""
     return [model.layers[0], model.layers[5], model.layers[-1], model.mtp[0]]
@@ -130,3 +135,23 @@ def test_sync_check_catches_the_loop(models):
     assert "aten::index (boolean mask)" in _host_reads(lambda: x[idx[:, 0] > 2])
     assert "aten::repeat_interleave" in _host_reads(lambda: x.repeat_interleave(idx[:, 0], dim=0))
     assert _host_reads(lambda: x.repeat_interleave(2, dim=0)) == []
+
+
+def test_row_scaled_stacks_same_bits(models, row_scaled):
+    """Expert stacks re-expressed with one scale per row (what a CUDA load does: the masked GEMMs' K loop
+    then reads no scale) hold the same values: the masked form, the loop over the experts' Linear views
+    and the whole MoE give the per-32 stacks' bits."""
+    _, fp8 = models
+    moes = [layer.ffn for layer in _layers(row_scaled)]
+    assert all(m.stacks.r13 is not None and m.stacks.r2 is not None for m in moes)
+    assert all(m.stacks.r13.shape == (m.n_experts, m.stacks.w13.shape[1], 1) for m in moes)
+    torch.manual_seed(5)
+    for lr, lf in zip(_layers(row_scaled), _layers(fp8)):
+        mr, mf = lr.ffn, lf.ffn
+        assert not torch.equal(mr.stacks.w13.view(torch.uint8), mf.stacks.w13.view(torch.uint8))  # re-expressed
+        x = torch.randn(17, fp8.args.dim).to(torch.bfloat16)
+        w, idx = _routing(mf, x, "gate")
+        got = mr._routed_masked(x, w, idx)
+        assert torch.equal(got, mf._routed_masked(x, w, idx))
+        assert torch.equal(mr._routed_loop(x, w, idx), got)
+        assert torch.equal(mr(x), mf(x))
