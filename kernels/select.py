@@ -269,16 +269,21 @@ def row_scaled_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor):
     row_e = (top.amax(-1, keepdim=True) - 8).clamp(-127, 127)                   # all-zero row: 2^-127
 
     def shifted(r):
-        return wf * torch.ldexp(torch.ones_like(amax), (e - r).clamp(-126, 127))[..., None]
+        return wf * _pow2((e - r).clamp(-126, 127)).float()[..., None]
 
     # 1.875 * 2^8 is past e4m3's largest value (448): such rows take one binade less
     row_e = row_e + (shifted(row_e).abs().amax((-2, -1))[..., None] > 448).to(row_e.dtype)
     wq = shifted(row_e).to(torch.float8_e4m3fn)
-    row_scale = torch.ldexp(torch.ones_like(row_e, dtype=torch.float32), row_e)
-    exact = torch.ldexp(wf.double(), e[..., None].double())
-    if not torch.equal(wq.double() * row_scale.double()[..., None], exact):
+    row_scale = _pow2(row_e)
+    if not torch.equal(wq.double() * row_scale[..., None], wf.double() * _pow2(e)[..., None]):
         return None
-    return wq.flatten(-2), row_scale
+    return wq.flatten(-2), row_scale.float()
+
+
+def _pow2(n: torch.Tensor) -> torch.Tensor:
+    """2.0 ** n as float64, built from its bits: exact on every device (CUDA's pow(2, n), which
+    torch.ldexp uses, is off by an ulp for some negative n). n is clamped to [-1022, 1023]."""
+    return ((n.to(torch.int64).clamp(-1022, 1023) + 1023) << 52).view(torch.float64)
 
 
 def fp4_to_fp8_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ Weight formats on the device (`load_model(weight_format=...)`):
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import re
 import struct
@@ -40,6 +41,8 @@ ST_DTYPES = {
     "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E8M0": (torch.uint8, 1), "I8": (torch.int8, 1),
     "U8": (torch.uint8, 1), "I32": (torch.int32, 4), "I64": (torch.int64, 8),
 }
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -295,9 +298,10 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     if weight_format == "fp8" and (cuda if fuse_linears is None else fuse_linears):
         fuse_input_linears(model)
     if weight_format == "fp8" and (cuda if expert_row_scales is None else expert_row_scales):
-        for mod in model.modules():
-            if isinstance(mod, MoE) and mod.stacks is not None:
-                mod.stacks.to_row_scales()
+        stacks = [m.stacks for m in model.modules() if isinstance(m, MoE) and m.stacks is not None]
+        done = sum(st.to_row_scales() for st in stacks)
+        log.info("expert stacks with one scale per row: %d of %d layers (the rest keep per-32 scales)",
+                 done, len(stacks))
     if weight_format == "fp8":                  # DEEPINFER_GEMM=deepgemm: 128-tile weights, once (else a no-op)
         from deepinfer.kernels.deepgemm import prepare_deepgemm
         prepare_deepgemm(model)
