@@ -19,6 +19,7 @@ Every op here runs on any device and is the ground truth the fast paths are test
     hc_split_sinkhorn_ref  mHC pre / post / comb coefficients (Sinkhorn ending on a column pass)
     rope_ref             rotary embedding on adjacent pairs (optionally inverse)
     rope_freqs_ref       YaRN-blended rotary frequencies
+    linear_fp32_ref      x @ w^T in fp32 arithmetic, fp32 out (bf16 operands on CUDA: torch.mm out_dtype)
 
 Fake-quantized values are returned in the input dtype; every quantized value x * 2^k with a 3-bit
 (e4m3) or 1-bit (e2m1) mantissa is exact in bf16, so nothing is lost by storing them as bf16.
@@ -103,6 +104,15 @@ def dequant_fp4_ref(packed: torch.Tensor, scale: torch.Tensor, block: int = 32) 
     table = torch.cat([grid, -grid])
     w = torch.stack([table[(u & 15).long()], table[(u >> 4).long()]], -1).flatten(-2)
     return w * e8m0_to_float(scale).repeat_interleave(block, 1)
+
+
+def linear_fp32_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T in fp32 arithmetic -> [..., N] fp32. On CUDA with bf16 operands a bf16
+    GEMM with fp32 accumulation and output: bf16 products are exact in fp32, so it is the fp32 GEMM's
+    math without an fp32 copy of the weight per call (the head's would be 2.6 GB at full width)."""
+    if x.is_cuda and x.dtype == w.dtype == torch.bfloat16:
+        return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+    return torch.nn.functional.linear(x.float(), w.float())
 
 
 def rope_freqs_ref(dim: int, num_pos: int, original_seq_len: int, base: float, factor: float,

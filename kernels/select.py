@@ -207,6 +207,27 @@ def grouped_fp8_linear_masked(x: torch.Tensor, w: torch.Tensor, w_scale: torch.T
     return out
 
 
+# linear_fp32 on Triton up to this many output features (the router's 384 experts, the compressor's
+# 512, DSpark's confidence head): there cuBLAS's tiles leave most SMs idle. Never the LM head (vocab
+# ~129k, at its roofline on cuBLAS) nor the Markov head (vocab wide).
+LINEAR_FP32_MAX_N = 8192
+LINEAR_FP32_MAX_M = 128         # decode; longer batches stay on cuBLAS (batch-invariant mode: all M)
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T in fp32 arithmetic -> [..., N] fp32 (reference.linear_fp32_ref). bf16
+    operands, M <= LINEAR_FP32_MAX_M rows and N <= LINEAR_FP32_MAX_N: the split-K Triton GEMM
+    (triton_linear_fp32; tiles and splits from (N, K) only, so rows are batch invariant at any M,
+    which batch-invariant mode uses for every M). Else cuBLAS / the CPU fp32 matmul."""
+    n, k = w.shape
+    m = x.numel() // k if k else 0
+    if (use_fast(x) and x.dtype == w.dtype == torch.bfloat16 and n <= LINEAR_FP32_MAX_N and w.is_contiguous()
+            and k % 16 == 0 and (m <= LINEAR_FP32_MAX_M or _batch_invariant())):
+        from .triton_linear_fp32 import linear_fp32 as fast
+        return fast(x, w)
+    return _ref.linear_fp32_ref(x, w)
+
+
 def moe_route(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The masked MoE's routing map (reference.moe_route_ref): (counts [E] int32, slot [T*K] int64)."""
     if use_fast(indices):

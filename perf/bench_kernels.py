@@ -139,6 +139,44 @@ def bench_gemm(quick):
                     note=f"batch-invariant cost x{t_bi / t:.2f}")
 
 
+# linear_fp32 at decode sizes: the MoE router (384 experts) and the compressor's wkv / wgate (head_dim 512)
+LINEAR_FP32_SHAPES = {"router": (384, 5120), "compressor": (512, 5120)}
+LINEAR_FP32_SWEEP = [dict(SPLIT_K=20, NUM_STAGES=3), dict(SPLIT_K=10, NUM_STAGES=3),
+                     dict(BK=64, SPLIT_K=40, NUM_STAGES=3), dict(NUM_STAGES=1), dict(NUM_STAGES=3),
+                     dict(num_warps=8), dict(BM=64)]
+
+
+def bench_linear_fp32(quick):
+    """bf16 x bf16 -> fp32 GEMM (linear_fp32) at decode M: the split-K Triton GEMM against the cuBLAS call
+    it replaces (torch.mm out_dtype=float32), both in this run; the roofline is the weight read (plus x
+    and the fp32 output) over the measured copy bandwidth. At M 64 also a few launch configs (not
+    --no-sweep); any fixed choice keeps rows batch invariant, as long as it does not depend on M."""
+    from deepinfer.kernels import triton_linear_fp32 as tlf
+    for name, (N, K) in LINEAR_FP32_SHAPES.items():
+        if quick and name != "router":
+            continue
+        wbytes = N * K * 2
+        ws = [(torch.randn(N, K, device="cuda") * 0.02).bfloat16() for _ in range(copies_for(wbytes))]
+        cfg = tlf.linear_fp32_config(N, K, ws[0].device)
+        for M in (1, 64, 128):
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            t = time_calls([lambda w=w: tlf.linear_fp32(x, w) for w in ws])
+            t_lib = time_calls([lambda w=w: torch.mm(x, w.t(), out_dtype=torch.float32) for w in ws])
+            diff = (tlf.linear_fp32(x, ws[0]) - torch.mm(x, ws[0].t(), out_dtype=torch.float32)).abs().max().item()
+            row(f"linear_fp32 {name}", f"M{M} N{N} K{K}", t, wbytes + M * K * 2 + M * N * 4, 2.0 * M * N * K,
+                "bf16_flops", "cuBLAS", t_lib, note=f"SPLIT_K {cfg['SPLIT_K']} BK {cfg['BK']} x "
+                f"{-(-N // cfg['BN'])} N tiles; max |ours - cuBLAS| {diff:.1e}")
+            if M == 64 and not quick:
+                for ov in LINEAR_FP32_SWEEP:
+                    try:
+                        tv = time_calls([lambda w=w: tlf.linear_fp32(x, w, ov) for w in ws])
+                        print(f"   sweep linear_fp32 {name} M64 {ov}: {tv * 1e6:.1f}us (default {t * 1e6:.1f})",
+                              flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"   sweep linear_fp32 {name} {ov} failed {repr(e)[:120]}")
+        del ws
+
+
 def bench_moe(quick):
     dg = deepgemm.load()
     G, mmax = 48, 128
@@ -414,7 +452,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parse-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--only", default="quant,gemm,moe,variants,attn,mhc,indexer")
+    ap.add_argument("--only", default="quant,gemm,linear_fp32,moe,variants,attn,mhc,indexer")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps")
     ap.add_argument("--variants", default=",".join(triton_gemm.W8A16_VARIANTS),
                     help="W8A16 variants the `variants` part compares (default: all)")
@@ -436,6 +474,7 @@ def main(argv=None):
           f"fp8 {C['fp8_flops'] / 1e12:.0f} TFLOP/s; {torch.cuda.get_device_name()}", flush=True)
     if args.no_sweep:
         SWEEP.clear()
+        LINEAR_FP32_SWEEP.clear()
     for part in parts:
         try:
             if part == "variants":

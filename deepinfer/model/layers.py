@@ -61,10 +61,10 @@ class Linear(nn.Module):
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T in fp32 arithmetic, fp32 out. On CUDA with bf16 operands a bf16 GEMM with fp32
     accumulation and output: bf16 products are exact in fp32, so it is the fp32 GEMM's math without
-    an fp32 copy of the weight per call (the head's would be 2.6 GB at full width)."""
-    if x.is_cuda and x.dtype == w.dtype == torch.bfloat16:
-        return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-    return torch.nn.functional.linear(x.float(), w.float())
+    an fp32 copy of the weight per call (the head's would be 2.6 GB at full width). Decode-sized
+    calls with a narrow w (router, compressor) run a split-K Triton GEMM, the rest cuBLAS; a CPU
+    runs the fp32 matmul (ops.linear_fp32, kernels/select.py)."""
+    return ops.linear_fp32(x, w)
 
 
 class RMSNorm(nn.Module):

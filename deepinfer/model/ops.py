@@ -23,6 +23,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     hc_split_sinkhorn,
     index_scores_paged,
     index_scores_pool,
+    linear_fp32,
     moe_combine,
     moe_dispatch,
     moe_route,
