@@ -466,16 +466,19 @@ def splitk_reduce_kernel(ws_ptr, c_ptr, S, total, BLOCK: tl.constexpr):
     tl.store(c_ptr + offs, acc.to(tl.bfloat16), mask=ok)
 
 
-def w8a16_config(m: int, n: int, k: int, groups: int, device, batch_invariant: bool = False) -> dict:
+def w8a16_config(m: int, n: int, k: int, groups: int, device, batch_invariant: bool = False,
+                 row_scaled: bool = False) -> dict:
     """Decode-sized M (<= 128) swaps A/B so N fills the MMA's long side; split-K fills the SMs.
-    batch_invariant: one tile shape for every M and a split count from (N, K) only."""
+    batch_invariant: one tile shape for every M and a split count from (N, K) only. row_scaled
+    (w8a16_rows_kernel) with swapped tiles: BN = 64, 1.05-1.16x BN = 128 on the masked MoE GEMMs
+    at m = 1 and 8 (H200, session 4), where the extra CTAs keep more loads in flight."""
     bk = 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
     nkb = k // bk
     sms = _num_sms(device)
     if batch_invariant:
         swap, bm, bn, warps = False, 64, 128, 4
     elif m <= 128:
-        swap, bm, bn = True, max(16, triton.next_power_of_2(m)), 128 if n >= 2048 else 64
+        swap, bm, bn = True, max(16, triton.next_power_of_2(m)), 128 if n >= 2048 and not row_scaled else 64
         warps = 8 if bm >= 128 else 4
     else:
         swap, bm, bn, warps = False, 128, 128, 8
@@ -509,7 +512,7 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, p
     kw = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], SB_ROWS=sb_rows, SWAP=cfg["SWAP"],
               GROUPED=masked_m is not None, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"],
               UPCAST=INTERPRET, SB_E8M0=sb.dtype != torch.float32)
-    if sb.shape[-1] == 1 and k > 32:                  # one scale per row: rows_scaled_fp8_weight
+    if _is_row_scale(sb, k):                           # one scale per row: select.row_scaled_fp8_weight
         assert sb.dtype == torch.float32 and sb_rows == 1
         kernel = w8a16_rows_kernel
         del kw["SB_ROWS"], kw["SB_E8M0"]
@@ -531,6 +534,11 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, p
     return c
 
 
+def _is_row_scale(sb: torch.Tensor, k: int) -> bool:
+    """One scale per weight row over the whole K (w8a16_rows_kernel), not per 32 columns."""
+    return sb.shape[-1] == 1 and k > 32
+
+
 def _as_scale(sb: torch.Tensor) -> torch.Tensor:
     """f32 pow2 scales pass through; E8M0 (float8_e8m0fnu / uint8) travel as raw bytes."""
     return sb if sb.dtype == torch.float32 else sb.view(torch.uint8)
@@ -546,7 +554,7 @@ def w8a16_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch_invaria
     assert k % 32 == 0 and sb_rows in (1, 32) and sb.shape[1] in (k // 32, 1)
     if m == 0:
         return torch.empty(0, n, dtype=torch.bfloat16, device=x.device)
-    cfg = w8a16_config(m, n, k, 1, x.device, batch_invariant)
+    cfg = w8a16_config(m, n, k, 1, x.device, batch_invariant, row_scaled=_is_row_scale(sb, k))
     cfg.update(cfg_override or {})
     return _launch_w8a16(x.contiguous(), b, _as_scale(sb).contiguous(), None, m, n, k, 1, sb_rows, cfg)[0]
 
@@ -558,7 +566,7 @@ def w8a16_grouped_gemm_masked(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
     groups, mmax, k = x.shape
     n = b.shape[1]
     sb_rows = n // sb.shape[1]
-    cfg = w8a16_config(expected_m, n, k, groups, x.device, batch_invariant)
+    cfg = w8a16_config(expected_m, n, k, groups, x.device, batch_invariant, row_scaled=_is_row_scale(sb, k))
     if cfg["SWAP"]:
         cfg["BM"] = max(cfg["BM"], 16)
     cfg.update(cfg_override or {})
@@ -574,7 +582,7 @@ def w8a16_partials(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, masked_m:
     x3, b3, s3 = (x, b, sb) if grouped else (x[None], b[None], sb[None])
     groups, m, k = x3.shape
     n = b3.shape[1]
-    cfg = w8a16_config(m, n, k, groups, x.device)
+    cfg = w8a16_config(m, n, k, groups, x.device, row_scaled=_is_row_scale(s3, k))
     cfg.update(cfg_override or {})
     mm = masked_m.to(torch.int32) if masked_m is not None else None
     return _launch_w8a16(x3.contiguous(), b3, _as_scale(s3).contiguous(), mm, m, n, k, groups, n // s3.shape[1], cfg,

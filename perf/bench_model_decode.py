@@ -165,6 +165,9 @@ def main() -> None:
     t0 = time.time()
     model = load_model(ckpt, "cuda")
     print(f"loaded {ckpt} in {time.time() - t0:.0f} s; kernels: {capability_report()}", flush=True)
+    stacks = [m.stacks for m in model.modules() if getattr(m, "stacks", None) is not None]
+    print(f"expert stacks with one scale per row: w13 {sum(st.r13 is not None for st in stacks)}, "
+          f"w2 {sum(st.r2 is not None for st in stacks)} of {len(stacks)}", flush=True)
     ceil = measure_ceilings()
     copy_bw = ceil["copy_bw"]
     block_tokens, max_len = 64, a.ctx + 64
@@ -206,7 +209,7 @@ def profile(step, B: int, top: int = 30) -> None:
     from torch.profiler import profile as torch_profile
     step()
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     by_name: dict[str, list[float]] = {}
@@ -220,6 +223,12 @@ def profile(step, B: int, top: int = 30) -> None:
     print(f"{'us':>9} {'share':>6} {'calls':>6}  kernel")
     for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
         print(f"{sum(v):>9.0f} {sum(v) / total:>6.1%} {len(v):>6}  {name}")
+    # the torch glue by op and input shapes (the same step): which aten calls launch the small kernels
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.key.startswith("aten::") and getattr(e, "self_device_time_total", 0) > 0]
+    print(f"torch ops by GPU time (self, us), top {top}:")
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"{e.self_device_time_total:>9.0f} {e.count:>6}  {e.key:28s} {str(e.input_shapes)[:110]}")
 
 
 def plot(rows, path: str) -> None:
