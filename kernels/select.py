@@ -261,6 +261,17 @@ def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, sh
     return _ref.moe_combine_ref(out, slot, indices, shared)
 
 
+def grouped_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Grouped matmul on FP8 weights with no activation rounding (the block-diagonal wo_a): x [G, M, K]
+    bf16, w [G, N, K] e4m3, w_scale [G, N/32, K/32] E8M0 -> [G, M, N] bf16, the same exact products as
+    the einsum of the dequantized weight, fp32 accumulated. Triton W8A16 on a GPU; else that einsum."""
+    if use_fast(x) and x.shape[1] > 0 and _fast_gemm_ok(w[0], w_scale[0]):
+        from .triton_gemm import w8a16_grouped_gemm as fast
+        return fast(x, w, w_scale, batch_invariant=_batch_invariant())
+    dt = _dense_dtype(x)
+    return torch.bmm(x.to(dt), dequant_fp8(w, w_scale).to(dt).transpose(1, 2)).to(torch.bfloat16)
+
+
 def dequant_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """[..., N, K] e4m3 + E8M0 bytes (or f32 pow2) per 32x32 tile [..., N/32, K/32], per (row, 32)
     [..., N, K/32] or per row [..., N, 1] -> exact float32 values (reference.dequant_fp8_ref for the

@@ -574,6 +574,18 @@ def w8a16_grouped_gemm_masked(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
                          sb_rows, cfg, out)
 
 
+def w8a16_grouped_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch_invariant: bool = False,
+                       cfg_override: dict | None = None) -> torch.Tensor:
+    """Dense grouped form (every row of every group): x [G, M, K] bf16 (any bf16 values: the products
+    are exact either way), b [G, N, K] e4m3, sb [G, N/32, K/32] or [G, N, K/32] -> [G, M, N] bf16.
+    The block-diagonal wo_a runs here on its FP8 weight (half the bytes of the bf16 einsum)."""
+    groups, m, k = x.shape
+    n = b.shape[1]
+    cfg = w8a16_config(m, n, k, groups, x.device, batch_invariant, row_scaled=_is_row_scale(sb, k))
+    cfg.update(cfg_override or {})
+    return _launch_w8a16(x.contiguous(), b, _as_scale(sb).contiguous(), None, m, n, k, groups, n // sb.shape[1], cfg)
+
+
 def w8a16_partials(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, masked_m: torch.Tensor | None = None,
                    cfg_override: dict | None = None) -> torch.Tensor:
     """Test hook: the W8A16 kernel's fp32 split-K partial sums [SPLIT_K, G, M, N] (no bf16 rounding).

@@ -149,8 +149,11 @@ class Attention(nn.Module):
     def out(self, o: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
         """o [T, H, D] -> RoPE removed, grouped wo_a (block-diagonal, bf16, no act rounding), wo_b."""
         o = ops.rope(o, cis, inverse=True).flatten(1).unflatten(-1, (self.n_groups, -1))
-        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a).to(ACT)
+        if self.wo_a.fp8_blocks is not None:                # FP8 blocks: half the bytes, same products
+            o = ops.grouped_w8a16(o.transpose(0, 1), *self.wo_a.fp8_blocks).transpose(0, 1)
+        else:
+            wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+            o = torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a).to(ACT)
         return self.wo_b(o.flatten(1))
 
     # ---- the forward over a step --------------------------------------------------------------

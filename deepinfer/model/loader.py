@@ -237,7 +237,7 @@ def _target(model, name: str):
 def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progress: bool = True,
                tokenizer_json: str | Path | None = None, pack_experts: bool | None = None,
                weight_format: str | None = None, moe_masked: bool | None = None, fuse_linears: bool | None = None,
-               expert_row_scales: bool | None = None, **arg_overrides):
+               expert_row_scales: bool | None = None, wo_a_fp8: bool | None = None, **arg_overrides):
     """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input.
 
     weight_format: "dense" or "fp8" (the module docstring); default "fp8" on CUDA, "dense" elsewhere.
@@ -249,7 +249,8 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     None = on CUDA (a CPU keeps them apart: its fp32 matmuls are what the fixtures' bits were made with).
     expert_row_scales ("fp8" only): re-express the FP8 expert stacks with one scale per row where that is
     exact (ExpertStacks.to_row_scales: the same values, a scale-free K loop in the masked GEMMs);
-    None = on CUDA."""
+    None = on CUDA. wo_a_fp8 ("fp8" only): the block-diagonal wo_a stays FP8 (Linear.fp8_blocks, run by
+    ops.grouped_w8a16) instead of a dequantized bf16 copy; None = on CUDA."""
     from .engram import NgramHasher, compressed_token_map
     from .layers import compute_dtype
     from .moe import MoE
@@ -274,7 +275,8 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
         model = Transformer(args, hasher=None)
     model.hasher = hasher.to(device) if hasher is not None else None
     fmt = _Format(device, compute_dtype(device), weight_format,
-                  cuda if pack_experts is None else pack_experts)
+                  cuda if pack_experts is None else pack_experts,
+                  weight_format == "fp8" and (cuda if wo_a_fp8 is None else wo_a_fp8))
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(infos[name].file, []).append(name)
@@ -320,6 +322,7 @@ class _Format:
     wdtype: torch.dtype            # dense linear weights: the compute dtype
     weight_format: str             # "dense" | "fp8"
     pack_experts: bool             # "dense": FP4 experts stay packed
+    wo_a_fp8: bool = False         # "fp8": wo_a keeps its FP8 blocks (Linear.fp8_blocks)
 
 
 def _materialize_rest(model, device) -> None:
@@ -372,6 +375,11 @@ def _load_one(model, name, kind, infos, mm, fmt: _Format):
             mod.fp8 = (t.to(device), scale.to(device))
             mod.weight = torch.empty(0, device=device)
             mod.quantized = True
+            return
+        if wo_a and fmt.wo_a_fp8:                   # [G * R, K] -> G blocks of R rows (R % 32 == 0)
+            groups = model.args.o_groups
+            mod.fp8_blocks = (t.to(device).unflatten(0, (groups, -1)), scale.to(device).unflatten(0, (groups, -1)))
+            mod.weight = torch.empty(0, device=device)
             return
         t = ops.dequant_fp8(t, scale)
         quantized = True

@@ -18,6 +18,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     fp4_to_fp8_weight,
     fp8_linear,
     grouped_fp8_linear_masked,
+    grouped_w8a16,
     hc_mixes_pre,
     hc_post,
     hc_split_sinkhorn,

@@ -157,6 +157,18 @@ def test_w8a16_rows_kernel_exact_and_equal_to_v3(expected_m, split):
         assert torch.equal(a[g, :r], b[g, :r]), g
 
 
+def test_w8a16_dense_grouped_wo_a():
+    """wo_a's shape through select.grouped_w8a16 (dense grouped W8A16, no act rounding): exact on integer
+    data, and close to the bf16 einsum of the dequantized blocks (fp32 sums in another order)."""
+    from deepinfer.kernels import select, triton_gemm
+    x, w, s, ref = w8a16_exact_case(8, 64, 1024, 4096, 32, True, seed=2, device="cuda")
+    assert torch.equal(triton_gemm.w8a16_grouped_gemm(x, w, s), ref.float().bfloat16())
+    o = torch.randn(8, 64, 4096, device="cuda").bfloat16()
+    got = select.grouped_w8a16(o, w, s)
+    want = torch.einsum("gtd,grd->gtr", o, select.dequant_fp8(w, s).bfloat16())
+    assert rel_err(got, want) < 2e-3
+
+
 def triton_quant_act(x):
     from deepinfer.kernels.triton_quant import act_quant
     return act_quant(x)
