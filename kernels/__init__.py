@@ -11,10 +11,13 @@ from .reference import (  # noqa: F401
     fp4_quant_ref,
     hc_split_sinkhorn_ref,
     index_scores_paged_ref,
+    index_topk_ref,
     pow2_ceil,
     rope_freqs_ref,
     rope_ref,
     sparse_attn_ref,
+    topk_block_mask_ref,
+    topk_ids_ref,
 )
 
 # The dispatched names: today every device gets the torch reference.

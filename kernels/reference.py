@@ -12,6 +12,9 @@ Every op here runs on any device and is the ground truth the fast paths are test
     e8m0_to_float        raw E8M0 bytes -> 2^(b - 127)
     sparse_attn_ref      sink attention over gathered rows, online softmax in blocks of 64
     index_scores_paged_ref  lightning-indexer scores of a batch, each query against its sequence's keys
+    topk_ids_ref         ids of each row's k largest, ties to the lowest id (one integer key per entry)
+    index_topk_ref       the indexer's picks: top-k ids ascending, -1 where unreachable (-inf, >= lens)
+    topk_block_mask_ref  the candidate blocks' top-k as an entry mask (two-level top-k, level one)
     moe_route_ref        the masked MoE's pair -> slab row map (stable by expert) and per-expert counts
     moe_dispatch_ref     act_quant of each token into its pairs' slab rows
     moe_swiglu_quant_ref clamped SwiGLU x routing weight, bf16, act_quant, at the pairs' rows
@@ -304,3 +307,45 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(x.dtype)
+
+
+def topk_ids_ref(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim, ties to the lowest index: deterministic and
+    independent of the row's padded width (torch.topk's tie order depends on both), so a sequence's
+    picks do not depend on what else is in the batch. The top-k runs on one integer key per entry,
+    (value order, reversed index): 32 bits for bf16 scores in rows up to 2^16 wide (the indexer's:
+    half the radix passes of the 64-bit key), 64 bits otherwise; both order entries the same way."""
+    bits = x.float().contiguous().view(torch.int32)
+    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)                               # monotone in the float value
+    width = x.shape[-1]
+    ids = torch.arange(width, device=x.device, dtype=torch.int32)
+    if x.dtype == torch.bfloat16 and width <= 1 << 16:
+        # a bf16's float bits end in 16 zeros (16 ones after the flip for negatives): order >> 16
+        # keeps every distinct value apart, in the same order
+        key = ((order >> 16) << 16) | ((1 << 16) - 1 - ids)
+    else:
+        key = order.to(torch.int64) * (1 << 32) + ((1 << 31) - 1 - ids.to(torch.int64))
+    return key.topk(k, dim=-1, sorted=False).indices
+
+
+def index_topk_ref(score: torch.Tensor, lens: torch.Tensor, topk: int, candidates: torch.Tensor | None = None):
+    """score [n, E] (entries >= lens already -inf) -> [n, min(topk, E)] entry ids ascending, -1 where
+    the pick is not reachable. A re-indexer (candidates given) scores only inside the candidate
+    blocks of its candidate source: everything else is -inf before the top-k."""
+    if candidates is not None:
+        score = score.masked_fill(~candidates, -torch.inf)
+    k = min(topk, score.shape[-1])
+    idx = topk_ids_ref(score, k).sort(dim=-1).values
+    # NOTE(model): a pick with a -inf score is unreachable (or, for a re-indexer, outside the
+    # candidates): -1, so narrower and wider padded rows agree
+    ok = (idx < lens[:, None]) & (score.gather(-1, idx) > -torch.inf)
+    return torch.where(ok, idx, -1)
+
+
+def topk_block_mask_ref(b: torch.Tensor, k: int, block_size: int, width: int) -> torch.Tensor:
+    """b [n, NB] block scores -> [n, width] bool: entry j is kept iff its block j // block_size is
+    among the row's k largest (topk_ids_ref: ties to the lowest block) and scores above -inf
+    (width <= NB * block_size)."""
+    top = topk_ids_ref(b, k)
+    keep = torch.zeros_like(b, dtype=torch.bool).scatter_(-1, top, b.gather(-1, top) > -torch.inf)
+    return keep[..., None].expand(*keep.shape, block_size).flatten(-2)[..., :width]    # repeat_interleave, no host read

@@ -370,6 +370,35 @@ def index_scores_pool(q, w, pool, rows, seq_of, row_in_seq, max_q, lens):
     return _ref.index_scores_paged_ref(q, w, pool[rows], seq_of, row_in_seq, max_q, lens)
 
 
+# Widest top-k row the Triton kernel holds in registers (triton_topk.MAX_WIDTH; not imported here:
+# that module imports Triton, and a CPU-only install must still reach the references).
+TOPK_MAX_WIDTH = 1 << 15
+_TOPK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _topk_fast_ok(x: torch.Tensor) -> bool:
+    return use_fast(x) and x.dim() == 2 and x.dtype in _TOPK_DTYPES and x.shape[1] <= TOPK_MAX_WIDTH
+
+
+def index_topk(score: torch.Tensor, lens: torch.Tensor, topk: int, candidates: torch.Tensor | None = None):
+    """The indexer's picks (reference.index_topk_ref): score [n, E] -> [n, min(topk, E)] int64 ids
+    ascending, -1 where unreachable. One Triton program per row instead of ~30 torch launches."""
+    if (_topk_fast_ok(score) and lens.shape == score.shape[:1]
+            and (candidates is None or (candidates.shape == score.shape and candidates.dtype == torch.bool))):
+        from .triton_topk import index_topk as fast
+        return fast(score, lens, topk, candidates)
+    return _ref.index_topk_ref(score, lens, topk, candidates)
+
+
+def topk_block_mask(b: torch.Tensor, k: int, block_size: int, width: int) -> torch.Tensor:
+    """The candidate blocks' top-k as an entry mask (reference.topk_block_mask_ref): b [n, NB] ->
+    [n, width] bool."""
+    if _topk_fast_ok(b) and width <= b.shape[1] * block_size:
+        from .triton_topk import topk_block_mask as fast
+        return fast(b, k, block_size, width)
+    return _ref.topk_block_mask_ref(b, k, block_size, width)
+
+
 def hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps):
     if use_fast(x) and x.shape[1] == 4 and x.shape[-1] % 64 == 0:   # the kernel reads 64-wide column chunks
         from .triton_mhc import hc_mixes_pre as fast

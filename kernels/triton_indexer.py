@@ -7,7 +7,7 @@
 
 Dataflow: a program owns BT queries x BE keys: q tile [BT*IH, ID] against keys [BE, ID] in one
 tensor-core dot (fp32), rounded, relu'd and weighted per head, summed over the IH heads in fp32.
-Top-k stays torch.topk (DeepSelect's H200 build is not in the carry).
+The top-k over these scores is kernels/triton_topk.py.
 """
 
 from __future__ import annotations

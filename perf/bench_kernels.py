@@ -32,7 +32,9 @@ from benchutil import copies_for, measure_ceilings, out_dir, save_json, time_cal
 
 from deepinfer.kernels import deepgemm, flashmla, triton_gemm, triton_indexer, triton_mhc, triton_quant  # noqa: E402
 from deepinfer.kernels import triton_sparse_attn as tsa  # noqa: E402
+from deepinfer.kernels import triton_topk  # noqa: E402
 from deepinfer.kernels.reference import E2M1_GRID, act_quant_ref, e8m0_to_float, fp4_quant_ref, sparse_attn_ref  # noqa: E402
+from deepinfer.kernels.reference import index_topk_ref, topk_block_mask_ref  # noqa: E402
 from deepinfer.kernels.select import row_scaled_fp8_weight  # noqa: E402
 
 ROWS: list[dict] = []
@@ -417,6 +419,41 @@ def bench_indexer(quick):
     row("topk 512 (torch)", f"n{n} E{E}", t, n * E * 2)
 
 
+def bench_topk(quick):
+    """The indexer's top-k at the decode step: 64 rows of 8192 bf16 scores (-inf past each row's lens),
+    k 512, one Triton program per row against the torch index_topk chain the model ran before (~30
+    launches); with a re-indexer's candidate mask; rows of 32768 (the kernel's widest); and the
+    candidate blocks' level one (block scores of 8 entries, 256 kept) against its torch chain. The
+    note says whether the picks are the same bits."""
+    n, E, k = 64, 8192, 512
+    lens = torch.randint(E // 2, E + 1, (n,), device="cuda")
+    scores = [(torch.randn(n, E, device="cuda").abs() * 0.3).bfloat16().masked_fill(
+        torch.arange(E, device="cuda") >= lens[:, None], -torch.inf) for _ in range(copies_for(n * E * 2))]
+    cand = torch.rand(n, E, device="cuda") < 0.25
+    for label, c in (("", None), (" +cand", cand)):
+        t = time_calls([lambda s=s, c=c: triton_topk.index_topk(s, lens, k, c) for s in scores])
+        tt = time_calls([lambda s=s, c=c: index_topk_ref(s, lens, k, c) for s in scores[:2]], iters=3)
+        same = torch.equal(triton_topk.index_topk(scores[0], lens, k, c), index_topk_ref(scores[0], lens, k, c))
+        row(f"index_topk {k}{label}", f"n{n} E{E}", t, n * E * (2 if c is None else 3) + n * k * 8, t_torch=tt,
+            note=f"torch/ours {tt / t:.1f}x; {'bits equal' if same else 'MISMATCH vs index_topk_ref'}")
+    E2 = 32768                                                  # long context: 128k tokens at ratio 4
+    wide = [(torch.randn(n, E2, device="cuda").abs() * 0.3).bfloat16() for _ in range(copies_for(n * E2 * 2))]
+    lens2 = torch.full((n,), E2, device="cuda")
+    t = time_calls([lambda s=s: triton_topk.index_topk(s, lens2, k) for s in wide])
+    tt = time_calls([lambda s=s: index_topk_ref(s, lens2, k) for s in wide[:2]], iters=3)
+    same = torch.equal(triton_topk.index_topk(wide[0], lens2, k), index_topk_ref(wide[0], lens2, k))
+    row(f"index_topk {k}", f"n{n} E{E2}", t, n * E2 * 2 + n * k * 8, t_torch=tt,
+        note=f"torch/ours {tt / t:.1f}x; {'bits equal' if same else 'MISMATCH vs index_topk_ref'}")
+    del wide
+    bs, kb = 8, 256
+    blocks = [s.unflatten(-1, (-1, bs)).amax(-1) for s in scores]                     # [n, E / 8]
+    t = time_calls([lambda b=b: triton_topk.topk_block_mask(b, kb, bs, E) for b in blocks])
+    tt = time_calls([lambda b=b: topk_block_mask_ref(b, kb, bs, E) for b in blocks[:2]], iters=3)
+    same = torch.equal(triton_topk.topk_block_mask(blocks[0], kb, bs, E), topk_block_mask_ref(blocks[0], kb, bs, E))
+    row(f"topk_block_mask {kb}", f"n{n} NB{E // bs} x{bs}", t, n * E // bs * 2 + n * E, t_torch=tt,
+        note=f"torch/ours {tt / t:.1f}x; {'bits equal' if same else 'MISMATCH vs topk_block_mask_ref'}")
+
+
 def plot(path_prefix):
     try:
         import matplotlib
@@ -452,7 +489,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parse-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--only", default="quant,gemm,linear_fp32,moe,variants,attn,mhc,indexer")
+    ap.add_argument("--only", default="quant,gemm,linear_fp32,moe,variants,attn,mhc,indexer,topk")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps")
     ap.add_argument("--variants", default=",".join(triton_gemm.W8A16_VARIANTS),
                     help="W8A16 variants the `variants` part compares (default: all)")

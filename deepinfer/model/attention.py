@@ -47,9 +47,7 @@ def select_candidate_blocks(scores: torch.Tensor, compress_lens: torch.Tensor, t
     b = F.pad(scores, (0, -width % block_size), value=-torch.inf).unflatten(-1, (-1, block_size)).amax(-1)
     last = (compress_lens - 1) // block_size
     b = b.masked_fill(torch.arange(b.size(-1), device=b.device) == last[:, None], torch.inf)
-    top = topk_ids(b, min(topk_blocks, b.size(-1)))
-    keep = torch.zeros_like(b, dtype=torch.bool).scatter_(-1, top, b.gather(-1, top) > -torch.inf)
-    return keep[..., None].expand(*keep.shape, block_size).flatten(-2)[..., :width]    # repeat_interleave, no host read
+    return ops.topk_block_mask(b, min(topk_blocks, b.size(-1)), block_size, width)     # no host read
 
 
 class Compressor(nn.Module):
@@ -295,34 +293,13 @@ def append_lists(win: torch.Tensor, win_len: torch.Tensor, comp: torch.Tensor) -
     return out.scatter_(1, win_len[:, None] + torch.arange(K, device=win.device), comp)
 
 
-def topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest along the last dim, ties to the lowest index: deterministic and
-    independent of the row's padded width (torch.topk's tie order depends on both), so a sequence's
-    picks do not depend on what else is in the batch. The top-k runs on one integer key per entry,
-    (value order, reversed index): 32 bits for bf16 scores in rows up to 2^16 wide (the indexer's:
-    half the radix passes of the 64-bit key), 64 bits otherwise; both order entries the same way."""
-    bits = x.float().contiguous().view(torch.int32)
-    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)                               # monotone in the float value
-    width = x.shape[-1]
-    ids = torch.arange(width, device=x.device, dtype=torch.int32)
-    if x.dtype == torch.bfloat16 and width <= 1 << 16:
-        # a bf16's float bits end in 16 zeros (16 ones after the flip for negatives): order >> 16
-        # keeps every distinct value apart, in the same order
-        key = ((order >> 16) << 16) | ((1 << 16) - 1 - ids)
-    else:
-        key = order.to(torch.int64) * (1 << 32) + ((1 << 31) - 1 - ids.to(torch.int64))
-    return key.topk(k, dim=-1, sorted=False).indices
+# ids of the k largest per row, ties to the lowest id (kernels/reference.py topk_ids_ref)
+topk_ids = ops.topk_ids
 
 
 def index_topk(score: torch.Tensor, lens: torch.Tensor, topk: int, candidates: torch.Tensor | None = None):
     """score [n, E] (entries >= lens already -inf) -> [n, min(topk, E)] entry ids ascending, -1 where
-    the pick is not reachable. A re-indexer (candidates given) scores only inside the candidate
-    blocks of its candidate source: everything else is -inf before the top-k."""
-    if candidates is not None:
-        score = score.masked_fill(~candidates, -torch.inf)
-    k = min(topk, score.shape[-1])
-    idx = topk_ids(score, k).sort(dim=-1).values
-    # NOTE(model): a pick with a -inf score is unreachable (or, for a re-indexer, outside the
-    # candidates): -1, so narrower and wider padded rows agree
-    ok = (idx < lens[:, None]) & (score.gather(-1, idx) > -torch.inf)
-    return torch.where(ok, idx, -1)
+    the pick is not reachable (-inf score, or id >= lens). A re-indexer (candidates given) scores
+    only inside the candidate blocks of its candidate source: everything else is -inf before the
+    top-k. The rule is kernels/reference.py index_topk_ref; ops picks the Triton kernel on a GPU."""
+    return ops.index_topk(score, lens, topk, candidates)

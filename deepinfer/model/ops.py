@@ -10,6 +10,7 @@ from deepinfer.kernels import (  # noqa: F401
     dequant_fp4_ref as dequant_fp4,
     e8m0_to_float,
     rope_freqs_ref as rope_freqs,
+    topk_ids_ref as topk_ids,
 )
 from deepinfer.kernels.select import (  # noqa: F401
     act_quant,
@@ -24,6 +25,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     hc_split_sinkhorn,
     index_scores_paged,
     index_scores_pool,
+    index_topk,
     linear_fp32,
     moe_combine,
     moe_dispatch,
@@ -34,4 +36,5 @@ from deepinfer.kernels.select import (  # noqa: F401
     row_scaled_fp8_weight,
     sparse_attn,
     sparse_attn_in_place,
+    topk_block_mask,
 )
