@@ -120,8 +120,9 @@ def test_router_gpu_batch_invariant():
 
 @pytest.mark.gpu
 def test_gpu_dispatch(monkeypatch):
-    """linear_fp32 takes the Triton GEMM for the router at decode sizes and cuBLAS for the LM head
-    (N = vocab) and for M > 128; the values agree with cuBLAS within the fp32 bound."""
+    """In batch-invariant mode linear_fp32 takes the Triton GEMM for the router, and cuBLAS for the LM
+    head (N = vocab); the values agree with float64 within the fp32 bound. (The default mode keeps
+    cuBLAS: faster on the H200.)"""
     from deepinfer.kernels import select, triton_linear_fp32 as tlf
     from deepinfer.model import layers
     if not select.use_fast(torch.empty(1, device="cuda")):
@@ -129,6 +130,7 @@ def test_gpu_dispatch(monkeypatch):
     calls = []
     real = tlf.linear_fp32
     monkeypatch.setattr(tlf, "linear_fp32", lambda x, w, *a, **k: (calls.append(w.shape[0]), real(x, w, *a, **k))[1])
+    monkeypatch.setattr(select, "_batch_invariant", lambda: True)
     x = torch.randn(200, ROUTER_K, device="cuda").bfloat16()
     w = (torch.randn(ROUTER_N, ROUTER_K, device="cuda") * 0.02).bfloat16()
     for m in (1, 64, 128):
@@ -137,8 +139,6 @@ def test_gpu_dispatch(monkeypatch):
         assert calls == [ROUTER_N], m
         assert ((y.double() - x[:m].double() @ w.double().T).abs() <= _fp32_bound(x[:m], w)).all()
     calls.clear()
-    if not select._batch_invariant():
-        layers.linear_fp32(x, w)                                              # prefill-sized: cuBLAS
     head = torch.randn(129280, ROUTER_K, device="cuda").bfloat16()
     layers.linear_fp32(x[:64], head)                                          # the LM head: cuBLAS
     assert calls == []
