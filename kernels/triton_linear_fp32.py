@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_gemm import _grid_work, _num_sms, _store_tile
+from .triton_gemm import _grid_work, _num_sms, _store_tile, _tile
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_M = 128             # rows per launch: the token tile BM (one M tile per launch)
@@ -43,17 +43,10 @@ def linear_fp32_kernel(x_ptr, w_ptr, c_ptr, M, N, K, SPLIT_K,
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     g, split, m_lim, nkb, kb0, kb1 = _grid_work(x_ptr, M, K, SPLIT_K, BK, False)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    rm, rn, m_ok, n_ok, acc = _tile(pid_m, pid_n, m_lim, N, BM, BN, SWAP)
     rk = tl.arange(0, BK)
-    m_ok = rm < m_lim
-    n_ok = rn < N
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :]
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
-    if SWAP:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + kb * BK, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs + kb * BK, mask=n_ok[:, None], other=0.0)
