@@ -442,13 +442,14 @@ def w8a16_rows_kernel(x_ptr, b_ptr, sr_ptr, c_ptr, mm_ptr,
 
 @triton.jit
 def splitk_reduce_kernel(ws_ptr, c_ptr, S, total, BLOCK: tl.constexpr):
-    """c[i] = bf16(sum_s ws[s, i]) summed in split order (deterministic)."""
+    """c[i] = sum_s ws[s, i] summed in split order (deterministic), in c's dtype (bf16 for the FP8
+    GEMMs, fp32 for triton_linear_fp32)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     acc = tl.zeros((BLOCK,), tl.float32)
     for s in range(S):
         acc += tl.load(ws_ptr + s * total + offs, mask=ok, other=0.0)
-    tl.store(c_ptr + offs, acc.to(tl.bfloat16), mask=ok)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 def w8a16_config(m: int, n: int, k: int, groups: int, device, batch_invariant: bool = False,

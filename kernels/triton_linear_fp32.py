@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_gemm import _grid_work, _num_sms, _store_tile, _tile
+from .triton_gemm import _grid_work, _num_sms, _store_tile, _tile, splitk_reduce_kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_M = 128             # rows per launch: the token tile BM (one M tile per launch)
@@ -67,17 +67,6 @@ def linear_fp32_kernel(x_ptr, w_ptr, c_ptr, M, N, K, SPLIT_K,
     _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g.to(tl.int64), split, M, N, SPLIT_K, SWAP, OUT_F32)
 
 
-@triton.jit
-def splitk_sum_kernel(ws_ptr, c_ptr, S, total, BLOCK: tl.constexpr):
-    """c[i] = sum_s ws[s, i] in split order, fp32 out (triton_gemm.splitk_reduce_kernel rounds to bf16)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < total
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for s in range(S):
-        acc += tl.load(ws_ptr + s * total + offs, mask=ok, other=0.0)
-    tl.store(c_ptr + offs, acc, mask=ok)
-
-
 def linear_fp32_config(n: int, k: int, device) -> dict:
     """Swapped 64 x MAX_M tiles; K split so that the (N tiles x splits) grid is >= WAVES CTAs per SM
     where K allows, no split left empty. Never a function of M (batch invariance)."""
@@ -114,7 +103,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, part
     if partials:
         return ws
     total = m * n
-    splitk_sum_kernel[(triton.cdiv(total, 256),)](ws, out, split, total, BLOCK=256, num_warps=2)
+    splitk_reduce_kernel[(triton.cdiv(total, 256),)](ws, out, split, total, BLOCK=256, num_warps=2)
     return out
 
 
