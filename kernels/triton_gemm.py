@@ -17,7 +17,7 @@ weights one per 32x32 tile, so the reference numbers need a promotion every 32 K
 32-wide K step is one tensor-core dot (fp32 out) scaled by sa*sb (powers of two: exact) and added
 in fp32: the same products and the same per-32 rounding points as the reference's FP8 GEMM.
 
-W8A16 variants (launch config key VARIANT, default W8A16_VARIANT = $DEEPINFER_W8A16_VARIANT or "v3"):
+W8A16 variants (launch config key VARIANT, default W8A16_VARIANT = $DEEPINFER_W8A16_VARIANT or "auto"):
     v1  the weight tile [BN, BK] is converted e4m3 -> bf16 by Triton (cvt e4m3x2 -> f16x2, then one scalar
         f16 -> bf16 cvt per element: both on the 16/clk/SM conversion pipe) and reshaped to [BN, BK/32, 32]
         for the scale; E8M0 scales are read with byte loads the pipeliner skips (one exposed global load
@@ -28,6 +28,12 @@ W8A16 variants (launch config key VARIANT, default W8A16_VARIANT = $DEEPINFER_W8
         pipelined cp.async. SWAP (decode): one K=32 dot per scale block on a [BN, 32] tile read as int16
         pairs; otherwise one dot per BK with the scale tile broadcast to [BN, BK].
     v3  w8a16_v2_kernel with one dot per BK for SWAP too (fewer wgmma waits, a shared-memory shuffle).
+    v4  w8a16_blocks_kernel: the rows kernel's load (int16 pairs dequantized in the registers the wgmma A
+        fragment reads) with the [BN, BK/32] scale tile broadcast over a [BN, BK/32, 16] view of the pairs:
+        one dot per BK and no shared-memory shuffle (sm_90 SASS: no STS/LDSM, 2 barriers per K step where
+        v3 has 9). H200 (session 5): 1.10-1.25x v3 at M = 1, 0.94-1.03x at M = 64, where the wgmma work
+        is 4x larger and the shuffle was not the limit.
+    auto (default): v4 for swapped tiles of at most AUTO_V4_MAX_BM tokens, v3 above.
     perf/ptx_check.py prints what each compiles to for sm_90; perf/bench_kernels.py times them.
     H200 (session 2, `bench_kernels.py --only variants`): v3 is the default, 1.03-1.42x v1 on every
     decode shape but wq_b M64 (0.72x); MoE masked 48 experts w13/w2 at m=8: v1 560/270 us, v2 920/428,
@@ -51,8 +57,9 @@ from .reference import e8m0_to_float
 
 NUM_SMS_DEFAULT = 132
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-W8A16_VARIANTS = ("v1", "v2", "v3")
-W8A16_VARIANT = os.environ.get("DEEPINFER_W8A16_VARIANT", "v3")
+W8A16_VARIANTS = ("v1", "v2", "v3", "v4")
+AUTO_V4_MAX_BM = 16          # "auto": v4 for swapped tiles of up to 16 tokens, v3 above (H200, session 5)
+W8A16_VARIANT = os.environ.get("DEEPINFER_W8A16_VARIANT", "auto")
 
 
 @triton.jit
@@ -441,6 +448,55 @@ def w8a16_rows_kernel(x_ptr, b_ptr, sr_ptr, c_ptr, mm_ptr,
 
 
 @triton.jit
+def w8a16_blocks_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
+                        M, N, K, SPLIT_K,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SB_ROWS: tl.constexpr,
+                        SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
+                        NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False):
+    """w8a16_v2_kernel's contract (scales per (SB_ROWS rows, 32 columns), f32 pow2 or raw E8M0 bytes) with
+    the rows kernel's load: the weights as [BN, BK/2] int16 pairs viewed as [BN, BK/32, 16], so that the
+    scale is a [BN, BK/32] tile broadcast over the pairs of its block and every pair is dequantized in the
+    register the wgmma A fragment reads it from (each thread's k16 slice sits in one scale block)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    g, split, m_lim, nkb, kb0, kb1 = _grid_work(mm_ptr, M, K, SPLIT_K, BK, GROUPED)
+    if pid_m * BM >= m_lim:
+        return
+    rm, rn, m_ok, n_ok, acc = _tile(pid_m, pid_n, m_lim, N, BM, BN, SWAP)
+    rk = tl.arange(0, BK)
+    g64 = g.to(tl.int64)
+    r2 = tl.arange(0, BK // 2)
+    srow = g64 * (N // SB_ROWS) + (rn // SB_ROWS).to(tl.int64)
+    # [BN, BK/32] scale tile (E8M0 bytes or f32), read in the layout the 3-D view below gives its rows
+    sc_ptrs = sb_ptr + srow[:, None] * (nkb * (BK // 32)) + tl.arange(0, BK // 32)[None, :]
+    x_ptrs = x_ptr + g64 * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+    w_ptrs = (b_ptr.to(tl.pointer_type(tl.int16)) + g64 * N * (K // 2) + rn[:, None].to(tl.int64) * (K // 2)
+              + r2[None, :])
+    for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
+        x = tl.load(x_ptrs + kb * BK, mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptrs + kb * (BK // 2), mask=n_ok[:, None], other=0)
+        sc = tl.load(sc_ptrs + kb * (BK // 32), mask=n_ok[:, None], other=0)
+        if SB_E8M0:
+            sc = _e8m0_scale(sc.to(tl.int32) & 0xFF, UPCAST)
+        elif not UPCAST:
+            sc = sc.to(tl.bfloat16)
+        s3 = sc[:, :, None]
+        w3 = tl.reshape(w, (BN, BK // 32, 16))
+        s3 = tl.broadcast_to(s3, (BN, BK // 32, 16))
+        if UPCAST:                       # CPU interpreter: the same bit arithmetic in fp32
+            lo, hi = _dequant_pair_ref(w3, s3)
+            x = x.to(tl.float32)
+        else:
+            lo, hi = _dequant_pair_bf16(w3, s3)
+        wd = tl.reshape(tl.join(lo, hi), (BN, BK))
+        if SWAP:
+            acc = tl.dot(wd, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(wd), acc)
+    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32)
+
+
+@triton.jit
 def splitk_reduce_kernel(ws_ptr, c_ptr, S, total, BLOCK: tl.constexpr):
     """c[i] = sum_s ws[s, i] summed in split order (deterministic), in c's dtype (bf16 for the FP8
     GEMMs, fp32 for triton_linear_fp32)."""
@@ -480,8 +536,10 @@ def w8a16_variant(cfg: dict, b: torch.Tensor, sb: torch.Tensor, k: int) -> str:
     """The W8A16 kernel a launch runs: cfg["VARIANT"] (else W8A16_VARIANT); v2/v3 need K and BK multiples
     of 128 and 2-byte / 4-byte aligned weights / E8M0 scales (int16 and int32 views), else v1."""
     variant = cfg.get("VARIANT", W8A16_VARIANT)
+    if variant == "auto":
+        variant = "v4" if cfg["SWAP"] and cfg["BM"] <= AUTO_V4_MAX_BM else "v3"
     if variant not in W8A16_VARIANTS:
-        raise ValueError(f"unknown W8A16 variant {variant!r} (one of {W8A16_VARIANTS})")
+        raise ValueError(f"unknown W8A16 variant {variant!r} (one of {W8A16_VARIANTS} or 'auto')")
     if variant != "v1" and (k % 128 or cfg["BK"] % 128 or b.data_ptr() % 2
                             or (sb.dtype != torch.float32 and sb.data_ptr() % 4)):
         return "v1"
@@ -504,6 +562,8 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, p
         del kw["SB_ROWS"], kw["SB_E8M0"]
     elif w8a16_variant(cfg, b, sb, k) == "v1":
         kernel = w8a16_gemm_kernel
+    elif w8a16_variant(cfg, b, sb, k) == "v4":
+        kernel = w8a16_blocks_kernel
     else:
         kernel = w8a16_v2_kernel
         kw["PER32"] = w8a16_variant(cfg, b, sb, k) == "v2" and cfg["SWAP"]

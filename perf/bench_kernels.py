@@ -215,7 +215,8 @@ def bench_moe(quick):
 
 MOE_GROUPS = (48, 128)                       # local experts (EP8 share), capacity rows per expert
 MOE_SHAPES = {"moe_w13": (4608, 5120), "moe_w2": (5120, 2304)}
-VARIANT_SWEEP = [dict(num_warps=8), dict(NUM_STAGES=4), dict(BN=256, num_warps=8, NUM_STAGES=3)]
+VARIANT_SWEEP = [dict(num_warps=8), dict(NUM_STAGES=4), dict(BN=256, num_warps=8, NUM_STAGES=3), dict(BN=64),
+                 dict(BN=64, NUM_STAGES=4), dict(BN=128)]
 ROWS_SWEEP = [dict(num_warps=8), dict(NUM_STAGES=4), dict(NUM_STAGES=6), dict(BN=64), dict(BN=256, num_warps=8),
               dict(BK=256, NUM_STAGES=3), dict(BN=64, NUM_STAGES=6)]
 
@@ -282,8 +283,9 @@ def _time_variants(label, shape, calls, variants, nbytes, t_lib, sweep, sweep_li
             note=note)
 
 
-def bench_variants(quick, variants=None, sweep=True):
-    """W8A16 variants side by side: FP8 linears (E8M0 scales) at decode sizes and the masked MoE GEMMs."""
+def bench_variants(quick, variants=None, sweep=True, moe=True):
+    """W8A16 variants side by side: FP8 linears (E8M0 scales) at decode sizes and (moe) the masked MoE
+    GEMMs."""
     variants = variants or list(triton_gemm.W8A16_VARIANTS)
     dg = deepgemm.load()
     ms = (1, 64) if quick else (1, 64, 128)
@@ -305,6 +307,8 @@ def bench_variants(quick, variants=None, sweep=True):
                 return [lambda w=w, s=s: triton_gemm.w8a16_gemm(xq, w, s, cfg_override=ov) for w, s in ws8]
             _time_variants(f"linear {name}", f"M{M} N{N} K{K}", calls, variants, nbytes, t_lib, sweep)
         del ws, ws8, wdg
+    if not moe:
+        return
     G, mmax = MOE_GROUPS
     grid = torch.tensor(E2M1_GRID, device="cuda")
     grid = torch.cat([grid, -grid])
@@ -491,6 +495,7 @@ def main(argv=None):
     ap.add_argument("--parse-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--only", default="quant,gemm,linear_fp32,moe,variants,attn,mhc,indexer,topk")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps")
+    ap.add_argument("--linears-only", action="store_true", help="`variants`: skip the masked MoE shapes")
     ap.add_argument("--variants", default=",".join(triton_gemm.W8A16_VARIANTS),
                     help="W8A16 variants the `variants` part compares (default: all)")
     args = ap.parse_args(argv)
@@ -515,7 +520,7 @@ def main(argv=None):
     for part in parts:
         try:
             if part == "variants":
-                bench_variants(args.quick, variants, sweep=not args.no_sweep)
+                bench_variants(args.quick, variants, sweep=not args.no_sweep, moe=not args.linears_only)
             else:
                 globals()[f"bench_{part}"](args.quick)
         except Exception as e:  # noqa: BLE001

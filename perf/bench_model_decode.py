@@ -202,7 +202,7 @@ def main() -> None:
             profile(decode_step(model, caches, a.profile, a.ctx, max_len, block_tokens), a.profile)
 
 
-def profile(step, B: int, top: int = 30) -> None:
+def profile(step, B: int, top: int = 45) -> None:
     """Where the GPU time of one decode step goes: CUDA kernel time summed by kernel name (eager, so
     launch gaps are not counted; the kernels are the ones the graph replays)."""
     from torch.profiler import ProfilerActivity
@@ -228,7 +228,7 @@ def profile(step, B: int, top: int = 30) -> None:
            if e.key.startswith("aten::") and getattr(e, "self_device_time_total", 0) > 0]
     print(f"torch ops by GPU time (self, us), top {top}:")
     for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"{e.self_device_time_total:>9.0f} {e.count:>6}  {e.key:28s} {str(e.input_shapes)[:110]}")
+        print(f"{e.self_device_time_total:>9.0f} {e.count:>6}  {e.key:28s} {str(e.input_shapes)[:150]}")
 
 
 def plot(rows, path: str) -> None:

@@ -57,7 +57,8 @@ def test_fp8xfp8_gemm_per32_promotion(m, n, k):
 
 
 @pytest.mark.parametrize("expected_m", [4, 32])
-@pytest.mark.parametrize("kind", ["w8a16:v1", "w8a16:v2", "w8a16:v3", "w8a16:v2:e8m0", "w8a16:v3:e8m0", "fp8"])
+@pytest.mark.parametrize("kind", ["w8a16:v1", "w8a16:v2", "w8a16:v3", "w8a16:v4", "w8a16:v2:e8m0", "w8a16:v3:e8m0",
+                                  "w8a16:v4:e8m0", "fp8"])
 def test_grouped_masked_fp4_experts(expected_m, kind, monkeypatch):
     from deepinfer.kernels import triton_gemm
     from deepinfer.kernels.triton_gemm import fp4_to_fp8_weight, fp8_grouped_gemm_masked, w8a16_grouped_gemm_masked
