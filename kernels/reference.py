@@ -15,6 +15,7 @@ Every op here runs on any device and is the ground truth the fast paths are test
     topk_ids_ref         ids of each row's k largest, ties to the lowest id (one integer key per entry)
     index_topk_ref       the indexer's picks: top-k ids ascending, -1 where unreachable (-inf, >= lens)
     topk_block_mask_ref  the candidate blocks' top-k as an entry mask (two-level top-k, level one)
+    router_topk_ref      the MoE gate after its GEMM: sqrt(softplus(logits / temp)), biased top-k, weights
     moe_route_ref        the masked MoE's pair -> slab row map (stable by expert) and per-expert counts
     moe_dispatch_ref     act_quant of each token into its pairs' slab rows
     moe_swiglu_quant_ref clamped SwiGLU x routing weight, bf16, act_quant, at the pairs' rows
@@ -309,12 +310,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (weight.float() * xf).to(x.dtype)
 
 
-def topk_ids_ref(x: torch.Tensor, k: int) -> torch.Tensor:
+def topk_ids_ref(x: torch.Tensor, k: int, descending: bool = False) -> torch.Tensor:
     """Indices of the k largest along the last dim, ties to the lowest index: deterministic and
     independent of the row's padded width (torch.topk's tie order depends on both), so a sequence's
     picks do not depend on what else is in the batch. The top-k runs on one integer key per entry,
     (value order, reversed index): 32 bits for bf16 scores in rows up to 2^16 wide (the indexer's:
-    half the radix passes of the 64-bit key), 64 bits otherwise; both order entries the same way."""
+    half the radix passes of the 64-bit key), 64 bits otherwise; both order entries the same way.
+    descending: the ids by descending value, equal values lowest id first (else in no set order)."""
     bits = x.float().contiguous().view(torch.int32)
     order = bits ^ ((bits >> 31) & 0x7FFFFFFF)                               # monotone in the float value
     width = x.shape[-1]
@@ -325,7 +327,7 @@ def topk_ids_ref(x: torch.Tensor, k: int) -> torch.Tensor:
         key = ((order >> 16) << 16) | ((1 << 16) - 1 - ids)
     else:
         key = order.to(torch.int64) * (1 << 32) + ((1 << 31) - 1 - ids.to(torch.int64))
-    return key.topk(k, dim=-1, sorted=False).indices
+    return key.topk(k, dim=-1, sorted=descending).indices
 
 
 def index_topk_ref(score: torch.Tensor, lens: torch.Tensor, topk: int, candidates: torch.Tensor | None = None):
@@ -349,3 +351,31 @@ def topk_block_mask_ref(b: torch.Tensor, k: int, block_size: int, width: int) ->
     top = topk_ids_ref(b, k)
     keep = torch.zeros_like(b, dtype=torch.bool).scatter_(-1, top, b.gather(-1, top) > -torch.inf)
     return keep[..., None].expand(*keep.shape, block_size).flatten(-2)[..., :width]    # repeat_interleave, no host read
+
+
+def router_topk_ref(logits: torch.Tensor, bias: torch.Tensor, topk: int, temp: float, route_scale: float,
+                    norm: bool, bias_alt: torch.Tensor | None = None, alt_mask: torch.Tensor | None = None):
+    """Gate.forward after its GEMM: logits [T, E] fp32 -> (weights [T, topk] fp32, indices [T, topk]
+    int64). scores = sqrt(softplus(logits / temp)) (temp a Python float: torch's CUDA multiplies by
+    its fp32 reciprocal, its CPU divides), then router_select_ref."""
+    scores = torch.nn.functional.softplus(logits / float(temp)).sqrt()
+    return router_select_ref(scores, bias, topk, route_scale, norm, bias_alt, alt_mask)
+
+
+def router_select_ref(scores: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float, norm: bool,
+                      bias_alt: torch.Tensor | None = None, alt_mask: torch.Tensor | None = None):
+    """scores [T, E] fp32 -> the picks: the topk largest scores + bias (bias_alt on the rows where
+    alt_mask [T] is set), by descending value, ties to the lowest id (torch.topk's picks and order
+    wherever no two values tie); weights = scores there, divided by (w0 + w1 + ... + 1e-20) summed in
+    pick order when norm and topk > 1 (torch's .sum may add in another order: a few ulp apart), times
+    route_scale."""
+    if alt_mask is not None:
+        bias = torch.where(alt_mask[:, None], bias_alt, bias)
+    indices = topk_ids_ref(scores + bias, topk, descending=True)
+    weights = scores.gather(1, indices)
+    if norm and topk > 1:
+        total = weights[:, 0]
+        for j in range(1, topk):
+            total = total + weights[:, j]
+        weights = weights / (total[:, None] + 1e-20)
+    return weights * route_scale, indices

@@ -230,6 +230,22 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _ref.linear_fp32_ref(x, w)
 
 
+# Widest router row and largest topk of the Triton kernel (triton_router.MAX_WIDTH / MAX_TOPK; not
+# imported here, as TOPK_MAX_WIDTH below)
+ROUTER_MAX_E, ROUTER_MAX_TOPK = 4096, 32
+
+
+def router_topk(logits: torch.Tensor, bias: torch.Tensor, topk: int, temp: float, route_scale: float, norm: bool,
+                bias_alt: torch.Tensor | None = None, alt_mask: torch.Tensor | None = None):
+    """The MoE gate after its GEMM (reference.router_topk_ref): logits [T, E] fp32 -> (weights [T, topk]
+    fp32, indices [T, topk] int64). One Triton program per token instead of ~10 torch launches."""
+    if (use_fast(logits) and logits.dim() == 2 and logits.dtype == torch.float32
+            and 0 < topk <= min(logits.shape[1], ROUTER_MAX_TOPK) and logits.shape[1] <= ROUTER_MAX_E):
+        from .triton_router import router_topk as fast
+        return fast(logits, bias, topk, temp, route_scale, norm, bias_alt, alt_mask)
+    return _ref.router_topk_ref(logits, bias, topk, temp, route_scale, norm, bias_alt, alt_mask)
+
+
 def moe_route(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The masked MoE's routing map (reference.moe_route_ref): (counts [E] int32, slot [T*K] int64)."""
     if use_fast(indices):

@@ -32,9 +32,9 @@ from benchutil import copies_for, measure_ceilings, out_dir, save_json, time_cal
 
 from deepinfer.kernels import deepgemm, flashmla, triton_gemm, triton_indexer, triton_mhc, triton_quant  # noqa: E402
 from deepinfer.kernels import triton_sparse_attn as tsa  # noqa: E402
-from deepinfer.kernels import triton_topk  # noqa: E402
+from deepinfer.kernels import triton_router, triton_topk  # noqa: E402
 from deepinfer.kernels.reference import E2M1_GRID, act_quant_ref, e8m0_to_float, fp4_quant_ref, sparse_attn_ref  # noqa: E402
-from deepinfer.kernels.reference import index_topk_ref, topk_block_mask_ref  # noqa: E402
+from deepinfer.kernels.reference import index_topk_ref, router_topk_ref, topk_block_mask_ref  # noqa: E402
 from deepinfer.kernels.select import row_scaled_fp8_weight  # noqa: E402
 
 ROWS: list[dict] = []
@@ -458,6 +458,39 @@ def bench_topk(quick):
         note=f"torch/ours {tt / t:.1f}x; {'bits equal' if same else 'MISMATCH vs topk_block_mask_ref'}")
 
 
+
+def _router_chain(logits, bias, topk, temp, route_scale, norm):
+    """moe.py Gate.forward's torch ops after the GEMM, as they ran before router_topk (~10 launches)."""
+    scores = torch.nn.functional.softplus(logits / temp).sqrt()
+    indices = (scores + bias).topk(topk, dim=-1)[1]
+    weights = scores.gather(1, indices)
+    if norm and topk > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * route_scale, indices
+
+
+def bench_router(quick):
+    """The MoE router after its gate GEMM at a decode step: 64 tokens, top-6 of 48 local experts (EP8)
+    and of all 384; one Triton program per token against the torch chain Gate.forward ran. A num_warps
+    sweep for the wider row; the note says whether the bits equal router_topk_ref."""
+    T, k, temp, scale = 64, 6, 1.0, 1.5
+    for E in (48, 384):
+        logits = [torch.randn(T, E, device="cuda") * 2 for _ in range(copies_for(T * E * 4))]
+        bias = torch.randn(E, device="cuda") * 0.1
+        nbytes = T * E * 4 + E * 4 + T * k * 12
+        t = time_calls([lambda x=x: triton_router.router_topk(x, bias, k, temp, scale, True) for x in logits])
+        tt = time_calls([lambda x=x: _router_chain(x, bias, k, temp, scale, True) for x in logits])
+        same = all(torch.equal(a, b) for a, b in zip(triton_router.router_topk(logits[0], bias, k, temp, scale, True),
+                                                    router_topk_ref(logits[0], bias, k, temp, scale, True)))
+        sweep = ""
+        if E > 128 and not quick:
+            tw = {nw: time_calls([lambda x=x, nw=nw: triton_router.router_topk(x, bias, k, temp, scale, True,
+                                                                                num_warps=nw) for x in logits])
+                  for nw in (1, 2, 4, 8)}
+            sweep = "; num_warps " + " ".join(f"{nw}:{v * 1e6:.1f}us" for nw, v in tw.items())
+        row("router_topk", f"T{T} E{E} k{k}", t, nbytes, t_torch=tt,
+            note=f"torch/ours {tt / t:.1f}x; {'bits equal' if same else 'MISMATCH vs router_topk_ref'}{sweep}")
+
 def plot(path_prefix):
     try:
         import matplotlib
@@ -493,7 +526,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parse-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--only", default="quant,gemm,linear_fp32,moe,variants,attn,mhc,indexer,topk")
+    ap.add_argument("--only", default="quant,gemm,linear_fp32,moe,variants,attn,mhc,indexer,topk,router")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps")
     ap.add_argument("--linears-only", action="store_true", help="`variants`: skip the masked MoE shapes")
     ap.add_argument("--variants", default=",".join(triton_gemm.W8A16_VARIANTS),

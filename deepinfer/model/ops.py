@@ -33,6 +33,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     moe_swiglu_quant,
     rms_norm,
     rope,
+    router_topk,
     row_scaled_fp8_weight,
     sparse_attn,
     sparse_attn_in_place,

@@ -19,6 +19,58 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _f32_ulps(a, b) -> int:
+    """Largest distance in fp32 steps between same-signed a and b."""
+    return (a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max().item()
+
+
+def check_router_topk():
+    """The MoE router kernel against router_topk_ref: E 48 and 64 (masked lanes), k 6, norm on and off,
+    with and without the alt bias (image tokens), temp 1.3 (not a power of two: a true division on
+    CPU tensors), a row of exact ties (quantized logits and bias), a tie of 8 over 20 (softplus
+    threshold) at the top, a row of exp in the denormals (scores ~1e-20: the 1e-20 counts).
+    Indices: the reference's exactly. Weights: bit for bit the reference's selection on the kernel's
+    own softplus (MANUAL: exp and log1p in fp64, each rounded to fp32). torch's CPU softplus (SLEEF
+    exp and log1p, <= 1 ulp each) differs from that by up to 2 ulp, which the normalization can
+    double: within 4 ulp of router_topk_ref, except on the denormal row (an ulp of a denormal exp is
+    a large relative step; on the GPU both sides run the same expf)."""
+    import numpy as np
+    from deepinfer.kernels import triton_router
+    from deepinfer.kernels.reference import router_select_ref, router_topk_ref
+
+    def manual_scores(logits, temp):
+        x = logits.numpy() / np.float32(temp)
+        e = np.exp(x.astype(np.float64)).astype(np.float32).astype(np.float64)
+        u = 1.0 + e
+        lp = np.where(u == 1.0, e, np.log(u) * (e / np.where(u == 1.0, 1.0, u - 1.0))).astype(np.float32)
+        return torch.from_numpy(np.sqrt(np.where(x > 20, x, lp)))
+
+    g = torch.Generator().manual_seed(5)
+    T, K, temp, scale = 5, 6, 1.3, 2.5
+    for E in (48, 64):
+        logits = torch.randn(T, E, generator=g) * 3
+        logits[1] = torch.randint(-3, 4, (E,), generator=g) * 0.5             # ties everywhere
+        bias = torch.randint(0, 3, (E,), generator=g) * 0.25
+        bias[:16] = 0.5
+        logits[2] = -5.0
+        logits[2, 3:11] = 30.0                                                  # 30 / 1.3 > 20: softplus = x
+        logits[3] = -110.0 - 20 * torch.rand(E, generator=g)                   # exp(-85..-100): denormals
+        bias_alt = torch.randn(E, generator=g) * 0.1
+        alt_mask = torch.tensor([True, False, False, True, True])
+        for alt in (False, True):
+            kw = dict(bias_alt=bias_alt, alt_mask=alt_mask) if alt else {}
+            for norm in (True, False):
+                w, i = triton_router.router_topk(logits, bias, K, temp, scale, norm, **kw)
+                rw, ri = router_topk_ref(logits, bias, K, temp, scale, norm, **kw)
+                sw, si = router_select_ref(manual_scores(logits, temp), bias, K, scale, norm, **kw)
+                assert w.shape == (T, K) and w.dtype == torch.float32 and i.dtype == torch.int64
+                assert torch.equal(i, ri) and torch.equal(i, si), (E, alt, norm)
+                assert torch.equal(w, sw), (E, alt, norm, _f32_ulps(w, sw))
+                keep = torch.arange(T) != 3
+                assert _f32_ulps(w[keep], rw[keep]) <= 4, (E, alt, norm, _f32_ulps(w[keep], rw[keep]))
+        assert torch.equal(i[2], torch.arange(3, 9)), i[2]                     # the tie: lowest ids, in order
+
+
 def check_w8a16_variants():
     """Every W8A16 variant, dense and masked grouped, E8M0 bytes and f32 scales, per-32x32 and per-row
     scales, split-K on and off, swapped and not: the fp32 partial sums exactly, the bf16 entry points
@@ -186,6 +238,7 @@ def main():
     check_w8a16_variants()
     check_w8a16_rows()
     check_w8a16_dense_grouped()
+    check_router_topk()
     print("interpret checks passed")
 
 
