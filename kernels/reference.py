@@ -270,6 +270,17 @@ def moe_swiglu_quant_ref(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Te
     return hp
 
 
+def swiglu_quant_ref(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:
+    """gu [T, 2 inter] -> [T, inter]: the clamped SwiGLU in fp32, to bf16, then act_quant (the shared
+    expert's rounding points up to w2's own act_quant, which leaves FP8-rounded rows unchanged)."""
+    g = gu.float()
+    gate, up = g[:, :inter], g[:, inter:]
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return act_quant_ref((torch.nn.functional.silu(gate) * up).to(gu.dtype))
+
+
 def moe_combine_ref(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """out [E, T, d] -> [T, d]: per token, its picks' rows summed in fp32 in ascending expert id
     (the reference's accumulation order), then + shared [T, d], cast to shared's dtype."""
@@ -285,16 +296,16 @@ def moe_combine_ref(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor
     return y.to(shared.dtype)
 
 
-def hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps):
+def hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False):
     """Block.hc_mixes(x) and Block.hc_pre(x, pre_prev) in one contract: x [T, hc, d] bf16 ->
     pre, post [T, hc], comb [T, hc, hc] (fp32) of this sublayer and y [T, d] (x collapsed with the
-    previous sublayer's pre-mix)."""
+    previous sublayer's pre-mix); mean: then x.mean(dim=1) (the DSpark tap)."""
     xf = x.flatten(1).float()
     rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
     mixes = torch.nn.functional.linear(xf, fn.float()) * rs
     pre, post, comb = hc_split_sinkhorn_ref(mixes, scale, base, x.shape[1], iters, hc_eps)
     y = (pre_prev.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
-    return pre, post, comb, y
+    return (pre, post, comb, y) + ((x.mean(dim=1),) if mean else ())
 
 
 def hc_post_ref(y, res, post, comb):
@@ -353,6 +364,20 @@ def topk_block_mask_ref(b: torch.Tensor, k: int, block_size: int, width: int) ->
     return keep[..., None].expand(*keep.shape, block_size).flatten(-2)[..., :width]    # repeat_interleave, no host read
 
 
+def pool_lists_ref(win_pool: torch.Tensor, win_len: torch.Tensor, topk: torch.Tensor, seq_of: torch.Tensor,
+                   block_tables: torch.Tensor, epb: int, base: int) -> torch.Tensor:
+    """[T, Lw + K] int64: row t = win_pool[t, :win_len[t]], then t's compressed picks as pool rows (base +
+    block_tables[seq, e // epb] * epb + e % epb, the column clamped to the table, unallocated blocks row
+    0; -1 picks stay -1), then -1 (triton_lists.pool_lists)."""
+    T, K = topk.shape
+    e = topk.clamp_min(0)
+    col = (e // epb).clamp_max(block_tables.shape[1] - 1)
+    blk = block_tables[seq_of[:, None].expand(T, K), col]
+    picks = torch.where(topk >= 0, base + blk.clamp_min(0) * epb + e % epb, -1)
+    out = torch.cat([win_pool, win_pool.new_full((T, K), -1)], dim=1)
+    return out.scatter_(1, win_len[:, None] + torch.arange(K, device=topk.device), picks)
+
+
 def router_topk_ref(logits: torch.Tensor, bias: torch.Tensor, topk: int, temp: float, route_scale: float,
                     norm: bool, bias_alt: torch.Tensor | None = None, alt_mask: torch.Tensor | None = None):
     """Gate.forward after its GEMM: logits [T, E] fp32 -> (weights [T, topk] fp32, indices [T, topk]
@@ -379,3 +404,19 @@ def router_select_ref(scores: torch.Tensor, bias: torch.Tensor, topk: int, route
             total = total + weights[:, j]
         weights = weights / (total[:, None] + 1e-20)
     return weights * route_scale, indices
+
+
+def engram_gate_ref(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torch.Tensor, eps: float,
+                    token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Engram's gated add (reference model.py Engram after its wkv): x [T, hc, d], key [T, hc*d], value
+    [T, d], w [hc, d] = q_weight * k_weight -> [T, hc, d] in x's dtype: gate = sigmoid(signed sqrt of the
+    RMS-normalized stream . key dot product / sqrt(d)), 0 for masked tokens; x + gate * value."""
+    T, hc, d = x.shape
+    key = key.float().unflatten(-1, (hc, d))
+    h = x.float()
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (h * w.float() * key).sum(-1) * rstd * d ** -0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    if token_mask is not None:
+        gate = gate.masked_fill(~token_mask[:, None], 0)
+    return (h + gate[..., None] * value.float()[:, None, :]).to(x.dtype)

@@ -271,6 +271,30 @@ def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor
     return _ref.moe_swiglu_quant_ref(gu, slot, weights, limit, inter)
 
 
+def swiglu_quant(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:
+    """The shared expert's clamped SwiGLU, bf16, act_quant (reference.swiglu_quant_ref)."""
+    if use_fast(gu) and inter % 32 == 0:
+        from .triton_moe import swiglu_quant as fast
+        return fast(gu, limit, inter)
+    return _ref.swiglu_quant_ref(gu, limit, inter)
+
+
+def pool_lists(win_pool, win_len, topk, seq_of, block_tables, epb: int, base: int) -> torch.Tensor:
+    """A decode layer's attention lists in pool rows: window part, then compressed picks (reference.pool_lists_ref)."""
+    if use_fast(win_pool):
+        from .triton_lists import pool_lists as fast
+        return fast(win_pool, win_len, topk, seq_of, block_tables, epb, base)
+    return _ref.pool_lists_ref(win_pool, win_len, topk, seq_of, block_tables, epb, base)
+
+
+def engram_gate(x, key, value, w, eps: float, token_mask=None) -> torch.Tensor:
+    """Engram's gated add after its wkv GEMM (reference.engram_gate_ref)."""
+    if use_fast(x) and key.stride(-1) == 1 and value.stride(-1) == 1:
+        from .triton_engram import engram_gate as fast
+        return fast(x, key, value, w, eps, token_mask)
+    return _ref.engram_gate_ref(x, key, value, w, eps, token_mask)
+
+
 def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """Per-token fp32 sum of the routed rows in ascending expert id + shared (reference.moe_combine_ref)."""
     if use_fast(out):
@@ -280,14 +304,15 @@ def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, sh
 
 
 def grouped_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """Grouped matmul on FP8 weights with no activation rounding (the block-diagonal wo_a): x [G, M, K]
-    bf16, w [G, N, K] e4m3, w_scale [G, N/32, K/32] E8M0 -> [G, M, N] bf16, the same exact products as
-    the einsum of the dequantized weight, fp32 accumulated. Triton W8A16 on a GPU; else that einsum."""
-    if use_fast(x) and x.shape[1] > 0 and _fast_gemm_ok(w[0], w_scale[0]):
+    """Grouped matmul on FP8 weights with no activation rounding (the block-diagonal wo_a): x [M, G, K]
+    bf16 (token-major: each token's G head groups), w [G, N, K] e4m3, w_scale [G, N/32, K/32] E8M0 ->
+    [M, G, N] bf16, the same exact products as the einsum of the dequantized weight, fp32 accumulated.
+    Triton W8A16 reading and writing the token-major layout in place on a GPU; else that einsum."""
+    if use_fast(x) and x.shape[0] > 0 and _fast_gemm_ok(w[0], w_scale[0]):
         from .triton_gemm import w8a16_grouped_gemm as fast
-        return fast(x, w, w_scale, batch_invariant=_batch_invariant())
+        return fast(x, w, w_scale, batch_invariant=_batch_invariant(), token_major=True)
     dt = _dense_dtype(x)
-    return torch.bmm(x.to(dt), dequant_fp8(w, w_scale).to(dt).transpose(1, 2)).to(torch.bfloat16)
+    return torch.einsum("tgd,grd->tgr", x.to(dt), dequant_fp8(w, w_scale).to(dt)).to(torch.bfloat16)
 
 
 def dequant_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -417,11 +442,11 @@ def topk_block_mask(b: torch.Tensor, k: int, block_size: int, width: int) -> tor
     return _ref.topk_block_mask_ref(b, k, block_size, width)
 
 
-def hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps):
+def hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False):
     if use_fast(x) and x.shape[1] == 4 and x.shape[-1] % 64 == 0:   # the kernel reads 64-wide column chunks
         from .triton_mhc import hc_mixes_pre as fast
-        return fast(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps)
-    return _ref.hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps)
+        return fast(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
+    return _ref.hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
 
 
 def hc_post(y, res, post, comb):

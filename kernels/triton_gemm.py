@@ -64,18 +64,23 @@ W8A16_VARIANT = os.environ.get("DEEPINFER_W8A16_VARIANT", "auto")
 
 @triton.jit
 def _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K,
-                SWAP: tl.constexpr, OUT_F32: tl.constexpr):
+                SWAP: tl.constexpr, OUT_F32: tl.constexpr, TOKEN_MAJOR: tl.constexpr = False):
     """The GEMMs' epilogue: acc ([BN, BM] when SWAP, else [BM, BN]) into c. OUT_F32: c is the split-K
-    workspace [SPLIT_K, G, M, N] f32 (this program's split slice), else c is [G, M, N] bf16."""
+    workspace [SPLIT_K, G, M, N] f32 (this program's split slice), else c is [G, M, N] bf16, or
+    [M, G, N] with TOKEN_MAJOR."""
+    row_stride = N
     if OUT_F32:
         c_base = c_ptr + (split.to(tl.int64) * (tl.num_programs(2) // SPLIT_K) + g64) * M * N
+    elif TOKEN_MAJOR:
+        c_base = c_ptr + g64 * N
+        row_stride = (tl.num_programs(2) // SPLIT_K) * N
     else:
         c_base = c_ptr + g64 * M * N
     if SWAP:
-        c_ptrs = c_base + rm[None, :].to(tl.int64) * N + rn[:, None]
+        c_ptrs = c_base + rm[None, :].to(tl.int64) * row_stride + rn[:, None]
         mask = n_ok[:, None] & m_ok[None, :]
     else:
-        c_ptrs = c_base + rm[:, None].to(tl.int64) * N + rn[None, :]
+        c_ptrs = c_base + rm[:, None].to(tl.int64) * row_stride + rn[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
     if OUT_F32:
         tl.store(c_ptrs, acc, mask=mask)
@@ -111,6 +116,15 @@ def _tile(pid_m, pid_n, m_lim, N, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.c
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     return rm, rn, rm < m_lim, rn < N, acc
+
+
+@triton.jit
+def _x_rows(x_ptr, g64, rm, M, K, SPLIT_K, TOKEN_MAJOR: tl.constexpr):
+    """Row pointers [BM, 1] of group g's activations: x [G, M, K], or [M, G, K] with TOKEN_MAJOR (wo_a's
+    per-token head groups read in place, no transposing copy)."""
+    if TOKEN_MAJOR:
+        return x_ptr + g64 * K + rm[:, None].to(tl.int64) * ((tl.num_programs(2) // SPLIT_K) * K)
+    return x_ptr + g64 * M * K + rm[:, None].to(tl.int64) * K
 
 
 @triton.jit
@@ -151,7 +165,8 @@ def w8a16_gemm_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
                       M, N, K, SPLIT_K,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SB_ROWS: tl.constexpr,
                       SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False):
+                      NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False,
+                      TOKEN_MAJOR: tl.constexpr = False):
     """x [G, M, K] bf16 holding FP8-rounded activations (act_quant's fake-quant values: q * 2^e, exact
     in bf16), b [G, N, K] e4m3, sb [G, N/SB_ROWS, K/32] f32 pow2. Each weight tile is dequantized in
     registers (q * s: exact in bf16) and fed to a bf16 MMA accumulating in place in fp32: the same
@@ -166,7 +181,7 @@ def w8a16_gemm_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
     rk = tl.arange(0, BK)
     rs = tl.arange(0, BK // 32)
     g64 = g.to(tl.int64)
-    x_ptrs = x_ptr + g64 * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+    x_ptrs = _x_rows(x_ptr, g64, rm, M, K, SPLIT_K, TOKEN_MAJOR) + rk[None, :]
     b_ptrs = b_ptr + g64 * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
     sb_ptrs = sb_ptr + g64 * (N // SB_ROWS) * (K // 32) + (rn // SB_ROWS)[:, None].to(tl.int64) * (K // 32) + rs[None, :]
     # NOTE: the weight tile goes through registers for the dequant, so Triton's cp.async pipeliner
@@ -190,7 +205,7 @@ def w8a16_gemm_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
             acc = tl.dot(wd, tl.trans(x), acc)
         else:
             acc = tl.dot(x, tl.trans(wd), acc)
-    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32)
+    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32, TOKEN_MAJOR)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -293,7 +308,7 @@ def w8a16_v2_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SB_ROWS: tl.constexpr,
                     SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
                     NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False,
-                    PER32: tl.constexpr = True):
+                    PER32: tl.constexpr = True, TOKEN_MAJOR: tl.constexpr = False):
     """w8a16_gemm_kernel's contract and products (x FP8-rounded bf16, b e4m3, sb pow2 f32 or raw E8M0),
     K % 128 == 0 and BK % 128 == 0 (E8M0 scales are read as int32 words of 4 bytes; the row stride
     K // 32 is written as (K // BK) * (BK // 32) so that the compiler can prove 4-byte alignment).
@@ -315,7 +330,7 @@ def w8a16_v2_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
     if PER32:
         r32 = tl.arange(0, 32)
         r16 = tl.arange(0, 16)
-        x_ptrs = x_ptr + g64 * M * K + rm[:, None].to(tl.int64) * K + r32[None, :]
+        x_ptrs = _x_rows(x_ptr, g64, rm, M, K, SPLIT_K, TOKEN_MAJOR) + r32[None, :]
         w_ptrs = (b_ptr.to(tl.pointer_type(tl.int16)) + g64 * N * (K // 2) + rn[:, None].to(tl.int64) * (K // 2)
                   + r16[None, :])
         for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
@@ -344,7 +359,7 @@ def w8a16_v2_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
     else:
         rk = tl.arange(0, BK)
         rc = tl.arange(0, BK // 32)
-        x_ptrs = x_ptr + g64 * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+        x_ptrs = _x_rows(x_ptr, g64, rm, M, K, SPLIT_K, TOKEN_MAJOR) + rk[None, :]
         w_ptrs = b_ptr + g64 * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
         if SB_E8M0:
             rw = tl.arange(0, BK // 128)
@@ -372,7 +387,7 @@ def w8a16_v2_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
                 acc = tl.dot(wd, tl.trans(x), acc)
             else:
                 acc = tl.dot(x, tl.trans(wd), acc)
-    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32)
+    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32, TOKEN_MAJOR)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -411,7 +426,8 @@ def w8a16_rows_kernel(x_ptr, b_ptr, sr_ptr, c_ptr, mm_ptr,
                       M, N, K, SPLIT_K,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False):
+                      NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False,
+                      TOKEN_MAJOR: tl.constexpr = False):
     """x [G, M, K] bf16 (FP8-rounded activations), b [G, N, K] e4m3, sr [G, N] f32 pow2 row scales:
     c = (x . b^T) * sr, the dot over exact bf16 weights with fp32 accumulation. Grid as fp8_gemm_kernel."""
     pid_n = tl.program_id(0)
@@ -423,7 +439,7 @@ def w8a16_rows_kernel(x_ptr, b_ptr, sr_ptr, c_ptr, mm_ptr,
     rk = tl.arange(0, BK)
     g64 = g.to(tl.int64)
     r2 = tl.arange(0, BK // 2)
-    x_ptrs = x_ptr + g64 * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+    x_ptrs = _x_rows(x_ptr, g64, rm, M, K, SPLIT_K, TOKEN_MAJOR) + rk[None, :]
     w_ptrs = (b_ptr.to(tl.pointer_type(tl.int16)) + g64 * N * (K // 2) + rn[:, None].to(tl.int64) * (K // 2)
               + r2[None, :])
     for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
@@ -444,7 +460,7 @@ def w8a16_rows_kernel(x_ptr, b_ptr, sr_ptr, c_ptr, mm_ptr,
         acc = acc * sr[:, None]
     else:
         acc = acc * sr[None, :]
-    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32)
+    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32, TOKEN_MAJOR)
 
 
 @triton.jit
@@ -452,7 +468,8 @@ def w8a16_blocks_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
                         M, N, K, SPLIT_K,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SB_ROWS: tl.constexpr,
                         SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False):
+                        NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False,
+                        TOKEN_MAJOR: tl.constexpr = False):
     """w8a16_v2_kernel's contract (scales per (SB_ROWS rows, 32 columns), f32 pow2 or raw E8M0 bytes) with
     the rows kernel's load: the weights as [BN, BK/2] int16 pairs viewed as [BN, BK/32, 16], so that the
     scale is a [BN, BK/32] tile broadcast over the pairs of its block and every pair is dequantized in the
@@ -469,7 +486,7 @@ def w8a16_blocks_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
     srow = g64 * (N // SB_ROWS) + (rn // SB_ROWS).to(tl.int64)
     # [BN, BK/32] scale tile (E8M0 bytes or f32), read in the layout the 3-D view below gives its rows
     sc_ptrs = sb_ptr + srow[:, None] * (nkb * (BK // 32)) + tl.arange(0, BK // 32)[None, :]
-    x_ptrs = x_ptr + g64 * M * K + rm[:, None].to(tl.int64) * K + rk[None, :]
+    x_ptrs = _x_rows(x_ptr, g64, rm, M, K, SPLIT_K, TOKEN_MAJOR) + rk[None, :]
     w_ptrs = (b_ptr.to(tl.pointer_type(tl.int16)) + g64 * N * (K // 2) + rn[:, None].to(tl.int64) * (K // 2)
               + r2[None, :])
     for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
@@ -493,19 +510,23 @@ def w8a16_blocks_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
             acc = tl.dot(wd, tl.trans(x), acc)
         else:
             acc = tl.dot(x, tl.trans(wd), acc)
-    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32)
+    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32, TOKEN_MAJOR)
 
 
 @triton.jit
-def splitk_reduce_kernel(ws_ptr, c_ptr, S, total, BLOCK: tl.constexpr):
+def splitk_reduce_kernel(ws_ptr, c_ptr, S, total, M, N, G, BLOCK: tl.constexpr, TOKEN_MAJOR: tl.constexpr = False):
     """c[i] = sum_s ws[s, i] summed in split order (deterministic), in c's dtype (bf16 for the FP8
-    GEMMs, fp32 for triton_linear_fp32)."""
+    GEMMs, fp32 for triton_linear_fp32). TOKEN_MAJOR: ws is [S, G, M, N] and c [M, G, N]."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     acc = tl.zeros((BLOCK,), tl.float32)
     for s in range(S):
         acc += tl.load(ws_ptr + s * total + offs, mask=ok, other=0.0)
-    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+    dst = offs
+    if TOKEN_MAJOR:
+        g, r = offs // (M * N), offs % (M * N)
+        dst = (r // N) * (G * N) + g * N + r % N
+    tl.store(c_ptr + dst, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 def w8a16_config(m: int, n: int, k: int, groups: int, device, batch_invariant: bool = False,
@@ -546,16 +567,17 @@ def w8a16_variant(cfg: dict, b: torch.Tensor, sb: torch.Tensor, k: int) -> str:
     return variant
 
 
-def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, partials=False):
+def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, partials=False, token_major=False):
     """partials=True: return the fp32 split-K workspace [SPLIT_K, G, M, N] instead of reducing it (tests:
-    its sum is exact on integer-valued data, on the GPU and in the interpreter alike)."""
+    its sum is exact on integer-valued data, on the GPU and in the interpreter alike). token_major: x is
+    [M, G, K] and the result [M, G, N] (dense groups only)."""
     dev = x.device
     split = cfg["SPLIT_K"]
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), groups * split)
     mm = masked_m if masked_m is not None else sb
     kw = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], SB_ROWS=sb_rows, SWAP=cfg["SWAP"],
               GROUPED=masked_m is not None, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"],
-              UPCAST=INTERPRET, SB_E8M0=sb.dtype != torch.float32)
+              UPCAST=INTERPRET, SB_E8M0=sb.dtype != torch.float32, TOKEN_MAJOR=token_major)
     if _is_row_scale(sb, k):                           # one scale per row: select.row_scaled_fp8_weight
         assert sb.dtype == torch.float32 and sb_rows == 1
         kernel = w8a16_rows_kernel
@@ -567,7 +589,8 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, p
     else:
         kernel = w8a16_v2_kernel
         kw["PER32"] = w8a16_variant(cfg, b, sb, k) == "v2" and cfg["SWAP"]
-    c = out if out is not None else torch.empty(groups, m, n, dtype=torch.bfloat16, device=dev)
+    c = out if out is not None else torch.empty(*((m, groups) if token_major else (groups, m)), n,
+                                                 dtype=torch.bfloat16, device=dev)
     if split == 1 and not partials:
         kernel[grid](x, b, sb, c, mm, m, n, k, 1, OUT_F32=False, **kw)
         return c
@@ -576,7 +599,8 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, p
     if partials:
         return ws
     total = groups * m * n
-    splitk_reduce_kernel[(triton.cdiv(total, 1024),)](ws, c, split, total, BLOCK=1024, num_warps=4)
+    splitk_reduce_kernel[(triton.cdiv(total, 1024),)](ws, c, split, total, m, n, groups, BLOCK=1024,
+                                                      TOKEN_MAJOR=token_major, num_warps=4)
     return c
 
 
@@ -621,15 +645,18 @@ def w8a16_grouped_gemm_masked(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
 
 
 def w8a16_grouped_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch_invariant: bool = False,
-                       cfg_override: dict | None = None) -> torch.Tensor:
+                       cfg_override: dict | None = None, token_major: bool = False) -> torch.Tensor:
     """Dense grouped form (every row of every group): x [G, M, K] bf16 (any bf16 values: the products
     are exact either way), b [G, N, K] e4m3, sb [G, N/32, K/32] or [G, N, K/32] -> [G, M, N] bf16.
+    token_major: x [M, G, K] -> [M, G, N] (read and written in place: no transposing copies).
     The block-diagonal wo_a runs here on its FP8 weight (half the bytes of the bf16 einsum)."""
-    groups, m, k = x.shape
-    n = b.shape[1]
+    groups, n = b.shape[:2]
+    m, k = x.shape[0 if token_major else 1], x.shape[2]
+    assert x.shape[1 if token_major else 0] == groups
     cfg = w8a16_config(m, n, k, groups, x.device, batch_invariant, row_scaled=_is_row_scale(sb, k))
     cfg.update(cfg_override or {})
-    return _launch_w8a16(x.contiguous(), b, _as_scale(sb).contiguous(), None, m, n, k, groups, n // sb.shape[1], cfg)
+    return _launch_w8a16(x.contiguous(), b, _as_scale(sb).contiguous(), None, m, n, k, groups, n // sb.shape[1], cfg,
+                         token_major=token_major)
 
 
 def w8a16_partials(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, masked_m: torch.Tensor | None = None,
@@ -679,7 +706,8 @@ def _launch(a, sa, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None):
     kw = dict(BM=cfg["BM"], BN=cfg["BN"], SB_ROWS=sb_rows, SWAP=cfg["SWAP"], GROUPED=masked_m is not None,
               NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"])
     if split == 1:
-        c = out if out is not None else torch.empty(groups, m, n, dtype=torch.bfloat16, device=dev)
+        c = out if out is not None else torch.empty(*((m, groups) if token_major else (groups, m)), n,
+                                                 dtype=torch.bfloat16, device=dev)
         fp8_gemm_kernel[grid](a, sa, b, sb, c, mm, m, n, k, 1, OUT_F32=False, **kw)
         return c
     ws = torch.zeros(split, groups, m, n, dtype=torch.float32, device=dev) if masked_m is not None else \

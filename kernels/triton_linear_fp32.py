@@ -103,7 +103,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, part
     if partials:
         return ws
     total = m * n
-    splitk_reduce_kernel[(triton.cdiv(total, 256),)](ws, out, split, total, BLOCK=256, num_warps=2)
+    splitk_reduce_kernel[(triton.cdiv(total, 256),)](ws, out, split, total, m, n, 1, BLOCK=256, num_warps=2)
     return out
 
 

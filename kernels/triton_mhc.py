@@ -30,11 +30,13 @@ MIX_PAD = 32
 
 
 @triton.jit
-def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, T, d,
+def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_ptr, T, d,
                         HC: tl.constexpr, MIX: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                        CH: tl.constexpr, MIXP: tl.constexpr, PREC: tl.constexpr = "tf32x3"):
+                        CH: tl.constexpr, MIXP: tl.constexpr, PREC: tl.constexpr = "tf32x3",
+                        MEAN: tl.constexpr = False):
     """Grid (T/BT, d/CH). The fp32 product uses 3-pass tf32 (error ~ fp32's) on the tensor cores. x [T, HC, d] bf16, fn [MIX, HC*d] f32, pre [T, HC] f32 -> partial mixes
-    mixp [d/CH, T, MIXP] and partial squares sqp [d/CH, T] of this column chunk, y [T, d] bf16."""
+    mixp [d/CH, T, MIXP] and partial squares sqp [d/CH, T] of this column chunk, y [T, d] bf16; MEAN:
+    also mean [T, d] bf16 = x averaged over the HC copies (fp32 sum in copy order, then / HC)."""
     pid = tl.program_id(0)
     pc = tl.program_id(1)
     rt = pid * BT + tl.arange(0, BT)
@@ -47,6 +49,7 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, T, d,
     acc = tl.zeros((BT, MIXP), tl.float32)
     for c in range(pc * CH, pc * CH + CH, BK):
         yacc = tl.zeros((BT, BK), tl.float32)
+        macc = tl.zeros((BT, BK), tl.float32)
         for k in tl.static_range(HC):
             col = k * d + c + rk
             xs = tl.load(x_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], mask=t_ok[:, None],
@@ -56,8 +59,13 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, T, d,
             acc += tl.dot(xs, tl.trans(f), input_precision=PREC)
             pk = tl.load(pre_ptr + rt * HC + k, mask=t_ok, other=0.0)
             yacc += pk[:, None] * xs
+            if MEAN:
+                macc += xs
         tl.store(y_ptr + rt[:, None].to(tl.int64) * d + (c + rk)[None, :], yacc.to(tl.bfloat16),
                  mask=t_ok[:, None])
+        if MEAN:
+            tl.store(mean_ptr + rt[:, None].to(tl.int64) * d + (c + rk)[None, :], (macc / HC).to(tl.bfloat16),
+                     mask=t_ok[:, None])
     base = pc.to(tl.int64) * T + rt
     tl.store(mixp_ptr + base[:, None] * MIXP + rj[None, :], acc, mask=t_ok[:, None])
     tl.store(sqp_ptr + base, sq, mask=t_ok)
@@ -224,10 +232,11 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 
 
 def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                 pre_prev: torch.Tensor, iters: int, hc_eps: float, norm_eps: float):
-    """x [T, hc, d] bf16 -> (pre, post, comb) of this sublayer and y = hc_pre(x, pre_prev) [T, d].
-    Replaces Block.hc_mixes(x) followed by Block.hc_pre(x, pre_prev) with one read of x. The column
-    chunks (and so the summation order) depend on d only, not on T."""
+                 pre_prev: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, mean: bool = False):
+    """x [T, hc, d] bf16 -> (pre, post, comb) of this sublayer and y = hc_pre(x, pre_prev) [T, d]
+    (mean: and x.mean(dim=1) [T, d] bf16, a DSpark tap, from the same read). Replaces Block.hc_mixes(x)
+    followed by Block.hc_pre(x, pre_prev) with one read of x. The column chunks (and so the summation
+    order) depend on d only, not on T."""
     T, hc, d = x.shape
     mix = fn.shape[0]
     assert fn.shape[1] == hc * d and mix <= MIX_PAD and mix == (2 + hc) * hc
@@ -239,20 +248,21 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     mixp = torch.empty(nc, T, MIX_PAD, dtype=torch.float32, device=x.device)
     sqp = torch.empty(nc, T, dtype=torch.float32, device=x.device)
     y = torch.empty(T, d, dtype=x.dtype, device=x.device)
+    avg = torch.empty(T, d, dtype=x.dtype, device=x.device) if mean else y
     if T == 0:
         z = torch.empty(0, hc, device=x.device)
-        return z, z.clone(), torch.empty(0, hc, hc, device=x.device), y
+        return (z, z.clone(), torch.empty(0, hc, hc, device=x.device), y) + ((avg,) if mean else ())
     bt = 64 if T >= 1024 else 16
     hc_mixes_pre_kernel[(triton.cdiv(T, bt), nc)](x, fn.float().contiguous(), pre_prev.float().contiguous(), mixp, sqp,
-                                                  y, T, d, HC=hc, MIX=mix, BT=bt, BK=bk, CH=ch, MIXP=MIX_PAD,
-                                                  PREC="ieee" if INTERPRET else "tf32x3", num_warps=4,
+                                                  y, avg, T, d, HC=hc, MIX=mix, BT=bt, BK=bk, CH=ch, MIXP=MIX_PAD,
+                                                  PREC="ieee" if INTERPRET else "tf32x3", MEAN=mean, num_warps=4,
                                                   num_stages=1)   # one column chunk per program: nothing to pipeline, and
                                                                   # 3 stages at BT=64 asked 288 KB of shared memory
     mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
     hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=triton.next_power_of_2(nc),
                                MIXP=MIX_PAD, num_warps=4)
     pre, post, comb = _sinkhorn_launch(mixes, MIX_PAD, scale, base, T, hc, iters, hc_eps)
-    return pre, post, comb, y
+    return (pre, post, comb, y) + ((avg,) if mean else ())
 
 
 def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

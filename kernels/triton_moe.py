@@ -88,14 +88,20 @@ def _slab_row(slot, T, stride_e, stride_row):
 
 @triton.jit
 def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, stride_e, stride_row,
-                            HAS_LIMIT: tl.constexpr, BI: tl.constexpr, MANUAL: tl.constexpr):
+                            HAS_LIMIT: tl.constexpr, BI: tl.constexpr, MANUAL: tl.constexpr,
+                            DENSE: tl.constexpr = False):
     """Program (pair p, column chunk) at row r = slot[p]: clamped SwiGLU in fp32, times the routing
-    weight, rounded to bf16, FP8 fake-quantized per 32 -> hp[r]."""
+    weight, rounded to bf16, FP8 fake-quantized per 32 -> hp[r]. DENSE: r = p and weight 1 (the
+    shared expert: every row, no routing weight)."""
     p = tl.program_id(0)
     cols = tl.program_id(1) * BI + tl.arange(0, BI)[None, :]
     m = cols < inter
-    r = tl.load(slot_ptr + p)
-    w = tl.load(w_ptr + p)
+    if DENSE:
+        r = p.to(tl.int64)
+        w = 1.0
+    else:
+        r = tl.load(slot_ptr + p)
+        w = tl.load(w_ptr + p)
     row = gu_ptr + _slab_row(r, T, stride_e, stride_row)
     gate = tl.load(row + cols, mask=m, other=0.0).to(tl.float32)
     up = tl.load(row + inter + cols, mask=m, other=0.0).to(tl.float32)
@@ -174,6 +180,20 @@ def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor
         moe_swiglu_quant_kernel[(P, triton.cdiv(inter, bi))](gu, slot, w, hp, float(limit), inter, T, gu.stride(0),
                                                              gu.stride(1), HAS_LIMIT=limit > 0, BI=bi,
                                                              MANUAL=INTERPRET)
+    return hp
+
+
+def swiglu_quant(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:
+    """gu [T, 2 inter] bf16 -> hp [T, inter]: moe_swiglu_quant over every row with weight 1 (the shared
+    expert: its SwiGLU, bf16 rounding and w2's act_quant in one pass)."""
+    T, two = gu.shape
+    assert two == 2 * inter and inter % QBLOCK == 0
+    hp = gu.new_empty(T, inter)
+    if T:
+        bi = _chunk(inter)
+        gu = gu if gu.stride(-1) == 1 else gu.contiguous()
+        moe_swiglu_quant_kernel[(T, triton.cdiv(inter, bi))](gu, gu, gu, hp, float(limit), inter, T, 0, gu.stride(0),
+                                                             HAS_LIMIT=limit > 0, BI=bi, MANUAL=INTERPRET, DENSE=True)
     return hp
 
 

@@ -148,7 +148,7 @@ class Attention(nn.Module):
         """o [T, H, D] -> RoPE removed, grouped wo_a (block-diagonal, bf16, no act rounding), wo_b."""
         o = ops.rope(o, cis, inverse=True).flatten(1).unflatten(-1, (self.n_groups, -1))
         if self.wo_a.fp8_blocks is not None:                # FP8 blocks: half the bytes, same products
-            o = ops.grouped_w8a16(o.transpose(0, 1), *self.wo_a.fp8_blocks).transpose(0, 1)
+            o = ops.grouped_w8a16(o, *self.wo_a.fp8_blocks)
         else:
             wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
             o = torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a).to(ACT)
@@ -163,22 +163,39 @@ class Attention(nn.Module):
         raw = self.compressor.project(x) if self.compressor is not None else None
         iq = self.indexer.queries(x, qr, cis) if self.indexer is not None else None
         ring = caches.window_kv[self.layer_id].flatten(0, 1)                   # [slots * RING, D]
-        # the step's rows: [ring[ring_read] (B*Wr) | kv (T) | compressed picks]; idx points into them
-        sources, idx = [(ring, meta.ring_read), (kv, None)], meta.win_idx
+        E = 0
         if self.ratio:
             if self.is_kv_source:
                 self._compress(meta, raw, caches, rope_tables)
             if self.is_index_source:
                 meta.topk[self.layer_id] = self._index(meta, iq, caches)
             E = meta.plan(self.ratio).num_entries
-            if E:
-                rows, comp = self._compressed_rows(meta, caches, meta.topk[self.index_source], E)
-                sources.append((caches.compressed_kv[self.kv_source].flatten(0, 1), rows))
-                idx = append_lists(idx, meta.win_len, comp)
-        o = self._attend(q, sources, idx)
+        o = self._attend_step(q, meta, caches, ring, kv, E)
         new = kv if meta.ring_write_rows is None else kv[meta.ring_write_rows]
         ring[meta.ring_write] = new.to(ring.dtype)
         return self.out(o, cis)
+
+    def _attend_step(self, q, meta: StepMetadata, caches, ring, kv, E: int) -> torch.Tensor:
+        """The step's rows: [ring[ring_read] (B*Wr) | kv (T) | E > 0: compressed picks]. In-place attention
+        gets the window lists in pool rows once per step (meta.window_pool) and, in a decode step, a
+        layer's picks turned into pool rows by one kernel (ops.pool_lists); otherwise _attend over the
+        buffer-coordinate lists."""
+        topk = meta.topk[self.index_source] if E else None
+        if ops.sparse_attn_in_place(q):
+            win = meta.window_pool(ring.shape[0])
+            if not E:
+                return ops.sparse_attn(q, (ring, kv), self.attn_sink, win, self.scale)
+            if topk.numel() < meta.num_seqs * E:          # the picks are fewer than the entries: decode
+                pool = caches.compressed_kv[self.kv_source].flatten(0, 1)
+                idx = ops.pool_lists(win, meta.win_len, topk, meta.seq_of, meta.block_tables,
+                                     caches.entries_per_block(self.kv_source), ring.shape[0] + kv.shape[0])
+                return ops.sparse_attn(q, (ring, kv, pool), self.attn_sink, idx, self.scale)
+        sources, idx = [(ring, meta.ring_read), (kv, None)], meta.win_idx
+        if E:
+            rows, comp = self._compressed_rows(meta, caches, topk, E)
+            sources.append((caches.compressed_kv[self.kv_source].flatten(0, 1), rows))
+            idx = append_lists(idx, meta.win_len, comp)
+        return self._attend(q, sources, idx)
 
     def _attend(self, q: torch.Tensor, sources: list, idx: torch.Tensor) -> torch.Tensor:
         """Sink attention of q over the rows (tensor, row ids or None = all) of `sources` in order,

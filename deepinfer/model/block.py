@@ -53,10 +53,13 @@ class Block(nn.Module):
         out = post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * res.unsqueeze(-2)).sum(dim=1)
         return out.to(y.dtype)
 
-    def forward(self, x, pre_mix, attn_fn, image_mask=None, attn_out: list | None = None):
-        """x [T, hc, d]; attn_fn(x_norm) -> [T, d]. Returns (x, the FFN's pre-mix for the next block)."""
+    def forward(self, x, pre_mix, attn_fn, image_mask=None, attn_out: list | None = None, tap: list | None = None):
+        """x [T, hc, d]; attn_fn(x_norm) -> [T, d]. Returns (x, the FFN's pre-mix for the next block).
+        tap: gets x.mean(dim=1) appended (a DSpark tap, from the read the attention mixes make anyway)."""
         res = x
-        a_pre, a_post, a_comb, xa = self.mixes_pre(x, "attn", pre_mix)
+        a_pre, a_post, a_comb, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
+        if tap is not None:
+            tap.append(mean[0])
         a = attn_fn(self.attn_norm(xa))
         if attn_out is not None:
             attn_out.append(a)
@@ -66,8 +69,9 @@ class Block(nn.Module):
         y = self.ffn(self.ffn_norm(xf), image_mask)
         return ops.hc_post(y, res, f_post, f_comb), f_pre
 
-    def mixes_pre(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor):
+    def mixes_pre(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor, mean: bool = False):
         """hc_mixes(x, sub) and hc_pre(x, pre_prev) in one pass over x (ops.hc_mixes_pre):
-        pre, post [T, hc], comb [T, hc, hc] fp32 and the collapsed input [T, d]."""
+        pre, post [T, hc], comb [T, hc, hc] fp32 and the collapsed input [T, d] (mean: then x's mean
+        over the hc copies [T, d])."""
         return ops.hc_mixes_pre(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
-                                getattr(self, f"hc_{sub}_base"), pre_prev, self.iters, self.hc_eps, self.eps)
+                                getattr(self, f"hc_{sub}_base"), pre_prev, self.iters, self.hc_eps, self.eps, mean)

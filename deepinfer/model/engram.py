@@ -188,14 +188,8 @@ class Engram(nn.Module):
 
     def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
         """x [T, hc, d] bf16; hash_ids [T, cols] -> [T, hc, d]."""
+        from . import ops
         kv = self.wkv(self.embed(hash_ids).flatten(-2))
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
-        key = key.float().unflatten(-1, (self.hc_mult, self.dim))
         w = self.q_weight.float() * self.k_weight.float()
-        h = x.float()
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (h * w * key).sum(-1) * rstd * self.dim ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        if token_mask is not None:
-            gate = gate.masked_fill(~token_mask[:, None], 0)
-        return (h + gate[..., None] * value.float()[:, None, :]).to(x.dtype)
+        return ops.engram_gate(x, key, value, w, self.eps, token_mask)

@@ -85,14 +85,11 @@ class Gate(nn.Module):
         self.register_buffer("bias_vl", torch.zeros(n_experts), persistent=False)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None):
-        scores = linear_fp32(x, self.weight) / self.temp
-        scores = F.softplus(scores).sqrt()
-        bias = self.bias if image_mask is None else torch.where(image_mask[:, None], self.bias_vl, self.bias)
-        indices = (scores + bias).topk(self.topk, dim=-1)[1]
-        weights = scores.gather(1, indices)
-        if self.norm_topk_prob and self.topk > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.route_scale, indices
+        """sqrt(softplus(x W^T / temp)), the top-k of it plus the correction bias (bias_vl on image
+        tokens), their scores normalized (ops.router_topk: one kernel on a GPU after the fp32 GEMM)."""
+        return ops.router_topk(linear_fp32(x, self.weight), self.bias, self.topk, float(self.temp), self.route_scale,
+                               self.norm_topk_prob, bias_alt=None if image_mask is None else self.bias_vl,
+                               alt_mask=image_mask)
 
 
 class Expert(nn.Module):
@@ -175,11 +172,8 @@ class MoE(nn.Module):
         se = self.shared_experts
         if self.shared_w13 is None:
             return se(x)
-        gate, up = self.shared_w13(x).float().split(se.w1.out_features, dim=-1)
-        if se.limit > 0:
-            up = up.clamp(-se.limit, se.limit)
-            gate = gate.clamp(max=se.limit)
-        return se.w2((F.silu(gate) * up).to(ACT))
+        # SwiGLU, bf16 and act_quant in one pass; w2's own act_quant leaves those rows unchanged
+        return se.w2(ops.swiglu_quant(self.shared_w13(x), se.limit, se.w1.out_features))
 
     def init_fp8_stacks(self, device) -> ExpertStacks:
         """Allocate the FP8 stacks and point every expert's Linear at its rows (views, no copies):

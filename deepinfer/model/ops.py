@@ -15,6 +15,7 @@ from deepinfer.kernels import (  # noqa: F401
 from deepinfer.kernels.select import (  # noqa: F401
     act_quant,
     dequant_fp8,
+    engram_gate,
     fp4_quant,
     fp4_to_fp8_weight,
     fp8_linear,
@@ -31,11 +32,13 @@ from deepinfer.kernels.select import (  # noqa: F401
     moe_dispatch,
     moe_route,
     moe_swiglu_quant,
+    pool_lists,
     rms_norm,
     rope,
     router_topk,
     row_scaled_fp8_weight,
     sparse_attn,
     sparse_attn_in_place,
+    swiglu_quant,
     topk_block_mask,
 )

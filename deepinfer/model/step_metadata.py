@@ -75,6 +75,7 @@ class StepMetadata:
     topk: dict = field(default_factory=dict)        # index source layer -> [T, K] entry ids or -1
     candidates: torch.Tensor | None = None          # [T, E] bool from the candidate source
     index_k_owner: np.ndarray | None = None         # [B] quirk emulation: last layer that published index keys
+    window_pools: dict = field(default_factory=dict)  # ring rows -> window lists in pool rows (window_pool)
 
     @property
     def fresh_offset(self) -> int:
@@ -107,6 +108,15 @@ class StepMetadata:
                    ring_width=wr, ring_read=ring_read, win_idx=to(win_idx), win_len=to(win_len),
                    ring_write_rows=write_rows, ring_write=ring_write, last_pos=int(ends.max(initial=1)) - 1,
                    index_k_owner=np.full(B, index_k_owner, dtype=np.int64))
+
+    def window_pool(self, ring_rows: int) -> torch.Tensor:
+        """win_idx in pool rows of the in-place attention sources (ring [ring_rows, D], then the step's
+        T fresh rows): the same for every layer, so built once per forward."""
+        if ring_rows not in self.window_pools:
+            fresh = ring_rows + torch.arange(self.num_tokens, device=self.ring_read.device)
+            table = torch.cat([self.ring_read, fresh])
+            self.window_pools[ring_rows] = torch.where(self.win_idx >= 0, table[self.win_idx.clamp_min(0)], -1)
+        return self.window_pools[ring_rows]
 
     def plan(self, ratio: int) -> CompressPlan:
         if ratio not in self.plans:

@@ -82,10 +82,9 @@ class Transformer(nn.Module):
                 snaps.append(h.float())
             if layer.engram is not None:
                 h = layer.engram(h, hashes[:, layer.engram.hash_index], batch.token_mask)
-            if i in args.dspark_target_layer_ids:
-                taps.append(h.mean(dim=1))
             attn_fn = lambda xn, layer=layer: layer.attn(xn, meta, caches, self.rope)  # noqa: E731
-            h, pre = layer(h, pre, attn_fn, image_mask, attn_outs)
+            # a DSpark target layer's tap (its input averaged over the hc copies) comes out of its mixes
+            h, pre = layer(h, pre, attn_fn, image_mask, attn_outs, taps if i in args.dspark_target_layer_ids else None)
         if dump_hidden:
             snaps.append(h.float())
         li = batch.logits_indices

@@ -146,6 +146,30 @@ def check_w8a16_dense_grouped():
         cfg = dict(SPLIT_K=split, BK=128)
         assert torch.equal(triton_gemm.w8a16_partials(x, w, s, cfg_override=cfg).double().sum(0), ref), split
         assert rel(triton_gemm.w8a16_grouped_gemm(x, w, s, cfg_override=cfg), ref) < 8e-3, split
+        # token-major ([M, G, K] in, [M, G, N] out: wo_a's layout), v3 and v4: the same values
+        for var in ("v3", "v4"):
+            c = dict(cfg, VARIANT=var)
+            a = triton_gemm.w8a16_grouped_gemm(x, w, s, cfg_override=c)
+            b = triton_gemm.w8a16_grouped_gemm(x.transpose(0, 1).contiguous(), w, s, cfg_override=c, token_major=True)
+            assert torch.equal(b, a.transpose(0, 1)), (split, var)
+
+
+def check_pool_lists():
+    """A decode layer's lists in pool rows: the kernel gives the reference's integers (window part with
+    pads inside, picks through the block tables with -1 picks and unallocated blocks, -1 tail)."""
+    from deepinfer.kernels import triton_lists
+    from deepinfer.kernels.reference import pool_lists_ref
+    g = torch.Generator().manual_seed(5)
+    for T, Lw, K, epb in ((1, 8, 6, 4), (5, 128, 24, 16), (7, 3, 1, 2)):
+        win_len = torch.randint(0, Lw + 1, (T,), generator=g)
+        win = torch.randint(0, 1000, (T, Lw), generator=g)
+        win = torch.where(torch.arange(Lw)[None, :] < win_len[:, None], win, -1)
+        win[0, 0] = -1
+        topk = torch.randint(-1, 5 * epb, (T, K), generator=g)
+        bt = torch.randint(-1, 40, (3, 4), generator=g)
+        seq = torch.randint(0, 3, (T,), generator=g)
+        got = triton_lists.pool_lists(win, win_len, topk, seq, bt, epb, 5000)
+        assert torch.equal(got, pool_lists_ref(win, win_len, topk, seq, bt, epb, 5000)), (T, Lw, K)
 
 
 def main():
@@ -193,6 +217,8 @@ def main():
         for a, b in zip(got[:3], ref[:3]):
             assert (a - b).abs().max() < 1e-5, d
         assert rel(got[3], ref[3]) < 1e-2
+        *same, mean = triton_mhc.hc_mixes_pre(xh, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, mean=True)
+        assert all(torch.equal(a, b) for a, b in zip(same, got)) and rel(mean, xh.mean(dim=1)) < 1e-2, d
         one = triton_mhc.hc_mixes_pre(xh[:1], fn, scale, base, pre_prev[:1], 20, 1e-6, 1e-20)
         assert all(torch.equal(a[:1], b) for a, b in zip(got, one)), d      # a token's bits: not the batch's
     mixes = torch.randn(3, 24)
@@ -238,6 +264,7 @@ def main():
     check_w8a16_variants()
     check_w8a16_rows()
     check_w8a16_dense_grouped()
+    check_pool_lists()
     check_router_topk()
     print("interpret checks passed")
 

@@ -24,6 +24,22 @@ def test_hc_mixes_pre(T, d):
     assert rel_err(out[3], ref[3]) < 1e-3
 
 
+@pytest.mark.parametrize("T", [1, 64, 1500])
+def test_hc_mixes_pre_mean_tap(T):
+    """mean=True: the same four outputs, plus x.mean(dim=1) (the DSpark tap) bit for bit."""
+    from deepinfer.kernels.triton_mhc import hc_mixes_pre
+    hc, d = 4, 5120
+    x = torch.randn(T, hc, d, device="cuda").bfloat16()
+    fn = torch.randn(24, hc * d, device="cuda") * 0.01
+    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda") * 0.3
+    pre_prev = torch.rand(T, hc, device="cuda")
+    plain = hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
+    *same, mean = hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, mean=True)
+    for a, b in zip(same, plain):
+        assert torch.equal(a, b)
+    assert torch.equal(mean, x.mean(dim=1))
+
+
 def test_sinkhorn_and_post():
     from deepinfer.kernels.triton_mhc import hc_post, hc_post_ref, hc_split_sinkhorn
     mixes = torch.randn(100, 24, device="cuda")

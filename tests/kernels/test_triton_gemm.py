@@ -158,15 +158,22 @@ def test_w8a16_rows_kernel_exact_and_equal_to_v3(expected_m, split):
         assert torch.equal(a[g, :r], b[g, :r]), g
 
 
-def test_w8a16_dense_grouped_wo_a():
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("variant", ["v3", "v4"])
+def test_w8a16_dense_grouped_wo_a(m, variant):
     """wo_a's shape through select.grouped_w8a16 (dense grouped W8A16, no act rounding): exact on integer
-    data, and close to the bf16 einsum of the dequantized blocks (fp32 sums in another order)."""
+    data in both layouts ([G, M, K] and token-major [M, G, K], split-K on and off), and close to the bf16
+    einsum of the dequantized blocks (fp32 sums in another order)."""
     from deepinfer.kernels import select, triton_gemm
-    x, w, s, ref = w8a16_exact_case(8, 64, 1024, 4096, 32, True, seed=2, device="cuda")
-    assert torch.equal(triton_gemm.w8a16_grouped_gemm(x, w, s), ref.float().bfloat16())
-    o = torch.randn(8, 64, 4096, device="cuda").bfloat16()
+    x, w, s, ref = w8a16_exact_case(8, m, 1024, 4096, 32, True, seed=2 + m, device="cuda")
+    want = ref.float().bfloat16()
+    for cfg in (dict(VARIANT=variant), dict(VARIANT=variant, SPLIT_K=1)):
+        assert torch.equal(triton_gemm.w8a16_grouped_gemm(x, w, s, cfg_override=cfg), want)
+        got = triton_gemm.w8a16_grouped_gemm(x.transpose(0, 1).contiguous(), w, s, cfg_override=cfg, token_major=True)
+        assert torch.equal(got, want.transpose(0, 1))
+    o = torch.randn(m, 8, 4096, device="cuda").bfloat16()
     got = select.grouped_w8a16(o, w, s)
-    want = torch.einsum("gtd,grd->gtr", o, select.dequant_fp8(w, s).bfloat16())
+    want = torch.einsum("tgd,grd->tgr", o, select.dequant_fp8(w, s).bfloat16())
     assert rel_err(got, want) < 2e-3
 
 

@@ -70,6 +70,12 @@ def check_kernels(device) -> None:
             padded[:, :T] = gu
             hv = tm.moe_swiglu_quant(padded[:, :T], slot, w, limit, INTER).view(E * T, INTER)[valid]
             assert torch.equal(hv, hp), (T, K, E)
+            # the shared expert's dense form: every row, weight 1 (MoE._shared)
+            h = tm.swiglu_quant(gu[0], limit, INTER)
+            _bf16_ulp_close(h, ref.swiglu_quant_ref(gu[0], limit, INTER), 2e-3)
+            ones = torch.ones(T, device=device)
+            rows = torch.arange(T, device=device)
+            assert torch.equal(h, tm.moe_swiglu_quant(gu[:1], rows, ones, limit, INTER)[0]), (T, limit)
         out = (torch.randn(E, T, DIM, generator=g) * 3).bfloat16().to(device)
         shared = torch.randn(T, DIM, generator=g).bfloat16().to(device)
         y = tm.moe_combine(out, slot, idx, shared)
@@ -90,7 +96,7 @@ def check_moe_forward(ckpt: str) -> None:
     from deepinfer.model.loader import load_model
     model = load_model(ckpt, progress=False, weight_format="fp8", moe_masked=True)
     calls = []
-    for name in ("moe_route", "moe_dispatch", "moe_swiglu_quant", "moe_combine"):
+    for name in ("moe_route", "moe_dispatch", "moe_swiglu_quant", "moe_combine", "swiglu_quant"):
         fn = getattr(select, name)
         setattr(ops, name, lambda *a, _fn=fn, _n=name: (calls.append((_n, select.use_fast(a[0]))), _fn(*a))[1])
 
