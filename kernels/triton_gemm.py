@@ -706,8 +706,7 @@ def _launch(a, sa, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None):
     kw = dict(BM=cfg["BM"], BN=cfg["BN"], SB_ROWS=sb_rows, SWAP=cfg["SWAP"], GROUPED=masked_m is not None,
               NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"])
     if split == 1:
-        c = out if out is not None else torch.empty(*((m, groups) if token_major else (groups, m)), n,
-                                                 dtype=torch.bfloat16, device=dev)
+        c = out if out is not None else torch.empty(groups, m, n, dtype=torch.bfloat16, device=dev)
         fp8_gemm_kernel[grid](a, sa, b, sb, c, mm, m, n, k, 1, OUT_F32=False, **kw)
         return c
     ws = torch.zeros(split, groups, m, n, dtype=torch.float32, device=dev) if masked_m is not None else \

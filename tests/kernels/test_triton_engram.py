@@ -1,7 +1,8 @@
 """kernels/triton_engram.py (Engram's gated add) against reference.engram_gate_ref: the GPU at the
 full-width shape (-m gpu) and Triton's interpreter on the CPU (a subprocess: TRITON_INTERPRET is read at
 import). The gate's fp32 sums run in another order than torch's, so a few outputs may round to the
-neighbouring bf16 value (on the GPU: under 1% of them); none may move further."""
+neighbouring bf16 value (on the GPU: under 1% of them); none may move further than that and a few-ulp
+change of the gate."""
 
 import os
 import subprocess
@@ -34,8 +35,10 @@ def check(device):
             want = engram_gate_ref(x, key, value, w, 1e-6, mask)
             diff = got != want       # (the interpreter truncates float -> bf16 casts: any entry may be an ulp off)
             assert device != "cuda" or diff.float().mean().item() < 0.01, (T, d, masked, diff.float().mean().item())
-            ulp = want.float().abs().clamp_min(2 ** -120) * 2 ** -7
-            assert ((got.float() - want.float()).abs() <= ulp).all(), (T, d, masked)
+            # an ulp of the result, plus what a gate a few fp32 ulps off moves it by (near cancellation
+            # of x and gate * value the result is tiny and its ulp smaller than that)
+            tol = want.float().abs() * 2 ** -7 + value.float().abs()[:, None, :] * 2 ** -18
+            assert ((got.float() - want.float()).abs() <= tol).all(), (T, d, masked)
             if mask is not None:                         # masked tokens: the stream unchanged
                 assert torch.equal(got[~mask], x[~mask])
 
