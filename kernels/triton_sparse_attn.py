@@ -121,16 +121,28 @@ def sparse_attn_combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n, H, S,
 
 
 def num_splits_for(L: int, blocks_per_split: int = 4) -> int:
-    """Splits depend on the list length only (batch invariance)."""
+    """Splits from the list length only (batch invariance: a query's sums never depend on the batch)."""
     return max(1, triton.cdiv(triton.cdiv(L, BLOCK_N), blocks_per_split))
 
 
+def blocks_per_split_for(n: int, heads: int, block_h: int, L: int, device) -> int:
+    """The default mode's split: the most splits that keep one wave of programs (n queries x head groups
+    x splits <= the SM count), rebalanced so the splits walk equal block counts. H200, session 5: at
+    batch 64 and L 640 two splits of 5 blocks, where the batch-invariant rule's 4 + 4 + 2 blocks leave
+    a second, partial wave."""
+    nblk = max(1, triton.cdiv(L, BLOCK_N))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    splits = max(1, min(nblk, sms // max(1, n * (heads // block_h))))
+    return triton.cdiv(nblk, splits)
+
+
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor | tuple, sink: torch.Tensor, idxs: torch.Tensor, scale: float,
-                block: int = BLOCK_N, block_h: int = 64, blocks_per_split: int = 4, num_warps: int = 8,
+                block: int = BLOCK_N, block_h: int = 64, blocks_per_split: int | None = 4, num_warps: int = 8,
                 num_stages: int = 2) -> torch.Tensor:
     """Same contract as sparse_attn_ref (block must be 64, the walk granularity). kv may also be a
     tuple of up to three [M_i, D] tensors read in place, idxs then counting rows across them in
-    order (the same result as torch.cat(kv), without writing it)."""
+    order (the same result as torch.cat(kv), without writing it). blocks_per_split None: chosen by
+    the batch's occupancy (blocks_per_split_for; not batch invariant), else fixed (4: batch invariant)."""
     assert block == BLOCK_N
     n, H, D = q.shape
     L = idxs.shape[1]
@@ -144,6 +156,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor | tuple, sink: torch.Tensor, i
         return sparse_attn(qp, kv, sp, idxs, scale, block, 16, blocks_per_split, num_warps, num_stages)[:, :H]
     bh = min(block_h, H)
     assert H % bh == 0 and D == triton.next_power_of_2(D)
+    if blocks_per_split is None:
+        blocks_per_split = blocks_per_split_for(n, H, bh, L, q.device)
     q = q.contiguous()
     srcs = [t.contiguous() for t in (kv if isinstance(kv, (tuple, list)) else (kv,))]
     assert 1 <= len(srcs) <= 3 and all(t.shape[-1] == D and t.dtype == srcs[0].dtype for t in srcs)

@@ -360,7 +360,8 @@ def bench_attn(quick):
         flops = tsa.attn_flops(b, H, L, D)
         nbytes = tsa.attn_bytes(b, H, L, D)
         best = None
-        variants = [(64, 4, 8), (64, 8, 8)] if not quick else [(64, 4, 8)]
+        # None: the default mode's occupancy split (blocks_per_split_for); 4: the batch-invariant rule
+        variants = [(64, None, 8), (64, 4, 8), (64, 8, 8)] if not quick else [(64, None, 8), (64, 4, 8)]
         for bh, bps, nw in variants:
             try:
                 t = time_calls([lambda: tsa.sparse_attn(q, kv, sink, idx, D ** -0.5, block_h=bh, blocks_per_split=bps,
@@ -369,7 +370,8 @@ def bench_attn(quick):
                 print("attn variant failed", bh, bps, nw, repr(e)[:200])
                 continue
             if len(variants) > 1:
-                print(f"   attn variant BH{bh} bps{bps} w{nw}: {t * 1e6:.1f}us")
+                auto = f" (auto: {tsa.blocks_per_split_for(b, H, bh, L, q.device)})" if bps is None else ""
+                print(f"   attn variant BH{bh} bps{bps}{auto} w{nw}: {t * 1e6:.1f}us")
             if best is None or t < best[0]:
                 best = (t, bh, bps, nw)
         t_lib = None

@@ -206,6 +206,9 @@ def main():
     assert torch.equal(o3, o), (o3.float() - o.float()).abs().max()
     o2 = triton_sparse_attn.sparse_attn(qa, (kv[:7], kv[7:]), sink, idx, 0.125, block_h=16, blocks_per_split=2)
     assert torch.equal(o2, o)
+    # the default mode's occupancy split (other split points: close, not bitwise)
+    oa = triton_sparse_attn.sparse_attn(qa, kv, sink, idx, 0.125, block_h=16, blocks_per_split=None)
+    assert rel(oa, r) < 2e-2
     # mHC
     scale, base = torch.rand(3) + 0.5, torch.randn(24) * 0.3
     for d in (256, 1280):       # 2 and 10 column-chunk partials (10: a masked tail in the chunk sum)

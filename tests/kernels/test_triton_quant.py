@@ -21,6 +21,11 @@ def test_act_quant_bit_exact(shape):
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("shape", [(1, 512), (33, 512), (64, 32, 128)])
 def test_fp4_quant_bit_exact(shape, block):
+    """Rows spread over ~10 binades, within the block-16 scale's range: an amax above 6 * 448 makes the
+    reference's e4m3 cast NaN where the kernel's saturating cvt gives 448 (an unbounded spread reached it
+    now and then at the largest shape: a flaky failure in session 5's GPU run)."""
     from deepinfer.kernels.triton_quant import fp4_quant
-    x = (torch.randn(shape, device="cuda") * torch.exp(2 * torch.randn(*shape[:-1], 1, device="cuda"))).bfloat16()
+    g = torch.Generator(device="cuda").manual_seed(sum(shape) + block)
+    spread = torch.exp(2 * torch.randn(*shape[:-1], 1, device="cuda", generator=g)).clamp_max(300)
+    x = (torch.randn(shape, device="cuda", generator=g) * spread).bfloat16()
     assert torch.equal(fp4_quant(x, block), fp4_quant_ref(x, block))
