@@ -120,6 +120,9 @@ def sparse_attn_combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n, H, S,
     tl.store(o_ptr + (t64 * H + rh[:, None]) * D + rd[None, :], (acc / den[:, None]).to(tl.bfloat16))
 
 
+MIN_BLOCKS_PER_SPLIT = 2
+
+
 def num_splits_for(L: int, blocks_per_split: int = 4) -> int:
     """Splits from the list length only (batch invariance: a query's sums never depend on the batch)."""
     return max(1, triton.cdiv(triton.cdiv(L, BLOCK_N), blocks_per_split))
@@ -127,12 +130,14 @@ def num_splits_for(L: int, blocks_per_split: int = 4) -> int:
 
 def blocks_per_split_for(n: int, heads: int, block_h: int, L: int, device) -> int:
     """The default mode's split: the most splits that keep one wave of programs (n queries x head groups
-    x splits <= the SM count), rebalanced so the splits walk equal block counts. H200, session 5: at
-    batch 64 and L 640 two splits of 5 blocks, where the batch-invariant rule's 4 + 4 + 2 blocks leave
-    a second, partial wave."""
+    x splits <= the SM count) and at least MIN_BLOCKS_PER_SPLIT blocks each, rebalanced so the splits
+    walk equal block counts. H200, session 5, L 640 (10 blocks): batch 64 two splits of 5 blocks, 42.3
+    us where the batch-invariant rule's 4 + 4 + 2 blocks (a second, partial wave) take 52.4; batch 128
+    one split, 54.6 us vs 92.1; batch 16 2 blocks per split, 27.6 vs 29.8; batch 1 with 1 block per split
+    35.9 vs 30.5 (each program's fixed cost: hence the floor)."""
     nblk = max(1, triton.cdiv(L, BLOCK_N))
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    splits = max(1, min(nblk, sms // max(1, n * (heads // block_h))))
+    splits = max(1, min(triton.cdiv(nblk, MIN_BLOCKS_PER_SPLIT), sms // max(1, n * (heads // block_h))))
     return triton.cdiv(nblk, splits)
 
 
