@@ -120,7 +120,7 @@ def sparse_attn_combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n, H, S,
     tl.store(o_ptr + (t64 * H + rh[:, None]) * D + rd[None, :], (acc / den[:, None]).to(tl.bfloat16))
 
 
-MIN_BLOCKS_PER_SPLIT = 2
+DEFAULT_BLOCKS_PER_SPLIT = 4     # the batch-invariant rule: splits from L only
 
 
 def num_splits_for(L: int, blocks_per_split: int = 4) -> int:
@@ -129,20 +129,22 @@ def num_splits_for(L: int, blocks_per_split: int = 4) -> int:
 
 
 def blocks_per_split_for(n: int, heads: int, block_h: int, L: int, device) -> int:
-    """The default mode's split: the most splits that keep one wave of programs (n queries x head groups
-    x splits <= the SM count) and at least MIN_BLOCKS_PER_SPLIT blocks each, rebalanced so the splits
-    walk equal block counts. H200, session 5, L 640 (10 blocks): batch 64 two splits of 5 blocks, 42.3
-    us where the batch-invariant rule's 4 + 4 + 2 blocks (a second, partial wave) take 52.4; batch 128
-    one split, 54.6 us vs 92.1; batch 16 2 blocks per split, 27.6 vs 29.8; batch 1 with 1 block per split
-    35.9 vs 30.5 (each program's fixed cost: hence the floor)."""
+    """The default mode's split: never more splits than the batch-invariant rule (DEFAULT_BLOCKS_PER_SPLIT),
+    fewer once the batch fills the GPU: the most splits that keep one wave of programs (n queries x head
+    groups x splits <= the SM count), rebalanced so the splits walk equal block counts. H200, session 5,
+    L 640 (10 blocks): batch 64 two splits of 5 blocks, 42.3 us where the rule's 4 + 4 + 2 blocks (a
+    second, partial wave) take 52.4 (FlashMLA 45.9); batch 128 one split, 54.6 us vs 92.1. Below ~30
+    queries more, smaller splits gained 2-3 us (27.6 vs 29.8 at batch 16) but lost at batch 1 (1-block
+    splits 35.9 vs 30.5) and moved the release fixture's DSpark draft logits past their limit (1.686 vs
+    1.63, a last-bit chaos the other split counts stayed under): small batches keep the rule."""
     nblk = max(1, triton.cdiv(L, BLOCK_N))
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    splits = max(1, min(triton.cdiv(nblk, MIN_BLOCKS_PER_SPLIT), sms // max(1, n * (heads // block_h))))
-    return triton.cdiv(nblk, splits)
+    splits = max(1, min(nblk, sms // max(1, n * (heads // block_h))))
+    return max(DEFAULT_BLOCKS_PER_SPLIT, triton.cdiv(nblk, splits))
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor | tuple, sink: torch.Tensor, idxs: torch.Tensor, scale: float,
-                block: int = BLOCK_N, block_h: int = 64, blocks_per_split: int | None = 4, num_warps: int = 8,
+                block: int = BLOCK_N, block_h: int = 64, blocks_per_split: int | None = DEFAULT_BLOCKS_PER_SPLIT, num_warps: int = 8,
                 num_stages: int = 2) -> torch.Tensor:
     """Same contract as sparse_attn_ref (block must be 64, the walk granularity). kv may also be a
     tuple of up to three [M_i, D] tensors read in place, idxs then counting rows across them in
