@@ -144,8 +144,8 @@ def blocks_per_split_for(n: int, heads: int, block_h: int, L: int, device) -> in
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor | tuple, sink: torch.Tensor, idxs: torch.Tensor, scale: float,
-                block: int = BLOCK_N, block_h: int = 64, blocks_per_split: int | None = DEFAULT_BLOCKS_PER_SPLIT, num_warps: int = 8,
-                num_stages: int = 2) -> torch.Tensor:
+                block: int = BLOCK_N, block_h: int = 64, blocks_per_split: int | None = DEFAULT_BLOCKS_PER_SPLIT,
+                num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
     """Same contract as sparse_attn_ref (block must be 64, the walk granularity). kv may also be a
     tuple of up to three [M_i, D] tensors read in place, idxs then counting rows across them in
     order (the same result as torch.cat(kv), without writing it). blocks_per_split None: chosen by
