@@ -334,7 +334,7 @@ def row_scaled_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor):
     has no exact e4m3 form at its row's scale (a row's block exponents spread too far: > 14 for e2m1
     values). The row exponent puts the row's largest element at e4m3's top binade (2^8), so the
     smaller blocks shift down as little as they can. The K loop of the W8A16 kernel then needs no scale
-    at all (triton_gemm.w8a16_rows_kernel): MXFP4 experts re-expressed once at load."""
+    at all (triton_gemm.w8a16_pairs_kernel, ROW_SCALE): MXFP4 experts re-expressed once at load."""
     n, k = w.shape[-2:]
     if w_scale.shape[-2] != n or w_scale.shape[-1] != k // 32 or k % 32:
         return None

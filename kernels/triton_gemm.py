@@ -28,7 +28,7 @@ W8A16 variants (launch config key VARIANT, default W8A16_VARIANT = $DEEPINFER_W8
         pipelined cp.async. SWAP (decode): one K=32 dot per scale block on a [BN, 32] tile read as int16
         pairs; otherwise one dot per BK with the scale tile broadcast to [BN, BK].
     v3  w8a16_v2_kernel with one dot per BK for SWAP too (fewer wgmma waits, a shared-memory shuffle).
-    v4  w8a16_blocks_kernel: the rows kernel's load (int16 pairs dequantized in the registers the wgmma A
+    v4  w8a16_pairs_kernel: the rows kernel's load (int16 pairs dequantized in the registers the wgmma A
         fragment reads) with the [BN, BK/32] scale tile broadcast over a [BN, BK/32, 16] view of the pairs:
         one dot per BK and no shared-memory shuffle (sm_90 SASS: no STS/LDSM, 2 barriers per K step where
         v3 has 9). H200 (session 5): 1.10-1.25x v3 at M = 1, 0.94-1.03x at M = 64, where the wgmma work
@@ -422,14 +422,20 @@ def _e4m3_pair_to_bf16(w2):
 
 
 @triton.jit
-def w8a16_rows_kernel(x_ptr, b_ptr, sr_ptr, c_ptr, mm_ptr,
-                      M, N, K, SPLIT_K,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False,
-                      TOKEN_MAJOR: tl.constexpr = False):
-    """x [G, M, K] bf16 (FP8-rounded activations), b [G, N, K] e4m3, sr [G, N] f32 pow2 row scales:
-    c = (x . b^T) * sr, the dot over exact bf16 weights with fp32 accumulation. Grid as fp8_gemm_kernel."""
+def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
+                       M, N, K, SPLIT_K,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SB_ROWS: tl.constexpr,
+                       SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
+                       NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False,
+                       ROW_SCALE: tl.constexpr = False, TOKEN_MAJOR: tl.constexpr = False):
+    """x [G, M, K] bf16 (FP8-rounded activations), b [G, N, K] e4m3 read as [BN, BK/2] int16 pairs, each
+    pair dequantized in the register the wgmma A fragment reads it from (no shared-memory shuffle):
+        ROW_SCALE (the rows kernel): s [G, N] f32 pow2 row scales; nothing in the K loop depends on a
+            scale, c = (x . b^T) * s, the scale applied to the fp32 result in the epilogue.
+        else (v4): w8a16_v2_kernel's scales per (SB_ROWS rows, 32 columns), f32 pow2 or raw E8M0 bytes;
+            the pairs viewed as [BN, BK/32, 16] so that the [BN, BK/32] scale tile broadcasts over the
+            pairs of its block (each thread's k16 slice sits in one scale block).
+    The same exact bf16 products with fp32 accumulation either way. Grid as fp8_gemm_kernel."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     g, split, m_lim, nkb, kb0, kb1 = _grid_work(mm_ptr, M, K, SPLIT_K, BK, GROUPED)
@@ -439,77 +445,46 @@ def w8a16_rows_kernel(x_ptr, b_ptr, sr_ptr, c_ptr, mm_ptr,
     rk = tl.arange(0, BK)
     g64 = g.to(tl.int64)
     r2 = tl.arange(0, BK // 2)
+    if not ROW_SCALE:
+        srow = g64 * (N // SB_ROWS) + (rn // SB_ROWS).to(tl.int64)
+        # [BN, BK/32] scale tile (E8M0 bytes or f32), read in the layout the 3-D view below gives its rows
+        sc_ptrs = s_ptr + srow[:, None] * (nkb * (BK // 32)) + tl.arange(0, BK // 32)[None, :]
     x_ptrs = _x_rows(x_ptr, g64, rm, M, K, SPLIT_K, TOKEN_MAJOR) + rk[None, :]
     w_ptrs = (b_ptr.to(tl.pointer_type(tl.int16)) + g64 * N * (K // 2) + rn[:, None].to(tl.int64) * (K // 2)
               + r2[None, :])
     for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + kb * BK, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs + kb * (BK // 2), mask=n_ok[:, None], other=0)
-        if UPCAST:                       # CPU interpreter: the same bit arithmetic in fp32
-            lo, hi = _dequant_pair_ref(w, 1.0)
-            x = x.to(tl.float32)
+        if ROW_SCALE:
+            if UPCAST:                   # CPU interpreter: the same bit arithmetic in fp32
+                lo, hi = _dequant_pair_ref(w, 1.0)
+            else:
+                lo, hi = _e4m3_pair_to_bf16(w)
         else:
-            lo, hi = _e4m3_pair_to_bf16(w)
+            sc = tl.load(sc_ptrs + kb * (BK // 32), mask=n_ok[:, None], other=0)
+            if SB_E8M0:
+                sc = _e8m0_scale(sc.to(tl.int32) & 0xFF, UPCAST)
+            elif not UPCAST:
+                sc = sc.to(tl.bfloat16)
+            w3 = tl.reshape(w, (BN, BK // 32, 16))
+            s3 = tl.broadcast_to(sc[:, :, None], (BN, BK // 32, 16))
+            if UPCAST:
+                lo, hi = _dequant_pair_ref(w3, s3)
+            else:
+                lo, hi = _dequant_pair_bf16(w3, s3)
+        if UPCAST:
+            x = x.to(tl.float32)
         wd = tl.reshape(tl.join(lo, hi), (BN, BK))
         if SWAP:
             acc = tl.dot(wd, tl.trans(x), acc)
         else:
             acc = tl.dot(x, tl.trans(wd), acc)
-    sr = tl.load(sr_ptr + g64 * N + rn, mask=n_ok, other=0.0)
-    if SWAP:
-        acc = acc * sr[:, None]
-    else:
-        acc = acc * sr[None, :]
-    _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32, TOKEN_MAJOR)
-
-
-@triton.jit
-def w8a16_blocks_kernel(x_ptr, b_ptr, sb_ptr, c_ptr, mm_ptr,
-                        M, N, K, SPLIT_K,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SB_ROWS: tl.constexpr,
-                        SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False,
-                        TOKEN_MAJOR: tl.constexpr = False):
-    """w8a16_v2_kernel's contract (scales per (SB_ROWS rows, 32 columns), f32 pow2 or raw E8M0 bytes) with
-    the rows kernel's load: the weights as [BN, BK/2] int16 pairs viewed as [BN, BK/32, 16], so that the
-    scale is a [BN, BK/32] tile broadcast over the pairs of its block and every pair is dequantized in the
-    register the wgmma A fragment reads it from (each thread's k16 slice sits in one scale block)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    g, split, m_lim, nkb, kb0, kb1 = _grid_work(mm_ptr, M, K, SPLIT_K, BK, GROUPED)
-    if pid_m * BM >= m_lim:
-        return
-    rm, rn, m_ok, n_ok, acc = _tile(pid_m, pid_n, m_lim, N, BM, BN, SWAP)
-    rk = tl.arange(0, BK)
-    g64 = g.to(tl.int64)
-    r2 = tl.arange(0, BK // 2)
-    srow = g64 * (N // SB_ROWS) + (rn // SB_ROWS).to(tl.int64)
-    # [BN, BK/32] scale tile (E8M0 bytes or f32), read in the layout the 3-D view below gives its rows
-    sc_ptrs = sb_ptr + srow[:, None] * (nkb * (BK // 32)) + tl.arange(0, BK // 32)[None, :]
-    x_ptrs = _x_rows(x_ptr, g64, rm, M, K, SPLIT_K, TOKEN_MAJOR) + rk[None, :]
-    w_ptrs = (b_ptr.to(tl.pointer_type(tl.int16)) + g64 * N * (K // 2) + rn[:, None].to(tl.int64) * (K // 2)
-              + r2[None, :])
-    for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
-        x = tl.load(x_ptrs + kb * BK, mask=m_ok[:, None], other=0.0)
-        w = tl.load(w_ptrs + kb * (BK // 2), mask=n_ok[:, None], other=0)
-        sc = tl.load(sc_ptrs + kb * (BK // 32), mask=n_ok[:, None], other=0)
-        if SB_E8M0:
-            sc = _e8m0_scale(sc.to(tl.int32) & 0xFF, UPCAST)
-        elif not UPCAST:
-            sc = sc.to(tl.bfloat16)
-        s3 = sc[:, :, None]
-        w3 = tl.reshape(w, (BN, BK // 32, 16))
-        s3 = tl.broadcast_to(s3, (BN, BK // 32, 16))
-        if UPCAST:                       # CPU interpreter: the same bit arithmetic in fp32
-            lo, hi = _dequant_pair_ref(w3, s3)
-            x = x.to(tl.float32)
-        else:
-            lo, hi = _dequant_pair_bf16(w3, s3)
-        wd = tl.reshape(tl.join(lo, hi), (BN, BK))
+    if ROW_SCALE:
+        sr = tl.load(s_ptr + g64 * N + rn, mask=n_ok, other=0.0)
         if SWAP:
-            acc = tl.dot(wd, tl.trans(x), acc)
+            acc = acc * sr[:, None]
         else:
-            acc = tl.dot(x, tl.trans(wd), acc)
+            acc = acc * sr[None, :]
     _store_tile(c_ptr, acc, rm, rn, m_ok, n_ok, g64, split, M, N, SPLIT_K, SWAP, OUT_F32, TOKEN_MAJOR)
 
 
@@ -533,7 +508,7 @@ def w8a16_config(m: int, n: int, k: int, groups: int, device, batch_invariant: b
                  row_scaled: bool = False) -> dict:
     """Decode-sized M (<= 128) swaps A/B so N fills the MMA's long side; split-K fills the SMs.
     batch_invariant: one tile shape for every M and a split count from (N, K) only. row_scaled
-    (w8a16_rows_kernel) with swapped tiles: BN = 64, 1.05-1.16x BN = 128 on the masked MoE GEMMs
+    (w8a16_pairs_kernel, ROW_SCALE) with swapped tiles: BN = 64, 1.05-1.16x BN = 128 on the masked MoE GEMMs
     at m = 1 and 8 (H200, session 4), where the extra CTAs keep more loads in flight."""
     bk = 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
     nkb = k // bk
@@ -580,12 +555,12 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, p
               UPCAST=INTERPRET, SB_E8M0=sb.dtype != torch.float32, TOKEN_MAJOR=token_major)
     if _is_row_scale(sb, k):                           # one scale per row: select.row_scaled_fp8_weight
         assert sb.dtype == torch.float32 and sb_rows == 1
-        kernel = w8a16_rows_kernel
-        del kw["SB_ROWS"], kw["SB_E8M0"]
+        kernel = w8a16_pairs_kernel
+        kw.update(ROW_SCALE=True, SB_E8M0=False)
     elif w8a16_variant(cfg, b, sb, k) == "v1":
         kernel = w8a16_gemm_kernel
     elif w8a16_variant(cfg, b, sb, k) == "v4":
-        kernel = w8a16_blocks_kernel
+        kernel = w8a16_pairs_kernel
     else:
         kernel = w8a16_v2_kernel
         kw["PER32"] = w8a16_variant(cfg, b, sb, k) == "v2" and cfg["SWAP"]
@@ -605,7 +580,7 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, p
 
 
 def _is_row_scale(sb: torch.Tensor, k: int) -> bool:
-    """One scale per weight row over the whole K (w8a16_rows_kernel), not per 32 columns."""
+    """One scale per weight row over the whole K (w8a16_pairs_kernel with ROW_SCALE), not per 32 columns."""
     return sb.shape[-1] == 1 and k > 32
 
 

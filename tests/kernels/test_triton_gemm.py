@@ -128,7 +128,7 @@ def test_w8a16_grouped_masked_variants_exact(variant, e8m0, rows, expected_m, sp
 
 @pytest.mark.parametrize("expected_m,split", [(4, None), (8, None), (32, None), (32, 2), (300, None)])
 def test_w8a16_rows_kernel_exact_and_equal_to_v3(expected_m, split):
-    """Row-scaled weights (select.row_scaled_fp8_weight) through w8a16_rows_kernel: rows < masked_m[g] are
+    """Row-scaled weights (select.row_scaled_fp8_weight) through w8a16_pairs_kernel (ROW_SCALE): rows < masked_m[g] are
     bf16(x @ v^T) exactly (dense too), and on FP4-origin experts the output equals v3's on the per-32
     form bit for bit (same products, the pow2 row factor outside the sum)."""
     from deepinfer.kernels import triton_gemm
