@@ -31,7 +31,7 @@ W8A16 variants (launch config key VARIANT, default W8A16_VARIANT = $DEEPINFER_W8
     v4  w8a16_pairs_kernel: the rows kernel's load (int16 pairs dequantized in the registers the wgmma A
         fragment reads) with the [BN, BK/32] scale tile broadcast over a [BN, BK/32, 16] view of the pairs:
         one dot per BK and no shared-memory shuffle (sm_90 SASS: no STS/LDSM, 2 barriers per K step where
-        v3 has 9). H200 (session 5): 1.10-1.25x v3 at M = 1, 0.94-1.03x at M = 64, where the wgmma work
+        v3 has 9). H200 (session 5): 1.10-1.23x v3 at M = 1, 0.98-1.05x at M = 64, where the wgmma work
         is 4x larger and the shuffle was not the limit.
     auto (default): v4 for swapped tiles of at most AUTO_V4_MAX_BM tokens, v3 above.
     perf/ptx_check.py prints what each compiles to for sm_90; perf/bench_kernels.py times them.
