@@ -10,9 +10,7 @@ step i the (i+1)-gram hash mod one prime per head, plus that head's table offset
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import ops
 from .args import ModelArgs
 from .block import Block
 from .batch import ForwardBatch
 from .engram import NgramHasher
 from .dspark import DSparkBlock
-from .layers import ACT, Embedding, Linear, RMSNorm, linear_fp32, rope_tables
+from .layers import Embedding, Linear, RMSNorm, linear_fp32, rope_tables
 from .step_metadata import StepMetadata
 
 
