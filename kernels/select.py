@@ -123,9 +123,10 @@ def sparse_attn(q, kv, sink, idxs, scale, block: int = 64):
     """kv [M, D], or a tuple of up to three such tensors that idxs counts across in order (read in
     place by the Triton kernel; the reference concatenates them)."""
     if use_fast(q) and block == 64:
-        from .triton_sparse_attn import sparse_attn as fast
+        from .triton_sparse_attn import DEFAULT_BLOCKS_PER_SPLIT, sparse_attn as fast
         # batch-invariant mode: splits from the list length only; else sized to the batch's occupancy
-        return fast(q, kv, sink, idxs, scale, blocks_per_split=4 if _batch_invariant() else None)
+        bps = DEFAULT_BLOCKS_PER_SPLIT if _batch_invariant() else None
+        return fast(q, kv, sink, idxs, scale, blocks_per_split=bps)
     if isinstance(kv, (tuple, list)):
         kv = torch.cat([t.to(q.dtype) for t in kv])
     return _ref.sparse_attn_ref(q, kv, sink, idxs, scale, block)
