@@ -6,7 +6,7 @@ Public API (vLLM-like):
     AsyncEngine(EngineArgs(...)): async generate(...) of RequestOutput deltas, add_request(...,
         callback) / stream(...) from plain threads, abort(request_id), stats()
     EngineArgs, SamplingParams, OutputConstraint, RequestOutput, CompletionOutput,
-    InvalidRequestError, UnknownRequestError
+    InvalidRequestError, UnknownRequestError, EngineDeadError
 
 Imports are lazy so that `import deepinfer.recipe` (and friends) does not import torch.
 """
@@ -26,6 +26,7 @@ _EXPORTS = {
     "CompletionOutput": "deepinfer.outputs",
     "InvalidRequestError": "deepinfer.request",
     "UnknownRequestError": "deepinfer.request",
+    "EngineDeadError": "deepinfer.request",
     "EngineStats": "deepinfer.stats",
 }
 

@@ -34,6 +34,22 @@ class EngineArgs:
     # a decode step takes a graph only while every sequence is shorter than this (vLLM's knob): the
     # static step reads E = max_seq_len_to_capture // ratio compressed entries per sequence
     max_seq_len_to_capture: int = 8192
+    # weights: "safetensors" (the release shards) or "dummy" (random weights of the checkpoint folder's
+    # config.json made on each rank's device, vLLM's flag: whole-model benchmarks with no weights on disk)
+    load_format: str = "safetensors"
+    # multi-GPU (deepinfer/parallel/): attention data parallel over data_parallel_size ranks (one per
+    # GPU; CPU processes with gloo on a CPU run), the backbone's routed experts split over them
+    # (expert_parallel; EP = DP at TP 1). The driver process schedules; the ranks run the model.
+    data_parallel_size: int = 1
+    expert_parallel: bool = True            # False: every rank holds every expert (replicas, no MoE collectives)
+    ep_backend: str = "allgather"           # dispatch/combine: "allgather" (graph-safe) | "alltoall"
+    num_redundant_experts: int = 0          # extra physical expert slots per layer (EPLB replicas)
+    enable_eplb: bool = False               # rebalance the expert placement while serving
+    eplb_window_size: int = 100             # steps of expert load the policy sees (DeepInfer's default)
+    eplb_step_interval: int = 3000          # steps between rebalances (the first after a quarter of it)
+    eplb_placement_file: str | None = None  # static placement (ExpertPlacement.save) loaded at start
+    distributed_backend: str | None = None  # None = "nccl" on CUDA, "gloo" on CPU
+    worker_threads: int | None = None       # torch threads per CPU rank; None = cores / ranks
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -50,6 +66,17 @@ class EngineArgs:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.max_seq_len_to_capture < 1:
             raise ValueError(f"max_seq_len_to_capture must be >= 1, got {self.max_seq_len_to_capture}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.ep_backend not in ("allgather", "alltoall"):
+            raise ValueError(f"ep_backend must be 'allgather' or 'alltoall', got {self.ep_backend!r}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.eplb_window_size < 1 or self.eplb_step_interval < 1:
+            raise ValueError(f"eplb_window_size and eplb_step_interval must be >= 1, got "
+                             f"{self.eplb_window_size} and {self.eplb_step_interval}")
         if not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
 

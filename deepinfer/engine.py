@@ -24,24 +24,20 @@ deepinfer/spec/) turns async scheduling off.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 import threading
-from pathlib import Path
 
-from deepinfer.cache.kv_cache_manager import KVCacheManager, cdiv
+from deepinfer.cache.kv_cache_manager import KVCacheManager
 from deepinfer.config import EngineArgs
 from deepinfer.outputs import RequestOutput, SchedulerOutput
-from deepinfer.request import InvalidRequestError, Request, RequestStatus, UnknownRequestError
+from deepinfer.request import EngineDeadError, InvalidRequestError, Request, RequestStatus, UnknownRequestError
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sched.scheduler import Scheduler
 from deepinfer.stats import EngineStats
 from deepinfer.worker.input_batch import needs_sampler
 
 logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_CACHE_TOKENS_PER_SEQ = 2048   # CPU cache size when num_cache_blocks is not given
 
 
 class Engine:
@@ -50,74 +46,67 @@ class Engine:
         self.stats = EngineStats()
         self._seed_rng = random.Random(args.seed)   # seeds of requests that bring none
         self._seed_lock = threading.Lock()          # validate() runs on callers' threads
+        self.dead: str | None = None                # why the engine can no longer run steps
         self._init_model()
-        self._init_caches()
         self._init_scheduler()
-        self._init_runner()
 
     # construction ------------------------------------------------------------------------------
     def _init_model(self) -> None:
-        from deepinfer.worker.loading import load_model
-        self.device = self.args.resolved_device()
-        # batch invariance also needs chunking invariance: one window layout for every chunk
-        overrides = {**({"step_shape_invariant": True} if self.args.batch_invariant else {}),
-                     **self.args.model_overrides}
-        self.model, self.model_args = load_model(self.args.checkpoint, self.device, self.args.dtype, overrides)
-        cfg = _read_hf_config(self.args.checkpoint)
-        self.eos_token_id = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
-        tc = cfg.get("text_config", {})
-        self.max_position = int(tc.get("max_position_embeddings", cfg.get("max_position_embeddings", 1 << 20)))
-        self.vocab_size = self.model_args.vocab_size
-        from deepinfer.worker.graph_step import graph_sizes
-        self.graph_sizes = graph_sizes(self.args, self.model_args, self.device)
-
-    def _init_caches(self) -> None:
-        from deepinfer.worker.loading import allocate_caches, cache_bytes_per_block
+        """The model and its caches: in this process (one rank), or in data_parallel_size rank
+        workers (deepinfer/parallel/) with only the config read here."""
+        from deepinfer.worker.rank import ModelFacts, build_rank, make_sampler
         a = self.args
-        num_blocks = a.num_cache_blocks
-        if num_blocks is None:
-            if self.device.startswith("cuda"):
-                num_blocks = _blocks_from_memory(self.model_args, a, cache_bytes_per_block)
-            else:
-                want = min(self.max_position, CPU_DEFAULT_CACHE_TOKENS_PER_SEQ)
-                num_blocks = a.max_num_seqs * cdiv(want, a.block_tokens)
-        self.num_cache_blocks = num_blocks
-        self.max_model_len = min(a.max_model_len or self.max_position, self.max_position,
-                                 num_blocks * a.block_tokens)
-        self.caches = allocate_caches(self.model_args, a.max_num_seqs, num_blocks, a.block_tokens,
-                                      self.device, a.dtype, scratch=bool(self.graph_sizes))
+        facts = ModelFacts.read(a)
+        self.model_args, self.eos_token_id = facts.model_args, facts.eos_token_id
+        self.max_position, self.vocab_size = facts.max_position, facts.vocab_size
+        self.device = a.resolved_device()
+        if a.data_parallel_size > 1:
+            from deepinfer.parallel.executor import MultiprocExecutor
+            self.model = self.caches = None
+            self.runner = MultiprocExecutor(a, facts)
+            self.sampler = make_sampler(a.checkpoint, self.vocab_size)   # request checks (grammars) here
+            self.num_cache_blocks = self.runner.num_cache_blocks         # per rank
+            self.max_model_len = self.runner.max_model_len
+            self.graph_sizes = ()
+            self.async_scheduling = self.runner.async_scheduling
+            return
+        rt = build_rank(a, facts)
+        self.device, self.model, self.caches, self.runner = rt.device, rt.model, rt.caches, rt.runner
+        self.sampler, self.num_cache_blocks, self.max_model_len = rt.sampler, rt.num_cache_blocks, rt.max_model_len
+        self.graph_sizes, self.async_scheduling = rt.graph_sizes, rt.async_scheduling
 
     def _init_scheduler(self) -> None:
         a = self.args
-        self.kv_cache = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs)
         policy = None
         if a.speculative == "dspark":
             from deepinfer.spec.policy import StaticThresholdPolicy
             policy = StaticThresholdPolicy(a.spec_confidence_threshold)
-        self.scheduler = Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len,
-                                   self.kv_cache, self.stats, spec_policy=policy)
-        self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks)
 
-    def _init_runner(self) -> None:
-        a = self.args
-        self.async_scheduling = a.async_scheduling if a.async_scheduling is not None else self.device.startswith("cuda")
-        proposer = None
-        if a.speculative == "dspark":
-            from deepinfer.spec.dspark_proposer import DSparkProposer
-            proposer = DSparkProposer(self.model, self.caches, a.num_speculative_tokens)
-            self.async_scheduling = False   # verification needs the accepted count before the next step
+        def scheduler():
+            kv = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs)
+            return Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len, kv, self.stats,
+                             spec_policy=policy)
+        if a.data_parallel_size > 1:
+            from deepinfer.parallel.dp_scheduler import DataParallelScheduler
+            self.scheduler = DataParallelScheduler([scheduler() for _ in range(a.data_parallel_size)])
+            self.kv_cache = self.scheduler.kv_cache
+        else:
+            self.scheduler = scheduler()
+            self.kv_cache = self.scheduler.kv_cache
+        self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks * a.data_parallel_size)
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
-        from deepinfer.worker.model_runner import ModelRunner
-        self.sampler = _make_sampler(a.checkpoint, self.vocab_size)
-        self.runner = ModelRunner(self.model, self.caches, self.device, a.max_num_seqs,
-                                  self.max_model_len, a.block_tokens,
-                                  ngram_width=max(self.model_args.engram_max_ngram_size - 1, 0),
-                                  sampler=self.sampler, batch_invariant=a.batch_invariant, proposer=proposer,
-                                  graph_sizes=self.graph_sizes, graph_max_len=a.max_seq_len_to_capture)
+
+    def shutdown(self) -> None:
+        """Stop the rank workers (multi-GPU); a no-op for one rank. Idempotent."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # requests ----------------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None) -> SamplingParams:
         """Check one request without touching engine state (safe from any thread)."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
         if prompt_token_ids is None or len(prompt_token_ids) == 0:
@@ -171,6 +160,8 @@ class Engine:
         return out
 
     def has_unfinished_requests(self) -> bool:
+        if self.dead is not None:
+            return False
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # the step ----------------------------------------------------------------------------------
@@ -180,6 +171,8 @@ class Engine:
         sched_out = self.scheduler.schedule()
         try:
             runner_out = self.runner.execute(sched_out)
+        except EngineDeadError as e:
+            return self._die(e)
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
             return self._fail_step(sched_out, e)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
@@ -192,17 +185,32 @@ class Engine:
         sched_out = self.scheduler.schedule()
         try:
             launched = self.runner.launch(sched_out)
+        except EngineDeadError as e:
+            return self._die(e)
         except Exception as e:  # noqa: BLE001
             outputs += self._fail_step(sched_out, e)
         if self._in_flight is not None:
             prev_out, prev = self._in_flight
             try:
                 outputs += self.scheduler.update_from_output(prev_out, self.runner.resolve(prev))
+            except EngineDeadError as e:
+                return self._die(e)
             except Exception as e:  # noqa: BLE001
                 outputs += self._fail_step(prev_out, e)
         self._in_flight = (sched_out, launched) if launched is not None else None
         self._update_gauges()
         return outputs
+
+    def _die(self, exc: EngineDeadError) -> list[RequestOutput]:
+        """A rank is gone: every request fails with the reason, new ones are refused."""
+        self.dead = str(exc)
+        self._in_flight = None
+        logger.error("engine is dead: %s", self.dead)
+        self.stats.set_gauges(engine_healthy=0)
+        outs = self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR,
+                                              error=f"EngineDeadError: {self.dead}")
+        self._update_gauges(step=False)
+        return outs
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         logger.exception("engine step failed; failing its %d requests", len(sched_out.num_scheduled_tokens))
@@ -215,37 +223,14 @@ class Engine:
         s, kv = self.scheduler, self.kv_cache
         if step:
             self.stats.inc("steps_total")
+        total = self.num_cache_blocks * self.args.data_parallel_size
         self.stats.set_gauges(num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
-                              cache_blocks_used=kv.num_used_blocks,
-                              cache_usage=kv.num_used_blocks / self.num_cache_blocks)
+                              cache_blocks_used=kv.num_used_blocks, cache_usage=kv.num_used_blocks / total)
+        if self.args.data_parallel_size > 1:
+            self.stats.set_gauges(ranks=s.rank_gauges())
         if self.args.speculative:
             c = self.stats.counters   # engine thread: the only writer
             steps, verified = c["spec_verify_steps_total"], c["spec_draft_tokens_verified_total"]
             accepted = c["spec_draft_tokens_accepted_total"]
             self.stats.set_gauges(spec_mean_accepted_length=1 + accepted / steps if steps else 0.0,
                                   spec_acceptance_rate=accepted / verified if verified else 0.0)
-
-
-def _make_sampler(checkpoint: str, vocab_size: int):
-    """The Sampler, or None (greedy only) where its dependencies (xgrammar) are missing."""
-    try:
-        from deepinfer.sample import Sampler
-    except ImportError as e:
-        logger.warning("deepinfer.sample unavailable (%s): greedy sampling only", e)
-        return None
-    tokenizer = Path(checkpoint) / "tokenizer.json"
-    return Sampler(vocab_size, str(tokenizer) if tokenizer.is_file() else None)
-
-
-def _read_hf_config(checkpoint: str) -> dict:
-    path = Path(checkpoint) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _blocks_from_memory(model_args, args: EngineArgs, bytes_per_block) -> int:
-    import torch
-
-    from deepinfer.worker.loading import ring_slot_bytes
-    free, _ = torch.cuda.mem_get_info()
-    budget = int(free * args.cache_memory_fraction) - args.max_num_seqs * ring_slot_bytes(model_args, args.dtype)
-    return max(1, budget // bytes_per_block(model_args, args.block_tokens, args.dtype))

@@ -114,3 +114,8 @@ class UnknownRequestError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown request id"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run steps any more (a rank worker died or failed mid-step): every request
+    in it has failed, and new ones are refused with this message."""

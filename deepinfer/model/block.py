@@ -21,12 +21,12 @@ class Block(nn.Module):
 
     attention_cls = Attention
 
-    def __init__(self, args: ModelArgs, layer_id: int):
+    def __init__(self, args: ModelArgs, layer_id: int, parallel=None):
         super().__init__()
         self.layer_id, self.eps = layer_id, args.norm_eps
         self.hc, self.iters, self.hc_eps = args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps
         self.attn = self.attention_cls(args, layer_id)
-        self.ffn = MoE(args, layer_id)
+        self.ffn = MoE(args, layer_id, parallel)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.engram = Engram(args, layer_id) if layer_id in args.engram_layer_ids and layer_id < args.n_layers else None

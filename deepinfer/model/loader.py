@@ -217,7 +217,67 @@ def validate(args: ModelArgs, infos: dict[str, TensorInfo]) -> dict[str, tuple[s
     return expected
 
 
-def _read(info: TensorInfo, mm: mmap.mmap) -> torch.Tensor:
+def dummy_index(args: ModelArgs, expected: dict) -> dict[str, TensorInfo]:
+    """name -> TensorInfo (no file) of every stored tensor the config implies (load_format="dummy")."""
+    infos = {}
+    for name, (kind, shape) in expected.items():
+        for suffix, dtypes, shp in _stored(kind, shape, args):
+            tname = name if not suffix else _scale_name(name, suffix)
+            infos[tname] = TensorInfo(None, dtypes.split("|")[0], tuple(shp), 0, 0)
+    return infos
+
+
+def _tokenizer_json(ckpt: Path, given, load_format: str) -> Path:
+    """The checkpoint's tokenizer.json (Engram hashing needs it); a dummy load without one takes the
+    V4.1 tokenizer the checkpoint generator writes."""
+    tj = Path(given) if given else ckpt / "tokenizer.json"
+    if tj.is_file():
+        return tj
+    if load_format == "dummy":
+        import tempfile
+
+        from deepinfer.checkpoint.tokenizer import write_tokenizer
+        return write_tokenizer(Path(tempfile.mkdtemp(prefix="deepinfer-tok-")) / "tokenizer.json")
+    raise CheckpointError(f"{tj}: missing (Engram hashing needs the checkpoint's tokenizer.json)")
+
+
+class _open_source:
+    """Context manager: an mmap of one shard, or the dummy reader (path None)."""
+
+    def __init__(self, path, expected, device) -> None:
+        self.path, self.expected, self.device = path, expected, device
+        self._f = self._mm = None
+
+    def __enter__(self):
+        if self.path is None:
+            from .dummy_weights import DummyReader
+            return DummyReader(self.expected, self.device)
+        self._f = open(self.path, "rb")
+        self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._mm
+
+    def __exit__(self, *exc) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._f.close()
+
+
+def _local_targets(model, name: str) -> list[str]:
+    """Module paths a checkpoint tensor loads into: itself, or for an expert-parallel layer's routed
+    expert the local slots holding that logical expert (none: this rank skips it unread)."""
+    m = _EXPERT_ID.fullmatch(name)
+    if m is None:
+        return [name]
+    prefix, e, rest = m.group(1), int(m.group(2)), m.group(3)
+    moe = _target(model, prefix + ".gate")[0]
+    if moe.ep is None:
+        return [name]
+    return [f"{prefix}.experts.{i}.{rest}" for i, le in enumerate(moe.ep.local_logical()) if le == e]
+
+
+def _read(info: TensorInfo, mm, name: str = "") -> torch.Tensor:
+    if not isinstance(mm, mmap.mmap):                       # load_format="dummy"
+        return mm.read(name, info.dtype, info.shape)
     tdtype, size = ST_DTYPES[info.dtype]
     buf = np.frombuffer(mm, dtype=np.uint8, count=info.end - info.start, offset=info.start)
     t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.size else torch.empty(0, dtype=torch.uint8)
@@ -237,7 +297,8 @@ def _target(model, name: str):
 def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progress: bool = True,
                tokenizer_json: str | Path | None = None, pack_experts: bool | None = None,
                weight_format: str | None = None, moe_masked: bool | None = None, fuse_linears: bool | None = None,
-               expert_row_scales: bool | None = None, wo_a_fp8: bool | None = None, **arg_overrides):
+               expert_row_scales: bool | None = None, wo_a_fp8: bool | None = None, parallel=None,
+               load_format: str = "safetensors", **arg_overrides):
     """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input.
 
     weight_format: "dense" or "fp8" (the module docstring); default "fp8" on CUDA, "dense" elsewhere.
@@ -250,7 +311,11 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     expert_row_scales ("fp8" only): re-express the FP8 expert stacks with one scale per row where that is
     exact (ExpertStacks.to_row_scales: the same values, a scale-free K loop in the masked GEMMs);
     None = on CUDA. wo_a_fp8 ("fp8" only): the block-diagonal wo_a stays FP8 (Linear.fp8_blocks, run by
-    ops.grouped_w8a16) instead of a dequantized bf16 copy; None = on CUDA."""
+    ops.grouped_w8a16) instead of a dequantized bf16 copy; None = on CUDA.
+    parallel: a deepinfer.parallel.ParallelState with an expert placement: this rank builds and reads
+    only its own routed experts (local slots; a redundant replica is read once per slot holding it).
+    load_format: "safetensors" (the release shards) or "dummy" (random weights of the config, made
+    on the device: model/dummy_weights.py; the folder then needs only config.json)."""
     from .engram import NgramHasher, compressed_token_map
     from .layers import compute_dtype
     from .moe import MoE
@@ -261,18 +326,20 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     weight_format = weight_format or ("fp8" if cuda else "dense")
     if weight_format not in ("dense", "fp8"):
         raise ValueError(f"weight_format must be 'dense' or 'fp8', got {weight_format!r}")
+    if load_format not in ("safetensors", "dummy"):
+        raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
     args = ModelArgs.from_checkpoint(ckpt, **arg_overrides)
-    infos = checkpoint_index(ckpt)
-    expected = validate(args, infos)
+    if load_format == "dummy":
+        expected = expected_tensors(args)
+        infos = dummy_index(args, expected)
+    else:
+        infos = checkpoint_index(ckpt)
+        expected = validate(args, infos)
     hasher = None
     if args.engram_layer_ids:
-        tj = Path(tokenizer_json) if tokenizer_json else ckpt / "tokenizer.json"
-        if not tj.is_file():
-            raise CheckpointError(f"{tj}: missing (Engram hashing needs the checkpoint's tokenizer.json)")
-        token_map, size = compressed_token_map(tj)
-        hasher = NgramHasher(args, token_map, size)
+        hasher = NgramHasher(args, *compressed_token_map(_tokenizer_json(ckpt, tokenizer_json, load_format)))
     with torch.device("meta"):
-        model = Transformer(args, hasher=None)
+        model = Transformer(args, hasher=None, parallel=parallel)
     model.hasher = hasher.to(device) if hasher is not None else None
     fmt = _Format(device, compute_dtype(device), weight_format,
                   cuda if pack_experts is None else pack_experts,
@@ -285,14 +352,18 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
         from tqdm import tqdm
         bar = tqdm(total=len(expected), desc=f"loading {ckpt.name}", unit="tensor", leave=False)
     for path, names in by_file.items():
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with _open_source(path, expected, device) as mm:
             for name in names:
-                _load_one(model, name, expected[name][0], infos, mm, fmt)
+                for target in _local_targets(model, name):
+                    _load_one(model, name, expected[name][0], infos, mm, fmt, target)
                 if bar is not None:
                     bar.update(1)
     if bar is not None:
         bar.close()
     _materialize_rest(model, device)
+    for mod in model.modules():
+        if isinstance(mod, MoE) and mod.ep is not None:
+            mod.ep.to(device)
     _fill_optional(model, infos, device)
     for mod in model.modules():
         if isinstance(mod, MoE):
@@ -353,24 +424,26 @@ def _fill_optional(model, infos, device) -> None:
 
 
 _EXPERT = re.compile(r"(.+)\.experts\.\d+\.w[123]\.weight")
+_EXPERT_ID = re.compile(r"(.+)\.experts\.(\d+)\.(w[123]\.weight)")
 
 
-def _load_one(model, name, kind, infos, mm, fmt: _Format):
+def _load_one(model, name, kind, infos, mm, fmt: _Format, target: str | None = None):
+    """Read checkpoint tensor `name` (and its scale) into the module at `target` (default: name)."""
     info = infos[name]
-    t = _read(info, mm)
-    scale_info = infos.get(_scale_name(name, ".scale")) if name.endswith(".weight") else None
-    mod, attr = _target(model, name)
+    t = _read(info, mm, name)
+    sname = _scale_name(name, ".scale") if name.endswith(".weight") else None
+    scale_info = infos.get(sname) if sname else None
+    mod, attr = _target(model, target or name)
     device = fmt.device
     if kind == "table":
         mod.weight = t.to(device)
-        sinfo = infos[_scale_name(name, ".scale")]
-        mod.scale = _read(sinfo, mm).view(torch.uint8).to(device)
+        mod.scale = _read(infos[sname], mm, sname).view(torch.uint8).to(device)
         return
     quantized = False
     # wo_a is block-diagonal and run as a bf16 einsum (convert.py dequantizes it): no act rounding
     wo_a = name.endswith("attn.wo_a.weight")
     if kind == "fp8" and info.dtype == "F8_E4M3":
-        scale = _read(scale_info, mm).view(torch.uint8)
+        scale = _read(scale_info, mm, sname).view(torch.uint8)
         if fmt.weight_format == "fp8" and not wo_a:
             mod.fp8 = (t.to(device), scale.to(device))
             mod.weight = torch.empty(0, device=device)
@@ -384,10 +457,10 @@ def _load_one(model, name, kind, infos, mm, fmt: _Format):
         t = ops.dequant_fp8(t, scale)
         quantized = True
     elif kind == "fp4" and info.dtype == "I8":
-        scale = _read(scale_info, mm).view(torch.uint8)
+        scale = _read(scale_info, mm, sname).view(torch.uint8)
         if fmt.weight_format == "fp8":
             if mod.fp8 is None:                     # the layer's first expert tensor: allocate its stacks
-                _target(model, _EXPERT.fullmatch(name).group(1) + ".stacks")[0].init_fp8_stacks(device)
+                _target(model, _EXPERT.fullmatch(target or name).group(1) + ".stacks")[0].init_fp8_stacks(device)
             w8, s8 = ops.fp4_to_fp8_weight(t.to(device), scale.to(device))
             mod.fp8[0].copy_(w8)                    # views into the layer's stacks
             mod.fp8[1].copy_(s8)

@@ -110,12 +110,18 @@ class Expert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args, layer_id: int):
+    def __init__(self, args, layer_id: int, parallel=None):
         super().__init__()
         n_experts, topk = args.get_moe_config(layer_id)
-        self.dim, self.n_experts = args.dim, n_experts
+        self.dim, self.layer_id = args.dim, layer_id
         self.gate = Gate(args, n_experts, topk)
-        self.experts = nn.ModuleList([Expert(args.dim, args.moe_inter_dim, args.swiglu_limit) for _ in range(n_experts)])
+        # expert parallel (deepinfer/parallel/): this rank holds a slice of the physical slots; experts[i]
+        # is local slot i and self.n_experts counts the local ones (the gate keeps the logical count)
+        self.ep = _ExpertParallel(parallel, layer_id) if parallel is not None and \
+            parallel.ep_layer(layer_id, args.n_layers) else None
+        self.n_experts = n_experts if self.ep is None else parallel.placement.num_local
+        self.experts = nn.ModuleList([Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
+                                      for _ in range(self.n_experts)])
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
         self.shared_w13: Linear | None = None             # shared w1 and w3 stacked (fuse_input_linears)
         self.grouped_ok = not args.step_shape_invariant   # one formulation for every step size
@@ -127,6 +133,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, d] bf16 -> [T, d] bf16. Routed outputs are summed per token in ascending expert id
         order in fp32 (the reference's accumulation order), then the shared expert is added."""
+        if self.ep is not None:
+            return self._forward_ep(x, image_mask)
         weights, indices = self.gate(x, image_mask)
         if self._use_masked(x, indices):
             out, slot = self._masked_experts(x, weights, indices)
@@ -141,6 +149,34 @@ class MoE(nn.Module):
             y = y + outs[:, k].float()
         y = y + self._shared(x).float()
         return y.to(ACT)
+
+    def _forward_ep(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+        """Expert parallel: route, send each pick to the rank holding its physical slot, compute the
+        pairs this rank received, bring every pick's output back, then the same fp32 sum in ascending
+        logical expert id + shared as one rank does (so outputs equal a 1-rank run's: each pair is
+        computed alone and the sum order is the logical one). T may be 0 (an idle rank)."""
+        T, K = x.shape[0], self.gate.topk
+        if T:
+            weights, indices = self.gate(x, image_mask)                          # [T, K] logical
+        else:
+            weights = torch.empty(0, K, device=x.device)
+            indices = torch.empty(0, K, dtype=torch.long, device=x.device)
+        self.ep.record(indices)
+        local, handle = self.ep.dispatcher.dispatch(x, self.ep.maps.to_physical(indices), weights)
+        outs = self.ep.dispatcher.combine(self._local_pairs(local), handle)      # [T, K, d]
+        if T == 0:
+            return x
+        slot = torch.arange(T * K, device=x.device)
+        return ops.moe_combine(outs.view(1, T * K, self.dim), slot, indices, self._shared(x))
+
+    def _local_pairs(self, local) -> torch.Tensor:
+        """[P, d] bf16: each received (token, local slot, weight) pair through its expert, as a
+        one-pick token (every form of _routed then applies unchanged)."""
+        P = local.pair_token.shape[0]
+        if P == 0:
+            return torch.empty(0, self.dim, dtype=ACT, device=local.x.device)
+        xp = local.x[local.pair_token]
+        return self._routed(xp, local.pair_weight[:, None].float(), local.pair_expert[:, None])[:, 0]
 
     def _use_masked(self, x, indices) -> bool:
         """The masked form: FP8 stacks, and forced (self.masked) or a CUDA step of at most
@@ -293,3 +329,25 @@ class MoE(nn.Module):
                 stack.append(w)
             self._stack = tuple(stack)
         return self._stack
+
+
+class _ExpertParallel:
+    """One MoE layer's share of the parallel state: its maps on the device, the shared dispatcher,
+    the load recorder (EPLB)."""
+
+    def __init__(self, parallel, layer_id: int) -> None:
+        from deepinfer.parallel.placement import LayerPlacement
+        self.parallel, self.layer_id = parallel, layer_id
+        self.maps = LayerPlacement(parallel.placement, layer_id, "cpu")
+        self.dispatcher = parallel.make_dispatcher()
+
+    def to(self, device) -> None:
+        self.maps.log2phy, self.maps.logcnt = self.maps.log2phy.to(device), self.maps.logcnt.to(device)
+
+    def record(self, indices: torch.Tensor) -> None:
+        rec = self.parallel.recorder
+        if rec is not None:
+            rec.record(self.layer_id, torch.bincount(indices.flatten(), minlength=rec.num_experts))
+
+    def local_logical(self) -> list[int]:
+        return self.parallel.placement.local_logical(self.layer_id, self.parallel.rank)

@@ -33,13 +33,14 @@ class ModelOutput:
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, hasher: NgramHasher | None = None):
+    def __init__(self, args: ModelArgs, hasher: NgramHasher | None = None, parallel=None):
         super().__init__()
         self.args = args
+        self.parallel = parallel      # deepinfer.parallel.ParallelState; None = one rank, every expert local
         self.hasher = hasher
         self.rope = rope_tables(args)
         self.embed = Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList([Block(args, i) for i in range(args.n_layers)])
+        self.layers = nn.ModuleList([Block(args, i, parallel) for i in range(args.n_layers)])
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = Linear(args.dim, args.vocab_size)
         self.mtp = nn.ModuleList([DSparkBlock(args, args.n_layers + j) for j in range(args.n_mtp_layers)]
@@ -59,6 +60,16 @@ class Transformer(nn.Module):
         owner = self._last_index_owner if self.args.emulate_index_k_alias else -1
         return StepMetadata.build(batch, self.args.window_size, caches.ring_len, owner,
                                   canonical_layout=self.args.step_shape_invariant)
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """A rank with no tokens this step: every expert-parallel MoE layer still joins its dispatch and
+        combine (in layer order, as a forward would), so the other ranks' collectives line up and this
+        rank's experts serve their tokens."""
+        x = torch.empty(0, self.args.dim, dtype=torch.bfloat16, device=self.embed.weight.device)
+        for layer in self.layers:
+            if layer.ffn.ep is not None:
+                layer.ffn(x)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,0 +1,270 @@
+"""MultiprocExecutor: the driver's side of the rank workers, with the ModelRunner's interface
+(launch / resolve / execute) over a ParallelSchedulerOutput, so the Engine's step is unchanged.
+
+    launch(plan):  every rank gets its own SchedulerOutput and the step's largest rank size
+    resolve(h):    every rank's ModelRunnerOutput, in rank order
+
+Start: N fresh interpreters (never fork: CUDA and a Triton stub's threads do not survive it) that
+call back on a local authenticated socket, a torch.distributed TCP rendezvous on a free local
+port, and each rank reports its cache size; the engine schedules with the smallest. A rank that dies (its sentinel fires) or fails (its "error" reply) makes the
+executor raise EngineDeadError naming the rank and why, after every worker is stopped: the peers
+of a rank that failed inside a step may wait in a collective forever, so none is left running.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from multiprocessing.connection import Listener, wait
+
+from deepinfer.request import EngineDeadError
+
+from .dp_scheduler import ParallelSchedulerOutput
+from .setup import check_parallel_args
+from .worker import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+JOIN_SECONDS = 10.0
+ACCEPT_POLL_SECONDS = 0.5
+
+
+class MultiprocExecutor:
+    def __init__(self, args, facts) -> None:
+        self.args = args
+        self.world_size = args.data_parallel_size
+        device = args.resolved_device()
+        check_parallel_args(args, facts.model_args, _num_gpus() if device.startswith("cuda") else None)
+        self.procs: list = []
+        self.conns: list = []
+        self.dead: str | None = None
+        self._graceful = [True]          # False once a rank failed: the others are killed, not asked
+        self._steps = 0
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._graceful)
+        self._start(args, facts, device)
+
+    # start and stop ------------------------------------------------------------------------------
+    def _start(self, args, facts, device: str) -> None:
+        backend = args.distributed_backend or ("nccl" if device.startswith("cuda") else "gloo")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        threads = args.worker_threads or max(1, (os.cpu_count() or 1) // self.world_size)
+        authkey = secrets.token_bytes(16)
+        with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+            env = dict(os.environ, DEEPINFER_WORKER_ADDR="%s:%d" % listener.address,
+                       DEEPINFER_WORKER_AUTHKEY=authkey.hex())
+            for r in range(self.world_size):
+                self.procs.append(_WorkerProcess(r, env))
+            conns = [self._accept(listener) for _ in range(self.world_size)]
+        self.conns.extend(c for _, c in sorted(conns, key=lambda rc: rc[0]))
+        for r, conn in enumerate(self.conns):
+            spec = WorkerSpec(r, self.world_size, init, backend, f"cuda:{r}" if device.startswith("cuda") else "cpu",
+                              threads, os.getpid())
+            self._send(conn, (spec, args, facts))
+        try:
+            infos = self._gather("ready")
+        except EngineDeadError as e:
+            raise RuntimeError(f"multi-GPU engine failed to start: {e}") from None
+        self.rank_infos = infos
+        self.num_cache_blocks = min(i["num_cache_blocks"] for i in infos)
+        self.max_model_len = min(i["max_model_len"] for i in infos)
+        self.async_scheduling = all(i["async_scheduling"] for i in infos)
+        logger.info("%d ranks up (%s backend): %d cache blocks each", self.world_size, backend, self.num_cache_blocks)
+
+    def _accept(self, listener) -> tuple:
+        """(rank, connection) of the next worker that calls in; a worker that dies first fails the start."""
+        listener._listener._socket.settimeout(ACCEPT_POLL_SECONDS)
+        while True:
+            try:
+                conn = listener.accept()
+                return conn.recv(), conn
+            except (socket.timeout, TimeoutError):
+                for r, p in enumerate(self.procs):
+                    if p.poll() is not None:
+                        self._fail(f"rank {r} (pid {p.pid}) died while starting: {self._exit_status(r)}")
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # the step --------------------------------------------------------------------------------------
+    def execute(self, plan: ParallelSchedulerOutput):
+        return self.resolve(self.launch(plan))
+
+    def launch(self, plan: ParallelSchedulerOutput):
+        """Send every rank its plan; None when no rank has tokens (the plans still carry finished /
+        preempted ids the runners must drop)."""
+        self._check_alive()
+        max_tokens = plan.max_rank_tokens
+        for conn, so in zip(self.conns, plan.per_rank):
+            self._send(conn, ("launch", so, max_tokens))
+        if max_tokens == 0:
+            return None
+        self._steps += 1
+        if self._eplb_due():
+            self.rebalance()
+        return plan
+
+    def resolve(self, handle):
+        if handle is None:
+            from deepinfer.outputs import ModelRunnerOutput
+            return [ModelRunnerOutput([], []) for _ in range(self.world_size)]
+        for conn in self.conns:
+            self._send(conn, ("resolve",))
+        return self._gather("result")
+
+    def rebalance(self) -> list[dict]:
+        """EPLB now, on every rank (between steps in each rank's message order)."""
+        for conn in self.conns:
+            self._send(conn, ("rebalance",))
+        return self._gather("ok")
+
+    def ping(self) -> list[dict]:
+        for conn in self.conns:
+            self._send(conn, ("ping",))
+        return self._gather("ok")
+
+    def _eplb_due(self) -> bool:
+        a = self.args
+        if not (a.enable_eplb and a.expert_parallel):
+            return False
+        first = max(1, a.eplb_step_interval // 4)
+        return self._steps >= first and (self._steps - first) % a.eplb_step_interval == 0
+
+    # messages ----------------------------------------------------------------------------------------
+    def _send(self, conn, msg) -> None:
+        try:
+            conn.send(msg)
+        except (OSError, EOFError):
+            self._fail(f"rank {self.conns.index(conn)} is unreachable ({self._exit_status(self.conns.index(conn))})")
+
+    def _gather(self, kind: str) -> list:
+        """One reply of `kind` per rank, in rank order; a dead or failed rank raises EngineDeadError."""
+        replies: dict[int, object] = {}
+        by_conn = {id(c): r for r, c in enumerate(self.conns)}
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
+        while len(replies) < self.world_size:
+            waiting = [c for r, c in enumerate(self.conns) if r not in replies]
+            ready = wait(waiting + [self.procs[r].sentinel for r in range(self.world_size) if r not in replies])
+            for obj in ready:
+                if obj in by_sentinel and by_sentinel[obj] not in replies and not self.conns[by_sentinel[obj]].poll():
+                    r = by_sentinel[obj]
+                    self._fail(f"rank {r} (pid {self.procs[r].pid}) died: {self._exit_status(r)}")
+                if id(obj) not in by_conn:
+                    continue
+                r = by_conn[id(obj)]
+                try:
+                    tag, payload = obj.recv()
+                except (OSError, EOFError):
+                    self._fail(f"rank {r} (pid {self.procs[r].pid}) died: {self._exit_status(r)}")
+                if tag == "error":
+                    self._fail(str(payload).strip())
+                if tag != kind:
+                    self._fail(f"rank {r} answered {tag!r} where {kind!r} was expected")
+                replies[r] = payload
+        return [replies[r] for r in range(self.world_size)]
+
+    def _exit_status(self, r: int) -> str:
+        p = self.procs[r]
+        p.join(0.5)
+        code = p.exitcode
+        if code is None:
+            return "no answer"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+    def _fail(self, why: str):
+        self.dead = why
+        logger.error("multi-GPU engine: %s; stopping every rank", why)
+        self._graceful[0] = False
+        self._finalizer()
+        raise EngineDeadError(why)
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+
+def _stop(procs: list, conns: list, graceful: list) -> None:
+    """Ask every rank to stop (gracefully, unless one failed: its peers may sit in a collective),
+    then kill what did not: no orphan processes."""
+    if graceful[0]:
+        for conn in conns:
+            try:
+                conn.send(("shutdown",))
+            except (OSError, EOFError, ValueError):
+                pass
+        deadline = time.monotonic() + JOIN_SECONDS
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(JOIN_SECONDS)
+    for conn in conns:
+        conn.close()
+    for p in procs:
+        p.close()
+    procs.clear()
+
+
+class _WorkerProcess:
+    """A rank worker: `python -m deepinfer.parallel.worker` (a fresh interpreter, as spawn gives, but
+    one that never re-imports the caller's main script, which a Triton stub or an unguarded
+    script cannot survive), with a pidfd as its exit sentinel for multiprocessing's wait()."""
+
+    def __init__(self, rank: int, env: dict) -> None:
+        self.rank = rank
+        self.popen = subprocess.Popen([_python(), "-m", "deepinfer.parallel.worker", str(rank)], env=env)
+        self.pid = self.popen.pid
+        self.sentinel = os.pidfd_open(self.pid)
+
+    def poll(self):
+        return self.popen.poll()
+
+    @property
+    def exitcode(self):
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+    def close(self) -> None:
+        os.close(self.sentinel)
+
+
+def _python() -> str:
+    """This interpreter; inside an embedding host (a Triton stub) sys.executable may not be a python."""
+    exe = sys.executable
+    if exe and os.path.basename(exe).startswith("python"):
+        return exe
+    return os.path.join(sys.exec_prefix, "bin", "python3")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _num_gpus() -> int:
+    import torch
+    return torch.cuda.device_count()

@@ -1,0 +1,152 @@
+"""The rank worker process: one per GPU (or per CPU slice with gloo), started with spawn.
+
+    worker_main: pin the GPU (before any CUDA call) -> join the process group -> build the rank
+                 (its experts only) -> report "ready" -> serve the driver's messages in order
+
+Messages from the driver (a duplex Pipe; replies in request order):
+    ("launch", SchedulerOutput, max_rank_tokens)   no reply. The runner launches the plan; a rank
+                 with no tokens of its own while others have some runs the idle step (every MoE
+                 layer's collectives). max_rank_tokens == 0: nothing runs anywhere (state only).
+    ("resolve",)          -> ("result", ModelRunnerOutput) of the oldest launched step
+    ("rebalance",)        -> ("ok", stats): EPLB over the ranks' summed load window, weights moved
+    ("ping",)             -> ("ok", gauges)
+    ("shutdown",)         the loop ends, the group is destroyed, the process exits
+Any exception -> ("error", traceback text), and the worker exits: a rank that failed inside a
+step may have left its peers inside a collective, so the driver tears all of them down.
+
+The worker also exits on its own when the driver process is gone (a watcher thread polls the
+parent pid): no orphaned ranks holding GPU memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+PARENT_POLL_SECONDS = 0.5
+
+
+@dataclass
+class WorkerSpec:
+    """What a rank needs to start (pickled to the spawned process)."""
+    rank: int
+    world_size: int
+    init_method: str          # torch.distributed rendezvous, tcp://127.0.0.1:port
+    backend: str              # "gloo" | "nccl"
+    device: str               # "cpu" | "cuda:<rank>"
+    threads: int | None       # torch threads (CPU ranks)
+    parent_pid: int
+
+
+def main(rank: int) -> None:
+    """Entry point (`python -m deepinfer.parallel.worker RANK`): call the driver back on the address
+    in the environment, receive the spec, run."""
+    from multiprocessing.connection import Client
+    host, port = os.environ["DEEPINFER_WORKER_ADDR"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["DEEPINFER_WORKER_AUTHKEY"]))
+    conn.send(rank)
+    spec, args, facts = conn.recv()
+    worker_main(spec, args, facts, conn)
+
+
+def worker_main(spec: WorkerSpec, args, facts, conn) -> None:
+    _watch_parent(spec.parent_pid)
+    try:
+        rank = _start_rank(spec, args, facts)
+        conn.send(("ready", rank.info()))
+        rank.serve(conn)
+    except Exception:  # noqa: BLE001 - reported to the driver, then this process ends
+        try:
+            conn.send(("error", f"rank {spec.rank}: {traceback.format_exc()}"))
+        except (OSError, EOFError):
+            pass
+        os._exit(1)
+    os._exit(0)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(PARENT_POLL_SECONDS)
+    threading.Thread(target=watch, name="deepinfer-parent-watch", daemon=True).start()
+
+
+def _start_rank(spec: WorkerSpec, args, facts) -> "_Rank":
+    import torch
+    import torch.distributed as dist
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(int(spec.device.split(":")[1]))   # before any other CUDA call
+    elif spec.threads:
+        torch.set_num_threads(spec.threads)
+    dist.init_process_group(spec.backend, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size)
+    from .setup import parallel_state
+    from deepinfer.worker.rank import build_rank
+    parallel = parallel_state(args, facts.model_args, spec.rank, spec.world_size)
+    rt = build_rank(args, facts, parallel=parallel, device=spec.device)
+    return _Rank(spec, args, parallel, rt)
+
+
+class _Rank:
+    def __init__(self, spec: WorkerSpec, args, parallel, rt) -> None:
+        self.spec, self.args, self.parallel, self.rt = spec, args, parallel, rt
+        self.in_flight: deque = deque()      # launched steps awaiting resolve (async scheduling: 2)
+        self.ep = parallel.placement is not None
+        self.num_rebalances = 0
+
+    def info(self) -> dict:
+        rt = self.rt
+        return {"num_cache_blocks": rt.num_cache_blocks, "max_model_len": rt.max_model_len,
+                "async_scheduling": rt.async_scheduling, "device": rt.device, "pid": os.getpid()}
+
+    def serve(self, conn) -> None:
+        import torch.distributed as dist
+        while True:
+            msg = conn.recv()
+            kind = msg[0]
+            if kind == "shutdown":
+                break
+            if kind == "launch":
+                self._launch(msg[1], msg[2])
+            elif kind == "resolve":
+                conn.send(("result", self.rt.runner.resolve(self.in_flight.popleft())))
+            elif kind == "rebalance":
+                conn.send(("ok", self._rebalance()))
+            elif kind == "ping":
+                conn.send(("ok", self._gauges()))
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+        dist.destroy_process_group()
+
+    def _launch(self, sched_out, max_rank_tokens: int) -> None:
+        if self.ep:
+            self.parallel.dispatcher.max_tokens = max_rank_tokens
+        launched = self.rt.runner.launch(sched_out)
+        if max_rank_tokens == 0:
+            return                                   # no forward anywhere: nothing to resolve
+        if launched is None and self.ep:
+            self.rt.model.idle_forward()
+        if self.parallel.recorder is not None:
+            self.parallel.recorder.end_step()
+        self.in_flight.append(launched)
+
+    def _rebalance(self) -> dict:
+        from .eplb.weight_moves import rebalance_now
+        self.num_rebalances += 1
+        return rebalance_now(self.rt.model, self.parallel)
+
+    def _gauges(self) -> dict:
+        return {"pid": os.getpid(), "num_rebalances": self.num_rebalances}
+
+
+if __name__ == "__main__":
+    import sys
+    main(int(sys.argv[1]))

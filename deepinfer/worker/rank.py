@@ -1,0 +1,120 @@
+"""One rank's half of the engine: the model, its caches, the sampler and the ModelRunner.
+
+The single-process Engine builds one in process; each rank worker of the multi-GPU engine
+(deepinfer/parallel/worker.py) builds its own. What the front end needs without a model (EOS id,
+vocabulary, position limit) is in ModelFacts, read from config.json alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepinfer.cache.kv_cache_manager import cdiv
+from deepinfer.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_CACHE_TOKENS_PER_SEQ = 2048   # CPU cache size when num_cache_blocks is not given
+
+
+@dataclass
+class ModelFacts:
+    """The checkpoint's config facts the scheduler and request checks need."""
+    model_args: object            # deepinfer.model.args.ModelArgs
+    eos_token_id: int | None
+    max_position: int
+    vocab_size: int
+
+    @classmethod
+    def read(cls, args: EngineArgs) -> "ModelFacts":
+        from deepinfer.model.args import ModelArgs
+        cfg = read_hf_config(args.checkpoint)
+        overrides = model_overrides(args)
+        model_args = ModelArgs.from_hf_config(cfg, **overrides) if cfg else ModelArgs.from_checkpoint(args.checkpoint)
+        tc = cfg.get("text_config", {})
+        return cls(model_args, cfg.get("eos_token_id", tc.get("eos_token_id")),
+                   int(tc.get("max_position_embeddings", cfg.get("max_position_embeddings", 1 << 20))),
+                   model_args.vocab_size)
+
+
+@dataclass
+class RankRuntime:
+    device: str
+    model: object                 # deepinfer.model.transformer.Transformer
+    caches: object                # deepinfer.cache.model_caches.ModelCaches
+    runner: object                # deepinfer.worker.model_runner.ModelRunner
+    sampler: object               # deepinfer.sample.Sampler | None
+    num_cache_blocks: int
+    max_model_len: int
+    graph_sizes: tuple[int, ...]
+    async_scheduling: bool
+
+
+def model_overrides(args: EngineArgs) -> dict:
+    # batch invariance also needs chunking invariance: one window layout for every chunk
+    return {**({"step_shape_invariant": True} if args.batch_invariant else {}), **args.model_overrides}
+
+
+def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str | None = None) -> RankRuntime:
+    """Load the model (this rank's experts only when `parallel` splits them), size and allocate the
+    caches, and build the runner."""
+    from deepinfer.model.loader import load_model
+    from deepinfer.worker.graph_step import graph_sizes
+    from deepinfer.worker.loading import allocate_caches, cache_bytes_per_block, torch_dtype
+    device = device or args.resolved_device()
+    torch_dtype(args.dtype)
+    model = load_model(args.checkpoint, device=device, progress=parallel is not None and parallel.rank == 0,
+                       parallel=parallel, load_format=args.load_format, **model_overrides(args))
+    model_args = model.args
+    sizes = graph_sizes(args, model_args, device) if parallel is None or not parallel.is_parallel else ()
+    num_blocks = args.num_cache_blocks
+    if num_blocks is None:
+        if device.startswith("cuda"):
+            num_blocks = _blocks_from_memory(model_args, args, cache_bytes_per_block)
+        else:
+            num_blocks = args.max_num_seqs * cdiv(min(facts.max_position, CPU_DEFAULT_CACHE_TOKENS_PER_SEQ),
+                                                  args.block_tokens)
+    max_model_len = min(args.max_model_len or facts.max_position, facts.max_position, num_blocks * args.block_tokens)
+    caches = allocate_caches(model_args, args.max_num_seqs, num_blocks, args.block_tokens, device, args.dtype,
+                             scratch=bool(sizes))
+    async_scheduling = args.async_scheduling if args.async_scheduling is not None else device.startswith("cuda")
+    proposer = None
+    if args.speculative == "dspark":
+        from deepinfer.spec.dspark_proposer import DSparkProposer
+        proposer = DSparkProposer(model, caches, args.num_speculative_tokens)
+        async_scheduling = False   # verification needs the accepted count before the next step
+    from deepinfer.worker.model_runner import ModelRunner
+    sampler = make_sampler(args.checkpoint, facts.vocab_size)
+    runner = ModelRunner(model, caches, device, args.max_num_seqs, max_model_len, args.block_tokens,
+                         ngram_width=max(model_args.engram_max_ngram_size - 1, 0), sampler=sampler,
+                         batch_invariant=args.batch_invariant, proposer=proposer, graph_sizes=sizes,
+                         graph_max_len=args.max_seq_len_to_capture)
+    return RankRuntime(device, model, caches, runner, sampler, num_blocks, max_model_len, sizes, async_scheduling)
+
+
+def make_sampler(checkpoint: str, vocab_size: int):
+    """The Sampler, or None (greedy only) where its dependencies (xgrammar) are missing."""
+    try:
+        from deepinfer.sample import Sampler
+    except ImportError as e:
+        logger.warning("deepinfer.sample unavailable (%s): greedy sampling only", e)
+        return None
+    tokenizer = Path(checkpoint) / "tokenizer.json"
+    return Sampler(vocab_size, str(tokenizer) if tokenizer.is_file() else None)
+
+
+def read_hf_config(checkpoint: str) -> dict:
+    path = Path(checkpoint) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _blocks_from_memory(model_args, args: EngineArgs, bytes_per_block) -> int:
+    import torch
+
+    from deepinfer.worker.loading import ring_slot_bytes
+    free, _ = torch.cuda.mem_get_info()
+    budget = int(free * args.cache_memory_fraction) - args.max_num_seqs * ring_slot_bytes(model_args, args.dtype)
+    return max(1, budget // bytes_per_block(model_args, args.block_tokens, args.dtype))
