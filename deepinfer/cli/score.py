@@ -32,6 +32,9 @@ def parse_args(argv=None):
                    help="reproduce the official reference's decode-time index-key aliasing "
                         "(ModelArgs.emulate_index_k_alias). auto: on when --teacher-force's file was "
                         "produced by DeepSeek's reference code (its meta names it), else off")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="score on N expert-parallel ranks (deepinfer/parallel/; gloo processes on a CPU): "
+                        "prompt i runs on rank i mod N, every rank holding only its share of the experts")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: tiny models gain nothing from more; 0 = torch default)")
     return p.parse_args(argv)
@@ -84,6 +87,21 @@ def score_prompt(model, ids: list[int], steps: int, forced: dict | None, dump_hi
     return res
 
 
+def _score_parallel(a, prompts, forced, draft_steps, alias) -> list[dict]:
+    from deepinfer.config import EngineArgs
+    from deepinfer.parallel.executor import MultiprocExecutor
+    from deepinfer.worker.rank import ModelFacts
+    args = EngineArgs(checkpoint=a.checkpoint, device=a.device, data_parallel_size=a.data_parallel_size,
+                      max_num_seqs=1, num_cache_blocks=1, worker_threads=a.threads or None,
+                      model_overrides={"emulate_index_k_alias": alias})
+    ex = MultiprocExecutor(args, ModelFacts.read(args))
+    try:
+        return ex.score(prompts, forced, {"steps": a.decode_steps, "dump_hidden": a.dump_hidden,
+                                          "dspark": not a.no_dspark, "draft_steps": draft_steps})
+    finally:
+        ex.shutdown()
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.threads:
@@ -95,26 +113,29 @@ def main(argv=None) -> int:
     forced_npz = np.load(a.teacher_force) if a.teacher_force else None
     forced_meta = json.loads(str(forced_npz["meta_json"])) if forced_npz is not None and "meta_json" in forced_npz else {}
     alias = a.index_k_alias == "on" or (a.index_k_alias == "auto" and "reference" in forced_meta)
-    try:
-        model = load_model(a.checkpoint, a.device, progress=sys.stderr.isatty(), emulate_index_k_alias=alias)
-    except (CheckpointError, ConfigError) as e:
-        print(f"deepinfer-score: {e}", file=sys.stderr)
-        return 2
     prompts = load_prompts(a.prompts)
     draft_steps = [0, a.decode_steps - 1] if a.decode_steps > 0 else []
     if "draft_logit_steps" in forced_meta:
         draft_steps = [s for s in forced_meta["draft_logit_steps"] if s < a.decode_steps] or draft_steps
+    forced = [None if forced_npz is None else {"fed": forced_npz[f"p{i}_fed_tokens"], "tokens": forced_npz[f"p{i}_tokens"]}
+              for i in range(len(prompts))]
+    try:
+        if a.data_parallel_size > 1:
+            results = _score_parallel(a, prompts, forced, draft_steps, alias)
+        else:
+            model = load_model(a.checkpoint, a.device, progress=sys.stderr.isatty(), emulate_index_k_alias=alias)
+            results = [score_prompt(model, ids, a.decode_steps, f, a.dump_hidden, not a.no_dspark, draft_steps,
+                                    torch.device(a.device)) for ids, f in zip(prompts, forced)]
+    except (CheckpointError, ConfigError, ValueError) as e:
+        print(f"deepinfer-score: {e}", file=sys.stderr)
+        return 2
     out = {}
-    for i, ids in enumerate(prompts):
-        forced = None
-        if forced_npz is not None:
-            forced = {"fed": forced_npz[f"p{i}_fed_tokens"], "tokens": forced_npz[f"p{i}_tokens"]}
-        res = score_prompt(model, ids, a.decode_steps, forced, a.dump_hidden, not a.no_dspark, draft_steps,
-                           torch.device(a.device))
+    for i, res in enumerate(results):
         out.update({f"p{i}_{k}": v for k, v in res.items()})
     meta = {"format": "dsv41-parity-candidate/1", "engine": "deepinfer", "teacher_forced": forced_npz is not None,
             "decode_steps": a.decode_steps, "draft_logit_steps": draft_steps, "device": a.device,
-            "emulate_index_k_alias": alias, "seconds": round(time.time() - t0, 2)}
+            "emulate_index_k_alias": alias, "data_parallel_size": a.data_parallel_size,
+            "seconds": round(time.time() - t0, 2)}
     out["meta_json"] = np.array(json.dumps(meta))
     np.savez(a.out, **out)
     print(f"deepinfer-score: {len(prompts)} prompts, {a.decode_steps} decode steps -> {a.out} "

@@ -41,6 +41,9 @@ class MultiprocExecutor:
         self.world_size = args.data_parallel_size
         device = args.resolved_device()
         check_parallel_args(args, facts.model_args, _num_gpus() if device.startswith("cuda") else None)
+        _check_checkpoint(args, facts.model_args)
+        if device.startswith("cuda"):
+            _check_memory(args, facts.model_args)
         self.procs: list = []
         self.conns: list = []
         self.dead: str | None = None
@@ -126,6 +129,16 @@ class MultiprocExecutor:
         for conn in self.conns:
             self._send(conn, ("rebalance",))
         return self._gather("ok")
+
+    def score(self, prompts: list, forced: list, opts: dict) -> list[dict]:
+        """deepinfer-score over the ranks: prompt i on rank i mod N; results in prompt order."""
+        n = self.world_size
+        share = [[(prompts[i], forced[i]) for i in range(r, len(prompts), n)] for r in range(n)]
+        width = max(len(s) for s in share)
+        for conn, jobs in zip(self.conns, share):
+            self._send(conn, ("score", jobs, width, opts))
+        per_rank = self._gather("result")
+        return [per_rank[i % n][i // n] for i in range(len(prompts))]
 
     def ping(self) -> list[dict]:
         for conn in self.conns:
@@ -257,6 +270,29 @@ def _python() -> str:
     if exe and os.path.basename(exe).startswith("python"):
         return exe
     return os.path.join(sys.exec_prefix, "bin", "python3")
+
+
+def _check_checkpoint(args, model_args) -> None:
+    """Every header against the config, here before any rank starts (a missing expert of any rank
+    fails with one message naming the tensor)."""
+    if args.load_format == "safetensors":
+        from pathlib import Path
+
+        from deepinfer.model.loader import checkpoint_index, validate
+        validate(model_args, checkpoint_index(Path(args.checkpoint)))
+
+
+def _check_memory(args, model_args) -> None:
+    """deepinfer-plan's verdict for these sizes on this machine's GPUs; refuse to start if it does not fit."""
+    import torch
+
+    from .planner import check_fits, plan_memory
+    plan = plan_memory(model_args, num_gpus=args.data_parallel_size,
+                       gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
+                       num_redundant_experts=args.num_redundant_experts, engram_placement="device",
+                       max_model_len=args.max_model_len or 65536, max_num_seqs=args.max_num_seqs,
+                       block_tokens=args.block_tokens)
+    check_fits(plan)
 
 
 def _free_port() -> int:

@@ -9,6 +9,8 @@ Messages from the driver (a duplex Pipe; replies in request order):
                  layer's collectives). max_rank_tokens == 0: nothing runs anywhere (state only).
     ("resolve",)          -> ("result", ModelRunnerOutput) of the oldest launched step
     ("rebalance",)        -> ("ok", stats): EPLB over the ranks' summed load window, weights moved
+    ("score", jobs, num_forwards, opts) -> ("result", [dict]): deepinfer-score's per-prompt outputs
+                 for this rank's prompts, each rank running the same number of forwards
     ("ping",)             -> ("ok", gauges)
     ("shutdown",)         the loop ends, the group is destroyed, the process exits
 Any exception -> ("error", traceback text), and the worker exits: a rank that failed inside a
@@ -100,7 +102,7 @@ class _Rank:
         self.spec, self.args, self.parallel, self.rt = spec, args, parallel, rt
         self.in_flight: deque = deque()      # launched steps awaiting resolve (async scheduling: 2)
         self.ep = parallel.placement is not None
-        self.num_rebalances = 0
+        self.num_rebalances = self.num_moved = 0
 
     def info(self) -> dict:
         rt = self.rt
@@ -108,7 +110,13 @@ class _Rank:
                 "async_scheduling": rt.async_scheduling, "device": rt.device, "pid": os.getpid()}
 
     def serve(self, conn) -> None:
+        import torch
         import torch.distributed as dist
+        with torch.inference_mode():     # every message runs model code (steps, idle steps, EPLB)
+            self._serve(conn)
+        dist.destroy_process_group()
+
+    def _serve(self, conn) -> None:
         while True:
             msg = conn.recv()
             kind = msg[0]
@@ -120,11 +128,12 @@ class _Rank:
                 conn.send(("result", self.rt.runner.resolve(self.in_flight.popleft())))
             elif kind == "rebalance":
                 conn.send(("ok", self._rebalance()))
+            elif kind == "score":
+                conn.send(("result", self._score(*msg[1:])))
             elif kind == "ping":
                 conn.send(("ok", self._gauges()))
             else:
                 raise ValueError(f"unknown message {kind!r}")
-        dist.destroy_process_group()
 
     def _launch(self, sched_out, max_rank_tokens: int) -> None:
         if self.ep:
@@ -140,11 +149,27 @@ class _Rank:
 
     def _rebalance(self) -> dict:
         from .eplb.weight_moves import rebalance_now
+        res = rebalance_now(self.rt.model, self.parallel)
         self.num_rebalances += 1
-        return rebalance_now(self.rt.model, self.parallel)
+        self.num_moved += res["num_moved"]
+        return res
+
+    def _score(self, jobs: list, num_prompts: int, opts: dict) -> list[dict]:
+        """deepinfer-score on this rank's share of the prompts (its model holds only its experts). A
+        rank with fewer prompts than the largest share runs idle forwards for the missing ones so
+        every MoE collective has all ranks (1 prefill + decode_steps forwards per prompt)."""
+        import torch
+
+        from deepinfer.cli.score import score_prompt
+        out = [score_prompt(self.rt.model, ids, opts["steps"], forced, opts["dump_hidden"], opts["dspark"],
+                            opts["draft_steps"], torch.device(self.rt.device)) for ids, forced in jobs]
+        for _ in range((num_prompts - len(jobs)) * (1 + opts["steps"])):
+            if self.ep:
+                self.rt.model.idle_forward()
+        return out
 
     def _gauges(self) -> dict:
-        return {"pid": os.getpid(), "num_rebalances": self.num_rebalances}
+        return {"pid": os.getpid(), "num_rebalances": self.num_rebalances, "num_moved": self.num_moved}
 
 
 if __name__ == "__main__":

@@ -67,7 +67,9 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     device = device or args.resolved_device()
     torch_dtype(args.dtype)
     model = load_model(args.checkpoint, device=device, progress=parallel is not None and parallel.rank == 0,
-                       parallel=parallel, load_format=args.load_format, **model_overrides(args))
+                       parallel=parallel, load_format=args.load_format,
+                       # EPLB moves experts between ranks' stacks: keep one scale form in all of them
+                       **({"expert_row_scales": False} if args.enable_eplb else {}), **model_overrides(args))
     model_args = model.args
     sizes = graph_sizes(args, model_args, device) if parallel is None or not parallel.is_parallel else ()
     num_blocks = args.num_cache_blocks

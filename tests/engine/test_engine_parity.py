@@ -51,9 +51,14 @@ def test_sixteen_mixed_requests_pass_check_parity(fixture_name, tmp_path, tmp_pa
                                model_overrides={"emulate_index_k_alias": True}))
     logits = run_teacher_forced(engine, expected)
     assert engine.kv_cache.num_used_blocks == 0
+    check_copies(logits, expected, ckpt, tmp_path, "16 requests, chunked prefill + decode")
+
+
+def check_copies(logits: dict[str, np.ndarray], expected, ckpt, tmp_path, batch: str) -> None:
+    """Each copy's 4 requests as one candidate file; check-parity must pass every copy."""
     for c in range(COPIES):
         cand = {"meta_json": np.array(json.dumps({"format": "dsv41-parity-candidate/1", "engine": "deepinfer",
-                                                  "batch": "16 requests, chunked prefill + decode"}))}
+                                                  "batch": batch}))}
         for i in range(4):
             lg = logits[f"c{c}-p{i}"]
             assert lg.shape[0] == 17
