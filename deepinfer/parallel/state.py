@@ -37,4 +37,7 @@ class ParallelState:
             from .ep_comm import make_dispatcher
             self.dispatcher = make_dispatcher(self.backend if self.is_parallel else "local",
                                               self.placement.num_local, self.rank, self.world_size, self.group)
+            from .comm_timer import TimedDispatcher, timing_enabled
+            if timing_enabled():
+                self.dispatcher = TimedDispatcher(self.dispatcher)
         return self.dispatcher

@@ -103,6 +103,7 @@ class _Rank:
         self.in_flight: deque = deque()      # launched steps awaiting resolve (async scheduling: 2)
         self.ep = parallel.placement is not None
         self.num_rebalances = self.num_moved = 0
+        self.step_seconds, self.num_steps = 0.0, 0     # launch + resolve wall time of forward steps
 
     def info(self) -> dict:
         rt = self.rt
@@ -122,10 +123,15 @@ class _Rank:
             kind = msg[0]
             if kind == "shutdown":
                 break
+            t = time.perf_counter()
             if kind == "launch":
                 self._launch(msg[1], msg[2])
+                self.step_seconds += time.perf_counter() - t
             elif kind == "resolve":
-                conn.send(("result", self.rt.runner.resolve(self.in_flight.popleft())))
+                out = self.rt.runner.resolve(self.in_flight.popleft())
+                self.step_seconds += time.perf_counter() - t
+                self.num_steps += 1
+                conn.send(("result", out))
             elif kind == "rebalance":
                 conn.send(("ok", self._rebalance()))
             elif kind == "score":
@@ -169,7 +175,10 @@ class _Rank:
         return out
 
     def _gauges(self) -> dict:
-        return {"pid": os.getpid(), "num_rebalances": self.num_rebalances, "num_moved": self.num_moved}
+        d = self.parallel.dispatcher
+        return {"pid": os.getpid(), "num_rebalances": self.num_rebalances, "num_moved": self.num_moved,
+                "step_seconds": self.step_seconds, "num_steps": self.num_steps,
+                "comm_seconds": getattr(d, "seconds", None)}
 
 
 if __name__ == "__main__":
