@@ -119,9 +119,11 @@ class AsyncEngine:
             return len(self._sinks)
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop (open requests end with "error") and the engine's rank workers."""
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     # the engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -228,6 +228,9 @@ class Engine:
                               cache_blocks_used=kv.num_used_blocks, cache_usage=kv.num_used_blocks / total)
         if self.args.data_parallel_size > 1:
             self.stats.set_gauges(ranks=s.rank_gauges())
+            lb = self.runner.last_rebalance
+            if lb is not None:
+                self.stats.set_gauges(moe_load_balance=lb["balance_before"], moe_load_balance_after=lb["balance_after"])
         if self.args.speculative:
             c = self.stats.counters   # engine thread: the only writer
             steps, verified = c["spec_verify_steps_total"], c["spec_draft_tokens_verified_total"]

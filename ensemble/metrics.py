@@ -24,10 +24,19 @@ GAUGES = {"num_requests_running": "Requests in the running batch",
           "cache_usage": "Fraction of KV cache blocks in use",
           "spec_mean_accepted_length": "Tokens per verifying request-step (1 + accepted drafts)",
           "spec_acceptance_rate": "Accepted / verified draft tokens"}
+# multi-GPU engine: the expert placement's balance (Σmax/Σmean of per-rank MoE tokens over the EPLB
+# window, before / after the last rebalance) and, with a `rank` label, each rank's own figures
+PARALLEL_GAUGES = {"moe_load_balance": "Max/mean rank MoE load over the EPLB window (before the last rebalance)",
+                   "moe_load_balance_after": "Max/mean rank MoE load the last rebalance planned for"}
+RANK_GAUGES = {"rank_num_requests_running": ("num_requests_running", "Requests running on this rank"),
+               "rank_num_requests_waiting": ("num_requests_waiting", "Requests waiting on this rank"),
+               "rank_cache_usage": ("cache_usage", "Fraction of this rank's KV cache blocks in use"),
+               "rank_generation_tokens": ("generation_tokens_total", "Tokens generated on this rank")}
 
 
 class TritonMetrics:
-    def __init__(self, pb_utils, labels: dict, snapshot: Callable[[], dict], period_s: float = 1.0):
+    def __init__(self, pb_utils, labels: dict, snapshot: Callable[[], dict], period_s: float = 1.0,
+                 num_ranks: int = 1):
         self.snapshot = snapshot
         self.period_s = period_s
         mf = pb_utils.MetricFamily
@@ -40,6 +49,12 @@ class TritonMetrics:
 
         self.counters = {k: family(k, d, mf.COUNTER).Metric(labels=labels) for k, d in COUNTERS.items()}
         self.gauges = {k: family(k, d, mf.GAUGE).Metric(labels=labels) for k, d in GAUGES.items()}
+        self.rank_gauges: list[dict] = []
+        if num_ranks > 1:
+            self.gauges.update({k: family(k, d, mf.GAUGE).Metric(labels=labels) for k, d in PARALLEL_GAUGES.items()})
+            fams = {k: family(k, d, mf.GAUGE) for k, (_, d) in RANK_GAUGES.items()}
+            self.rank_gauges = [{RANK_GAUGES[k][0]: f.Metric(labels={**labels, "rank": str(r)}) for k, f in fams.items()}
+                                for r in range(num_ranks)]
         hist = getattr(mf, "HISTOGRAM", None)
         self.ttft = self.itl = None
         if hist is not None:   # python_backend 24.09+
@@ -69,6 +84,9 @@ class TritonMetrics:
                 self._last[k] = value
         for k, metric in self.gauges.items():
             metric.set(float(snap["gauges"].get(k, 0)))
+        for metrics, values in zip(self.rank_gauges, snap["gauges"].get("ranks", [])):
+            for k, metric in metrics.items():
+                metric.set(float(values.get(k, 0)))
 
     def _poll(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -81,4 +99,5 @@ class TritonMetrics:
         self._stop.set()
         self._thread.join(2 * self.period_s)
         self.counters = self.gauges = {}
+        self.rank_gauges = []
         self.ttft = self.itl = None

@@ -59,6 +59,7 @@ class DataParallelScheduler:
         self.schedulers = schedulers
         self.kv_cache = _KVCacheView(schedulers)
         self.rank_of: dict[str, int] = {}      # unfinished request id -> its rank
+        self.generated = [0] * len(schedulers)  # tokens generated per rank
 
     # requests in and out -------------------------------------------------------------------
     @property
@@ -96,7 +97,9 @@ class DataParallelScheduler:
     def rank_gauges(self) -> list[dict]:
         """Per rank: running, waiting, cache blocks used (metrics per rank)."""
         return [{"num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
-                 "cache_blocks_used": s.kv_cache.num_used_blocks} for s in self.schedulers]
+                 "cache_blocks_used": s.kv_cache.num_used_blocks,
+                 "cache_usage": s.kv_cache.num_used_blocks / s.kv_cache.pool.num_blocks,
+                 "generation_tokens_total": n} for s, n in zip(self.schedulers, self.generated)]
 
     # the step --------------------------------------------------------------------------------
     def schedule(self) -> ParallelSchedulerOutput:
@@ -105,9 +108,10 @@ class DataParallelScheduler:
     def update_from_output(self, sched_out: ParallelSchedulerOutput,
                            runner_outs: list[ModelRunnerOutput]) -> list[RequestOutput]:
         outputs = []
-        for sched, so, ro in zip(self.schedulers, sched_out.per_rank, runner_outs):
+        for rank, (sched, so, ro) in enumerate(zip(self.schedulers, sched_out.per_rank, runner_outs)):
             outs = sched.update_from_output(so, ro)
             for out in outs:
+                self.generated[rank] += len(out.new_token_ids)
                 if out.finished:
                     self.rank_of.pop(out.request_id, None)
             outputs += outs

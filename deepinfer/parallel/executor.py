@@ -49,6 +49,7 @@ class MultiprocExecutor:
         self.dead: str | None = None
         self._graceful = [True]          # False once a rank failed: the others are killed, not asked
         self._steps = 0
+        self.last_rebalance: dict | None = None
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._graceful)
         self._start(args, facts, device)
 
@@ -128,7 +129,11 @@ class MultiprocExecutor:
         """EPLB now, on every rank (between steps in each rank's message order)."""
         for conn in self.conns:
             self._send(conn, ("rebalance",))
-        return self._gather("ok")
+        res = self._gather("ok")
+        self.last_rebalance = res[0]          # every rank planned from the same summed window
+        logger.info("EPLB: max/mean rank load %.3f -> %.3f, %d expert slots moved per rank (rank 0)",
+                    res[0]["balance_before"], res[0]["balance_after"], res[0]["num_moved"])
+        return res
 
     def score(self, prompts: list, forced: list, opts: dict) -> list[dict]:
         """deepinfer-score over the ranks: prompt i on rank i mod N; results in prompt order."""

@@ -28,6 +28,9 @@ def rebalance_now(model, parallel) -> dict:
     before = balance_ratio(old.phy2log, loads, parallel.world_size)
     phy2log, _, _ = rebalance_experts_per_step(loads, old.num_physical, parallel.world_size)
     new = ExpertPlacement.from_maps(phy2log, parallel.world_size)
+    after = balance_ratio(new.phy2log, loads, parallel.world_size)
+    if after >= before:            # the window says the current placement is as good: move nothing
+        return {"balance_before": before, "balance_after": before, "num_moved": 0}
     moved = 0
     for layer in model.layers:
         moe = layer.ffn
@@ -37,8 +40,7 @@ def rebalance_now(model, parallel) -> dict:
     for layer in model.layers:
         if layer.ffn.ep is not None:
             layer.ffn.ep.maps.update(new, layer.ffn.layer_id)
-    return {"balance_before": before, "balance_after": balance_ratio(new.phy2log, loads, parallel.world_size),
-            "num_moved": moved}
+    return {"balance_before": before, "balance_after": after, "num_moved": moved}
 
 
 def _summed_window(parallel) -> torch.Tensor:

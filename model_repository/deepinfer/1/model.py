@@ -48,7 +48,8 @@ class TritonPythonModel:
         checkpoint = config.resolve_checkpoint(params.get("checkpoint", ""))
         self.engine = AsyncEngine(EngineArgs.from_kwargs(checkpoint, **engine_args))
         labels = {"model": args["model_name"], "version": args["model_version"]}
-        self.metrics = TritonMetrics(pb_utils, labels, self.engine.stats)
+        self.metrics = TritonMetrics(pb_utils, labels, self.engine.stats,
+                                     num_ranks=self.engine.engine.args.data_parallel_size)
         self.driver = EngineDriver(self.engine, make_sampling_params, self.metrics)
 
     def execute(self, requests):
