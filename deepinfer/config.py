@@ -48,6 +48,11 @@ class EngineArgs:
     eplb_window_size: int = 100             # steps of expert load the policy sees (DeepInfer's default)
     eplb_step_interval: int = 3000          # steps between rebalances (the first after a quarter of it)
     eplb_placement_file: str | None = None  # static placement (ExpertPlacement.save) loaded at start
+    # Engram tables (196B params at full size): "device" = a whole copy on every rank, "sharded" = rows
+    # split over the ranks, looked up by an all-gather of the hash ids and a reduce-scatter of the rows
+    # (exact; CUDA-graph safe); None = "sharded" when data_parallel_size > 1 (deepinfer-plan: the
+    # release tables do not fit one GPU)
+    engram_placement: str | None = None
     distributed_backend: str | None = None  # None = "nccl" on CUDA, "gloo" on CPU
     worker_threads: int | None = None       # torch threads per CPU rank; None = cores / ranks
 
@@ -72,6 +77,8 @@ class EngineArgs:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.ep_backend not in ("allgather", "alltoall"):
             raise ValueError(f"ep_backend must be 'allgather' or 'alltoall', got {self.ep_backend!r}")
+        if self.engram_placement not in (None, "device", "sharded"):
+            raise ValueError(f"engram_placement must be 'device' or 'sharded', got {self.engram_placement!r}")
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         if self.eplb_window_size < 1 or self.eplb_step_interval < 1:
@@ -87,6 +94,9 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine args: {sorted(unknown)}")
         return cls(checkpoint=checkpoint, **kwargs)
+
+    def resolved_engram_placement(self) -> str:
+        return self.engram_placement or ("sharded" if self.data_parallel_size > 1 else "device")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

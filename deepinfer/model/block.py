@@ -29,7 +29,8 @@ class Block(nn.Module):
         self.ffn = MoE(args, layer_id, parallel)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.engram = Engram(args, layer_id) if layer_id in args.engram_layer_ids and layer_id < args.n_layers else None
+        self.engram = Engram(args, layer_id, parallel) \
+            if layer_id in args.engram_layer_ids and layer_id < args.n_layers else None
         mix, hd = (2 + self.hc) * self.hc, self.hc * args.dim
         for sub in ("attn", "ffn"):
             self.register_buffer(f"hc_{sub}_fn", torch.zeros(mix, hd), persistent=False)

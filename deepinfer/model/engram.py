@@ -160,8 +160,11 @@ class NgramHasher(nn.Module):
 class EngramTable(nn.Module):
     """FP8 rows with one E8M0 scale per 32 columns, dequantized on lookup (the table stays FP8)."""
 
+    sharded = False
+
     def __init__(self, rows: int, dim: int):
         super().__init__()
+        self.row_range = (0, rows)        # the rows this module holds (the loader reads only those)
         self.register_buffer("weight", torch.empty(rows, dim, dtype=torch.float8_e4m3fn), persistent=False)
         self.register_buffer("scale", torch.empty(rows, dim // 32, dtype=torch.uint8), persistent=False)
 
@@ -171,15 +174,47 @@ class EngramTable(nn.Module):
         return v.flatten(-2).to(ACT)
 
 
+class ShardedEngramTable(EngramTable):
+    """Rank r holds rows [lo, hi) of the table (an even split, the remainder on the first ranks:
+    parallel/planner.engram_rows_of_rank). A lookup all-gathers every rank's hash ids (padded to the
+    step's largest rank), dequantizes the rows it holds into zeros elsewhere and reduce-scatters the
+    rows back: each row has exactly one non-zero contributor, so the sum is exact and the rows equal
+    the whole table's. Equal-size collectives: CUDA-graph safe on NCCL."""
+
+    sharded = True
+
+    def __init__(self, rows: int, dim: int, parallel):
+        from deepinfer.parallel.planner import engram_rows_of_rank
+        n, r = parallel.world_size, parallel.rank
+        lo = sum(engram_rows_of_rank(rows, n, q) for q in range(r))
+        super().__init__(engram_rows_of_rank(rows, n, r), dim)
+        self.row_range, self.parallel = (lo, lo + engram_rows_of_rank(rows, n, r)), parallel
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from deepinfer.parallel.ep_comm import all_gather_rows, all_reduce_max, reduce_scatter_rows
+        p, (lo, hi) = self.parallel, self.row_range
+        T, cols = ids.shape
+        M = p.step_max_tokens if p.step_max_tokens is not None else all_reduce_max(T, ids.device, p.group)
+        padded = ids.new_full((M, cols), -1)
+        padded[:T] = ids
+        every = all_gather_rows(padded, p.group, p.world_size)                   # [N*M, cols]
+        mine = (every >= lo) & (every < hi)
+        rows = torch.zeros(*every.shape, self.weight.shape[1], dtype=ACT, device=ids.device)
+        rows[mine] = super().forward(every[mine] - lo)
+        return reduce_scatter_rows(rows, p.group, p.world_size)[:T]             # [T, cols, dim]
+
+
 class Engram(nn.Module):
     """Gated add of the looked-up n-gram value; one key per hc copy, gate = sigmoid(signed sqrt of
     the normalized stream . key dot product)."""
 
-    def __init__(self, args, layer_id: int):
+    def __init__(self, args, layer_id: int, parallel=None):
         super().__init__()
         li = args.engram_layer_ids.index(layer_id)
         self.hash_index, self.dim, self.hc_mult, self.eps = li, args.dim, args.hc_mult, args.norm_eps
-        self.embed = EngramTable(args.engram_num_embeddings[li], args.engram_head_dim)
+        rows, hd = args.engram_num_embeddings[li], args.engram_head_dim
+        sharded = parallel is not None and parallel.is_parallel and parallel.engram_sharded
+        self.embed = ShardedEngramTable(rows, hd, parallel) if sharded else EngramTable(rows, hd)
         self.wkv = Linear(args.n_hash_cols * args.engram_head_dim, args.dim * (args.hc_mult + 1))
         self.register_buffer("q_weight", torch.ones(args.hc_mult, args.dim), persistent=False)
         self.register_buffer("k_weight", torch.ones(args.hc_mult, args.dim), persistent=False)

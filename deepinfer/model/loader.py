@@ -284,6 +284,18 @@ def _read(info: TensorInfo, mm, name: str = "") -> torch.Tensor:
     return t.view(tdtype).reshape(info.shape)
 
 
+def _read_rows(info: TensorInfo, mm, name: str, lo: int, hi: int) -> torch.Tensor:
+    """Rows [lo, hi) of a 2-D tensor, reading only their bytes."""
+    if (lo, hi) == (0, info.shape[0]):
+        return _read(info, mm, name)
+    if not isinstance(mm, mmap.mmap):
+        return mm.read(name, info.dtype, (hi - lo, *info.shape[1:]))
+    row_bytes = (info.end - info.start) // info.shape[0]
+    part = TensorInfo(info.file, info.dtype, (hi - lo, *info.shape[1:]), info.start + lo * row_bytes,
+                      info.start + hi * row_bytes)
+    return _read(part, mm, name)
+
+
 def _target(model, name: str):
     """Checkpoint name -> (module, attribute). The only renaming rules."""
     path = name.split(".")
@@ -430,15 +442,16 @@ _EXPERT_ID = re.compile(r"(.+)\.experts\.(\d+)\.(w[123]\.weight)")
 def _load_one(model, name, kind, infos, mm, fmt: _Format, target: str | None = None):
     """Read checkpoint tensor `name` (and its scale) into the module at `target` (default: name)."""
     info = infos[name]
-    t = _read(info, mm, name)
     sname = _scale_name(name, ".scale") if name.endswith(".weight") else None
     scale_info = infos.get(sname) if sname else None
     mod, attr = _target(model, target or name)
     device = fmt.device
-    if kind == "table":
-        mod.weight = t.to(device)
-        mod.scale = _read(infos[sname], mm, sname).view(torch.uint8).to(device)
+    if kind == "table":                         # only the rows this module holds (a sharded table's slice)
+        lo, hi = mod.row_range
+        mod.weight = _read_rows(info, mm, name, lo, hi).to(device)
+        mod.scale = _read_rows(scale_info, mm, sname, lo, hi).view(torch.uint8).to(device)
         return
+    t = _read(info, mm, name)
     quantized = False
     # wo_a is block-diagonal and run as a bf16 einsum (convert.py dequantizes it): no act rounding
     wo_a = name.endswith("attn.wo_a.weight")

@@ -63,11 +63,14 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def idle_forward(self) -> None:
-        """A rank with no tokens this step: every expert-parallel MoE layer still joins its dispatch and
-        combine (in layer order, as a forward would), so the other ranks' collectives line up and this
-        rank's experts serve their tokens."""
-        x = torch.empty(0, self.args.dim, dtype=torch.bfloat16, device=self.embed.weight.device)
+        """A rank with no tokens this step: every collective a forward makes, in the same order (each
+        sharded Engram table's lookup, each expert-parallel MoE layer's dispatch and combine), with no
+        tokens, so the other ranks' collectives line up and this rank's shards serve their tokens."""
+        dev = self.embed.weight.device
+        x = torch.empty(0, self.args.dim, dtype=torch.bfloat16, device=dev)
         for layer in self.layers:
+            if layer.engram is not None and layer.engram.embed.sharded:
+                layer.engram.embed(torch.empty(0, self.args.n_hash_cols, dtype=torch.long, device=dev))
             if layer.ffn.ep is not None:
                 layer.ffn(x)
 

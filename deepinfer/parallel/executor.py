@@ -294,7 +294,8 @@ def _check_memory(args, model_args) -> None:
     from .planner import check_fits, plan_memory
     plan = plan_memory(model_args, num_gpus=args.data_parallel_size,
                        gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
-                       num_redundant_experts=args.num_redundant_experts, engram_placement="device",
+                       num_redundant_experts=args.num_redundant_experts,
+                       engram_placement=args.resolved_engram_placement(),
                        max_model_len=args.max_model_len or 65536, max_num_seqs=args.max_num_seqs,
                        block_tokens=args.block_tokens)
     check_fits(plan)

@@ -39,4 +39,4 @@ def parallel_state(args, model_args, rank: int, world_size: int) -> ParallelStat
         from .eplb.recorder import ExpertLoadRecorder
         recorder = ExpertLoadRecorder(model_args.n_layers, model_args.n_routed_experts, args.eplb_window_size)
     return ParallelState(rank=rank, world_size=world_size, backend=args.ep_backend, placement=placement,
-                         recorder=recorder)
+                         recorder=recorder, engram_sharded=args.resolved_engram_placement() == "sharded")

@@ -18,6 +18,10 @@ class ParallelState:
     placement: Any = None         # placement.ExpertPlacement of the backbone's routed experts
     recorder: Any = None          # eplb.ExpertLoadRecorder, or None (EPLB off)
     dispatcher: Any = None        # ep_comm.ExpertDispatcher, shared by every MoE layer (make_dispatcher)
+    engram_sharded: bool = False  # Engram table rows split over the ranks (model/engram.py ShardedEngramTable)
+    # step-scoped: the largest token count of any rank this step (the driver knows every plan); the
+    # equal-size collectives pad to it; None = found by an all-reduce (deepinfer-score's steps)
+    step_max_tokens: int | None = None
 
     @property
     def is_parallel(self) -> bool:

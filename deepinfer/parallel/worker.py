@@ -142,12 +142,13 @@ class _Rank:
                 raise ValueError(f"unknown message {kind!r}")
 
     def _launch(self, sched_out, max_rank_tokens: int) -> None:
+        self.parallel.step_max_tokens = max_rank_tokens
         if self.ep:
             self.parallel.dispatcher.max_tokens = max_rank_tokens
         launched = self.rt.runner.launch(sched_out)
         if max_rank_tokens == 0:
             return                                   # no forward anywhere: nothing to resolve
-        if launched is None and self.ep:
+        if launched is None:
             self.rt.model.idle_forward()
         if self.parallel.recorder is not None:
             self.parallel.recorder.end_step()
@@ -167,18 +168,22 @@ class _Rank:
         import torch
 
         from deepinfer.cli.score import score_prompt
+        self.parallel.step_max_tokens = None
+        if self.ep:
+            self.parallel.dispatcher.max_tokens = None
         out = [score_prompt(self.rt.model, ids, opts["steps"], forced, opts["dump_hidden"], opts["dspark"],
                             opts["draft_steps"], torch.device(self.rt.device)) for ids, forced in jobs]
         for _ in range((num_prompts - len(jobs)) * (1 + opts["steps"])):
-            if self.ep:
-                self.rt.model.idle_forward()
+            self.rt.model.idle_forward()
         return out
 
     def _gauges(self) -> dict:
         d = self.parallel.dispatcher
         return {"pid": os.getpid(), "num_rebalances": self.num_rebalances, "num_moved": self.num_moved,
                 "step_seconds": self.step_seconds, "num_steps": self.num_steps,
-                "comm_seconds": getattr(d, "seconds", None)}
+                "comm_seconds": getattr(d, "seconds", None),
+                "engram_rows": [layer.engram.embed.weight.shape[0] for layer in self.rt.model.layers
+                                if layer.engram is not None]}
 
 
 if __name__ == "__main__":

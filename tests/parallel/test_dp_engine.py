@@ -3,6 +3,7 @@ data parallel + MoE expert parallel, against the shared fixtures and against one
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -68,21 +69,34 @@ def test_multi_rank_scorer_passes_check_parity_with_hidden_states(fixture_name, 
     assert res.returncode == 0, res.stdout[-3000:]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_batch_invariant_tokens_equal_one_rank(ranks, tmp_path_factory):
-    """Same seeds, same tokens, bit for bit: greedy and sampled requests, one rank vs N."""
-    ckpt = str(build_fixture("v41-tiny", tmp_path_factory))
+@pytest.mark.parametrize("ranks,extra", [(2, {}), (4, {}), (2, {"engram_placement": "device"}),
+                                         (2, {"async_scheduling": True}), (2, {"speculative": "dspark"})])
+def test_batch_invariant_tokens_equal_one_rank(ranks, extra, tmp_path_factory):
+    """Same seeds, same tokens, bit for bit: greedy and sampled requests, one rank vs N (Engram
+    sharded or whole, pipelined steps, DSpark drafts verified on every rank)."""
+    ckpt = build_fixture("v41-tiny", tmp_path_factory)
     params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.9, top_p=0.95, seed=11 + i,
                              ignore_eos=True) for i in range(len(PROMPTS))]
     kw = dict(max_num_seqs=4, max_num_batched_tokens=8, batch_invariant=True, device="cpu")
-    ref = LLM(ckpt, **kw).generate(PROMPTS, params)
-    llm = LLM(ckpt, data_parallel_size=ranks, worker_threads=1, **kw)
+    ref = LLM(str(ckpt), **kw).generate(PROMPTS, params)
+    llm = LLM(str(ckpt), data_parallel_size=ranks, worker_threads=1, **kw, **extra)
     try:
         outs = llm.generate(PROMPTS, params)
+        pings = llm.engine.runner.ping()
     finally:
         llm.engine.shutdown()
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-    assert len({len(s.requests) for s in llm.engine.scheduler.schedulers}) == 1   # all finished
+    assert all(not s.requests for s in llm.engine.scheduler.schedulers)
+    assert not llm.engine.scheduler.rank_of
+    assert min(llm.engine.scheduler.generated) > 0                     # every rank served requests
+    total = json.loads((ckpt / "config.json").read_text())["text_config"]["engram_num_embeddings"]
+    rows = [p["engram_rows"] for p in pings]
+    if extra.get("engram_placement") == "device":
+        assert all(r == total for r in rows)
+    else:                                                               # each rank holds a slice
+        assert [sum(col) for col in zip(*rows)] == total and all(r < t for rr in rows for r, t in zip(rr, total))
+    if "speculative" in extra:
+        assert llm.stats()["counters"]["spec_draft_tokens_proposed_total"] > 0
 
 
 def test_live_rebalance_changes_no_token(tmp_path_factory):
@@ -158,8 +172,6 @@ def test_more_ranks_than_gpus_fail_with_the_count():
 
 
 def test_a_checkpoint_missing_a_ranks_expert_fails_naming_it(tmp_path, tmp_path_factory):
-    import json
-
     from safetensors import safe_open
     from safetensors.torch import save_file
 
