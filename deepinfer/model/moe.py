@@ -166,8 +166,10 @@ class MoE(nn.Module):
         outs = self.ep.dispatcher.combine(self._local_pairs(local), handle)      # [T, K, d]
         if T == 0:
             return x
-        slot = torch.arange(T * K, device=x.device)
-        return ops.moe_combine(outs.view(1, T * K, self.dim), slot, indices, self._shared(x))
+        # the masked form's contract: out [K, T, d] with pair (t, k) at row k * T + t (a strided view, no copy)
+        ar = torch.arange(T * K, device=x.device)
+        slot = (ar % K) * T + ar // K
+        return ops.moe_combine(outs.permute(1, 0, 2), slot, indices, self._shared(x))
 
     def _local_pairs(self, local) -> torch.Tensor:
         """[P, d] bf16: each received (token, local slot, weight) pair through its expert, as a
