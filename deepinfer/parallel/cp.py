@@ -2,7 +2,7 @@
 one long prompt prefilled by every rank at once, when a single prompt's prefill dominates.
 
 The mirror split: the prompt's first n tokens (all but the last; see below) are cut into 2*cp chunks
-of C = ceil(n / 2cp) positions; rank r takes chunk r and chunk 2cp-1-r. Causal work grows with the
+of floor or ceil(n / 2cp) positions; rank r takes chunk r and chunk 2cp-1-r. Causal work grows with the
 position (each query's indexer scores every earlier compressed entry), so an early chunk paired
 with its mirror gives every rank the same work (exactly when 2cp divides n; else within one chunk):
 
@@ -50,12 +50,17 @@ class MirrorSplit:
 
     @property
     def chunk(self) -> int:
+        """The longest chunk: ceil(n / 2cp)."""
         return -(-self.num_tokens // (2 * self.cp_size))
 
+    def bound(self, j: int) -> int:
+        """Start of chunk j: floor(j * n / 2cp), so chunks differ by at most one position (DeepInfer
+        cuts ceil-sized chunks and pads the tail, which can leave a rank's mirror chunk empty)."""
+        return j * self.num_tokens // (2 * self.cp_size)
+
     def chunks(self, rank: int) -> list[tuple[int, int]]:
-        """[(start, end)] of rank's two chunks, ascending (either may be empty at the end)."""
-        C, n = self.chunk, self.num_tokens
-        return [(min(j * C, n), min((j + 1) * C, n)) for j in (rank, 2 * self.cp_size - 1 - rank)]
+        """[(start, end)] of rank's two chunks, ascending."""
+        return [(self.bound(j), self.bound(j + 1)) for j in (rank, 2 * self.cp_size - 1 - rank)]
 
     def positions(self, rank: int) -> np.ndarray:
         return np.concatenate([np.arange(s, e) for s, e in self.chunks(rank)]).astype(np.int64)
