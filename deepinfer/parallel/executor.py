@@ -2,7 +2,7 @@
 (launch / resolve / execute) over a ParallelSchedulerOutput, so the Engine's step is unchanged.
 
     launch(plan):  every rank gets its own SchedulerOutput, the step's largest rank size and its
-                   share of a balanced-CP prefill (parallel/cp.py) if the step has one
+                   shares of the step's balanced-CP prefills (parallel/cp.py), if any
     resolve(h):    every rank's ModelRunnerOutput, in rank order
 
 Start: N fresh interpreters (never fork: CUDA and a Triton stub's threads do not survive it) that
@@ -109,7 +109,7 @@ class MultiprocExecutor:
         preempted ids the runners must drop)."""
         self._check_alive()
         max_tokens = plan.max_rank_tokens
-        shares = plan.cp or [None] * self.world_size
+        shares = plan.cp or [[]] * self.world_size
         for conn, so, share in zip(self.conns, plan.per_rank, shares):
             self._send(conn, ("launch", so, max_tokens, share))
         if max_tokens == 0:

@@ -4,8 +4,8 @@
                  (its experts only) -> report "ready" -> serve the driver's messages in order
 
 Messages from the driver (a duplex Pipe; replies in request order):
-    ("launch", SchedulerOutput, max_rank_tokens, CPShare | None)   no reply. A CP share first: this
-                 rank's chunks of a long prompt's prefill (parallel/cp.py; every rank has one). Then
+    ("launch", SchedulerOutput, max_rank_tokens, [CPShare])   no reply. CP shares first: this rank's
+                 chunks of long prompts' prefills (parallel/cp.py; every rank has one of each). Then
                  the runner launches the plan; a rank with no tokens of its own while others have
                  some runs the idle step (every MoE layer's collectives). max_rank_tokens == 0:
                  nothing runs anywhere (state only).
@@ -144,12 +144,12 @@ class _Rank:
             else:
                 raise ValueError(f"unknown message {kind!r}")
 
-    def _launch(self, sched_out, max_rank_tokens: int, share=None) -> None:
-        precomputed = None
-        if share is not None:
+    def _launch(self, sched_out, max_rank_tokens: int, shares=()) -> None:
+        precomputed = {}
+        for share in shares:
             self._prefill_share(share)
             if share.owner == share.rank:
-                precomputed = {share.req_id: len(share.token_ids)}
+                precomputed[share.req_id] = len(share.token_ids)
         self._set_step_max(max_rank_tokens)
         launched = self.rt.runner.launch(sched_out, precomputed)
         if max_rank_tokens == 0:
