@@ -56,7 +56,8 @@ class EngineArgs:
     # balanced context parallelism (deepinfer/parallel/cp.py): a prompt of at least cp_min_prompt_tokens
     # scheduled whole from position 0 is prefilled by every rank at once, each rank taking two mirrored
     # chunks (equal causal work); its caches stay on its own DP rank, which decodes it. 1 = off; else
-    # it must equal data_parallel_size (CP runs over the DP ranks)
+    # it must equal data_parallel_size (CP runs over the DP ranks); max_num_batched_tokens must hold such
+    # a prompt (a prompt chunked over steps is prefilled the ordinary way)
     context_parallel_size: int = 1
     cp_min_prompt_tokens: int = 8192
     distributed_backend: str | None = None  # None = "nccl" on CUDA, "gloo" on CPU
@@ -99,6 +100,10 @@ class EngineArgs:
                              "(the DSpark rings need every prompt row's hidden state on the owner rank)")
         if self.cp_min_prompt_tokens < 1:
             raise ValueError(f"cp_min_prompt_tokens must be >= 1, got {self.cp_min_prompt_tokens}")
+        if self.context_parallel_size > 1 and self.cp_min_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"cp_min_prompt_tokens={self.cp_min_prompt_tokens} exceeds max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}: balanced CP prefills a prompt scheduled whole in one "
+                             "step, so it would never run; raise max_num_batched_tokens")
         if not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
 

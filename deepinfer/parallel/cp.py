@@ -105,8 +105,8 @@ class CPShare:
 class _Gather:
     """StepMetadata.context_parallel: the whole prefix's metadata and the per-layer row gather."""
 
-    def __init__(self, whole: StepMetadata, split: MirrorSplit, rank: int, group) -> None:
-        self.whole, self.split, self.rank, self.group = whole, split, rank, group
+    def __init__(self, whole: StepMetadata, split: MirrorSplit, group) -> None:
+        self.whole, self.split, self.group = whole, split, group
         self.order = torch.from_numpy(split.gather_order()).to(whole.positions.device)
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -117,8 +117,11 @@ class _Gather:
 
     def gather(self, kv: torch.Tensor, raw):
         """A layer's window latents [T_own, D] and compressor input (kv, score | None) -> every row's."""
-        if raw is not None:
-            raw = tuple(None if r is None else self.rows(r) for r in raw)
+        if raw is not None and raw[1] is not None:          # ratio > 1: kv and score (fp32) in one gather
+            both = self.rows(torch.stack(raw, dim=1))
+            raw = (both[:, 0], both[:, 1])
+        elif raw is not None:
+            raw = (self.rows(raw[0]), None)
         return self.rows(kv), raw
 
 
@@ -136,7 +139,7 @@ def prefill_share(model, caches, share: CPShare, group=None) -> None:
                                block_tables=blocks.to(dev), logits_indices=torch.zeros(0, dtype=torch.int64))
     whole = model.step_metadata(whole_batch, caches)
     ratios = sorted({r for r in model.args.compress_ratios if r})
-    meta = share_metadata(whole, split.positions(share.rank), ratios, _Gather(whole, split, share.rank, group))
+    meta = share_metadata(whole, split.positions(share.rank), ratios, _Gather(whole, split, group))
     width = max(model.args.engram_max_ngram_size - 1, 0)
     model(share_batch(share, whole_batch, width), caches, meta=meta)
 

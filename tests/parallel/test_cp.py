@@ -53,9 +53,12 @@ def test_bad_cp_sizes_fail_at_start_with_one_clear_error():
     with pytest.raises(ValueError, match=r"equal data_parallel_size \(1\).*got 2"):
         EngineArgs(context_parallel_size=2)
     with pytest.raises(ValueError, match="speculative"):
-        EngineArgs(data_parallel_size=2, context_parallel_size=2, speculative="dspark")
+        EngineArgs(data_parallel_size=2, context_parallel_size=2, speculative="dspark", max_num_batched_tokens=8192)
     with pytest.raises(ValueError, match="cp_min_prompt_tokens must be >= 1, got 0"):
         EngineArgs(data_parallel_size=2, context_parallel_size=2, cp_min_prompt_tokens=0)
+    with pytest.raises(ValueError, match="cp_min_prompt_tokens=8192 exceeds max_num_batched_tokens=2048"):
+        EngineArgs(data_parallel_size=2, context_parallel_size=2)        # the defaults: CP could never run
+    EngineArgs(data_parallel_size=2, context_parallel_size=2, max_num_batched_tokens=8192)
 
 
 # ---- the engine over gloo ranks -------------------------------------------------------------------
