@@ -53,6 +53,13 @@ class EngineArgs:
     # (exact; CUDA-graph safe); None = "sharded" when data_parallel_size > 1 (deepinfer-plan: the
     # release tables do not fit one GPU)
     engram_placement: str | None = None
+    # balanced context parallelism (deepinfer/parallel/cp.py): a prompt of at least cp_min_prompt_tokens
+    # scheduled whole from position 0 is prefilled by every rank at once, each rank taking two mirrored
+    # chunks (equal causal work); its caches stay on its own DP rank, which decodes it. 1 = off; else
+    # it must equal data_parallel_size (CP runs over the DP ranks); max_num_batched_tokens must hold such
+    # a prompt (a prompt chunked over steps is prefilled the ordinary way)
+    context_parallel_size: int = 1
+    cp_min_prompt_tokens: int = 8192
     distributed_backend: str | None = None  # None = "nccl" on CUDA, "gloo" on CPU
     worker_threads: int | None = None       # torch threads per CPU rank; None = cores / ranks
 
@@ -84,6 +91,19 @@ class EngineArgs:
         if self.eplb_window_size < 1 or self.eplb_step_interval < 1:
             raise ValueError(f"eplb_window_size and eplb_step_interval must be >= 1, got "
                              f"{self.eplb_window_size} and {self.eplb_step_interval}")
+        if self.context_parallel_size != 1 and self.context_parallel_size != self.data_parallel_size:
+            raise ValueError(f"context_parallel_size must be 1 (off) or equal data_parallel_size "
+                             f"({self.data_parallel_size}): balanced CP runs over the DP ranks; got "
+                             f"{self.context_parallel_size}")
+        if self.context_parallel_size > 1 and self.speculative is not None:
+            raise ValueError("context_parallel_size > 1 does not combine with speculative decoding yet "
+                             "(the DSpark rings need every prompt row's hidden state on the owner rank)")
+        if self.cp_min_prompt_tokens < 1:
+            raise ValueError(f"cp_min_prompt_tokens must be >= 1, got {self.cp_min_prompt_tokens}")
+        if self.context_parallel_size > 1 and self.cp_min_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"cp_min_prompt_tokens={self.cp_min_prompt_tokens} exceeds max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}: balanced CP prefills a prompt scheduled whole in one "
+                             "step, so it would never run; raise max_num_batched_tokens")
         if not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
 

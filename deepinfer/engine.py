@@ -88,7 +88,9 @@ class Engine:
                              spec_policy=policy)
         if a.data_parallel_size > 1:
             from deepinfer.parallel.dp_scheduler import DataParallelScheduler
-            self.scheduler = DataParallelScheduler([scheduler() for _ in range(a.data_parallel_size)])
+            self.scheduler = DataParallelScheduler([scheduler() for _ in range(a.data_parallel_size)],
+                                                   cp_min_prompt_tokens=a.cp_min_prompt_tokens
+                                                   if a.context_parallel_size > 1 else None)
             self.kv_cache = self.scheduler.kv_cache
         else:
             self.scheduler = scheduler()

@@ -6,6 +6,13 @@ the public LLM API, with the all-to-all share of each rank's step.
     python perf/bench_parallel.py --device cuda [--config DIR] [--num-layers 7] [--engram-vocab-size V]
                                   [--ranks 2,4,8] [--batches 16,64,128] [--prompt-len 8192]
                                   [--decode-len 64] [--ep-timing] [--dry-run]
+    python perf/bench_parallel.py --cp [--device cuda ...] [--ranks 1,2,4] [--prompt-len L]
+
+CP mode (--cp): the prefill time of ONE long prompt (generate with max_tokens=1: prefill + the first
+token) at each N, with balanced context parallelism (deepinfer/parallel/cp.py: every rank prefills
+two mirrored chunks) against one rank and against N ranks without CP (the prompt on one rank, the
+others stepping idle through the MoE collectives). Best of --repeat after a warm-up prompt of a
+quarter of the length. Default L: 4096 on CPU, 65536 on CUDA (dummy weights as in the CUDA mode).
 
 CPU (default): one load (32 requests of 64 prompt tokens, 32 greedy output tokens, ignore_eos, all
 added at once) through LLM(ckpt, device="cpu", data_parallel_size=N) for each N; N=1 is the
@@ -200,6 +207,123 @@ def plot_cpu(path: str, best: dict[int, dict], a, cores: int) -> None:
     ax.set_title(f"Multi-rank engine, CPU ({cores} cores shared), {a.num_requests} requests x "
                  f"{a.prompt_len}+{a.output_len} tokens", fontsize=9)
     ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+# ---- CP mode: one long prompt's prefill -------------------------------------------------------------
+def cp_llm(ckpt: str, n: int, cp: bool, a, cuda: bool):
+    from deepinfer import LLM
+    max_len = -(-(a.prompt_len + 64) // BLOCK_TOKENS) * BLOCK_TOKENS
+    kw = dict(data_parallel_size=n, context_parallel_size=n if cp else 1, cp_min_prompt_tokens=1,
+              max_num_seqs=4, max_num_batched_tokens=a.prompt_len + 8, max_model_len=max_len,
+              block_tokens=BLOCK_TOKENS, num_cache_blocks=None if cuda else 4 * max_len // BLOCK_TOKENS + 8)
+    if cuda:
+        return LLM(ckpt, device="cuda", load_format="dummy", enforce_eager=True, **kw)
+    return LLM(ckpt, device="cpu", worker_threads=max(1, (a.threads or os.cpu_count() or 1) // n), **kw)
+
+
+def cp_round(llm, prompt) -> float:
+    from deepinfer import SamplingParams
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 1
+    return time.perf_counter() - t0
+
+
+def run_cp(a) -> None:
+    """Prefill seconds of one a.prompt_len-token prompt: 1 rank, then per N > 1 without and with CP."""
+    import torch
+
+    from deepinfer.parallel.cp import MirrorSplit, causal_work
+    cuda = a.device == "cuda"
+    cores = a.threads or os.cpu_count() or 1
+    if not cuda:
+        torch.set_num_threads(cores)
+    runs = [(n, cp) for n in a.ranks for cp in ((False,) if n == 1 else (False, True))]
+    rng = random.Random(0)
+    res: dict[tuple[int, bool], dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if cuda:
+            from deepinfer.parallel.planner import release_config_dir
+            src = Path(a.config) if a.config else release_config_dir()
+            ckpt = str(bench_config(src, Path(tmp) / "config", a.num_layers, a.engram_vocab_size)[0])
+            num_gpus = torch.cuda.device_count()
+            runs = [(n, cp) for n, cp in runs if n <= num_gpus]
+        else:
+            ckpt = a.checkpoint or default_checkpoint(Path(tmp), a.preset)
+        print(f"checkpoint={Path(ckpt).name} device={a.device} prompt_len={a.prompt_len} repeat={a.repeat} "
+              f"runs={['%d%s' % (n, '+cp' if cp else '') for n, cp in runs]}"
+              + ("" if cuda else f" cores={cores} (shared by the ranks)"))
+        if a.dry_run:
+            return
+        bar = progress(len(runs) * (a.repeat + 1), "bench_parallel cp")
+        for n, cp in runs:
+            bar.set_postfix_str(f"{n} rank(s){' CP' if cp else ''}: start")
+            llm = cp_llm(ckpt, n, cp, a, cuda)
+            try:
+                vocab = llm.engine.vocab_size
+                prompt = [rng.randrange(1000, vocab) for _ in range(a.prompt_len)]
+                cp_round(llm, prompt[: max(16, a.prompt_len // 4)])                  # warm-up
+                bar.update()
+                best = None
+                for _ in range(a.repeat):
+                    dt = cp_round(llm, prompt)
+                    best = dt if best is None else min(best, dt)
+                    bar.update()
+                cps = getattr(llm.engine.scheduler, "cp_prefills", [])
+                assert not cp or len(cps) == a.repeat + 1, cps        # every round went through CP
+                split = MirrorSplit(a.prompt_len - 1, n)
+                work = [causal_work(split.positions(r)) for r in range(n)] if cp else [1]
+                res[(n, cp)] = {"seconds": best, "tok_s": a.prompt_len / best, "work_ratio": max(work) / min(work)}
+            finally:
+                llm.engine.shutdown()
+        bar.close()
+    print_cp(a, res, cores, cuda)
+    plot_cp(a.plot or str(FIGURES / f"bench_parallel_cp_{'gpu' if cuda else 'cpu'}.png"), res, a, cores, cuda)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"mode": "cp", "args": vars(a),
+                                            "results": {f"{n}{'+cp' if cp else ''}": r for (n, cp), r in res.items()}},
+                                           indent=1, default=str))
+
+
+def print_cp(a, res: dict, cores: int, cuda: bool) -> None:
+    base = res[(1, False)]["seconds"] if (1, False) in res else None
+    print(f"{'ranks':>5} {'CP':>3} {'prefill s':>10} {'tok/s':>9} {'x 1 rank':>9} {'x no CP':>8} {'work max/min':>13}")
+    for (n, cp), r in sorted(res.items()):
+        no_cp = res.get((n, False))
+        print(f"{n:>5} {'yes' if cp else 'no':>3} {r['seconds']:>10.3f} {r['tok_s']:>9.1f} "
+              f"{fmt(base and base / r['seconds'], '.2f'):>9} "
+              f"{fmt(no_cp['seconds'] / r['seconds'] if cp and no_cp else None, '.2f'):>8} {r['work_ratio']:>13.4f}")
+    print("NOTE: 'x 1 rank' = 1-rank prefill seconds / these; 'work max/min' = the mirror split's causal work "
+          "(sum of p + 1 over a rank's query positions), largest over smallest rank.")
+    if not cuda:
+        print(f"NOTE: {cores} core(s) here, split over the ranks (max(1, {cores} // N) torch threads each): a rank "
+              "count above the cores cannot speed up, and the per-layer gathers and MoE collectives are priced in.")
+
+
+def plot_cp(path: str, res: dict, a, cores: int, cuda: bool) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for cp, style, label in ((False, "s--", "no CP (prompt on one rank)"), (True, "o-", "balanced CP")):
+        pts = sorted((n, r["seconds"]) for (n, c), r in res.items() if c == cp or (n == 1 and cp))
+        if pts:
+            ax.plot([n for n, _ in pts], [t for _, t in pts], style, label=label)
+            for n, t in pts:
+                if cp and (1, False) in res:
+                    ax.annotate(f"{res[(1, False)]['seconds'] / t:.2f}x", (n, t), textcoords="offset points",
+                                xytext=(5, 5), fontsize=8)
+    ax.set_xticks(sorted({n for n, _ in res}))
+    ax.set_ylim(0, None)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel(f"prefill seconds, one {a.prompt_len}-token prompt")
+    where = "H200" if cuda else f"CPU, {cores} cores shared"
+    ax.set_title(f"Balanced context parallelism ({where})", fontsize=9)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -487,6 +611,8 @@ def plot_gpu(path: str, results: list[dict], a, layers: int, full_layers: int) -
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--cp", action="store_true", help="CP mode: one long prompt's prefill time, with and without "
+                   "balanced context parallelism")
     p.add_argument("--ranks", type=ints, help="data_parallel_size values (default 1,2,4 on CPU, 2,4,8 on CUDA)")
     p.add_argument("--repeat", type=int, default=2, help="rounds (CPU) / timed windows per batch (CUDA); best kept")
     p.add_argument("--ep-timing", action="store_true",
@@ -517,6 +643,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="batch:tok/s per GPU to compare with (default %(default)s: the README's EP8 estimate)")
     gpu.add_argument("--dry-run", action="store_true", help="print the plan of runs and exit")
     a = p.parse_args(argv)
+    if a.cp:
+        a.ranks = a.ranks or ([1, 2, 4] if a.device == "cpu" else [1, 2, 4, 8])
+        a.prompt_len = a.prompt_len or (4096 if a.device == "cpu" else 65536)
     a.ranks = a.ranks or ([1, 2, 4] if a.device == "cpu" else [2, 4, 8])
     a.prompt_len = a.prompt_len or (64 if a.device == "cpu" else 8192)
     return a
@@ -526,7 +655,9 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     if a.ep_timing:
         os.environ[TIMING_ENV] = "1"          # read when each engine builds its dispatcher; workers inherit it
-    if a.device == "cpu":
+    if a.cp:
+        run_cp(a)
+    elif a.device == "cpu":
         if a.dry_run:
             print(f"CPU runs: ranks {a.ranks}, {a.num_requests} requests x {a.prompt_len}+{a.output_len} tokens, "
                   f"{a.repeat} round(s) each")

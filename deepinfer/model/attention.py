@@ -162,17 +162,21 @@ class Attention(nn.Module):
         qr, q, kv = self.qkv(x, cis)
         raw = self.compressor.project(x) if self.compressor is not None else None
         iq = self.indexer.queries(x, qr, cis) if self.indexer is not None else None
+        whole = meta        # the rows the compressor and the ring see: the step's own, or (CP) every position
+        if meta.context_parallel is not None:   # a balanced-CP share (parallel/cp.py): gather the others' rows
+            whole = meta.context_parallel.whole
+            kv, raw = meta.context_parallel.gather(kv, raw)
         ring = caches.window_kv[self.layer_id].flatten(0, 1)                   # [slots * RING, D]
         E = 0
         if self.ratio:
             if self.is_kv_source:
-                self._compress(meta, raw, caches, rope_tables)
+                self._compress(whole, raw, caches, rope_tables)
             if self.is_index_source:
                 meta.topk[self.layer_id] = self._index(meta, iq, caches)
             E = meta.plan(self.ratio).num_entries
         o = self._attend_step(q, meta, caches, ring, kv, E)
-        new = kv if meta.ring_write_rows is None else kv[meta.ring_write_rows]
-        ring[meta.ring_write] = new.to(ring.dtype)
+        new = kv if whole.ring_write_rows is None else kv[whole.ring_write_rows]
+        ring[whole.ring_write] = new.to(ring.dtype)
         return self.out(o, cis)
 
     def _attend_step(self, q, meta: StepMetadata, caches, ring, kv, E: int) -> torch.Tensor:
@@ -219,7 +223,7 @@ class Attention(nn.Module):
         or only the picks ([T*K] rows: a decode step, where E may be the static max_model_len // ratio).
         The lists point at the same rows in the same order either way, so the numbers agree."""
         epb = caches.entries_per_block(self.kv_source)
-        base = meta.fresh_offset + meta.num_tokens
+        base = meta.fresh_offset + meta.num_fresh
         T, K = topk.shape
         if T * K < meta.num_seqs * E:
             seq = meta.seq_of[:, None].expand(T, K).flatten()

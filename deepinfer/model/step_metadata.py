@@ -76,6 +76,15 @@ class StepMetadata:
     candidates: torch.Tensor | None = None          # [T, E] bool from the candidate source
     index_k_owner: np.ndarray | None = None         # [B] quirk emulation: last layer that published index keys
     window_pools: dict = field(default_factory=dict)  # ring rows -> window lists in pool rows (window_pool)
+    # balanced context parallelism (deepinfer/parallel/cp.py): the rows are this rank's share of one
+    # prompt; the fresh region holds EVERY position's latent (gathered per layer), fresh_rows of them
+    context_parallel: object | None = None
+    fresh_rows: int | None = None
+
+    @property
+    def num_fresh(self) -> int:
+        """Rows of the buffer's fresh region: the step's T new latents, or a CP prefill's whole prompt."""
+        return self.num_tokens if self.fresh_rows is None else self.fresh_rows
 
     @property
     def fresh_offset(self) -> int:
@@ -113,7 +122,7 @@ class StepMetadata:
         """win_idx in pool rows of the in-place attention sources (ring [ring_rows, D], then the step's
         T fresh rows): the same for every layer, so built once per forward."""
         if ring_rows not in self.window_pools:
-            fresh = ring_rows + torch.arange(self.num_tokens, device=self.ring_read.device)
+            fresh = ring_rows + torch.arange(self.num_fresh, device=self.ring_read.device)
             table = torch.cat([self.ring_read, fresh])
             self.window_pools[ring_rows] = torch.where(self.win_idx >= 0, table[self.win_idx.clamp_min(0)], -1)
         return self.window_pools[ring_rows]

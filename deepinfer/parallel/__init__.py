@@ -12,7 +12,11 @@ layer's collectives line up) and only the sampled tokens come back.
                      rank holds, the replica a pair goes to, static placement files
     eplb/            DeepSeek's expert-parallel load balancer: the policy (hierarchical / global,
                      and the per-step-peak variant), load recorder, weight moves between ranks
-    dp_scheduler.py  DataParallelScheduler: one Scheduler + KV cache per rank, least-loaded placement
+    dp_scheduler.py  DataParallelScheduler: one Scheduler + KV cache per rank, least-loaded placement,
+                     and the step's balanced-CP prefill (cache blocks borrowed on the other ranks)
+    cp.py            balanced context parallelism: a long prompt's prefill split over every rank in
+                     mirrored chunks (equal causal work), the compressor inputs and window latents
+                     all-gathered per layer; the owner rank keeps the caches and decodes
     executor.py      MultiprocExecutor: spawns the rank workers, sends plans, gathers results,
                      notices a dead worker (its requests fail, nothing is left running)
     worker.py        the rank worker process: pins its GPU, joins the group, loads its shard, loops

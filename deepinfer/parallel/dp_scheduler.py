@@ -5,6 +5,13 @@ A new request goes to the rank with the least load, 4 * waiting + running (vLLM'
 ../shared/docs/PARALLEL.md), ties to the lowest rank, and stays there for its life (its caches live
 on that rank). Each step every rank schedules its own requests under its own budget and caps; the
 executor runs the N plans in lockstep.
+
+Balanced CP (cp_min_prompt_tokens set, parallel/cp.py): when a rank's plan starts a prompt of at
+least that many tokens from position 0 (no cached prefix) in one piece, the step also carries a
+CPShare per rank: every rank prefills its mirrored chunks of the prompt's first L-1 tokens before
+its own plan, the other ranks in cache blocks and a ring slot borrowed here for the step (returned
+in update_from_output); the owner's plan then runs only the last token. Several such prompts in one
+step run one after the other, longest first.
 """
 
 from __future__ import annotations
@@ -12,14 +19,29 @@ from __future__ import annotations
 from collections import ChainMap
 from dataclasses import dataclass
 
+import numpy as np
+
 from deepinfer.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sched.scheduler import Scheduler
+
+from .cp import CPShare
+
+BORROW_PREFIX = "cp-borrow:"        # a non-owner rank's cache ids of a CP prefill's temporary copy
 
 
 @dataclass
 class ParallelSchedulerOutput:
     per_rank: list[SchedulerOutput]        # rank r's plan
+    cp: list[list[CPShare]] | None = None  # rank r's shares of this step's balanced-CP prefills, in order
+
+    def rank_tokens(self, rank: int) -> int:
+        """Tokens rank's ordinary forward runs (a CP prefill's prefix is not among the owner's)."""
+        n = self.per_rank[rank].total_num_scheduled_tokens
+        for share in (self.cp[rank] if self.cp is not None else []):
+            if share.owner == rank:
+                n -= len(share.token_ids)
+        return n
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -32,7 +54,7 @@ class ParallelSchedulerOutput:
     @property
     def max_rank_tokens(self) -> int:
         """The largest rank's tokens: what equal-size collectives pad to (ep_comm max_tokens)."""
-        return max(o.total_num_scheduled_tokens for o in self.per_rank)
+        return max(self.rank_tokens(r) for r in range(len(self.per_rank)))
 
     @property
     def is_empty(self) -> bool:
@@ -55,8 +77,10 @@ class _KVCacheView:
 
 
 class DataParallelScheduler:
-    def __init__(self, schedulers: list[Scheduler]) -> None:
+    def __init__(self, schedulers: list[Scheduler], cp_min_prompt_tokens: int | None = None) -> None:
         self.schedulers = schedulers
+        self.cp_min_prompt_tokens = cp_min_prompt_tokens   # None = balanced CP off
+        self.cp_prefills: list[tuple[str, int, int]] = []  # (req_id, owner rank, prefix tokens) per CP prefill
         self.kv_cache = _KVCacheView(schedulers)
         self.rank_of: dict[str, int] = {}      # unfinished request id -> its rank
         self.generated = [0] * len(schedulers)  # tokens generated per rank
@@ -103,10 +127,51 @@ class DataParallelScheduler:
 
     # the step --------------------------------------------------------------------------------
     def schedule(self) -> ParallelSchedulerOutput:
-        return ParallelSchedulerOutput([s.schedule() for s in self.schedulers])
+        out = ParallelSchedulerOutput([s.schedule() for s in self.schedulers])
+        if self.cp_min_prompt_tokens is not None:
+            out.cp = self._plan_cp(out)
+        return out
+
+    def _plan_cp(self, out: ParallelSchedulerOutput) -> list[list[CPShare]] | None:
+        """Every prompt this step starts whole from position 0 with at least cp_min_prompt_tokens tokens,
+        longest first, as one share per rank (rank r's list); None when there is none. A prompt for
+        which some rank has no room to borrow runs the ordinary way."""
+        cp = len(self.schedulers)
+        found = [(rank, new) for rank, so in enumerate(out.per_rank) for new in so.new_reqs
+                 if new.num_computed_tokens == 0 and so.num_scheduled_tokens.get(new.req_id) == len(new.token_ids)
+                 and len(new.token_ids) - 1 >= max(self.cp_min_prompt_tokens - 1, 2 * cp)]
+        shares: list[list[CPShare]] = [[] for _ in range(cp)]
+        for owner, new in sorted(found, key=lambda rn: -len(rn[1].token_ids)):
+            n = len(new.token_ids) - 1
+            if not self._borrow(owner, BORROW_PREFIX + new.req_id, n):
+                continue
+            tokens = np.asarray(new.token_ids[:n], dtype=np.int64)
+            for r, s in enumerate(self.schedulers):
+                key = new.req_id if r == owner else BORROW_PREFIX + new.req_id
+                blocks = new.block_ids if r == owner else s.kv_cache.block_ids[key]
+                slot = new.ring_slot if r == owner else s.kv_cache.ring_slot[key]
+                shares[r].append(CPShare(new.req_id, owner, r, cp, tokens, list(blocks), slot))
+            self.cp_prefills.append((new.req_id, owner, n))
+        return shares if shares[0] else None
+
+    def _borrow(self, owner: int, key: str, num_tokens: int) -> bool:
+        """Blocks and a ring slot for num_tokens positions on every rank but the owner, or none at all."""
+        taken = []
+        for r, s in enumerate(self.schedulers):
+            if r != owner:
+                if s.kv_cache.allocate_slots(key, num_tokens) is None:
+                    for t in taken:
+                        self.schedulers[t].kv_cache.free(key)
+                    return False
+                taken.append(r)
+        return True
 
     def update_from_output(self, sched_out: ParallelSchedulerOutput,
                            runner_outs: list[ModelRunnerOutput]) -> list[RequestOutput]:
+        for share in (sched_out.cp[0] if sched_out.cp is not None else []):
+            for r, s in enumerate(self.schedulers):       # the borrowed copies are dropped: only the owner keeps caches
+                if r != share.owner:
+                    s.kv_cache.free(BORROW_PREFIX + share.req_id)
         outputs = []
         for rank, (sched, so, ro) in enumerate(zip(self.schedulers, sched_out.per_rank, runner_outs)):
             outs = sched.update_from_output(so, ro)

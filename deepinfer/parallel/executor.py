@@ -1,7 +1,8 @@
 """MultiprocExecutor: the driver's side of the rank workers, with the ModelRunner's interface
 (launch / resolve / execute) over a ParallelSchedulerOutput, so the Engine's step is unchanged.
 
-    launch(plan):  every rank gets its own SchedulerOutput and the step's largest rank size
+    launch(plan):  every rank gets its own SchedulerOutput, the step's largest rank size and its
+                   shares of the step's balanced-CP prefills (parallel/cp.py), if any
     resolve(h):    every rank's ModelRunnerOutput, in rank order
 
 Start: N fresh interpreters (never fork: CUDA and a Triton stub's threads do not survive it) that
@@ -108,8 +109,9 @@ class MultiprocExecutor:
         preempted ids the runners must drop)."""
         self._check_alive()
         max_tokens = plan.max_rank_tokens
-        for conn, so in zip(self.conns, plan.per_rank):
-            self._send(conn, ("launch", so, max_tokens))
+        shares = plan.cp or [[]] * self.world_size
+        for conn, so, share in zip(self.conns, plan.per_rank, shares):
+            self._send(conn, ("launch", so, max_tokens, share))
         if max_tokens == 0:
             return None
         self._steps += 1

@@ -4,9 +4,11 @@
                  (its experts only) -> report "ready" -> serve the driver's messages in order
 
 Messages from the driver (a duplex Pipe; replies in request order):
-    ("launch", SchedulerOutput, max_rank_tokens)   no reply. The runner launches the plan; a rank
-                 with no tokens of its own while others have some runs the idle step (every MoE
-                 layer's collectives). max_rank_tokens == 0: nothing runs anywhere (state only).
+    ("launch", SchedulerOutput, max_rank_tokens, [CPShare])   no reply. CP shares first: this rank's
+                 chunks of long prompts' prefills (parallel/cp.py; every rank has one of each). Then
+                 the runner launches the plan; a rank with no tokens of its own while others have
+                 some runs the idle step (every MoE layer's collectives). max_rank_tokens == 0:
+                 nothing runs anywhere (state only).
     ("resolve",)          -> ("result", ModelRunnerOutput) of the oldest launched step
     ("rebalance",)        -> ("ok", stats): EPLB over the ranks' summed load window, weights moved
     ("score", jobs, num_forwards, opts) -> ("result", [dict]): deepinfer-score's per-prompt outputs
@@ -103,6 +105,7 @@ class _Rank:
         self.in_flight: deque = deque()      # launched steps awaiting resolve (async scheduling: 2)
         self.ep = parallel.placement is not None
         self.num_rebalances = self.num_moved = 0
+        self.num_cp_prefills = 0                       # balanced-CP prefill shares this rank ran
         self.step_seconds, self.num_steps = 0.0, 0     # launch + resolve wall time of forward steps
 
     def info(self) -> dict:
@@ -125,7 +128,7 @@ class _Rank:
                 break
             t = time.perf_counter()
             if kind == "launch":
-                self._launch(msg[1], msg[2])
+                self._launch(msg[1], msg[2], msg[3])
                 self.step_seconds += time.perf_counter() - t
             elif kind == "resolve":
                 out = self.rt.runner.resolve(self.in_flight.popleft())
@@ -141,11 +144,14 @@ class _Rank:
             else:
                 raise ValueError(f"unknown message {kind!r}")
 
-    def _launch(self, sched_out, max_rank_tokens: int) -> None:
-        self.parallel.step_max_tokens = max_rank_tokens
-        if self.ep:
-            self.parallel.dispatcher.max_tokens = max_rank_tokens
-        launched = self.rt.runner.launch(sched_out)
+    def _launch(self, sched_out, max_rank_tokens: int, shares=()) -> None:
+        precomputed = {}
+        for share in shares:
+            self._prefill_share(share)
+            if share.owner == share.rank:
+                precomputed[share.req_id] = len(share.token_ids)
+        self._set_step_max(max_rank_tokens)
+        launched = self.rt.runner.launch(sched_out, precomputed)
         if max_rank_tokens == 0:
             return                                   # no forward anywhere: nothing to resolve
         if launched is None:
@@ -153,6 +159,21 @@ class _Rank:
         if self.parallel.recorder is not None:
             self.parallel.recorder.end_step()
         self.in_flight.append(launched)
+
+    def _set_step_max(self, max_rank_tokens: int | None) -> None:
+        self.parallel.step_max_tokens = max_rank_tokens
+        if self.ep:
+            self.parallel.dispatcher.max_tokens = max_rank_tokens
+
+    def _prefill_share(self, share) -> None:
+        """This rank's rows of a balanced-CP prefill (every rank runs the same layers' collectives)."""
+        from deepinfer.kernels.batch_invariant import batch_invariant_mode
+
+        from .cp import prefill_share
+        self._set_step_max(share.split.max_rows)
+        with batch_invariant_mode(self.rt.runner.batch_invariant):
+            prefill_share(self.rt.model, self.rt.caches, share, self.parallel.group)
+        self.num_cp_prefills += 1
 
     def _rebalance(self) -> dict:
         from .eplb.weight_moves import rebalance_now
@@ -180,6 +201,7 @@ class _Rank:
     def _gauges(self) -> dict:
         d = self.parallel.dispatcher
         return {"pid": os.getpid(), "num_rebalances": self.num_rebalances, "num_moved": self.num_moved,
+                "num_cp_prefills": self.num_cp_prefills,
                 "step_seconds": self.step_seconds, "num_steps": self.num_steps,
                 "comm_seconds": getattr(d, "seconds", None),
                 "engram_rows": [layer.engram.embed.weight.shape[0] for layer in self.rt.model.layers

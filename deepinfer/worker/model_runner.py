@@ -94,7 +94,9 @@ class ModelRunner:
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.resolve(self.launch(sched_out))
 
-    def launch(self, sched_out: SchedulerOutput) -> _InFlight | None:
+    def launch(self, sched_out: SchedulerOutput, precomputed: dict[str, int] | None = None) -> _InFlight | None:
+        """precomputed: req_id -> leading scheduled tokens already in the caches (a balanced-CP prefill,
+        deepinfer/parallel/cp.py, ran them on every rank just before): only the rest runs here."""
         self._update_states(sched_out)
         if sched_out.is_empty:
             return None
@@ -103,6 +105,11 @@ class ModelRunner:
         ib = self.input_batch
         req_ids = list(sched_out.num_scheduled_tokens)
         q_lens = np.fromiter(sched_out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        for i, req_id in enumerate(req_ids):
+            n = (precomputed or {}).get(req_id, 0)
+            if n:
+                ib.num_computed[ib.row_of[req_id]] += n
+                q_lens[i] -= n
         num_spec = np.zeros(len(req_ids), dtype=np.int64)
         for i, req_id in enumerate(req_ids):
             drafts = sched_out.spec_tokens.get(req_id)

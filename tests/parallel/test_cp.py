@@ -1,0 +1,155 @@
+"""Balanced context parallelism (deepinfer/parallel/cp.py): the mirror split, and long prompts
+prefilled by every gloo rank at once (real processes, real torch.distributed) against the shared
+fixtures' rules and against one rank, with the decode staying on the owner rank."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.config import EngineArgs
+from deepinfer.engine import Engine
+from deepinfer.parallel.cp import MirrorSplit, causal_work
+from deepinfer.parallel.dp_scheduler import BORROW_PREFIX
+from tests.conftest import build_fixture
+from tests.engine.test_engine_parity import check_copies, run_teacher_forced
+
+
+# ---- the split (no processes) ---------------------------------------------------------------------
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [8, 17, 64, 299, 694, 1000, 4097, 65535])
+def test_mirror_split_covers_every_position_once_with_even_causal_work(n, cp):
+    if n < 2 * cp:
+        pytest.skip("the engine never splits fewer than 2*cp tokens")
+    split = MirrorSplit(n, cp)
+    C = split.chunk
+    shares = [split.positions(r) for r in range(cp)]
+    assert np.array_equal(np.sort(np.concatenate(shares)), np.arange(n))     # a partition of 0..n-1
+    assert max(len(s) for s in shares) <= split.max_rows == 2 * C
+    for r, (a, b) in enumerate(split.chunks(r) for r in range(cp)):      # chunk r and its mirror
+        assert a[0] == r * n // (2 * cp) and b[0] == (2 * cp - 1 - r) * n // (2 * cp)
+        assert C - 1 <= a[1] - a[0] <= C and C - 1 <= b[1] - b[0] <= C          # no empty chunk
+    work = [causal_work(s) for s in shares]
+    if n % (2 * cp) == 0:
+        assert len(set(work)) == 1, work                                    # exactly even
+    one_chunk = causal_work(np.arange(n - C, n))                            # the costliest chunk
+    assert max(work) - min(work) <= one_chunk, (work, one_chunk)
+    contiguous = [causal_work(np.arange(r * n // cp, (r + 1) * n // cp)) for r in range(cp)]
+    if n >= 8 * cp:                                                         # what the mirror buys
+        assert max(work) / min(work) < max(contiguous) / min(contiguous)
+    order = split.gather_order()                                             # position -> gathered row
+    gathered = np.full(cp * split.max_rows, -1)
+    for r, s in enumerate(shares):
+        gathered[r * split.max_rows: r * split.max_rows + len(s)] = s
+    assert np.array_equal(gathered[order], np.arange(n))
+
+
+def test_bad_cp_sizes_fail_at_start_with_one_clear_error():
+    with pytest.raises(ValueError, match=r"context_parallel_size must be 1 \(off\) or equal data_parallel_size \(2\).*got 3"):
+        EngineArgs(data_parallel_size=2, context_parallel_size=3)
+    with pytest.raises(ValueError, match=r"equal data_parallel_size \(1\).*got 2"):
+        EngineArgs(context_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative"):
+        EngineArgs(data_parallel_size=2, context_parallel_size=2, speculative="dspark", max_num_batched_tokens=8192)
+    with pytest.raises(ValueError, match="cp_min_prompt_tokens must be >= 1, got 0"):
+        EngineArgs(data_parallel_size=2, context_parallel_size=2, cp_min_prompt_tokens=0)
+    with pytest.raises(ValueError, match="cp_min_prompt_tokens=8192 exceeds max_num_batched_tokens=2048"):
+        EngineArgs(data_parallel_size=2, context_parallel_size=2)        # the defaults: CP could never run
+    EngineArgs(data_parallel_size=2, context_parallel_size=2, max_num_batched_tokens=8192)
+
+
+# ---- the engine over gloo ranks -------------------------------------------------------------------
+@pytest.mark.parametrize("fixture_name,ranks", [("v41-tiny-bf16", 2), ("v41-tiny", 4)])
+def test_cp_prefill_passes_check_parity(fixture_name, ranks, tmp_path, tmp_path_factory):
+    """16 teacher-forced requests; the 300- and 695-token prompts are prefilled with balanced CP
+    (chunks of 38..174 tokens: window lists and compressor groups span ranks) while other ranks'
+    requests decode; every copy's logits pass the fixture's rule."""
+    ckpt = build_fixture(fixture_name, tmp_path_factory)
+    expected = np.load(ckpt / "expected.npz")
+    engine = Engine(EngineArgs(checkpoint=str(ckpt), device="cpu", max_num_seqs=8, max_num_batched_tokens=1024,
+                               num_cache_blocks=8 * 13, data_parallel_size=ranks, context_parallel_size=ranks,
+                               cp_min_prompt_tokens=256, worker_threads=1,
+                               model_overrides={"emulate_index_k_alias": True}))
+    try:
+        logits = run_teacher_forced(engine, expected)
+        cp = engine.scheduler.cp_prefills
+        pings = engine.runner.ping()
+        assert engine.kv_cache.num_used_blocks == 0                  # owners' and borrowed blocks all back
+        engine.kv_cache.check()
+    finally:
+        engine.shutdown()
+    assert len(cp) >= 4 and {n for _, _, n in cp} == {299, 694}, cp
+    assert all(p["num_cp_prefills"] == len(cp) for p in pings)     # every rank ran its share of each
+    check_copies(logits, expected, ckpt, tmp_path, f"16 requests over {ranks} ranks, long prompts with CP")
+
+
+PROMPT_LENS = (695, 300, 145, 40, 18)
+
+
+def _prompts(ckpt) -> list[list[int]]:
+    """The fixture's prompts and a 40-token one (chunks of 5: shorter than a window, a ratio group
+    split over ranks), longest first."""
+    ids = [p["ids"] for p in json.loads((ckpt / "prompts.json").read_text())["prompts"]]
+    ids.append(ids[3][100:140])
+    return sorted(ids, key=len, reverse=True)
+
+
+def _params(n: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.9, top_p=0.95, seed=5 + i,
+                           ignore_eos=True) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def one_rank_tokens(tmp_path_factory):
+    ckpt = build_fixture("v41-tiny", tmp_path_factory)
+    prompts = _prompts(ckpt)
+    llm = LLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=1024, batch_invariant=True, device="cpu")
+    return [o.token_ids for o in llm.generate(prompts, _params(len(prompts)))]
+
+
+@pytest.mark.parametrize("ranks,extra", [(2, {}), (4, {}), (2, {"expert_parallel": False, "async_scheduling": True})])
+def test_cp_tokens_equal_one_rank_and_decode_stays_on_owner(ranks, extra, one_rank_tokens, tmp_path_factory):
+    """batch_invariant: every prompt (18..695 tokens) prefilled with CP, one arriving per step while
+    the earlier ones decode, gives one rank's tokens bit for bit (greedy and seeded sampling; EP on,
+    and experts replicated with pipelined steps). After its CP step a request lives on its owner
+    alone: the others hold no block of it and never schedule it."""
+    ckpt = build_fixture("v41-tiny", tmp_path_factory)
+    prompts, params = _prompts(ckpt), _params(len(PROMPT_LENS))
+    engine = Engine(EngineArgs(checkpoint=str(ckpt), device="cpu", max_num_seqs=8, max_num_batched_tokens=1024,
+                               batch_invariant=True, data_parallel_size=ranks, context_parallel_size=ranks,
+                               cp_min_prompt_tokens=8, worker_threads=1, **extra))
+    dps = engine.scheduler
+    tokens: dict[str, list[int]] = {}
+    seen_on: dict[str, set[int]] = {}
+    try:
+        def step():
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            for r, s in enumerate(dps.schedulers):
+                for rid in s.requests:
+                    seen_on.setdefault(rid, set()).add(r)
+                for key in s.kv_cache.block_ids:        # a borrowed copy never outlives its step
+                    assert not key.startswith(BORROW_PREFIX) or engine._in_flight is not None, key
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"r{i}", ids, params[i])
+            while not tokens.get(f"r{i}"):
+                step()
+            owner = next(o for rid, o, _ in dps.cp_prefills if rid == f"r{i}")
+            assert dps.rank_of[f"r{i}"] == owner
+            others = [s for r, s in enumerate(dps.schedulers) if r != owner]
+            assert all(f"r{i}" not in s.kv_cache.block_ids for s in others)
+        while engine.has_unfinished_requests():
+            step()
+        pings = engine.runner.ping()
+        assert engine.kv_cache.num_used_blocks == 0
+        engine.kv_cache.check()
+    finally:
+        engine.shutdown()
+    assert [n for _, _, n in dps.cp_prefills] == [n - 1 for n in PROMPT_LENS]     # every prompt took CP
+    assert all(len(seen_on[f"r{i}"]) == 1 for i in range(len(prompts))), seen_on  # scheduled by its owner only
+    assert len({o for _, o, _ in dps.cp_prefills}) > 1                            # owners spread over ranks
+    assert all(p["num_cp_prefills"] == len(prompts) for p in pings)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == one_rank_tokens
