@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import deepseek_recipe as dr
 
 from .context import TEXT_API, RequestContext
+from .errors import error_body
 from .preprocess import EOS_TOKEN_ID, REQUEST_CLASSES, conversion_options
 from .token_bytes import TokenBytes
 
@@ -199,7 +200,8 @@ class Postprocessor:
         if context:
             ctx = RequestContext.from_json(context)
             if ctx.error_status:
-                return _outputs([ctx.error_body], "", ctx.prompt_tokens, 0, "error", ctx.error_status), False
+                body = ctx.error_body or error_body(ctx.api, ctx.error_status, ctx.error_message)
+                return _outputs([body], "", ctx.prompt_tokens, 0, "error", ctx.error_status), False
             self.streams[key] = (ResponseStream(ctx, self.tokenizer, self.options, self.token_bytes), time.monotonic())
         entry = self.streams.get(key)
         if entry is None:   # evicted, or the stream already ended on a stop sequence

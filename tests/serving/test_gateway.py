@@ -171,7 +171,7 @@ def test_bad_input_is_the_api_error(oai, claude):
         oai.chat.completions.create(model="gpt-4o", messages=USER, stream=True)
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model=MODEL, input="hi", max_output_tokens="x")
-    assert "invalid type" in e.value.message
+    assert "expected an integer" in e.value.message
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="nope", max_tokens=5, messages=USER)
     assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
