@@ -82,10 +82,14 @@ def perf_analyzer_bin() -> str:
     return str(Path(sys.prefix) / "bin" / "perf_analyzer")
 
 
-def runtime_repository(dest: Path, checkpoint: str, max_model_len: int, engine_args: dict | None = None) -> Path:
+def runtime_repository(dest: Path, checkpoint: str, max_model_len: int, engine_args: dict | None = None,
+                       limits: dict | None = None) -> Path:
+    """limits: deepinfer.recipe.validation.Limits fields for the preprocess (request size, max_tokens
+    cap and default, ...)."""
     args = {"max_model_len": max_model_len, **(engine_args or {})}
     ckpt = str(Path(checkpoint).resolve())
-    params = {c.PREPROCESS: {"checkpoint": ckpt, "max_model_len": str(args["max_model_len"])},
+    params = {c.PREPROCESS: {"checkpoint": ckpt, "max_model_len": str(args["max_model_len"]),
+                             "limits": json.dumps(limits or {})},
               c.ENGINE: {"checkpoint": ckpt, "engine_args": json.dumps(args)},
               c.POSTPROCESS: {"checkpoint": ckpt}}
     if dest.exists():
@@ -171,11 +175,14 @@ def main(argv=None) -> int:
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--engine-args", default="{}", help="JSON of deepinfer.EngineArgs fields")
+    ap.add_argument("--limits", default="{}",
+                    help='JSON of request limits, e.g. {"max_request_bytes": 4194304, "max_tokens_cap": 4096, '
+                         '"default_max_tokens": 1024} (deepinfer.recipe.validation.Limits)')
     ap.add_argument("--gateway-port", type=int, default=0,
                     help="also start the OpenAI/Anthropic HTTP gateway (ensemble/gateway.py) on this port")
     args = ap.parse_args(argv)
     repo = runtime_repository(STATE_DIR / "model_repository", args.checkpoint, args.max_model_len,
-                              json.loads(args.engine_args))
+                              json.loads(args.engine_args), json.loads(args.limits))
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port)
     print(" ".join(server.command()), flush=True)
     server.proc = subprocess.Popen(server.command(), env=server_env())
