@@ -24,6 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("deepinfer.gateway")
 
@@ -117,8 +118,10 @@ def make_guard(cfg: GuardConfig, metrics):
                 response = await handler(request)
         except web.HTTPException as e:   # aiohttp's own: unknown route, method, size (413)
             response = json_response(e.status, error_body(api, e.status, _reason(e, request)))
-        except HttpProcessingError as e:  # a body that does not decompress (gzip on a plain body)
-            response = json_response(400, error_body(api, 400, f"could not read the request body: {e.message}"))
+        except (HttpProcessingError, RequestPayloadError) as e:   # a body that does not decompress
+            log.info("%s unreadable body: %s", request_id, e)
+            response = json_response(400, error_body(api, 400, f"could not read the request body: {e}"))
+            response.force_close()   # the rest of the body is unread: this connection cannot be reused
         except Exception as e:  # noqa: BLE001 - never aiohttp's plain-text 500
             log.exception("%s %s %s failed", request_id, request.method, request.path)
             response = json_response(500, error_body(api, 500, f"internal error ({type(e).__name__}); "
@@ -161,8 +164,8 @@ async def read_body(request: web.Request, cfg: GuardConfig, api: str) -> bytes |
 def json_protocol_errors() -> None:
     """NOTE: aiohttp answers a malformed HTTP message (a header line over max_field_size, a bad
     method) from RequestHandler.handle_error in text/plain before any middleware runs; wrap it so the
-    status stays and the body is OpenAI's error JSON (the API is unknown at that point). Called once
-    by the gateway's main()."""
+    status stays and the body is the API's error JSON (by the path, when aiohttp parsed that far;
+    else OpenAI's). Called once by the gateway's main()."""
     from aiohttp import web_protocol
     original = web_protocol.RequestHandler.handle_error
     if getattr(original, "_deepinfer_json", False):
@@ -170,7 +173,11 @@ def json_protocol_errors() -> None:
 
     def handle_error(self, request, status=500, exc=None, message=None):
         response = original(self, request, status, exc, message)
-        body = error_body("chat.completions", response.status, (exc and str(exc)) or message or response.reason)
+        try:
+            api = api_of(request)
+        except Exception:  # noqa: BLE001 - a message too broken to have a path
+            api = "chat.completions"
+        body = error_body(api, response.status, (exc and str(exc)) or message or response.reason)
         json_error = web.Response(status=response.status, body=body.encode(), content_type="application/json")
         json_error.force_close()
         return json_error

@@ -11,6 +11,7 @@ import math
 from ..errors import RecipeError, api_error
 
 _MISSING = object()
+INT64_MAX = 2**63 - 1
 
 
 def bad(api: str, param: str, openai_msg: str, anthropic_msg: str | None = None, status: int = 400) -> RecipeError:
@@ -33,6 +34,8 @@ def number(api: str, body: dict, name: str, lo: float | None = None, hi: float |
     if v is _MISSING or v is None:
         return
     kind = "integer" if integer else "number"
+    if integer and hi is None:
+        hi = INT64_MAX   # what the official APIs' 64-bit integers hold
     if not (is_int(v) if integer else is_number(v)):
         raise bad(api, name, f"expected {'an integer' if integer else 'a number'}, but got {type(v).__name__} instead.",
                   f"Input should be a valid {kind}")
