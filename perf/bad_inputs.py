@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gateway", help="a running gateway's URL (default: start one)")
     ap.add_argument("--triton", help="a running Triton's HTTP URL (with --gateway)")
     ap.add_argument("--generated", type=int, default=450, help="hypothesis-generated cases")
-    ap.add_argument("--max-request-bytes", type=int, default=200_000, help="the gateway's limit (413 above it)")
+    ap.add_argument("--max-request-bytes", type=int, default=300_000, help="the gateway's limit (413 above it)")
     args = ap.parse_args(argv)
     if args.gateway:
         return run({"gateway": args.gateway, "text": args.triton}, args.generated, args.max_request_bytes)

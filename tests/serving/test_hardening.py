@@ -19,7 +19,7 @@ from tests.serving.test_gateway import MODEL, USER, start_gateway, stop_gateway
 
 pytestmark = pytest.mark.triton
 
-MAX_BYTES = 200_000
+MAX_BYTES = 300_000   # above the 200 KB 100,000-deep body, so depth (not size) refuses it
 NO_THINK = {"thinking": {"type": "disabled"}}
 
 
@@ -67,7 +67,8 @@ def test_chat_stop_sequence_not_streaming(oai):
 
 
 def test_messages_stop_sequences_not_streaming(claude):
-    kw = dict(model=MODEL, max_tokens=24, messages=USER, temperature=0, thinking={"type": "disabled"})
+    # NOTE: anthropic 2.15's create() has no temperature/top_k keywords any more: extra_body
+    kw = dict(model=MODEL, max_tokens=24, messages=USER, thinking={"type": "disabled"}, extra_body={"temperature": 0})
     full = claude.messages.create(**kw).content[0].text
     stop = _stop_in(full)
     cut = claude.messages.create(**kw, stop_sequences=[stop])
@@ -139,7 +140,8 @@ def test_previous_response_id_is_400(oai):
     assert e.value.body["param"] == "previous_response_id"
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=2), dict(top_k=-1), dict(thinking={"type": "enabled", "budget_tokens": 10}),
+@pytest.mark.parametrize("kw", [dict(extra_body={"temperature": 2}), dict(extra_body={"top_k": -1}),
+                                dict(thinking={"type": "enabled", "budget_tokens": 10}),
                                 dict(messages=[{"role": "system", "content": "x"}, *USER])])
 def test_messages_official_ranges(claude, kw):
     with pytest.raises(anthropic.BadRequestError) as e:
