@@ -22,6 +22,7 @@ import logging
 from typing import Awaitable, Callable
 
 log = logging.getLogger("deepinfer.gateway")
+PROBE_TIMEOUT_S = 5.0   # a busy engine (a long CPU step, a loaded host) may be slow to answer; not dead
 
 
 class EngineDead(RuntimeError):
@@ -53,7 +54,7 @@ class EngineWatch:
 
     async def check(self) -> None:
         try:
-            await self.probe(self.period_s * 2)
+            await self.probe(max(PROBE_TIMEOUT_S, self.period_s))
         except asyncio.TimeoutError:
             self._timeouts += 1
             if self._timeouts >= self.timeouts_to_dead:

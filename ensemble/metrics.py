@@ -7,6 +7,7 @@ engine. pb_utils is passed in, so this module does not import Triton.
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Callable
 
@@ -96,8 +97,13 @@ class TritonMetrics:
                 pass
 
     def close(self) -> None:
+        """NOTE: the poll thread must be gone before the metrics go, and every Metric must be released
+        before its MetricFamily: freeing a family first (as interpreter teardown may) crashed the stub
+        in its C++ metrics cleanup now and then."""
         self._stop.set()
-        self._thread.join(2 * self.period_s)
+        self._thread.join(max(5.0, 2 * self.period_s))
         self.counters = self.gauges = {}
         self.rank_gauges = []
         self.ttft = self.itl = None
+        gc.collect()
+        self._families.clear()
