@@ -173,6 +173,9 @@ class EngineDriver:
         new_lp = list(delta.new_logprobs) if delta.new_logprobs else []
         if finished:
             self._finish(state)
+            observe_e2e = getattr(self.observer, "observe_e2e", None)
+            if observe_e2e is not None:
+                observe_e2e(time.monotonic() - state.start)
         if state.req.streaming:
             if delta.new_token_ids or finished:
                 state.sender.send(state.outputs(list(delta.new_token_ids), new_lp, delta.finish_reason,

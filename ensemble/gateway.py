@@ -200,8 +200,10 @@ class Gateway:
         key = "gw-" + request["request_id"].removeprefix("req_")
         call = self._call({"request": raw, "api": api, "request_key": key}, key)
         self.metrics.add("requests_in_flight", 1)
+        t0 = time.monotonic()
         try:
             first = await call.next()
+            self.metrics.observe("first_chunk_seconds", time.monotonic() - t0, api=api)
             if first is None:
                 return json_response(500, error_body(api, 500, "the ensemble sent no response"))
             if first["status"] != 200 or not wants_stream(raw):
