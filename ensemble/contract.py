@@ -102,7 +102,9 @@ class ModelSettings:
 # "" for checkpoint = $DEEPINFER_CHECKPOINT, else <repo>/checkpoints/tiny (what `make serve` builds).
 SETTINGS = {
     # max_model_len: the same context limit in both (the preprocess caps output limits with it)
-    PREPROCESS: ModelSettings(2, False, (("checkpoint", ""), ("max_model_len", "16384"))),
+    # limits: JSON of deepinfer.recipe.validation.Limits fields (max_request_bytes, max_tokens_cap,
+    # default_max_tokens, ...); "{}" = the defaults
+    PREPROCESS: ModelSettings(2, False, (("checkpoint", ""), ("max_model_len", "16384"), ("limits", "{}"))),
     ENGINE: ModelSettings(1, True, (("checkpoint", ""), ("engine_args", '{"max_model_len": 16384}'))),
     # NOTE: one instance, no dynamic batcher. Parsing is stateful (one StreamProcessor per request
     # key: tags, tool calls and multi-byte characters span engine steps), so every chunk of a request

@@ -106,10 +106,22 @@ class EngineDriver:
             self.active[req.request_key] = state
             self.engine.add_request(req.request_key, req.input_ids, params,
                                     lambda delta: self._events.put((state, delta)))
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError) as e:   # the engine's admission checks (a grammar it cannot compile...)
             if self.active.get(req.request_key) is state:
                 del self.active[req.request_key]
-            sender.send_error(str(e), "INVALID_ARG")
+            self._reject(state, str(e))
+
+    def _reject(self, state: _Active, message: str) -> None:
+        """A client error found at admission: through the ensemble it is an ordinary last response
+        whose context carries status 400 and the message (the postprocess writes the API's error
+        body, as for the preprocess's own rejections); called directly, a Triton INVALID_ARG."""
+        if not state.req.context:
+            state.sender.send_error(message, "INVALID_ARG")
+            return
+        ctx = json.loads(state.req.context)
+        ctx.update(error_status=400, error_message=message)
+        state.req.context = json.dumps(ctx, ensure_ascii=False)
+        state.sender.send(state.outputs([], None, "error", len(state.req.input_ids), 0), True)
 
     def stop(self, request_key: str) -> None:
         """The explicit stop input (a gateway, or the postprocess on a matched stop sequence)."""
@@ -161,6 +173,9 @@ class EngineDriver:
         new_lp = list(delta.new_logprobs) if delta.new_logprobs else []
         if finished:
             self._finish(state)
+            observe_e2e = getattr(self.observer, "observe_e2e", None)
+            if observe_e2e is not None:
+                observe_e2e(time.monotonic() - state.start)
         if state.req.streaming:
             if delta.new_token_ids or finished:
                 state.sender.send(state.outputs(list(delta.new_token_ids), new_lp, delta.finish_reason,

@@ -2,7 +2,12 @@
 
     python -m deepinfer.ensemble.gateway --triton-grpc localhost:8001 --port 9000
 
-    POST /v1/chat/completions   POST /v1/responses   POST /v1/messages   GET /v1/models[/{id}]   GET /health
+    POST /v1/chat/completions   POST /v1/responses   POST /v1/messages   GET /v1/models[/{id}]
+    GET /health   GET /metrics (Prometheus: gateway_metrics.py)
+
+Every request passes the guard first (gateway_guard.py: API keys, request ids in the logs and the
+x-request-id header, size and JSON-depth limits, every error in the API's own JSON), and an engine
+liveness probe (engine_watch.py) ends every open stream with an error if the engine process dies.
 
 The gateway renders nothing: the postprocess already writes each chunk / event / whole response in
 the request's own format, so a body goes out as the ensemble's `response` output, unchanged; the
@@ -38,29 +43,20 @@ from aiohttp import web
 
 from . import contract as c
 from .client import _input_tensor, decode_result
+from .gateway_guard import (ROUTES, GuardConfig, error_body, json_protocol_errors, json_response, make_guard,
+                            read_body)
+from .engine_watch import EngineDead, EngineWatch
+from .gateway_metrics import GatewayMetrics
 
 log = logging.getLogger("deepinfer.gateway")
 
-ROUTES = {"/v1/chat/completions": "chat.completions", "/v1/responses": "responses", "/v1/messages": "messages"}
 SERVED_MODELS = ("deepseek-flash", "DeepSeek-V4.1-Flash", "deepseek_v41_flash")   # what the preprocess accepts
 _ABANDON_S = 60.0                  # how long an abandoned request's stream is drained for its FINAL
+PROBE_PERIOD_S = 2.0               # the engine liveness probe (EngineWatch)
+PROBE_TIMEOUTS_TO_DEAD = 3         # probes in a row without an answer before the engine counts as dead
 
 
-# -- each API's error body and SSE framing --------------------------------------------------------
-_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                     529: "overloaded_error"}
-
-
-def error_body(api: str, status: int, message: str) -> str:
-    """The API's own error JSON (what the recipe writes for rejections, for the gateway's own errors)."""
-    if api == "messages":
-        return json.dumps({"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"),
-                                                      "message": message}})
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
-
-
+# -- each API's SSE framing --------------------------------------------------------------------------
 def sse_frame(api: str, chunk: str) -> bytes:
     """Chat: `data: {...}`; Responses and Messages: `event: <type>` + `data: {...}`."""
     if api == "chat.completions":
@@ -80,14 +76,10 @@ def sse_error(api: str, message: str) -> bytes:
 SSE_END = {"chat.completions": b"data: [DONE]\n\n", "responses": b"", "messages": b""}
 
 
-def json_response(status: int, body: str) -> web.Response:
-    return web.Response(status=status, body=body.encode(), content_type="application/json")
-
-
 def wants_stream(raw: bytes) -> bool:
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False   # the preprocess answers with the API's error
     return isinstance(body, dict) and body.get("stream") is True
 
@@ -105,12 +97,19 @@ class EnsembleCall:
     """One ModelStreamInfer call for one request. A reader task pumps its responses into a queue, so
     waiting for the next one with a timeout never cancels the gRPC read."""
 
-    def __init__(self, client, model: str, tensors: list, request_id: str):
+    def __init__(self, client, model: str, tensors: list, request_id: str, registry: set | None = None):
         self._closed = asyncio.Event()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.engine_done = False   # a finish_reason, a FINAL or an error seen: nothing runs in the engine
+        self._registry = registry  # the open calls the engine watch fails when the engine dies
+        if registry is not None:
+            registry.add(self)
         self._it = client.stream_infer(self._requests(model, tensors, request_id))
         self._reader = asyncio.ensure_future(self._read())
+
+    def fail(self, exc: Exception) -> None:
+        """End the call with an error now (the engine died: no more responses will come)."""
+        self.queue.put_nowait(exc)
 
     async def _requests(self, model, tensors, request_id):
         yield {"model_name": model, "inputs": tensors, "request_id": request_id,
@@ -149,6 +148,8 @@ class EnsembleCall:
         return item
 
     def close(self) -> None:
+        if self._registry is not None:
+            self._registry.discard(self)
         self._closed.set()
         self._it.cancel()
         self._reader.cancel()
@@ -156,18 +157,26 @@ class EnsembleCall:
 
 # -- the application ----------------------------------------------------------------------------------
 class Gateway:
-    def __init__(self, triton_grpc: str, model: str = c.ENSEMBLE, served_models=SERVED_MODELS):
+    def __init__(self, triton_grpc: str, model: str = c.ENSEMBLE, served_models=SERVED_MODELS,
+                 guard: GuardConfig | None = None, probe_period_s: float = PROBE_PERIOD_S):
         self.triton_grpc, self.model, self.served_models = triton_grpc, model, tuple(served_models)
+        self.guard = guard or GuardConfig()
+        self.metrics = GatewayMetrics()
         self.client = None
         self._background: set[asyncio.Task] = set()
+        self.watch = EngineWatch(self._probe, probe_period_s, PROBE_TIMEOUTS_TO_DEAD,
+                                 lambda alive: self.metrics.set("engine_alive", float(alive)))
+        self.metrics.set("engine_alive", 1.0)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.guard.max_request_bytes,
+                              middlewares=[make_guard(self.guard, self.metrics)])
         for path, api in ROUTES.items():
             app.router.add_post(path, lambda request, api=api: self.handle(request, api))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id}", self.model_info)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
         return app
@@ -175,29 +184,38 @@ class Gateway:
     async def _open(self, _app) -> None:
         import tritonclient.grpc.aio as aio
         self.client = aio.InferenceServerClient(self.triton_grpc)
+        self.watch.start()
 
     async def _close(self, _app) -> None:
+        await self.watch.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=10)
         await self.client.close()
 
     # -- the three APIs ---------------------------------------------------------------------------
     async def handle(self, request: web.Request, api: str) -> web.StreamResponse:
-        raw = await request.read()
-        key = "gw-" + uuid.uuid4().hex
+        raw = await read_body(request, self.guard, api)
+        if isinstance(raw, web.Response):
+            return raw
+        key = "gw-" + request["request_id"].removeprefix("req_")
         call = self._call({"request": raw, "api": api, "request_key": key}, key)
+        self.metrics.add("requests_in_flight", 1)
+        t0 = time.monotonic()
         try:
             first = await call.next()
+            self.metrics.observe("first_chunk_seconds", time.monotonic() - t0, api=api)
             if first is None:
                 return json_response(500, error_body(api, 500, "the ensemble sent no response"))
             if first["status"] != 200 or not wants_stream(raw):
+                self._answered(api, first)
                 return json_response(first["status"], first["response"][0])
             return await self._stream(request, api, call, first)
         except TritonUnavailable as e:
             return json_response(503, error_body(api, 503, f"Triton is unreachable at {self.triton_grpc}: {e}"))
-        except TritonStreamError as e:
+        except (TritonStreamError, EngineDead) as e:
             return json_response(500, error_body(api, 500, str(e)))
         finally:
+            self.metrics.add("requests_in_flight", -1)
             if call.engine_done:
                 call.close()
             else:   # the client left (cancelled handler, failed write): stop the engine request now
@@ -205,35 +223,56 @@ class Gateway:
 
     async def _stream(self, request: web.Request, api: str, call: EnsembleCall, first: dict) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Accel-Buffering": "no"})
+                                               "X-Accel-Buffering": "no", "x-request-id": request["request_id"]})
         await response.prepare(request)
-        out = first
+        out, last = first, first
         try:
             while out is not None:
                 if out["status"] != 200:
-                    await response.write(sse_error(api, out["response"][0] if out["response"] else "error"))
+                    await self._stream_error(response, api, out["response"][0] if out["response"] else "error")
                     break
+                last = out
                 frames = b"".join(sse_frame(api, chunk) for chunk in out["response"])
                 if frames:
                     await response.write(frames)
                 out = await call.next()
             else:
+                self._answered(api, last)
                 await response.write(SSE_END[api])
-        except (TritonUnavailable, TritonStreamError) as e:
-            await response.write(sse_error(api, str(e)))
+        except (TritonUnavailable, TritonStreamError, EngineDead) as e:
+            await self._stream_error(response, api, str(e))
         except ConnectionResetError:
             return response   # the client left; handle()'s finally stops the engine request
         await response.write_eof()
         return response
 
+    async def _stream_error(self, response: web.StreamResponse, api: str, message: str) -> None:
+        """The API's error event, then its end marker: a client never waits on a broken stream."""
+        self.metrics.inc("stream_errors_total", api=api)
+        await response.write(sse_error(api, message) + SSE_END[api])
+
+    def _answered(self, api: str, out: dict) -> None:
+        if out.get("status") == 200:
+            self.metrics.answered(api, int(out.get("num_input_tokens") or 0), int(out.get("num_output_tokens") or 0),
+                                  out.get("finish_reason") or "")
+
     def _call(self, inputs: dict, key: str) -> EnsembleCall:
         specs = {t.name: t for t in c.ensemble_inputs()}
         tensors = [_input_tensor(_grpc_module(), specs[k], v) for k, v in inputs.items()]
-        return EnsembleCall(self.client, self.model, tensors, key)
+        call = EnsembleCall(self.client, self.model, tensors, key, self.watch.calls)
+        if not self.watch.alive:
+            call.fail(EngineDead("the engine model is not answering (see the gateway's /health)"))
+        return call
 
     # -- stopping -------------------------------------------------------------------------------------
     async def stop_engine(self, key: str, timeout: float = 10.0) -> None:
         """request_key + stop=true to the engine model (the contract's stop; FINAL only comes back)."""
+        try:
+            await self._engine_stop(key, timeout)
+        except (asyncio.TimeoutError, TritonUnavailable, TritonStreamError) as e:
+            log.warning("stop of %s: %s", key, e)
+
+    async def _engine_stop(self, key: str, timeout: float) -> None:
         specs = {t.name: t for t in c.tensors(c.ENGINE, c.IN)}
         tensors = [_input_tensor(_grpc_module(), specs["request_key"], key),
                    _input_tensor(_grpc_module(), specs["stop"], True)]
@@ -241,23 +280,26 @@ class Gateway:
         try:
             while await call.next(timeout) is not None:
                 pass
-        except (asyncio.TimeoutError, TritonUnavailable, TritonStreamError) as e:
-            log.warning("stop of %s: %s", key, e)
         finally:
             call.close()
+
+    async def _probe(self, timeout: float) -> None:
+        """The liveness probe: a stop for a key no request uses (EngineWatch)."""
+        await self._engine_stop("gw-liveness-probe", timeout)
 
     async def _abandon(self, call: EnsembleCall, key: str) -> None:
         """Stop the request, then drain its stream until FINAL (or give up after _ABANDON_S)."""
         try:
-            await self.stop_engine(key)
+            if self.watch.alive:
+                await self.stop_engine(key)
             deadline = time.monotonic() + _ABANDON_S
-            while not call.engine_done and time.monotonic() < deadline:
+            while not call.engine_done and time.monotonic() < deadline and self.watch.alive:
                 try:
                     if await call.next(5.0) is None:
                         break
                 except asyncio.TimeoutError:
                     continue
-                except (TritonUnavailable, TritonStreamError):
+                except (TritonUnavailable, TritonStreamError, EngineDead):
                     break
         finally:
             call.close()
@@ -267,7 +309,7 @@ class Gateway:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # -- models and health ------------------------------------------------------------------------------
+    # -- models, health, metrics --------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         data = [_model_entry(m, request) for m in self.served_models]
         if "anthropic-version" in request.headers:   # the Anthropic SDK's models.list()
@@ -279,15 +321,23 @@ class Gateway:
         model_id = request.match_info["model_id"]
         if model_id in self.served_models:
             return web.json_response(_model_entry(model_id, request))
-        api = "messages" if "anthropic-version" in request.headers else "chat.completions"
-        return json_response(404, error_body(api, 404, f"The model {model_id!r} does not exist."))
+        if "anthropic-version" in request.headers:
+            return json_response(404, error_body("messages", 404, f"model: {model_id}"))
+        return json_response(404, error_body("chat.completions", 404, f"The model `{model_id}` does not exist or "
+                                             "you do not have access to it.", "model_not_found"))
 
     async def health(self, _request: web.Request) -> web.Response:
+        if not self.watch.alive:
+            return web.json_response({"status": "unavailable", "error": "the engine model is not answering"},
+                                     status=503)
         try:
             ready = await self.client.is_model_ready(self.model, client_timeout=5)
         except Exception as e:  # noqa: BLE001 - any failure to ask is "not ready"
             return web.json_response({"status": "unavailable", "error": str(e)}, status=503)
         return web.json_response({"status": "ready" if ready else "loading"}, status=200 if ready else 503)
+
+    async def prometheus(self, _request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(), content_type="text/plain")
 
 
 def _model_entry(model_id: str, request: web.Request) -> dict:
@@ -307,12 +357,22 @@ def main(argv=None) -> int:
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--model", default=c.ENSEMBLE, help="the ensemble's name in Triton")
+    ap.add_argument("--api-key", action="append", default=[],
+                    help="accept this key (Authorization: Bearer / x-api-key); repeatable; none = no authentication")
+    ap.add_argument("--api-key-file", help="a file of accepted keys, one a line ('#' comments)")
+    ap.add_argument("--max-request-bytes", type=int, default=GuardConfig.max_request_bytes)
+    ap.add_argument("--max-json-depth", type=int, default=GuardConfig.max_json_depth)
+    ap.add_argument("--probe-period", type=float, default=PROBE_PERIOD_S, help="engine liveness probe period (s)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    guard = GuardConfig.from_args(args.api_key, args.api_key_file, args.max_request_bytes, args.max_json_depth)
+    json_protocol_errors()
     # handler_cancellation: a client that disconnects cancels its handler at once, even while it
-    # waits for the first token or a whole non-streaming answer, so the engine request is stopped
-    web.run_app(Gateway(args.triton_grpc, args.model).app(), host=args.host, port=args.port,
-                handler_cancellation=True, print=lambda s: log.info(s))
+    # waits for the first token or a whole non-streaming answer, so the engine request is stopped.
+    # Header limits 64 KiB (aiohttp's default 8 KiB refuses ordinary large cookies/tokens).
+    web.run_app(Gateway(args.triton_grpc, args.model, guard=guard, probe_period_s=args.probe_period).app(),
+                host=args.host, port=args.port, handler_cancellation=True, print=lambda s: log.info(s),
+                access_log=None, max_field_size=65536, max_line_size=65536)
     return 0
 
 

@@ -7,18 +7,26 @@ engine. pb_utils is passed in, so this module does not import Triton.
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Callable
 
 TTFT_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0]
+E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 COUNTERS = {"prompt_tokens_total": "Prompt tokens of admitted requests",
             "generation_tokens_total": "Generated tokens delivered",
             "preemptions_total": "Requests preempted to free cache",
             "spec_draft_tokens_proposed_total": "DSpark draft tokens proposed",
             "spec_draft_tokens_verified_total": "DSpark draft tokens verified (after the confidence policy)",
             "spec_draft_tokens_accepted_total": "DSpark draft tokens accepted",
-            "spec_verify_steps_total": "Request-steps that verified drafts"}
+            "spec_verify_steps_total": "Request-steps that verified drafts",
+            "computed_tokens_total": "Tokens run through the model (recompute after preemption included)",
+            "steps_total": "Engine steps",
+            "requests_finished_stop": "Requests finished by EOS / stop",
+            "requests_finished_length": "Requests finished at max_tokens",
+            "requests_finished_abort": "Requests stopped (client gone, stop sequence)",
+            "requests_finished_error": "Requests failed by an engine fault"}
 GAUGES = {"num_requests_running": "Requests in the running batch",
           "num_requests_waiting": "Requests waiting to be scheduled",
           "cache_usage": "Fraction of KV cache blocks in use",
@@ -56,8 +64,10 @@ class TritonMetrics:
             self.rank_gauges = [{RANK_GAUGES[k][0]: f.Metric(labels={**labels, "rank": str(r)}) for k, f in fams.items()}
                                 for r in range(num_ranks)]
         hist = getattr(mf, "HISTOGRAM", None)
-        self.ttft = self.itl = None
+        self.ttft = self.itl = self.e2e = None
         if hist is not None:   # python_backend 24.09+
+            self.e2e = family("e2e_request_latency_seconds", "Engine request latency, arrival to last token", hist).Metric(
+                labels=labels, buckets=E2E_BUCKETS)
             self.ttft = family("time_to_first_token_seconds", "Time to first token", hist).Metric(
                 labels=labels, buckets=TTFT_BUCKETS)
             self.itl = family("inter_token_latency_seconds", "Inter-token latency", hist).Metric(
@@ -74,6 +84,10 @@ class TritonMetrics:
     def observe_itl(self, seconds: float) -> None:
         if self.itl is not None:
             self.itl.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        if self.e2e is not None:
+            self.e2e.observe(seconds)
 
     def update(self) -> None:
         snap = self.snapshot()
@@ -96,8 +110,13 @@ class TritonMetrics:
                 pass
 
     def close(self) -> None:
+        """NOTE: the poll thread must be gone before the metrics go, and every Metric must be released
+        before its MetricFamily: freeing a family first (as interpreter teardown may) crashed the stub
+        in its C++ metrics cleanup now and then."""
         self._stop.set()
-        self._thread.join(2 * self.period_s)
+        self._thread.join(max(5.0, 2 * self.period_s))
         self.counters = self.gauges = {}
         self.rank_gauges = []
-        self.ttft = self.itl = None
+        self.ttft = self.itl = self.e2e = None
+        gc.collect()
+        self._families.clear()

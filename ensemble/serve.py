@@ -12,6 +12,7 @@ library links perf_analyzer from the tritonclient wheel needs. Everything lives 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from . import config
 from . import contract as c
 
 STATE_DIR = config.REPO_ROOT / ".triton"
+DEAD_STUB_GRACE_S = 5.0   # how long a server with a dead stub is given to stop before SIGKILL
 
 
 def pytriton_root() -> Path:
@@ -82,10 +84,14 @@ def perf_analyzer_bin() -> str:
     return str(Path(sys.prefix) / "bin" / "perf_analyzer")
 
 
-def runtime_repository(dest: Path, checkpoint: str, max_model_len: int, engine_args: dict | None = None) -> Path:
+def runtime_repository(dest: Path, checkpoint: str, max_model_len: int, engine_args: dict | None = None,
+                       limits: dict | None = None) -> Path:
+    """limits: deepinfer.recipe.validation.Limits fields for the preprocess (request size, max_tokens
+    cap and default, ...)."""
     args = {"max_model_len": max_model_len, **(engine_args or {})}
     ckpt = str(Path(checkpoint).resolve())
-    params = {c.PREPROCESS: {"checkpoint": ckpt, "max_model_len": str(args["max_model_len"])},
+    params = {c.PREPROCESS: {"checkpoint": ckpt, "max_model_len": str(args["max_model_len"]),
+                             "limits": json.dumps(limits or {})},
               c.ENGINE: {"checkpoint": ckpt, "engine_args": json.dumps(args)},
               c.POSTPROCESS: {"checkpoint": ckpt}}
     if dest.exists():
@@ -109,6 +115,8 @@ class TritonServer:
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.extra_args = extra_args or []
         self.proc: subprocess.Popen | None = None
+        self.shm_regions: set[str] = set()
+        self._seen_stubs: set[str] = set()
 
     def command(self) -> list[str]:
         binary = pytriton_root() / "tritonserver" / "bin" / "tritonserver"
@@ -134,6 +142,7 @@ class TritonServer:
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
+                        self.stub_pids()
                         return
             except OSError:
                 pass
@@ -147,20 +156,92 @@ class TritonServer:
         return Path(self.log_path).read_bytes()[-n:].decode("utf-8", "replace")
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGINT (Triton's graceful stop), SIGKILL after timeout; then no stub and no /dev/shm region
+        of this server is left. NOTE: a server whose stub died (kill -9, OOM) waits its whole
+        --exit-timeout-secs (30 s) for requests that dead stub will never finish, and exits 1;
+        Triton 2.51 neither restarts a Python stub nor fails its requests, so stop it after
+        DEAD_STUB_GRACE_S instead."""
+        if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stubs = self.stub_pids()   # also records the regions of the stubs still alive
+        if self.proc.poll() is None:
+            if self.dead_stubs:
+                timeout = min(timeout, DEAD_STUB_GRACE_S)
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in stubs.values():   # a stub outliving its server (killed above) would hold its memory
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        remove_shm_regions(self.shm_regions)
+
+    @property
+    def dead_stubs(self) -> set[str]:
+        """Stubs seen alive before that are gone now (their server still running)."""
+        alive = set(self.stub_pids()) if self.proc is not None and self.proc.poll() is None else set()
+        return {k for k in self._seen_stubs if k not in alive}
+
+    def stub_pids(self) -> dict[str, int]:
+        """The Python backend stubs; also records their /dev/shm regions (removed at stop if left)."""
+        stubs = stub_pids(self.proc.pid) if self.proc is not None else {}
+        for pid in stubs.values():
+            self.shm_regions |= _shm_regions(pid)
+        self._seen_stubs |= set(stubs)
+        return stubs
 
     def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc):
         self.stop()
+
+
+# -- the Python backend's stub processes and their shared memory --------------------------------------------
+STUB = "triton_python_backend_stub"
+SHM_PREFIX = "triton_python_backend_shm_region"
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def stub_pids(server_pid: int) -> dict[str, int]:
+    """{model instance folder's model name: stub pid} of one tritonserver's Python backend stubs."""
+    stubs = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        args = _cmdline(int(entry.name))
+        if ppid == server_pid and args and args[0].endswith(STUB):
+            model = Path(args[1]).parent.parent.name   # <repo>/<model>/1/model.py
+            stubs[f"{model}:{entry.name}"] = int(entry.name)
+    return stubs
+
+
+def _shm_regions(pid: int) -> set[str]:
+    return {a for a in _cmdline(pid) if a.startswith(SHM_PREFIX)}
+
+
+def remove_shm_regions(names: set[str]) -> list[str]:
+    """NOTE: a stub killed with SIGKILL cannot unlink its /dev/shm region, and tritonserver does not
+    either; remove the ones of this server's stubs (named in their command lines) after it exits."""
+    removed = []
+    for name in names:
+        path = Path("/dev/shm") / name
+        if path.exists():
+            path.unlink(missing_ok=True)
+            removed.append(name)
+    return removed
 
 
 def main(argv=None) -> int:
@@ -171,26 +252,37 @@ def main(argv=None) -> int:
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--engine-args", default="{}", help="JSON of deepinfer.EngineArgs fields")
+    ap.add_argument("--limits", default="{}",
+                    help='JSON of request limits, e.g. {"max_request_bytes": 4194304, "max_tokens_cap": 4096, '
+                         '"default_max_tokens": 1024} (deepinfer.recipe.validation.Limits)')
     ap.add_argument("--gateway-port", type=int, default=0,
                     help="also start the OpenAI/Anthropic HTTP gateway (ensemble/gateway.py) on this port")
     args = ap.parse_args(argv)
     repo = runtime_repository(STATE_DIR / "model_repository", args.checkpoint, args.max_model_len,
-                              json.loads(args.engine_args))
+                              json.loads(args.engine_args), json.loads(args.limits))
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port)
     print(" ".join(server.command()), flush=True)
     server.proc = subprocess.Popen(server.command(), env=server_env())
-    # forward SIGTERM as SIGINT (tritonserver's graceful stop); the wait below then returns
-    signal.signal(signal.SIGTERM, lambda *_: server.proc.send_signal(signal.SIGINT))
+    # SIGTERM stops like Ctrl-C: through server.stop() (graceful, bounded when a stub died)
+    signal.signal(signal.SIGTERM, _interrupt)
     gateway = start_gateway(args.gateway_port, f"127.0.0.1:{args.grpc_port}") if args.gateway_port else None
     try:
-        return server.proc.wait()
+        while server.proc.poll() is None:
+            server.stub_pids()   # records the stubs' /dev/shm regions, removed at exit if a stub could not
+            time.sleep(2)
+        return server.proc.returncode
     except KeyboardInterrupt:
         server.stop()
         return 0
     finally:
+        remove_shm_regions(server.shm_regions)
         if gateway is not None:
             gateway.terminate()
             gateway.wait(15)
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def start_gateway(port: int, triton_grpc: str) -> subprocess.Popen:

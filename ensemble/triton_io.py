@@ -21,10 +21,21 @@ def read_inputs(pb_utils, request, model: str) -> dict:
     return values
 
 
+def _text(x) -> str | bytes:
+    """NOTE: bytes that are not UTF-8 stay bytes, so the preprocess can refuse them (a 400) instead
+    of running on U+FFFD replacements."""
+    if not isinstance(x, bytes):
+        return str(x)
+    try:
+        return x.decode("utf-8")
+    except UnicodeDecodeError:
+        return x
+
+
 def to_python(t: c.Tensor, array: np.ndarray):
     flat = array.reshape(-1)
     if t.dtype == c.BYTES:
-        items = [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in flat]
+        items = [_text(x) for x in flat]
         return items if t.dims == (-1,) else (items[0] if items else None)
     if t.dims == (-1,):
         return flat.tolist()

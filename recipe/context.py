@@ -25,6 +25,8 @@ class RequestContext:
     prompt_tokens: int = 0
     error_status: int = 0         # != 0: the request was rejected; error_body is the API's error JSON
     error_body: str = ""
+    error_message: str = ""       # a rejection found after the preprocess (the engine's admission
+                                  # checks): the postprocess writes error_body from it
     input_text: str = ""          # text API with exclude_input_in_output=false: echoed first
     stop_words: list[str] = field(default_factory=list)   # text API stop strings
 

@@ -13,8 +13,8 @@ import json
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                     500: "api_error", 503: "overloaded_error"}
-_OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "server_error",
-                 503: "server_error"}
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
 class RecipeError(Exception):
@@ -26,17 +26,17 @@ class RecipeError(Exception):
         self.body = body
 
 
-def error_body(api: str, status: int, message: str, code: str | None = None) -> str:
+def error_body(api: str, status: int, message: str, code: str | None = None, param: str | None = None) -> str:
     if api == "messages":
         err_type = _ANTHROPIC_TYPES.get(status, "api_error")
         return json.dumps({"type": "error", "error": {"type": err_type, "message": message}})
     err_type = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return json.dumps({"error": {"message": message, "type": err_type, "param": None,
+    return json.dumps({"error": {"message": message, "type": err_type, "param": param,
                                  "code": code or err_type}})
 
 
-def api_error(api: str, status: int, message: str, code: str | None = None) -> RecipeError:
-    return RecipeError(status, error_body(api, status, message, code))
+def api_error(api: str, status: int, message: str, code: str | None = None, param: str | None = None) -> RecipeError:
+    return RecipeError(status, error_body(api, status, message, code, param))
 
 
 def from_conversion_error(api: str, exc: Exception) -> RecipeError:

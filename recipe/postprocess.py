@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import deepseek_recipe as dr
 
 from .context import TEXT_API, RequestContext
+from .errors import error_body
 from .preprocess import EOS_TOKEN_ID, REQUEST_CLASSES, conversion_options
 from .token_bytes import TokenBytes
 
@@ -68,7 +69,8 @@ class ResponseStream:
             self.num_output_tokens += len(token_ids)
             self._last_ids = (self._last_ids + list(token_ids))[-4:]
             protocol_chunks += self._push_ids(list(token_ids), logprobs)
-        out.stopped = self.processor.finished and not finish_reason
+        by_stop_sequence = self.processor.finished
+        out.stopped = by_stop_sequence and not finish_reason   # the engine is still generating
         if finish_reason and not self.processor.finished:
             text_ids = self._last_ids[:-1] if self._last_ids[-1:] == [EOS_TOKEN_ID] else self._last_ids
             cut = self.token_bytes.incomplete_tail(text_ids) if self.token_bytes is not None else 0
@@ -81,7 +83,7 @@ class ResponseStream:
         self._emit(protocol_chunks, out)
         out.num_output_tokens = self.num_output_tokens
         if out.done:
-            out.finish_reason = "stop" if out.stopped else (finish_reason or "stop")
+            out.finish_reason = "stop" if by_stop_sequence else (finish_reason or "stop")
         return out
 
     def _push_ids(self, ids: list[int], logprobs) -> list:
@@ -95,6 +97,8 @@ class ResponseStream:
         # would lose a step's worth of tokens that the same request streamed).
         chunks = []
         for i, token_id in enumerate(ids):
+            if self.processor.finished:   # a stop sequence matched: the ids after it are not part of the answer
+                return chunks
             lp = logprobs[i:i + 1] if logprobs else logprobs
             chunks += self.processor.push(dr.InferenceChunk.tokens([token_id], lp))
         if eos and not self.processor.finished:
@@ -107,7 +111,7 @@ class ResponseStream:
     def _emit(self, protocol_chunks: list, out: StepOutput) -> None:
         texts = []
         for chunk in protocol_chunks:
-            data = chunk.to_json()
+            data = clamp_reasoning_tokens(chunk.to_json())
             texts.append(answer_text(self.ctx.api, data))
             if self.response is not None:
                 self.response.accumulate(chunk)
@@ -118,7 +122,28 @@ class ResponseStream:
             self._pending_input_text = ""
         out.text = "".join(texts)
         if self.response is not None and out.done:
-            out.chunks.append(self.response.to_json())
+            out.chunks.append(clamp_reasoning_tokens(self.response.to_json()))
+
+
+def clamp_reasoning_tokens(data: str) -> str:
+    """NOTE: deepseek-recipe 0.2.0 counts a token that decodes to an invalid UTF-8 sequence twice in
+    `reasoning_tokens` (one id -> 2), so usage could say 33 reasoning tokens of 32; reasoning tokens
+    are a part of the completion tokens, so cap them there (the official APIs' invariant)."""
+    if "reasoning_tokens" not in data:
+        return data
+    obj = json.loads(data)
+    for usage in _usages(obj):
+        details = usage.get("completion_tokens_details") or usage.get("output_tokens_details")
+        total = usage.get("completion_tokens", usage.get("output_tokens"))
+        if isinstance(details, dict) and isinstance(total, int) and (details.get("reasoning_tokens") or 0) > total:
+            details["reasoning_tokens"] = total
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def _usages(obj: dict) -> list[dict]:
+    """The usage objects of a chunk, event or response (Responses events nest it in `response`)."""
+    found = [obj.get("usage")] + [(obj.get("response") or {}).get("usage")]
+    return [u for u in found if isinstance(u, dict)]
 
 
 def answer_text(api: str, chunk_json: str) -> str:
@@ -175,7 +200,8 @@ class Postprocessor:
         if context:
             ctx = RequestContext.from_json(context)
             if ctx.error_status:
-                return _outputs([ctx.error_body], "", ctx.prompt_tokens, 0, "error", ctx.error_status), False
+                body = ctx.error_body or error_body(ctx.api, ctx.error_status, ctx.error_message)
+                return _outputs([body], "", ctx.prompt_tokens, 0, "error", ctx.error_status), False
             self.streams[key] = (ResponseStream(ctx, self.tokenizer, self.options, self.token_bytes), time.monotonic())
         entry = self.streams.get(key)
         if entry is None:   # evicted, or the stream already ended on a stop sequence

@@ -11,12 +11,14 @@ body and status, so the ensemble answers them as a normal (single, final) respon
 from __future__ import annotations
 
 import json
+import math
 import uuid
 
 import deepseek_recipe as dr
 
 from .context import API_KINDS, TEXT_API, PreparedRequest, RequestContext
 from .errors import RecipeError, api_error, from_conversion_error
+from .validation import Limits, validate_request
 
 MODEL_NAMES = ("deepseek-flash", "DeepSeek-V4.1-Flash", "deepseek_v41_flash")
 REQUEST_CLASSES = {"chat.completions": dr.ChatCompletionRequest, "responses": dr.ResponsesRequest,
@@ -65,11 +67,13 @@ def sampling_kwargs(opts: dr.InferenceOptions, max_tokens: int, thinking: bool) 
 class Preprocessor:
     """Stateless after construction; one per preprocess instance (the tokenizer takes ~0.4 s to load)."""
 
-    def __init__(self, tokenizer_path: str, max_model_len: int, model_names=MODEL_NAMES):
+    def __init__(self, tokenizer_path: str, max_model_len: int, model_names=MODEL_NAMES, limits: Limits | None = None):
         self.tokenizer = dr.Tokenizer.from_file(str(tokenizer_path))
         self.encoding = dr.DeepseekV41Encoding().with_tokenizer(self.tokenizer)
+        self.model_names = tuple(model_names)
         self.options = conversion_options(model_names)
         self.max_model_len = int(max_model_len)
+        self.limits = limits or Limits()
 
     # -- the three APIs -------------------------------------------------------------------------
     def prepare(self, api: str, body: bytes | str) -> PreparedRequest:
@@ -78,7 +82,8 @@ class Preprocessor:
         try:
             if api not in API_KINDS:
                 raise api_error(ctx.api, 400, f"unknown api {api!r}; expected one of {', '.join(API_KINDS)}")
-            ctx.body = body.decode("utf-8") if isinstance(body, bytes) else body
+            # the official ranges and the operator's limits, before any conversion or tokenization
+            ctx.body = validate_request(api, body, self.model_names, self.limits)
             conv, ctx.model = self._convert(api, ctx.body)
             ctx.stream = conv.stream
             ids = self.encoding.encode(conv.conversation)
@@ -87,8 +92,6 @@ class Preprocessor:
             sampling = sampling_kwargs(conv.inference_options, max_tokens, conv.conversation.thinking_mode)
         except RecipeError as e:
             return _rejected(ctx, e)
-        except UnicodeDecodeError as e:
-            return _rejected(ctx, api_error(ctx.api, 400, f"request body is not UTF-8: {e}"))
         return PreparedRequest(uuid.uuid4().hex, ids, sampling, ctx.stream, ctx)
 
     def _convert(self, api: str, body: str):
@@ -102,36 +105,65 @@ class Preprocessor:
             raise api_error(api, 400, str(e)) from e
 
     # -- TensorRT-LLM style inputs ------------------------------------------------------------
-    def prepare_text(self, text_input: str, max_tokens: int | None = None, stream: bool = False,
+    def prepare_text(self, text_input: str | bytes, max_tokens: int | None = None, stream: bool = False,
                      temperature: float | None = None, top_p: float | None = None,
                      top_k: int | None = None, seed: int | None = None,
                      stop_words: list[str] | None = None,
                      exclude_input_in_output: bool = True) -> PreparedRequest:
         """Raw text (already rendered by the client, as Triton's OpenAI frontend does); BOS added."""
-        ctx = RequestContext(api=TEXT_API, response_id=_new_id(TEXT_API), stream=bool(stream),
-                             stop_words=list(stop_words or []),
-                             input_text="" if exclude_input_in_output else text_input)
-        ids = self.tokenizer.encode(text_input)
-        if not ids or ids[0] != BOS_TOKEN_ID:
-            ids = [BOS_TOKEN_ID] + ids
-        ctx.prompt_tokens = len(ids)
-        left = self.max_model_len - len(ids)
+        ctx = RequestContext(api=TEXT_API, response_id=_new_id(TEXT_API), stream=bool(stream))
         try:
+            text_input, stop_words = _check_text_inputs(text_input, stop_words, self.limits)
+            sampling = _text_sampling(max_tokens, temperature, top_p, top_k, seed)
+            ctx.stop_words = stop_words
+            ctx.input_text = "" if exclude_input_in_output else text_input
+            ids = self.tokenizer.encode(text_input)
+            if not ids or ids[0] != BOS_TOKEN_ID:
+                ids = [BOS_TOKEN_ID] + ids
+            ctx.prompt_tokens = len(ids)
+            left = self.max_model_len - len(ids)
             if left < 1 or (max_tokens is not None and max_tokens > left):
                 raise api_error(TEXT_API, 400, f"This model's maximum context length is {self.max_model_len} "
                                 f"tokens; the prompt has {len(ids)} and {max_tokens} were requested.")
-            sampling = {
-                "max_tokens": int(max_tokens) if max_tokens else min(DEFAULT_TEXT_MAX_TOKENS, left),
-                "temperature": 1.0 if temperature is None else float(temperature),
-                "top_p": 1.0 if top_p is None else float(top_p),
-                "top_k": int(top_k or 0), "seed": seed, "stop_token_ids": [EOS_TOKEN_ID],
-                "logprobs": None, "constraint": None,
-            }
-            if sampling["max_tokens"] < 1 or not 0 < sampling["top_p"] <= 1 or sampling["temperature"] < 0:
-                raise api_error(TEXT_API, 400, f"invalid sampling parameters {json.dumps(sampling)}")
+            if max_tokens is None:
+                default = self.limits.default_max_tokens or DEFAULT_TEXT_MAX_TOKENS
+                sampling["max_tokens"] = min(default, left)
         except RecipeError as e:
             return _rejected(ctx, e)
         return PreparedRequest(uuid.uuid4().hex, ids, sampling, ctx.stream, ctx)
+
+
+def _check_text_inputs(text_input, stop_words, limits: Limits) -> tuple[str, list[str]]:
+    """The TensorRT-LLM style text and stop words: UTF-8, within the operator's size limits."""
+    raw = text_input if isinstance(text_input, bytes) else text_input.encode("utf-8", "surrogatepass")
+    if len(raw) > limits.max_request_bytes:
+        raise api_error(TEXT_API, 413, f"text_input of {len(raw)} bytes exceeds this deployment's limit of "
+                                       f"{limits.max_request_bytes} bytes.")
+    words = list(stop_words or [])
+    if len(words) > limits.max_stop_sequences:
+        raise api_error(TEXT_API, 400, f"stop_words: {len(words)} given, at most {limits.max_stop_sequences} allowed.")
+    try:
+        text = raw.decode("utf-8")
+        words = [w.decode("utf-8") if isinstance(w, bytes) else w for w in words]
+    except UnicodeDecodeError as e:
+        raise api_error(TEXT_API, 400, f"text_input and stop_words must be valid UTF-8 ({e.reason}).") from None
+    if any(not w for w in words):
+        raise api_error(TEXT_API, 400, "stop_words: an empty stop word would end every answer at once.")
+    return text, words
+
+
+def _text_sampling(max_tokens, temperature, top_p, top_k, seed) -> dict:
+    """The TensorRT-LLM style sampling inputs, checked (0 is a value, not "absent")."""
+    checks = [("max_tokens", max_tokens, lambda v: v >= 1, ">= 1"),
+              ("temperature", temperature, lambda v: math.isfinite(v) and 0 <= v <= 2, "in [0, 2]"),
+              ("top_p", top_p, lambda v: math.isfinite(v) and 0 < v <= 1, "in (0, 1]"),
+              ("top_k", top_k, lambda v: v >= 0, ">= 0")]
+    for name, value, ok, rule in checks:
+        if value is not None and not ok(value):
+            raise api_error(TEXT_API, 400, f"{name} must be {rule}, got {value}.")
+    return {"max_tokens": max_tokens, "temperature": 1.0 if temperature is None else float(temperature),
+            "top_p": 1.0 if top_p is None else float(top_p), "top_k": int(top_k or 0), "seed": seed,
+            "stop_token_ids": [EOS_TOKEN_ID], "logprobs": None, "constraint": None}
 
 
 def _resolve(api: str, conv, num_prompt_tokens: int, max_model_len: int) -> int:

@@ -107,12 +107,43 @@ def test_stop_before_the_request_arrives(driver, engine):
 
 
 def test_bad_params_and_rejected_requests(driver):
-    bad = RecordingSender()
+    bad = RecordingSender()   # through the ensemble (a context): a last response whose context says 400
     driver.submit(request("b1", top_p=7.0), bad)
-    assert bad.wait().errors[0][0] == "INVALID_ARG" and bad.finals == 1
+    assert bad.wait().finals == 1 and not bad.errors and bad.responses[0]["finish_reason"] == "error"
+    ctx = json.loads(bad.responses[0]["context"])
+    assert ctx["c"] == 1 and ctx["error_status"] == 400 and "top_p" in ctx["error_message"]
+    direct = RecordingSender()   # called directly (no context): Triton's INVALID_ARG
+    driver.submit(EngineRequest("b0", PROMPT, {"max_tokens": 4, "top_p": 7.0}, True), direct)
+    assert direct.wait().errors[0][0] == "INVALID_ARG" and direct.finals == 1
     too_long = RecordingSender()
     driver.submit(EngineRequest("b2", list(range(5, 3000)), {"max_tokens": 4}, True), too_long)
     assert too_long.wait().errors[0][0] == "INVALID_ARG"
     rejected = RecordingSender()
     driver.submit(EngineRequest("b3", [], {}, True, context=json.dumps({"error_status": 400})), rejected)
     assert rejected.wait().finals == 1 and rejected.responses[0]["finish_reason"] == "error"
+
+
+def test_a_grammar_the_engine_cannot_compile_is_a_client_error(engine):
+    """A regex xgrammar refuses: the engine rejects it at admission; the driver answers it as a 400
+    the postprocess turns into the API's error body (was a Triton INTERNAL, HTTP 500)."""
+    from deepinfer import SamplingParams
+    from deepinfer.sampling_params import OutputConstraint
+    from deepinfer.recipe.context import RequestContext
+    from deepinfer.recipe.errors import error_body
+
+    def params(kwargs):
+        c = kwargs.pop("constraint", None)
+        return SamplingParams(**kwargs, constraint=OutputConstraint(**c) if c else None)
+
+    d = EngineDriver(engine, params)
+    try:
+        ctx = RequestContext(api="chat.completions", response_id="chatcmpl-1")
+        s = RecordingSender()
+        d.submit(EngineRequest("g1", PROMPT, {"max_tokens": 4, "constraint": {"kind": "regex", "spec": "(("}},
+                               True, context=ctx.to_json()), s)
+        back = RequestContext.from_json(s.wait().responses[0]["context"])
+        assert back.error_status == 400 and "regex" in back.error_message
+        err = json.loads(error_body(back.api, back.error_status, back.error_message))["error"]
+        assert err["type"] == "invalid_request_error"
+    finally:
+        d._events.put(None)

@@ -154,3 +154,53 @@ def test_incomplete_utf8_tail(pre, tokenizer_path):
     assert len(crab) == 3
     assert [tb.incomplete_tail(word + crab[:k]) for k in range(4)] == [0, 1, 2, 0]
     assert tb.incomplete_tail(word + [1]) == 0 and tb.incomplete_tail([]) == 0
+
+
+STOP_BODIES = {"chat.completions": lambda **kw: chat(stop=["STOP"], **kw),
+               "messages": lambda **kw: messages(stop_sequences=["STOP"], **kw)}
+
+
+@pytest.mark.parametrize("api", list(STOP_BODIES))
+def test_stop_sequence_in_a_complete_response(pre, api):
+    """Non-streaming: all ids arrive in one push; the ids after the match are dropped (no
+    'stream processor has finished'), the answer ends before the stop, the reason is the stop's."""
+    p = pre.prepare(api, json.dumps(STOP_BODIES[api](stream=False)))
+    s = ResponseStream(p.context, pre.tokenizer)
+    ids = pre.tokenizer.encode("Let me think.</think>Hello world, STOP here and more text.") + [1]
+    out = s.push(ids, None, "stop")
+    assert out.done and out.finish_reason == "stop" and not out.stopped   # the engine already ended
+    whole = json.loads(out.chunks[0])
+    if api == "chat.completions":
+        assert whole["choices"][0]["message"]["content"] == "Hello world, "
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        assert whole["usage"]["completion_tokens"] < len(ids)
+    else:
+        assert whole["content"][-1]["text"] == "Hello world, "
+        assert (whole["stop_reason"], whole["stop_sequence"]) == ("stop_sequence", "STOP")
+
+
+def test_text_api_stop_words_in_a_complete_response(pre):
+    p = pre.prepare_text("hi", max_tokens=50, stream=False, stop_words=["STOP"])
+    s = ResponseStream(p.context, pre.tokenizer)
+    out = s.push(pre.tokenizer.encode("Hello world, STOP here and more text.") + [1], None, "stop")
+    assert out.done and out.text == "Hello world, " and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_tokens_never_exceed_completion_tokens(pre, stream):
+    """Random ids (invalid UTF-8 among them: the recipe counts those twice as reasoning) in thinking
+    mode: usage keeps reasoning_tokens <= completion_tokens == the engine's count."""
+    import random
+    rng = random.Random(0)
+    worst = 0
+    for _ in range(40):
+        ids = [rng.randrange(2, 128000) for _ in range(32)]
+        kw = {"stream_options": {"include_usage": True}} if stream else {}
+        p = pre.prepare("chat.completions", json.dumps(chat(max_tokens=32, stream=stream, **kw)))
+        s = ResponseStream(p.context, pre.tokenizer)
+        outs = ([s.push([t], None, "length" if k == 31 else None) for k, t in enumerate(ids)] if stream
+                else [s.push(ids, None, "length")])
+        usage = json.loads(outs[-1].chunks[-1])["usage"]
+        assert usage["completion_tokens"] == 32
+        worst = max(worst, usage["completion_tokens_details"]["reasoning_tokens"])
+    assert worst == 32

@@ -73,9 +73,9 @@ def test_deferred_tools_render_for_v41(pre):
 @pytest.mark.parametrize("api,body,status,needle", [
     ("chat.completions", "{not json", 400, "invalid JSON"),
     ("chat.completions", json.dumps({"messages": [{"role": "user", "content": "hi"}]}), 400, "model"),
-    ("chat.completions", json.dumps(chat(model="gpt-4o")), 400, "gpt-4o"),
-    ("chat.completions", json.dumps(chat(model="DeepSeek-V4-Pro")), 400, "DeepSeek-V4-Pro"),
-    ("responses", json.dumps(responses(max_output_tokens="many")), 400, "invalid type"),
+    ("chat.completions", json.dumps(chat(model="gpt-4o")), 404, "gpt-4o"),
+    ("chat.completions", json.dumps(chat(model="DeepSeek-V4-Pro")), 404, "DeepSeek-V4-Pro"),
+    ("responses", json.dumps(responses(max_output_tokens="many")), 400, "expected an integer"),
     ("chat.completions", json.dumps(chat(tools=[TOOL], tool_choice="required")), 400, "tool_choice"),
     ("chat.completions", json.dumps(chat(messages=[{"role": "user", "content": "hi " * 5000}])), 400, "context length"),
     ("messages", "{not json", 400, "invalid JSON"),

@@ -9,7 +9,8 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from deepinfer.ensemble import config, contract, triton_io
-from deepinfer.recipe import Preprocessor, prepare_inputs, preprocess_outputs
+from deepinfer.recipe import TEXT_API, Preprocessor, prepare_inputs, preprocess_outputs
+from deepinfer.recipe.validation import Limits
 
 MODEL = contract.PREPROCESS
 
@@ -19,13 +20,18 @@ class TritonPythonModel:
         params = config.model_parameters(json.loads(args["model_config"]))
         checkpoint = Path(config.resolve_checkpoint(params.get("checkpoint", "")))
         max_model_len = params.get("max_model_len") or _max_position(checkpoint)
-        self.pre = Preprocessor(checkpoint / "tokenizer.json", int(max_model_len))
+        self.pre = Preprocessor(checkpoint / "tokenizer.json", int(max_model_len),
+                                limits=Limits.from_json(params.get("limits")))
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
                 prepared = prepare_inputs(self.pre, triton_io.read_inputs(pb_utils, request, MODEL))
+                if prepared.rejected and prepared.context.api == TEXT_API:
+                    # TensorRT-LLM style inputs have no status output: Triton's own 400 (INVALID_ARG)
+                    responses.append(triton_io.error_response(pb_utils, prepared.context.error_body, "INVALID_ARG"))
+                    continue
                 responses.append(triton_io.make_response(pb_utils, MODEL, preprocess_outputs(prepared)))
             except Exception as e:  # noqa: BLE001 - a bug here must fail one request, not the model
                 responses.append(triton_io.error_response(pb_utils, f"preprocess: {type(e).__name__}: {e}"))
