@@ -137,18 +137,53 @@ class Engine:
             params = dataclasses.replace(params, seed=seed)
         return params
 
+    def prepare_images(self, request_id: str, prompt_token_ids, images):
+        """-> ImagePrompt: the images decoded and planned (bytes, or ImageInputs already made) and the
+        prompt's placeholders (one image_token_id per image) expanded to their spans. Image decoding
+        is CPU work: call this on the caller's thread (AsyncEngine does), not the engine's.
+        Raises InvalidRequestError for a corrupt / unsupported image or a span no step can hold."""
+        from deepinfer.model.vision import ImageError, ImageInput, ImagePrompt, expand_image_placeholders, load_image
+        if isinstance(images, ImagePrompt):
+            return images
+        v = self.model_args.vision
+        if v is None:
+            raise InvalidRequestError(f"request {request_id}: this checkpoint has no vision tower; "
+                                      "images are not accepted")
+        inputs = []
+        for k, im in enumerate(images):
+            try:
+                inputs.append(im if isinstance(im, ImageInput) else load_image(im, v))
+            except ImageError as e:
+                raise InvalidRequestError(f"request {request_id}: image {k}: {e}") from None
+        try:
+            prompt = expand_image_placeholders(prompt_token_ids, inputs, v.image_token_id)
+        except ValueError as e:
+            raise InvalidRequestError(f"request {request_id}: {e}") from None
+        for k, im in enumerate(prompt.images):
+            if im.span_len > self.args.max_num_batched_tokens:
+                raise InvalidRequestError(f"request {request_id}: image {k} takes {im.span_len} tokens, more than "
+                                          f"one step holds (max_num_batched_tokens={self.args.max_num_batched_tokens})")
+        return prompt
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    *, forced_token_ids: list[int] | None = None, return_logits: bool = False) -> None:
+                    *, forced_token_ids: list[int] | None = None, return_logits: bool = False,
+                    images=None) -> None:
         """Queue a request. Raises InvalidRequestError (bad input, duplicate id) to this caller only.
 
         forced_token_ids: teacher forcing, output token k is forced_token_ids[k] (scoring, parity tests).
         return_logits: each RequestOutput carries the fp32 logits [n, V] its new tokens were sampled from.
+        images: image bytes (PNG/JPEG/GIF/WebP) or ImageInputs, one per image placeholder id in the
+        prompt, in order; or an ImagePrompt from prepare_images. num_prompt_tokens then counts spans.
         """
+        image_prompt = None
+        if images:
+            image_prompt = self.prepare_images(request_id, prompt_token_ids, images)
+            prompt_token_ids = image_prompt.token_ids
         params = self.validate(request_id, prompt_token_ids, sampling_params)
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
-                      forced_token_ids, return_logits)
+                      forced_token_ids, return_logits, image_prompt=image_prompt)
         self.scheduler.add_request(req)
 
     def abort(self, request_id: str) -> RequestOutput:
