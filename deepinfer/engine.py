@@ -142,7 +142,10 @@ class Engine:
         prompt's placeholders (one image_token_id per image) expanded to their spans. Image decoding
         is CPU work: call this on the caller's thread (AsyncEngine does), not the engine's.
         Raises InvalidRequestError for a corrupt / unsupported image or a span no step can hold."""
-        from deepinfer.model.vision import ImageError, ImageInput, ImagePrompt, expand_image_placeholders, load_image
+        import numpy as np
+
+        from deepinfer.model.vision import (ImageError, ImageInput, ImagePrompt, expand_image_placeholders,
+                                            image_from_pixels, load_image)
         if isinstance(images, ImagePrompt):
             return images
         v = self.model_args.vision
@@ -152,7 +155,12 @@ class Engine:
         inputs = []
         for k, im in enumerate(images):
             try:
-                inputs.append(im if isinstance(im, ImageInput) else load_image(im, v))
+                if isinstance(im, ImageInput):
+                    inputs.append(im)
+                elif isinstance(im, np.ndarray):            # planned, padded pixels (the preprocess model's)
+                    inputs.append(image_from_pixels(im, v))
+                else:
+                    inputs.append(load_image(im, v))
             except ImageError as e:
                 raise InvalidRequestError(f"request {request_id}: image {k}: {e}") from None
         try:
@@ -172,8 +180,8 @@ class Engine:
 
         forced_token_ids: teacher forcing, output token k is forced_token_ids[k] (scoring, parity tests).
         return_logits: each RequestOutput carries the fp32 logits [n, V] its new tokens were sampled from.
-        images: image bytes (PNG/JPEG/GIF/WebP) or ImageInputs, one per image placeholder id in the
-        prompt, in order; or an ImagePrompt from prepare_images. num_prompt_tokens then counts spans.
+        images: image bytes (PNG/JPEG/GIF/WebP), planned [H, W, 3] uint8 pixels (vision.padded_rgb) or
+        ImageInputs, one per image placeholder id in the prompt, in order; or an ImagePrompt from prepare_images. num_prompt_tokens then counts spans.
         """
         image_prompt = None
         if images:

@@ -82,10 +82,12 @@ def perf_analyzer_bin() -> str:
     return str(Path(sys.prefix) / "bin" / "perf_analyzer")
 
 
-def runtime_repository(dest: Path, checkpoint: str, max_model_len: int, engine_args: dict | None = None) -> Path:
+def runtime_repository(dest: Path, checkpoint: str, max_model_len: int, engine_args: dict | None = None,
+                       preprocess_params: dict[str, str] | None = None) -> Path:
+    """preprocess_params: more recipe_preprocess parameters (allow_image_urls, max_images_per_request)."""
     args = {"max_model_len": max_model_len, **(engine_args or {})}
     ckpt = str(Path(checkpoint).resolve())
-    params = {c.PREPROCESS: {"checkpoint": ckpt, "max_model_len": str(args["max_model_len"])},
+    params = {c.PREPROCESS: {"checkpoint": ckpt, "max_model_len": str(args["max_model_len"]), **(preprocess_params or {})},
               c.ENGINE: {"checkpoint": ckpt, "engine_args": json.dumps(args)},
               c.POSTPROCESS: {"checkpoint": ckpt}}
     if dest.exists():
@@ -171,11 +173,14 @@ def main(argv=None) -> int:
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--engine-args", default="{}", help="JSON of deepinfer.EngineArgs fields")
+    ap.add_argument("--allow-image-urls", action="store_true",
+                    help="fetch http(s) image URLs (public addresses only); off: data URLs / base64 only")
     ap.add_argument("--gateway-port", type=int, default=0,
                     help="also start the OpenAI/Anthropic HTTP gateway (ensemble/gateway.py) on this port")
     args = ap.parse_args(argv)
     repo = runtime_repository(STATE_DIR / "model_repository", args.checkpoint, args.max_model_len,
-                              json.loads(args.engine_args))
+                              json.loads(args.engine_args),
+                              {"allow_image_urls": "true"} if args.allow_image_urls else None)
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port)
     print(" ".join(server.command()), flush=True)
     server.proc = subprocess.Popen(server.command(), env=server_env())

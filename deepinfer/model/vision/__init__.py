@@ -16,10 +16,10 @@ admitted in a step (worker/image_embeds.py).
 
 from .config import VisionArgs
 from .preprocess import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, TEXT, ImageError, ImageInput, ImagePlan,
-                         load_image, num_image_tokens, plan_image)
+                         decode_image, image_from_pixels, load_image, num_image_tokens, padded_rgb, plan_image, prepare_pixels)
 from .spans import ImagePrompt, expand_image_placeholders
 from .tower import VisionTower
 
 __all__ = ["IMAGE", "IMAGE_END", "IMAGE_NEW_LINE", "IMAGE_START", "TEXT", "ImageError", "ImageInput", "ImagePlan",
-           "ImagePrompt", "VisionArgs", "VisionTower", "expand_image_placeholders", "load_image",
-           "num_image_tokens", "plan_image"]
+           "ImagePrompt", "VisionArgs", "VisionTower", "decode_image", "expand_image_placeholders", "image_from_pixels",
+           "load_image", "num_image_tokens", "padded_rgb", "plan_image", "prepare_pixels"]

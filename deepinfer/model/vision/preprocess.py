@@ -146,26 +146,63 @@ def decode_image(data: bytes, max_side: int = MAX_SIDE):
         raise ImageError(f"corrupt image: {e}") from None
 
 
-def image_pixels(img, plan: ImagePlan, v: VisionArgs) -> torch.Tensor:
-    """RGB PIL image -> [3, H, W] fp32 in [-1, 1] at the planned size."""
+def padded_rgb(img, plan: ImagePlan, v: VisionArgs) -> np.ndarray:
+    """RGB PIL image -> [H, W, 3] uint8 at the planned size (the pixels the ensemble carries)."""
     from PIL import ImageOps
     size = (plan.width, plan.height)
     if v.max_wh_ratio is not None and img.width >= v.max_wh_ratio * img.height:
         img = img.resize(size)
     else:
         img = ImageOps.pad(img, size, color=(127, 127, 127))
-    x = torch.from_numpy(np.asarray(img, dtype=np.float32)).permute(2, 0, 1) / 255
-    return (x - 0.5) / 0.5
+    return np.asarray(img, dtype=np.uint8)
 
 
-def to_patches(pixels: torch.Tensor, plan: ImagePlan, p: int) -> torch.Tensor:
-    """[3, H, W] -> [n_vit_h * n_vit_w, 3, p, p] in reading order."""
-    x = pixels.reshape(3, plan.n_vit_h, p, plan.n_vit_w, p)          # [c, gy, y, gx, x]
-    return x.permute(1, 3, 0, 2, 4).reshape(plan.n_vit_h * plan.n_vit_w, 3, p, p)
+def to_patches(rgb: np.ndarray, plan: ImagePlan, p: int) -> torch.Tensor:
+    """[H, W, 3] uint8 -> (x / 255 - 0.5) / 0.5 in fp32, bf16 -> [n_vit_h * n_vit_w, 3, p, p] in reading order."""
+    rgb = np.ascontiguousarray(rgb) if rgb.flags.writeable else rgb.copy()    # views of a request's bytes are read-only
+    x = torch.from_numpy(rgb).permute(2, 0, 1).float() / 255
+    x = ((x - 0.5) / 0.5).to(torch.bfloat16)
+    x = x.reshape(3, plan.n_vit_h, p, plan.n_vit_w, p)                   # [c, gy, y, gx, x]
+    return x.permute(1, 3, 0, 2, 4).reshape(plan.n_vit_h * plan.n_vit_w, 3, p, p).contiguous()
 
 
 def load_image(data: bytes, v: VisionArgs, max_side: int = MAX_SIDE) -> ImageInput:
+    """Original image bytes -> ImageInput (decode, plan, pad, normalize, patches)."""
     img = decode_image(data, max_side)
     plan = plan_image(img.width, img.height, v)
-    patches = to_patches(image_pixels(img, plan, v).to(torch.bfloat16), plan, v.patch_size)
-    return ImageInput(patches.contiguous(), plan, hashlib.sha256(data).hexdigest())
+    return ImageInput(to_patches(padded_rgb(img, plan, v), plan, v.patch_size), plan, hashlib.sha256(data).hexdigest())
+
+
+def prepare_pixels(data: bytes, v: VisionArgs, max_side: int = MAX_SIDE) -> tuple[np.ndarray, int]:
+    """Original bytes -> (planned, padded [H, W, 3] uint8 pixels, span length): the preprocess
+    model's part (image_from_pixels is the engine's). ImageError on bad images."""
+    img = decode_image(data, max_side)
+    plan = plan_image(img.width, img.height, v)
+    return padded_rgb(img, plan, v), plan.span_len
+
+
+def image_from_pixels(rgb: np.ndarray, v: VisionArgs) -> ImageInput:
+    """[H, W, 3] uint8 already planned and padded (padded_rgb, e.g. made by the preprocess model) ->
+    ImageInput; the grids follow from the size. ImageError when the size is not a planned one."""
+    if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
+        raise ImageError(f"image pixels must be [H, W, 3] uint8, got {list(rgb.shape)} {rgb.dtype}")
+    h, w, _ = rgb.shape
+    p, r = v.patch_size, v.downsample_ratio
+    if h % p or w % p or not h or not w:
+        raise ImageError(f"image of {w}x{h} pixels: sides must be positive multiples of {p}")
+    plan = ImagePlan(w, h, h // p, w // p, -(-(h // p) // r), -(-(w // p) // r))
+    if plan.span_len > v.max_n_token:
+        raise ImageError(f"image of {w}x{h} pixels takes {plan.span_len} tokens, over {v.max_n_token}")
+    return ImageInput(to_patches(rgb, plan, p), plan, hashlib.sha256(rgb.tobytes()).hexdigest())
+
+
+def checkpoint_image_preparer(checkpoint):
+    """prepare(bytes, max_side) -> (pixels, span_len) for this checkpoint's vision_config (the
+    preprocess model's ImageStage); None for a text-only checkpoint."""
+    import json
+    from pathlib import Path
+    cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    v = VisionArgs.from_hf(cfg.get("vision_config"), cfg.get("image_token_id", 129264))
+    if v is None:
+        return None
+    return lambda data, max_side=MAX_SIDE: prepare_pixels(data, v, max_side)
