@@ -57,7 +57,7 @@ def test_images_are_encoded_once_per_request_in_one_pass(llm):
 
 
 def test_chunked_prompt_never_cuts_a_span_and_matches_unchunked(llm):
-    a = png(300, 150, 2)                            # 300x150 -> span 8 * 5 ... sized by the tiny plan
+    a = png(200, 120, 2)                            # span 20 in the tiny plan: fits the budget of 24 below
     prompt = [0] + list(range(1000, 1030)) + [IMG] + list(range(2000, 2010))
     whole = llm.generate([prompt], GREEDY, images=[[a]])[0]
     sched = llm.engine.scheduler
@@ -96,7 +96,7 @@ def test_bad_images_are_refused_before_anything_runs(llm):
 
 def test_a_span_larger_than_the_step_budget_is_refused(llm):
     sched = llm.engine.args
-    big = png(600, 500, 3)                          # span 57 in the tiny plan; budget lowered below it
+    big = png(600, 500, 3)                          # span 6 * 8 + 2 = 50 in the tiny plan; budget lowered below it
     old = sched.max_num_batched_tokens
     sched.max_num_batched_tokens = 40
     try:
