@@ -63,6 +63,7 @@ class Engine:
         if a.data_parallel_size > 1:
             from deepinfer.parallel.executor import MultiprocExecutor
             self.model = self.caches = None
+            self.image_encoder = None     # the rank workers' runners encode images
             self.runner = MultiprocExecutor(a, facts)
             self.sampler = make_sampler(a.checkpoint, self.vocab_size)   # request checks (grammars) here
             self.num_cache_blocks = self.runner.num_cache_blocks         # per rank
@@ -72,6 +73,10 @@ class Engine:
             return
         rt = build_rank(a, facts)
         self.device, self.model, self.caches, self.runner = rt.device, rt.model, rt.caches, rt.runner
+        self.image_encoder = None     # encodes requests' images ahead of scheduling (worker/image_embeds.py)
+        if getattr(self.model, "vision_tower", None) is not None:
+            from deepinfer.worker.image_embeds import ImageEncoder
+            self.image_encoder = ImageEncoder(self.model.vision_tower, a.batch_invariant)
         self.sampler, self.num_cache_blocks, self.max_model_len = rt.sampler, rt.num_cache_blocks, rt.max_model_len
         self.graph_sizes, self.async_scheduling = rt.graph_sizes, rt.async_scheduling
 
@@ -192,6 +197,8 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
                       forced_token_ids, return_logits, image_prompt=image_prompt)
+        if image_prompt is not None and image_prompt.embeds is None and self.image_encoder is not None:
+            self.image_encoder.submit(image_prompt)
         self.scheduler.add_request(req)
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -209,6 +216,8 @@ class Engine:
 
     # the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.image_encoder is not None:
+            self.image_encoder.flush()     # images added since the last step: one pass, beside the steps
         if self.async_scheduling:
             return self._step_pipelined()
         sched_out = self.scheduler.schedule()

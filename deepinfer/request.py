@@ -95,6 +95,11 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids):]
 
+    @property
+    def images_ready(self) -> bool:
+        """False while this request's images are still being encoded (it waits, the others run)."""
+        return self.image_prompt is None or self.image_prompt.ready
+
     def clip_to_spans(self, start: int, num_new: int) -> int:
         """num_new, lowered so that the chunk [start, start + num_new) does not end inside an image
         span (a span is prefilled in one chunk: the reference asserts it, and its aligner rows are

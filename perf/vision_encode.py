@@ -7,8 +7,9 @@
      pass against 16 single-image passes (what batching across requests buys).
   2. decode slowdown: the full-width-ep8 backbone's decode step (CUDA graph replays, batch --batch at
      --ctx) timed alone, then while another thread encodes images back to back on its own CUDA stream
-     (how an encoder beside the step loop would share the GPU), as a ratio; and the inline cost (the
-     encode a step pays when the runner encodes on the step's own stream, as it does today).
+     (how the engine's ImageEncoder, worker/image_embeds.py, shares the GPU with the running steps),
+     as a ratio; and the inline cost (the encode a step pays when it runs on the step's own stream, as
+     the rank workers of a multi-GPU engine do).
 
     python perf/vision_encode.py                        (vision_encode.json in $OUT)
     python perf/vision_encode.py --device cpu --tiny    (a CPU smoke run of the code paths, tiny tower)
@@ -67,16 +68,23 @@ def make_image(w: int, h: int, v, seed: int):
 
 
 def timed(fn, device: str, iters: int) -> float:
-    """Median seconds of fn() (eager; the tower's shapes change per image, it is not graph-captured)."""
+    """Median seconds of fn() on the current stream (CUDA events on it, never a device-wide sync: a
+    side stream's encoder keeps running while the step is timed)."""
     fn()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
     ts = []
     for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        sync()
-        ts.append(time.perf_counter() - t)
+        if device == "cuda":
+            stream = torch.cuda.current_stream()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
+            fn()
+            b.record(stream)
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 
 

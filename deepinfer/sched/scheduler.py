@@ -148,7 +148,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             num_new = self._num_new_tokens(req, budget)
-            if num_new == 0:       # its next image span does not fit what is left of the budget
+            if num_new == 0 or not req.images_ready:   # its next span does not fit / its images still encode
                 break
             new_blocks = self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new)
             if new_blocks is None:

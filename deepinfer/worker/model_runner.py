@@ -203,7 +203,7 @@ class ModelRunner:
             if new.image_prompt is not None:
                 if self.images is None:
                     raise ValueError(f"request {new.req_id} has images but the checkpoint has no vision tower")
-                self.images.add(new.req_id, new.image_prompt.images)
+                self.images.add(new.req_id, new.image_prompt)
         for diff in sched_out.cached_reqs:
             self.input_batch.update(diff)
         if self.images is not None:

@@ -46,12 +46,13 @@ def test_same_image_alone_or_batched_gives_the_same_tokens(llm):
 
 
 def test_images_are_encoded_once_per_request_in_one_pass(llm):
-    imgs = llm.engine.runner.images
-    passes, encoded = imgs.num_passes, imgs.num_encoded
+    enc, imgs = llm.engine.image_encoder, llm.engine.runner.images
+    passes, encoded = enc.num_passes, enc.num_encoded
     a, b = png(120, 100, 5), png(100, 120, 6)
     llm.generate([PROMPT, [0, IMG, 5, IMG, 6]], GREEDY, images=[[a], [b, a]])
-    assert imgs.num_passes == passes + 1            # both requests admitted in one step: one tower pass
-    assert imgs.num_encoded == encoded + 2          # a (twice) and b: distinct images once each
+    assert enc.num_passes == passes + 1             # both requests added before one step: one tower pass
+    assert enc.num_encoded == encoded + 2           # a (twice) and b: distinct images once each
+    assert imgs.num_passes == 0                     # the runner only reads what the encoder made
     # finished requests are freed (the runner hears of the last ones at the next step)
     assert "llm-0" not in imgs.spans and len(imgs.spans) <= 2
 
@@ -104,6 +105,22 @@ def test_a_span_larger_than_the_step_budget_is_refused(llm):
             llm.engine.add_request("big", PROMPT, GREEDY, images=[big])
     finally:
         sched.max_num_batched_tokens = old
+
+
+def test_a_request_waits_until_its_images_are_encoded():
+    """The scheduler admits nothing of a request whose ImagePrompt is not ready (FCFS: nor after it)."""
+    from tests.engine.conftest import create_scheduler
+    from deepinfer.model.vision import ImageInput, ImagePlan, expand_image_placeholders
+    import torch
+    im = ImageInput(torch.zeros(36, 3, 14, 14, dtype=torch.bfloat16), ImagePlan(84, 84, 6, 6, 2, 2))
+    ip = expand_image_placeholders([1, IMG, 2], [im], IMG)
+    ip.encoding = True                                            # submitted, not encoded yet
+    sched = create_scheduler(max_num_batched_tokens=32)
+    sched.add_request(Request("img", ip.token_ids, GREEDY, image_prompt=ip))
+    sched.add_request(Request("txt", [5, 6, 7], GREEDY))
+    assert sched.schedule().num_scheduled_tokens == {}
+    ip.embeds = [torch.zeros(8, 4)]                               # the encoder's pass finished (CPU: no event)
+    assert sched.schedule().num_scheduled_tokens == {"img": 10, "txt": 3}
 
 
 def test_clip_to_spans():

@@ -10,8 +10,9 @@
 The backbone's part (model/transformer.py, moe.py, engram.py): span rows overwrite the embeddings
 before the hc expansion, span tokens route with gate.bias_vl and are DEAD for Engram. The engine's
 part: requests carry an ImagePrompt (engine.py), the scheduler never cuts a span
-(Request.clip_to_spans), the runner encodes each request's images once, batched over the requests
-admitted in a step (worker/image_embeds.py).
+(Request.clip_to_spans), each request's images are encoded once, batched over the requests added
+since the last step, on a side CUDA stream ahead of scheduling (worker/image_embeds.py ImageEncoder;
+the request is admitted once they are ready), and the runner merges them (ImageEmbeds).
 """
 
 from .config import VisionArgs

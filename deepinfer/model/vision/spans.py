@@ -24,6 +24,17 @@ class ImagePrompt:
     token_ids: list[int]
     token_types: np.ndarray          # [len(token_ids)] int8
     images: list[ImageInput]         # in prompt order, .start set
+    # set by the engine's ImageEncoder (worker/image_embeds.py) when it encodes ahead of scheduling:
+    encoding: bool = False           # submitted: not schedulable until `embeds` exist and `event` fired
+    embeds: list | None = None       # [span_len, dim] per image, on the device
+    event: object | None = None      # CUDA event after the encode (None: done synchronously)
+
+    @property
+    def ready(self) -> bool:
+        """May the scheduler run this prompt's tokens? (no early encode asked, or it has finished)"""
+        if not self.encoding:
+            return True
+        return self.embeds is not None and (self.event is None or self.event.query())
 
     @property
     def spans(self) -> list[tuple[int, int]]:
