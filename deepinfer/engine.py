@@ -63,6 +63,7 @@ class Engine:
         if a.data_parallel_size > 1:
             from deepinfer.parallel.executor import MultiprocExecutor
             self.model = self.caches = None
+            self.image_encoder = None     # the rank workers' runners encode images
             self.runner = MultiprocExecutor(a, facts)
             self.sampler = make_sampler(a.checkpoint, self.vocab_size)   # request checks (grammars) here
             self.num_cache_blocks = self.runner.num_cache_blocks         # per rank
@@ -72,6 +73,10 @@ class Engine:
             return
         rt = build_rank(a, facts)
         self.device, self.model, self.caches, self.runner = rt.device, rt.model, rt.caches, rt.runner
+        self.image_encoder = None     # encodes requests' images ahead of scheduling (worker/image_embeds.py)
+        if getattr(self.model, "vision_tower", None) is not None:
+            from deepinfer.worker.image_embeds import ImageEncoder
+            self.image_encoder = ImageEncoder(self.model.vision_tower, a.batch_invariant)
         self.sampler, self.num_cache_blocks, self.max_model_len = rt.sampler, rt.num_cache_blocks, rt.max_model_len
         self.graph_sizes, self.async_scheduling = rt.graph_sizes, rt.async_scheduling
 
@@ -139,18 +144,63 @@ class Engine:
             params = dataclasses.replace(params, seed=seed)
         return params
 
+    def prepare_images(self, request_id: str, prompt_token_ids, images):
+        """-> ImagePrompt: the images decoded and planned (bytes, or ImageInputs already made) and the
+        prompt's placeholders (one image_token_id per image) expanded to their spans. Image decoding
+        is CPU work: call this on the caller's thread (AsyncEngine does), not the engine's.
+        Raises InvalidRequestError for a corrupt / unsupported image or a span no step can hold."""
+        import numpy as np
+
+        from deepinfer.model.vision import (ImageError, ImageInput, ImagePrompt, expand_image_placeholders,
+                                            image_from_pixels, load_image)
+        if isinstance(images, ImagePrompt):
+            return images
+        v = self.model_args.vision
+        if v is None:
+            raise InvalidRequestError(f"request {request_id}: this checkpoint has no vision tower; "
+                                      "images are not accepted")
+        inputs = []
+        for k, im in enumerate(images):
+            try:
+                if isinstance(im, ImageInput):
+                    inputs.append(im)
+                elif isinstance(im, np.ndarray):            # planned, padded pixels (the preprocess model's)
+                    inputs.append(image_from_pixels(im, v))
+                else:
+                    inputs.append(load_image(im, v))
+            except ImageError as e:
+                raise InvalidRequestError(f"request {request_id}: image {k}: {e}") from None
+        try:
+            prompt = expand_image_placeholders(prompt_token_ids, inputs, v.image_token_id)
+        except ValueError as e:
+            raise InvalidRequestError(f"request {request_id}: {e}") from None
+        for k, im in enumerate(prompt.images):
+            if im.span_len > self.args.max_num_batched_tokens:
+                raise InvalidRequestError(f"request {request_id}: image {k} takes {im.span_len} tokens, more than "
+                                          f"one step holds (max_num_batched_tokens={self.args.max_num_batched_tokens})")
+        return prompt
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    *, forced_token_ids: list[int] | None = None, return_logits: bool = False) -> None:
+                    *, forced_token_ids: list[int] | None = None, return_logits: bool = False,
+                    images=None) -> None:
         """Queue a request. Raises InvalidRequestError (bad input, duplicate id) to this caller only.
 
         forced_token_ids: teacher forcing, output token k is forced_token_ids[k] (scoring, parity tests).
         return_logits: each RequestOutput carries the fp32 logits [n, V] its new tokens were sampled from.
+        images: image bytes (PNG/JPEG/GIF/WebP), planned [H, W, 3] uint8 pixels (vision.padded_rgb) or
+        ImageInputs, one per image placeholder id in the prompt, in order; or an ImagePrompt from prepare_images. num_prompt_tokens then counts spans.
         """
+        image_prompt = None
+        if images:
+            image_prompt = self.prepare_images(request_id, prompt_token_ids, images)
+            prompt_token_ids = image_prompt.token_ids
         params = self.validate(request_id, prompt_token_ids, sampling_params)
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
-                      forced_token_ids, return_logits)
+                      forced_token_ids, return_logits, image_prompt=image_prompt)
+        if image_prompt is not None and image_prompt.embeds is None and self.image_encoder is not None:
+            self.image_encoder.submit(image_prompt)
         self.scheduler.add_request(req)
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -168,6 +218,8 @@ class Engine:
 
     # the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.image_encoder is not None:
+            self.image_encoder.flush()     # images added since the last step: one pass, beside the steps
         if self.async_scheduling:
             return self._step_pipelined()
         sched_out = self.scheduler.schedule()

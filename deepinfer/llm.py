@@ -26,13 +26,15 @@ class LLM:
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[int],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  forced_token_ids: Sequence[Sequence[int] | None] | None = None,
-                 return_logits: bool = False) -> list[CompletionOutput]:
+                 return_logits: bool = False,
+                 images: Sequence[Sequence | None] | None = None) -> list[CompletionOutput]:
         """Run every prompt to completion, all batched together; outputs in prompt order.
 
         sampling_params: one for all prompts, or one per prompt. forced_token_ids (per prompt):
         teacher forcing, the fed tokens whatever the model samples (scoring). return_logits: each
         output carries the fp32 logits [num_output_tokens, V] its tokens were sampled from.
-        Bad input raises before anything runs.
+        images (per prompt): image bytes or ImageInputs, one per image placeholder id in that prompt;
+        the outputs' prompt_token_ids then hold the expanded spans. Bad input raises before anything runs.
         """
         if len(prompts) and isinstance(prompts[0], int):
             prompts = [prompts]
@@ -41,10 +43,16 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         forced = forced_token_ids or [None] * len(prompts)
         req_ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        images = list(images) if images is not None else [None] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
+        images = [self.engine.prepare_images(rid, p, ims) if ims else None
+                  for rid, p, ims in zip(req_ids, prompts, images)]
+        prompts = [ip.token_ids if ip is not None else p for p, ip in zip(prompts, images)]
         for rid, p, sp in zip(req_ids, prompts, params):
             self.engine.validate(rid, p, sp)
-        for rid, p, sp, f in zip(req_ids, prompts, params, forced):
-            self.engine.add_request(rid, list(p), sp, forced_token_ids=f, return_logits=return_logits)
+        for rid, p, sp, f, ip in zip(req_ids, prompts, params, forced, images):
+            self.engine.add_request(rid, list(p), sp, forced_token_ids=f, return_logits=return_logits, images=ip)
         return self._run(req_ids, prompts, return_logits)
 
     def _run(self, req_ids, prompts, return_logits) -> list[CompletionOutput]:

@@ -30,6 +30,7 @@ class NewRequestData:
     ring_slot: int                       # the window-ring slot this request owns while running
     forced_token_ids: list[int] | None = None   # teacher forcing: output k := forced_token_ids[k]
     return_logits: bool = False          # return the fp32 logits of every sampled position
+    image_prompt: Any | None = None      # deepinfer.model.vision.ImagePrompt: token types and images of the prompt
 
 
 @dataclass

@@ -56,9 +56,13 @@ class Request:
         forced_token_ids: list[int] | None = None,
         return_logits: bool = False,
         arrival_time: float | None = None,
+        image_prompt=None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        # deepinfer.model.vision.ImagePrompt: prompt_token_ids are its token_ids (spans expanded)
+        self.image_prompt = image_prompt
+        self.image_spans: list[tuple[int, int]] = image_prompt.spans if image_prompt is not None else []
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         # teacher forcing: output token k is forced_token_ids[k] whatever was sampled (scoring, tests)
@@ -90,6 +94,25 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def images_ready(self) -> bool:
+        """False while this request's images are still being encoded (it waits, the others run)."""
+        return self.image_prompt is None or self.image_prompt.ready
+
+    def clip_to_spans(self, start: int, num_new: int) -> int:
+        """num_new, lowered so that the chunk [start, start + num_new) does not end inside an image
+        span (a span is prefilled in one chunk: the reference asserts it, and its aligner rows are
+        written as one block); 0 when the next span alone does not fit.
+
+            tokens: | text | START IMAGE .. NEW_LINE .. END | text |
+            chunk:  [start ........ end)     -> end moved back to START
+        """
+        end = start + num_new
+        for s, e in self.image_spans:
+            if start <= s < end < e:
+                return s - start
+        return num_new
 
     @property
     def is_finished(self) -> bool:

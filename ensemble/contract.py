@@ -21,8 +21,9 @@ PREPROCESS, ENGINE, POSTPROCESS, ENSEMBLE = "recipe_preprocess", "deepinfer", "r
 COMPOSING = (PREPROCESS, ENGINE, POSTPROCESS)
 IN, OUT = "input", "output"
 BYTES, BOOL, INT32, UINT64, FP32 = "TYPE_STRING", "TYPE_BOOL", "TYPE_INT32", "TYPE_UINT64", "TYPE_FP32"
+UINT8 = "TYPE_UINT8"
 # config dtype -> numpy dtype name (model.py builds tensors with it)
-NUMPY = {BYTES: "object", BOOL: "bool", INT32: "int32", UINT64: "uint64", FP32: "float32"}
+NUMPY = {BYTES: "object", BOOL: "bool", INT32: "int32", UINT64: "uint64", FP32: "float32", UINT8: "uint8"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,10 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     (PREPROCESS,  OUT, "streaming",               BOOL,   (1,),  False, "_streaming"),
     (PREPROCESS,  OUT, "context",                 BYTES,  (1,),  False, "_context"),       # recipe RequestContext JSON
     (PREPROCESS,  OUT, "request_key",             BYTES,  (1,),  False, "_request_key"),
+    # the prompt's images, one per placeholder id in input_ids, planned and padded from the original
+    # bytes (deepinfer.model.vision): RGB bytes row-major [H, W, 3] concatenated, and [h0, w0, h1, ..]
+    (PREPROCESS,  OUT, "image_pixels",            UINT8,  (-1,), False, "_image_pixels"),
+    (PREPROCESS,  OUT, "image_sizes",             INT32,  (-1,), False, "_image_sizes"),
     # the engine: a stop request carries only request_key + stop=true (TensorRT-LLM convention)
     (ENGINE,      IN,  "input_ids",               INT32,  (-1,), True,  "_input_ids"),
     (ENGINE,      IN,  "sampling",                BYTES,  (1,),  True,  "_sampling"),
@@ -67,6 +72,8 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     (ENGINE,      IN,  "context",                 BYTES,  (1,),  True,  "_context"),
     (ENGINE,      IN,  "request_key",             BYTES,  (1,),  False, "_request_key"),
     (ENGINE,      IN,  "stop",                    BOOL,   (1,),  True,  _),
+    (ENGINE,      IN,  "image_pixels",            UINT8,  (-1,), True,  "_image_pixels"),
+    (ENGINE,      IN,  "image_sizes",             INT32,  (-1,), True,  "_image_sizes"),
     (ENGINE,      OUT, "output_ids",              INT32,  (-1,), False, "_output_ids"),    # new ids of this step
     (ENGINE,      OUT, "logprobs",                BYTES,  (1,),  False, "_logprobs"),      # JSON [[lp, [[id, lp]..]]..] or ""
     (ENGINE,      OUT, "finish_reason",           BYTES,  (1,),  False, "_finish_reason"), # "" until the last response
@@ -104,7 +111,9 @@ SETTINGS = {
     # max_model_len: the same context limit in both (the preprocess caps output limits with it)
     # limits: JSON of deepinfer.recipe.validation.Limits fields (max_request_bytes, max_tokens_cap,
     # default_max_tokens, ...); "{}" = the defaults
-    PREPROCESS: ModelSettings(2, False, (("checkpoint", ""), ("max_model_len", "16384"), ("limits", "{}"))),
+    # allow_image_urls: fetch http(s) image URLs (SSRF filtered to public addresses); off = data URLs only
+    PREPROCESS: ModelSettings(2, False, (("checkpoint", ""), ("max_model_len", "16384"), ("limits", "{}"),
+                                         ("allow_image_urls", "false"), ("max_images_per_request", "16"))),
     ENGINE: ModelSettings(1, True, (("checkpoint", ""), ("engine_args", '{"max_model_len": 16384}'))),
     # NOTE: one instance, no dynamic batcher. Parsing is stateful (one StreamProcessor per request
     # key: tags, tool calls and multi-byte characters span engine steps), so every chunk of a request

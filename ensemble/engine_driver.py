@@ -30,13 +30,35 @@ class EngineRequest:
     streaming: bool = False
     context: str = ""
     stop: bool = False
+    images: list = field(default_factory=list)   # [H, W, 3] uint8 per image placeholder (split_pixels)
 
     @classmethod
     def from_inputs(cls, inputs: dict) -> "EngineRequest":
         """From the engine model's inputs by contract name (None = absent)."""
         return cls(request_key=inputs["request_key"] or "", input_ids=list(inputs.get("input_ids") or []),
                    sampling=json.loads(inputs.get("sampling") or "{}"), streaming=bool(inputs.get("streaming")),
-                   context=inputs.get("context") or "", stop=bool(inputs.get("stop")))
+                   context=inputs.get("context") or "", stop=bool(inputs.get("stop")),
+                   images=split_pixels(inputs.get("image_pixels"), inputs.get("image_sizes")))
+
+
+def split_pixels(flat, sizes) -> list:
+    """image_pixels (RGB bytes of every image, row-major, concatenated) + image_sizes [h0, w0, h1, ..]
+    -> [H, W, 3] uint8 arrays; ValueError when the two do not agree."""
+    import numpy as np
+    sizes = [int(x) for x in (sizes if sizes is not None else [])]
+    flat = np.zeros(0, np.uint8) if flat is None else np.asarray(flat, dtype=np.uint8).reshape(-1)
+    if len(sizes) % 2:
+        raise ValueError(f"image_sizes must hold (height, width) pairs, got {len(sizes)} values")
+    out, off = [], 0
+    for h, w in zip(sizes[0::2], sizes[1::2]):
+        n = h * w * 3
+        if h <= 0 or w <= 0 or off + n > flat.size:
+            raise ValueError(f"image_pixels holds {flat.size} bytes, too few for images of sizes {sizes}")
+        out.append(flat[off:off + n].reshape(h, w, 3))
+        off += n
+    if off != flat.size:
+        raise ValueError(f"image_pixels holds {flat.size} bytes, but image_sizes {sizes} need {off}")
+    return out
 
 EARLY_STOP_TTL_S = 60.0   # how long a stop waits for a request that has not arrived
 
@@ -104,8 +126,9 @@ class EngineDriver:
             if req.request_key in self.active:
                 raise ValueError(f"request key {req.request_key!r} is already running")
             self.active[req.request_key] = state
+            extra = {"images": req.images} if req.images else {}
             self.engine.add_request(req.request_key, req.input_ids, params,
-                                    lambda delta: self._events.put((state, delta)))
+                                    lambda delta: self._events.put((state, delta)), **extra)
         except (TypeError, ValueError) as e:   # the engine's admission checks (a grammar it cannot compile...)
             if self.active.get(req.request_key) is state:
                 del self.active[req.request_key]

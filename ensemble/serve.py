@@ -85,13 +85,14 @@ def perf_analyzer_bin() -> str:
 
 
 def runtime_repository(dest: Path, checkpoint: str, max_model_len: int, engine_args: dict | None = None,
-                       limits: dict | None = None) -> Path:
+                       limits: dict | None = None, preprocess_params: dict[str, str] | None = None) -> Path:
     """limits: deepinfer.recipe.validation.Limits fields for the preprocess (request size, max_tokens
-    cap and default, ...)."""
+    cap and default, ...); preprocess_params: more recipe_preprocess parameters (allow_image_urls,
+    max_images_per_request)."""
     args = {"max_model_len": max_model_len, **(engine_args or {})}
     ckpt = str(Path(checkpoint).resolve())
     params = {c.PREPROCESS: {"checkpoint": ckpt, "max_model_len": str(args["max_model_len"]),
-                             "limits": json.dumps(limits or {})},
+                             "limits": json.dumps(limits or {}), **(preprocess_params or {})},
               c.ENGINE: {"checkpoint": ckpt, "engine_args": json.dumps(args)},
               c.POSTPROCESS: {"checkpoint": ckpt}}
     if dest.exists():
@@ -255,11 +256,14 @@ def main(argv=None) -> int:
     ap.add_argument("--limits", default="{}",
                     help='JSON of request limits, e.g. {"max_request_bytes": 4194304, "max_tokens_cap": 4096, '
                          '"default_max_tokens": 1024} (deepinfer.recipe.validation.Limits)')
+    ap.add_argument("--allow-image-urls", action="store_true",
+                    help="fetch http(s) image URLs (public addresses only); off: data URLs / base64 only")
     ap.add_argument("--gateway-port", type=int, default=0,
                     help="also start the OpenAI/Anthropic HTTP gateway (ensemble/gateway.py) on this port")
     args = ap.parse_args(argv)
     repo = runtime_repository(STATE_DIR / "model_repository", args.checkpoint, args.max_model_len,
-                              json.loads(args.engine_args), json.loads(args.limits))
+                              json.loads(args.engine_args), json.loads(args.limits),
+                              {"allow_image_urls": "true"} if args.allow_image_urls else None)
     server = TritonServer(repo, args.http_port, args.grpc_port, args.metrics_port)
     print(" ".join(server.command()), flush=True)
     server.proc = subprocess.Popen(server.command(), env=server_env())

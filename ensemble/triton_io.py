@@ -37,12 +37,16 @@ def to_python(t: c.Tensor, array: np.ndarray):
     if t.dtype == c.BYTES:
         items = [_text(x) for x in flat]
         return items if t.dims == (-1,) else (items[0] if items else None)
+    if t.dtype == c.UINT8:
+        return flat                          # raw bytes (image pixels): kept as an array
     if t.dims == (-1,):
         return flat.tolist()
     return flat[0].item() if flat.size else None
 
 
 def to_numpy(t: c.Tensor, value) -> np.ndarray:
+    if isinstance(value, np.ndarray) and t.dtype != c.BYTES:
+        return np.ascontiguousarray(value, dtype=c.NUMPY[t.dtype]).reshape(-1 if t.dims == (-1,) else 1)
     if t.dims == (-1,):
         items = list(value)
         if t.dtype == c.BYTES:

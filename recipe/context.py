@@ -47,6 +47,7 @@ class PreparedRequest:
     sampling: dict                      # keyword arguments of deepinfer.SamplingParams
     stream: bool
     context: RequestContext
+    images: object | None = None        # recipe.images.RequestImages (one per placeholder), None = text
 
     @property
     def rejected(self) -> bool:

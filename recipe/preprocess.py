@@ -15,9 +15,11 @@ import math
 import uuid
 
 import deepseek_recipe as dr
+import numpy as np
 
 from .context import API_KINDS, TEXT_API, PreparedRequest, RequestContext
 from .errors import RecipeError, api_error, from_conversion_error
+from .images import ImageLimits, ImageStage, image_placeholder
 from .validation import Limits, validate_request
 
 MODEL_NAMES = ("deepseek-flash", "DeepSeek-V4.1-Flash", "deepseek_v41_flash")
@@ -26,12 +28,21 @@ REQUEST_CLASSES = {"chat.completions": dr.ChatCompletionRequest, "responses": dr
 BOS_TOKEN_ID = 0
 EOS_TOKEN_ID = 1
 DEFAULT_TEXT_MAX_TOKENS = 8192   # the recipe's non-thinking default, for text_input requests
+IMAGE_TOKEN_ID = dr.IMAGE_SPECIAL_TOKEN_ID   # 129264: one per image in the rendered prompt
 
 
-def conversion_options(model_names=MODEL_NAMES) -> dr.ConversionOptions:
+def conversion_options(model_names=MODEL_NAMES, special_tokens=None) -> dr.ConversionOptions:
     """Accept only our served names (the default table also admits DeepSeek-V4-Pro, which we lack)."""
     table = {name: dr.ModelVersion.DeepseekV41Flash for name in model_names}
-    return dr.ConversionOptions().with_model_versions_by_name(table)
+    opts = dr.ConversionOptions().with_model_versions_by_name(table)
+    return opts if special_tokens is None else opts.with_special_tokens(special_tokens)
+
+
+def special_tokens(tokenizer_path) -> dr.SpecialTokens | None:
+    """The image placeholder as the checkpoint's tokenizer spells id 129264 (the recipe's default
+    spelling <｜image｜> is id 129279 in the V4.1 vocabulary), for conversion and rendering alike."""
+    name = image_placeholder(tokenizer_path, IMAGE_TOKEN_ID)
+    return dr.SpecialTokens(image=name) if name else None
 
 
 def _constraint(opts: dr.InferenceOptions, thinking: bool) -> dict | None:
@@ -67,13 +78,22 @@ def sampling_kwargs(opts: dr.InferenceOptions, max_tokens: int, thinking: bool) 
 class Preprocessor:
     """Stateless after construction; one per preprocess instance (the tokenizer takes ~0.4 s to load)."""
 
-    def __init__(self, tokenizer_path: str, max_model_len: int, model_names=MODEL_NAMES, limits: Limits | None = None):
+    def __init__(self, tokenizer_path: str, max_model_len: int, model_names=MODEL_NAMES, limits: Limits | None = None,
+                 prepare_image=None, image_limits: ImageLimits | None = None):
+        """limits: the operator's request limits (recipe/validation.py); prepare_image(bytes, max_side)
+        -> (pixels, span_len): the checkpoint's image plan (recipe/images.py); None refuses images (a
+        text-only checkpoint)."""
         self.tokenizer = dr.Tokenizer.from_file(str(tokenizer_path))
+        self._tokenizer_path = str(tokenizer_path)
+        st = special_tokens(tokenizer_path)
         self.encoding = dr.DeepseekV41Encoding().with_tokenizer(self.tokenizer)
+        if st is not None:
+            self.encoding = self.encoding.with_special_tokens(st)
         self.model_names = tuple(model_names)
-        self.options = conversion_options(model_names)
+        self.options = conversion_options(model_names, st)
         self.max_model_len = int(max_model_len)
         self.limits = limits or Limits()
+        self.images = ImageStage(prepare_image, image_limits)
 
     # -- the three APIs -------------------------------------------------------------------------
     def prepare(self, api: str, body: bytes | str) -> PreparedRequest:
@@ -87,12 +107,23 @@ class Preprocessor:
             conv, ctx.model = self._convert(api, ctx.body)
             ctx.stream = conv.stream
             ids = self.encoding.encode(conv.conversation)
-            ctx.prompt_tokens = len(ids)
-            max_tokens = _resolve(api, conv, len(ids), self.max_model_len)
+            images = self._images(api, conv, ids)
+            ctx.prompt_tokens = len(ids) + (images.token_adjustment if images else 0)   # spans counted in full
+            max_tokens = _resolve(api, conv, ctx.prompt_tokens, self.max_model_len)
             sampling = sampling_kwargs(conv.inference_options, max_tokens, conv.conversation.thinking_mode)
         except RecipeError as e:
             return _rejected(ctx, e)
-        return PreparedRequest(uuid.uuid4().hex, ids, sampling, ctx.stream, ctx)
+        except UnicodeDecodeError as e:
+            return _rejected(ctx, api_error(ctx.api, 400, f"request body is not UTF-8: {e}"))
+        return PreparedRequest(uuid.uuid4().hex, ids, sampling, ctx.stream, ctx, images)
+
+    def _images(self, api: str, conv, ids: list[int]):
+        """The request's images (recipe/images.py), or None for a text prompt. A placeholder typed in
+        text stays text, so the id appears only for real image parts."""
+        if IMAGE_TOKEN_ID not in ids:
+            return None
+        sources = self.encoding.render_conversation(conv.conversation).image_sources
+        return self.images.resolve(api, sources)
 
     def _convert(self, api: str, body: str):
         try:
@@ -208,6 +239,8 @@ def _prepare_inputs(pre: Preprocessor, inputs: dict) -> PreparedRequest:
 
 def preprocess_outputs(prepared: PreparedRequest) -> dict:
     """The preprocess outputs by contract name."""
+    images = prepared.images.contract_values() if prepared.images is not None else \
+        {"image_pixels": np.zeros(0, np.uint8), "image_sizes": []}
     return {"input_ids": prepared.prompt_token_ids, "sampling": json.dumps(prepared.sampling),
             "streaming": prepared.stream, "context": prepared.context.to_json(),
-            "request_key": prepared.request_key}
+            "request_key": prepared.request_key, **images}

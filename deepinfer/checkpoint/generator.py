@@ -78,6 +78,18 @@ PRESETS = {
 # GPU decode benchmark (perf/bench_model_decode.py) loads it where the whole preset (~75 GB) does not fit
 PRESETS["full-width-ep8"] = dict(PRESETS["full-width-layers"], n_routed_experts=48, dspark_n_routed_experts=16)
 
+# vision_config per preset (HF keys); presets without one write text-only checkpoints. tiny: a small
+# tower with small spans (fast CPU tests); full width: the release tower (MODEL.md section 2.1)
+RELEASE_VISION = dict(model_type="deepseek_v41_vision", num_hidden_layers=32, hidden_size=1024, num_attention_heads=16,
+                      intermediate_size=2816, patch_size=14, rope_theta=10000, downsample_ratio=3,
+                      max_image_tokens=1024, min_pixels=295936, max_wh_ratio=None)
+VISION = {
+    "tiny": dict(RELEASE_VISION, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96,
+                 max_image_tokens=64, min_pixels=84 * 84),
+    "full-width-layers": RELEASE_VISION,
+    "full-width-ep8": RELEASE_VISION,
+}
+
 INIT = dict(post_base=-2.0, comb_diag=1.0, expert_spread=0.3, gate_bias_std=1.0, head_std=7.0, head_norm_sigma=0.8)
 SHARD_BYTES = 2 << 30
 DIRECT_FP4_NUMEL = 1 << 22     # expert matrices above this draw FP4 codes directly
@@ -94,8 +106,8 @@ def text_config(preset: str) -> dict:
     return tc
 
 
-def hf_config(tc: dict) -> dict:
-    return {
+def hf_config(tc: dict, vision: dict | None = None) -> dict:
+    cfg = {
         "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
         "transformers_version": "5.6.0", "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
         "image_token_id": 129264,
@@ -103,6 +115,9 @@ def hf_config(tc: dict) -> dict:
                                 "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
         "text_config": tc,
     }
+    if vision is not None:
+        cfg["vision_config"] = vision
+    return cfg
 
 
 # ---- quantizers (release formats) ----------------------------------------------------------
@@ -252,6 +267,25 @@ def top_tensors(tc: dict, draw: _Draw, which: str):
     yield "head.weight", (head * (rn / rn.square().mean().sqrt())[:, None]).to(torch.bfloat16)
 
 
+def vision_tensors(tc: dict, vc: dict, draw: _Draw):
+    """The vision tower in release names, all BF16: linears ~ N(0, 1/fan_in), small biases, norms ~ 1,
+    span vectors at the embedding scale."""
+    from deepinfer.model.loader import vision_tensors as names
+    from deepinfer.model.vision import VisionArgs
+    from deepinfer.model.args import ModelArgs
+    args = ModelArgs(dim=tc["hidden_size"], vision=VisionArgs.from_hf(vc))
+    for name, (kind, shape) in names(args).items():
+        if kind == "norm":
+            t = draw.normal(name, shape, 0.1, 1.0)
+        elif name.endswith(".bias"):
+            t = draw.normal(name, shape, 0.02)
+        elif len(shape) == 1:                   # image_start / image_end / image_newline
+            t = draw.normal(name, shape)
+        else:
+            t = draw.normal(name, shape, shape[1] ** -0.5)
+        yield name, t.to(torch.bfloat16)
+
+
 def mtp_tensors(tc: dict, j: int, draw: _Draw):
     n, d, r = tc["num_hidden_layers"], tc["hidden_size"], tc["dspark_markov_rank"]
     p = f"mtp.{j}."
@@ -285,6 +319,9 @@ def make_checkpoint(preset: str, seed: int, out: str | Path, progress: bool = Tr
     groups += [lambda L=L: layer_tensors(tc, f"layers.{L}.", L, draw, True) for L in range(tc["num_hidden_layers"])]
     groups += [lambda j=j: mtp_tensors(tc, j, draw) for j in range(tc["num_nextn_predict_layers"])]
     groups += [lambda: top_tensors(tc, draw, "head")]
+    vc = VISION.get(preset)
+    if vc is not None:
+        groups.append(lambda: vision_tensors(tc, vc, draw))
     bar = None
     if progress:
         from tqdm import tqdm
@@ -319,6 +356,6 @@ def make_checkpoint(preset: str, seed: int, out: str | Path, progress: bool = Tr
         weight_map.update({n: fn for n in names})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config(tc), indent=2, ensure_ascii=False))
+    (out / "config.json").write_text(json.dumps(hf_config(tc, vc), indent=2, ensure_ascii=False))
     write_tokenizer(out / "tokenizer.json")
     return out

@@ -67,6 +67,7 @@ class ModelArgs:
     engram_pad_id: int = 2
     engram_compressed_vocab_size: int = 0
     image_token_id: int = 129264
+    vision: "VisionArgs | None" = None   # the vision tower (HF `vision_config`); None = text-only
     dspark_block_size: int = 0
     dspark_noise_token_id: int = 128799
     dspark_target_layer_ids: tuple[int, ...] = ()
@@ -196,6 +197,8 @@ class ModelArgs:
             dtype="fp8" if q is not None else "bf16",
             expert_dtype=(q.get("expert_dtype", "fp4") if q is not None else None),
         )
+        from .vision.config import VisionArgs
+        args.vision = VisionArgs.from_hf(cfg.get("vision_config"), args.image_token_id)
         for k, v in overrides.items():
             setattr(args, k, v)
         args.validate()

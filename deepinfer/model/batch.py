@@ -31,6 +31,8 @@ class ForwardBatch:
     block_tables: torch.Tensor     # [B, max_blocks] int64, compressed-cache blocks per sequence (-1 = none)
     logits_indices: torch.Tensor   # [N] int64, rows of T whose logits are wanted (last token, or all verified ones)
     token_mask: torch.Tensor | None = None   # [T] bool, False inside image spans (Engram dead, VL router bias)
+    image_rows: torch.Tensor | None = None   # [n] int64, rows of T inside image spans whose embeddings are image_embeds
+    image_embeds: torch.Tensor | None = None # [n, dim] bf16, span embeddings (VisionTower.encode) for those rows
 
     @property
     def num_seqs(self) -> int:

@@ -157,6 +157,8 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
             E[en + "k_weight"] = ("norm", (hc, d))
 
     E["embed.weight"] = ("bf16", (args.vocab_size, d))
+    if args.vision is not None:
+        E.update(vision_tensors(args))
     E["head.weight"] = ("bf16", (args.vocab_size, d))
     E["norm.weight"] = ("norm", (d,))
     for L in range(args.n_layers):
@@ -173,6 +175,26 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
                 E[p + "markov_head.embed.weight"] = ("bf16", (args.vocab_size, args.dspark_markov_rank))
                 E[p + "markov_head.head.weight"] = ("bf16", (args.vocab_size, args.dspark_markov_rank))
                 E[p + "confidence_head.proj.weight"] = ("bf16", (1, d + args.dspark_markov_rank))
+    return E
+
+
+def vision_tensors(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The vision tower's release tensors (all BF16): vision.*, aligner.*, image_{start,end,newline}."""
+    v, d = args.vision, args.dim
+    E = {"vision.patch_embed.proj.weight": ("bf16", (v.dim, v.patch_dim)),
+         "vision.patch_embed.proj.bias": ("bf16", (v.dim,)), "vision.norm.weight": ("norm", (v.dim,))}
+    for i in range(v.n_layers):
+        b = f"vision.blocks.{i}."
+        E.update({b + "norm1.weight": ("norm", (v.dim,)), b + "norm2.weight": ("norm", (v.dim,)),
+                  b + "attn.wqkv.weight": ("bf16", (3 * v.dim, v.dim)), b + "attn.wqkv.bias": ("bf16", (3 * v.dim,)),
+                  b + "attn.wo.weight": ("bf16", (v.dim, v.dim)), b + "attn.wo.bias": ("bf16", (v.dim,)),
+                  b + "mlp.w1.weight": ("bf16", (2 * v.inter_dim, v.dim)),
+                  b + "mlp.w2.weight": ("bf16", (v.dim, v.inter_dim))})
+    cell = v.dim * v.downsample_ratio ** 2
+    E.update({"aligner.w1.weight": ("bf16", (d, cell)), "aligner.w1.bias": ("bf16", (d,)),
+              "aligner.w2.weight": ("bf16", (d, d)), "aligner.w2.bias": ("bf16", (d,))})
+    for name in ("image_start", "image_end", "image_newline"):
+        E[name] = ("bf16", (d,))
     return E
 
 
@@ -296,8 +318,17 @@ def _read_rows(info: TensorInfo, mm, name: str, lo: int, hi: int) -> torch.Tenso
     return _read(part, mm, name)
 
 
+# checkpoint prefix -> module path: the vision tower's release names sit at the top level
+_RENAMES = (("vision.", "vision_tower.vit."), ("aligner.", "vision_tower.aligner."),
+            ("image_", "vision_tower.image_"))
+
+
 def _target(model, name: str):
     """Checkpoint name -> (module, attribute). The only renaming rules."""
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
     path = name.split(".")
     attr = path[-1]
     mod = model

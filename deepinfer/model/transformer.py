@@ -21,6 +21,7 @@ from .engram import NgramHasher
 from .dspark import DSparkBlock
 from .layers import Embedding, Linear, RMSNorm, linear_fp32, rope_tables
 from .step_metadata import StepMetadata
+from .vision import VisionTower
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Transformer(nn.Module):
         self.head = Linear(args.dim, args.vocab_size)
         self.mtp = nn.ModuleList([DSparkBlock(args, args.n_layers + j) for j in range(args.n_mtp_layers)]
                                  if args.dspark_block_size else [])
+        self.vision_tower = VisionTower(args.vision, args.dim) if args.vision is not None else None
         # the last index-key owner in layer order: what the reference's aliased decode reads first
         owners = [s for s in args.kv_source_layers if s in args.index_source_layers]
         self._last_index_owner = owners[-1] if owners else -1
@@ -86,7 +88,10 @@ class Transformer(nn.Module):
         hashes = None
         if args.engram_layer_ids:
             hashes = self.hasher(batch.input_ids, batch.cu_seqlens, batch.ngram_history, batch.token_mask)
-        h = self.embed(batch.input_ids).unsqueeze(1).repeat(1, args.hc_mult, 1)     # [T, hc, d]
+        h = self.embed(batch.input_ids)                                              # [T, d]
+        if batch.image_rows is not None:       # image spans: aligner rows and learned delimiters
+            h[batch.image_rows] = batch.image_embeds.to(h.dtype)
+        h = h.unsqueeze(1).repeat(1, args.hc_mult, 1)                                # [T, hc, d]
         pre = torch.zeros(h.shape[0], args.hc_mult, device=h.device)
         pre[:, 0] = 1.0
         taps, snaps, attn_outs = [], [], ([] if dump_hidden else None)

@@ -102,7 +102,8 @@ class Scheduler:
         if req.num_output_tokens + req.num_output_placeholders >= req.sampling_params.max_tokens:
             return 0  # its last token is in flight
         num_new = req.num_tokens + req.num_output_placeholders + len(req.spec_token_ids) - req.num_computed_tokens
-        return max(0, min(num_new, budget, self.max_model_len - req.num_computed_tokens))
+        num_new = max(0, min(num_new, budget, self.max_model_len - req.num_computed_tokens))
+        return req.clip_to_spans(req.num_computed_tokens, num_new)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -147,6 +148,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             num_new = self._num_new_tokens(req, budget)
+            if num_new == 0 or not req.images_ready:   # its next span does not fit / its images still encode
+                break
             new_blocks = self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new)
             if new_blocks is None:
                 break
@@ -156,7 +159,8 @@ class Scheduler:
             out.new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens, req.num_computed_tokens,
                 req.sampling_params, list(self.kv_cache.block_ids[req.request_id]),
-                self.kv_cache.ring_slot[req.request_id], req.forced_token_ids, req.return_logits))
+                self.kv_cache.ring_slot[req.request_id], req.forced_token_ids, req.return_logits,
+                req.image_prompt))
             self._record(req, num_new, out)
             budget -= num_new
         return budget

@@ -36,6 +36,9 @@ class InputBatch:
         self.forced: dict[int, list[int]] = {}               # row -> forced output ids (teacher forcing)
         self.return_logits: set[int] = set()                 # rows that keep their logits
         self.row_of: dict[str, int] = {}
+        # token types (TEXT -1, image span 0..3: deepinfer.model.vision) of rows whose prompt has images
+        self.token_types = np.full((max_num_seqs, max_model_len + 16), -1, dtype=np.int8)
+        self.has_images = np.zeros(max_num_seqs, dtype=bool)
         # async scheduling: row -> index of its not-yet-known token in the last launched step's
         # device-side samples (-1 = none); build() patches those input ids on the device
         self.pending_index = np.full(max_num_seqs, -1, dtype=np.int64)
@@ -54,6 +57,9 @@ class InputBatch:
         self.block_table[row, :self.num_blocks[row]] = -1
         self.num_blocks[row] = 0
         self.pending_index[row] = -1
+        if self.has_images[row]:
+            self.token_types[row] = -1
+            self.has_images[row] = False
         self._free_rows.append(row)
 
     def add(self, new: NewRequestData) -> None:
@@ -74,6 +80,10 @@ class InputBatch:
             self.forced[row] = new.forced_token_ids
         if new.return_logits:
             self.return_logits.add(row)
+        if new.image_prompt is not None:
+            types = new.image_prompt.token_types
+            self.token_types[row, :len(types)] = types
+            self.has_images[row] = True
 
     def update(self, diff: CachedRequestData) -> None:
         row = self.row_of[diff.req_id]
@@ -126,6 +136,8 @@ class InputBatch:
             ngram_history=to(hist), ring_slots=to(self.ring_slot[rows]),
             block_tables=to(np.ascontiguousarray(self.block_table[rows, :max_nb])),
             logits_indices=to(logits_indices))
+        if self.has_images[rows].any():      # False inside image spans: VL router bias, Engram dead
+            batch.token_mask = to(self.token_types[rows_rep, positions] < 0)
         if prev_sampled is not None and pending.any():
             src = self.pending_index[rows_rep]
             unknown = np.nonzero((src >= 0) & (positions >= self.num_tokens[rows_rep]))[0]
@@ -154,9 +166,12 @@ class InputBatch:
                     pending_src=np.where(start >= self.num_tokens[rows], self.pending_index[rows], -1))
 
     def _history(self, rows: np.ndarray, start: np.ndarray) -> np.ndarray:
-        """[B, n-1] token ids at start-n+1 .. start-1 (Engram's look-back), -1 before position 0."""
+        """[B, n-1] token ids at start-n+1 .. start-1 (Engram's look-back), -1 before position 0,
+        -2 (engram.DEAD) at image-span positions."""
         hist_pos = start[:, None] + np.arange(-self.ngram_width, 0)
         hist = self.token_ids[rows[:, None], np.maximum(hist_pos, 0)]
+        if self.has_images[rows].any():
+            hist[self.token_types[rows[:, None], np.maximum(hist_pos, 0)] >= 0] = -2
         hist[hist_pos < 0] = -1
         return hist
 

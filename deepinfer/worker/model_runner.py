@@ -85,6 +85,10 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks, ngram_width)
         self._prev_sampled: torch.Tensor | None = None   # [N] device samples of the last launched step
         self._launch_seq = 0
+        self.images = None            # ImageEmbeds: span embeddings of the requests' images (vision checkpoints)
+        if getattr(model, "vision_tower", None) is not None:
+            from deepinfer.worker.image_embeds import ImageEmbeds
+            self.images = ImageEmbeds(model.vision_tower, batch_invariant)
         self.graphs = None            # DecodeGraphs: captured pure-decode steps (needs scratch caches)
         if graph_sizes:
             from deepinfer.worker.graph_step import DecodeGraphs
@@ -190,6 +194,8 @@ class ModelRunner:
                 logits = logits.clone()
             return batch, rows, np.ones(len(rows), dtype=np.int64), logits, None
         batch, rows, num_logits = ib.build(req_ids, q_lens, num_spec, self.device, self._prev_sampled)
+        if self.images is not None and self.images.has_any():
+            batch.image_rows, batch.image_embeds = self.images.gather(req_ids, batch.start_pos.numpy(), q_lens)
         with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
             out = self.model(batch, self.caches)
         return batch, rows, num_logits, out.logits, out.main_hidden
@@ -197,10 +203,18 @@ class ModelRunner:
     def _update_states(self, sched_out: SchedulerOutput) -> None:
         for req_id in sched_out.finished_req_ids | sched_out.preempted_req_ids:
             self.input_batch.remove(req_id)
+            if self.images is not None:
+                self.images.remove(req_id)
         for new in sched_out.new_reqs:
             self.input_batch.add(new)
+            if new.image_prompt is not None:
+                if self.images is None:
+                    raise ValueError(f"request {new.req_id} has images but the checkpoint has no vision tower")
+                self.images.add(new.req_id, new.image_prompt)
         for diff in sched_out.cached_reqs:
             self.input_batch.update(diff)
+        if self.images is not None:
+            self.images.encode_pending()      # one tower pass for every request admitted now
 
     def _sample(self, logits, batch, rows, num_logits, num_spec):
         """Argmax on the device when every sampling row is plain greedy; else the Sampler

@@ -22,3 +22,10 @@ def _logit_err(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="session")
 def logit_err():
     return _logit_err
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_model(tiny_checkpoint):
+    """The tiny preset (it has a vision_config: a 2-layer, 64-wide tower), loaded on the CPU."""
+    from deepinfer.model.loader import load_model
+    return load_model(tiny_checkpoint, progress=False)

@@ -9,7 +9,9 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from deepinfer.ensemble import config, contract, triton_io
+from deepinfer.model.vision.preprocess import checkpoint_image_preparer
 from deepinfer.recipe import TEXT_API, Preprocessor, prepare_inputs, preprocess_outputs
+from deepinfer.recipe.images import ImageLimits
 from deepinfer.recipe.validation import Limits
 
 MODEL = contract.PREPROCESS
@@ -20,8 +22,11 @@ class TritonPythonModel:
         params = config.model_parameters(json.loads(args["model_config"]))
         checkpoint = Path(config.resolve_checkpoint(params.get("checkpoint", "")))
         max_model_len = params.get("max_model_len") or _max_position(checkpoint)
+        limits = ImageLimits(allow_image_urls=params.get("allow_image_urls", "false").lower() == "true",
+                             max_images=int(params.get("max_images_per_request") or 16))
         self.pre = Preprocessor(checkpoint / "tokenizer.json", int(max_model_len),
-                                limits=Limits.from_json(params.get("limits")))
+                                limits=Limits.from_json(params.get("limits")),
+                                prepare_image=checkpoint_image_preparer(checkpoint), image_limits=limits)
 
     def execute(self, requests):
         responses = []

@@ -1,0 +1,65 @@
+"""Prompt layout with images: each image placeholder id becomes that image's span.
+
+    prompt:  ... t5 t6 [IMG] t7 ...              one placeholder (image_token_id) per image
+    tokens:  ... t5 t6 [IMG x span_len] t7 ...   every span position carries image_token_id
+    types:   ... -1 -1  0 1 1 .. 1 2 1 .. 2 3 -1 TEXT elsewhere; START, IMAGE, NEW_LINE, END inside
+
+The types drive everything that differs at span positions: the aligner rows and learned vectors
+replace the embeddings, the MoE gate picks experts with bias_vl, Engram treats them as DEAD.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+from .preprocess import TEXT, ImageInput
+
+
+@dataclass
+class ImagePrompt:
+    """A prompt with its image spans laid out (the engine's view of a multimodal request)."""
+    token_ids: list[int]
+    token_types: np.ndarray          # [len(token_ids)] int8
+    images: list[ImageInput]         # in prompt order, .start set
+    # set by the engine's ImageEncoder (worker/image_embeds.py) when it encodes ahead of scheduling:
+    encoding: bool = False           # submitted: not schedulable until `embeds` exist and `event` fired
+    embeds: list | None = None       # [span_len, dim] per image, on the device
+    event: object | None = None      # CUDA event after the encode (None: done synchronously)
+
+    @property
+    def ready(self) -> bool:
+        """May the scheduler run this prompt's tokens? (no early encode asked, or it has finished)"""
+        if not self.encoding:
+            return True
+        return self.embeds is not None and (self.event is None or self.event.query())
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        return [(im.start, im.start + im.span_len) for im in self.images]
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(im.span_len for im in self.images)
+
+
+def expand_image_placeholders(prompt_ids, images: list[ImageInput], image_token_id: int) -> ImagePrompt:
+    """Replace the k-th placeholder by the k-th image's span; ValueError when the counts differ."""
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    where = np.flatnonzero(ids == image_token_id)
+    if len(where) != len(images):
+        raise ValueError(f"the prompt has {len(where)} image placeholders but {len(images)} images were given")
+    pieces, types, placed, prev, shift = [], [], [], 0, 0
+    for pos, im in zip(where.tolist(), images):
+        im = copy.copy(im)                 # the same image may sit in several prompts
+        pieces += [ids[prev:pos], np.full(im.span_len, image_token_id, dtype=np.int64)]
+        types += [np.full(pos - prev, TEXT, dtype=np.int8), im.token_types]
+        im.start = pos + shift
+        placed.append(im)
+        shift += im.span_len - 1
+        prev = pos + 1
+    pieces.append(ids[prev:])
+    types.append(np.full(len(ids) - prev, TEXT, dtype=np.int8))
+    return ImagePrompt(np.concatenate(pieces).tolist(), np.concatenate(types), placed)

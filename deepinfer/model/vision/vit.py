@@ -1,0 +1,151 @@
+"""The ViT of the V4.1 vision tower (reference inference/vision.py `ViT`), run over many images at once.
+
+    patches [N, 3, p, p] -> patch_embed (Linear 3p^2 -> dim, bias; no conv, no CLS, no absolute
+    positions) -> n_layers pre-norm blocks -> RMSNorm -> [N, dim]
+
+    block:  x += wo(attn(rope2d(q), rope2d(k), v))   wqkv dim -> 3 dim (bias) = [q | k | v], heads
+                                                      contiguous; full bidirectional attention
+                                                      within one image, scale head_dim^-0.5
+            x += w2(silu(gate) * up)                  w1 dim -> 2 inter = [gate | up] (no bias)
+    RMSNorm eps 1e-6 in fp32; activations bf16 between ops.
+
+2D RoPE: inv_freq = theta^(-arange(0, rope_dim, 2) / rope_dim) (rope_dim = head_dim / 2 entries per
+axis / 2); a patch at grid (h, w) has phases [h * inv_freq | w * inv_freq]; rotate-half (x1, x2 the
+two halves of the head) in fp32: [x1 cos - x2 sin | x2 cos + x1 sin].
+
+Many images (of several requests) run as one flat sequence: every Linear sees all their patches,
+attention runs image by image (cu_seqlens), so an image's features do not depend on the others
+beyond GEMM blocking (batch-invariant mode removes that too).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import VisionArgs
+
+ACT = torch.bfloat16
+
+
+class VisionLinear(nn.Module):
+    """y = x W^T (+ b), bf16 out. Buffers (not Parameters), so the loader can place any dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(out_features, in_features), persistent=False)
+        self.register_buffer("bias", torch.empty(out_features) if bias else None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        b = None if self.bias is None else self.bias.to(w.dtype)
+        return F.linear(x.to(w.dtype), w, b).to(ACT)
+
+
+class VisionRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(dim), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+@lru_cache(16)
+def rope_2d_table(n_h: int, n_w: int, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [n_h * n_w, 1, rope_dim] fp32 for one patch grid in reading order."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))   # [rope_dim/2]
+    hh = torch.arange(n_h, dtype=torch.float32).repeat_interleave(n_w)        # row of each patch
+    ww = torch.arange(n_w, dtype=torch.float32).repeat(n_h)                   # column of each patch
+    phases = torch.cat([hh[:, None] * inv_freq, ww[:, None] * inv_freq], dim=-1)   # [n, rope_dim]
+    return phases.cos()[:, None], phases.sin()[:, None]
+
+
+def apply_rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, head_dim] -> rotated (rotate-half over the whole head, fp32), x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, v: VisionArgs):
+        super().__init__()
+        self.n_heads, self.head_dim = v.n_heads, v.head_dim
+        self.wqkv = VisionLinear(v.dim, 3 * v.dim, bias=True)
+        self.wo = VisionLinear(v.dim, v.dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, val = self.wqkv(x).view(n, 3, self.n_heads, self.head_dim).unbind(1)   # [n, H, hd] each
+        q, k = apply_rope_2d(q, cos, sin), apply_rope_2d(k, cos, sin)
+        out = torch.empty_like(q)
+        for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):                            # one image at a time
+            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
+                                               val[s:e].transpose(0, 1))            # [H, n_i, hd]
+            out[s:e] = o.transpose(0, 1)
+        return self.wo(out.reshape(n, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, v: VisionArgs):
+        super().__init__()
+        self.w1 = VisionLinear(v.dim, 2 * v.inter_dim, bias=False)
+        self.w2 = VisionLinear(v.inter_dim, v.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w1(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, v: VisionArgs):
+        super().__init__()
+        self.norm1 = VisionRMSNorm(v.dim)
+        self.attn = VisionAttention(v)
+        self.norm2 = VisionRMSNorm(v.dim)
+        self.mlp = VisionMLP(v)
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, v: VisionArgs):
+        super().__init__()
+        self.proj = VisionLinear(v.patch_dim, v.dim, bias=True)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return self.proj(patches.flatten(1))                                # [N, 3p^2] -> [N, dim]
+
+
+class ViT(nn.Module):
+    """Attribute names are the release's `vision.*` names (the loader maps `vision.` here)."""
+
+    def __init__(self, v: VisionArgs):
+        super().__init__()
+        self.args = v
+        self.patch_embed = PatchEmbed(v)
+        self.blocks = nn.ModuleList([VisionBlock(v) for _ in range(v.n_layers)])
+        self.norm = VisionRMSNorm(v.dim)
+
+    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:
+        """patches [N, 3, p, p] of several images concatenated; grids [(n_vit_h, n_vit_w)] in the
+        same order -> features [N, dim] bf16."""
+        v, dev = self.args, patches.device
+        tables = [rope_2d_table(h, w, v.rope_dim, v.rope_theta) for h, w in grids]
+        cos = torch.cat([c for c, _ in tables]).to(dev)
+        sin = torch.cat([s for _, s in tables]).to(dev)
+        cu = [0]
+        for h, w in grids:
+            cu.append(cu[-1] + h * w)
+        x = self.patch_embed(patches.to(ACT))
+        for block in self.blocks:
+            x = block(x, cos, sin, cu)
+        return self.norm(x)

@@ -1,0 +1,131 @@
+"""Image span embeddings: encoded once per request, batched over requests, read by the steps whose
+chunks cover the spans.
+
+ImageEncoder (the engine, one rank in process): encodes AHEAD of scheduling, beside the steps.
+
+    engine.add_request -> submit(prompt)    the request waits (ImagePrompt.ready is False)
+    engine.step        -> flush()           ONE tower pass over every image submitted since the last
+                                            step (each distinct image once, by content hash), on its
+                                            own CUDA stream; the step's own kernels are not held up
+    scheduler          -> admits the request once the pass's event has fired
+
+ImageEmbeds (the runner): what each running request's spans hold.
+
+    add(req, prompt)     precomputed embeddings (the encoder's: the step stream waits on its event), or
+                         the images wait for encode_pending() (rank workers of a multi-GPU engine,
+                         which encode in the runner: one pass before the step that first needs them)
+    gather(...)          the step's rows inside spans and their embeddings (ForwardBatch.image_rows,
+                         .image_embeds); the scheduler never cuts a span, so a chunk holds whole spans
+    remove(req)          finished / preempted: freed (a preempted request keeps its ImagePrompt's
+                         embeddings and is not encoded again)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deepinfer.kernels.batch_invariant import batch_invariant_mode
+
+
+def _key(im) -> str:
+    return im.content_hash or str(id(im))
+
+
+def encode_unique(tower, prompts_images: list[list], batch_invariant: bool) -> tuple[list[list[torch.Tensor]], int]:
+    """One tower pass over the distinct images of several requests -> (embeddings per request, images run)."""
+    unique: dict[str, object] = {}
+    for images in prompts_images:
+        for im in images:
+            unique.setdefault(_key(im), im)
+    with batch_invariant_mode(batch_invariant):
+        embeds = dict(zip(unique, tower.encode(list(unique.values()))))
+    return [[embeds[_key(im)] for im in images] for images in prompts_images], len(unique)
+
+
+class ImageEncoder:
+    def __init__(self, tower, batch_invariant: bool = False) -> None:
+        self.tower = tower
+        self.batch_invariant = batch_invariant
+        dev = tower.image_start.device
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._pending: list = []                 # ImagePrompts submitted since the last flush
+        self.num_encoded = 0
+        self.num_passes = 0
+
+    def submit(self, prompt) -> None:
+        prompt.encoding = True
+        self._pending.append(prompt)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if self.stream is None:
+            embeds, n = encode_unique(self.tower, [p.images for p in pending], self.batch_invariant)
+            event = None
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream())   # inputs made on the step stream
+            with torch.cuda.stream(self.stream):
+                embeds, n = encode_unique(self.tower, [p.images for p in pending], self.batch_invariant)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        for p, e in zip(pending, embeds):
+            p.embeds, p.event = e, event
+        self.num_encoded += n
+        self.num_passes += 1
+
+
+class ImageEmbeds:
+    def __init__(self, tower, batch_invariant: bool = False) -> None:
+        self.tower = tower                      # deepinfer.model.vision.VisionTower
+        self.batch_invariant = batch_invariant
+        self.spans: dict[str, list[tuple[int, torch.Tensor]]] = {}   # req_id -> [(start, [span_len, dim])]
+        self._pending: list[tuple[str, list]] = []
+        self.num_encoded = 0                    # images run through the tower (stats, tests)
+        self.num_passes = 0                     # tower passes
+
+    def add(self, req_id: str, prompt) -> None:
+        """prompt: the request's ImagePrompt; its embeddings are used when the encoder made them."""
+        if prompt.embeds is None:
+            self._pending.append((req_id, prompt.images))
+            return
+        if prompt.event is not None:
+            stream = torch.cuda.current_stream()
+            stream.wait_event(prompt.event)
+            for e in prompt.embeds:          # made on the encoder's stream, read on this one
+                e.record_stream(stream)
+        self.spans[req_id] = [(im.start, e) for im, e in zip(prompt.images, prompt.embeds)]
+
+    def remove(self, req_id: str) -> None:
+        self.spans.pop(req_id, None)
+        self._pending = [(r, ims) for r, ims in self._pending if r != req_id]
+
+    def has_any(self) -> bool:
+        return bool(self.spans)
+
+    def encode_pending(self) -> None:
+        if not self._pending:
+            return
+        embeds, n = encode_unique(self.tower, [images for _, images in self._pending], self.batch_invariant)
+        self.num_encoded += n
+        self.num_passes += 1
+        for (req_id, images), e in zip(self._pending, embeds):
+            self.spans[req_id] = [(im.start, x) for im, x in zip(images, e)]
+        self._pending = []
+
+    def gather(self, req_ids: list[str], start: np.ndarray, q_lens: np.ndarray):
+        """-> (rows [n] int64, embeds [n, dim]) of the step's tokens inside image spans, or (None, None).
+        start / q_lens: each request's first position and token count this step (batch order)."""
+        rows, parts, off = [], [], 0
+        for req_id, s0, q in zip(req_ids, start.tolist(), q_lens.tolist()):
+            for span_start, emb in self.spans.get(req_id, ()):
+                lo, hi = max(span_start, s0), min(span_start + emb.shape[0], s0 + q)
+                if lo < hi:
+                    rows.append(np.arange(off + lo - s0, off + hi - s0))
+                    parts.append(emb[lo - span_start:hi - span_start])
+            off += q
+        if not rows:
+            return None, None
+        dev = parts[0].device
+        return torch.from_numpy(np.concatenate(rows)).to(dev), torch.cat(parts)

@@ -1,0 +1,202 @@
+"""The vision tower on the GPU: how fast images encode, and what encoding does to decode steps.
+
+  1. encode: VisionTower.encode (ViT + aligner + span assembly, what the runner calls once per step
+     for every image admitted) of the release-width tower (32 layers, 1024 wide, aligner to 5120) on
+     1 and 16 images at once, for a typical photo (1024x701 px: 3774 patches, span 444) and the
+     largest square (1302x1302: 8649 patches, span 994): ms per image, images/s, and the 16-image
+     pass against 16 single-image passes (what batching across requests buys).
+  2. decode slowdown: the full-width-ep8 backbone's decode step (CUDA graph replays, batch --batch at
+     --ctx) timed alone, then while another thread encodes images back to back on its own CUDA stream
+     (how the engine's ImageEncoder, worker/image_embeds.py, shares the GPU with the running steps),
+     as a ratio; and the inline cost (the encode a step pays when it runs on the step's own stream, as
+     the rank workers of a multi-GPU engine do).
+
+    python perf/vision_encode.py                        (vision_encode.json in $OUT)
+    python perf/vision_encode.py --device cpu --tiny    (a CPU smoke run of the code paths, tiny tower)
+
+Weights are random (dummy): timing does not depend on their values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SIZES = {"photo 1024x701": (1024, 701), "max 1302x1302": (1302, 1302)}
+
+
+def build_tower(v, dim: int, device: str):
+    from deepinfer.model.vision import VisionTower
+    tower = VisionTower(v, dim)
+    g = torch.Generator().manual_seed(0)
+    wdtype = torch.bfloat16 if device == "cuda" else torch.float32
+    for mod in tower.modules():
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if buf is None:
+                continue
+            if buf.dim() == 2:
+                val = (torch.randn(buf.shape, generator=g) * buf.shape[1] ** -0.5).to(wdtype)
+            elif name == "weight":
+                val = torch.ones(buf.shape)
+            else:
+                val = 0.02 * torch.randn(buf.shape, generator=g)
+            setattr(mod, name, val.to(device))
+    return tower.eval()
+
+
+def make_image(w: int, h: int, v, seed: int):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from deepinfer.model.vision import load_image
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return load_image(buf.getvalue(), v)
+
+
+def timed(fn, device: str, iters: int) -> float:
+    """Median seconds of fn() on the current stream (CUDA events on it, never a device-wide sync: a
+    side stream's encoder keeps running while the step is timed)."""
+    fn()
+    ts = []
+    for _ in range(iters):
+        if device == "cuda":
+            stream = torch.cuda.current_stream()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
+            fn()
+            b.record(stream)
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def bench_encode(tower, v, device: str, iters: int) -> list[dict]:
+    rows = []
+    print(f"{'image':>16} {'batch':>5} {'ms/pass':>9} {'ms/image':>9} {'images/s':>9} {'vs 1-by-1':>9} {'patches':>8}",
+          flush=True)
+    for label, (w, h) in SIZES.items():
+        img = make_image(w, h, v, 0)
+        one = timed(lambda: tower.encode([img]), device, iters)
+        for n in (1, 16):
+            imgs = [img] * n
+            t = one if n == 1 else timed(lambda: tower.encode(imgs), device, max(2, iters // 4))
+            row = dict(image=label, batch=n, ms_pass=t * 1e3, ms_per_image=t * 1e3 / n, images_per_s=n / t,
+                       batched_over_serial=(n * one) / t, patches=img.patches.shape[0], span=img.span_len)
+            rows.append(row)
+            print(f"{label:>16} {n:>5} {t * 1e3:>9.2f} {t * 1e3 / n:>9.2f} {n / t:>9.1f} {n * one / t:>9.2f} "
+                  f"{img.patches.shape[0]:>8}", flush=True)
+    return rows
+
+
+def load_backbone(preset: str, device: str):
+    from deepinfer.checkpoint.generator import VISION, hf_config, text_config
+    from deepinfer.model.loader import load_model
+    d = tempfile.mkdtemp(prefix=f"vision-encode-{preset}-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(hf_config(text_config(preset), VISION.get(preset)), f)
+    return load_model(d, device, load_format="dummy", progress=False)
+
+
+def bench_decode_slowdown(model, device: str, batch: int, ctx: int, iters: int, image) -> dict:
+    from bench_model_decode import decode_step, time_graph
+
+    from deepinfer.cache.model_caches import ModelCaches
+    block_tokens, max_len = 64, ctx + 64
+    caches = ModelCaches.allocate(model.args, batch, batch * -(-max_len // block_tokens), block_tokens, device,
+                                  scratch=True)
+    with torch.inference_mode():
+        step = decode_step(model, caches, batch, ctx, max_len, block_tokens, device=device)
+        if device == "cuda":
+            g = torch.cuda.CUDAGraph()
+            time_graph(step)                                   # warm up
+            with torch.cuda.graph(g):
+                step()
+            run = g.replay
+        else:
+            run = step
+        alone = timed(run, device, iters)
+        encode = timed(lambda: model.vision_tower.encode([image]), device, max(2, iters // 8))
+        stop, done = threading.Event(), [0]
+
+        def encoder():
+            stream = torch.cuda.Stream() if device == "cuda" else None
+            with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _null()):
+                while not stop.is_set():
+                    model.vision_tower.encode([image])
+                    if stream is not None:
+                        stream.synchronize()
+                    done[0] += 1
+        th = threading.Thread(target=encoder, daemon=True)
+        th.start()
+        time.sleep(0.5)
+        beside = timed(run, device, iters)
+        stop.set()
+        th.join()
+    row = dict(batch=batch, ctx=ctx, step_ms=alone * 1e3, step_ms_while_encoding=beside * 1e3,
+               slowdown=beside / alone, encode_ms=encode * 1e3, inline_step_ms=(alone + encode) * 1e3,
+               inline_slowdown=(alone + encode) / alone, images_encoded_meanwhile=done[0])
+    print(f"decode step B={batch} ctx={ctx}: {alone * 1e3:.2f} ms alone, {beside * 1e3:.2f} ms beside a "
+          f"side-stream encoder (x{beside / alone:.2f}); encode {encode * 1e3:.1f} ms, inline step "
+          f"{(alone + encode) * 1e3:.2f} ms (x{(alone + encode) / alone:.2f})", flush=True)
+    return row
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--preset", default="full-width-ep8", help="backbone of the decode-slowdown part")
+    p.add_argument("--tiny", action="store_true", help="the tiny preset's tower and backbone (smoke run)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--skip-decode", action="store_true")
+    a = p.parse_args()
+    from deepinfer.checkpoint.generator import VISION
+    from deepinfer.model.vision import VisionArgs
+    preset = "tiny" if a.tiny else a.preset
+    v = VisionArgs.from_hf(VISION[preset])
+    dim = 5120 if not a.tiny else 32
+    if a.device == "cuda":
+        print(f"{torch.cuda.get_device_name()}; tower: {v.n_layers} layers x {v.dim}, aligner -> {dim}", flush=True)
+    out = dict(device=a.device, preset=preset, tower=dict(layers=v.n_layers, dim=v.dim, text_dim=dim))
+    out["encode"] = bench_encode(build_tower(v, dim, a.device), v, a.device, a.iters)
+    if not a.skip_decode:
+        model = load_backbone(preset, a.device)
+        image = make_image(*SIZES["photo 1024x701"], v, 1)
+        out["decode"] = bench_decode_slowdown(model, a.device, a.batch if not a.tiny else 2, a.ctx if not a.tiny else 256,
+                                              a.iters, image)
+    from benchutil import out_dir
+    path = os.path.join(out_dir(), "vision_encode.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
