@@ -83,9 +83,11 @@ SHARD_BYTES = 2 << 30
 DIRECT_FP4_NUMEL = 1 << 22     # expert matrices above this draw FP4 codes directly
 
 
-def text_config(preset: str) -> dict:
+def text_config(preset: str | dict) -> dict:
+    """The text_config of a preset name, or of a dict of keys over COMMON (a custom shape: tests
+    draw random valid configs this way, tests/kernels/random_configs.py)."""
     from deepinfer.model.engram import engram_primes
-    tc = dict(COMMON, **PRESETS[preset])
+    tc = dict(COMMON, **(PRESETS[preset] if isinstance(preset, str) else preset))
     tc["model_type"] = "deepseek_v41_text"
     tc["num_hidden_layers"] = len(tc["compress_ratios"]) - tc["num_nextn_predict_layers"]
     primes = engram_primes(tc["engram_layer_ids"], tc["engram_max_ngram_size"], tc["engram_n_heads"],
@@ -271,11 +273,12 @@ def mtp_tensors(tc: dict, j: int, draw: _Draw):
                                                              0.4 * (d + r) ** -0.5).to(torch.bfloat16)
 
 
-def make_checkpoint(preset: str, seed: int, out: str | Path, progress: bool = True) -> Path:
-    """Write the checkpoint folder; returns it. Shards are flushed as they fill (bounded memory)."""
+def make_checkpoint(preset: str | dict, seed: int, out: str | Path, progress: bool = True) -> Path:
+    """Write the checkpoint folder of a preset name or a custom config (text_config); returns it.
+    Shards are flushed as they fill (bounded memory)."""
     from safetensors.torch import save_file
 
-    if preset not in PRESETS:
+    if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: one of {', '.join(PRESETS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -288,7 +291,8 @@ def make_checkpoint(preset: str, seed: int, out: str | Path, progress: bool = Tr
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(groups), desc=f"writing {preset}", unit="group", leave=False)
+        bar = tqdm(total=len(groups), desc=f"writing {preset if isinstance(preset, str) else 'custom'}",
+                   unit="group", leave=False)
     shards, cur, cur_bytes = [], {}, 0
 
     def flush():
