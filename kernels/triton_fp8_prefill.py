@@ -1,0 +1,153 @@
+"""FP8 x FP8 GEMM with per-32 promotion for prefill-sized M (the release GEMM, on FP8 tensor cores).
+
+    fp8_prefill_gemm(a, sa, b, sb)   D[M, N] = sum_kb (A_kb . B_kb^T) * sa[m, kb] * sb[n / R, kb]
+    fp8_prefill_linear(x, w, w_scale) act_quant_fp8 (per 32, pow2) + fp8_prefill_gemm, bf16 out
+    fp8_prefill_linear_ref           the same in plain torch (select._ref_fp8_linear's values)
+
+Dataflow: a program owns a BM x BN tile and walks K in steps of BK = 128, loading the four 32-wide
+slices of A and B of each step (so every global read is a 128-byte row run, where the BK = 32 walk
+of triton_gemm.fp8_gemm_kernel reads 32-byte runs), then per slice one FP8 MMA into a fresh fp32
+tile, scaled by (activation scale x weight scale, both powers of two: exact) and added in fp32:
+the release's promotion every 32 K. Weights: e4m3 with one E8M0 / f32 scale per 32x32 tile
+(R = 32) or per (row, 32) (R = 1), or one f32 scale per row over all of K (ROW_SCALE: the FP4
+experts re-expressed at load, select.row_scaled_fp8_weight), which leaves one FMA per element and
+slice and applies the row scale once in the epilogue.
+
+Preconditions (asserted): K % 128 == 0 (select falls back to W8A16 otherwise), e4m3 operands,
+contiguous rows. M and N are masked (any size).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+BK = 128
+
+
+@triton.jit
+def _slice_dot(a_ptrs, b_ptrs, off, m_ok, n_ok, UPCAST: tl.constexpr):
+    """One 32-wide K slice: the FP8 MMA of a [BM, 32] and b [BN, 32] into a fresh fp32 tile."""
+    a = tl.load(a_ptrs + off, mask=m_ok[:, None], other=0.0)
+    b = tl.load(b_ptrs + off, mask=n_ok[:, None], other=0.0)
+    if UPCAST:                                   # the interpreter has no FP8 dot
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+    return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
+def fp8_prefill_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K,
+                            BM: tl.constexpr, BN: tl.constexpr, SB_ROWS: tl.constexpr, ROW_SCALE: tl.constexpr,
+                            SB_E8M0: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
+                            UPCAST: tl.constexpr):
+    """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [N/SB_ROWS, K/32] (E8M0 bytes or f32) or
+    [N, 1] f32 (ROW_SCALE) -> c [M, N] bf16. 1-D grid over tiles, GROUP_M row tiles per column sweep
+    (L2 reuse of B)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_here = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_here
+    pid_n = (pid % per_group) // rows_here
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    m_ok, n_ok = rm < M, rn < N
+    rk = tl.arange(0, 32)
+    nkb = K // 32
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * K + rk[None, :]
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
+    sa_ptrs = sa_ptr + rm.to(tl.int64) * nkb
+    sb_ptrs = sb_ptr + (rn // SB_ROWS).to(tl.int64) * nkb
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in tl.range(0, nkb, 4, num_stages=NUM_STAGES):
+        off = kb * 32
+        d0 = _slice_dot(a_ptrs, b_ptrs, off, m_ok, n_ok, UPCAST)
+        d1 = _slice_dot(a_ptrs, b_ptrs, off + 32, m_ok, n_ok, UPCAST)
+        d2 = _slice_dot(a_ptrs, b_ptrs, off + 64, m_ok, n_ok, UPCAST)
+        d3 = _slice_dot(a_ptrs, b_ptrs, off + 96, m_ok, n_ok, UPCAST)
+        sa0 = tl.load(sa_ptrs + kb, mask=m_ok, other=0.0)
+        sa1 = tl.load(sa_ptrs + kb + 1, mask=m_ok, other=0.0)
+        sa2 = tl.load(sa_ptrs + kb + 2, mask=m_ok, other=0.0)
+        sa3 = tl.load(sa_ptrs + kb + 3, mask=m_ok, other=0.0)
+        if ROW_SCALE:
+            acc += d0 * sa0[:, None]
+            acc += d1 * sa1[:, None]
+            acc += d2 * sa2[:, None]
+            acc += d3 * sa3[:, None]
+        else:
+            sb0 = _scale(sb_ptrs + kb, n_ok, SB_E8M0)
+            sb1 = _scale(sb_ptrs + kb + 1, n_ok, SB_E8M0)
+            sb2 = _scale(sb_ptrs + kb + 2, n_ok, SB_E8M0)
+            sb3 = _scale(sb_ptrs + kb + 3, n_ok, SB_E8M0)
+            acc += d0 * (sa0[:, None] * sb0[None, :])
+            acc += d1 * (sa1[:, None] * sb1[None, :])
+            acc += d2 * (sa2[:, None] * sb2[None, :])
+            acc += d3 * (sa3[:, None] * sb3[None, :])
+    if ROW_SCALE:
+        acc = acc * tl.load(sb_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    c_ptrs = c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(c_ptrs, acc.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _scale(ptrs, ok, SB_E8M0: tl.constexpr):
+    """Weight scales as f32: E8M0 bytes become 2^(e - 127) through their bits (exact; byte 0 -> 0)."""
+    if SB_E8M0:
+        e = tl.load(ptrs, mask=ok, other=0).to(tl.int32)
+        return (e << 23).to(tl.float32, bitcast=True)
+    return tl.load(ptrs, mask=ok, other=0.0)
+
+
+def prefill_config(m: int, n: int) -> dict:
+    """Tile of the K walk: 128 x 128 with 8 warps (two consumer warpgroups' worth of rows), 3 stages
+    of the four slices (3 x 32 KB of shared memory)."""
+    bn = 128 if n >= 128 else max(32, triton.next_power_of_2(n))
+    return dict(BM=128, BN=bn, GROUP_M=8, NUM_STAGES=3, num_warps=8)
+
+
+def shapes_ok(k: int) -> bool:
+    return k % BK == 0
+
+
+def fp8_prefill_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                     cfg: dict | None = None) -> torch.Tensor:
+    """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [N/32, K/32] or [N, K/32] (E8M0 bytes or
+    f32 pow2), or [N, 1] f32 (one scale per row) -> [M, N] bf16."""
+    m, k = a.shape
+    n = b.shape[0]
+    assert shapes_ok(k) and b.shape[1] == k and sa.shape == (m, k // 32), (a.shape, b.shape, sa.shape)
+    row_scale = sb.shape[-1] == 1
+    sb_rows = 1 if sb.shape[0] == n else 32
+    assert (row_scale and sb.dtype == torch.float32 and sb.shape[0] == n
+            or sb.shape[0] in (n, triton.cdiv(n, 32)) and sb.shape[1] == k // 32), (sb.shape, n, k)
+    c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    cfg = dict(cfg or prefill_config(m, n))
+    sb = sb if sb.dtype == torch.float32 else sb.view(torch.uint8)
+    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+    fp8_prefill_gemm_kernel[grid](a, sa.contiguous(), b, sb.contiguous(), c, m, n, k, SB_ROWS=sb_rows,
+                                  ROW_SCALE=row_scale, SB_E8M0=sb.dtype == torch.uint8, UPCAST=INTERPRET, **cfg)
+    return c
+
+
+def fp8_prefill_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+    """x [..., K] bf16, w [N, K] e4m3, w_scale as fp8_prefill_gemm -> [..., N] bf16: the reference
+    Linear for FP8 weights (act_quant per 32, products promoted to fp32 every 32 K)."""
+    from .triton_quant import act_quant_fp8
+    a, sa = act_quant_fp8(x.reshape(-1, x.shape[-1]))
+    return fp8_prefill_gemm(a, sa, w, w_scale, cfg).view(*x.shape[:-1], w.shape[0])
+
+
+def fp8_prefill_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Plain torch: act_quant_ref(x) @ dequant(w)^T in fp32 -> bf16 (the release GEMM's values up to
+    fp32 summation order)."""
+    from .reference import act_quant_ref
+    from .select import dequant_fp8
+    return torch.nn.functional.linear(act_quant_ref(x).float(), dequant_fp8(w, w_scale)).to(torch.bfloat16)

@@ -1,0 +1,82 @@
+"""Random valid small configs (tests/kernels/random_configs.py): every one loads in the CUDA formats and
+the fast path matches the torch references within the bf16 fixture's rule statistics, on whole
+prefill, chunked prefill and decode. Plus the `wo_a` case of issue 15 (fewer than 32 rows per output
+group) on a CPU, and two tiny configs through Triton's interpreter (CI)."""
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import random_configs as rc  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = Path(os.environ.get("DEEPINFER_SHARED", REPO / ".." / "shared")).resolve()
+GPU_SEEDS = list(range(100, 124))           # 24 configs
+
+
+@pytest.mark.gpu
+def test_random_configs_fast_path_on_cuda(tmp_path, caplog):
+    """24 configs; a failure names the config and the schedule. Declined shapes are logged once."""
+    caplog.set_level(logging.WARNING)
+    rule = rc.bf16_rule(SHARED)
+    failures = {}
+    for seed in GPU_SEEDS:
+        res = rc.check_config(seed, tmp_path, "cuda", rule)
+        failures.update({f"config {seed} {k}": v for k, v in res.items() if v})
+        torch.cuda.empty_cache()
+    from deepinfer.kernels import select
+    print("declined fast paths:", sorted(select.declined()))
+    assert not failures, failures
+
+
+def _wo_a_case(tmp_path) -> Path:
+    """4 groups of 16 rows (issue 15: `unflatten: Provided sizes [4, -1]` on CUDA)."""
+    tc = rc.draw_config(3, tiny=True)
+    tc.update(num_attention_heads=4, o_groups=4, o_lora_rank=16)
+    return rc.write_checkpoint(tc, 3, tmp_path / "wo_a16")
+
+
+def _logits(model, prompt):
+    return rc.run_schedule(model, prompt, [len(prompt) - 20, 20], [5000, 7000])
+
+
+def test_wo_a_small_groups_load_as_fp8_blocks_on_cpu(tmp_path):
+    """The FP8 wo_a blocks with per-row scales give the dense bf16 form's logits bit for bit."""
+    from deepinfer.model.loader import load_model
+    ckpt = _wo_a_case(tmp_path)
+    prompt = list(range(2000, 2090))
+    fp8 = load_model(ckpt, progress=False, weight_format="fp8", wo_a_fp8=True)
+    wo_a = fp8.layers[0].attn.wo_a
+    assert wo_a.fp8_blocks is not None and wo_a.fp8_blocks[0].shape[:2] == (4, 16)
+    assert wo_a.fp8_blocks[1].shape[:2] == (4, 16)            # one scale per row: a 32-row tile spans 2 groups
+    dense = load_model(ckpt, progress=False, weight_format="fp8", wo_a_fp8=False)
+    assert dense.layers[0].attn.wo_a.fp8_blocks is None
+    assert torch.equal(_logits(fp8, prompt), _logits(dense, prompt))
+
+
+@pytest.mark.gpu
+def test_wo_a_small_groups_run_on_cuda(tmp_path):
+    from deepinfer.model.loader import load_model
+    ckpt = _wo_a_case(tmp_path)
+    model = load_model(ckpt, device="cuda", progress=False)
+    assert model.layers[0].attn.wo_a.fp8_blocks is not None
+    s = rc.compare(model, list(range(2000, 2150)), [150], [5000, 7000], rc.BF16_RULE["top1_guard"])
+    assert not s.judge(rc.bf16_rule(SHARED)), s.line()
+
+
+@pytest.mark.skipif(os.environ.get("DEEPINFER_SKIP_INTERPRET") == "1", reason="DEEPINFER_SKIP_INTERPRET=1")
+def test_random_config_under_interpreter():
+    """One tiny config (hc 1, rope_head_dim 24, 2 groups of 16 wo_a rows) through the fast paths on a
+    CPU (Triton's interpreter): dispatch, shape rules and declines. About a minute."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_KERNELS="fast")
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("random_configs.py")), "1"], env=env,
+                       capture_output=True, text=True, timeout=900)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
