@@ -42,6 +42,12 @@ GEMM = os.environ.get("DEEPINFER_GEMM", "triton")
 if GEMM not in ("triton", "deepgemm"):
     raise ValueError(f"DEEPINFER_GEMM must be 'triton' or 'deepgemm', got {GEMM!r}")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+PREFILL_GEMM = os.environ.get("DEEPINFER_PREFILL_GEMM", "fp8")
+if PREFILL_GEMM not in ("fp8", "w8a16"):
+    raise ValueError(f"DEEPINFER_PREFILL_GEMM must be 'fp8' or 'w8a16', got {PREFILL_GEMM!r}")
+# FP8 linears with at least this many rows run on the FP8 x FP8 kernel (triton_fp8_prefill), where the
+# FP8 tensor cores beat the W8A16 kernels' bf16 ones; fewer rows stay on W8A16 (decode)
+FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 
 log = logging.getLogger(__name__)
 _DECLINED: set[tuple[str, str]] = set()
@@ -190,10 +196,51 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         pair = _dg.cached_tile128(w, w_scale)
         if pair is not None:
             return _dg.linear(x, *pair)
+    if _prefill_fp8_ok(x, w, w_scale):
+        from .triton_fp8_prefill import fp8_prefill_linear
+        return fp8_prefill_linear(x, w, w_scale)
     if _fast_for(x, "fp8_linear", _fast_gemm_ok(w, w_scale), _GEMM_RULE):
         from .triton_gemm import fp8_linear as fast
         return fast(x, w, w_scale, batch_invariant=_batch_invariant())
     return _ref_fp8_linear(x, dequant_fp8(w, w_scale))
+
+
+def _prefill_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """The FP8 x FP8 prefill GEMM takes this call: DEEPINFER_PREFILL_GEMM=fp8, at least
+    FP8_PREFILL_MIN_M rows, K a multiple of 128, per-32 scales (tile or row) or one f32 per row, not
+    batch-invariant mode (W8A16 keeps one formulation for every M there)."""
+    k = w.shape[-1]
+    if PREFILL_GEMM != "fp8" or x.numel() < FP8_PREFILL_MIN_M * k or _batch_invariant():
+        return False
+    return _fast_for(x, "fp8_prefill_linear", k % 128 == 0 and _fast_gemm_ok(w, w_scale),
+                     "K a multiple of 128 and the W8A16 scale layouts")
+
+
+def grouped_contiguous_ok(x: torch.Tensor, k1: int, k2: int) -> bool:
+    """The MoE's grouped contiguous form can run its two GEMMs (K = dim, then moe_inter_dim) on the
+    FP8 prefill kernel for tensor x."""
+    return (PREFILL_GEMM == "fp8" and not _batch_invariant()
+            and _fast_for(x, "grouped_fp8_linear_contiguous", k1 % 128 == 0 and k2 % 128 == 0,
+                          "dim and moe_inter_dim multiples of 128"))
+
+
+def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                                  counts: torch.Tensor) -> torch.Tensor:
+    """x [P, K] bf16 FP8-rounded rows sorted by expert (counts [E] rows each, device), w [E, N, K] e4m3,
+    w_scale [E, N, K/32] / [E, N/32, K/32] E8M0 or [E, N, 1] f32 -> [P, N] bf16 (DeepGEMM's grouped
+    contiguous layout, with no alignment padding). Fast: one FP8 x FP8 launch over every expert (no
+    host read). Reference: expert by expert (reads counts on the host)."""
+    if grouped_contiguous_ok(x, w.shape[-1], w.shape[-1]):
+        from .triton_fp8_prefill import fp8_grouped_contiguous
+        from .triton_quant import act_quant_fp8
+        return fp8_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts)
+    out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            out[start:start + c] = _ref_fp8_linear(x[start:start + c], dequant_fp8(w[e], w_scale[e]))
+        start += c
+    return out
 
 
 def _ref_fp8_linear(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:

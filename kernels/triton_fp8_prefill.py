@@ -41,23 +41,42 @@ def _slice_dot(a_ptrs, b_ptrs, off, m_ok, n_ok, UPCAST: tl.constexpr):
 
 @triton.jit
 def fp8_prefill_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K,
+                            tile_e_ptr, tile_row_ptr, seg_end_ptr,
                             BM: tl.constexpr, BN: tl.constexpr, SB_ROWS: tl.constexpr, ROW_SCALE: tl.constexpr,
                             SB_E8M0: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
-                            UPCAST: tl.constexpr):
+                            UPCAST: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
     """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [N/SB_ROWS, K/32] (E8M0 bytes or f32) or
     [N, 1] f32 (ROW_SCALE) -> c [M, N] bf16. 1-D grid over tiles, GROUP_M row tiles per column sweep
-    (L2 reuse of B)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_here = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_here
-    pid_n = (pid % per_group) // rows_here
-    rm = pid_m * BM + tl.arange(0, BM)
+    (L2 reuse of B). CONTIGUOUS (the MoE's grouped contiguous layout): a's rows are sorted by expert;
+    b and sb are stacks [E, N, ...]; grid (N tiles, row tiles): row tile i starts at tile_row[i] and
+    belongs to expert tile_e[i] (-1: past the last tile, exits), whose rows end at seg_end[e]."""
+    if CONTIGUOUS:
+        pid_n = tl.program_id(0)
+        e = tl.load(tile_e_ptr + tl.program_id(1))
+        if e < 0:
+            return
+        row0 = tl.load(tile_row_ptr + tl.program_id(1))
+        rm = row0 + tl.arange(0, BM)
+        m_ok = rm < tl.load(seg_end_ptr + e)
+        e64 = e.to(tl.int64)
+        b_ptr += e64 * N * K
+        if ROW_SCALE:
+            sb_ptr += e64 * N
+        else:
+            sb_ptr += e64 * ((N + SB_ROWS - 1) // SB_ROWS) * (K // 32)
+    else:
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        rows_here = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % rows_here
+        pid_n = (pid % per_group) // rows_here
+        rm = pid_m * BM + tl.arange(0, BM)
+        m_ok = rm < M
     rn = pid_n * BN + tl.arange(0, BN)
-    m_ok, n_ok = rm < M, rn < N
+    n_ok = rn < N
     rk = tl.arange(0, 32)
     nkb = K // 32
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * K + rk[None, :]
@@ -132,8 +151,43 @@ def fp8_prefill_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     cfg = dict(cfg or prefill_config(m, n))
     sb = sb if sb.dtype == torch.float32 else sb.view(torch.uint8)
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-    fp8_prefill_gemm_kernel[grid](a, sa.contiguous(), b, sb.contiguous(), c, m, n, k, SB_ROWS=sb_rows,
+    fp8_prefill_gemm_kernel[grid](a, sa.contiguous(), b, sb.contiguous(), c, m, n, k, c, c, c, SB_ROWS=sb_rows,
                                   ROW_SCALE=row_scale, SB_E8M0=sb.dtype == torch.uint8, UPCAST=INTERPRET, **cfg)
+    return c
+
+
+def fp8_grouped_contiguous(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                           counts: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+    """a [P, K] e4m3 with rows sorted by expert (counts[e] rows of expert e, in order), sa [P, K/32]
+    f32, b [E, N, K] e4m3, sb [E, N, K/32] / [E, N/32, K/32] (E8M0 bytes or f32) or [E, N, 1] f32 ->
+    [P, N] bf16, row r through its expert's weight. One launch for every expert, no host read."""
+    P, k = a.shape
+    E, n, _ = b.shape
+    assert shapes_ok(k) and b.shape[2] == k and sa.shape == (P, k // 32) and counts.shape == (E,)
+    row_scale = sb.shape[-1] == 1
+    sb_rows = 1 if sb.shape[1] == n else 32
+    c = torch.empty(P, n, dtype=torch.bfloat16, device=a.device)
+    if P == 0 or n == 0:
+        return c
+    cfg = dict(cfg or prefill_config(P, n))
+    cfg.pop("GROUP_M", None)
+    bm = cfg["BM"]
+    counts = counts.to(torch.int64)
+    seg_end = torch.cumsum(counts, 0)
+    tile_end = torch.cumsum((counts + bm - 1) // bm, 0)                      # [E] inclusive
+    n_tiles = triton.cdiv(P, bm) + E
+    i = torch.arange(n_tiles, device=a.device)
+    e = torch.searchsorted(tile_end, i, right=True)                          # the expert of tile i
+    valid = e < E
+    ec = e.clamp(max=E - 1)
+    tile_row = (seg_end - counts)[ec] + (i - (tile_end - (counts + bm - 1) // bm)[ec]) * bm
+    tile_e = torch.where(valid, ec, torch.full_like(ec, -1)).to(torch.int32)
+    sb = sb if sb.dtype == torch.float32 else sb.view(torch.uint8)
+    grid = (triton.cdiv(n, cfg["BN"]), n_tiles)
+    fp8_prefill_gemm_kernel[grid](a, sa.contiguous(), b, sb.contiguous(), c, P, n, k, tile_e,
+                                  tile_row.to(torch.int64), seg_end, SB_ROWS=sb_rows, ROW_SCALE=row_scale,
+                                  SB_E8M0=sb.dtype == torch.uint8, UPCAST=INTERPRET, CONTIGUOUS=True,
+                                  GROUP_M=1, **cfg)
     return c
 
 
