@@ -43,9 +43,9 @@ def _slice_dot(a_ptrs, b_ptrs, off, m_ok, n_ok, UPCAST: tl.constexpr):
 def fp8_prefill_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K,
                             tile_e_ptr, tile_row_ptr, seg_end_ptr,
                             BM: tl.constexpr, BN: tl.constexpr, SB_ROWS: tl.constexpr, ROW_SCALE: tl.constexpr,
-                            SB_E8M0: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
+                            GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
                             UPCAST: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
-    """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [N/SB_ROWS, K/32] (E8M0 bytes or f32) or
+    """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [N/SB_ROWS, K/32] f32 (as_f32_scale) or
     [N, 1] f32 (ROW_SCALE) -> c [M, N] bf16. 1-D grid over tiles, GROUP_M row tiles per column sweep
     (L2 reuse of B). CONTIGUOUS (the MoE's grouped contiguous layout): a's rows are sorted by expert;
     b and sb are stacks [E, N, ...]; grid (N tiles, row tiles): row tile i starts at tile_row[i] and
@@ -90,20 +90,14 @@ def fp8_prefill_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K,
         d1 = _slice_dot(a_ptrs, b_ptrs, off + 32, m_ok, n_ok, UPCAST)
         d2 = _slice_dot(a_ptrs, b_ptrs, off + 64, m_ok, n_ok, UPCAST)
         d3 = _slice_dot(a_ptrs, b_ptrs, off + 96, m_ok, n_ok, UPCAST)
-        sa0 = tl.load(sa_ptrs + kb, mask=m_ok, other=0.0)
-        sa1 = tl.load(sa_ptrs + kb + 1, mask=m_ok, other=0.0)
-        sa2 = tl.load(sa_ptrs + kb + 2, mask=m_ok, other=0.0)
-        sa3 = tl.load(sa_ptrs + kb + 3, mask=m_ok, other=0.0)
+        sa0, sa1, sa2, sa3 = _four(sa_ptrs, kb, m_ok)
         if ROW_SCALE:
             acc += d0 * sa0[:, None]
             acc += d1 * sa1[:, None]
             acc += d2 * sa2[:, None]
             acc += d3 * sa3[:, None]
         else:
-            sb0 = _scale(sb_ptrs + kb, n_ok, SB_E8M0)
-            sb1 = _scale(sb_ptrs + kb + 1, n_ok, SB_E8M0)
-            sb2 = _scale(sb_ptrs + kb + 2, n_ok, SB_E8M0)
-            sb3 = _scale(sb_ptrs + kb + 3, n_ok, SB_E8M0)
+            sb0, sb1, sb2, sb3 = _four(sb_ptrs, kb, n_ok)
             acc += d0 * (sa0[:, None] * sb0[None, :])
             acc += d1 * (sa1[:, None] * sb1[None, :])
             acc += d2 * (sa2[:, None] * sb2[None, :])
@@ -115,12 +109,22 @@ def fp8_prefill_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K,
 
 
 @triton.jit
-def _scale(ptrs, ok, SB_E8M0: tl.constexpr):
-    """Weight scales as f32: E8M0 bytes become 2^(e - 127) through their bits (exact; byte 0 -> 0)."""
-    if SB_E8M0:
-        e = tl.load(ptrs, mask=ok, other=0).to(tl.int32)
-        return (e << 23).to(tl.float32, bitcast=True)
-    return tl.load(ptrs, mask=ok, other=0.0)
+def _four(row_ptrs, kb, ok):
+    """The four f32 scales kb .. kb+3 of each row as four vectors: one 16-byte load per row (a
+    cp.async the pipeliner streams), split in registers."""
+    t = tl.load(row_ptrs[:, None] + kb + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0.0)
+    even, odd = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))          # columns (0, 2) and (1, 3)
+    s0, s2 = tl.split(even)
+    s1, s3 = tl.split(odd)
+    return s0, s1, s2, s3
+
+
+def as_f32_scale(sb: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> f32 powers of two (exact): 4-byte scale rows the pipeliner streams with cp.async
+    next to the FP8 tiles, where 1-byte loads stay synchronous global loads in the K loop."""
+    if sb.dtype == torch.float32:
+        return sb
+    return (sb.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
 
 
 def prefill_config(m: int, n: int) -> dict:
@@ -149,10 +153,10 @@ def fp8_prefill_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     if m == 0 or n == 0:
         return c
     cfg = dict(cfg or prefill_config(m, n))
-    sb = sb if sb.dtype == torch.float32 else sb.view(torch.uint8)
+    sb = as_f32_scale(sb)
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
     fp8_prefill_gemm_kernel[grid](a, sa.contiguous(), b, sb.contiguous(), c, m, n, k, c, c, c, SB_ROWS=sb_rows,
-                                  ROW_SCALE=row_scale, SB_E8M0=sb.dtype == torch.uint8, UPCAST=INTERPRET, **cfg)
+                                  ROW_SCALE=row_scale, UPCAST=INTERPRET, **cfg)
     return c
 
 
@@ -182,11 +186,11 @@ def fp8_grouped_contiguous(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, s
     ec = e.clamp(max=E - 1)
     tile_row = (seg_end - counts)[ec] + (i - (tile_end - (counts + bm - 1) // bm)[ec]) * bm
     tile_e = torch.where(valid, ec, torch.full_like(ec, -1)).to(torch.int32)
-    sb = sb if sb.dtype == torch.float32 else sb.view(torch.uint8)
+    sb = as_f32_scale(sb)
     grid = (triton.cdiv(n, cfg["BN"]), n_tiles)
     fp8_prefill_gemm_kernel[grid](a, sa.contiguous(), b, sb.contiguous(), c, P, n, k, tile_e,
                                   tile_row.to(torch.int64), seg_end, SB_ROWS=sb_rows, ROW_SCALE=row_scale,
-                                  SB_E8M0=sb.dtype == torch.uint8, UPCAST=INTERPRET, CONTIGUOUS=True,
+                                  UPCAST=INTERPRET, CONTIGUOUS=True,
                                   GROUP_M=1, **cfg)
     return c
 

@@ -39,8 +39,8 @@ def weight(n: int, k: int):
 
 def dense_rows(m: int, sweep: bool, peaks: dict) -> list[dict]:
     from deepinfer.kernels import deepgemm
-    from deepinfer.kernels.triton_fp8_prefill import fp8_prefill_gemm
-    from deepinfer.kernels.triton_gemm import w8a16_gemm
+    from deepinfer.kernels.triton_fp8_prefill import as_f32_scale, fp8_prefill_gemm
+    from deepinfer.kernels.triton_gemm import fp8_gemm, w8a16_gemm
     from deepinfer.kernels.triton_quant import act_quant, act_quant_fp8
     rows = []
     dg = deepgemm.load()
@@ -52,11 +52,13 @@ def dense_rows(m: int, sweep: bool, peaks: dict) -> list[dict]:
         flops = 2.0 * m * n * k
         r = {"name": name, "m": m, "n": n, "k": k}
         r["w8a16_us"] = time_calls([lambda: w8a16_gemm(xq, w, s)]) * 1e6
+        s32 = as_f32_scale(s)
+        r["fp8_bk32_us"] = time_calls([lambda: fp8_gemm(a, sa, w, s32)]) * 1e6
         cfgs = SWEEP if sweep else [None]
         best = None
         for cfg in cfgs:
             try:
-                t = time_calls([lambda: fp8_prefill_gemm(a, sa, w, s, cfg)]) * 1e6
+                t = time_calls([lambda: fp8_prefill_gemm(a, sa, w, s32, cfg)]) * 1e6
             except Exception as e:  # noqa: BLE001 (out of shared memory etc.: report, keep sweeping)
                 print(f"  {name} cfg {cfg}: {type(e).__name__} {str(e)[:120]}")
                 continue
@@ -69,7 +71,7 @@ def dense_rows(m: int, sweep: bool, peaks: dict) -> list[dict]:
         if dg is not None and n % 128 == 0 and k % 128 == 0:
             pair = deepgemm.cached_tile128(w, s)
             r["deepgemm_us"] = time_calls([lambda: deepgemm.linear(x, *pair)]) * 1e6
-        for key in ("w8a16", "fp8", "bf16", "deepgemm"):
+        for key in ("w8a16", "fp8", "fp8_bk32", "bf16", "deepgemm"):
             if f"{key}_us" in r:
                 r[f"{key}_tflops"] = flops / r[f"{key}_us"] / 1e6
         r["fp8_of_fp8_peak"] = r["fp8_tflops"] * 1e12 / peaks["fp8_flops"]
@@ -77,9 +79,9 @@ def dense_rows(m: int, sweep: bool, peaks: dict) -> list[dict]:
         rows.append(r)
         print(f"{name:10s} {m}x{n}x{k}: w8a16 {r['w8a16_tflops']:6.0f} TF  fp8 {r['fp8_tflops']:6.0f} TF "
               f"({r['fp8_of_fp8_peak']:.2f} of FP8 peak, {r['fp8_vs_w8a16']:.2f}x w8a16, cfg {r['fp8_cfg']})  "
-              f"bf16 {r['bf16_tflops']:6.0f}  deepgemm {r.get('deepgemm_tflops', float('nan')):6.0f}  "
+              f"fp8 BK32 walk {r['fp8_bk32_tflops']:6.0f}  bf16 {r['bf16_tflops']:6.0f}  deepgemm {r.get('deepgemm_tflops', float('nan')):6.0f}  "
               f"act_quant {r['act_quant_us']:.0f} us", flush=True)
-        del x, w, s, xq, a, sa, wb
+        del x, w, s, s32, xq, a, sa, wb
     return rows
 
 
@@ -96,9 +98,9 @@ def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, int
     h = (torch.randn(P, inter, device="cuda")).to(torch.float8_e4m3fn)
     sh = torch.full((P, inter // 32), 2.0 ** -6, device="cuda")
     w13 = (torch.randn(E, 2 * inter, d, device="cuda") * 0.02).to(torch.float8_e4m3fn)
-    s13 = torch.randint(118, 124, (E, 2 * inter, d // 32), dtype=torch.uint8, device="cuda")
+    s13 = torch.exp2(torch.randint(-9, -4, (E, 2 * inter, d // 32), device="cuda").float())
     w2 = (torch.randn(E, d, inter, device="cuda") * 0.02).to(torch.float8_e4m3fn)
-    s2 = torch.randint(118, 124, (E, d, inter // 32), dtype=torch.uint8, device="cuda")
+    s2 = torch.exp2(torch.randint(-9, -4, (E, d, inter // 32), device="cuda").float())
 
     def grouped():
         fp8_grouped_contiguous(a, sa, w13, s13, counts)

@@ -26,8 +26,12 @@ def test_random_configs_fast_path_on_cuda(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     rule = rc.bf16_rule(SHARED)
     failures = {}
+    defaults = rc.prefill_defaults()
     for seed in GPU_SEEDS:
-        res = rc.check_config(seed, tmp_path, "cuda", rule)
+        try:
+            res = rc.check_config(seed, tmp_path, "cuda", rule)
+        finally:
+            rc.set_prefill_defaults(defaults)
         failures.update({f"config {seed} {k}": v for k, v in res.items() if v})
         torch.cuda.empty_cache()
     from deepinfer.kernels import select
