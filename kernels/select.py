@@ -42,11 +42,14 @@ GEMM = os.environ.get("DEEPINFER_GEMM", "triton")
 if GEMM not in ("triton", "deepgemm"):
     raise ValueError(f"DEEPINFER_GEMM must be 'triton' or 'deepgemm', got {GEMM!r}")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-PREFILL_GEMM = os.environ.get("DEEPINFER_PREFILL_GEMM", "fp8")
+# DEEPINFER_PREFILL_GEMM=fp8: FP8 linears of at least FP8_PREFILL_MIN_M rows (and the MoE's grouped
+# contiguous form) on the FP8 x FP8 per-32-promotion kernels (triton_fp8_prefill). Opt-in: on the H200
+# (2026-12-02, perf/bench_fp8_prefill.py, M 8192) that Triton kernel ran 72-74 TFLOP/s (the BK 32 walk of
+# triton_gemm.fp8_gemm 150-159) against W8A16's 292-325: a wgmma wait per 32 K and the promotion FMAs
+# on the CUDA cores cap it, so the default keeps W8A16 (the per-expert loop for large MoE steps).
+PREFILL_GEMM = os.environ.get("DEEPINFER_PREFILL_GEMM", "w8a16")
 if PREFILL_GEMM not in ("fp8", "w8a16"):
     raise ValueError(f"DEEPINFER_PREFILL_GEMM must be 'fp8' or 'w8a16', got {PREFILL_GEMM!r}")
-# FP8 linears with at least this many rows run on the FP8 x FP8 kernel (triton_fp8_prefill), where the
-# FP8 tensor cores beat the W8A16 kernels' bf16 ones; fewer rows stay on W8A16 (decode)
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 
 log = logging.getLogger(__name__)

@@ -96,8 +96,9 @@ def text_config(preset: str | dict) -> dict:
     return tc
 
 
-def hf_config(tc: dict) -> dict:
-    return {
+def hf_config(tc: dict, weights: str = "release") -> dict:
+    """weights "bf16": no quantization_config (every linear stored as BF16, the bf16 fixtures' kind)."""
+    cfg = {
         "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
         "transformers_version": "5.6.0", "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
         "image_token_id": 129264,
@@ -105,6 +106,36 @@ def hf_config(tc: dict) -> dict:
                                 "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
         "text_config": tc,
     }
+    if weights == "bf16":
+        del cfg["quantization_config"]
+    return cfg
+
+
+def as_bf16_weights(tensors):
+    """The release stream of (name, tensor) with every FP8 / FP4 linear replaced by BF16 holding exactly
+    its dequantized value, no `.scale` (Engram tables keep FP8 + scale, as in the release)."""
+    from deepinfer.kernels import dequant_fp4_ref
+    pending = None
+    for name, t in tensors:
+        if pending is not None:
+            wname, w = pending
+            pending = None
+            if name == wname[: -len(".weight")] + ".scale":
+                e = t.view(torch.uint8).to(torch.int32) - 127
+                if w.dtype == torch.int8:                                   # FP4: scale per (row, 32)
+                    yield wname, dequant_fp4_ref(w, t.view(torch.uint8)).to(torch.bfloat16)
+                else:                                                       # FP8: scale per 32x32 tile
+                    n, k = w.shape
+                    sc = torch.exp2(e.double()).repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)[:, :k]
+                    yield wname, (w.double() * sc).to(torch.bfloat16)
+                continue
+            yield wname, w
+        if name.endswith(".weight") and t.dtype in (torch.float8_e4m3fn, torch.int8) and "engram.embed" not in name:
+            pending = (name, t)
+            continue
+        yield name, t
+    if pending is not None:
+        yield pending
 
 
 # ---- quantizers (release formats) ----------------------------------------------------------
@@ -273,9 +304,11 @@ def mtp_tensors(tc: dict, j: int, draw: _Draw):
                                                              0.4 * (d + r) ** -0.5).to(torch.bfloat16)
 
 
-def make_checkpoint(preset: str | dict, seed: int, out: str | Path, progress: bool = True) -> Path:
+def make_checkpoint(preset: str | dict, seed: int, out: str | Path, progress: bool = True,
+                    weights: str = "release") -> Path:
     """Write the checkpoint folder of a preset name or a custom config (text_config); returns it.
-    Shards are flushed as they fill (bounded memory)."""
+    Shards are flushed as they fill (bounded memory). weights "bf16": every linear stored as BF16
+    holding the release weight's exact value (as_bf16_weights), no quantization_config."""
     from safetensors.torch import save_file
 
     if isinstance(preset, str) and preset not in PRESETS:
@@ -304,7 +337,7 @@ def make_checkpoint(preset: str | dict, seed: int, out: str | Path, progress: bo
             cur, cur_bytes = {}, 0
 
     for g in groups:
-        for name, t in g():
+        for name, t in (g() if weights == "release" else as_bf16_weights(g())):
             cur[name] = t.contiguous()
             cur_bytes += t.numel() * t.element_size()
             if cur_bytes >= SHARD_BYTES:
@@ -323,6 +356,6 @@ def make_checkpoint(preset: str | dict, seed: int, out: str | Path, progress: bo
         weight_map.update({n: fn for n in names})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config(tc), indent=2, ensure_ascii=False))
+    (out / "config.json").write_text(json.dumps(hf_config(tc, weights), indent=2, ensure_ascii=False))
     write_tokenizer(out / "tokenizer.json")
     return out
