@@ -17,6 +17,12 @@ Knobs (environment, read once):
                                  run: the fast path on for the tensor, an SM90 GPU, DeepGEMM importable,
                                  not batch-invariant mode, N and K multiples of 128; else the path above.
                                  load_model converts the weights once (deepgemm.prepare_deepgemm)
+    DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
+                                 on the FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and the
+                                 MoE's large steps in the grouped contiguous form on it; default w8a16
+                                 (the W8A16 kernels, faster on the H200: see PREFILL_GEMM below)
+    Shape rules: a fast path whose rules a call breaks takes the next path (the torch reference) and
+    logs one line per (op, rule) (_fast_for; declined() lists them), so any valid config runs.
     TRITON_INTERPRET=1           with DEEPINFER_KERNELS=fast set explicitly, CPU tensors take the fast paths too,
                                  through Triton's interpreter (tests/kernels/fast_model_smoke.py: the
                                  whole model's dispatch and shapes checked on a CPU, slowly)

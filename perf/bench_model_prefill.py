@@ -5,7 +5,7 @@ for 1 x 8192, 4 x 2048 and 16 x 512 prompt tokens in one step, and 1 x 8192 as c
 kernels/triton_fp8_prefill.py) and on the W8A16 kernels (=w8a16) side by side in one run.
 
     python perf/bench_model_prefill.py [--cases 1x8192 4x2048 16x512 chunked] [--profile]
-                                       (model_prefill.json / .png in $OUT, the plot also in perf/figures/)
+                                       (model_prefill.json / .png in $OUT, the plot also as perf/figures/model_prefill_h200.png)
 
 Printed per case and GEMM path: milliseconds, tokens/s, the linear work's TFLOP/s and its share of the
 FP8 and bf16 peaks measured in the same run (benchutil.measure_ceilings: torch._scaled_mm per-tensor FP8
@@ -176,7 +176,7 @@ def main() -> None:
     print("declined fast paths:", sorted(select.declined()))
     save_json("model_prefill.json", dict(preset=a.preset, peaks=peaks, rows=rows, profile_top=top))
     os.makedirs(FIGURES, exist_ok=True)
-    for path in (os.path.join(out_dir(), "model_prefill.png"), os.path.join(FIGURES, "bench_model_prefill.png")):
+    for path in (os.path.join(out_dir(), "model_prefill.png"), os.path.join(FIGURES, "model_prefill_h200.png")):
         try:
             plot(rows, path)
         except OSError:

@@ -84,3 +84,22 @@ def test_random_config_under_interpreter():
                        capture_output=True, text=True, timeout=900)
     print(r.stdout)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_wo_a_unusual_shape_stays_dense_with_one_log_line(tmp_path, caplog):
+    """Bad input of issue 15: a valid dtype, a shape the grouped FP8 GEMM cannot take (wo_a K = 16, not a
+    multiple of 32: 1 head of 32 dims over 2 groups). The loader keeps wo_a dense, says so once for all
+    layers, and the model runs (the same logits as with wo_a_fp8 off)."""
+    from deepinfer.model import loader
+    tc = rc.draw_config(3, tiny=True)
+    tc.update(num_attention_heads=1, head_dim=32, qk_rope_head_dim=8, o_groups=2, o_lora_rank=16)
+    ckpt = rc.write_checkpoint(tc, 3, tmp_path / "wo_a_k16")
+    loader._declined.clear()
+    caplog.set_level(logging.WARNING, logger="deepinfer.model.loader")
+    model = loader.load_model(ckpt, progress=False, weight_format="fp8", wo_a_fp8=True)
+    assert all(layer.attn.wo_a.fp8_blocks is None for layer in model.layers)
+    lines = [r.getMessage() for r in caplog.records if "wo_a FP8 blocks" in r.getMessage()]
+    assert len(lines) == 1 and "K = 16" in lines[0], lines
+    dense = loader.load_model(ckpt, progress=False, weight_format="fp8", wo_a_fp8=False)
+    prompt = list(range(2000, 2080))
+    assert torch.equal(_logits(model, prompt), _logits(dense, prompt))
