@@ -17,6 +17,12 @@ Knobs (environment, read once):
                                  run: the fast path on for the tensor, an SM90 GPU, DeepGEMM importable,
                                  not batch-invariant mode, N and K multiples of 128; else the path above.
                                  load_model converts the weights once (deepgemm.prepare_deepgemm)
+    DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
+                                 on the FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and the
+                                 MoE's large steps in the grouped contiguous form on it; default w8a16
+                                 (the W8A16 kernels, faster on the H200: see PREFILL_GEMM below)
+    Shape rules: a fast path whose rules a call breaks takes the next path (the torch reference) and
+    logs one line per (op, rule) (_fast_for; declined() lists them), so any valid config runs.
     TRITON_INTERPRET=1           with DEEPINFER_KERNELS=fast set explicitly, CPU tensors take the fast paths too,
                                  through Triton's interpreter (tests/kernels/fast_model_smoke.py: the
                                  whole model's dispatch and shapes checked on a CPU, slowly)
@@ -25,6 +31,7 @@ Knobs (environment, read once):
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -41,6 +48,34 @@ GEMM = os.environ.get("DEEPINFER_GEMM", "triton")
 if GEMM not in ("triton", "deepgemm"):
     raise ValueError(f"DEEPINFER_GEMM must be 'triton' or 'deepgemm', got {GEMM!r}")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# DEEPINFER_PREFILL_GEMM=fp8: FP8 linears of at least FP8_PREFILL_MIN_M rows (and the MoE's grouped
+# contiguous form) on the FP8 x FP8 per-32-promotion kernels (triton_fp8_prefill). Opt-in: on the H200
+# (2026-12-02, perf/bench_fp8_prefill.py, M 8192) that Triton kernel ran 72-74 TFLOP/s (the BK 32 walk of
+# triton_gemm.fp8_gemm 150-159) against W8A16's 292-325: a wgmma wait per 32 K and the promotion FMAs
+# on the CUDA cores cap it, so the default keeps W8A16 (the per-expert loop for large MoE steps).
+PREFILL_GEMM = os.environ.get("DEEPINFER_PREFILL_GEMM", "w8a16")
+if PREFILL_GEMM not in ("fp8", "w8a16"):
+    raise ValueError(f"DEEPINFER_PREFILL_GEMM must be 'fp8' or 'w8a16', got {PREFILL_GEMM!r}")
+FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
+
+log = logging.getLogger(__name__)
+_DECLINED: set[tuple[str, str]] = set()
+
+
+def declined() -> set[tuple[str, str]]:
+    """(op, rule) of every fast path that declined a shape in this process (tests, benchmarks)."""
+    return set(_DECLINED)
+
+
+def _fast_for(t: torch.Tensor, op: str, ok: bool, rule: str) -> bool:
+    """use_fast(t) and the op's shape rules hold. Where the fast path is on but the shape breaks its
+    rules, the call takes the next path (the torch reference) and says so once per (op, rule)."""
+    if not use_fast(t):
+        return False
+    if not ok and (op, rule) not in _DECLINED:
+        _DECLINED.add((op, rule))
+        log.warning("kernels: %s declines the fast path (needs %s); using the torch reference", op, rule)
+    return ok
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,14 +141,15 @@ def capability_report() -> dict:
 
 
 def act_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    if use_fast(x):
+    if _fast_for(x, "act_quant", x.shape[-1] % block == 0, "the last dim a multiple of the block"):
         from .triton_quant import act_quant as fast
         return fast(x, block)
     return _ref.act_quant_ref(x, block)
 
 
 def fp4_quant(x: torch.Tensor, block: int) -> torch.Tensor:
-    if use_fast(x):
+    if _fast_for(x, "fp4_quant", block in (16, 32) and x.shape[-1] % block == 0,
+                 "block 16 or 32 dividing the last dim"):
         from .triton_quant import fp4_quant as fast
         return fast(x, block)
     return _ref.fp4_quant_ref(x, block)
@@ -122,7 +158,8 @@ def fp4_quant(x: torch.Tensor, block: int) -> torch.Tensor:
 def sparse_attn(q, kv, sink, idxs, scale, block: int = 64):
     """kv [M, D], or a tuple of up to three such tensors that idxs counts across in order (read in
     place by the Triton kernel; the reference concatenates them)."""
-    if use_fast(q) and block == 64:
+    if _fast_for(q, "sparse_attn", sparse_attn_shape_ok(q, block),
+                 "block 64, a power-of-two head_dim >= 16, heads < 16 or a multiple of min(64, heads)"):
         from .triton_sparse_attn import DEFAULT_BLOCKS_PER_SPLIT, sparse_attn as fast
         # batch-invariant mode: splits from the list length only; else sized to the batch's occupancy
         bps = DEFAULT_BLOCKS_PER_SPLIT if _batch_invariant() else None
@@ -132,13 +169,20 @@ def sparse_attn(q, kv, sink, idxs, scale, block: int = 64):
     return _ref.sparse_attn_ref(q, kv, sink, idxs, scale, block)
 
 
+def sparse_attn_shape_ok(q: torch.Tensor, block: int = 64) -> bool:
+    """The Triton kernel's rules: q [n, H, D] with D a power of two (its tl.arange) of at least 16 (the
+    MMA), heads padded to 16 below 16, else tiled by min(64, H)."""
+    H, D = q.shape[-2:]
+    return block == 64 and D >= 16 and D & (D - 1) == 0 and (H < 16 or H % min(64, H) == 0)
+
+
 def sparse_attn_in_place(q) -> bool:
     """sparse_attn reads a tuple of kv tensors in place (no concatenation): the Triton path."""
-    return use_fast(q)
+    return use_fast(q) and sparse_attn_shape_ok(q)
 
 
 def hc_split_sinkhorn(mixes, scale, base, hc, iters, eps):
-    if use_fast(mixes) and (2 + hc) * hc <= 32:
+    if _fast_for(mixes, "hc_split_sinkhorn", hc == 4, "hc_mult 4"):
         from .triton_mhc import hc_split_sinkhorn as fast
         return fast(mixes, scale, base, hc, iters, eps)
     return _ref.hc_split_sinkhorn_ref(mixes, scale, base, hc, iters, eps)
@@ -161,10 +205,51 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         pair = _dg.cached_tile128(w, w_scale)
         if pair is not None:
             return _dg.linear(x, *pair)
-    if use_fast(x) and _fast_gemm_ok(w, w_scale):
+    if _prefill_fp8_ok(x, w, w_scale):
+        from .triton_fp8_prefill import fp8_prefill_linear
+        return fp8_prefill_linear(x, w, w_scale)
+    if _fast_for(x, "fp8_linear", _fast_gemm_ok(w, w_scale), _GEMM_RULE):
         from .triton_gemm import fp8_linear as fast
         return fast(x, w, w_scale, batch_invariant=_batch_invariant())
     return _ref_fp8_linear(x, dequant_fp8(w, w_scale))
+
+
+def _prefill_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """The FP8 x FP8 prefill GEMM takes this call: DEEPINFER_PREFILL_GEMM=fp8, at least
+    FP8_PREFILL_MIN_M rows, K a multiple of 128, per-32 scales (tile or row) or one f32 per row, not
+    batch-invariant mode (W8A16 keeps one formulation for every M there)."""
+    k = w.shape[-1]
+    if PREFILL_GEMM != "fp8" or x.numel() < FP8_PREFILL_MIN_M * k or _batch_invariant():
+        return False
+    return _fast_for(x, "fp8_prefill_linear", k % 128 == 0 and _fast_gemm_ok(w, w_scale),
+                     "K a multiple of 128 and the W8A16 scale layouts")
+
+
+def grouped_contiguous_ok(x: torch.Tensor, k1: int, k2: int) -> bool:
+    """The MoE's grouped contiguous form can run its two GEMMs (K = dim, then moe_inter_dim) on the
+    FP8 prefill kernel for tensor x."""
+    return (PREFILL_GEMM == "fp8" and not _batch_invariant()
+            and _fast_for(x, "grouped_fp8_linear_contiguous", k1 % 128 == 0 and k2 % 128 == 0,
+                          "dim and moe_inter_dim multiples of 128"))
+
+
+def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                                  counts: torch.Tensor) -> torch.Tensor:
+    """x [P, K] bf16 FP8-rounded rows sorted by expert (counts [E] rows each, device), w [E, N, K] e4m3,
+    w_scale [E, N, K/32] / [E, N/32, K/32] E8M0 or [E, N, 1] f32 -> [P, N] bf16 (DeepGEMM's grouped
+    contiguous layout, with no alignment padding). Fast: one FP8 x FP8 launch over every expert (no
+    host read). Reference: expert by expert (reads counts on the host)."""
+    if grouped_contiguous_ok(x, w.shape[-1], w.shape[-1]):
+        from .triton_fp8_prefill import fp8_grouped_contiguous
+        from .triton_quant import act_quant_fp8
+        return fp8_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts)
+    out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            out[start:start + c] = _ref_fp8_linear(x[start:start + c], dequant_fp8(w[e], w_scale[e]))
+        start += c
+    return out
 
 
 def _ref_fp8_linear(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
@@ -195,7 +280,8 @@ def grouped_fp8_linear_masked(x: torch.Tensor, w: torch.Tensor, w_scale: torch.T
             pair = _dg.cached_tile128(w, w_scale)
             if pair is not None:
                 return _dg.grouped_linear_masked(x, *pair, masked_m, expected_m or x.shape[1])
-    if not tile and use_fast(x) and x.shape[1] > 0 and _fast_gemm_ok(w[0], w_scale[0]):
+    if not tile and x.shape[1] > 0 and _fast_for(x, "grouped_fp8_linear_masked", _fast_gemm_ok(w[0], w_scale[0]),
+                                                 _GEMM_RULE):
         from .triton_gemm import w8a16_grouped_gemm_masked as fast
         return fast(x, w, w_scale, masked_m, expected_m or x.shape[1], batch_invariant=_batch_invariant())
     G, C, _ = x.shape
@@ -241,8 +327,9 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, topk: int, temp: float
                 bias_alt: torch.Tensor | None = None, alt_mask: torch.Tensor | None = None):
     """The MoE gate after its GEMM (reference.router_topk_ref): logits [T, E] fp32 -> (weights [T, topk]
     fp32, indices [T, topk] int64). One Triton program per token instead of ~10 torch launches."""
-    if (use_fast(logits) and logits.dim() == 2 and logits.dtype == torch.float32
-            and 0 < topk <= min(logits.shape[1], ROUTER_MAX_TOPK) and logits.shape[1] <= ROUTER_MAX_E):
+    if _fast_for(logits, "router_topk", logits.dim() == 2 and logits.dtype == torch.float32
+                 and 0 < topk <= min(logits.shape[1], ROUTER_MAX_TOPK) and logits.shape[1] <= ROUTER_MAX_E,
+                 f"2-D fp32 logits, at most {ROUTER_MAX_E} experts and top-{ROUTER_MAX_TOPK}"):
         from .triton_router import router_topk as fast
         return fast(logits, bias, topk, temp, route_scale, norm, bias_alt, alt_mask)
     return _ref.router_topk_ref(logits, bias, topk, temp, route_scale, norm, bias_alt, alt_mask)
@@ -258,7 +345,7 @@ def moe_route(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torc
 
 def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) -> torch.Tensor:
     """act_quant(x) into the pairs' rows of an [E, T, d] slab (reference.moe_dispatch_ref)."""
-    if use_fast(x) and x.shape[-1] % 32 == 0:
+    if _fast_for(x, "moe_dispatch", x.shape[-1] % 32 == 0, "dim a multiple of 32"):
         from .triton_moe import moe_dispatch as fast
         return fast(x, slot, K, n_experts)
     return _ref.moe_dispatch_ref(x, slot, K, n_experts)
@@ -267,7 +354,7 @@ def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) ->
 def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
                      inter: int) -> torch.Tensor:
     """Clamped SwiGLU x routing weight, bf16, act_quant at the pairs' rows (reference.moe_swiglu_quant_ref)."""
-    if use_fast(gu) and inter % 32 == 0:
+    if _fast_for(gu, "moe_swiglu_quant", inter % 32 == 0, "moe_inter_dim a multiple of 32"):
         from .triton_moe import moe_swiglu_quant as fast
         return fast(gu, slot, weights, limit, inter)
     return _ref.moe_swiglu_quant_ref(gu, slot, weights, limit, inter)
@@ -275,7 +362,7 @@ def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor
 
 def swiglu_quant(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:
     """The shared expert's clamped SwiGLU, bf16, act_quant (reference.swiglu_quant_ref)."""
-    if use_fast(gu) and inter % 32 == 0:
+    if _fast_for(gu, "swiglu_quant", inter % 32 == 0, "moe_inter_dim a multiple of 32"):
         from .triton_moe import swiglu_quant as fast
         return fast(gu, limit, inter)
     return _ref.swiglu_quant_ref(gu, limit, inter)
@@ -291,7 +378,7 @@ def pool_lists(win_pool, win_len, topk, seq_of, block_tables, epb: int, base: in
 
 def engram_gate(x, key, value, w, eps: float, token_mask=None) -> torch.Tensor:
     """Engram's gated add after its wkv GEMM (reference.engram_gate_ref)."""
-    if use_fast(x) and key.stride(-1) == 1 and value.stride(-1) == 1:
+    if _fast_for(x, "engram_gate", key.stride(-1) == 1 and value.stride(-1) == 1, "unit-stride key and value rows"):
         from .triton_engram import engram_gate as fast
         return fast(x, key, value, w, eps, token_mask)
     return _ref.engram_gate_ref(x, key, value, w, eps, token_mask)
@@ -310,7 +397,7 @@ def grouped_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> to
     bf16 (token-major: each token's G head groups), w [G, N, K] e4m3, w_scale [G, N/32, K/32] E8M0 ->
     [M, G, N] bf16, the same exact products as the einsum of the dequantized weight, fp32 accumulated.
     Triton W8A16 reading and writing the token-major layout in place on a GPU; else that einsum."""
-    if use_fast(x) and x.shape[0] > 0 and _fast_gemm_ok(w[0], w_scale[0]):
+    if x.shape[0] > 0 and _fast_for(x, "grouped_w8a16", _fast_gemm_ok(w[0], w_scale[0]), _GEMM_RULE):
         from .triton_gemm import w8a16_grouped_gemm as fast
         return fast(x, w, w_scale, batch_invariant=_batch_invariant(), token_major=True)
     dt = _dense_dtype(x)
@@ -371,6 +458,9 @@ def fp4_to_fp8_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.
     return _ref.dequant_fp4_ref(packed, unit).to(torch.float8_e4m3fn), scale.view(torch.uint8).contiguous()
 
 
+_GEMM_RULE = "K a multiple of 32 and one scale per row or 32 rows per 32 columns (or one per row)"
+
+
 def _fast_gemm_ok(w: torch.Tensor, w_scale: torch.Tensor) -> bool:
     """The Triton W8A16 GEMMs take K % 32 == 0 and, per 32 columns, one scale per row or per 32 rows,
     or one f32 scale per whole row (row_scaled_fp8_weight)."""
@@ -386,8 +476,17 @@ def _dense_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.device.type == "cpu" else torch.bfloat16
 
 
+def _index_shape_ok(q: torch.Tensor) -> bool:
+    """triton_indexer: index heads and head dim powers of two (its tl.arange tiles), head dim >= 16."""
+    ih, idim = q.shape[-2:]
+    return ih & (ih - 1) == 0 and idim >= 16 and idim & (idim - 1) == 0
+
+
+_INDEX_RULE = "power-of-two index heads and index head dim (>= 16)"
+
+
 def index_scores(q, w, keys, lens=None):
-    if use_fast(q):
+    if _fast_for(q, "index_scores", _index_shape_ok(q), _INDEX_RULE):
         from .triton_indexer import index_scores as fast
         return fast(q, w, keys, lens)
     from .triton_indexer import index_scores_ref
@@ -397,7 +496,7 @@ def index_scores(q, w, keys, lens=None):
 def index_scores_paged(q, w, keys, seq_of, row_in_seq, max_q, lens):
     """Batch form: query t against its sequence's keys [B, E, ID] (reference.index_scores_paged_ref);
     the Triton kernel reads each token's key range of the flattened pool (key_start)."""
-    if use_fast(q):
+    if _fast_for(q, "index_scores", _index_shape_ok(q), _INDEX_RULE):
         from .triton_indexer import index_scores as fast
         E = keys.shape[1]
         return fast(q, w, keys.flatten(0, 1), lens, key_start=seq_of * E, num_keys=E)
@@ -408,7 +507,7 @@ def index_scores_pool(q, w, pool, rows, seq_of, row_in_seq, max_q, lens):
     """index_scores_paged with the keys left in the cache pool: pool [R, ID], rows [B, E] the pool row
     of each sequence's entries. The Triton kernel reads them in place (no [B, E, ID] copy: at 8k
     context and batch 64 that copy was 9% of the H200 decode step)."""
-    if use_fast(q):
+    if _fast_for(q, "index_scores", _index_shape_ok(q), _INDEX_RULE):
         from .triton_indexer import index_scores as fast
         E = rows.shape[1]
         return fast(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten())
@@ -421,14 +520,15 @@ TOPK_MAX_WIDTH = 1 << 15
 _TOPK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _topk_fast_ok(x: torch.Tensor) -> bool:
-    return use_fast(x) and x.dim() == 2 and x.dtype in _TOPK_DTYPES and x.shape[1] <= TOPK_MAX_WIDTH
+def _topk_fast_ok(x: torch.Tensor, op: str) -> bool:
+    return _fast_for(x, op, x.dim() == 2 and x.dtype in _TOPK_DTYPES and x.shape[1] <= TOPK_MAX_WIDTH,
+                     f"2-D bf16/f16/f32 rows of at most {TOPK_MAX_WIDTH}")
 
 
 def index_topk(score: torch.Tensor, lens: torch.Tensor, topk: int, candidates: torch.Tensor | None = None):
     """The indexer's picks (reference.index_topk_ref): score [n, E] -> [n, min(topk, E)] int64 ids
     ascending, -1 where unreachable. One Triton program per row instead of ~30 torch launches."""
-    if (_topk_fast_ok(score) and lens.shape == score.shape[:1]
+    if (_topk_fast_ok(score, "index_topk") and lens.shape == score.shape[:1]
             and (candidates is None or (candidates.shape == score.shape and candidates.dtype == torch.bool))):
         from .triton_topk import index_topk as fast
         return fast(score, lens, topk, candidates)
@@ -438,14 +538,15 @@ def index_topk(score: torch.Tensor, lens: torch.Tensor, topk: int, candidates: t
 def topk_block_mask(b: torch.Tensor, k: int, block_size: int, width: int) -> torch.Tensor:
     """The candidate blocks' top-k as an entry mask (reference.topk_block_mask_ref): b [n, NB] ->
     [n, width] bool."""
-    if _topk_fast_ok(b) and width <= b.shape[1] * block_size:
+    if _topk_fast_ok(b, "topk_block_mask") and width <= b.shape[1] * block_size:
         from .triton_topk import topk_block_mask as fast
         return fast(b, k, block_size, width)
     return _ref.topk_block_mask_ref(b, k, block_size, width)
 
 
 def hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False):
-    if use_fast(x) and x.shape[1] == 4 and x.shape[-1] % 64 == 0:   # the kernel reads 64-wide column chunks
+    if _fast_for(x, "hc_mixes_pre", x.shape[1] == 4 and x.shape[-1] % 64 == 0,    # 64-wide column chunks
+                 "hc_mult 4 and dim a multiple of 64"):
         from .triton_mhc import hc_mixes_pre as fast
         return fast(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
     return _ref.hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
@@ -459,7 +560,7 @@ def hc_post(y, res, post, comb):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if use_fast(x) and x.shape[-1] <= 16384:
+    if _fast_for(x, "rms_norm", x.shape[-1] <= 16384 and weight.shape == x.shape[-1:], "width <= 16384"):
         from .triton_norm import rms_norm as fast
         return fast(x, weight, eps)
     return _ref.rms_norm_ref(x, weight, eps)
@@ -467,7 +568,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     half = cis.shape[-1]
-    if use_fast(x) and cis.dim() == 2 and cis.shape[0] == x.shape[0] and half & (half - 1) == 0:
+    if _fast_for(x, "rope", cis.dim() == 2 and cis.shape[0] == x.shape[0] and half & (half - 1) == 0
+                 and 2 * half <= x.shape[-1], "a power-of-two rope_head_dim / 2 and one table row per token"):
         from .triton_rope import rope as fast
         return fast(x, cis, inverse)
     return _ref.rope_ref(x, cis, inverse)

@@ -95,9 +95,11 @@ SHARD_BYTES = 2 << 30
 DIRECT_FP4_NUMEL = 1 << 22     # expert matrices above this draw FP4 codes directly
 
 
-def text_config(preset: str) -> dict:
+def text_config(preset: str | dict) -> dict:
+    """The text_config of a preset name, or of a dict of keys over COMMON (a custom shape: tests
+    draw random valid configs this way, tests/kernels/random_configs.py)."""
     from deepinfer.model.engram import engram_primes
-    tc = dict(COMMON, **PRESETS[preset])
+    tc = dict(COMMON, **(PRESETS[preset] if isinstance(preset, str) else preset))
     tc["model_type"] = "deepseek_v41_text"
     tc["num_hidden_layers"] = len(tc["compress_ratios"]) - tc["num_nextn_predict_layers"]
     primes = engram_primes(tc["engram_layer_ids"], tc["engram_max_ngram_size"], tc["engram_n_heads"],
@@ -106,7 +108,8 @@ def text_config(preset: str) -> dict:
     return tc
 
 
-def hf_config(tc: dict, vision: dict | None = None) -> dict:
+def hf_config(tc: dict, vision: dict | None = None, weights: str = "release") -> dict:
+    """weights "bf16": no quantization_config (every linear stored as BF16, the bf16 fixtures' kind)."""
     cfg = {
         "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
         "transformers_version": "5.6.0", "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
@@ -117,7 +120,36 @@ def hf_config(tc: dict, vision: dict | None = None) -> dict:
     }
     if vision is not None:
         cfg["vision_config"] = vision
+    if weights == "bf16":
+        del cfg["quantization_config"]
     return cfg
+
+
+def as_bf16_weights(tensors):
+    """The release stream of (name, tensor) with every FP8 / FP4 linear replaced by BF16 holding exactly
+    its dequantized value, no `.scale` (Engram tables keep FP8 + scale, as in the release)."""
+    from deepinfer.kernels import dequant_fp4_ref
+    pending = None
+    for name, t in tensors:
+        if pending is not None:
+            wname, w = pending
+            pending = None
+            if name == wname[: -len(".weight")] + ".scale":
+                e = t.view(torch.uint8).to(torch.int32) - 127
+                if w.dtype == torch.int8:                                   # FP4: scale per (row, 32)
+                    yield wname, dequant_fp4_ref(w, t.view(torch.uint8)).to(torch.bfloat16)
+                else:                                                       # FP8: scale per 32x32 tile
+                    n, k = w.shape
+                    sc = torch.exp2(e.double()).repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)[:, :k]
+                    yield wname, (w.double() * sc).to(torch.bfloat16)
+                continue
+            yield wname, w
+        if name.endswith(".weight") and t.dtype in (torch.float8_e4m3fn, torch.int8) and "engram.embed" not in name:
+            pending = (name, t)
+            continue
+        yield name, t
+    if pending is not None:
+        yield pending
 
 
 # ---- quantizers (release formats) ----------------------------------------------------------
@@ -305,11 +337,14 @@ def mtp_tensors(tc: dict, j: int, draw: _Draw):
                                                              0.4 * (d + r) ** -0.5).to(torch.bfloat16)
 
 
-def make_checkpoint(preset: str, seed: int, out: str | Path, progress: bool = True) -> Path:
-    """Write the checkpoint folder; returns it. Shards are flushed as they fill (bounded memory)."""
+def make_checkpoint(preset: str | dict, seed: int, out: str | Path, progress: bool = True,
+                    weights: str = "release") -> Path:
+    """Write the checkpoint folder of a preset name or a custom config (text_config); returns it.
+    Shards are flushed as they fill (bounded memory). weights "bf16": every linear stored as BF16
+    holding the release weight's exact value (as_bf16_weights), no quantization_config."""
     from safetensors.torch import save_file
 
-    if preset not in PRESETS:
+    if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: one of {', '.join(PRESETS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -319,13 +354,14 @@ def make_checkpoint(preset: str, seed: int, out: str | Path, progress: bool = Tr
     groups += [lambda L=L: layer_tensors(tc, f"layers.{L}.", L, draw, True) for L in range(tc["num_hidden_layers"])]
     groups += [lambda j=j: mtp_tensors(tc, j, draw) for j in range(tc["num_nextn_predict_layers"])]
     groups += [lambda: top_tensors(tc, draw, "head")]
-    vc = VISION.get(preset)
+    vc = VISION.get(preset) if isinstance(preset, str) else None    # custom configs: text only
     if vc is not None:
         groups.append(lambda: vision_tensors(tc, vc, draw))
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(groups), desc=f"writing {preset}", unit="group", leave=False)
+        bar = tqdm(total=len(groups), desc=f"writing {preset if isinstance(preset, str) else 'custom'}",
+                   unit="group", leave=False)
     shards, cur, cur_bytes = [], {}, 0
 
     def flush():
@@ -337,7 +373,7 @@ def make_checkpoint(preset: str, seed: int, out: str | Path, progress: bool = Tr
             cur, cur_bytes = {}, 0
 
     for g in groups:
-        for name, t in g():
+        for name, t in (g() if weights == "release" else as_bf16_weights(g())):
             cur[name] = t.contiguous()
             cur_bytes += t.numel() * t.element_size()
             if cur_bytes >= SHARD_BYTES:
@@ -356,6 +392,6 @@ def make_checkpoint(preset: str, seed: int, out: str | Path, progress: bool = Tr
         weight_map.update({n: fn for n in names})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config(tc, vc), indent=2, ensure_ascii=False))
+    (out / "config.json").write_text(json.dumps(hf_config(tc, vc, weights), indent=2, ensure_ascii=False))
     write_tokenizer(out / "tokenizer.json")
     return out

@@ -36,8 +36,9 @@ class Linear(nn.Module):
         self.quantized = False
         self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None      # FP8 (e4m3 weight, E8M0 scales)
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None   # FP4 (codes, E8M0 scales) kept packed
-        # a block-diagonal weight's FP8 blocks (e4m3 [G, N/G, K], E8M0 [G, N/G/32, K/32]): wo_a, run by
-        # ops.grouped_w8a16 with no activation rounding (Attention.out)
+        # a block-diagonal weight's FP8 blocks (e4m3 [G, N/G, K], E8M0 [G, N/G/32, K/32], or one scale per
+        # row [G, N/G, K/32] where N/G % 32 != 0: loader.wo_a_blocks): wo_a, run by ops.grouped_w8a16
+        # with no activation rounding (Attention.out)
         self.fp8_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def dense(self) -> torch.Tensor:

@@ -466,6 +466,33 @@ def _fill_optional(model, infos, device) -> None:
                 mod.bias_vl = mod.bias.clone()
 
 
+_declined: set[str] = set()
+
+
+def _decline_once(what: str, why: str) -> None:
+    """One log line per kind of declined fast form (not one per layer)."""
+    if what not in _declined:
+        _declined.add(what)
+        log.warning("%s: %s; keeping the dense bf16 form (same values, the einsum path)", what, why)
+
+
+def wo_a_blocks(w: torch.Tensor, scale: torch.Tensor, groups: int, name: str = "wo_a"):
+    """wo_a [G * R, K] e4m3 + E8M0 per 32x32 tile [ceil(G*R/32), ceil(K/32)] -> its G diagonal blocks
+    (e4m3 [G, R, K], E8M0 [G, R/32, K/32]), or with R % 32 != 0 (a 32-row tile spans two groups)
+    one scale per row (E8M0 [G, R, K/32], the same values: ops.grouped_w8a16 takes either). None
+    where the grouped FP8 GEMM cannot take the weight (K % 32 != 0): the caller keeps it dense."""
+    rows, k = w.shape
+    if rows % groups or k % 32:
+        _decline_once("wo_a FP8 blocks", f"{name} has shape {list(w.shape)}: K = {k} is not a multiple of 32 "
+                      f"or {rows} rows do not split into {groups} groups")
+        return None
+    r = rows // groups
+    if r % 32:
+        log.info("wo_a: %d rows per group (not a multiple of 32): one E8M0 scale per row", r)
+        scale = scale.repeat_interleave(32, 0)[:rows]
+    return w.unflatten(0, (groups, r)), scale.contiguous().unflatten(0, (groups, -1))
+
+
 _EXPERT = re.compile(r"(.+)\.experts\.\d+\.w[123]\.weight")
 _EXPERT_ID = re.compile(r"(.+)\.experts\.(\d+)\.(w[123]\.weight)")
 
@@ -493,9 +520,9 @@ def _load_one(model, name, kind, infos, mm, fmt: _Format, target: str | None = N
             mod.weight = torch.empty(0, device=device)
             mod.quantized = True
             return
-        if wo_a and fmt.wo_a_fp8:                   # [G * R, K] -> G blocks of R rows (R % 32 == 0)
-            groups = model.args.o_groups
-            mod.fp8_blocks = (t.to(device).unflatten(0, (groups, -1)), scale.to(device).unflatten(0, (groups, -1)))
+        blocks = wo_a_blocks(t, scale, model.args.o_groups, name) if wo_a and fmt.wo_a_fp8 else None
+        if blocks is not None:
+            mod.fp8_blocks = tuple(b.to(device) for b in blocks)
             mod.weight = torch.empty(0, device=device)
             return
         t = ops.dequant_fp8(t, scale)

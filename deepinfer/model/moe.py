@@ -139,6 +139,9 @@ class MoE(nn.Module):
         if self._use_masked(x, indices):
             out, slot = self._masked_experts(x, weights, indices)
             return ops.moe_combine(out, slot, indices, self._shared(x))
+        if self._use_contiguous(x):
+            out, slot = self._contiguous_experts(x, weights, indices)
+            return ops.moe_combine(out, slot, indices, self._shared(x))
         T, K = indices.shape
         outs = self._routed(x, weights, indices)
         # per token: add in ascending expert id
@@ -186,6 +189,33 @@ class MoE(nn.Module):
         if self.stacks is None or self.masked is False:
             return False
         return bool(self.masked) or (self.grouped_ok and x.is_cuda and indices.numel() <= MASKED_MAX_PAIRS)
+
+    def _use_contiguous(self, x) -> bool:
+        """The grouped contiguous form (prefill-sized CUDA steps past the masked form): FP8 stacks and
+        the FP8 prefill GEMM able to take both projections (ops.grouped_contiguous_ok)."""
+        st = self.stacks
+        return (st is not None and self.masked is not True and self.grouped_ok
+                and ops.grouped_contiguous_ok(x, st.w13.shape[2], st.w2.shape[2]))
+
+    def _contiguous_experts(self, x, weights, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [K, T, d] bf16, slot [T*K]): pairs sorted by expert into one contiguous slab (pair p at
+        flat row slot[p] = the rows of experts < e, + its rank among e's pairs in token order), one
+        grouped FP8 GEMM per projection over all experts, the fused SwiGLU + weight + act_quant between
+        them, and moe_combine after: no per-expert launch and no host read. Same rounding points as
+        Expert.forward (the masked form's kernels, on a [K, T] slab instead of [E, T])."""
+        st, ex = self.stacks, self.experts[0]
+        T, K = indices.shape
+        E, inter = self.n_experts, st.w2.shape[2]
+        counts, slot = ops.moe_route(indices, E)                                # [E] int32, e*T + rank
+        e_of = indices.flatten()
+        start = torch.cumsum(counts, 0, dtype=torch.int64) - counts             # [E] first row of e
+        slot = start[e_of] + slot - e_of * T                                    # [T*K] row in the slab
+        xp = ops.moe_dispatch(x, slot, K, K).view(T * K, self.dim)              # act_quant(x) rows, sorted
+        w13, s13, w2, s2 = st.masked_weights()
+        gu = ops.grouped_fp8_linear_contiguous(xp, w13, s13, counts)            # [T*K, 2 inter]
+        hp = ops.moe_swiglu_quant(gu.view(K, T, 2 * inter), slot, weights, ex.limit, inter)
+        out = ops.grouped_fp8_linear_contiguous(hp.view(T * K, inter), w2, s2, counts)   # [T*K, d]
+        return out.view(K, T, self.dim), slot
 
     def _routed(self, x, weights, indices) -> torch.Tensor:
         """[T, K, d] bf16 in the form this step's size and the weight format call for (on a CPU

@@ -19,6 +19,8 @@ from deepinfer.kernels.select import (  # noqa: F401
     fp4_quant,
     fp4_to_fp8_weight,
     fp8_linear,
+    grouped_contiguous_ok,
+    grouped_fp8_linear_contiguous,
     grouped_fp8_linear_masked,
     grouped_w8a16,
     hc_mixes_pre,

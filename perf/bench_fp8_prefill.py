@@ -1,0 +1,153 @@
+"""Prefill-sized FP8 linears on the GPU: the FP8 x FP8 per-32-promotion kernel (kernels/triton_fp8_prefill.py)
+against the W8A16 kernel it replaces there, DeepGEMM (per-128 promotion on 128x128-tile weights: not the
+release numbers, a speed reference), torch's bf16 matmul, and the FP8 / bf16 peaks measured in the same run
+(benchutil.measure_ceilings); and the MoE's grouped contiguous form against the per-expert loop it replaces.
+
+    python perf/bench_fp8_prefill.py [--m 8192] [--sweep]      (bench_fp8_prefill.json in $OUT)
+
+Shapes: the full-width layer's dense FP8 linears at M tokens (wq_a+wkv fused 1280+512 x 5120, wq_b
+32768 x 1280, wo_b 5120 x 8192, the shared expert 4608 x 5120 and 5120 x 2304, the indexer's wq_b
+4096 x 1280), and the routed experts (48 local, top-6 of 384: M * 6 / 8 pairs on this GPU's share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchutil import measure_ceilings, save_json, time_calls  # noqa: E402
+
+DENSE = {"wqkv_a": (1792, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192), "shared_w13": (4608, 5120),
+         "shared_w2": (5120, 2304), "index_wq_b": (4096, 1280)}
+SWEEP = [dict(BM=128, BN=128, GROUP_M=8, NUM_STAGES=3, num_warps=8),
+         dict(BM=128, BN=128, GROUP_M=8, NUM_STAGES=4, num_warps=8),
+         dict(BM=128, BN=256, GROUP_M=8, NUM_STAGES=3, num_warps=8),
+         dict(BM=64, BN=128, GROUP_M=8, NUM_STAGES=4, num_warps=4)]
+
+
+def weight(n: int, k: int):
+    w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.float8_e4m3fn)
+    s = torch.randint(118, 124, (-(-n // 32), k // 32), dtype=torch.uint8, device="cuda")
+    return w, s
+
+
+def dense_rows(m: int, sweep: bool, peaks: dict) -> list[dict]:
+    from deepinfer.kernels import deepgemm
+    from deepinfer.kernels.triton_fp8_prefill import as_f32_scale, fp8_prefill_gemm
+    from deepinfer.kernels.triton_gemm import fp8_gemm, w8a16_gemm
+    from deepinfer.kernels.triton_quant import act_quant, act_quant_fp8
+    rows = []
+    dg = deepgemm.load()
+    for name, (n, k) in DENSE.items():
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w, s = weight(n, k)
+        xq = act_quant(x)
+        a, sa = act_quant_fp8(x)
+        flops = 2.0 * m * n * k
+        r = {"name": name, "m": m, "n": n, "k": k}
+        r["w8a16_us"] = time_calls([lambda: w8a16_gemm(xq, w, s)]) * 1e6
+        s32 = as_f32_scale(s)
+        r["fp8_bk32_us"] = time_calls([lambda: fp8_gemm(a, sa, w, s32)]) * 1e6
+        cfgs = SWEEP if sweep else [None]
+        best = None
+        for cfg in cfgs:
+            try:
+                t = time_calls([lambda: fp8_prefill_gemm(a, sa, w, s32, cfg)]) * 1e6
+            except Exception as e:  # noqa: BLE001 (out of shared memory etc.: report, keep sweeping)
+                print(f"  {name} cfg {cfg}: {type(e).__name__} {str(e)[:120]}")
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        r["fp8_us"], r["fp8_cfg"] = best
+        r["act_quant_us"] = time_calls([lambda: act_quant_fp8(x)]) * 1e6
+        wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        r["bf16_us"] = time_calls([lambda: x @ wb.T]) * 1e6
+        if dg is not None and n % 128 == 0 and k % 128 == 0:
+            pair = deepgemm.cached_tile128(w, s)
+            r["deepgemm_us"] = time_calls([lambda: deepgemm.linear(x, *pair)]) * 1e6
+        for key in ("w8a16", "fp8", "fp8_bk32", "bf16", "deepgemm"):
+            if f"{key}_us" in r:
+                r[f"{key}_tflops"] = flops / r[f"{key}_us"] / 1e6
+        r["fp8_of_fp8_peak"] = r["fp8_tflops"] * 1e12 / peaks["fp8_flops"]
+        r["fp8_vs_w8a16"] = r["w8a16_us"] / r["fp8_us"]
+        rows.append(r)
+        print(f"{name:10s} {m}x{n}x{k}: w8a16 {r['w8a16_tflops']:6.0f} TF  fp8 {r['fp8_tflops']:6.0f} TF "
+              f"({r['fp8_of_fp8_peak']:.2f} of FP8 peak, {r['fp8_vs_w8a16']:.2f}x w8a16, cfg {r['fp8_cfg']})  "
+              f"fp8 BK32 walk {r['fp8_bk32_tflops']:6.0f}  bf16 {r['bf16_tflops']:6.0f}  deepgemm {r.get('deepgemm_tflops', float('nan')):6.0f}  "
+              f"act_quant {r['act_quant_us']:.0f} us", flush=True)
+        del x, w, s, s32, xq, a, sa, wb
+    return rows
+
+
+def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, inter: int = 2304) -> dict:
+    """One layer's routed experts on this GPU: m tokens x top-6 of 384 -> about m*6/8 pairs over 48
+    experts; the grouped contiguous GEMMs (both projections) vs the same GEMMs expert by expert."""
+    from deepinfer.kernels.triton_fp8_prefill import fp8_grouped_contiguous, fp8_prefill_gemm
+    from deepinfer.kernels.triton_gemm import w8a16_gemm
+    P = m * topk // 8
+    counts = torch.distributions.Multinomial(P, torch.ones(E)).sample().to(torch.int64).cuda()
+    P = int(counts.sum())
+    a = (torch.randn(P, d, device="cuda")).to(torch.float8_e4m3fn)
+    sa = torch.full((P, d // 32), 2.0 ** -6, device="cuda")
+    h = (torch.randn(P, inter, device="cuda")).to(torch.float8_e4m3fn)
+    sh = torch.full((P, inter // 32), 2.0 ** -6, device="cuda")
+    w13 = (torch.randn(E, 2 * inter, d, device="cuda") * 0.02).to(torch.float8_e4m3fn)
+    s13 = torch.exp2(torch.randint(-9, -4, (E, 2 * inter, d // 32), device="cuda").float())
+    w2 = (torch.randn(E, d, inter, device="cuda") * 0.02).to(torch.float8_e4m3fn)
+    s2 = torch.exp2(torch.randint(-9, -4, (E, d, inter // 32), device="cuda").float())
+
+    def grouped():
+        fp8_grouped_contiguous(a, sa, w13, s13, counts)
+        fp8_grouped_contiguous(h, sh, w2, s2, counts)
+    cl = counts.tolist()
+    starts = [sum(cl[:e]) for e in range(E)]
+    xb = a.to(torch.bfloat16)
+    hb = h.to(torch.bfloat16)
+
+    def loop_w8a16():
+        for e in range(E):
+            if cl[e]:
+                w8a16_gemm(xb[starts[e]:starts[e] + cl[e]], w13[e], s13[e])
+                w8a16_gemm(hb[starts[e]:starts[e] + cl[e]], w2[e], s2[e])
+
+    def loop_fp8():
+        for e in range(E):
+            if cl[e]:
+                fp8_prefill_gemm(a[starts[e]:starts[e] + cl[e]], sa[starts[e]:starts[e] + cl[e]], w13[e], s13[e])
+                fp8_prefill_gemm(h[starts[e]:starts[e] + cl[e]], sh[starts[e]:starts[e] + cl[e]], w2[e], s2[e])
+    flops = 2.0 * P * (2 * inter * d + d * inter)
+    r = {"tokens": m, "pairs": P, "experts": E}
+    for name, fn in (("grouped_fp8", grouped), ("loop_w8a16", loop_w8a16), ("loop_fp8", loop_fp8)):
+        r[f"{name}_us"] = time_calls([fn], iters=3) * 1e6
+        r[f"{name}_tflops"] = flops / r[f"{name}_us"] / 1e6
+    r["grouped_of_fp8_peak"] = r["grouped_fp8_tflops"] * 1e12 / peaks["fp8_flops"]
+    print(f"MoE {m} tokens, {P} pairs over {E} experts: grouped FP8 {r['grouped_fp8_tflops']:.0f} TF "
+          f"({r['grouped_of_fp8_peak']:.2f} of FP8 peak), per-expert W8A16 loop {r['loop_w8a16_tflops']:.0f} TF, "
+          f"per-expert FP8 loop {r['loop_fp8_tflops']:.0f} TF: grouped {r['loop_w8a16_us'] / r['grouped_fp8_us']:.2f}x "
+          "the W8A16 loop", flush=True)
+    return r
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--m", type=int, nargs="+", default=[8192])
+    p.add_argument("--sweep", action="store_true", help="try every SWEEP tile config, keep the fastest")
+    a = p.parse_args()
+    peaks = measure_ceilings()
+    print(f"peaks (same run): FP8 {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s, bf16 {peaks['bf16_flops'] / 1e12:.0f}, "
+          f"copy {peaks['copy_bw'] / 1e12:.2f} TB/s", flush=True)
+    out = {"peaks": peaks, "dense": [], "moe": []}
+    for m in a.m:
+        out["dense"] += dense_rows(m, a.sweep, peaks)
+        out["moe"].append(moe_rows(m, peaks))
+    print("saved", save_json("bench_fp8_prefill.json", out))
+
+
+if __name__ == "__main__":
+    main()

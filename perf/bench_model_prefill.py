@@ -1,0 +1,187 @@
+"""Whole prefill on the GPU: Transformer.forward on the `full-width-ep8` config (real widths, one layer per
+role, 48 local experts = one GPU's EP8 share; random weights made on the device, load_format="dummy")
+for 1 x 8192, 4 x 2048 and 16 x 512 prompt tokens in one step, and 1 x 8192 as chunked prefill with a
+2,048-token budget, with the FP8 linears on the FP8 x FP8 prefill kernels (DEEPINFER_PREFILL_GEMM=fp8,
+kernels/triton_fp8_prefill.py) and on the W8A16 kernels (=w8a16) side by side in one run.
+
+    python perf/bench_model_prefill.py [--cases 1x8192 4x2048 16x512 chunked] [--profile]
+                                       (model_prefill.json / .png in $OUT, the plot also as perf/figures/model_prefill_h200.png)
+
+Printed per case and GEMM path: milliseconds, tokens/s, the linear work's TFLOP/s and its share of the
+FP8 and bf16 peaks measured in the same run (benchutil.measure_ceilings: torch._scaled_mm per-tensor FP8
+and the bf16 matmul at 8192^3), and the 40-layer per-GPU estimate: the step time scaled by 40 / 7 layers
+(the head and embedding are in the 7-layer time, so this slightly overstates the 40-layer time). Linear
+work = every FP8 linear (fused or not), wo_a, the routed experts (T x top-6 pairs on the 48 local experts:
+at EP8 each GPU's experts see as many pairs as its own tokens pick) and the shared expert; attention,
+indexers, compressors, norms, mHC and the head are not counted. --profile: the top kernels of one
+1 x 8192 prefill on the FP8 path (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchutil import measure_ceilings, out_dir, save_json, time_eager  # noqa: E402
+
+FULL_LAYERS = 40
+FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
+
+
+def build_model(preset: str):
+    from deepinfer.checkpoint.generator import hf_config, text_config
+    from deepinfer.model.loader import load_model
+    d = tempfile.mkdtemp(prefix="deepinfer-prefill-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(hf_config(text_config(preset)), f)
+    return load_model(d, "cuda", load_format="dummy", progress=False)
+
+
+def linear_flops(args, T: int) -> float:
+    """FLOPs of the linear work of one step of T tokens (module docstring)."""
+    d, H, hd, qr = args.dim, args.n_heads, args.head_dim, args.q_lora_rank
+    inter, G, r = args.moe_inter_dim, args.o_groups, args.o_lora_rank
+    per_layer = qr * d + hd * d + H * hd * qr + H * hd * r + d * G * r + 3 * d * inter
+    per_layer += args.n_activated_experts * 3 * d * inter
+    total = per_layer * args.n_layers
+    total += sum(args.index_n_heads * args.index_head_dim * qr for L in args.index_source_layers)
+    return 2.0 * T * total
+
+
+def case_batch(model, caches, seqs: int, tokens: int, start: int = 0, block_tokens: int = 64, nb: int = 0):
+    from deepinfer.model.simple import make_batch
+    g = torch.Generator().manual_seed(seqs * 7919 + tokens)
+    chunks = []
+    for _ in range(seqs):
+        ids = torch.randint(1000, 120000, (start + tokens,), generator=g).tolist()
+        chunks.append((ids[start:], start, ids[:start]))
+    table = torch.arange(seqs * nb, dtype=torch.int64).view(seqs, nb)
+    return make_batch(chunks, list(range(seqs)), table, model.args.engram_max_ngram_size, "cuda")
+
+
+def run_case(model, caches, name: str, nb: int):
+    """A callable running the case's step(s), and its prompt tokens."""
+    if name == "chunked":
+        batches = [case_batch(model, caches, 1, 2048, s, nb=nb) for s in range(0, 8192, 2048)]
+
+        def fn():
+            for b in batches:
+                model(b, caches)
+        return fn, 8192
+    seqs, tokens = (int(v) for v in name.split("x"))
+    b = case_batch(model, caches, seqs, tokens, nb=nb)
+    return (lambda: model(b, caches)), seqs * tokens
+
+
+def profile(fn, top: int = 20) -> list[dict]:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [dict(name=e.key[:90], us=e.device_time_total, calls=e.count) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    print(f"profile 1x8192 (FP8 path): {total / 1e3:.1f} ms of kernel time; top {top}:")
+    for r in rows[:top]:
+        print(f"  {r['us'] / 1e3:8.2f} ms {100 * r['us'] / total:5.1f}%  {r['calls']:5d}x  {r['name']}")
+    return rows[:top]
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for i, gemm in enumerate(("w8a16", "fp8")):
+        sel = [next((r for r in rows if r["case"] == c and r["gemm"] == gemm), None) for c in cases]
+        sel = [r or dict(est40_tok_s=0.0, of_fp8_peak=0.0) for r in sel]
+        xs = [j + 0.4 * i for j in range(len(cases))]
+        ax[0].bar(xs, [r["est40_tok_s"] / 1e3 for r in sel], 0.4, label=gemm)
+        ax[1].bar(xs, [r["of_fp8_peak"] for r in sel], 0.4, label=gemm)
+    for a_, t in zip(ax, ("40-layer estimate, k prompt tokens/s per GPU", "linear TFLOP/s / FP8 peak (same run)")):
+        a_.set_xticks([j + 0.2 for j in range(len(cases))], cases)
+        a_.set_title(t, fontsize=10)
+        a_.legend()
+    ax[0].axhline(15, color="gray", ls="--", lw=0.8)
+    ax[1].axhline(0.5, color="gray", ls="--", lw=0.8)
+    fig.suptitle("H200 prefill, full-width-ep8 (7 layers, 48 local experts)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="full-width-ep8")
+    p.add_argument("--cases", nargs="+", default=["1x8192", "4x2048", "16x512", "chunked"])
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+
+    from deepinfer.cache.model_caches import ModelCaches
+    from deepinfer.kernels import select
+    t0 = time.time()
+    model = build_model(a.preset)
+    print(f"built {a.preset} (dummy weights) in {time.time() - t0:.0f} s; kernels: {select.capability_report()}",
+          flush=True)
+    peaks = measure_ceilings()
+    print(f"peaks (same run): FP8 {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s, bf16 {peaks['bf16_flops'] / 1e12:.0f}",
+          flush=True)
+    nb = -(-(8192 + 64) // 64)
+    caches = ModelCaches.allocate(model.args, 16, 16 * nb, 64, "cuda")
+    rows = []
+    print(f"{'case':>8} {'gemm':>6} {'ms':>8} {'tok/s':>8} {'lin TF/s':>9} {'/FP8':>6} {'/bf16':>6} {'40L tok/s/GPU':>14}")
+    for case in a.cases:
+        for gemm in ("w8a16", "fp8"):
+            select.PREFILL_GEMM = gemm
+            try:
+                with torch.inference_mode():
+                    fn, T = run_case(model, caches, case, nb)
+                    t = time_eager(fn, iters=a.iters)
+            except Exception as e:  # noqa: BLE001 (report and go on to the other cases)
+                print(f"{case:>8} {gemm:>6} FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                continue
+            tflops = linear_flops(model.args, T) / t
+            row = dict(case=case, gemm=gemm, ms=t * 1e3, tok_s=T / t, linear_tflops=tflops / 1e12,
+                       of_fp8_peak=tflops / peaks["fp8_flops"], of_bf16_peak=tflops / peaks["bf16_flops"],
+                       est40_tok_s=T / (t * FULL_LAYERS / model.args.n_layers))
+            rows.append(row)
+            print(f"{case:>8} {gemm:>6} {row['ms']:8.1f} {row['tok_s']:8.0f} {row['linear_tflops']:9.0f} "
+                  f"{row['of_fp8_peak']:6.2f} {row['of_bf16_peak']:6.2f} {row['est40_tok_s']:14.0f}", flush=True)
+        pair = [r for r in rows if r["case"] == case]
+        if len(pair) == 2:
+            print(f"{case:>8}  fp8 / w8a16 speed: {pair[0]['ms'] / pair[1]['ms']:.2f}x", flush=True)
+    select.PREFILL_GEMM = "fp8"
+    top = []
+    if a.profile:
+        try:
+            with torch.inference_mode():
+                fn, _ = run_case(model, caches, "1x8192", nb)
+                top = profile(fn)
+        except Exception as e:  # noqa: BLE001
+            print(f"profile FAILED: {type(e).__name__}: {str(e)[:400]}")
+    print("declined fast paths:", sorted(select.declined()))
+    save_json("model_prefill.json", dict(preset=a.preset, peaks=peaks, rows=rows, profile_top=top))
+    os.makedirs(FIGURES, exist_ok=True)
+    for path in (os.path.join(out_dir(), "model_prefill.png"), os.path.join(FIGURES, "model_prefill_h200.png")):
+        try:
+            plot(rows, path)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The FP8 x FP8 prefill GEMMs (kernels/triton_fp8_prefill.py) against plain torch, on shapes that are
+not multiples of the tiles. Run on a GPU by test_fp8_prefill.py, or on a CPU under Triton's
+interpreter (TRITON_INTERPRET=1 python tests/kernels/fp8_prefill_checks.py).
+
+Exact checks use ternary data ({-1, 0, 1} activations and weights, random power-of-two scales): every
+product and partial sum is exact in fp32, so on a GPU the kernel must give the reference's bits
+whatever its summation order (under the interpreter, whose float -> bf16 cast truncates, within one
+bf16 ulp). Random-data checks allow one bf16 ulp (the fp32 sum order differs from a single matmul's)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from deepinfer.kernels.select import dequant_fp8, row_scaled_fp8_weight
+from deepinfer.kernels.triton_fp8_prefill import (fp8_grouped_contiguous, fp8_prefill_gemm, fp8_prefill_linear,
+                                                  fp8_prefill_linear_ref)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+SMALL = dict(BM=32, BN=32, GROUP_M=2, NUM_STAGES=1, num_warps=4) if INTERPRET else None
+
+
+def ternary(shape, gen, device):
+    return (torch.randint(-1, 2, shape, generator=gen) * 1.0).to(device)
+
+
+def pow2(shape, lo, hi, gen, device):
+    return torch.exp2(torch.randint(lo, hi, shape, generator=gen).float()).to(device)
+
+
+def e8m0(shape, gen, device):
+    return torch.randint(124, 131, shape, generator=gen, dtype=torch.uint8).to(device)
+
+
+def same(y, r) -> bool:
+    """Equal bits on a GPU; within one bf16 ulp under the interpreter (truncating casts)."""
+    if not INTERPRET:
+        return torch.equal(y, r)
+    return bool(((y.float() - r.float()).abs() <= r.float().abs() * 2 ** -7).all())
+
+
+def ref_gemm(a, sa, b, sb):
+    """dequant(a) @ dequant(b)^T in float64 -> bf16 (exact here: ternary values, pow2 scales)."""
+    ad = a.double() * sa.double().repeat_interleave(32, -1)
+    bd = dequant_fp8(b, sb).double()
+    return (ad @ bd.T).to(torch.bfloat16)
+
+
+def check_exact_dense(device):
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k, per_row in ((5, 40, 128, False), (130, 200, 256, True), (64, 96, 384, False), (1, 33, 128, True)):
+        a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
+        sa = pow2((m, k // 32), -3, 3, gen, device)
+        b = ternary((n, k), gen, device).to(torch.float8_e4m3fn)
+        sb = e8m0((n if per_row else -(-n // 32), k // 32), gen, device)
+        y = fp8_prefill_gemm(a, sa, b, sb, SMALL)
+        r = ref_gemm(a.float(), sa, b, sb)
+        assert same(y, r), (m, n, k, per_row, (y.float() - r.float()).abs().max())
+        rs = row_scaled_fp8_weight(b, sb) if per_row else None
+        if rs is not None:                               # one f32 scale per row (the experts' form)
+            assert same(fp8_prefill_gemm(a, sa, *rs, SMALL), r), (m, n, k, "row scale")
+    print("exact dense: ok")
+
+
+def check_exact_contiguous(device):
+    gen = torch.Generator().manual_seed(1)
+    for E, n, k, counts in ((4, 72, 128, [3, 0, 40, 9]), (3, 64, 256, [0, 0, 70]), (5, 40, 128, [1, 2, 0, 33, 64])):
+        P = sum(counts)
+        a = ternary((P, k), gen, device).to(torch.float8_e4m3fn)
+        sa = pow2((P, k // 32), -2, 3, gen, device)
+        b = ternary((E, n, k), gen, device).to(torch.float8_e4m3fn)
+        sb = e8m0((E, n, k // 32), gen, device)
+        y = fp8_grouped_contiguous(a, sa, b, sb, torch.tensor(counts, device=device), SMALL)
+        start = 0
+        for e, c in enumerate(counts):
+            r = ref_gemm(a[start:start + c].float(), sa[start:start + c], b[e], sb[e])
+            assert same(y[start:start + c], r), (E, counts, e)
+            start += c
+    print("exact grouped contiguous: ok")
+
+
+def check_random_dense(device, shapes):
+    gen = torch.Generator().manual_seed(2)
+    for m, n, k in shapes:
+        from deepinfer.checkpoint.generator import quant_fp8
+        x = torch.randn(m, k, generator=gen).bfloat16().to(device)
+        q, s = quant_fp8(torch.randn(n, k, generator=gen) * k ** -0.5)
+        q, s = q.to(device), s.view(torch.uint8).to(device)
+        y = fp8_prefill_linear(x, q, s, SMALL).float()
+        r = fp8_prefill_linear_ref(x, q, s).float()
+        bad = (y - r).abs() > r.abs() * 2 ** -7 + 1e-30
+        assert not bad.any(), (m, n, k, (y - r).abs().max().item(), int(bad.sum()))
+    print(f"random dense ({len(shapes)} shapes): ok")
+
+
+def check_moe_contiguous(device, tokens: int):
+    """A MoE layer's grouped contiguous form (moe.MoE._contiguous_experts) against its masked form and
+    the per-expert loop on the references, on a 128-wide layer with row-scaled and per-32 stacks."""
+    import tempfile
+    from pathlib import Path
+
+    from deepinfer.checkpoint.generator import make_checkpoint
+    from deepinfer.kernels import select
+    from deepinfer.model import moe as moe_mod
+    from deepinfer.model.loader import load_model
+    tc = dict(hidden_size=128, moe_intermediate_size=128, num_attention_heads=2, head_dim=64, qk_rope_head_dim=16,
+              q_lora_rank=64, o_lora_rank=32, o_groups=1, n_routed_experts=7, num_experts_per_tok=3,
+              compress_ratios=[0], kv_source_layer_ids=[], index_source_layer_ids=[], index_n_heads=4,
+              index_head_dim=32, index_topk=8, candidate_source_layer_id=None, candidate_topk_blocks=0,
+              candidate_block_size=0, engram_layer_ids=[], engram_vocab_size=0, engram_n_heads=0, engram_head_dim=0,
+              num_nextn_predict_layers=0, dspark_block_size=0, dspark_target_layer_ids=[], hc_mult=4)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, 128, generator=gen).bfloat16().to(device)
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = make_checkpoint(tc, 5, Path(d) / "moe", progress=False)
+        for rows in (False, True):
+            ffn = load_model(ckpt, device=device, progress=False, weight_format="fp8", expert_row_scales=rows,
+                             fuse_linears=True).layers[0].ffn
+            weights, indices = ffn.gate(x, None)
+            assert ffn._use_contiguous(x), "the contiguous form declined a 128-wide layer"
+            out, slot = ffn._contiguous_experts(x, weights, indices)
+            y = select.moe_combine(out, slot, indices, ffn._shared(x)).float()
+            ffn.masked = True
+            ym = ffn(x).float()
+            select.KERNELS = "ref"
+            select._fast_ok.cache_clear()
+            ffn.masked = False
+            yr = ffn(x).float()
+            select.KERNELS = "fast"
+            select._fast_ok.cache_clear()
+            print("masked vs loop", ((ym - yr).abs().mean() / yr.abs().mean()).item())
+            for name, other in (("masked", ym), ("reference loop", yr)):
+                rel = ((y - other).abs().mean() / other.abs().mean()).item()
+                print(name, rows, rel)
+                assert rel < (3e-2 if INTERPRET else 2e-3), (name, rows, rel)
+            print(f"moe contiguous (row scales {rows}): ok")
+    assert moe_mod.MASKED_MAX_PAIRS > 0
+
+
+def main():
+    device = "cpu" if INTERPRET else "cuda"
+    check_exact_dense(device)
+    check_exact_contiguous(device)
+    check_moe_contiguous(device, 40 if INTERPRET else 3000)
+    shapes = [(33, 72, 128), (70, 160, 256)] if INTERPRET else [
+        (512, 1280, 5120), (777, 4096, 1280), (1000, 5120, 8192), (4096, 4608, 5120), (8192, 1536, 5120),
+        (8192, 5120, 2304), (300, 100, 384), (2048, 4224, 640)]
+    check_random_dense(device, shapes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
