@@ -32,7 +32,7 @@ def params(max_tokens, **kw):
 
 
 def run(engine: Engine, prompts, plist, abort_at=None, gaps=None):
-    """Step to the end; abort_at = (req_id, when): abort it once it holds drafts and `when` steps
+    """Step to the end; abort_at = (req_id, when): abort it once it holds drafts (waiting for their plan) and `when` steps
     passed; gaps: a dict that receives each request's top-2 logit gap per output token."""
     for i, (p, sp) in enumerate(zip(prompts, plist)):
         engine.add_request(str(i), p, sp, return_logits=gaps is not None)
@@ -46,7 +46,7 @@ def run(engine: Engine, prompts, plist, abort_at=None, gaps=None):
         step += 1
         if abort_at is not None:
             req = engine.scheduler.requests.get(abort_at[0])
-            if req is not None and req.spec_token_ids and step >= abort_at[1]:
+            if req is not None and engine.scheduler.draft_book.pending(abort_at[0]) and step >= abort_at[1]:
                 engine.abort(abort_at[0])
                 abort_at = None
         engine.kv_cache.check()
@@ -71,7 +71,7 @@ def assert_equal_up_to_near_ties(got: list[int], want: list[int], gaps: list[flo
 @pytest.mark.parametrize("threshold", [0.0, 0.5])
 def test_greedy_outputs_equal_plain_decoding(spec_args, plain, threshold):
     """threshold 0 verifies all 5 drafts every step (most rejected: rollback every step)."""
-    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_confidence_threshold=threshold))
+    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_policy="threshold", spec_confidence_threshold=threshold))
     got, _ = run(engine, PROMPTS, [params(n) for n in MAX_TOKENS])
     assert got == plain[0]
     c = engine.stats.snapshot()["counters"]
@@ -89,7 +89,7 @@ def test_preemption_and_abort_mid_speculation(spec_args, plain):
     """A cache too small for all four: the newest are preempted (their drafts dropped, rings rebuilt
     by the recompute); request 1 is aborted while it holds drafts."""
     args = {**spec_args, "num_cache_blocks": 24}
-    engine = Engine(EngineArgs(**args, speculative="dspark", spec_confidence_threshold=0.0))
+    engine = Engine(EngineArgs(**args, speculative="dspark", spec_policy="threshold", spec_confidence_threshold=0.0))
     got, _ = run(engine, PROMPTS, [params(n) for n in MAX_TOKENS], abort_at=("1", 2))
     c = engine.stats.snapshot()["counters"]
     assert c["preemptions_total"] > 0 and c["requests_finished_abort"] == 1
@@ -107,7 +107,7 @@ def test_seeded_sampling_equals_plain_decoding(spec_args):
     plist.append(SamplingParams(max_tokens=10, temperature=1.2, seed=3, presence_penalty=0.5, ignore_eos=True))
     prompts = PROMPTS[:2] + [PROMPTS[3]]
     want, _ = run(Engine(EngineArgs(**spec_args)), prompts, plist)
-    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_confidence_threshold=0.0))
+    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_policy="threshold", spec_confidence_threshold=0.0))
     got, _ = run(engine, prompts, plist)
     assert got == want
     assert engine.stats.snapshot()["counters"]["spec_draft_tokens_verified_total"] > 0
@@ -121,7 +121,7 @@ def test_rings_hold_accepted_positions_only(spec_args):
     accepted rows only. This checks the plumbing: anchors, positions, ring slots, row selection."""
     from deepinfer.model.simple import SequenceRunner
 
-    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_confidence_threshold=0.0))
+    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_policy="threshold", spec_confidence_threshold=0.0))
     proposer, seen = engine.runner.proposer, []
     inner = proposer.propose
 
