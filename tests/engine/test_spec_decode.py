@@ -15,7 +15,6 @@ import torch
 
 from deepinfer import EngineArgs, LLM, SamplingParams
 from deepinfer.engine import Engine
-from deepinfer.spec.policy import StaticThresholdPolicy, prefix_survival
 
 PROMPTS = [list(range(500, 530)), [3, 4, 5], [(7 * i) % 1000 + 10 for i in range(150)], [9] * 12]
 MAX_TOKENS = [14, 9, 12, 16]
@@ -149,19 +148,63 @@ def test_rings_hold_accepted_positions_only(spec_args):
     assert same >= 0.8 * len(seen)
 
 
-def test_policy_prefix_survival():
-    logits = [2.0, 1.0, 0.0, -1.0, 3.0]
-    a = prefix_survival(logits)
-    assert a == sorted(a, reverse=True) and a[2] == pytest.approx(a[1] * 0.5)
-    assert StaticThresholdPolicy(0.0).num_to_verify(logits) == 5
-    assert StaticThresholdPolicy(0.5).num_to_verify(logits) == 2     # a = .88 .64 .32 ...
-    assert StaticThresholdPolicy(0.9).num_to_verify(logits) == 0
-    assert StaticThresholdPolicy(0.5).num_to_verify([]) == 0
+def test_scheduler_policy_profiles_at_start_and_keeps_tokens(spec_args, plain):
+    """The default policy: a step-time profile through the engine's own steps at start (its
+    requests gone, its counters not counted), then the batch budget; greedy tokens stay identical."""
+    engine = Engine(EngineArgs(**spec_args, speculative="dspark"))
+    m = engine.step_time_model
+    assert m.batch_sizes == [1, 4] and m.drafts_per_seq == [0, 5]
+    assert all(t > 0 for row in m.seconds for t in row)
+    assert engine.stats.snapshot()["counters"]["steps_total"] == 0
+    assert not engine.scheduler.requests and engine.kv_cache.num_used_blocks == 0
+    got, _ = run(engine, PROMPTS, [params(n) for n in MAX_TOKENS])
+    assert got == plain[0]
+    assert engine.stats.snapshot()["counters"]["spec_draft_tokens_proposed_total"] > 0
+
+
+def test_sampled_acceptance_is_seeded_and_leaves_greedy_requests_alone(spec_args):
+    """spec_acceptance="sampled": requests at temperature > 0 draft by sampling and verify with
+    min(1, p/q) + residual, which draws other streams than plain decoding (other tokens, same
+    distribution: tests/sample/test_rejection.py); a rerun gives the same tokens; a greedy request in
+    the same batch keeps plain decoding's tokens."""
+    plist = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2)]
+    plist.append(params(10))
+    prompts = PROMPTS[:2] + [PROMPTS[3]]
+    want, _ = run(Engine(EngineArgs(**spec_args)), prompts, plist)
+    kw = dict(speculative="dspark", spec_policy="threshold", spec_confidence_threshold=0.0, spec_acceptance="sampled")
+    engine = Engine(EngineArgs(**spec_args, **kw))
+    got, _ = run(engine, prompts, plist)
+    again, _ = run(Engine(EngineArgs(**spec_args, **kw)), prompts, plist)
+    assert got == again
+    assert got["2"] == want["2"]
+    assert got["0"] != want["0"] or got["1"] != want["1"]
+    assert all(len(got[r]) == 10 for r in got)
+    assert engine.stats.snapshot()["counters"]["spec_draft_tokens_verified_total"] > 0
+
+
+def test_replayed_acceptance_through_the_engine(spec_args):
+    """Benchmark mode: the engine verifies for real and accepts by the replayed outcomes (mean
+    accepted length 3.5 of 5 under verify-all); blocks roll back and free as usual."""
+    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_policy="all", spec_replay_accepted_length=3.5))
+    got, steps = run(engine, PROMPTS, [params(40) for _ in PROMPTS])
+    assert all(len(t) == 40 for t in got.values())
+    c = engine.stats.snapshot()["counters"]
+    mean_len = 1 + c["spec_draft_tokens_accepted_total"] / c["spec_verify_steps_total"]
+    assert 2.5 < mean_len < 4.5 and steps < 25
 
 
 def test_speculative_args_are_checked(tiny_engine_args):
     with pytest.raises(ValueError):
         EngineArgs(**tiny_engine_args, speculative="eagle")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="DSpark block"):
         Engine(EngineArgs(**tiny_engine_args, speculative="dspark", num_speculative_tokens=6))
+    with pytest.raises(ValueError, match="DSpark draft blocks"):   # as a checkpoint without DSpark blocks reads
+        Engine(EngineArgs(**tiny_engine_args, speculative="dspark", model_overrides={"dspark_block_size": 0}))
+    for bad in (-0.1, 1.2):
+        with pytest.raises(ValueError, match=r"spec_confidence_threshold must be in \[0, 1\]"):
+            EngineArgs(**tiny_engine_args, speculative="dspark", spec_confidence_threshold=bad)
+    for bad in (dict(spec_policy="fast"), dict(spec_acceptance="lossy"), dict(spec_budget_confidences="stale"),
+                dict(spec_replay_accepted_length=6.0)):
+        with pytest.raises(ValueError):
+            EngineArgs(**tiny_engine_args, speculative="dspark", **bad)
     assert LLM(**tiny_engine_args, speculative="dspark").engine.runner.proposer.num_speculative_tokens == 5
