@@ -8,8 +8,8 @@ decode graphs the same way: model_runner.py profile_decode_perf, 1 warm-up + tim
 
 Profiling: n greedy requests with short prompts are prefilled, then every step verifies exactly x
 drafts per request (FixedDraftsPolicy), 1 warm-up + `repeats` timed steps per point; the requests
-are aborted at the end and the engine's counters reset. A CPU grid is small (two batch sizes, x in
-{0, k}: about a second on the tiny preset); on CUDA every power of two up to max_num_seqs and
+are aborted at the end and the engine's counters reset. A CPU grid is small (batch sizes 1, 4 and max_num_seqs,
+x in {0, k}: a few seconds on the tiny preset); on CUDA every power of two up to max_num_seqs and
 every x. Sizes that the token budget or the cache cannot hold are left out.
 """
 
@@ -64,7 +64,7 @@ def profile_grid(device: str, max_num_seqs: int, num_drafts: int) -> tuple[list[
     if device.startswith("cuda"):
         sizes = sorted({1 << i for i in range(max_num_seqs.bit_length()) if 1 << i <= max_num_seqs} | {max_num_seqs})
         return sizes, list(range(num_drafts + 1))
-    return sorted({1, min(max_num_seqs, 4)}), sorted({0, num_drafts})
+    return sorted({1, min(max_num_seqs, 4), max_num_seqs}), sorted({0, num_drafts})
 
 
 def profile_step_times(engine, repeats: int | None = None) -> StepTimeModel | None:

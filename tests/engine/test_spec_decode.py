@@ -153,7 +153,7 @@ def test_scheduler_policy_profiles_at_start_and_keeps_tokens(spec_args, plain):
     requests gone, its counters not counted), then the batch budget; greedy tokens stay identical."""
     engine = Engine(EngineArgs(**spec_args, speculative="dspark"))
     m = engine.step_time_model
-    assert m.batch_sizes == [1, 4] and m.drafts_per_seq == [0, 5]
+    assert m.batch_sizes == [1, 4, 8] and m.drafts_per_seq == [0, 5]
     assert all(t > 0 for row in m.seconds for t in row)
     assert engine.stats.snapshot()["counters"]["steps_total"] == 0
     assert not engine.scheduler.requests and engine.kv_cache.num_used_blocks == 0
