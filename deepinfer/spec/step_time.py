@@ -73,8 +73,10 @@ def profile_step_times(engine, repeats: int | None = None) -> StepTimeModel | No
     cuda = engine.device.startswith("cuda")
     repeats = repeats or (5 if cuda else 2)
     sizes, xs = profile_grid(engine.device, a.max_num_seqs, a.num_speculative_tokens)
-    max_tokens = len(xs) * (repeats + 1) + 4
-    per_seq = PROFILE_PROMPT_LEN + (max_tokens + 1) * (a.num_speculative_tokens + 1)
+    # each point has fresh requests: a prefill step, then repeats + 1 steps of up to k + 1 tokens each
+    # (all accepted, in the replay mode); max_tokens caps a request's positions, drafts included
+    max_tokens = (repeats + 3) * (a.num_speculative_tokens + 1)
+    per_seq = PROFILE_PROMPT_LEN + max_tokens + a.num_speculative_tokens + 1
     blocks = -(-per_seq // a.block_tokens) + 1
     total_blocks = engine.num_cache_blocks * a.data_parallel_size
     sizes = [n for n in sizes if n * blocks <= total_blocks and n * (1 + xs[-1]) <= a.max_num_batched_tokens]

@@ -124,8 +124,8 @@ def test_rings_hold_accepted_positions_only(spec_args):
     proposer, seen = engine.runner.proposer, []
     inner = proposer.propose
 
-    def record(anchors, positions, slots):
-        out = inner(anchors, positions, slots)
+    def record(anchors, positions, slots, **kw):
+        out = inner(anchors, positions, slots, **kw)
         mine = [i for i, s in enumerate(slots) if s == engine.kv_cache.ring_slot.get("0")]
         seen.extend((anchors[i], positions[i], out.draft_ids[i], out.confidences[i]) for i in mine)
         return out
