@@ -3,7 +3,7 @@ threshold and the confidence scheduler against no speculation, at several batch 
 
     python perf/spec_decode.py [--checkpoint DIR | --preset tiny|small|full-width-ep8] [--device cpu|cuda]
                                [--batches 1 16 64] [--prompt-len 64] [--output-len 64]
-                               [--accepted-length 3.5] [--threshold 0.5] [--load-format dummy]
+                               [--accepted-length 3.5] [--threshold 0.5] [--load-format dummy] [--variants]
                                [--plot perf/figures/spec_decode_cpu.png]
 
 Random weights accept nothing, so every speculative engine runs in the replay mode
@@ -67,7 +67,10 @@ def configs(a) -> dict[str, dict]:
     return {"off": {},
             "verify-all": {**spec, "spec_policy": "all"},
             f"threshold {a.threshold}": {**spec, "spec_policy": "threshold", "spec_confidence_threshold": a.threshold},
-            "scheduler": {**spec, "spec_policy": "scheduler"}}
+            "scheduler": {**spec, "spec_policy": "scheduler"},
+            **({"sched newest": {**spec, "spec_policy": "scheduler", "spec_budget_confidences": "newest"},
+                "sched early-stop": {**spec, "spec_policy": "scheduler", "spec_early_stop": True}}
+               if a.variants else {})}
 
 
 def measure_all(ckpt: str, a) -> dict:
@@ -156,6 +159,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
     ap.add_argument("--num-cache-blocks", type=int)
+    ap.add_argument("--variants", action="store_true",
+                    help="also the scheduler with the newest confidences for the budget, and with early stop")
     ap.add_argument("--plot")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

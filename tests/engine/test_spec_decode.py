@@ -167,7 +167,9 @@ def test_sampled_acceptance_is_seeded_and_leaves_greedy_requests_alone(spec_args
     min(1, p/q) + residual, which draws other streams than plain decoding (other tokens, same
     distribution: tests/sample/test_rejection.py); a rerun gives the same tokens; a greedy request in
     the same batch keeps plain decoding's tokens."""
-    plist = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2)]
+    # NOTE: the tiny model's logits are ~100 wide, so at temperature ~1 its samples are its argmax;
+    # temperature 8 spreads them (top token ~0.2-0.8)
+    plist = [SamplingParams(max_tokens=10, temperature=8.0, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2)]
     plist.append(params(10))
     prompts = PROMPTS[:2] + [PROMPTS[3]]
     want, _ = run(Engine(EngineArgs(**spec_args)), prompts, plist)
