@@ -24,7 +24,19 @@ class EngineArgs:
     # scheduling is then off (verification needs the accepted count before the next step)
     speculative: str | None = None          # None (off) or "dspark"
     num_speculative_tokens: int = 5         # drafts proposed per request and step (at most the DSpark block, 5)
-    spec_confidence_threshold: float = 0.5  # verify drafts 1..j while prod_{i<=j} sigmoid(c_i) >= this (0 = all)
+    # which drafts to verify: "scheduler" (batch budget maximizing expected accepted tokens per profiled
+    # step second, spec/budget.py; profiled at start), "threshold" (static prefix threshold), "all"
+    spec_policy: str = "scheduler"
+    spec_confidence_threshold: float = 0.5  # "threshold": verify drafts 1..j while prod_{i<=j} sigmoid(c_i) >= this
+    spec_early_stop: bool = False           # "scheduler": stop at the first budget that does not pay (the paper's variant)
+    spec_budget_confidences: str = "older"  # "scheduler": budget from the previous proposal's confidences, or "newest"
+    # acceptance (deepinfer/sample/rejection.py): "identical" = greedy drafts accepted where they equal the
+    # seeded sample (tokens identical to no speculation); "sampled" = requests at temperature > 0 sample
+    # their drafts and accept with min(1, p/q), residual resample (same distribution, more accepted)
+    spec_acceptance: str = "identical"
+    # benchmark mode (spec/replay.py): replay acceptance outcomes and calibrated confidences drawn with
+    # this mean accepted length (verify-all, tokens per step, e.g. 3.5 of 5 drafts); None = real drafts
+    spec_replay_accepted_length: float | None = None
     # CUDA graphs for pure decode steps (deepinfer/worker/graph_step.py): batch sizes captured at start;
     # None = (1, 2, 4, .., 128) on CUDA and none on CPU (sizes given on a CPU run the padded step
     # eagerly: a test mode). Off with enforce_eager, batch_invariant, speculative decoding and the
@@ -76,6 +88,7 @@ class EngineArgs:
             raise ValueError(f"speculative must be None or 'dspark', got {self.speculative!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        self._check_spec_args()
         if self.max_seq_len_to_capture < 1:
             raise ValueError(f"max_seq_len_to_capture must be >= 1, got {self.max_seq_len_to_capture}")
         if self.load_format not in ("safetensors", "dummy"):
@@ -106,6 +119,19 @@ class EngineArgs:
                              "step, so it would never run; raise max_num_batched_tokens")
         if not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
+
+    def _check_spec_args(self) -> None:
+        if self.spec_policy not in ("scheduler", "threshold", "all"):
+            raise ValueError(f"spec_policy must be 'scheduler', 'threshold' or 'all', got {self.spec_policy!r}")
+        if not 0.0 <= self.spec_confidence_threshold <= 1.0:
+            raise ValueError(f"spec_confidence_threshold must be in [0, 1], got {self.spec_confidence_threshold}")
+        if self.spec_budget_confidences not in ("older", "newest"):
+            raise ValueError(f"spec_budget_confidences must be 'older' or 'newest', got {self.spec_budget_confidences!r}")
+        if self.spec_acceptance not in ("identical", "sampled"):
+            raise ValueError(f"spec_acceptance must be 'identical' or 'sampled', got {self.spec_acceptance!r}")
+        r = self.spec_replay_accepted_length
+        if r is not None and not 1.0 <= r < 1 + self.num_speculative_tokens:
+            raise ValueError(f"spec_replay_accepted_length must be in [1, {1 + self.num_speculative_tokens}), got {r}")
 
     @classmethod
     def from_kwargs(cls, checkpoint: str, **kwargs) -> "EngineArgs":

@@ -18,7 +18,8 @@ CPU schedules and builds N+1 while the device runs N:
 A request that stops at step N has one wasted token in N+1 (dropped). On CPU there is nothing
 to overlap (torch CPU ops are synchronous), so the plain step is used.
 Draft verification needs the accepted count before the next step: EngineArgs.speculative ("dspark",
-deepinfer/spec/) turns async scheduling off.
+deepinfer/spec/) turns async scheduling off. Its verification policy is built after the scheduler:
+the default ("scheduler") first profiles step times through this engine's own steps.
 """
 
 from __future__ import annotations
@@ -82,15 +83,10 @@ class Engine:
 
     def _init_scheduler(self) -> None:
         a = self.args
-        policy = None
-        if a.speculative == "dspark":
-            from deepinfer.spec.policy import StaticThresholdPolicy
-            policy = StaticThresholdPolicy(a.spec_confidence_threshold)
 
         def scheduler():
             kv = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs)
-            return Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len, kv, self.stats,
-                             spec_policy=policy)
+            return Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len, kv, self.stats)
         if a.data_parallel_size > 1:
             from deepinfer.parallel.dp_scheduler import DataParallelScheduler
             self.scheduler = DataParallelScheduler([scheduler() for _ in range(a.data_parallel_size)],
@@ -102,6 +98,9 @@ class Engine:
             self.kv_cache = self.scheduler.kv_cache
         self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks * a.data_parallel_size)
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
+        if a.speculative == "dspark":
+            from deepinfer.spec.engine_policy import set_verification_policy
+            set_verification_policy(self)
 
     def shutdown(self) -> None:
         """Stop the rank workers (multi-GPU); a no-op for one rank. Idempotent."""

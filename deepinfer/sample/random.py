@@ -7,6 +7,14 @@ many drafts were verified before it. One uniform per sampled token is all the sa
 
 The mixer is SplitMix64 (Steele, Lea, Flood 2014, the finalizer of Java's SplittableRandom),
 computed on Python ints so it is exact on every device and platform.
+
+Speculative sampling (sample/rejection.py) needs more than one draw per position; each purpose has
+its own stream, keyed by (seed, purpose, position), never by a row or a verify length:
+
+    SAMPLE   the token itself (inverse CDF of the target); the stream plain decoding uses
+    DRAFT    a sampled draft at its position (DSpark proposer, spec_acceptance="sampled")
+    ACCEPT   the accept test u < p(d) / q(d) of the draft at its position
+    RESIDUAL the resample from norm(max(0, p - q)) after a rejection at that position
 """
 
 from __future__ import annotations
@@ -31,9 +39,18 @@ def stream_uniform(seed: int, position: int) -> float:
     return (h >> 11) * (1.0 / (1 << 53))
 
 
-def uniforms(seeds: list[int], positions: list[int]) -> torch.Tensor:
+SAMPLE, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
+
+
+def purpose_seed(seed: int, purpose: int) -> int:
+    """The seed of a purpose's stream; SAMPLE keeps the request's own (plain decoding unchanged)."""
+    return seed if purpose == SAMPLE else splitmix64((seed & _MASK64) ^ (purpose * 0xD1B54A32D192ED03 & _MASK64))
+
+
+def uniforms(seeds: list[int], positions: list[int], purpose: int = SAMPLE) -> torch.Tensor:
     """[N] float64 (CPU): one uniform per row."""
-    return torch.tensor([stream_uniform(s, p) for s, p in zip(seeds, positions)], dtype=torch.float64)
+    return torch.tensor([stream_uniform(purpose_seed(s, purpose), p) for s, p in zip(seeds, positions)],
+                        dtype=torch.float64)
 
 
 def resolve_seed(seed: int | None) -> int:

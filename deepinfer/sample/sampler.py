@@ -28,7 +28,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from deepinfer.sample.grammar import GrammarState, InvalidConstraintError, StructuredOutput
-from deepinfer.sample.random import resolve_seed, uniforms
+from deepinfer.sample.random import ACCEPT, RESIDUAL, resolve_seed, uniforms
 from deepinfer.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -68,6 +68,8 @@ class SamplingRow:
     position: int = 0                        # absolute position of the token being sampled
     lookahead: Sequence[int] = ()            # draft tokens between those and this row (verification:
                                              # row j of a request with drafts d_1..d_k has d_1..d_j)
+    draft_id: int = -1                       # speculative sampling (rejection.py, "sampled"): the draft
+    draft_probs: torch.Tensor | None = None  # this row verifies, and q [V] it was sampled from
 
     @property
     def token_history(self) -> Sequence[int]:
@@ -211,24 +213,52 @@ class Sampler:
         take = lambda idx: logits if len(idx) == len(rows) else logits[idx]   # noqa: E731 - no copy when all
         if greedy:
             out[greedy] = take(greedy).argmax(dim=-1)
-        if random:
-            out[random] = sample_rows(take(random), [rows[i].state.params for i in random],
-                                      uniforms([rows[i].state.seed for i in random],
-                                               [rows[i].position for i in random]))
+        spec = [i for i in random if rows[i].draft_probs is not None]
+        plain = [i for i in random if rows[i].draft_probs is None]
+        if plain:
+            out[plain] = sample_rows(take(plain), [rows[i].state.params for i in plain],
+                                     uniforms([rows[i].state.seed for i in plain], [rows[i].position for i in plain]))
+        if spec:
+            out[spec] = self._draw_speculative(take(spec), [rows[i] for i in spec])
         return out
+
+    @staticmethod
+    def _draw_speculative(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Rows that verify a sampled draft: accept it with min(1, p/q), else resample the residual."""
+        from deepinfer.sample.rejection import speculative_rows
+        seeds, positions = [r.state.seed for r in rows], [r.position for r in rows]
+        probs = filtered_probs(logits, [r.state.params for r in rows])
+        drafts = torch.tensor([r.draft_id for r in rows], dtype=torch.int64, device=logits.device)
+        q = torch.stack([r.draft_probs for r in rows]).to(logits.device)
+        return speculative_rows(probs, drafts, q, uniforms(seeds, positions, ACCEPT),
+                                uniforms(seeds, positions, RESIDUAL))
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
     """logits [n, V] fp32 (masked/penalized; consumed: scaled in place), u [n] float64 in [0, 1)
     -> [n] int64 token ids."""
-    dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], device=dev)
+    return inverse_cdf(filtered_probs(logits, params), u.to(logits.device))
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [n, V] fp32 (consumed) -> [n, V] probabilities after temperature, top_k, top_p, min_p;
+    rows at temperature > 0 only. Not renormalized after the cuts (inverse_cdf scales by the total;
+    row_totals gives it)."""
+    temp = torch.tensor([p.temperature for p in params], device=logits.device)
     x = logits.div_(temp[:, None])
     _top_k(x, [p.top_k for p in params])
     probs = torch.softmax(x, dim=-1)                                                  # [n, V]
     _top_p(probs, [p.top_p for p in params])
     _min_p(probs, [p.min_p for p in params])
-    return inverse_cdf(probs, u.to(dev))
+    return probs
+
+
+def row_totals(probs: torch.Tensor, block: int = CDF_BLOCK) -> torch.Tensor:
+    """[n, V] -> [n] float64 row sums in a fixed order (block sums, then a cumsum): batch-invariant."""
+    n, vocab = probs.shape
+    pad = (-vocab) % block
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(n, -1, block)
+    return blocks.sum(-1).to(torch.float64).cumsum(-1)[:, -1]
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = CDF_BLOCK) -> torch.Tensor:

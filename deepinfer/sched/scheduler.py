@@ -18,9 +18,11 @@ scheduled while this one runs: a request with a placeholder then runs its not-ye
     known:  | prompt + outputs (num_tokens) | placeholder | drafts |
     cached: | ... num_computed_tokens ...                  |   (after schedule)
 
-Speculative decoding: the runner returns drafts with confidence logits; `spec_policy` (spec/policy.py)
-picks the prefix to verify, which becomes the request's spec_token_ids, scheduled next step after
-its last token as far as the budget allows, then lowered by the rejected ones (_advance).
+Speculative decoding: the runner returns drafts with confidence logits, which wait in the
+DraftBook (spec/draft_book.py); at the next schedule() `spec_policy` (spec/policy.py, spec/budget.py)
+picks, over the whole batch, the prefix each request verifies (_plan_drafts). That becomes the
+request's spec_token_ids, scheduled after its last token as far as the budget allows, then lowered
+by the rejected ones (_advance).
 
 The scheduler never sees tensors; what the runner must do is a value in the SchedulerOutput.
 """
@@ -34,6 +36,8 @@ from deepinfer.cache.kv_cache_manager import KVCacheManager
 from deepinfer.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput,
                                SchedulerOutput)
 from deepinfer.request import FINISH_REASONS, Request, RequestStatus
+from deepinfer.spec.draft_book import DraftBook
+from deepinfer.spec.policy import VerifyAllPolicy
 from deepinfer.stats import EngineStats
 
 
@@ -45,7 +49,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv_cache = kv_cache
         self.stats = stats or EngineStats()
-        self.spec_policy = spec_policy           # num_to_verify(confidence logits) -> int; None = all drafts
+        self.draft_book = DraftBook(spec_policy or VerifyAllPolicy())   # spec_policy None: verify all drafts
         self.requests: dict[str, Request] = {}   # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # admission order = priority order
@@ -91,12 +95,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [], {}, 0, finished_req_ids=self._finished_for_runner)
         self._finished_for_runner = set()
+        self._plan_drafts()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         self.stats.inc("computed_tokens_total", out.total_num_scheduled_tokens)
         return out
+
+    def _plan_drafts(self) -> None:
+        """The verification policy's batch-wide choice of drafts (for requests with a new proposal)."""
+        for req_id, drafts in self.draft_book.plan([r.request_id for r in self.running]).items():
+            self.requests[req_id].spec_token_ids = drafts
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         if req.num_output_tokens + req.num_output_placeholders >= req.sampling_params.max_tokens:
@@ -139,6 +149,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0
         req.spec_token_ids = []
+        self.draft_book.drop(req.request_id)
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted_req_ids.add(req.request_id)
@@ -217,15 +228,14 @@ class Scheduler:
             req.spec_token_ids = []
 
     def _take_drafts(self, req: Request, runner_out: ModelRunnerOutput, i: int) -> None:
-        """Next step's drafts: the prefix the policy keeps, no more than max_tokens leaves room for."""
+        """Next step's drafts into the DraftBook, no more than max_tokens leaves room for."""
         drafts = runner_out.draft_token_ids[i]
         if not drafts:
             return
         self.stats.inc("spec_draft_tokens_proposed_total", len(drafts))
         confs = runner_out.draft_confidences[i] if runner_out.draft_confidences else None
-        n = self.spec_policy.num_to_verify(confs) if self.spec_policy is not None and confs else len(drafts)
         room = req.sampling_params.max_tokens - req.num_output_tokens - 1   # the step samples one more
-        req.spec_token_ids = list(drafts[:max(0, min(n, room))])
+        self.draft_book.propose(req.request_id, drafts, confs, room)
 
     def _append_tokens(self, req: Request, sampled: list[int]) -> tuple[list[int], RequestStatus | None]:
         params = req.sampling_params
@@ -251,6 +261,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        self.draft_book.drop(req.request_id)
         self.kv_cache.free(req.request_id)
         del self.requests[req.request_id]
         self.stats.inc(f"requests_finished_{FINISH_REASONS[status]}")

@@ -1,2 +1,14 @@
-"""Speculative decoding: the DSpark proposer (tensors, called by the runner) and the verification
-policy (plain floats, called by the scheduler)."""
+"""Speculative decoding with DSpark: proposing drafts (tensors, called by the runner) and choosing
+which to verify (plain floats, called by the scheduler). The acceptance rules live with the
+sampler (deepinfer/sample/rejection.py).
+
+    dspark_proposer.py  DSparkProposer: absorb accepted rows into the DSpark rings, draft k tokens
+                        with confidence logits (greedy, or sampled with q kept for "sampled" acceptance)
+    draft_book.py       DraftBook: the scheduler's ledger of proposals until the next schedule() plans them
+    policy.py           DraftEntry, prefix survival, VerifyAllPolicy, StaticThresholdPolicy, FixedDraftsPolicy
+    budget.py           VerifyBudgetPolicy: the batch-wide budget maximizing expected accepted tokens
+                        per profiled step second, split by the newest confidences (DSpark Algorithm 1)
+    step_time.py        StepTimeModel and its profile through the engine's own steps at start
+    engine_policy.py    EngineArgs.spec_policy -> the policy in every scheduler's DraftBook
+    replay.py           ReplayedAcceptance: the benchmark mode's stated acceptance distribution
+"""

@@ -19,6 +19,10 @@ lossless speculative sampling accepts d with min(1, p(d)/q(d)) = p(d) and resamp
 from norm(max(0, p - q)) = p without d: exactly what the runner's verification does (sample g
 from the target with the per-(seed, position) stream, accept d iff d == g). So temperature > 0
 needs nothing else, and the tokens equal those of a run without drafts.
+
+With `sampling` (spec_acceptance="sampled"), a request at temperature > 0 samples its drafts from
+q = the draft logits under its temperature / top-k / top-p / min-p (DRAFT stream at the draft's
+position) and gets q [k, V] back, which its verification needs (sample/rejection.py).
 """
 
 from __future__ import annotations
@@ -28,16 +32,19 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.model.dspark import dspark_absorb, dspark_propose
+from deepinfer.sampling_params import SamplingParams
 
 
 @dataclass
 class DraftProposals:
     draft_ids: list[list[int]]         # per proposing request: num_speculative_tokens draft ids
     confidences: list[list[float]]     # per proposing request: confidence logits (pre-sigmoid), same length
+    draft_probs: list[torch.Tensor | None] | None = None   # per request: q [k, V] fp32 of sampled drafts, None = greedy
 
 
 class DSparkProposer:
-    def __init__(self, model, caches, num_speculative_tokens: int = 5) -> None:
+    def __init__(self, model, caches, num_speculative_tokens: int = 5, acceptance: str = "identical",
+                 replay_accepted_length: float | None = None, seed: int = 0) -> None:
         block = model.args.dspark_block_size
         if not block or not len(model.mtp):
             raise ValueError("speculative='dspark' needs a checkpoint with DSpark draft blocks "
@@ -48,6 +55,11 @@ class DSparkProposer:
         self.model = model
         self.caches = caches
         self.num_speculative_tokens = num_speculative_tokens
+        self.acceptance = acceptance     # "identical" | "sampled" (sample/rejection.py)
+        self.replay = None               # benchmark mode: replayed confidences and outcomes (spec/replay.py)
+        if replay_accepted_length is not None:
+            from deepinfer.spec.replay import ReplayedAcceptance
+            self.replay = ReplayedAcceptance(replay_accepted_length, num_speculative_tokens, seed=seed)
 
     def absorb(self, main_hidden: torch.Tensor, positions: torch.Tensor, ring_slots: list[int],
                cu_seqlens: list[int]) -> None:
@@ -55,12 +67,48 @@ class DSparkProposer:
         if main_hidden.shape[0]:
             dspark_absorb(self.model, main_hidden, positions, ring_slots, cu_seqlens, self.caches)
 
-    def propose(self, anchor_ids: list[int], positions: list[int], ring_slots: list[int]) -> DraftProposals:
-        """anchor_ids [B]: the token at p+1; positions [B]: p, the last absorbed position."""
+    def propose(self, anchor_ids: list[int], positions: list[int], ring_slots: list[int],
+                sampling: list[tuple[SamplingParams, int] | None] | None = None) -> DraftProposals:
+        """anchor_ids [B]: the token at p+1; positions [B]: p, the last absorbed position;
+        sampling [B]: (params, seed) of a request whose drafts are sampled, None = greedy drafts."""
         if not anchor_ids:
             return DraftProposals([], [])
         dev = self.caches.window_kv[0].device
         ids = torch.tensor(anchor_ids, dtype=torch.int64, device=dev)
-        out = dspark_propose(self.model, ids, positions, ring_slots, self.caches)
         k = self.num_speculative_tokens
-        return DraftProposals(out.draft_ids[:, :k].tolist(), out.confidence[:, :k].float().tolist())
+        sampler = _DraftSampler(sampling, positions) if sampling and any(s is not None for s in sampling) else None
+        out = dspark_propose(self.model, ids, positions, ring_slots, self.caches, sample=sampler)
+        probs = sampler.draft_probs(k) if sampler is not None else None
+        return DraftProposals(out.draft_ids[:, :k].tolist(), out.confidence[:, :k].float().tolist(), probs)
+
+
+class _DraftSampler:
+    """dspark_propose's `sample` callback: draft i of each row (position p+2+i), greedy or sampled."""
+
+    def __init__(self, sampling: list[tuple[SamplingParams, int] | None], positions: list[int]) -> None:
+        self.idx = [b for b, s in enumerate(sampling) if s is not None]
+        self.params = [sampling[b][0] for b in self.idx]
+        self.seeds = [sampling[b][1] for b in self.idx]
+        self.positions = [positions[b] for b in self.idx]
+        self.num_rows = len(sampling)
+        self.q: list[torch.Tensor] = []              # per draft i: [len(idx), V] normalized
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:          # [B, V] -> [B]
+        from deepinfer.sample.random import DRAFT, uniforms
+        from deepinfer.sample.sampler import filtered_probs, inverse_cdf, row_totals
+        i = len(self.q)
+        out = logits.argmax(-1)
+        sel = torch.tensor(self.idx, device=logits.device)
+        probs = filtered_probs(logits[sel].float(), self.params)
+        q = probs / row_totals(probs).to(probs.dtype)[:, None]
+        u = uniforms(self.seeds, [p + 2 + i for p in self.positions], DRAFT)
+        out[sel] = inverse_cdf(q, u.to(q.device))
+        self.q.append(q)
+        return out
+
+    def draft_probs(self, k: int) -> list[torch.Tensor | None]:
+        res: list[torch.Tensor | None] = [None] * self.num_rows
+        stacked = torch.stack(self.q[:k], dim=1)                          # [len(idx), k, V]
+        for j, b in enumerate(self.idx):
+            res[b] = stacked[j]
+        return res

@@ -1,4 +1,6 @@
-"""Which drafts to verify: the DSpark paper's scheduling rule (MODEL.md section 8.2), no torch.
+"""Which drafts to verify: the verification policies (MODEL.md section 8.2, DEEPINFER.md section 3),
+plain floats, no torch. The scheduler hands each policy the batch's pending proposals (DraftEntry)
+and gets back how many drafts of each to verify.
 
 The confidence head gives c_k = sigmoid(logit_k), an estimate of P(draft k accepted | drafts
 1..k-1 accepted). The prefix survival a_j = prod_{i<=j} c_i is the probability that drafts 1..j
@@ -8,15 +10,23 @@ longest prefix with a_j >= threshold (a_j only decreases, so this is "verify whi
     c:    0.9   0.8   0.7   0.4   0.9
     a_j:  0.90  0.72  0.50  0.20  0.18      threshold 0.5 -> verify drafts 1..3
 
-threshold 0 verifies every draft; threshold > 1 none. The paper's batch-level admission (sort all
-(request, j) by a_j, admit while tau * SPS(batch tokens) improves) is not implemented; the static
-threshold is its diagnostic baseline.
+threshold 0 verifies every draft; threshold 1 only drafts of certain survival. The batch-wide
+scheduler (spec/budget.py) is the paper's hardware-aware rule; the static threshold is its
+diagnostic baseline and verify-all DeepInfer's default.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DraftEntry:
+    """One request's pending proposal, as a policy sees it."""
+    num_drafts: int                       # drafts it may verify (proposed, capped by max_tokens room)
+    newest: list[float]                   # their confidence logits (this proposal)
+    older: list[float] | None = None      # the previous proposal's confidence logits (two steps old), if any
 
 
 def prefix_survival(confidence_logits: list[float]) -> list[float]:
@@ -29,8 +39,20 @@ def prefix_survival(confidence_logits: list[float]) -> list[float]:
 
 
 @dataclass(frozen=True)
+class VerifyAllPolicy:
+    """Every proposed draft (DeepInfer's default, DEEPINFER_ENABLE_MTP_VARLEN=0)."""
+
+    def assign(self, entries: list[DraftEntry]) -> list[int]:
+        return [e.num_drafts for e in entries]
+
+
+@dataclass(frozen=True)
 class StaticThresholdPolicy:
     threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"spec_confidence_threshold must be in [0, 1], got {self.threshold}")
 
     def num_to_verify(self, confidence_logits: list[float]) -> int:
         n = 0
@@ -39,6 +61,18 @@ class StaticThresholdPolicy:
                 break
             n += 1
         return n
+
+    def assign(self, entries: list[DraftEntry]) -> list[int]:
+        return [min(e.num_drafts, self.num_to_verify(e.newest)) for e in entries]
+
+
+@dataclass(frozen=True)
+class FixedDraftsPolicy:
+    """Exactly n drafts each (or all it has): the step-time profile's fixed verify lengths."""
+    n: int
+
+    def assign(self, entries: list[DraftEntry]) -> list[int]:
+        return [min(e.num_drafts, self.n) for e in entries]
 
 
 def _sigmoid(x: float) -> float:

@@ -9,9 +9,10 @@ how many tokens, which blocks: all of that is in the SchedulerOutput). Per step:
     4. sample the logits rows (last token, or 1 + drafts for verification), accept drafts,
        apply teacher forcing, append the results to the InputBatch
 
-Draft verification (greedy until the sampler's rejection sampling lands): logits rows r_0..r_k of
-a request with drafts d_1..d_k give g_j = argmax(r_j); d_j is accepted while d_j == g_(j-1), and the
-sampled list is g_0..g_a (a accepted drafts + 1 new token). The scheduler then lowers
+Draft verification: logits rows r_0..r_k of a request with drafts d_1..d_k give one token g_j
+each (its seeded sample, or under the "sampled" rule the accepted draft / residual token,
+sample/rejection.py); d_j is accepted while d_j == g_(j-1), and the sampled list is g_0..g_a
+(a accepted drafts + 1 new token). The scheduler then lowers
 num_computed_tokens by the k - a rejected positions and frees the blocks past them; the caches
 need nothing else (addressed by absolute position).
 
@@ -89,6 +90,8 @@ class ModelRunner:
         if getattr(model, "vision_tower", None) is not None:
             from deepinfer.worker.image_embeds import ImageEmbeds
             self.images = ImageEmbeds(model.vision_tower, batch_invariant)
+        self._draft_probs: dict[str, torch.Tensor] = {}   # req_id -> q [k, V] of its sampled drafts ("sampled" rule)
+        self._replay_len: dict[str, int] = {}             # req_id -> replayed accepted length (benchmark mode)
         self.graphs = None            # DecodeGraphs: captured pure-decode steps (needs scratch caches)
         if graph_sizes:
             from deepinfer.worker.graph_step import DecodeGraphs
@@ -122,7 +125,7 @@ class ModelRunner:
                 num_spec[i] = len(drafts)
         batch, rows, num_logits, logits, main_hidden = self._forward(req_ids, q_lens, num_spec)  # logits [N, V] fp32
         with torch.inference_mode():
-            sampled, logprobs = self._sample(logits, batch, rows, num_logits, num_spec)  # [N] on the device
+            sampled, logprobs = self._sample(logits, batch, rows, num_logits, num_spec, req_ids)  # [N] on the device
             self._apply_forcing(sampled, rows, num_logits)
         self._set_pending(rows, num_logits, num_spec)
         self._prev_sampled = sampled
@@ -142,7 +145,7 @@ class ModelRunner:
         if step.done is not None:
             step.done.synchronize()
         per_req = self._accept(step.sampled.numpy(), step.num_logits, step.num_spec,
-                               None if step.fed is None else step.fed.cpu().numpy())
+                               None if step.fed is None else step.fed.cpu().numpy(), self._replayed(step))
         out_logits = self._gather_logits(step, per_req)
         logprobs = self._per_request_logprobs(step, per_req)
         self._advance_after_verification(step, per_req)
@@ -172,11 +175,41 @@ class ModelRunner:
                  if toks and ib.row_of.get(req_id) == row and self._can_generate(row)]
         props = self.proposer.propose([per_req[i][-1] for i in which],
                                       [int(sp.start[i] + keep[i] - 1) for i in which],
-                                      [int(sp.ring_slots[i]) for i in which])
+                                      [int(sp.ring_slots[i]) for i in which],
+                                      sampling=self._draft_sampling(step, which))
+        replay = self.proposer.replay
+        if replay is not None:   # benchmark mode: calibrated confidences with their outcomes
+            props.confidences, lengths = replay.draw(len(which))
         drafts, confs = [[] for _ in per_req], [[] for _ in per_req]
         for j, i in enumerate(which):
+            req_id = step.req_ids[i]
             drafts[i], confs[i] = props.draft_ids[j], props.confidences[j]
+            q = props.draft_probs[j] if props.draft_probs is not None else None
+            if q is not None:
+                self._draft_probs[req_id] = q
+            else:
+                self._draft_probs.pop(req_id, None)
+            if replay is not None:
+                self._replay_len[req_id] = lengths[j]
         return drafts, confs
+
+    def _draft_sampling(self, step: _InFlight, which: list[int]):
+        """(params, seed) of the proposing requests that sample their drafts ("sampled" rule, T > 0)."""
+        if self.proposer.acceptance != "sampled":
+            return None
+        ib, res = self.input_batch, []
+        for i in which:
+            row = int(step.rows[i])
+            p, state = ib.params[row], ib.sampling_state[row]
+            res.append((p, state.seed) if p is not None and not p.greedy and state is not None else None)
+        return res
+
+    def _replayed(self, step: _InFlight) -> np.ndarray | None:
+        """[B] replayed accepted lengths of the verifying requests (-1 = the real comparison)."""
+        if self.proposer is None or self.proposer.replay is None or not step.num_spec.any():
+            return None
+        return np.array([self._replay_len.get(r, -1) if k else -1 for r, k in zip(step.req_ids, step.num_spec.tolist())],
+                        dtype=np.int64)
 
     def _can_generate(self, row: int) -> bool:
         ib = self.input_batch
@@ -205,6 +238,8 @@ class ModelRunner:
             self.input_batch.remove(req_id)
             if self.images is not None:
                 self.images.remove(req_id)
+            self._draft_probs.pop(req_id, None)
+            self._replay_len.pop(req_id, None)
         for new in sched_out.new_reqs:
             self.input_batch.add(new)
             if new.image_prompt is not None:
@@ -216,7 +251,7 @@ class ModelRunner:
         if self.images is not None:
             self.images.encode_pending()      # one tower pass for every request admitted now
 
-    def _sample(self, logits, batch, rows, num_logits, num_spec):
+    def _sample(self, logits, batch, rows, num_logits, num_spec, req_ids):
         """Argmax on the device when every sampling row is plain greedy; else the Sampler
         (temperature, top-k/p, min-p, penalties, grammar, logprobs), which syncs."""
         ib = self.input_batch
@@ -226,7 +261,7 @@ class ModelRunner:
         from deepinfer.sample import SamplingRow
         positions = (batch.positions[batch.logits_indices] + 1).tolist()   # position of each sampled token
         sample_rows, k = [], 0
-        for row, n in zip(rows.tolist(), num_logits.tolist()):
+        for req_id, row, n in zip(req_ids, rows.tolist(), num_logits.tolist()):
             state = ib.sampling_state[row]
             if state is None and n:
                 state = ib.sampling_state[row] = self._new_state(row)
@@ -234,8 +269,10 @@ class ModelRunner:
             outs = (ib.token_ids[row, ib.num_prompt[row]:ib.num_tokens[row]].tolist()
                     if n and p is not None and (p.presence_penalty or p.frequency_penalty) else [])
             drafts = ib.token_ids[row, ib.num_tokens[row]:ib.num_tokens[row] + n - 1].tolist() if n > 1 else []
+            q = self._draft_probs.get(req_id) if drafts else None   # sampled drafts: speculative sampling
             for j in range(n):   # row j of a verified request: its mask follows drafts d_1..d_j
-                sample_rows.append(SamplingRow(state, outs, positions[k], lookahead=drafts[:j]))
+                spec = dict(draft_id=drafts[j], draft_probs=q[j]) if q is not None and j < len(drafts) else {}
+                sample_rows.append(SamplingRow(state, outs, positions[k], lookahead=drafts[:j], **spec))
                 k += 1
         out = self.sampler.sample(logits, sample_rows, advance=not num_spec.any())
         return out.token_ids.to(logits.device), out.logprobs
@@ -308,17 +345,23 @@ class ModelRunner:
 
     @staticmethod
     def _accept(sampled: np.ndarray, num_logits: np.ndarray, num_spec: np.ndarray,
-                fed: np.ndarray | None) -> list[list[int]]:
+                fed: np.ndarray | None, replayed: np.ndarray | None = None) -> list[list[int]]:
+        """replayed [B]: accepted lengths that replace the comparison (>= 0; benchmark mode)."""
         if fed is None:  # no drafts: one token per request that reached its end
             it = iter(sampled.tolist())
             return [[next(it)] if n else [] for n in num_logits.tolist()]
         out, off = [], 0
-        for n, k in zip(num_logits.tolist(), num_spec.tolist()):
+        for i, (n, k) in enumerate(zip(num_logits.tolist(), num_spec.tolist())):
             if n == 0:
                 out.append([])
                 continue
             g, drafts = sampled[off:off + n], fed[off + 1:off + n]
             a = 0
+            if replayed is not None and replayed[i] >= 0:
+                a = min(int(replayed[i]), k)
+                out.append(drafts[:a].tolist() + [int(g[a])])
+                off += n
+                continue
             while a < k and drafts[a] == g[a]:
                 a += 1
             out.append(g[:a + 1].tolist())

@@ -86,7 +86,8 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     proposer = None
     if args.speculative == "dspark":
         from deepinfer.spec.dspark_proposer import DSparkProposer
-        proposer = DSparkProposer(model, caches, args.num_speculative_tokens)
+        proposer = DSparkProposer(model, caches, args.num_speculative_tokens, acceptance=args.spec_acceptance,
+                                  replay_accepted_length=args.spec_replay_accepted_length, seed=args.seed)
         async_scheduling = False   # verification needs the accepted count before the next step
     from deepinfer.worker.model_runner import ModelRunner
     sampler = make_sampler(args.checkpoint, facts.vocab_size)

@@ -15,7 +15,6 @@ import torch
 
 from deepinfer import EngineArgs, LLM, SamplingParams
 from deepinfer.engine import Engine
-from deepinfer.spec.policy import StaticThresholdPolicy, prefix_survival
 
 PROMPTS = [list(range(500, 530)), [3, 4, 5], [(7 * i) % 1000 + 10 for i in range(150)], [9] * 12]
 MAX_TOKENS = [14, 9, 12, 16]
@@ -32,7 +31,7 @@ def params(max_tokens, **kw):
 
 
 def run(engine: Engine, prompts, plist, abort_at=None, gaps=None):
-    """Step to the end; abort_at = (req_id, when): abort it once it holds drafts and `when` steps
+    """Step to the end; abort_at = (req_id, when): abort it once it holds drafts (waiting for their plan) and `when` steps
     passed; gaps: a dict that receives each request's top-2 logit gap per output token."""
     for i, (p, sp) in enumerate(zip(prompts, plist)):
         engine.add_request(str(i), p, sp, return_logits=gaps is not None)
@@ -46,7 +45,7 @@ def run(engine: Engine, prompts, plist, abort_at=None, gaps=None):
         step += 1
         if abort_at is not None:
             req = engine.scheduler.requests.get(abort_at[0])
-            if req is not None and req.spec_token_ids and step >= abort_at[1]:
+            if req is not None and engine.scheduler.draft_book.pending(abort_at[0]) and step >= abort_at[1]:
                 engine.abort(abort_at[0])
                 abort_at = None
         engine.kv_cache.check()
@@ -71,7 +70,7 @@ def assert_equal_up_to_near_ties(got: list[int], want: list[int], gaps: list[flo
 @pytest.mark.parametrize("threshold", [0.0, 0.5])
 def test_greedy_outputs_equal_plain_decoding(spec_args, plain, threshold):
     """threshold 0 verifies all 5 drafts every step (most rejected: rollback every step)."""
-    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_confidence_threshold=threshold))
+    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_policy="threshold", spec_confidence_threshold=threshold))
     got, _ = run(engine, PROMPTS, [params(n) for n in MAX_TOKENS])
     assert got == plain[0]
     c = engine.stats.snapshot()["counters"]
@@ -89,7 +88,7 @@ def test_preemption_and_abort_mid_speculation(spec_args, plain):
     """A cache too small for all four: the newest are preempted (their drafts dropped, rings rebuilt
     by the recompute); request 1 is aborted while it holds drafts."""
     args = {**spec_args, "num_cache_blocks": 24}
-    engine = Engine(EngineArgs(**args, speculative="dspark", spec_confidence_threshold=0.0))
+    engine = Engine(EngineArgs(**args, speculative="dspark", spec_policy="threshold", spec_confidence_threshold=0.0))
     got, _ = run(engine, PROMPTS, [params(n) for n in MAX_TOKENS], abort_at=("1", 2))
     c = engine.stats.snapshot()["counters"]
     assert c["preemptions_total"] > 0 and c["requests_finished_abort"] == 1
@@ -102,12 +101,13 @@ def test_preemption_and_abort_mid_speculation(spec_args, plain):
 
 def test_seeded_sampling_equals_plain_decoding(spec_args):
     """Temperature > 0: the greedy draft is a point mass, so verifying it against the seeded
-    per-position sample is lossless speculative sampling, and the tokens are those of a plain run."""
-    plist = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2)]
-    plist.append(SamplingParams(max_tokens=10, temperature=1.2, seed=3, presence_penalty=0.5, ignore_eos=True))
+    per-position sample is lossless speculative sampling, and the tokens are those of a plain run.
+    Temperature 8: the tiny model's ~100-wide logits make a temperature ~1 sample its argmax."""
+    plist = [SamplingParams(max_tokens=10, temperature=8.0, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2)]
+    plist.append(SamplingParams(max_tokens=10, temperature=8.0, seed=3, presence_penalty=0.5, ignore_eos=True))
     prompts = PROMPTS[:2] + [PROMPTS[3]]
     want, _ = run(Engine(EngineArgs(**spec_args)), prompts, plist)
-    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_confidence_threshold=0.0))
+    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_policy="threshold", spec_confidence_threshold=0.0))
     got, _ = run(engine, prompts, plist)
     assert got == want
     assert engine.stats.snapshot()["counters"]["spec_draft_tokens_verified_total"] > 0
@@ -121,12 +121,12 @@ def test_rings_hold_accepted_positions_only(spec_args):
     accepted rows only. This checks the plumbing: anchors, positions, ring slots, row selection."""
     from deepinfer.model.simple import SequenceRunner
 
-    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_confidence_threshold=0.0))
+    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_policy="threshold", spec_confidence_threshold=0.0))
     proposer, seen = engine.runner.proposer, []
     inner = proposer.propose
 
-    def record(anchors, positions, slots):
-        out = inner(anchors, positions, slots)
+    def record(anchors, positions, slots, **kw):
+        out = inner(anchors, positions, slots, **kw)
         mine = [i for i, s in enumerate(slots) if s == engine.kv_cache.ring_slot.get("0")]
         seen.extend((anchors[i], positions[i], out.draft_ids[i], out.confidences[i]) for i in mine)
         return out
@@ -149,19 +149,65 @@ def test_rings_hold_accepted_positions_only(spec_args):
     assert same >= 0.8 * len(seen)
 
 
-def test_policy_prefix_survival():
-    logits = [2.0, 1.0, 0.0, -1.0, 3.0]
-    a = prefix_survival(logits)
-    assert a == sorted(a, reverse=True) and a[2] == pytest.approx(a[1] * 0.5)
-    assert StaticThresholdPolicy(0.0).num_to_verify(logits) == 5
-    assert StaticThresholdPolicy(0.5).num_to_verify(logits) == 2     # a = .88 .64 .32 ...
-    assert StaticThresholdPolicy(0.9).num_to_verify(logits) == 0
-    assert StaticThresholdPolicy(0.5).num_to_verify([]) == 0
+def test_scheduler_policy_profiles_at_start_and_keeps_tokens(spec_args, plain):
+    """The default policy: a step-time profile through the engine's own steps at start (its
+    requests gone, its counters not counted), then the batch budget; greedy tokens stay identical."""
+    engine = Engine(EngineArgs(**spec_args, speculative="dspark"))
+    m = engine.step_time_model
+    assert m.batch_sizes == [1, 4, 8] and m.drafts_per_seq == [0, 5]
+    assert all(t > 0 for row in m.seconds for t in row)
+    assert engine.stats.snapshot()["counters"]["steps_total"] == 0
+    assert not engine.scheduler.requests and engine.kv_cache.num_used_blocks == 0
+    got, _ = run(engine, PROMPTS, [params(n) for n in MAX_TOKENS])
+    assert got == plain[0]
+    assert engine.stats.snapshot()["counters"]["spec_draft_tokens_proposed_total"] > 0
+
+
+def test_sampled_acceptance_is_seeded_and_leaves_greedy_requests_alone(spec_args):
+    """spec_acceptance="sampled": requests at temperature > 0 draft by sampling and verify with
+    min(1, p/q) + residual, which draws other streams than plain decoding (other tokens, same
+    distribution: tests/sample/test_rejection.py); a rerun gives the same tokens; a greedy request in
+    the same batch keeps plain decoding's tokens."""
+    # NOTE: the tiny model's logits are ~100 wide, so at temperature ~1 its samples are its argmax;
+    # temperature 8 spreads them (top token ~0.2-0.8)
+    plist = [SamplingParams(max_tokens=10, temperature=8.0, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2)]
+    plist.append(params(10))
+    prompts = PROMPTS[:2] + [PROMPTS[3]]
+    want, _ = run(Engine(EngineArgs(**spec_args)), prompts, plist)
+    kw = dict(speculative="dspark", spec_policy="threshold", spec_confidence_threshold=0.0, spec_acceptance="sampled")
+    engine = Engine(EngineArgs(**spec_args, **kw))
+    got, _ = run(engine, prompts, plist)
+    again, _ = run(Engine(EngineArgs(**spec_args, **kw)), prompts, plist)
+    assert got == again
+    assert got["2"] == want["2"]
+    assert got["0"] != want["0"] or got["1"] != want["1"]
+    assert all(len(got[r]) == 10 for r in got)
+    assert engine.stats.snapshot()["counters"]["spec_draft_tokens_verified_total"] > 0
+
+
+def test_replayed_acceptance_through_the_engine(spec_args):
+    """Benchmark mode: the engine verifies for real and accepts by the replayed outcomes (mean
+    accepted length 3.5 of 5 under verify-all); blocks roll back and free as usual."""
+    engine = Engine(EngineArgs(**spec_args, speculative="dspark", spec_policy="all", spec_replay_accepted_length=3.5))
+    got, steps = run(engine, PROMPTS, [params(40) for _ in PROMPTS])
+    assert all(len(t) == 40 for t in got.values())
+    c = engine.stats.snapshot()["counters"]
+    mean_len = 1 + c["spec_draft_tokens_accepted_total"] / c["spec_verify_steps_total"]
+    assert 2.5 < mean_len < 4.5 and steps < 25
 
 
 def test_speculative_args_are_checked(tiny_engine_args):
     with pytest.raises(ValueError):
         EngineArgs(**tiny_engine_args, speculative="eagle")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="DSpark block"):
         Engine(EngineArgs(**tiny_engine_args, speculative="dspark", num_speculative_tokens=6))
+    with pytest.raises(ValueError, match="DSpark draft blocks"):   # as a checkpoint without DSpark blocks reads
+        Engine(EngineArgs(**tiny_engine_args, speculative="dspark", model_overrides={"dspark_block_size": 0}))
+    for bad in (-0.1, 1.2):
+        with pytest.raises(ValueError, match=r"spec_confidence_threshold must be in \[0, 1\]"):
+            EngineArgs(**tiny_engine_args, speculative="dspark", spec_confidence_threshold=bad)
+    for bad in (dict(spec_policy="fast"), dict(spec_acceptance="lossy"), dict(spec_budget_confidences="stale"),
+                dict(spec_replay_accepted_length=6.0)):
+        with pytest.raises(ValueError):
+            EngineArgs(**tiny_engine_args, speculative="dspark", **bad)
     assert LLM(**tiny_engine_args, speculative="dspark").engine.runner.proposer.num_speculative_tokens == 5

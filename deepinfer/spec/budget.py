@@ -1,0 +1,79 @@
+"""The confidence-scheduled verification budget (DSpark paper Algorithm 1; DeepInfer
+csrc/engine/mtp_varlen.hpp:150-267, read for semantics): per step, the number B of draft tokens
+the whole batch verifies is the one that maximizes expected accepted tokens per second of step
+time, and B is split over the requests by their newest confidences.
+
+n requests, each with survival a_(r,j) = prod_{i<=j} c_(r,i) of its drafts j = 1..k_r:
+
+    budget list   all (a_(r,j)) from the budget confidences, sorted descending
+    B = 0:        expected = n (each request samples one token for sure), score = n / t(n, 0)
+    B -> B + 1:   expected += next a, score = expected / t(n, B); keep the argmax over B
+                  (early_stop: stop at the first B that does not improve, the paper's variant)
+    split         the B largest a_(r,j) of the newest confidences; request r verifies as many
+                  drafts as it has among them (a prefix: a_(r,j) only decreases in j)
+
+t(n, B) is the profiled step time (spec/step_time.py) of n requests verifying B drafts in all.
+budget_confidences="older" takes the budget from the previous proposal's confidences (two steps
+old: what DeepInfer's asynchronous production scheduler has when it picks B) and "newest" from
+the current ones; a request without older confidences counts each draft as 1.0 (DeepInfer's
+padding for requests that have drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer.spec.policy import DraftEntry, prefix_survival
+from deepinfer.spec.step_time import StepTimeModel
+
+BUDGET_CONFIDENCES = ("older", "newest")
+
+
+@dataclass(frozen=True)
+class VerifyBudgetPolicy:
+    step_time: StepTimeModel
+    early_stop: bool = False
+    budget_confidences: str = "older"
+
+    def __post_init__(self) -> None:
+        if self.budget_confidences not in BUDGET_CONFIDENCES:
+            raise ValueError(f"spec_budget_confidences must be one of {BUDGET_CONFIDENCES}, "
+                             f"got {self.budget_confidences!r}")
+
+    def assign(self, entries: list[DraftEntry]) -> list[int]:
+        if not entries:
+            return []
+        budget = self.best_budget(len(entries), sorted(
+            (a for e in entries for a in self._budget_survival(e)), reverse=True))
+        return split_budget(entries, budget)
+
+    def best_budget(self, num_seqs: int, survival_desc: list[float]) -> int:
+        """B in [0, len(survival_desc)] maximizing (num_seqs + sum of the B largest) / t(num_seqs, B)."""
+        expected = float(num_seqs)
+        best_b, best = 0, expected / self.step_time.time(num_seqs, 0)
+        for b, a in enumerate(survival_desc, start=1):
+            expected += a
+            score = expected / self.step_time.time(num_seqs, b)
+            if score > best:
+                best_b, best = b, score
+            elif self.early_stop:
+                break
+        return best_b
+
+    def _budget_survival(self, e: DraftEntry) -> list[float]:
+        if self.budget_confidences == "newest":
+            return prefix_survival(e.newest[:e.num_drafts])
+        if not e.older:
+            return [1.0] * e.num_drafts
+        a = prefix_survival(e.older[:e.num_drafts])
+        return a + [a[-1]] * (e.num_drafts - len(a))     # an older proposal that was shorter
+
+
+def split_budget(entries: list[DraftEntry], budget: int) -> list[int]:
+    """The `budget` largest newest survivals; ties go to the earlier request (DeepInfer's order)."""
+    ranked = sorted(((a, r) for r, e in enumerate(entries) for a in prefix_survival(e.newest[:e.num_drafts])),
+                    key=lambda t: (-t[0], t[1]))
+    counts = [0] * len(entries)
+    for _, r in ranked[:budget]:
+        counts[r] += 1
+    return counts

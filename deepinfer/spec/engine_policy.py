@@ -1,0 +1,49 @@
+"""The engine's verification policy from EngineArgs (spec_policy and its knobs): built once the
+scheduler exists, since "scheduler" profiles step times through the engine's own steps first
+(spec/step_time.py). The policy goes into every scheduler's DraftBook (one per data-parallel rank)."""
+
+from __future__ import annotations
+
+from deepinfer.spec.budget import VerifyBudgetPolicy
+from deepinfer.spec.policy import StaticThresholdPolicy, VerifyAllPolicy
+from deepinfer.spec.step_time import profile_step_times
+
+
+def set_verification_policy(engine) -> None:
+    a = engine.args
+    if a.spec_policy == "threshold":
+        policy = StaticThresholdPolicy(a.spec_confidence_threshold)
+    elif a.spec_policy == "all":
+        policy = VerifyAllPolicy()
+    else:
+        model = _profile(engine)
+        policy = VerifyAllPolicy() if model is None else VerifyBudgetPolicy(
+            model, early_stop=a.spec_early_stop, budget_confidences=a.spec_budget_confidences)
+    engine.step_time_model = getattr(policy, "step_time", None)
+    for book in _draft_books(engine):
+        book.policy = policy
+
+
+def _profile(engine):
+    """Profile with scratch statistics, so the engine's counters start at zero."""
+    from deepinfer.stats import EngineStats
+    real, scratch = engine.stats, EngineStats()
+    scheds = _schedulers(engine)
+    engine.stats = scratch
+    for s in scheds:
+        s.stats = scratch
+    try:
+        return profile_step_times(engine)
+    finally:
+        engine.stats = real
+        for s in scheds:
+            s.stats = real
+
+
+def _schedulers(engine) -> list:
+    s = engine.scheduler
+    return list(getattr(s, "schedulers", [s]))
+
+
+def _draft_books(engine) -> list:
+    return [s.draft_book for s in _schedulers(engine)]

@@ -1,0 +1,65 @@
+"""Replayed acceptance: measure the verification policies without trained draft weights.
+
+With random weights the DSpark blocks were never trained against the backbone, so nothing is
+accepted and every policy looks alike. In this benchmark mode (EngineArgs.spec_replay_accepted_length)
+the engine runs for real (verify steps of the chosen lengths, rollback, proposals), but each
+proposal's confidences and its acceptance outcome are drawn from a stated distribution:
+
+    c_k ~ Beta(m * kappa, (1 - m) * kappa), k = 1..K, independently      (mean m, concentration kappa)
+    draft k is accepted, given drafts 1..k-1 were, with probability c_k  (the confidences are calibrated)
+    L = the number of leading drafts accepted; a step verifying v drafts accepts min(L, v) of them
+
+m solves 1 + sum_{j=1..K} m^j = the mean accepted length of verify-all (tokens per verify step):
+3.5 of K = 5 is V4.1-Flash DSpark-5 with thinking on (0.776). kappa = 2 spreads the confidences
+widely (a request-step with c = 0.95 next to one with 0.3), which is what the scheduler exploits;
+larger kappa makes every request alike (the policies then converge). The accepted drafts are the
+proposed draft ids themselves, and the token after them is the real sample at that row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def survival_mean_for(mean_accepted_length: float, num_drafts: int) -> float:
+    """m with 1 + sum_{j=1..K} m^j = mean_accepted_length (bisection; K = num_drafts)."""
+    target = mean_accepted_length - 1.0
+    if not 0.0 <= target < num_drafts:
+        raise ValueError(f"mean accepted length must be in [1, {1 + num_drafts}), got {mean_accepted_length}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** j for j in range(1, num_drafts + 1)) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+class ReplayedAcceptance:
+    def __init__(self, mean_accepted_length: float, num_drafts: int, concentration: float = 2.0,
+                 seed: int = 0) -> None:
+        self.mean_accepted_length = mean_accepted_length
+        self.num_drafts = num_drafts
+        self.m = survival_mean_for(mean_accepted_length, num_drafts)
+        self.concentration = concentration
+        self.rng = np.random.default_rng(seed)
+
+    def draw(self, n: int) -> tuple[list[list[float]], list[int]]:
+        """n proposals -> (confidence logits [n][K], accepted-if-verified lengths L [n])."""
+        k, kappa = self.num_drafts, self.concentration
+        c = self.rng.beta(self.m * kappa, (1 - self.m) * kappa, size=(n, k)).clip(1e-6, 1 - 1e-6)
+        accepted = self.rng.random((n, k)) < c                               # draft j given 1..j-1
+        lengths = np.cumprod(accepted, axis=1).sum(axis=1)
+        logits = np.log(c) - np.log1p(-c)
+        return logits.tolist(), lengths.tolist()
+
+    def __repr__(self) -> str:
+        return (f"ReplayedAcceptance(mean accepted length {self.mean_accepted_length} of {self.num_drafts} "
+                f"drafts: m = {self.m:.3f}, kappa = {self.concentration})")
+
+
+def expected_accepted_length(m: float, num_drafts: int, verified: int | None = None) -> float:
+    """1 + sum_{j<=v} m^j: tokens per step verifying the first v drafts (all by default)."""
+    v = num_drafts if verified is None else verified
+    return 1.0 + sum(m ** j for j in range(1, v + 1)) if v > 0 else 1.0

@@ -1,0 +1,124 @@
+"""The step-time model of the verification scheduler: engine step time by batch size and verified
+drafts, profiled at engine start through the engine's own step (schedule, the real forward,
+sampling, acceptance, the DSpark proposal), on whatever device it runs (DeepInfer profiles its
+decode graphs the same way: model_runner.py profile_decode_perf, 1 warm-up + timed runs).
+
+    grid:   batch sizes n_1 < n_2 < ...  x  drafts per request x_1 < x_2 < ... (0 .. k)
+    t(n, B) = bilinear interpolation at (n, B / n) of the median step seconds; clamped to the grid
+
+Profiling: n greedy requests with short prompts are prefilled, then every step verifies exactly x
+drafts per request (FixedDraftsPolicy), 1 warm-up + `repeats` timed steps per point; the requests
+are aborted at the end and the engine's counters reset. A CPU grid is small (batch sizes 1, 4 and max_num_seqs,
+x in {0, k}: a few seconds on the tiny preset); on CUDA every power of two up to max_num_seqs and
+every x. Sizes that the token budget or the cache cannot hold are left out.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+PROFILE_PROMPT_LEN = 16
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    batch_sizes: list[int]            # profiled n, ascending
+    drafts_per_seq: list[int]         # profiled x, ascending
+    seconds: list[list[float]]        # [len(batch_sizes)][len(drafts_per_seq)] median step seconds
+
+    def time(self, num_seqs: int, num_drafts: int) -> float:
+        """Seconds of a step of num_seqs requests verifying num_drafts drafts in all."""
+        x = num_drafts / max(num_seqs, 1)
+        i, wi = _bracket(self.batch_sizes, num_seqs)
+        row = lambda r: _interp(self.drafts_per_seq, self.seconds[r], x)   # noqa: E731
+        return row(i) if wi == 0.0 else (1 - wi) * row(i) + wi * row(i + 1)
+
+    @classmethod
+    def flat(cls, seconds: float = 1.0) -> "StepTimeModel":
+        """Step time independent of the drafts (the scheduler then verifies every draft)."""
+        return cls([1], [0], [[seconds]])
+
+
+def _bracket(xs: list[int], v: float) -> tuple[int, float]:
+    """(i, w): v lies between xs[i] and xs[i+1] at fraction w (clamped to the ends: w = 0)."""
+    if v <= xs[0] or len(xs) == 1:
+        return 0, 0.0
+    if v >= xs[-1]:
+        return len(xs) - 1, 0.0
+    i = bisect.bisect_right(xs, v) - 1
+    return i, (v - xs[i]) / (xs[i + 1] - xs[i])
+
+
+def _interp(xs: list[int], ys: list[float], v: float) -> float:
+    i, w = _bracket(xs, v)
+    return ys[i] if w == 0.0 else (1 - w) * ys[i] + w * ys[i + 1]
+
+
+def profile_grid(device: str, max_num_seqs: int, num_drafts: int) -> tuple[list[int], list[int]]:
+    if device.startswith("cuda"):
+        sizes = sorted({1 << i for i in range(max_num_seqs.bit_length()) if 1 << i <= max_num_seqs} | {max_num_seqs})
+        return sizes, list(range(num_drafts + 1))
+    return sorted({1, min(max_num_seqs, 4), max_num_seqs}), sorted({0, num_drafts})
+
+
+def profile_step_times(engine, repeats: int | None = None) -> StepTimeModel | None:
+    """Measure the grid through engine.step(); None when no size fits (the caller verifies all)."""
+    a = engine.args
+    cuda = engine.device.startswith("cuda")
+    repeats = repeats or (5 if cuda else 2)
+    sizes, xs = profile_grid(engine.device, a.max_num_seqs, a.num_speculative_tokens)
+    # each point has fresh requests: a prefill step, then repeats + 1 steps of up to k + 1 tokens each
+    # (all accepted, in the replay mode); max_tokens caps a request's positions, drafts included
+    max_tokens = (repeats + 3) * (a.num_speculative_tokens + 1)
+    per_seq = PROFILE_PROMPT_LEN + max_tokens + a.num_speculative_tokens + 1
+    blocks = -(-per_seq // a.block_tokens) + 1
+    total_blocks = engine.num_cache_blocks * a.data_parallel_size
+    sizes = [n for n in sizes if n * blocks <= total_blocks and n * (1 + xs[-1]) <= a.max_num_batched_tokens]
+    if not sizes:
+        logger.warning("step-time profile: no batch size fits the cache / token budget; verifying all drafts")
+        return None
+    t0 = time.perf_counter()
+    seconds = [[_time_point(engine, n, x, repeats, max_tokens) for x in xs] for n in sizes]
+    logger.info("profiled DSpark verify step times for batch sizes %s x drafts %s in %.1f s",
+                sizes, xs, time.perf_counter() - t0)
+    return StepTimeModel(sizes, xs, seconds)
+
+
+def _time_point(engine, n: int, x: int, repeats: int, max_tokens: int) -> float:
+    from deepinfer.request import RequestStatus
+    from deepinfer.sampling_params import SamplingParams
+    from deepinfer.spec.policy import FixedDraftsPolicy
+
+    books = _draft_books(engine)
+    saved = [b.policy for b in books]
+    for b in books:
+        b.policy = FixedDraftsPolicy(x)
+    ids = [f"__step_time_profile_{n}_{x}_{i}" for i in range(n)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    try:
+        for i, req_id in enumerate(ids):
+            engine.add_request(req_id, [3 + (7 * i + j) % 97 for j in range(PROFILE_PROMPT_LEN)], params)
+        while any(engine.scheduler.requests[r].num_output_tokens == 0 for r in ids):
+            engine.step()                                  # prefill; the first drafts are proposed
+        times = []
+        for _ in range(repeats + 1):                       # the first is the warm-up
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+    finally:
+        live = [r for r in ids if r in engine.scheduler.requests]
+        engine.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        for b, p in zip(books, saved):
+            b.policy = p
+
+
+def _draft_books(engine) -> list:
+    s = engine.scheduler
+    return [sub.draft_book for sub in getattr(s, "schedulers", [s])]
