@@ -54,6 +54,15 @@ class EngineArgs:
     # release tables do not fit one GPU)
     engram_placement: str | None = None
     distributed_backend: str | None = None  # None = "nccl" on CUDA, "gloo" on CPU
+    # prefix caching (deepinfer/cache, sched/prefix_admission.py; vLLM's flag): full blocks of compressed KV
+    # and index keys shared by content hash; a hit rebuilds the window by replaying its last
+    # swa_replay_tokens tokens (>= the model's window), or restores an ended request's window snapshot
+    # (exact) from a pool of window_snapshot_bytes (None = 2 x max_num_seqs snapshots; 0 = none), LRU,
+    # entries older than window_snapshot_ttl_s never served. One rank only (data_parallel_size 1).
+    enable_prefix_caching: bool = False
+    swa_replay_tokens: int = 128
+    window_snapshot_bytes: int | None = None
+    window_snapshot_ttl_s: float = 300.0
     worker_threads: int | None = None       # torch threads per CPU rank; None = cores / ranks
 
     def __post_init__(self) -> None:
@@ -84,6 +93,13 @@ class EngineArgs:
         if self.eplb_window_size < 1 or self.eplb_step_interval < 1:
             raise ValueError(f"eplb_window_size and eplb_step_interval must be >= 1, got "
                              f"{self.eplb_window_size} and {self.eplb_step_interval}")
+        if self.window_snapshot_bytes is not None and self.window_snapshot_bytes < 0:
+            raise ValueError(f"window_snapshot_bytes must be >= 0, got {self.window_snapshot_bytes}")
+        if self.window_snapshot_ttl_s <= 0:
+            raise ValueError(f"window_snapshot_ttl_s must be > 0, got {self.window_snapshot_ttl_s}")
+        if self.enable_prefix_caching and self.data_parallel_size > 1:
+            raise ValueError("enable_prefix_caching is not supported with data_parallel_size > 1 yet: each rank "
+                             "would need its own prefix index and snapshot store (run one rank per engine)")
         if not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
 

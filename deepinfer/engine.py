@@ -83,9 +83,9 @@ class Engine:
             policy = StaticThresholdPolicy(a.spec_confidence_threshold)
 
         def scheduler():
-            kv = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs)
+            kv = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs, a.enable_prefix_caching)
             return Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len, kv, self.stats,
-                             spec_policy=policy)
+                             spec_policy=policy, prefix=self._prefix_caching(kv))
         if a.data_parallel_size > 1:
             from deepinfer.parallel.dp_scheduler import DataParallelScheduler
             self.scheduler = DataParallelScheduler([scheduler() for _ in range(a.data_parallel_size)])
@@ -95,6 +95,22 @@ class Engine:
             self.kv_cache = self.scheduler.kv_cache
         self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks * a.data_parallel_size)
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
+
+    def _prefix_caching(self, kv: KVCacheManager):
+        """The scheduler's prefix-cache hooks (sched/prefix_admission.py), None when off."""
+        a = self.args
+        if not a.enable_prefix_caching:
+            return None
+        from deepinfer.cache.snapshot_index import SnapshotIndex
+        from deepinfer.cache.snapshot_store import num_snapshot_slots
+        from deepinfer.sched.prefix_admission import PrefixCaching
+        slots = num_snapshot_slots(a, self.model_args)
+        index = SnapshotIndex(slots, a.block_tokens, a.window_snapshot_ttl_s) if slots else None
+        return PrefixCaching(kv, a.swa_replay_tokens, index, self.stats)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (vLLM's name); -> how many."""
+        return self.kv_cache.pool.clear_cache()
 
     def shutdown(self) -> None:
         """Stop the rank workers (multi-GPU); a no-op for one rank. Idempotent."""
@@ -137,18 +153,27 @@ class Engine:
             params = dataclasses.replace(params, seed=seed)
         return params
 
+    @staticmethod
+    def validate_cache_salt(request_id: str, cache_salt) -> None:
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError(f"request {request_id}: cache_salt must be a non-empty str, "
+                                      f"got {type(cache_salt).__name__} {cache_salt!r}")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    *, forced_token_ids: list[int] | None = None, return_logits: bool = False) -> None:
+                    *, forced_token_ids: list[int] | None = None, return_logits: bool = False,
+                    cache_salt: str | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (bad input, duplicate id) to this caller only.
 
         forced_token_ids: teacher forcing, output token k is forced_token_ids[k] (scoring, parity tests).
         return_logits: each RequestOutput carries the fp32 logits [n, V] its new tokens were sampled from.
+        cache_salt: prefix caching shares blocks only between requests with the same salt (a tenant key).
         """
         params = self.validate(request_id, prompt_token_ids, sampling_params)
+        self.validate_cache_salt(request_id, cache_salt)
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
-                      forced_token_ids, return_logits)
+                      forced_token_ids, return_logits, cache_salt=cache_salt)
         self.scheduler.add_request(req)
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -226,6 +251,11 @@ class Engine:
         total = self.num_cache_blocks * self.args.data_parallel_size
         self.stats.set_gauges(num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
                               cache_blocks_used=kv.num_used_blocks, cache_usage=kv.num_used_blocks / total)
+        if self.args.enable_prefix_caching:
+            c = self.stats.counters
+            q = c["prefix_cache_queries_total"]
+            self.stats.set_gauges(prefix_cache_hit_rate=c["prefix_cache_hits_total"] / q if q else 0.0,
+                                  prefix_cache_blocks_cached=kv.pool.num_cached_blocks)
         if self.args.data_parallel_size > 1:
             self.stats.set_gauges(ranks=s.rank_gauges())
             lb = self.runner.last_rebalance

@@ -26,13 +26,14 @@ class LLM:
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[int],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  forced_token_ids: Sequence[Sequence[int] | None] | None = None,
-                 return_logits: bool = False) -> list[CompletionOutput]:
+                 return_logits: bool = False, cache_salt: str | None = None) -> list[CompletionOutput]:
         """Run every prompt to completion, all batched together; outputs in prompt order.
 
         sampling_params: one for all prompts, or one per prompt. forced_token_ids (per prompt):
         teacher forcing, the fed tokens whatever the model samples (scoring). return_logits: each
         output carries the fp32 logits [num_output_tokens, V] its tokens were sampled from.
-        Bad input raises before anything runs.
+        cache_salt: with prefix caching, these requests share cached blocks only with requests of the
+        same salt. Bad input raises before anything runs.
         """
         if len(prompts) and isinstance(prompts[0], int):
             prompts = [prompts]
@@ -44,7 +45,8 @@ class LLM:
         for rid, p, sp in zip(req_ids, prompts, params):
             self.engine.validate(rid, p, sp)
         for rid, p, sp, f in zip(req_ids, prompts, params, forced):
-            self.engine.add_request(rid, list(p), sp, forced_token_ids=f, return_logits=return_logits)
+            self.engine.add_request(rid, list(p), sp, forced_token_ids=f, return_logits=return_logits,
+                                    cache_salt=cache_salt)
         return self._run(req_ids, prompts, return_logits)
 
     def _run(self, req_ids, prompts, return_logits) -> list[CompletionOutput]:
@@ -55,6 +57,7 @@ class LLM:
                 res = results[out.request_id]
                 res.token_ids.extend(out.new_token_ids)
                 res.finish_reason = out.finish_reason
+                res.num_cached_tokens = out.num_cached_tokens
                 if out.new_logprobs is not None:
                     res.logprobs = (res.logprobs or []) + list(out.new_logprobs)
                 if return_logits and out.logits is not None:

@@ -18,12 +18,18 @@ COUNTERS = {"prompt_tokens_total": "Prompt tokens of admitted requests",
             "spec_draft_tokens_proposed_total": "DSpark draft tokens proposed",
             "spec_draft_tokens_verified_total": "DSpark draft tokens verified (after the confidence policy)",
             "spec_draft_tokens_accepted_total": "DSpark draft tokens accepted",
-            "spec_verify_steps_total": "Request-steps that verified drafts"}
+            "spec_verify_steps_total": "Request-steps that verified drafts",
+            "prefix_cache_queries_total": "Tokens of admitted requests looked up in the prefix cache",
+            "prefix_cache_hits_total": "Tokens served from the prefix cache",
+            "prefix_cache_replayed_tokens_total": "Tokens recomputed by SWA bounded replay after a hit",
+            "prefix_cache_snapshot_hits_total": "Prefix hits that landed on a window snapshot (exact)",
+            "prefix_cache_evictions_total": "Cached blocks taken back for new allocations"}
 GAUGES = {"num_requests_running": "Requests in the running batch",
           "num_requests_waiting": "Requests waiting to be scheduled",
           "cache_usage": "Fraction of KV cache blocks in use",
           "spec_mean_accepted_length": "Tokens per verifying request-step (1 + accepted drafts)",
-          "spec_acceptance_rate": "Accepted / verified draft tokens"}
+          "spec_acceptance_rate": "Accepted / verified draft tokens",
+          "prefix_cache_hit_rate": "Prefix cache hits / lookups, in tokens"}
 # multi-GPU engine: the expert placement's balance (Σmax/Σmean of per-rank MoE tokens over the EPLB
 # window, before / after the last rebalance) and, with a `rank` label, each rank's own figures
 PARALLEL_GAUGES = {"moe_load_balance": "Max/mean rank MoE load over the EPLB window (before the last rebalance)",

@@ -31,6 +31,11 @@ class ForwardBatch:
     block_tables: torch.Tensor     # [B, max_blocks] int64, compressed-cache blocks per sequence (-1 = none)
     logits_indices: torch.Tensor   # [N] int64, rows of T whose logits are wanted (last token, or all verified ones)
     token_mask: torch.Tensor | None = None   # [T] bool, False inside image spans (Engram dead, VL router bias)
+    # SWA bounded replay (outputs.ReplayParams), None = no sequence replays: per sequence, the first
+    # position whose window key exists (queries never see keys below it) and the first position
+    # whose compressed entries this step may write (the ones below are cached and shared)
+    window_start: torch.Tensor | None = None   # [B] int64 (CPU)
+    write_from: torch.Tensor | None = None     # [B] int64 (CPU)
 
     @property
     def num_seqs(self) -> int:
