@@ -63,6 +63,9 @@ class EngineArgs:
     swa_replay_tokens: int = 128
     window_snapshot_bytes: int | None = None
     window_snapshot_ttl_s: float = 300.0
+    # the prefix cache's host-memory tier (cache/host_tier.py): cached blocks evicted from the device go
+    # to (pinned) host memory of this size and come back on a hit; 0 = off
+    host_cache_bytes: int = 0
     worker_threads: int | None = None       # torch threads per CPU rank; None = cores / ranks
 
     def __post_init__(self) -> None:
@@ -95,6 +98,8 @@ class EngineArgs:
                              f"{self.eplb_window_size} and {self.eplb_step_interval}")
         if self.window_snapshot_bytes is not None and self.window_snapshot_bytes < 0:
             raise ValueError(f"window_snapshot_bytes must be >= 0, got {self.window_snapshot_bytes}")
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.window_snapshot_ttl_s <= 0:
             raise ValueError(f"window_snapshot_ttl_s must be > 0, got {self.window_snapshot_ttl_s}")
         if self.enable_prefix_caching and self.data_parallel_size > 1:

@@ -83,7 +83,8 @@ class Engine:
             policy = StaticThresholdPolicy(a.spec_confidence_threshold)
 
         def scheduler():
-            kv = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs, a.enable_prefix_caching)
+            kv = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs, a.enable_prefix_caching,
+                                host_tier=self._host_tier())
             return Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len, kv, self.stats,
                              spec_policy=policy, prefix=self._prefix_caching(kv))
         if a.data_parallel_size > 1:
@@ -107,6 +108,11 @@ class Engine:
         slots = num_snapshot_slots(a, self.model_args)
         index = SnapshotIndex(slots, a.block_tokens, a.window_snapshot_ttl_s) if slots else None
         return PrefixCaching(kv, a.swa_replay_tokens, index, self.stats)
+
+    def _host_tier(self):
+        from deepinfer.cache.host_tier import HostTierIndex, num_host_slots
+        n = num_host_slots(self.args, self.model_args)
+        return HostTierIndex(n) if n else None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (vLLM's name); -> how many."""

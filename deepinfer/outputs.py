@@ -70,6 +70,14 @@ class SnapshotCopy:
 
 
 @dataclass
+class BlockCopy:
+    """A cached block moved between the device pool and the host tier (cache/host_tier.py)."""
+    kind: str                            # "offload" (device block -> host slot) | "onload" (host slot -> block)
+    block: int
+    host_slot: int
+
+
+@dataclass
 class SchedulerOutput:
     new_reqs: list[NewRequestData]                  # first time scheduled (or resumed)
     cached_reqs: list[CachedRequestData]            # scheduled before; diffs only
@@ -78,6 +86,7 @@ class SchedulerOutput:
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)   # req_id -> draft ids to verify (last k of its scheduled tokens)
     snapshot_saves: list[SnapshotCopy] = field(default_factory=list)  # ended requests' window state, copied
                                                                       # out before anything of this step runs
+    block_copies: list[BlockCopy] = field(default_factory=list)       # host tier, in decision order, after the saves
     finished_req_ids: set[str] = field(default_factory=set)          # runner frees their per-request state
     preempted_req_ids: set[str] = field(default_factory=set)         # runner frees them too (they come back as new_reqs)
 

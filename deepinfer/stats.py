@@ -70,6 +70,8 @@ class EngineStats:
             "prefix_cache_snapshot_hits_total": 0,
             "prefix_cache_snapshots_saved_total": 0,
             "prefix_cache_evictions_total": 0,
+            "prefix_cache_host_offloads_total": 0,   # blocks copied to the host tier on eviction
+            "prefix_cache_host_hits_total": 0,       # blocks brought back from the host tier on a hit
         }
         self.gauges = {
             "num_requests_running": 0,

@@ -29,6 +29,7 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}                   # block -> content hash (cached blocks)
         self._block_of: dict[bytes, int] = {}                  # content hash -> block
         self.num_evictions = 0                                 # cached blocks taken back by allocate
+        self.on_evict = None            # (block, hash) -> None, before the block is handed out (host tier)
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,8 +67,11 @@ class BlockPool:
                 b = self._free.popleft()
             else:
                 b, _ = self._idle.popitem(last=False)
-                del self._block_of[self._hash_of.pop(b)]
+                h = self._hash_of.pop(b)
+                del self._block_of[h]
                 self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(b, h)
             self._ref_cnt[b] = 1
             ids.append(b)
         return ids

@@ -32,6 +32,7 @@ request's length and frees the blocks past it:
 from __future__ import annotations
 
 from deepinfer.cache.block_pool import BlockPool
+from deepinfer.outputs import BlockCopy
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,10 +41,15 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_tokens: int, num_ring_slots: int,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, host_tier=None) -> None:
         self.block_tokens = block_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.host = host_tier                     # HostTierIndex (cache/host_tier.py) or None
+        self.block_copies: list[BlockCopy] = []   # host-tier copies decided since the last take
+        self.num_onloads = self.num_offloads = 0
+        if host_tier is not None:
+            self.pool.on_evict = self._offload
         self.num_hashed: dict[str, int] = {}      # req_id -> leading blocks of its table registered by hash
         self.num_ring_slots = num_ring_slots
         self._free_slots = list(range(num_ring_slots - 1, -1, -1))
@@ -116,6 +122,41 @@ class KVCacheManager:
         for k in range(done, upto):
             self.pool.cache(table[k], block_hashes[k])
         self.num_hashed[req_id] = max(done, upto)
+
+    # host tier -----------------------------------------------------------------------------------
+    def _offload(self, block: int, block_hash: bytes) -> None:
+        """An idle cached block is being taken back: its content goes to the host tier first."""
+        if self.host.get(block_hash) is not None:
+            return                      # the host holds it already (it came from there)
+        slot = self.host.put(block_hash)
+        if slot is not None:
+            self.block_copies.append(BlockCopy("offload", block, slot))
+            self.num_offloads += 1
+
+    def onload(self, block_hashes: list[bytes], max_blocks: int) -> int:
+        """Bring the host tier's blocks that extend the device hit back into the pool (as idle
+        cached blocks, copied before the next step); -> how many. The device hit and the blocks
+        brought in stay referenced meanwhile, so making room never evicts them."""
+        if self.host is None:
+            return 0
+        held = self.find_cached_blocks(block_hashes, max_blocks)
+        self.pool.touch(held)
+        n0 = len(held)
+        for h in block_hashes[n0:max_blocks]:
+            slot = self.host.get(h)
+            new = self.pool.allocate(1) if slot is not None else None
+            if new is None:
+                break
+            self.block_copies.append(BlockCopy("onload", new[0], slot))
+            self.pool.cache(new[0], h)
+            held.append(new[0])
+        self.pool.free(held)
+        self.num_onloads += len(held) - n0
+        return len(held) - n0
+
+    def take_block_copies(self) -> list[BlockCopy]:
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     def forget_blocks(self, req_id: str) -> None:
         """Unregister the blocks only this request references (their content came from a step that

@@ -50,7 +50,7 @@ class PrefixCaching:
         self.stats = stats
         self._computing: dict[bytes, str] = {}     # hash of a block a running request is computing -> req_id
         self._saves: list[SnapshotCopy] = []       # snapshots to copy out at the next step
-        self._evictions_seen = 0
+        self._seen: dict[str, int] = {}            # pool / host-tier counts already added to stats
 
     def _hashes(self, req: Request) -> list[bytes]:
         return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_tokens, req.cache_salt)
@@ -62,7 +62,10 @@ class PrefixCaching:
     def plan_hit(self, req: Request) -> PrefixHit | None:
         B, N = self.block_tokens, req.num_tokens
         hashes = self._hashes(req)
-        blocks = self.kv.find_cached_blocks(hashes, (N - 1) // B)
+        max_blocks = (N - 1) // B
+        blocks = self.kv.find_cached_blocks(hashes, max_blocks)
+        if len(blocks) < max_blocks and self.kv.onload(hashes, max_blocks):   # the host tier extends it
+            blocks = self.kv.find_cached_blocks(hashes, max_blocks)
         k = len(blocks)
         if k < len(hashes) and self._computing.get(hashes[k], req.request_id) != req.request_id:
             return PrefixHit([], 0, 0, wait=True)
@@ -106,10 +109,13 @@ class PrefixCaching:
 
     # while running -----------------------------------------------------------------------------
     def after_step(self, running: list[Request]) -> None:
-        ev = self.kv.pool.num_evictions
-        if ev != self._evictions_seen:
-            self.stats.inc("prefix_cache_evictions_total", ev - self._evictions_seen)
-            self._evictions_seen = ev
+        for name, now in (("prefix_cache_evictions_total", self.kv.pool.num_evictions),
+                          ("prefix_cache_host_offloads_total", self.kv.num_offloads),
+                          ("prefix_cache_host_hits_total", self.kv.num_onloads)):
+            seen = self._seen.get(name, 0)
+            if now != seen:
+                self.stats.inc(name, now - seen)
+                self._seen[name] = now
         for req in running:
             hashes = self._hashes(req)
             before = self.kv.num_hashed.get(req.request_id, 0)

@@ -105,6 +105,8 @@ class Scheduler:
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        if self.kv_cache.host is not None:
+            out.block_copies = self.kv_cache.take_block_copies()
         self.stats.inc("computed_tokens_total", out.total_num_scheduled_tokens)
         return out
 

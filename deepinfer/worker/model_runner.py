@@ -81,7 +81,7 @@ class ModelRunner:
     def __init__(self, model, caches, device: torch.device, max_num_seqs: int, max_model_len: int,
                  block_tokens: int, ngram_width: int = 3, sampler=None, batch_invariant: bool = False,
                  proposer=None, graph_sizes: tuple[int, ...] = (), graph_max_len: int = 8192,
-                 num_snapshot_slots: int = 0) -> None:
+                 num_snapshot_slots: int = 0, num_host_slots: int = 0) -> None:
         self.model = model
         self.proposer = proposer      # deepinfer.spec.DSparkProposer; None = no drafts
         self.batch_invariant = batch_invariant   # torch path: row-by-row GEMMs (kernels/batch_invariant.py)
@@ -94,6 +94,10 @@ class ModelRunner:
         if num_snapshot_slots:
             from deepinfer.cache.snapshot_store import SnapshotStore
             self.snapshots = SnapshotStore(caches, num_snapshot_slots)
+        self.host_blocks = None       # HostBlockStore: the prefix cache's host-memory tier
+        if num_host_slots:
+            from deepinfer.cache.host_tier import HostBlockStore
+            self.host_blocks = HostBlockStore(caches, num_host_slots)
         self._prev_sampled: torch.Tensor | None = None   # [N] device samples of the last launched step
         self._launch_seq = 0
         self.graphs = None            # DecodeGraphs: captured pure-decode steps (needs scratch caches)
@@ -108,6 +112,11 @@ class ModelRunner:
     def launch(self, sched_out: SchedulerOutput) -> _InFlight | None:
         for save in sched_out.snapshot_saves:      # before this step reuses their slots and blocks
             self.snapshots.save(save.ring_slot, save.tail_block, save.snapshot_slot)
+        for copy in sched_out.block_copies:        # in decision order: an offload before its block's reuse
+            if copy.kind == "offload":
+                self.host_blocks.offload(copy.block, copy.host_slot)
+            else:
+                self.host_blocks.onload(copy.host_slot, copy.block)
         self._update_states(sched_out)
         if sched_out.is_empty:
             return None

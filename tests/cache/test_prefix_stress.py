@@ -5,11 +5,16 @@ at random moments, a block pool far smaller than the working set.
 The simulated device writes (salt, token) into each block position a step computes (bounded
 replay skips the cached positions, snapshots copy their tail block), so every hit is checked
 against what was actually written: a block served across salts or with stale content fails.
-Invariants after every step: exact reference counts (no block freed while referenced); at the end
-every request finished or was aborted and no block is in use, only idle cached ones."""
+Invariants after every step: exact reference counts (no block freed while referenced), the host
+tier within its bound; at the end every request finished or was aborted and no block is in use,
+only idle cached ones. Run without and with the host-memory tier (evicted blocks copied out and
+brought back on a hit: their content is checked like any other hit's)."""
 
 import random
 
+import pytest
+
+from deepinfer.cache.host_tier import HostTierIndex
 from deepinfer.cache.kv_cache_manager import KVCacheManager
 from deepinfer.cache.snapshot_index import SnapshotIndex
 from deepinfer.outputs import ModelRunnerOutput
@@ -29,6 +34,7 @@ class SimDevice:
         self.sched = sched
         self.content: dict[int, dict[int, tuple]] = {}
         self.snap_tail: dict[int, dict[int, tuple]] = {}
+        self.host: dict[int, dict[int, tuple]] = {}
         self.tables: dict[str, list[int]] = {}
         self.write_from: dict[str, int] = {}
         self.violations: list[str] = []
@@ -36,6 +42,11 @@ class SimDevice:
     def run(self, out) -> ModelRunnerOutput:
         for save in out.snapshot_saves:
             self.snap_tail[save.snapshot_slot] = dict(self.content.get(save.tail_block, {})) if save.tail_block >= 0 else {}
+        for copy in out.block_copies:                 # the host tier, in decision order
+            if copy.kind == "offload":
+                self.host[copy.host_slot] = dict(self.content.get(copy.block, {}))
+            else:
+                self.content[copy.block] = dict(self.host[copy.host_slot])
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.tables.pop(rid, None)
         starts = {}
@@ -69,10 +80,12 @@ class SimDevice:
         return ModelRunnerOutput(req_ids, sampled)
 
 
-def test_two_thousand_requests_sharing_prefixes_with_aborts():
+@pytest.mark.parametrize("host_slots", [0, 40])
+def test_two_thousand_requests_sharing_prefixes_with_aborts(host_slots):
     rng = random.Random(17)
     stats = EngineStats()
-    kv = KVCacheManager(48, BT, num_ring_slots=12, enable_prefix_caching=True)
+    host = HostTierIndex(host_slots) if host_slots else None
+    kv = KVCacheManager(48, BT, num_ring_slots=12, enable_prefix_caching=True, host_tier=host)
     prefix = PrefixCaching(kv, replay_tokens=8, snapshots=SnapshotIndex(32, BT, ttl_s=1e9), stats=stats)
     sched = Scheduler(12, 40, 48 * BT, kv, stats, prefix=prefix)
     dev = SimDevice(sched)
@@ -114,6 +127,9 @@ def test_two_thousand_requests_sharing_prefixes_with_aborts():
                 if rng.random() < 0.5:
                     history.append((r.cache_salt, list(r.all_token_ids)))
         kv.check()
+        if host is not None:
+            host.check()
+            assert len(host) <= host_slots and len(dev.host) <= host_slots
     dev.run(sched.schedule())  # the last snapshot saves
     assert not dev.violations, dev.violations[:5]
     assert len(aborted) >= 0.1 * n and len(finished) + len(aborted) == n
@@ -126,3 +142,5 @@ def test_two_thousand_requests_sharing_prefixes_with_aborts():
     assert c["prefix_cache_hits_total"] > 0.2 * c["prefix_cache_queries_total"]
     assert c["prefix_cache_replayed_tokens_total"] > 0 and c["prefix_cache_snapshot_hits_total"] > 0
     assert c["prefix_cache_evictions_total"] > 0 and c["preemptions_total"] > 0
+    if host is not None:
+        assert c["prefix_cache_host_offloads_total"] > 0 and c["prefix_cache_host_hits_total"] > 0

@@ -13,8 +13,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 def engine_args(ckpt, **kw):
-    return dict(checkpoint=str(ckpt), device="cpu", max_num_seqs=4, max_num_batched_tokens=512,
-                block_tokens=8, num_cache_blocks=96, **kw)
+    return {**dict(checkpoint=str(ckpt), device="cpu", max_num_seqs=4, max_num_batched_tokens=512,
+                   block_tokens=8, num_cache_blocks=96), **kw}
 
 
 def llm(ckpt, **kw):
@@ -112,3 +112,30 @@ def test_replay_below_the_window_is_refused_at_start(tiny_checkpoint):
         llm(tiny_checkpoint, enable_prefix_caching=True, swa_replay_tokens=64)
     with pytest.raises(ValueError, match="data_parallel_size"):
         llm(tiny_checkpoint, enable_prefix_caching=True, data_parallel_size=2)
+
+
+def test_host_tier_brings_evicted_blocks_back(tiny_checkpoint, turns):
+    """A device cache too small to keep turn 1's blocks past another request: they go to the host
+    tier and come back on the hit, and the result equals the same replay hit from device blocks."""
+    p1, extra = turns
+    small = llm(tiny_checkpoint, enable_prefix_caching=True, window_snapshot_bytes=0, num_cache_blocks=24,
+                host_cache_bytes=1 << 20)
+    small.generate(p1, SamplingParams(max_tokens=1, temperature=0))
+    small.generate(prompt(150, 9), SamplingParams(max_tokens=1, temperature=0))   # evicts turn 1's blocks
+    out = small.generate(p1 + extra, GREEDY, return_logits=True)[0]
+    c = small.stats()["counters"]
+    assert c["prefix_cache_evictions_total"] > 0 and c["prefix_cache_host_offloads_total"] > 0
+    assert c["prefix_cache_host_hits_total"] > 0 and out.num_cached_tokens == 136
+    big = llm(tiny_checkpoint, enable_prefix_caching=True, window_snapshot_bytes=0)
+    big.generate(p1, SamplingParams(max_tokens=1, temperature=0))
+    ref = big.generate(p1 + extra, GREEDY, return_logits=True)[0]
+    assert big.stats()["counters"]["prefix_cache_host_hits_total"] == 0 and ref.num_cached_tokens == 136
+    assert out.token_ids == ref.token_ids and np.array_equal(out.logits, ref.logits)
+    small.engine.kv_cache.check()
+    small.engine.kv_cache.host.check()
+    assert len(small.engine.kv_cache.host) <= small.engine.kv_cache.host.num_slots
+
+
+def test_host_cache_larger_than_memory_is_refused(tiny_checkpoint):
+    with pytest.raises(ValueError, match="host_cache_bytes"):
+        llm(tiny_checkpoint, enable_prefix_caching=True, host_cache_bytes=1 << 50)
