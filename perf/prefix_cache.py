@@ -2,7 +2,8 @@
 
     python perf/prefix_cache.py [--checkpoint DIR | --preset tiny] [--device cpu]
         [--system-tokens 2048] [--turns 8] [--conversations 32] [--user-tokens 64] [--output-tokens 32]
-        [--small-cache-blocks N]      (a third run with prefix caching on a cache too small for the working set)
+        [--small-cache-blocks N]      (more runs with prefix caching on a device cache too small for the
+        [--host-cache-bytes B]         working set: without and with a host-memory tier of B bytes)
 
 Every conversation starts with the same system prompt + tools (--system-tokens ids) and sends
 --turns turns; turn k's prompt is turn k-1's prompt + its output + --user-tokens new ids (a chat
@@ -93,6 +94,7 @@ def run_mode(ckpt: str, a, **engine_kw) -> dict:
             "snapshot_hits": counters["prefix_cache_snapshot_hits_total"],
             "replayed": counters["prefix_cache_replayed_tokens_total"],
             "evictions": counters["prefix_cache_evictions_total"], "preemptions": counters["preemptions_total"],
+            "host_hits": counters["prefix_cache_host_hits_total"],
             "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p90": float(np.percentile(ttft, 90)),
             "later_prefill_mean": float(np.mean(later_prefill)) if later else 0.0,
             "later_prefill_max": int(max(later_prefill)) if later else 0,
@@ -134,6 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--swa-replay-tokens", type=int, default=128)
     p.add_argument("--small-cache-blocks", type=int, default=0)
+    p.add_argument("--host-cache-bytes", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--figure", default=str(Path(__file__).resolve().parent / "figures" / "prefix_cache.png"))
     a = p.parse_args(argv)
@@ -141,11 +144,13 @@ def main(argv=None) -> int:
         ckpt = a.checkpoint or default_checkpoint(Path(tmp), a.preset)
         modes = {"off": {}, "on": {"enable_prefix_caching": True, "swa_replay_tokens": a.swa_replay_tokens}}
         if a.small_cache_blocks:
-            modes["on, small cache"] = {**modes["on"], "num_cache_blocks": a.small_cache_blocks}
+            modes["on, small"] = {**modes["on"], "num_cache_blocks": a.small_cache_blocks}
+            if a.host_cache_bytes:
+                modes["on, small+host"] = {**modes["on, small"], "host_cache_bytes": a.host_cache_bytes}
         results = {name: run_mode(ckpt, a, **kw) for name, kw in modes.items()}
     print(f"{a.conversations} conversations x {a.turns} turns, system {a.system_tokens} tokens, +{a.user_tokens} "
           f"user / {a.output_tokens} output tokens a turn, block {a.block_tokens}, device {a.device}")
-    keys = ["prefill_tokens", "hit_rate", "snapshot_hits", "replayed", "evictions", "preemptions",
+    keys = ["prefill_tokens", "hit_rate", "snapshot_hits", "replayed", "evictions", "host_hits", "preemptions",
             "ttft_p50", "ttft_p90", "tok_s", "wall_s", "later_prefill_mean", "later_prefill_max", "later_goal"]
     print(f"{'':22s}" + "".join(f"{n:>18s}" for n in results))
     for k in keys:
