@@ -52,7 +52,7 @@ class AsyncEngine:
     # thread-safe API ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
                     callback: Callback, *, forced_token_ids: list[int] | None = None,
-                    return_logits: bool = False, images=None) -> None:
+                    return_logits: bool = False, images=None, cache_salt: str | None = None) -> None:
         """Queue a request; callback(RequestOutput) is called on the engine thread for each delta,
         the last one with finish_reason set. Raises InvalidRequestError here on bad input.
         images: as Engine.add_request; decoded here, on the caller's thread."""
@@ -62,12 +62,13 @@ class AsyncEngine:
             images = self.engine.prepare_images(request_id, prompt_token_ids, images)
             prompt_token_ids = images.token_ids
         params = self.engine.validate(request_id, prompt_token_ids, sampling_params)
+        self.engine.validate_cache_salt(request_id, cache_salt)
         with self._lock:
             if request_id in self._sinks:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._sinks[request_id] = callback
         self._cmds.put(("add", (request_id, list(prompt_token_ids), params, forced_token_ids, return_logits,
-                                images or None)))
+                                images or None, cache_salt)))
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
@@ -158,10 +159,11 @@ class AsyncEngine:
             elif self.engine.scheduler.requests.get(arg) is not None:
                 self._deliver(self.engine.abort(arg))
 
-    def _add(self, request_id, prompt, params, forced, return_logits, images) -> None:
+    def _add(self, request_id, prompt, params, forced, return_logits, images, cache_salt) -> None:
         try:
             self.engine.add_request(request_id, prompt if images is None else images.token_ids, params,
-                                    forced_token_ids=forced, return_logits=return_logits, images=images)
+                                    forced_token_ids=forced, return_logits=return_logits, images=images,
+                                    cache_salt=cache_salt)
         except Exception as e:  # noqa: BLE001
             self._deliver(RequestOutput(request_id, [], "error", len(prompt), 0, error=str(e)))
 

@@ -73,6 +73,18 @@ class EngineArgs:
     context_parallel_size: int = 1
     cp_min_prompt_tokens: int = 8192
     distributed_backend: str | None = None  # None = "nccl" on CUDA, "gloo" on CPU
+    # prefix caching (deepinfer/cache, sched/prefix_admission.py; vLLM's flag): full blocks of compressed KV
+    # and index keys shared by content hash; a hit rebuilds the window by replaying its last
+    # swa_replay_tokens tokens (>= the model's window), or restores an ended request's window snapshot
+    # (exact) from a pool of window_snapshot_bytes (None = 2 x max_num_seqs snapshots; 0 = none), LRU,
+    # entries older than window_snapshot_ttl_s never served. One rank only (data_parallel_size 1).
+    enable_prefix_caching: bool = False
+    swa_replay_tokens: int = 128
+    window_snapshot_bytes: int | None = None
+    window_snapshot_ttl_s: float = 300.0
+    # the prefix cache's host-memory tier (cache/host_tier.py): cached blocks evicted from the device go
+    # to (pinned) host memory of this size and come back on a hit; 0 = off
+    host_cache_bytes: int = 0
     worker_threads: int | None = None       # torch threads per CPU rank; None = cores / ranks
 
     def __post_init__(self) -> None:
@@ -117,6 +129,15 @@ class EngineArgs:
             raise ValueError(f"cp_min_prompt_tokens={self.cp_min_prompt_tokens} exceeds max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}: balanced CP prefills a prompt scheduled whole in one "
                              "step, so it would never run; raise max_num_batched_tokens")
+        if self.window_snapshot_bytes is not None and self.window_snapshot_bytes < 0:
+            raise ValueError(f"window_snapshot_bytes must be >= 0, got {self.window_snapshot_bytes}")
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
+        if self.window_snapshot_ttl_s <= 0:
+            raise ValueError(f"window_snapshot_ttl_s must be > 0, got {self.window_snapshot_ttl_s}")
+        if self.enable_prefix_caching and self.data_parallel_size > 1:
+            raise ValueError("enable_prefix_caching is not supported with data_parallel_size > 1 yet: each rank "
+                             "would need its own prefix index and snapshot store (run one rank per engine)")
         if not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
 

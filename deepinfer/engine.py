@@ -85,8 +85,10 @@ class Engine:
         a = self.args
 
         def scheduler():
-            kv = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs)
-            return Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len, kv, self.stats)
+            kv = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs, a.enable_prefix_caching,
+                                host_tier=self._host_tier())
+            return Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len, kv, self.stats,
+                             prefix=self._prefix_caching(kv))
         if a.data_parallel_size > 1:
             from deepinfer.parallel.dp_scheduler import DataParallelScheduler
             self.scheduler = DataParallelScheduler([scheduler() for _ in range(a.data_parallel_size)],
@@ -101,6 +103,27 @@ class Engine:
         if a.speculative == "dspark":
             from deepinfer.spec.engine_policy import set_verification_policy
             set_verification_policy(self)
+
+    def _prefix_caching(self, kv: KVCacheManager):
+        """The scheduler's prefix-cache hooks (sched/prefix_admission.py), None when off."""
+        a = self.args
+        if not a.enable_prefix_caching:
+            return None
+        from deepinfer.cache.snapshot_index import SnapshotIndex
+        from deepinfer.cache.snapshot_store import num_snapshot_slots
+        from deepinfer.sched.prefix_admission import PrefixCaching
+        slots = num_snapshot_slots(a, self.model_args)
+        index = SnapshotIndex(slots, a.block_tokens, a.window_snapshot_ttl_s) if slots else None
+        return PrefixCaching(kv, a.swa_replay_tokens, index, self.stats)
+
+    def _host_tier(self):
+        from deepinfer.cache.host_tier import HostTierIndex, num_host_slots
+        n = num_host_slots(self.args, self.model_args)
+        return HostTierIndex(n) if n else None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (vLLM's name); -> how many."""
+        return self.kv_cache.pool.clear_cache()
 
     def shutdown(self) -> None:
         """Stop the rank workers (multi-GPU); a no-op for one rank. Idempotent."""
@@ -179,25 +202,33 @@ class Engine:
                                           f"one step holds (max_num_batched_tokens={self.args.max_num_batched_tokens})")
         return prompt
 
+    @staticmethod
+    def validate_cache_salt(request_id: str, cache_salt) -> None:
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError(f"request {request_id}: cache_salt must be a non-empty str, "
+                                      f"got {type(cache_salt).__name__} {cache_salt!r}")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                     *, forced_token_ids: list[int] | None = None, return_logits: bool = False,
-                    images=None) -> None:
+                    images=None, cache_salt: str | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (bad input, duplicate id) to this caller only.
 
         forced_token_ids: teacher forcing, output token k is forced_token_ids[k] (scoring, parity tests).
         return_logits: each RequestOutput carries the fp32 logits [n, V] its new tokens were sampled from.
         images: image bytes (PNG/JPEG/GIF/WebP), planned [H, W, 3] uint8 pixels (vision.padded_rgb) or
         ImageInputs, one per image placeholder id in the prompt, in order; or an ImagePrompt from prepare_images. num_prompt_tokens then counts spans.
+        cache_salt: prefix caching shares blocks only between requests with the same salt (a tenant key).
         """
         image_prompt = None
         if images:
             image_prompt = self.prepare_images(request_id, prompt_token_ids, images)
             prompt_token_ids = image_prompt.token_ids
         params = self.validate(request_id, prompt_token_ids, sampling_params)
+        self.validate_cache_salt(request_id, cache_salt)
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
-                      forced_token_ids, return_logits, image_prompt=image_prompt)
+                      forced_token_ids, return_logits, image_prompt=image_prompt, cache_salt=cache_salt)
         if image_prompt is not None and image_prompt.embeds is None and self.image_encoder is not None:
             self.image_encoder.submit(image_prompt)
         self.scheduler.add_request(req)
@@ -279,6 +310,11 @@ class Engine:
         total = self.num_cache_blocks * self.args.data_parallel_size
         self.stats.set_gauges(num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
                               cache_blocks_used=kv.num_used_blocks, cache_usage=kv.num_used_blocks / total)
+        if self.args.enable_prefix_caching:
+            c = self.stats.counters
+            q = c["prefix_cache_queries_total"]
+            self.stats.set_gauges(prefix_cache_hit_rate=c["prefix_cache_hits_total"] / q if q else 0.0,
+                                  prefix_cache_blocks_cached=kv.pool.num_cached_blocks)
         if self.args.data_parallel_size > 1:
             self.stats.set_gauges(ranks=s.rank_gauges())
             lb = self.runner.last_rebalance

@@ -27,14 +27,17 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  forced_token_ids: Sequence[Sequence[int] | None] | None = None,
                  return_logits: bool = False,
-                 images: Sequence[Sequence | None] | None = None) -> list[CompletionOutput]:
+                 images: Sequence[Sequence | None] | None = None,
+                 cache_salt: str | None = None) -> list[CompletionOutput]:
         """Run every prompt to completion, all batched together; outputs in prompt order.
 
         sampling_params: one for all prompts, or one per prompt. forced_token_ids (per prompt):
         teacher forcing, the fed tokens whatever the model samples (scoring). return_logits: each
         output carries the fp32 logits [num_output_tokens, V] its tokens were sampled from.
         images (per prompt): image bytes or ImageInputs, one per image placeholder id in that prompt;
-        the outputs' prompt_token_ids then hold the expanded spans. Bad input raises before anything runs.
+        the outputs' prompt_token_ids then hold the expanded spans.
+        cache_salt: with prefix caching, these requests share cached blocks only with requests of the
+        same salt. Bad input raises before anything runs.
         """
         if len(prompts) and isinstance(prompts[0], int):
             prompts = [prompts]
@@ -52,7 +55,8 @@ class LLM:
         for rid, p, sp in zip(req_ids, prompts, params):
             self.engine.validate(rid, p, sp)
         for rid, p, sp, f, ip in zip(req_ids, prompts, params, forced, images):
-            self.engine.add_request(rid, list(p), sp, forced_token_ids=f, return_logits=return_logits, images=ip)
+            self.engine.add_request(rid, list(p), sp, forced_token_ids=f, return_logits=return_logits, images=ip,
+                                    cache_salt=cache_salt)
         return self._run(req_ids, prompts, return_logits)
 
     def _run(self, req_ids, prompts, return_logits) -> list[CompletionOutput]:
@@ -63,6 +67,7 @@ class LLM:
                 res = results[out.request_id]
                 res.token_ids.extend(out.new_token_ids)
                 res.finish_reason = out.finish_reason
+                res.num_cached_tokens = out.num_cached_tokens
                 if out.new_logprobs is not None:
                     res.logprobs = (res.logprobs or []) + list(out.new_logprobs)
                 if return_logits and out.logits is not None:

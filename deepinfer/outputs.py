@@ -31,6 +31,8 @@ class NewRequestData:
     forced_token_ids: list[int] | None = None   # teacher forcing: output k := forced_token_ids[k]
     return_logits: bool = False          # return the fp32 logits of every sampled position
     image_prompt: Any | None = None      # deepinfer.model.vision.ImagePrompt: token types and images of the prompt
+    replay: ReplayParams | None = None   # prefix hit rebuilt by bounded replay (num_computed_tokens = its start)
+    restore: SnapshotCopy | None = None  # prefix hit on a window snapshot: copied in before the step
 
 
 @dataclass
@@ -44,18 +46,36 @@ class CachedRequestData:
 
 @dataclass
 class ReplayParams:
-    """SWA bounded replay (MODEL.md section 9): run the request's scheduled tokens through layers
-    [layer_start, layer_end) only, to rebuild their window rings; the compressed (global) KV of
-    those positions is already cached and is not rewritten. No logits are taken from a replay.
+    """SWA bounded replay (MODEL.md section 9) of a prefix-cache hit that ends at `hit` (a block
+    boundary) with no window snapshot there. The request starts at replay_start s = hit - min(R, hit)
+    (R = swa_replay_tokens) and runs like any other: positions [s, hit) rebuild the window rings and
+    compressor carry (attention still reads the cached compressed KV), then the uncached suffix.
 
-        positions:  0 ........ s ......... hit | hit ... num_tokens
-                    global KV cached           | normal step (all layers)
-                               <-- replay -->  (s = hit - min(window, hit); window rings only)
+        positions:  0 ........ s ......... hit | hit ......... num_tokens
+                    compressed KV cached (blocks shared, never rewritten) | written as usual
+                               <-- replay -->  window keys < s do not exist for it
 
-    Not yet executed by the runner (it raises); the scheduler emits it once the prefix cache lands.
+    Two rules hold for the request's rows until they no longer matter: a query at i sees window
+    keys in [max(s, i - W + 1), i] only, and no compressed entry below `hit` is written.
     """
-    layer_start: int
-    layer_end: int
+    replay_start: int
+    hit: int
+
+
+@dataclass
+class SnapshotCopy:
+    """A window snapshot moved between a ring slot (+ its partial tail block) and a snapshot slot."""
+    snapshot_slot: int
+    ring_slot: int
+    tail_block: int                      # -1 = the snapshot ends on a block boundary
+
+
+@dataclass
+class BlockCopy:
+    """A cached block moved between the device pool and the host tier (cache/host_tier.py)."""
+    kind: str                            # "offload" (device block -> host slot) | "onload" (host slot -> block)
+    block: int
+    host_slot: int
 
 
 @dataclass
@@ -65,7 +85,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]            # req_id -> tokens to run now (chunk, 1, or 1+k)
     total_num_scheduled_tokens: int                 # sum of the above (<= max_num_batched_tokens)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)   # req_id -> draft ids to verify (last k of its scheduled tokens)
-    replays: dict[str, ReplayParams] = field(default_factory=dict)    # req_id -> layers to run (SWA replay)
+    snapshot_saves: list[SnapshotCopy] = field(default_factory=list)  # ended requests' window state, copied
+                                                                      # out before anything of this step runs
+    block_copies: list[BlockCopy] = field(default_factory=list)       # host tier, in decision order, after the saves
     finished_req_ids: set[str] = field(default_factory=set)          # runner frees their per-request state
     preempted_req_ids: set[str] = field(default_factory=set)         # runner frees them too (they come back as new_reqs)
 
@@ -100,6 +122,7 @@ class RequestOutput:
     new_logprobs: list[Any] | None = None           # one entry per new token when SamplingParams.logprobs is set
     logits: Any | None = None                       # fp32 [len(new_token_ids), V] when return_logits was asked
     error: str | None = None                        # why, when finish_reason == "error"
+    num_cached_tokens: int = 0                      # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -115,6 +138,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[Any] | None = None
     logits: Any | None = None                       # fp32 [num_output_tokens, V] when return_logits was asked
+    num_cached_tokens: int = 0                      # prompt tokens whose KV came from the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

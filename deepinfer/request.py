@@ -57,6 +57,7 @@ class Request:
         return_logits: bool = False,
         arrival_time: float | None = None,
         image_prompt=None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,6 +70,9 @@ class Request:
         self.forced_token_ids = list(forced_token_ids) if forced_token_ids is not None else None
         self.return_logits = return_logits  # keep the fp32 logits of every sampled position
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt        # prefix caching: only requests with the same salt share blocks
+        self.block_hashes: list[bytes] = []  # chain hashes of the full blocks of all_token_ids (prefix caching)
+        self.num_cached_tokens: int | None = None   # prompt tokens served from the prefix cache at admission
 
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(self.prompt_token_ids)  # prompt + generated

@@ -61,6 +61,17 @@ class EngineStats:
             "spec_draft_tokens_verified_total": 0,
             "spec_draft_tokens_accepted_total": 0,
             "spec_verify_steps_total": 0,
+            # prefix caching (sched/prefix_admission.py): tokens of admitted requests looked up, of
+            # them served from the cache, recomputed by bounded replay; hits that landed on a window
+            # snapshot; snapshots saved; cached blocks taken back for new allocations
+            "prefix_cache_queries_total": 0,
+            "prefix_cache_hits_total": 0,
+            "prefix_cache_replayed_tokens_total": 0,
+            "prefix_cache_snapshot_hits_total": 0,
+            "prefix_cache_snapshots_saved_total": 0,
+            "prefix_cache_evictions_total": 0,
+            "prefix_cache_host_offloads_total": 0,   # blocks copied to the host tier on eviction
+            "prefix_cache_host_hits_total": 0,       # blocks brought back from the host tier on a hit
         }
         self.gauges = {
             "num_requests_running": 0,
@@ -70,6 +81,8 @@ class EngineStats:
             "cache_usage": 0.0,
             "spec_mean_accepted_length": 0.0,   # tokens per verifying request-step: 1 + accepted / verify steps
             "spec_acceptance_rate": 0.0,        # accepted / verified drafts
+            "prefix_cache_hit_rate": 0.0,       # prefix_cache_hits_total / prefix_cache_queries_total
+            "prefix_cache_blocks_cached": 0,    # blocks findable by hash (referenced or idle)
         }
         self.histograms = {
             "time_to_first_token_seconds": Histogram(TTFT_BUCKETS),

@@ -79,6 +79,7 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     (ENGINE,      OUT, "finish_reason",           BYTES,  (1,),  False, "_finish_reason"), # "" until the last response
     (ENGINE,      OUT, "num_input_tokens",        INT32,  (1,),  False, "_num_input_tokens"),
     (ENGINE,      OUT, "num_output_tokens",       INT32,  (1,),  False, "_num_output_tokens"),  # cumulative
+    (ENGINE,      OUT, "num_cached_tokens",       INT32,  (1,),  False, "_num_cached_tokens"),  # prompt tokens from the prefix cache
     (ENGINE,      OUT, "context",                 BYTES,  (1,),  False, "_context_echo"),  # first response only, "" after
     (ENGINE,      OUT, "request_key",             BYTES,  (1,),  False, "_request_key_echo"),
     (POSTPROCESS, IN,  "output_ids",              INT32,  (-1,), False, "_output_ids"),
@@ -86,6 +87,7 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     (POSTPROCESS, IN,  "finish_reason",           BYTES,  (1,),  False, "_finish_reason"),
     (POSTPROCESS, IN,  "num_input_tokens",        INT32,  (1,),  False, "_num_input_tokens"),
     (POSTPROCESS, IN,  "num_output_tokens",       INT32,  (1,),  False, "_num_output_tokens"),
+    (POSTPROCESS, IN,  "num_cached_tokens",       INT32,  (1,),  False, "_num_cached_tokens"),
     (POSTPROCESS, IN,  "context",                 BYTES,  (1,),  False, "_context_echo"),
     (POSTPROCESS, IN,  "request_key",             BYTES,  (1,),  False, "_request_key_echo"),
     # API outputs: chunk/event JSONs when streaming (0..n per engine step), the whole response otherwise

@@ -87,11 +87,11 @@ class _Active:
     token_ids: list[int] = field(default_factory=list)     # non-streaming: accumulated
     logprobs: list[Any] = field(default_factory=list)
 
-    def outputs(self, ids, logprobs, finish_reason, num_prompt, num_output) -> dict:
+    def outputs(self, ids, logprobs, finish_reason, num_prompt, num_output, num_cached=0) -> dict:
         context = "" if self.context_sent else self.req.context
         self.context_sent = True
         return {"output_ids": ids, "logprobs": _logprobs_json(logprobs), "finish_reason": finish_reason or "",
-                "num_input_tokens": num_prompt, "num_output_tokens": num_output,
+                "num_input_tokens": num_prompt, "num_output_tokens": num_output, "num_cached_tokens": num_cached,
                 "context": context, "request_key": self.req.request_key}
 
 
@@ -202,13 +202,15 @@ class EngineDriver:
         if state.req.streaming:
             if delta.new_token_ids or finished:
                 state.sender.send(state.outputs(list(delta.new_token_ids), new_lp, delta.finish_reason,
-                                                delta.num_prompt_tokens, delta.num_output_tokens), finished)
+                                                delta.num_prompt_tokens, delta.num_output_tokens,
+                                                delta.num_cached_tokens), finished)
             return
         state.token_ids += list(delta.new_token_ids)
         state.logprobs += new_lp
         if finished:
             state.sender.send(state.outputs(state.token_ids, state.logprobs, delta.finish_reason,
-                                            delta.num_prompt_tokens, delta.num_output_tokens), True)
+                                            delta.num_prompt_tokens, delta.num_output_tokens,
+                                            delta.num_cached_tokens), True)
 
     def _finish(self, state: _Active) -> None:
         state.done = True

@@ -26,12 +26,20 @@ COUNTERS = {"prompt_tokens_total": "Prompt tokens of admitted requests",
             "requests_finished_stop": "Requests finished by EOS / stop",
             "requests_finished_length": "Requests finished at max_tokens",
             "requests_finished_abort": "Requests stopped (client gone, stop sequence)",
-            "requests_finished_error": "Requests failed by an engine fault"}
+            "requests_finished_error": "Requests failed by an engine fault",
+            "prefix_cache_queries_total": "Tokens of admitted requests looked up in the prefix cache",
+            "prefix_cache_hits_total": "Tokens served from the prefix cache",
+            "prefix_cache_replayed_tokens_total": "Tokens recomputed by SWA bounded replay after a hit",
+            "prefix_cache_snapshot_hits_total": "Prefix hits that landed on a window snapshot (exact)",
+            "prefix_cache_evictions_total": "Cached blocks taken back for new allocations",
+            "prefix_cache_host_offloads_total": "Cached blocks copied to the host-memory tier",
+            "prefix_cache_host_hits_total": "Cached blocks brought back from the host-memory tier"}
 GAUGES = {"num_requests_running": "Requests in the running batch",
           "num_requests_waiting": "Requests waiting to be scheduled",
           "cache_usage": "Fraction of KV cache blocks in use",
           "spec_mean_accepted_length": "Tokens per verifying request-step (1 + accepted drafts)",
-          "spec_acceptance_rate": "Accepted / verified draft tokens"}
+          "spec_acceptance_rate": "Accepted / verified draft tokens",
+          "prefix_cache_hit_rate": "Prefix cache hits / lookups, in tokens"}
 # multi-GPU engine: the expert placement's balance (Σmax/Σmean of per-rank MoE tokens over the EPLB
 # window, before / after the last rebalance) and, with a `rank` label, each rank's own figures
 PARALLEL_GAUGES = {"moe_load_balance": "Max/mean rank MoE load over the EPLB window (before the last rebalance)",

@@ -40,7 +40,7 @@ class StepOutput:
 
 class ResponseStream:
     def __init__(self, ctx: RequestContext, tokenizer: dr.Tokenizer, options: dr.ConversionOptions | None = None,
-                 token_bytes: TokenBytes | None = None):
+                 token_bytes: TokenBytes | None = None, cached_tokens: int = 0):
         self.ctx = ctx
         self.num_output_tokens = 0
         self.token_bytes = token_bytes          # counts back ids of a character cut off at the end
@@ -51,7 +51,9 @@ class ResponseStream:
         if not ctx.stream and ctx.api != TEXT_API:
             self.response = RESPONSE_CLASSES[ctx.api](ctx.response_id, ctx.model, int(time.time()),
                                                       ctx.prompt_tokens, 0)
-        usage = dr.PromptUsage(prompt_tokens=ctx.prompt_tokens, prompt_cache_hit_tokens=0)
+        # prompt tokens the engine's prefix cache served: the recipe reports them in each API's usage
+        # (prompt_tokens_details.cached_tokens, input_tokens_details.cached_tokens, cache_read_input_tokens)
+        usage = dr.PromptUsage(prompt_tokens=ctx.prompt_tokens, prompt_cache_hit_tokens=min(cached_tokens, ctx.prompt_tokens))
         self._ready = self.processor.push(dr.InferenceChunk.ready(prompt_usage=usage))
 
     @property
@@ -202,7 +204,9 @@ class Postprocessor:
             if ctx.error_status:
                 body = ctx.error_body or error_body(ctx.api, ctx.error_status, ctx.error_message)
                 return _outputs([body], "", ctx.prompt_tokens, 0, "error", ctx.error_status), False
-            self.streams[key] = (ResponseStream(ctx, self.tokenizer, self.options, self.token_bytes), time.monotonic())
+            stream = ResponseStream(ctx, self.tokenizer, self.options, self.token_bytes,
+                                    cached_tokens=int(inputs.get("num_cached_tokens") or 0))
+            self.streams[key] = (stream, time.monotonic())
         entry = self.streams.get(key)
         if entry is None:   # evicted, or the stream already ended on a stop sequence
             return _outputs([], "", inputs.get("num_input_tokens") or 0, inputs.get("num_output_tokens") or 0,

@@ -241,6 +241,8 @@ class Attention(nn.Module):
         plan = meta.plan(ratio)
         if ratio == 1:
             latent = self.compressor.norm(raw[0])                                # [T, D]: one entry per row
+            if plan.member_rows is not None:                                     # replay: only rows >= write_from
+                latent = latent[plan.member_rows[:, 0]]
         else:
             carry_kv, carry_sc = caches.carry_kv[L].flatten(0, 1), caches.carry_score[L].flatten(0, 1)
             if plan.group_seq.numel():

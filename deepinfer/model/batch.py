@@ -33,6 +33,11 @@ class ForwardBatch:
     token_mask: torch.Tensor | None = None   # [T] bool, False inside image spans (Engram dead, VL router bias)
     image_rows: torch.Tensor | None = None   # [n] int64, rows of T inside image spans whose embeddings are image_embeds
     image_embeds: torch.Tensor | None = None # [n, dim] bf16, span embeddings (VisionTower.encode) for those rows
+    # SWA bounded replay (outputs.ReplayParams), None = no sequence replays: per sequence, the first
+    # position whose window key exists (queries never see keys below it) and the first position
+    # whose compressed entries this step may write (the ones below are cached and shared)
+    window_start: torch.Tensor | None = None   # [B] int64 (CPU)
+    write_from: torch.Tensor | None = None     # [B] int64 (CPU)
 
     @property
     def num_seqs(self) -> int:

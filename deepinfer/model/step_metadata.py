@@ -14,6 +14,8 @@ and every query row t gets its own index list into it, in the order the per-sequ
     window list: a chunk starting at 0 uses the prefill layout (valid positions first, pads after,
     w_t = min(n, window)), any other chunk the decode layout (w_t = window, pads first); with
     canonical_layout every chunk uses the decode layout (chunking-invariant numerics).
+    A replaying sequence (ForwardBatch.window_start) lists no key below its window start: those
+    slots are -1 pads (in the decode layout, where pads come first anyway).
 
 Host-side ints (num_seqs, max_q, max_end, group counts) decide every shape. `DecodeStepBuffers`
 is the static form of a pure decode step (CUDA graphs): shapes fixed per padded batch size, every
@@ -75,6 +77,7 @@ class StepMetadata:
     topk: dict = field(default_factory=dict)        # index source layer -> [T, K] entry ids or -1
     candidates: torch.Tensor | None = None          # [T, E] bool from the candidate source
     index_k_owner: np.ndarray | None = None         # [B] quirk emulation: last layer that published index keys
+    write_from: np.ndarray | None = None            # [B] host: no compressed entry below it is written (replay)
     window_pools: dict = field(default_factory=dict)  # ring rows -> window lists in pool rows (window_pool)
     # balanced context parallelism (deepinfer/parallel/cp.py): the rows are this rank's share of one
     # prompt; the fresh region holds EVERY position's latent (gathered per layer), fresh_rows of them
@@ -103,7 +106,9 @@ class StepMetadata:
         seq = np.repeat(np.arange(B), q)                                     # [T]
         pos = np.repeat(starts - cu[:-1], q) + np.arange(T)                  # [T] (== batch.positions)
         wr = int(min(window - 1, starts.max(initial=0)))
-        win_idx, win_len = _window_lists(pos, seq, starts, q, cu, window, wr, canonical_layout)
+        floor = None if batch.window_start is None else batch.window_start.numpy().astype(np.int64)
+        win_idx, win_len = _window_lists(pos, seq, starts, q, cu, window, wr, canonical_layout, floor)
+        write_from = None if batch.write_from is None else batch.write_from.numpy().astype(np.int64)
         ring_pos = starts[:, None] - wr + np.arange(wr)                      # [B, Wr]
         slots = batch.ring_slots.to(dev)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)   # noqa: E731
@@ -116,7 +121,7 @@ class StepMetadata:
                    row_in_seq=to(np.arange(T) - cu[seq]), ring_slots=slots, block_tables=batch.block_tables,
                    ring_width=wr, ring_read=ring_read, win_idx=to(win_idx), win_len=to(win_len),
                    ring_write_rows=write_rows, ring_write=ring_write, last_pos=int(ends.max(initial=1)) - 1,
-                   index_k_owner=np.full(B, index_k_owner, dtype=np.int64))
+                   index_k_owner=np.full(B, index_k_owner, dtype=np.int64), write_from=write_from)
 
     def window_pool(self, ring_rows: int) -> torch.Tensor:
         """win_idx in pool rows of the in-place attention sources (ring [ring_rows, D], then the step's
@@ -134,11 +139,14 @@ class StepMetadata:
 
     def _build_plan(self, ratio: int) -> CompressPlan:
         """Entries completed in this step: group g of sequence i (entry e) covers positions
-        e*ratio .. e*ratio+ratio-1; those before start[i] come from the compressor carry ring."""
+        e*ratio .. e*ratio+ratio-1; those before start[i] come from the compressor carry ring.
+        A replaying sequence completes no entry below write_from[i] (cached, shared: not rewritten)."""
         dev = self.positions.device
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)   # noqa: E731
         first, last = self.starts // ratio, self.ends // ratio               # [B] entries [first, last)
-        counts = last - first
+        if self.write_from is not None:
+            first = np.maximum(first, -(-self.write_from // ratio))
+        counts = np.maximum(last - first, 0)
         gseq = np.repeat(np.arange(self.num_seqs), counts)                    # [G]
         gentry = np.repeat(first, counts) + _ragged_arange(counts)
         member_rows = member_carry = None
@@ -148,6 +156,8 @@ class StepMetadata:
             fresh = mpos >= st
             member_rows = to(np.where(fresh, self.cu[gseq][:, None] + mpos - st, -1))
             member_carry = to(np.where(fresh, -1, mpos % self.ring_len))
+        elif self.write_from is not None:   # ratio 1 with rows skipped: each entry's row
+            member_rows = to((self.cu[gseq] + gentry - self.starts[gseq])[:, None])
         return CompressPlan(num_entries=int(last.max(initial=0)), lens=to((self.positions_host + 1) // ratio),
                             group_seq=to(gseq), group_entry=to(gentry), member_rows=member_rows,
                             member_carry=member_carry, seqs_with_new=counts > 0)
@@ -311,8 +321,9 @@ def _put(dst: np.ndarray, src, pad: int) -> None:
     dst[n:] = pad
 
 
-def _window_lists(pos, seq, starts, q, cu, window: int, wr: int, canonical: bool = False):
-    """[T, Lw] window lists in buffer coords (ring region first, then fresh rows) and their widths."""
+def _window_lists(pos, seq, starts, q, cu, window: int, wr: int, canonical: bool = False, floor=None):
+    """[T, Lw] window lists in buffer coords (ring region first, then fresh rows) and their widths.
+    floor [B] (replay): keys below floor[seq] are not listed."""
     s, n = starts[seq], q[seq]
     prefill = (s == 0) & (not canonical)
     w = np.where(prefill, np.minimum(n, window), window)
@@ -321,6 +332,8 @@ def _window_lists(pos, seq, starts, q, cu, window: int, wr: int, canonical: bool
     base = np.where(prefill, np.maximum(0, pos - window + 1), pos - window + 1)
     kpos = base[:, None] + j                                                 # [T, Lw] key positions
     ok = (j < w[:, None]) & np.where(prefill[:, None], kpos <= pos[:, None], kpos >= 0)
+    if floor is not None:
+        ok &= kpos >= floor[seq][:, None]
     ring = seq[:, None] * wr + kpos - (s[:, None] - wr)
     fresh = len(starts) * wr + cu[seq][:, None] + kpos - s[:, None]
     idx = np.where(ok, np.where(kpos < s[:, None], ring, fresh), -1)

@@ -24,6 +24,10 @@ picks, over the whole batch, the prefix each request verifies (_plan_drafts). Th
 request's spec_token_ids, scheduled after its last token as far as the budget allows, then lowered
 by the rejected ones (_advance).
 
+Prefix caching (`prefix`, sched/prefix_admission.py) hooks in at four points: a waiting request's
+admission may start past a cached prefix (or wait for a block another request computes), blocks
+are registered after each step, and an ending request leaves a window snapshot.
+
 The scheduler never sees tensors; what the runner must do is a value in the SchedulerOutput.
 """
 
@@ -34,7 +38,7 @@ from collections import deque
 
 from deepinfer.cache.kv_cache_manager import KVCacheManager
 from deepinfer.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput,
-                               SchedulerOutput)
+                               SchedulerOutput, SnapshotCopy)
 from deepinfer.request import FINISH_REASONS, Request, RequestStatus
 from deepinfer.spec.draft_book import DraftBook
 from deepinfer.spec.policy import VerifyAllPolicy
@@ -43,13 +47,15 @@ from deepinfer.stats import EngineStats
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 kv_cache: KVCacheManager, stats: EngineStats | None = None, spec_policy=None) -> None:
+                 kv_cache: KVCacheManager, stats: EngineStats | None = None, spec_policy=None,
+                 prefix=None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv_cache = kv_cache
         self.stats = stats or EngineStats()
         self.draft_book = DraftBook(spec_policy or VerifyAllPolicy())   # spec_policy None: verify all drafts
+        self.prefix = prefix                     # PrefixCaching (sched/prefix_admission.py); None = off
         self.requests: dict[str, Request] = {}   # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # admission order = priority order
@@ -62,6 +68,8 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.stats.inc("prompt_tokens_total", req.num_prompt_tokens)
+        if self.prefix is not None:
+            self.prefix.on_add(req)
 
     def finish_requests(self, req_ids, status: RequestStatus, error: str | None = None) -> list[RequestOutput]:
         """Finish (abort, fail) requests at any moment: caches freed now, a final output each."""
@@ -77,7 +85,7 @@ class Scheduler:
                 self.waiting.remove(req)
             self._finish(req, status)
             outs.append(RequestOutput(req_id, [], req.finish_reason, req.num_prompt_tokens,
-                                      req.num_output_tokens, error=error))
+                                      req.num_output_tokens, error=error, num_cached_tokens=req.num_cached_tokens or 0))
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -96,10 +104,14 @@ class Scheduler:
         out = SchedulerOutput([], [], {}, 0, finished_req_ids=self._finished_for_runner)
         self._finished_for_runner = set()
         self._plan_drafts()
+        if self.prefix is not None:
+            out.snapshot_saves = self.prefix.take_saves()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        if self.kv_cache.host is not None:
+            out.block_copies = self.kv_cache.take_block_copies()
         self.stats.inc("computed_tokens_total", out.total_num_scheduled_tokens)
         return out
 
@@ -144,6 +156,8 @@ class Scheduler:
                 return None
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        if self.prefix is not None:
+            self.prefix.on_release(req)
         self.kv_cache.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -156,25 +170,59 @@ class Scheduler:
         self.stats.inc("preemptions_total")
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        deferred = []   # waiting for a block a running request computes (prefix caching)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            num_new = self._num_new_tokens(req, budget)
-            if num_new == 0 or not req.images_ready:   # its next span does not fit / its images still encode
+            # prefix hits for text prompts only (image content hashes are not in the block keys yet)
+            hit = (self.prefix.plan_hit(req) if self.prefix is not None and req.num_computed_tokens == 0
+                   and req.image_prompt is None else None)
+            if hit is not None and hit.wait:
+                deferred.append(self.waiting.popleft())
+                continue
+            if not req.images_ready:        # its images are still being encoded
                 break
-            new_blocks = self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new)
+            new_blocks = self._admit(req, hit, budget)
             if new_blocks is None:
                 break
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            out.new_reqs.append(NewRequestData(
-                req.request_id, list(req.all_token_ids), req.num_prompt_tokens, req.num_computed_tokens,
-                req.sampling_params, list(self.kv_cache.block_ids[req.request_id]),
-                self.kv_cache.ring_slot[req.request_id], req.forced_token_ids, req.return_logits,
-                req.image_prompt))
+            out.new_reqs.append(self._new_request_data(req, hit))
+            num_new = self._num_new_tokens(req, budget)
             self._record(req, num_new, out)
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _admit(self, req: Request, hit, budget: int) -> list[int] | None:
+        """Blocks for the request's first step (starting past its prefix hit, if any); None = no room."""
+        if hit is not None:
+            req.num_computed_tokens = hit.start
+        num_new = self._num_new_tokens(req, budget)
+        new_blocks = None
+        if num_new > 0:                       # 0: its next image span does not fit this step's budget
+            new_blocks = self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
+                                                      cached_blocks=hit.blocks if hit is not None else None)
+        if new_blocks is None:
+            if hit is not None:
+                req.num_computed_tokens = 0
+            return None
+        if self.prefix is not None:
+            self.prefix.admitted(req, hit)
+        return new_blocks
+
+    def _new_request_data(self, req: Request, hit) -> NewRequestData:
+        rid = req.request_id
+        table, slot = self.kv_cache.block_ids[rid], self.kv_cache.ring_slot[rid]
+        replay = restore = None
+        if hit is not None and hit.replay is not None:
+            replay = hit.replay
+        if hit is not None and hit.snapshot_slot is not None:
+            j, partial = divmod(hit.start, self.kv_cache.block_tokens)
+            restore = SnapshotCopy(hit.snapshot_slot, slot, table[j] if partial else -1)
+        return NewRequestData(rid, list(req.all_token_ids), req.num_prompt_tokens, req.num_computed_tokens,
+                              req.sampling_params, list(table), slot, req.forced_token_ids, req.return_logits,
+                              image_prompt=req.image_prompt, replay=replay, restore=restore)
 
     def _record(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[req.request_id] = num_new
@@ -209,7 +257,10 @@ class Scheduler:
             elif runner_out.draft_token_ids is not None:
                 self._take_drafts(req, runner_out, i)
             outputs.append(RequestOutput(req_id, new_ids, req.finish_reason, req.num_prompt_tokens,
-                                         req.num_output_tokens, logprobs, logits))
+                                         req.num_output_tokens, logprobs, logits,
+                                         num_cached_tokens=req.num_cached_tokens or 0))
+        if self.prefix is not None:
+            self.prefix.after_step(self.running)
         return outputs
 
     def _advance(self, req: Request, sched_out: SchedulerOutput, sampled: list[int]) -> None:
@@ -262,6 +313,11 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.draft_book.drop(req.request_id)
+        if self.prefix is not None:
+            self.prefix.on_release(req)
+            self.prefix.on_finish(req, ended_normally=status in (RequestStatus.FINISHED_STOPPED,
+                                                                 RequestStatus.FINISHED_LENGTH),
+                                  failed=status == RequestStatus.FINISHED_ERROR)
         self.kv_cache.free(req.request_id)
         del self.requests[req.request_id]
         self.stats.inc(f"requests_finished_{FINISH_REASONS[status]}")

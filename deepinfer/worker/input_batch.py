@@ -7,6 +7,10 @@ Request copies, so building a step is a handful of numpy gathers, not a Python l
     cu_seqlens = [0, 4, 5, 7]
     positions  = [0 1 2 3 | 9 | 5 6]         = repeat(start - cu[:-1], q) + arange(T)
     input_ids  = token_ids[repeat(rows, q), positions]
+
+A request admitted on a prefix hit by bounded replay (outputs.ReplayParams) keeps two per-row
+values, window_start and write_from, sent with every step until its rows are past them (then they
+change nothing and the step takes the plain path, CUDA graphs included).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from deepinfer.sampling_params import SamplingParams
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_req: int, ngram_width: int) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_req: int, ngram_width: int,
+                 window: int = 128) -> None:
         self.max_num_seqs = max_num_seqs
+        self.window = window
         self.ngram_width = ngram_width                      # max_ngram_size - 1 previous tokens
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 16), dtype=np.int64)  # + room for drafts
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)     # known tokens per row
@@ -30,6 +36,8 @@ class InputBatch:
         self.block_table = np.full((max_num_seqs, max_blocks_per_req), -1, dtype=np.int64)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.ring_slot = np.zeros(max_num_seqs, dtype=np.int64)
+        self.window_start = np.zeros(max_num_seqs, dtype=np.int64)   # replay: first existing window key
+        self.write_from = np.zeros(max_num_seqs, dtype=np.int64)     # replay: first compressed entry to write
         self.params: list[SamplingParams | None] = [None] * max_num_seqs
         self.sampling_state: list = [None] * max_num_seqs            # Sampler's SamplingState per row
         self.needs_sampler = np.zeros(max_num_seqs, dtype=bool)      # not plain greedy argmax
@@ -60,6 +68,7 @@ class InputBatch:
         if self.has_images[row]:
             self.token_types[row] = -1
             self.has_images[row] = False
+        self.window_start[row] = self.write_from[row] = 0
         self._free_rows.append(row)
 
     def add(self, new: NewRequestData) -> None:
@@ -74,6 +83,8 @@ class InputBatch:
         self.block_table[row, :nb] = new.block_ids
         self.num_blocks[row] = nb
         self.ring_slot[row] = new.ring_slot
+        if new.replay is not None:
+            self.window_start[row], self.write_from[row] = new.replay.replay_start, new.replay.hit
         self.params[row] = new.sampling_params
         self.needs_sampler[row] = needs_sampler(new.sampling_params)
         if new.forced_token_ids is not None:
@@ -130,12 +141,15 @@ class InputBatch:
         logits_indices = np.repeat(ends - num_logits, num_logits) + _ragged_arange(num_logits)
         max_nb = max(int(self.num_blocks[rows].max()), 1)
         to = lambda a: torch.from_numpy(a).to(device, non_blocking=True)   # noqa: E731
+        replaying = self._replaying(rows, start).any()
         batch = ForwardBatch(
             input_ids=to(input_ids), positions=to(positions),
             cu_seqlens=torch.from_numpy(cu), start_pos=torch.from_numpy(start),
             ngram_history=to(hist), ring_slots=to(self.ring_slot[rows]),
             block_tables=to(np.ascontiguousarray(self.block_table[rows, :max_nb])),
-            logits_indices=to(logits_indices))
+            logits_indices=to(logits_indices),
+            window_start=torch.from_numpy(self.window_start[rows]) if replaying else None,
+            write_from=torch.from_numpy(self.write_from[rows]) if replaying else None)
         if self.has_images[rows].any():      # False inside image spans: VL router bias, Engram dead
             batch.token_mask = to(self.token_types[rows_rep, positions] < 0)
         if prev_sampled is not None and pending.any():
@@ -154,7 +168,15 @@ class InputBatch:
         pending = self.pending_index[rows] >= 0
         if (start == 0).any() or (start + 1 < self.num_tokens[rows] + pending).any():
             return None
+        if self._replaying(rows, start).any():
+            return None
         return rows
+
+    def _replaying(self, rows: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """[B] bool: a replay rule can still matter for a step starting at `start` (a window key
+        below window_start is in reach, or a compressed entry below write_from is not yet behind)."""
+        ws = self.window_start[rows]
+        return ((ws > 0) & (start - self.window + 1 < ws)) | (start < self.write_from[rows])
 
     def decode_inputs(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """Host arrays of a pure decode step (DecodeStepBuffers.fill's arguments). pending_src: index

@@ -26,6 +26,12 @@ are copied back asynchronously) and resolve() (step 4). Between them the engine 
 launches the next step, whose tokens that are not yet known on the host are gathered from the
 previous step's device-side samples (InputBatch.pending_index). execute() = resolve(launch()).
 
+Prefix caching asks two things of the runner, both values in the SchedulerOutput: window snapshots
+(cache/snapshot_store.py) are saved out of ended requests' ring slots before anything else of a
+step runs, and restored into a new request's ring slot before its first forward; and a request
+admitted by bounded replay carries its ReplayParams into the InputBatch, which hands the model the
+window floor and the write floor (model/step_metadata.py applies them).
+
 CUDA graphs (graph_sizes, worker/graph_step.py): a pure decode step (every request runs its next
 token, no drafts) that a captured size holds replays the captured forward instead of step 3;
 everything else (prefill chunks, mixed steps, verification) runs eagerly.
@@ -75,7 +81,8 @@ class _SpecInputs:
 class ModelRunner:
     def __init__(self, model, caches, device: torch.device, max_num_seqs: int, max_model_len: int,
                  block_tokens: int, ngram_width: int = 3, sampler=None, batch_invariant: bool = False,
-                 proposer=None, graph_sizes: tuple[int, ...] = (), graph_max_len: int = 8192) -> None:
+                 proposer=None, graph_sizes: tuple[int, ...] = (), graph_max_len: int = 8192,
+                 num_snapshot_slots: int = 0, num_host_slots: int = 0) -> None:
         self.model = model
         self.proposer = proposer      # deepinfer.spec.DSparkProposer; None = no drafts
         self.batch_invariant = batch_invariant   # torch path: row-by-row GEMMs (kernels/batch_invariant.py)
@@ -83,7 +90,15 @@ class ModelRunner:
         self.caches = caches
         self.device = torch.device(device)
         max_blocks = -(-(max_model_len + 16) // block_tokens)
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks, ngram_width)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks, ngram_width, window=caches.ring_len // 2)
+        self.snapshots = None         # SnapshotStore: window state of ended requests (prefix caching)
+        if num_snapshot_slots:
+            from deepinfer.cache.snapshot_store import SnapshotStore
+            self.snapshots = SnapshotStore(caches, num_snapshot_slots)
+        self.host_blocks = None       # HostBlockStore: the prefix cache's host-memory tier
+        if num_host_slots:
+            from deepinfer.cache.host_tier import HostBlockStore
+            self.host_blocks = HostBlockStore(caches, num_host_slots)
         self._prev_sampled: torch.Tensor | None = None   # [N] device samples of the last launched step
         self._launch_seq = 0
         self.images = None            # ImageEmbeds: span embeddings of the requests' images (vision checkpoints)
@@ -104,11 +119,16 @@ class ModelRunner:
     def launch(self, sched_out: SchedulerOutput, precomputed: dict[str, int] | None = None) -> _InFlight | None:
         """precomputed: req_id -> leading scheduled tokens already in the caches (a balanced-CP prefill,
         deepinfer/parallel/cp.py, ran them on every rank just before): only the rest runs here."""
+        for save in sched_out.snapshot_saves:      # before this step reuses their slots and blocks
+            self.snapshots.save(save.ring_slot, save.tail_block, save.snapshot_slot)
+        for copy in sched_out.block_copies:        # in decision order: an offload before its block's reuse
+            if copy.kind == "offload":
+                self.host_blocks.offload(copy.block, copy.host_slot)
+            else:
+                self.host_blocks.onload(copy.host_slot, copy.block)
         self._update_states(sched_out)
         if sched_out.is_empty:
             return None
-        if sched_out.replays:
-            raise NotImplementedError("SWA bounded replay (ReplayParams) is not executed yet")
         ib = self.input_batch
         req_ids = list(sched_out.num_scheduled_tokens)
         q_lens = np.fromiter(sched_out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
@@ -246,6 +266,8 @@ class ModelRunner:
                 if self.images is None:
                     raise ValueError(f"request {new.req_id} has images but the checkpoint has no vision tower")
                 self.images.add(new.req_id, new.image_prompt)
+            if new.restore is not None:
+                self.snapshots.restore(new.restore.snapshot_slot, new.restore.ring_slot, new.restore.tail_block)
         for diff in sched_out.cached_reqs:
             self.input_batch.update(diff)
         if self.images is not None:

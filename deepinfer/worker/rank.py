@@ -61,11 +61,14 @@ def model_overrides(args: EngineArgs) -> dict:
 def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str | None = None) -> RankRuntime:
     """Load the model (this rank's experts only when `parallel` splits them), size and allocate the
     caches, and build the runner."""
+    from deepinfer.cache.host_tier import num_host_slots
+    from deepinfer.cache.snapshot_store import check_replay_tokens, num_snapshot_slots
     from deepinfer.model.loader import load_model
     from deepinfer.worker.graph_step import graph_sizes
     from deepinfer.worker.loading import allocate_caches, cache_bytes_per_block, torch_dtype
     device = device or args.resolved_device()
     torch_dtype(args.dtype)
+    check_replay_tokens(args, facts.model_args)
     model = load_model(args.checkpoint, device=device, progress=parallel is not None and parallel.rank == 0,
                        parallel=parallel, load_format=args.load_format,
                        # EPLB moves experts between ranks' stacks: keep one scale form in all of them
@@ -94,7 +97,9 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     runner = ModelRunner(model, caches, device, args.max_num_seqs, max_model_len, args.block_tokens,
                          ngram_width=max(model_args.engram_max_ngram_size - 1, 0), sampler=sampler,
                          batch_invariant=args.batch_invariant, proposer=proposer, graph_sizes=sizes,
-                         graph_max_len=args.max_seq_len_to_capture)
+                         graph_max_len=args.max_seq_len_to_capture,
+                         num_snapshot_slots=num_snapshot_slots(args, model_args),
+                         num_host_slots=num_host_slots(args, model_args))
     return RankRuntime(device, model, caches, runner, sampler, num_blocks, max_model_len, sizes, async_scheduling)
 
 
