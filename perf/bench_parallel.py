@@ -331,12 +331,12 @@ def plot_cp(path: str, res: dict, a, cores: int, cuda: bool) -> None:
                                       (((1, False), "1 rank"), ((n, False), "no CP")) if k in res)
                     ax.annotate(note, (n, t), textcoords="offset points", xytext=(-40, 8), fontsize=7)
     ax.set_xticks(sorted({n for n, _ in res}))
-    ax.set_ylim(0, None)
+    ax.set_ylim(0, 1.25 * max(r["seconds"] for r in res.values()))
     ax.set_xlabel("ranks")
     ax.set_ylabel(f"prefill seconds, one {a.prompt_len}-token prompt")
-    where = "H200" if cuda else f"CPU, {cores} cores shared"
+    where = "H200" if cuda else f"CPU: {os.cpu_count()}-core host, max(1, {cores} // N) threads per rank"
     ax.set_title(f"Balanced context parallelism ({where})", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
