@@ -104,10 +104,16 @@ def _params(n: int) -> list[SamplingParams]:
 
 @pytest.fixture(scope="module")
 def one_rank_tokens(tmp_path_factory):
+    import torch
     ckpt = build_fixture("v41-tiny", tmp_path_factory)
     prompts = _prompts(ckpt)
-    llm = LLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=1024, batch_invariant=True, device="cpu")
-    return [o.token_ids for o in llm.generate(prompts, _params(len(prompts)))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)             # as the rank workers run (OpenMP threads on a busy host stall)
+    try:
+        llm = LLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=1024, batch_invariant=True, device="cpu")
+        return [o.token_ids for o in llm.generate(prompts, _params(len(prompts)))]
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("ranks,extra", [(2, {}), (4, {}), (2, {"expert_parallel": False, "async_scheduling": True})])
