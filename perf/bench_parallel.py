@@ -219,10 +219,21 @@ def cp_llm(ckpt: str, n: int, cp: bool, a, cuda: bool):
     max_len = -(-(a.prompt_len + 64) // BLOCK_TOKENS) * BLOCK_TOKENS
     kw = dict(data_parallel_size=n, context_parallel_size=n if cp else 1, cp_min_prompt_tokens=1,
               max_num_seqs=4, max_num_batched_tokens=a.prompt_len + 8, max_model_len=max_len,
-              block_tokens=BLOCK_TOKENS, num_cache_blocks=None if cuda else 4 * max_len // BLOCK_TOKENS + 8)
+              block_tokens=BLOCK_TOKENS, num_cache_blocks=4 * max_len // BLOCK_TOKENS + 8)   # the rest: activations
     if cuda:
         return LLM(ckpt, device="cuda", load_format="dummy", enforce_eager=True, **kw)
     return LLM(ckpt, device="cpu", worker_threads=max(1, (a.threads or os.cpu_count() or 1) // n), **kw)
+
+
+def cp_fits(cfg_dir: str, n: int, a) -> bool:
+    """deepinfer-plan's verdict for n GPUs holding the config with the CP run's cache (printed)."""
+    from deepinfer.model.args import ModelArgs
+    from deepinfer.parallel.planner import plan_memory
+    plan = plan_memory(ModelArgs.from_checkpoint(cfg_dir), num_gpus=n, gpu_memory_bytes=gpu_memory_bytes(a),
+                       engram_placement="sharded" if n > 1 else "device", max_model_len=a.prompt_len + 64,
+                       max_num_seqs=4, block_tokens=BLOCK_TOKENS)
+    print(f"  {n} GPU(s): deepinfer-plan: {plan.message()}")
+    return plan.fits
 
 
 def cp_round(llm, prompt) -> float:
@@ -251,7 +262,8 @@ def run_cp(a) -> None:
             src = Path(a.config) if a.config else release_config_dir()
             ckpt = str(bench_config(src, Path(tmp) / "config", a.num_layers, a.engram_vocab_size)[0])
             num_gpus = torch.cuda.device_count()
-            runs = [(n, cp) for n, cp in runs if n <= num_gpus]
+            fits = {n: cp_fits(ckpt, n, a) for n in a.ranks}
+            runs = [(n, cp) for n, cp in runs if n <= num_gpus and fits[n]]
         else:
             ckpt = a.checkpoint or default_checkpoint(Path(tmp), a.preset)
         print(f"checkpoint={Path(ckpt).name} device={a.device} prompt_len={a.prompt_len} repeat={a.repeat} "
@@ -314,16 +326,17 @@ def plot_cp(path: str, res: dict, a, cores: int, cuda: bool) -> None:
         if pts:
             ax.plot([n for n, _ in pts], [t for _, t in pts], style, label=label)
             for n, t in pts:
-                if cp and (1, False) in res:
-                    ax.annotate(f"{res[(1, False)]['seconds'] / t:.2f}x", (n, t), textcoords="offset points",
-                                xytext=(5, 5), fontsize=8)
+                if cp and n > 1:     # CP against 1 rank, and against the same ranks without CP
+                    note = " / ".join(f"{res[k]['seconds'] / t:.2f}x {what}" for k, what in
+                                      (((1, False), "1 rank"), ((n, False), "no CP")) if k in res)
+                    ax.annotate(note, (n, t), textcoords="offset points", xytext=(-40, 8), fontsize=7)
     ax.set_xticks(sorted({n for n, _ in res}))
-    ax.set_ylim(0, None)
+    ax.set_ylim(0, 1.25 * max(r["seconds"] for r in res.values()))
     ax.set_xlabel("ranks")
     ax.set_ylabel(f"prefill seconds, one {a.prompt_len}-token prompt")
-    where = "H200" if cuda else f"CPU, {cores} cores shared"
+    where = "H200" if cuda else f"CPU: {os.cpu_count()}-core host, max(1, {cores} // N) threads per rank"
     ax.set_title(f"Balanced context parallelism ({where})", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

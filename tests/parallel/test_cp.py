@@ -104,10 +104,16 @@ def _params(n: int) -> list[SamplingParams]:
 
 @pytest.fixture(scope="module")
 def one_rank_tokens(tmp_path_factory):
+    import torch
     ckpt = build_fixture("v41-tiny", tmp_path_factory)
     prompts = _prompts(ckpt)
-    llm = LLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=1024, batch_invariant=True, device="cpu")
-    return [o.token_ids for o in llm.generate(prompts, _params(len(prompts)))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)             # as the rank workers run (OpenMP threads on a busy host stall)
+    try:
+        llm = LLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=1024, batch_invariant=True, device="cpu")
+        return [o.token_ids for o in llm.generate(prompts, _params(len(prompts)))]
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("ranks,extra", [(2, {}), (4, {}), (2, {"expert_parallel": False, "async_scheduling": True})])
@@ -153,3 +159,59 @@ def test_cp_tokens_equal_one_rank_and_decode_stays_on_owner(ranks, extra, one_ra
     assert len({o for _, o, _ in dps.cp_prefills}) > 1                            # owners spread over ranks
     assert all(p["num_cp_prefills"] == len(prompts) for p in pings)
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == one_rank_tokens
+
+
+# ---- the model hook, in process (one rank: the CP share is every position) -------------------------
+def cp_share_matches_plain_prefill(ckpt, device: str, backend: str) -> None:
+    """prefill_share over a 1-rank group (its rows: both mirror chunks = every position, through the
+    CP metadata, the per-layer gathers and the two-chunk Engram history) leaves exactly the caches a
+    plain prefill leaves, and the prompt's last token then gets the same logits from both."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from deepinfer.model.batch import ForwardBatch
+    from deepinfer.model.loader import load_model
+    from deepinfer.parallel.cp import CPShare, prefill_share
+    from deepinfer.worker.loading import allocate_caches
+    tokens = np.asarray(_prompts(ckpt)[1], dtype=np.int64)                      # 300 tokens
+    n = len(tokens) - 1
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)         # as the rank workers run (OpenMP threads on a busy host stall)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = load_model(ckpt, device, progress=False)
+        width = model.args.engram_max_ngram_size - 1
+        blocks, slot = list(range(5)), 1
+        caches = [allocate_caches(model.args, 2, 6, 64, device, "bfloat16") for _ in range(2)]
+        dev = torch.device(device)
+
+        def batch(start: int, ids: np.ndarray) -> ForwardBatch:
+            hist = [tokens[p] if p >= 0 else -1 for p in range(start - width, start)]
+            return ForwardBatch(input_ids=torch.from_numpy(ids).to(dev),
+                                positions=torch.arange(start, start + len(ids), device=dev),
+                                cu_seqlens=torch.tensor([0, len(ids)]), start_pos=torch.tensor([start]),
+                                ngram_history=torch.tensor([hist], device=dev), ring_slots=torch.tensor([slot], device=dev),
+                                block_tables=torch.tensor([blocks], device=dev),
+                                logits_indices=torch.tensor([len(ids) - 1], device=dev))
+        with torch.inference_mode():
+            model(batch(0, tokens[:n]), caches[0])
+            prefill_share(model, caches[1], CPShare("r", 0, 0, 1, tokens[:n], blocks, slot))
+            for kind in ("window_kv", "carry_kv", "carry_score", "compressed_kv", "index_k"):
+                a, b = getattr(caches[0], kind), getattr(caches[1], kind)
+                for key in (range(len(a)) if isinstance(a, list) else a):
+                    assert torch.equal(a[key], b[key]), (kind, key)
+            last = [model(batch(n, tokens[n:]), c).logits for c in caches]
+        assert torch.equal(last[0], last[1])
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def test_cp_share_matches_plain_prefill_on_cpu(tmp_path_factory):
+    cp_share_matches_plain_prefill(build_fixture("v41-tiny", tmp_path_factory), "cpu", "gloo")

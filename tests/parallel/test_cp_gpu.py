@@ -33,3 +33,10 @@ def test_cp_prefill_on_gpus_passes_check_parity(fixture_name, ranks, tmp_path, t
         engine.shutdown()
     assert len(cp) >= 4 and {n for _, _, n in cp} == {299, 694}, cp
     check_copies(logits, expected, ckpt, tmp_path, f"16 requests over {ranks} GPUs, long prompts with CP")
+
+
+def test_cp_share_matches_plain_prefill_on_cuda(tmp_path_factory):
+    """One GPU: the CP share's metadata through the CUDA kernels (in-place attention, Triton indexer)
+    leaves the plain prefill's caches and logits (tests/parallel/test_cp.py has the CPU twin)."""
+    from tests.parallel.test_cp import cp_share_matches_plain_prefill
+    cp_share_matches_plain_prefill(build_fixture("v41-tiny", tmp_path_factory), "cuda", "nccl")
