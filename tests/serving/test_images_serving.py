@@ -139,7 +139,8 @@ def test_same_image_batched_equals_alone(server):
             out[i] = list(client.stream(api_inputs(api, body(api, stream=False))))
     alone = {}
     run(alone, 0)
-    pair, threads = {}, [threading.Thread(target=run, args=(pair, i)) for i in range(2)]
+    pair = {}
+    threads = [threading.Thread(target=run, args=(pair, i)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
