@@ -138,3 +138,19 @@ def test_clip_to_spans():
     assert req.clip_to_spans(3, 9) == 9          # span 1 + the text token; 12 starts span 2 (not cut)
     assert req.clip_to_spans(3, 12) == 9         # would cut span 2
     assert req.clip_to_spans(11, 100) == 100
+
+
+def test_images_on_two_ranks_give_the_tokens_of_one(llm, tiny_checkpoint):
+    """Attention data parallel (gloo rank workers): the ImagePrompt travels to the rank that runs the
+    request, whose runner encodes it; tokens equal the one-rank engine's under batch_invariant."""
+    from deepinfer.llm import LLM
+    a, b = png(200, 120, 11), png(90, 160, 12)
+    prompts, images = [PROMPT, [0, 7, IMG, 8]], [[a], [b]]
+    ref = llm.generate(prompts, GREEDY, images=images)
+    dp = LLM(str(tiny_checkpoint), max_num_seqs=4, max_num_batched_tokens=64, num_cache_blocks=48, block_tokens=16,
+             max_model_len=256, batch_invariant=True, data_parallel_size=2, worker_threads=1, device="cpu")
+    try:
+        outs = dp.generate(prompts, GREEDY, images=images)
+    finally:
+        dp.engine.shutdown()
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]

@@ -312,3 +312,25 @@ def _first_stream(m, ip, span):
         block_tables=torch.tensor([[0, 1, 2, 3]]), logits_indices=torch.tensor([T - 1]), token_mask=types < 0,
         image_rows=torch.arange(s, e), image_embeds=span)
     return m(batch, caches, dump_hidden=True).hidden[0]
+
+
+def test_loader_maps_the_release_names(tiny_vision_model, tiny_checkpoint):
+    """vision.* -> vision_tower.vit.*, aligner.* -> vision_tower.aligner.*, image_* -> vision_tower.image_*,
+    with the checkpoint's values; a text-only config builds no tower."""
+    from safetensors import safe_open
+    from deepinfer.model.args import ModelArgs
+    tower = tiny_vision_model.vision_tower
+    names = {"vision.blocks.1.mlp.w2.weight": tower.vit.blocks[1].mlp.w2.weight,
+             "vision.patch_embed.proj.bias": tower.vit.patch_embed.proj.bias,
+             "vision.norm.weight": tower.vit.norm.weight, "aligner.w1.bias": tower.aligner.w1.bias,
+             "aligner.w2.weight": tower.aligner.w2.weight, "image_newline": tower.image_newline}
+    shard = next(tiny_checkpoint.glob("model-*.safetensors"))
+    with safe_open(str(shard), "pt") as f:
+        for name, buf in names.items():
+            assert torch.equal(f.get_tensor(name).float(), buf.float()), name
+    cfg = ModelArgs.from_checkpoint(tiny_checkpoint)
+    assert cfg.vision.n_layers == 2 and cfg.vision.dim == 64
+    import json
+    hf = json.loads((tiny_checkpoint / "config.json").read_text())
+    hf.pop("vision_config")
+    assert ModelArgs.from_hf_config(hf).vision is None

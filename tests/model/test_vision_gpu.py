@@ -57,6 +57,6 @@ def test_engine_images_on_cuda(cuda, tiny_checkpoint):
     assert both[0].token_ids == both[1].token_ids == alone
     assert both[2].token_ids != alone
     fast = LLM(str(tiny_checkpoint), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512)   # graphs, async
-    outs = fast.generate([prompt] * 4, sp, images=[[a]] * 4)
-    assert all(len(o.token_ids) == 8 for o in outs)
-    assert all(o.token_ids == outs[0].token_ids for o in outs)
+    outs = fast.generate([prompt] * 4 + [[0, 129264]], sp, images=[[a]] * 4 + [[b]])
+    assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in outs)
+    assert fast.engine.image_encoder.num_passes == 1 and fast.engine.image_encoder.num_encoded == 2

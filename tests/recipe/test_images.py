@@ -179,3 +179,12 @@ def test_private_urls_are_refused_when_urls_are_on(tiny_checkpoint):
         p = prepare(on, chat(chat_image(url)))
         assert p.rejected and p.context.error_status == 400
         assert "private or local address" in json.loads(p.context.error_body)["error"]["message"]
+
+
+def test_total_image_bytes_limit(tiny_checkpoint):
+    small = Preprocessor(tiny_checkpoint / "tokenizer.json", 4096, prepare_image=checkpoint_image_preparer(tiny_checkpoint),
+                         image_limits=ImageLimits(max_bytes=5000))
+    data = png(64, 64)                                    # ~12 KB of noise as PNG
+    p = prepare(small, chat(chat_image(data_url(data))))
+    assert p.rejected and p.context.error_status == 400
+    assert f"images are {len(data)} bytes in all, over the limit of 5000" in json.loads(p.context.error_body)["error"]["message"]

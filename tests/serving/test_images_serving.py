@@ -126,3 +126,24 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(oai, claude):
         claude.messages.create(**{k: v for k, v in msgs.items() if k != "stream"})
     ok = oai.chat.completions.create(**{k: v for k, v in body("chat.completions", False).items() if k != "stream"})
     assert ok.usage.completion_tokens == MAX_TOKENS
+
+
+def test_same_image_batched_equals_alone(server):
+    """Two requests with the same image at once (one engine batch) answer what one alone does (the
+    session server runs batch_invariant; same seed)."""
+    import threading
+    api = "chat.completions"
+
+    def run(out, i):
+        with GrpcClient(server.grpc_url) as client:
+            out[i] = list(client.stream(api_inputs(api, body(api, stream=False))))
+    alone = {}
+    run(alone, 0)
+    pair = {}
+    threads = [threading.Thread(target=run, args=(pair, i)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    texts = [summary(api, complete(api, r[0]["response"][0]))[:2] for r in (alone[0], pair[0], pair[1])]
+    assert texts[0] == texts[1] == texts[2]

@@ -74,6 +74,20 @@ class ImageInput:
     def span_len(self) -> int:
         return self.plan.span_len
 
+    def __getstate__(self) -> dict:
+        """Patches pickle by value (bf16 bits as int16): the engine hands requests to rank worker
+        processes over plain pipes, where torch's shared-memory tensor pickling does not reach."""
+        state = dict(self.__dict__)
+        p = self.patches.detach().cpu()
+        state["patches"] = (p.view(torch.int16).numpy() if p.dtype == torch.bfloat16 else p.numpy(), str(p.dtype))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        arr, dtype = state["patches"]
+        t = torch.from_numpy(arr)
+        state["patches"] = t.view(torch.bfloat16) if dtype == str(torch.bfloat16) else t
+        self.__dict__.update(state)
+
 
 def num_image_tokens(n_llm_h: int, n_llm_w: int) -> int:
     return n_llm_h * (n_llm_w + 1) + 2

@@ -29,6 +29,10 @@ class ImagePrompt:
     embeds: list | None = None       # [span_len, dim] per image, on the device
     event: object | None = None      # CUDA event after the encode (None: done synchronously)
 
+    def __getstate__(self) -> dict:
+        """To a rank worker: the images, not this process's device embeddings (the worker encodes)."""
+        return {**self.__dict__, "encoding": False, "embeds": None, "event": None}
+
     @property
     def ready(self) -> bool:
         """May the scheduler run this prompt's tokens? (no early encode asked, or it has finished)"""
