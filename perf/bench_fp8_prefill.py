@@ -7,7 +7,8 @@ release numbers, a speed reference), torch's bf16 matmul, and the FP8 / bf16 pea
 
 Shapes: the full-width layer's dense FP8 linears at M tokens (wq_a+wkv fused 1280+512 x 5120, wq_b
 32768 x 1280, wo_b 5120 x 8192, the shared expert 4608 x 5120 and 5120 x 2304, the indexer's wq_b
-4096 x 1280), and the routed experts (48 local, top-6 of 384: M * 6 / 8 pairs on this GPU's share).
+4096 x 1280), and the routed experts (48 local of 384, top-6: at EP8 each GPU's experts receive as many
+pairs as its own M tokens pick, M * 6, about 128 * M / 1024 rows per expert).
 """
 
 from __future__ import annotations
@@ -86,12 +87,13 @@ def dense_rows(m: int, sweep: bool, peaks: dict) -> list[dict]:
 
 
 def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, inter: int = 2304) -> dict:
-    """One layer's routed experts on this GPU: m tokens x top-6 of 384 -> about m*6/8 pairs over 48
-    experts; the grouped contiguous GEMMs (both projections) vs the same GEMMs expert by expert."""
+    """One layer's routed experts on this GPU at EP8: m tokens per GPU x top-6 -> m * 6 pairs over the 48
+    local experts; the grouped contiguous GEMMs (both projections) vs the same GEMMs expert by expert.
+    (H200, 2026-12-02: run with m * 6 / 8 pairs, 128 rows per expert, before this was corrected.)"""
     from deepinfer.kernels.triton_fp8_prefill import fp8_grouped_contiguous, fp8_prefill_gemm
     from deepinfer.kernels.triton_gemm import w8a16_gemm
     from deepinfer.kernels.triton_moe_contiguous import w8a16_grouped_contiguous
-    P = m * topk // 8
+    P = m * topk
     counts = torch.distributions.Multinomial(P, torch.ones(E)).sample().to(torch.int64).cuda()
     P = int(counts.sum())
     a = (torch.randn(P, d, device="cuda")).to(torch.float8_e4m3fn)
