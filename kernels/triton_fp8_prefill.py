@@ -15,6 +15,11 @@ slice and applies the row scale once in the epilogue.
 
 Preconditions (asserted): K % 128 == 0 (select falls back to W8A16 otherwise), e4m3 operands,
 contiguous rows. M and N are masked (any size).
+
+NOTE(perf): H200, 2026-12-02 (perf/bench_fp8_prefill.py, M 8192): 72-74 TFLOP/s, 0.23-0.25x the W8A16
+kernel and 0.5x the BK 32 walk: Triton waits on each slice's wgmma before its scale-and-add (4 waits per
+128 K in the PTX). Opt-in (select.PREFILL_GEMM); an exact FP8 GEMM near DeepGEMM's rate needs the
+promotion overlapped with the next slices' MMAs (two accumulators, warp specialization).
 """
 
 from __future__ import annotations
