@@ -21,6 +21,8 @@ Knobs (environment, read once):
                                  on the FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and the
                                  MoE's large steps in the grouped contiguous form on it; default w8a16
                                  (the W8A16 kernels, faster on the H200: see PREFILL_GEMM below)
+    DEEPINFER_MOE_CONTIGUOUS=1   MoE steps past the masked form (prefill) in the grouped contiguous form
+                                 on the W8A16 kernel (triton_moe_contiguous; not yet measured on the H200)
     Shape rules: a fast path whose rules a call breaks takes the next path (the torch reference) and
     logs one line per (op, rule) (_fast_for; declined() lists them), so any valid config runs.
     TRITON_INTERPRET=1           with DEEPINFER_KERNELS=fast set explicitly, CPU tensors take the fast paths too,
@@ -225,24 +227,41 @@ def _prefill_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> 
                      "K a multiple of 128 and the W8A16 scale layouts")
 
 
+# DEEPINFER_MOE_CONTIGUOUS=1: MoE steps past the masked form (prefill chunks) in the grouped contiguous
+# form on the W8A16 kernel (triton_moe_contiguous) instead of the per-expert loop. Opt-in until measured
+# on the H200 (perf/bench_fp8_prefill.py prints it against the loop); DEEPINFER_PREFILL_GEMM=fp8 takes
+# the contiguous form on the FP8 kernel.
+MOE_CONTIGUOUS = os.environ.get("DEEPINFER_MOE_CONTIGUOUS", "0") == "1"
+
+
 def grouped_contiguous_ok(x: torch.Tensor, k1: int, k2: int) -> bool:
-    """The MoE's grouped contiguous form can run its two GEMMs (K = dim, then moe_inter_dim) on the
-    FP8 prefill kernel for tensor x."""
-    return (PREFILL_GEMM == "fp8" and not _batch_invariant()
-            and _fast_for(x, "grouped_fp8_linear_contiguous", k1 % 128 == 0 and k2 % 128 == 0,
-                          "dim and moe_inter_dim multiples of 128"))
+    """The MoE's grouped contiguous form can run its two GEMMs (K = dim, then moe_inter_dim) for tensor
+    x: on the FP8 prefill kernel (DEEPINFER_PREFILL_GEMM=fp8, K % 128 == 0) or on the W8A16 one
+    (DEEPINFER_MOE_CONTIGUOUS=1, K % 32 == 0)."""
+    if _batch_invariant():
+        return False
+    if PREFILL_GEMM == "fp8":
+        return _fast_for(x, "grouped_fp8_linear_contiguous", k1 % 128 == 0 and k2 % 128 == 0,
+                         "dim and moe_inter_dim multiples of 128")
+    return MOE_CONTIGUOUS and _fast_for(x, "grouped_w8a16_contiguous", k1 % 32 == 0 and k2 % 32 == 0,
+                                        "dim and moe_inter_dim multiples of 32")
 
 
 def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                                   counts: torch.Tensor) -> torch.Tensor:
     """x [P, K] bf16 FP8-rounded rows sorted by expert (counts [E] rows each, device), w [E, N, K] e4m3,
     w_scale [E, N, K/32] / [E, N/32, K/32] E8M0 or [E, N, 1] f32 -> [P, N] bf16 (DeepGEMM's grouped
-    contiguous layout, with no alignment padding). Fast: one FP8 x FP8 launch over every expert (no
-    host read). Reference: expert by expert (reads counts on the host)."""
-    if grouped_contiguous_ok(x, w.shape[-1], w.shape[-1]):
-        from .triton_fp8_prefill import fp8_grouped_contiguous
-        from .triton_quant import act_quant_fp8
-        return fp8_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts)
+    contiguous layout, with no alignment padding). Fast: one launch over every expert (no
+    host read; FP8 x FP8 with DEEPINFER_PREFILL_GEMM=fp8, else W8A16). Reference: expert by expert
+    (reads counts on the host)."""
+    k = w.shape[-1]
+    if grouped_contiguous_ok(x, k, k):
+        if PREFILL_GEMM == "fp8":
+            from .triton_fp8_prefill import fp8_grouped_contiguous
+            from .triton_quant import act_quant_fp8
+            return fp8_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts)
+        from .triton_moe_contiguous import w8a16_grouped_contiguous
+        return w8a16_grouped_contiguous(x, w, w_scale, counts)
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
     start = 0
     for e, c in enumerate(counts.tolist()):

@@ -15,6 +15,11 @@ slice and applies the row scale once in the epilogue.
 
 Preconditions (asserted): K % 128 == 0 (select falls back to W8A16 otherwise), e4m3 operands,
 contiguous rows. M and N are masked (any size).
+
+NOTE(perf): H200, 2026-12-02 (perf/bench_fp8_prefill.py, M 8192): 72-74 TFLOP/s, 0.23-0.25x the W8A16
+kernel and 0.5x the BK 32 walk: Triton waits on each slice's wgmma before its scale-and-add (4 waits per
+128 K in the PTX). Opt-in (select.PREFILL_GEMM); an exact FP8 GEMM near DeepGEMM's rate needs the
+promotion overlapped with the next slices' MMAs (two accumulators, warp specialization).
 """
 
 from __future__ import annotations
@@ -175,21 +180,11 @@ def fp8_grouped_contiguous(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, s
         return c
     cfg = dict(cfg or prefill_config(P, n))
     cfg.pop("GROUP_M", None)
-    bm = cfg["BM"]
-    counts = counts.to(torch.int64)
-    seg_end = torch.cumsum(counts, 0)
-    tile_end = torch.cumsum((counts + bm - 1) // bm, 0)                      # [E] inclusive
-    n_tiles = triton.cdiv(P, bm) + E
-    i = torch.arange(n_tiles, device=a.device)
-    e = torch.searchsorted(tile_end, i, right=True)                          # the expert of tile i
-    valid = e < E
-    ec = e.clamp(max=E - 1)
-    tile_row = (seg_end - counts)[ec] + (i - (tile_end - (counts + bm - 1) // bm)[ec]) * bm
-    tile_e = torch.where(valid, ec, torch.full_like(ec, -1)).to(torch.int32)
+    from .triton_moe_contiguous import contiguous_tiles
+    tile_e, tile_row, seg_end = contiguous_tiles(counts, cfg["BM"], P)
     sb = as_f32_scale(sb)
-    grid = (triton.cdiv(n, cfg["BN"]), n_tiles)
-    fp8_prefill_gemm_kernel[grid](a, sa.contiguous(), b, sb.contiguous(), c, P, n, k, tile_e,
-                                  tile_row.to(torch.int64), seg_end, SB_ROWS=sb_rows, ROW_SCALE=row_scale,
+    grid = (triton.cdiv(n, cfg["BN"]), tile_e.numel())
+    fp8_prefill_gemm_kernel[grid](a, sa.contiguous(), b, sb.contiguous(), c, P, n, k, tile_e, tile_row, seg_end, SB_ROWS=sb_rows, ROW_SCALE=row_scale,
                                   UPCAST=INTERPRET, CONTIGUOUS=True,
                                   GROUP_M=1, **cfg)
     return c

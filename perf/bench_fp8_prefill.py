@@ -7,7 +7,8 @@ release numbers, a speed reference), torch's bf16 matmul, and the FP8 / bf16 pea
 
 Shapes: the full-width layer's dense FP8 linears at M tokens (wq_a+wkv fused 1280+512 x 5120, wq_b
 32768 x 1280, wo_b 5120 x 8192, the shared expert 4608 x 5120 and 5120 x 2304, the indexer's wq_b
-4096 x 1280), and the routed experts (48 local, top-6 of 384: M * 6 / 8 pairs on this GPU's share).
+4096 x 1280), and the routed experts (48 local of 384, top-6: at EP8 each GPU's experts receive as many
+pairs as its own M tokens pick, M * 6, about 128 * M / 1024 rows per expert).
 """
 
 from __future__ import annotations
@@ -86,11 +87,13 @@ def dense_rows(m: int, sweep: bool, peaks: dict) -> list[dict]:
 
 
 def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, inter: int = 2304) -> dict:
-    """One layer's routed experts on this GPU: m tokens x top-6 of 384 -> about m*6/8 pairs over 48
-    experts; the grouped contiguous GEMMs (both projections) vs the same GEMMs expert by expert."""
+    """One layer's routed experts on this GPU at EP8: m tokens per GPU x top-6 -> m * 6 pairs over the 48
+    local experts; the grouped contiguous GEMMs (both projections) vs the same GEMMs expert by expert.
+    (H200, 2026-12-02: run with m * 6 / 8 pairs, 128 rows per expert, before this was corrected.)"""
     from deepinfer.kernels.triton_fp8_prefill import fp8_grouped_contiguous, fp8_prefill_gemm
     from deepinfer.kernels.triton_gemm import w8a16_gemm
-    P = m * topk // 8
+    from deepinfer.kernels.triton_moe_contiguous import w8a16_grouped_contiguous
+    P = m * topk
     counts = torch.distributions.Multinomial(P, torch.ones(E)).sample().to(torch.int64).cuda()
     P = int(counts.sum())
     a = (torch.randn(P, d, device="cuda")).to(torch.float8_e4m3fn)
@@ -110,6 +113,10 @@ def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, int
     xb = a.to(torch.bfloat16)
     hb = h.to(torch.bfloat16)
 
+    def grouped_w8a16():
+        w8a16_grouped_contiguous(xb, w13, s13, counts)
+        w8a16_grouped_contiguous(hb, w2, s2, counts)
+
     def loop_w8a16():
         for e in range(E):
             if cl[e]:
@@ -123,14 +130,15 @@ def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, int
                 fp8_prefill_gemm(h[starts[e]:starts[e] + cl[e]], sh[starts[e]:starts[e] + cl[e]], w2[e], s2[e])
     flops = 2.0 * P * (2 * inter * d + d * inter)
     r = {"tokens": m, "pairs": P, "experts": E}
-    for name, fn in (("grouped_fp8", grouped), ("loop_w8a16", loop_w8a16), ("loop_fp8", loop_fp8)):
+    for name, fn in (("grouped_fp8", grouped), ("grouped_w8a16", grouped_w8a16), ("loop_w8a16", loop_w8a16),
+                     ("loop_fp8", loop_fp8)):
         r[f"{name}_us"] = time_calls([fn], iters=3) * 1e6
         r[f"{name}_tflops"] = flops / r[f"{name}_us"] / 1e6
     r["grouped_of_fp8_peak"] = r["grouped_fp8_tflops"] * 1e12 / peaks["fp8_flops"]
     print(f"MoE {m} tokens, {P} pairs over {E} experts: grouped FP8 {r['grouped_fp8_tflops']:.0f} TF "
           f"({r['grouped_of_fp8_peak']:.2f} of FP8 peak), per-expert W8A16 loop {r['loop_w8a16_tflops']:.0f} TF, "
-          f"per-expert FP8 loop {r['loop_fp8_tflops']:.0f} TF: grouped {r['loop_w8a16_us'] / r['grouped_fp8_us']:.2f}x "
-          "the W8A16 loop", flush=True)
+          f"per-expert FP8 loop {r['loop_fp8_tflops']:.0f} TF, grouped W8A16 {r['grouped_w8a16_tflops']:.0f} TF: "
+          f"grouped W8A16 {r['loop_w8a16_us'] / r['grouped_w8a16_us']:.2f}x the W8A16 loop", flush=True)
     return r
 
 

@@ -1,8 +1,9 @@
 """Whole prefill on the GPU: Transformer.forward on the `full-width-ep8` config (real widths, one layer per
 role, 48 local experts = one GPU's EP8 share; random weights made on the device, load_format="dummy")
 for 1 x 8192, 4 x 2048 and 16 x 512 prompt tokens in one step, and 1 x 8192 as chunked prefill with a
-2,048-token budget, with the FP8 linears on the FP8 x FP8 prefill kernels (DEEPINFER_PREFILL_GEMM=fp8,
-kernels/triton_fp8_prefill.py) and on the W8A16 kernels (=w8a16) side by side in one run.
+2,048-token budget, side by side in one run on three GEMM paths (GEMM_MODES): the W8A16 kernels (the
+default), W8A16 with the MoE in the grouped contiguous form (DEEPINFER_MOE_CONTIGUOUS=1), and the FP8 x
+FP8 per-32-promotion kernels (DEEPINFER_PREFILL_GEMM=fp8, kernels/triton_fp8_prefill.py).
 
     python perf/bench_model_prefill.py [--cases 1x8192 4x2048 16x512 chunked] [--profile]
                                        (model_prefill.json / .png in $OUT, the plot also as perf/figures/model_prefill_h200.png)
@@ -14,7 +15,7 @@ and the bf16 matmul at 8192^3), and the 40-layer per-GPU estimate: the step time
 work = every FP8 linear (fused or not), wo_a, the routed experts (T x top-6 pairs on the 48 local experts:
 at EP8 each GPU's experts see as many pairs as its own tokens pick) and the shared expert; attention,
 indexers, compressors, norms, mHC and the head are not counted. --profile: the top kernels of one
-1 x 8192 prefill on the FP8 path (torch.profiler).
+1 x 8192 prefill on the default path (torch.profiler).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import measure_ceilings, out_dir, save_json, time_eager  # noqa: E402
 
 FULL_LAYERS = 40
+# the prefill GEMM paths compared: W8A16 everywhere (the default: per-expert loop for large MoE steps),
+# W8A16 with the MoE's grouped contiguous form (DEEPINFER_MOE_CONTIGUOUS=1), FP8 x FP8 (DEEPINFER_PREFILL_GEMM=fp8)
+GEMM_MODES = ("w8a16", "w8a16+moe", "fp8")
 FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
 
@@ -94,7 +98,7 @@ def profile(fn, top: int = 20) -> list[dict]:
             if e.device_time_total > 0]
     rows.sort(key=lambda r: -r["us"])
     total = sum(r["us"] for r in rows)
-    print(f"profile 1x8192 (FP8 path): {total / 1e3:.1f} ms of kernel time; top {top}:")
+    print(f"profile 1x8192 (default path): {total / 1e3:.1f} ms of kernel time; top {top}:")
     for r in rows[:top]:
         print(f"  {r['us'] / 1e3:8.2f} ms {100 * r['us'] / total:5.1f}%  {r['calls']:5d}x  {r['name']}")
     return rows[:top]
@@ -106,14 +110,15 @@ def plot(rows, path: str) -> None:
     import matplotlib.pyplot as plt
     cases = list(dict.fromkeys(r["case"] for r in rows))
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for i, gemm in enumerate(("w8a16", "fp8")):
+    w = 0.8 / len(GEMM_MODES)
+    for i, gemm in enumerate(GEMM_MODES):
         sel = [next((r for r in rows if r["case"] == c and r["gemm"] == gemm), None) for c in cases]
         sel = [r or dict(est40_tok_s=0.0, of_fp8_peak=0.0) for r in sel]
-        xs = [j + 0.4 * i for j in range(len(cases))]
-        ax[0].bar(xs, [r["est40_tok_s"] / 1e3 for r in sel], 0.4, label=gemm)
-        ax[1].bar(xs, [r["of_fp8_peak"] for r in sel], 0.4, label=gemm)
+        xs = [j + w * i for j in range(len(cases))]
+        ax[0].bar(xs, [r["est40_tok_s"] / 1e3 for r in sel], w, label=gemm)
+        ax[1].bar(xs, [r["of_fp8_peak"] for r in sel], w, label=gemm)
     for a_, t in zip(ax, ("40-layer estimate, k prompt tokens/s per GPU", "linear TFLOP/s / FP8 peak (same run)")):
-        a_.set_xticks([j + 0.2 for j in range(len(cases))], cases)
+        a_.set_xticks([j + 0.4 - w / 2 for j in range(len(cases))], cases)
         a_.set_title(t, fontsize=10)
         a_.legend()
     ax[0].axhline(15, color="gray", ls="--", lw=0.8)
@@ -145,8 +150,9 @@ def main() -> None:
     rows = []
     print(f"{'case':>8} {'gemm':>6} {'ms':>8} {'tok/s':>8} {'lin TF/s':>9} {'/FP8':>6} {'/bf16':>6} {'40L tok/s/GPU':>14}")
     for case in a.cases:
-        for gemm in ("w8a16", "fp8"):
-            select.PREFILL_GEMM = gemm
+        for gemm in GEMM_MODES:
+            select.PREFILL_GEMM = "fp8" if gemm == "fp8" else "w8a16"
+            select.MOE_CONTIGUOUS = gemm == "w8a16+moe"
             try:
                 with torch.inference_mode():
                     fn, T = run_case(model, caches, case, nb)
@@ -161,10 +167,11 @@ def main() -> None:
             rows.append(row)
             print(f"{case:>8} {gemm:>6} {row['ms']:8.1f} {row['tok_s']:8.0f} {row['linear_tflops']:9.0f} "
                   f"{row['of_fp8_peak']:6.2f} {row['of_bf16_peak']:6.2f} {row['est40_tok_s']:14.0f}", flush=True)
-        pair = [r for r in rows if r["case"] == case]
-        if len(pair) == 2:
-            print(f"{case:>8}  fp8 / w8a16 speed: {pair[0]['ms'] / pair[1]['ms']:.2f}x", flush=True)
-    select.PREFILL_GEMM = "fp8"
+        mine = {r["gemm"]: r for r in rows if r["case"] == case}
+        if "w8a16" in mine:
+            print(f"{case:>8}  speed vs w8a16: " + ", ".join(f"{g} {mine['w8a16']['ms'] / r['ms']:.2f}x"
+                                                           for g, r in mine.items() if g != "w8a16"), flush=True)
+    select.PREFILL_GEMM, select.MOE_CONTIGUOUS = "w8a16", False
     top = []
     if a.profile:
         try:

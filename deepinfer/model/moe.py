@@ -191,8 +191,9 @@ class MoE(nn.Module):
         return bool(self.masked) or (self.grouped_ok and x.is_cuda and indices.numel() <= MASKED_MAX_PAIRS)
 
     def _use_contiguous(self, x) -> bool:
-        """The grouped contiguous form (prefill-sized CUDA steps past the masked form): FP8 stacks and
-        the FP8 prefill GEMM able to take both projections (ops.grouped_contiguous_ok)."""
+        """The grouped contiguous form (prefill-sized steps past the masked form): FP8 stacks, and a
+        grouped contiguous GEMM switched on and able to take both projections (ops.grouped_contiguous_ok:
+        DEEPINFER_MOE_CONTIGUOUS=1 on W8A16, or DEEPINFER_PREFILL_GEMM=fp8)."""
         st = self.stacks
         return (st is not None and self.masked is not True and self.grouped_ok
                 and ops.grouped_contiguous_ok(x, st.w13.shape[2], st.w2.shape[2]))
@@ -200,7 +201,7 @@ class MoE(nn.Module):
     def _contiguous_experts(self, x, weights, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [K, T, d] bf16, slot [T*K]): pairs sorted by expert into one contiguous slab (pair p at
         flat row slot[p] = the rows of experts < e, + its rank among e's pairs in token order), one
-        grouped FP8 GEMM per projection over all experts, the fused SwiGLU + weight + act_quant between
+        grouped GEMM per projection over all experts, the fused SwiGLU + weight + act_quant between
         them, and moe_combine after: no per-expert launch and no host read. Same rounding points as
         Expert.forward (the masked form's kernels, on a [K, T] slab instead of [E, T])."""
         st, ex = self.stacks, self.experts[0]

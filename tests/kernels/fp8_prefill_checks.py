@@ -17,9 +17,11 @@ import torch
 from deepinfer.kernels.select import dequant_fp8, row_scaled_fp8_weight
 from deepinfer.kernels.triton_fp8_prefill import (fp8_grouped_contiguous, fp8_prefill_gemm, fp8_prefill_linear,
                                                   fp8_prefill_linear_ref)
+from deepinfer.kernels.triton_moe_contiguous import w8a16_grouped_contiguous
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SMALL = dict(BM=32, BN=32, GROUP_M=2, NUM_STAGES=1, num_warps=4) if INTERPRET else None
+SMALL_W8 = dict(BM=32, BN=32, BK=64, NUM_STAGES=1, num_warps=4) if INTERPRET else None
 
 
 def ternary(shape, gen, device):
@@ -72,13 +74,21 @@ def check_exact_contiguous(device):
         sa = pow2((P, k // 32), -2, 3, gen, device)
         b = ternary((E, n, k), gen, device).to(torch.float8_e4m3fn)
         sb = e8m0((E, n, k // 32), gen, device)
-        y = fp8_grouped_contiguous(a, sa, b, sb, torch.tensor(counts, device=device), SMALL)
+        cnt = torch.tensor(counts, device=device)
+        y = fp8_grouped_contiguous(a, sa, b, sb, cnt, SMALL)
+        xb = (a.float() * sa.repeat_interleave(32, -1)).to(torch.bfloat16)       # the W8A16 operand
+        rows = row_scaled_fp8_weight(b, sb)
+        ys = [("w8a16", w8a16_grouped_contiguous(xb, b, sb, cnt, SMALL_W8))]
+        if rows is not None:
+            ys.append(("w8a16 row scales", w8a16_grouped_contiguous(xb, *rows, cnt, SMALL_W8)))
         start = 0
         for e, c in enumerate(counts):
             r = ref_gemm(a[start:start + c].float(), sa[start:start + c], b[e], sb[e])
             assert same(y[start:start + c], r), (E, counts, e)
+            for name, yw in ys:
+                assert same(yw[start:start + c], r), (name, E, counts, e)
             start += c
-    print("exact grouped contiguous: ok")
+    print("exact grouped contiguous (FP8 and W8A16): ok")
 
 
 def check_random_dense(device, shapes):
@@ -115,7 +125,9 @@ def check_moe_contiguous(device, tokens: int):
     x = torch.randn(tokens, 128, generator=gen).bfloat16().to(device)
     with tempfile.TemporaryDirectory() as d:
         ckpt = make_checkpoint(tc, 5, Path(d) / "moe", progress=False)
-        for rows in (False, True):
+        combos = [(False, "fp8"), (True, "fp8"), (False, "w8a16"), (True, "w8a16")]
+        for rows, gemm in (combos[::3] if INTERPRET else combos):          # the interpreter: two of four
+            select.PREFILL_GEMM, select.MOE_CONTIGUOUS = gemm, True
             ffn = load_model(ckpt, device=device, progress=False, weight_format="fp8", expert_row_scales=rows,
                              fuse_linears=True).layers[0].ffn
             weights, indices = ffn.gate(x, None)
@@ -135,7 +147,8 @@ def check_moe_contiguous(device, tokens: int):
                 rel = ((y - other).abs().mean() / other.abs().mean()).item()
                 print(name, rows, rel)
                 assert rel < (3e-2 if INTERPRET else 2e-3), (name, rows, rel)
-            print(f"moe contiguous (row scales {rows}): ok")
+            print(f"moe contiguous {gemm} (row scales {rows}): ok")
+        select.PREFILL_GEMM, select.MOE_CONTIGUOUS = "w8a16", False
     assert moe_mod.MASKED_MAX_PAIRS > 0
 
 

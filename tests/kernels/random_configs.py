@@ -46,7 +46,7 @@ def fixture_rule(weights: str, shared: Path | None = None) -> dict:
 
 
 def weight_kind(seed: int) -> str:
-    """Seeds 0, 1 mod 4: bf16 weights; 2, 3: release dtypes (odd seeds also force the prefill paths)."""
+    """Seeds 0, 1 mod 4: bf16 weights; 2, 3: release dtypes (3 also forces the opt-in prefill paths)."""
     return "bf16" if seed % 4 < 2 else "release"
 
 
@@ -207,20 +207,24 @@ def schedules(seed: int, prompt_len: int) -> dict[str, list[int]]:
     return {"prefill": [prompt_len], "chunked": chunks}
 
 
-def prefill_paths_for_small_steps(log=print) -> None:
-    """Odd seeds: the FP8 x FP8 prefill GEMMs from 16 rows and the MoE's grouped contiguous form from 64
-    token-expert pairs, so these short prompts run the prefill paths (where their shape rules hold: K a
-    multiple of 128) that real prompts take from 512 rows / 4096 pairs. Restored by set_prefill_defaults."""
+def prefill_paths_for_small_steps(seed: int, log=print) -> None:
+    """Release-dtype odd seeds: the opt-in prefill paths on these short prompts, which real prompts take
+    from 512 rows / 4096 token-expert pairs: seed % 8 == 3 the FP8 x FP8 GEMMs from 16 rows and the MoE's
+    contiguous form on them from 64 pairs (where K % 128 == 0), seed % 8 == 7 the MoE's contiguous form on
+    the W8A16 kernel from 64 pairs. Restored by set_prefill_defaults."""
     from deepinfer.kernels import select
     from deepinfer.model import moe
-    select.PREFILL_GEMM, select.FP8_PREFILL_MIN_M, moe.MASKED_MAX_PAIRS = "fp8", 16, 64
-    log("  (FP8 prefill GEMMs from 16 rows, MoE contiguous form from 64 pairs)")
+    fp8 = seed % 8 == 3
+    select.PREFILL_GEMM, select.FP8_PREFILL_MIN_M, moe.MASKED_MAX_PAIRS = ("fp8" if fp8 else "w8a16"), 16, 64
+    select.MOE_CONTIGUOUS = not fp8
+    log("  (FP8 prefill GEMMs from 16 rows, MoE contiguous form from 64 pairs)" if fp8 else
+        "  (MoE contiguous form on W8A16 from 64 pairs)")
 
 
 def set_prefill_defaults(defaults: tuple) -> None:
     from deepinfer.kernels import select
     from deepinfer.model import moe
-    select.PREFILL_GEMM, select.FP8_PREFILL_MIN_M, moe.MASKED_MAX_PAIRS = defaults
+    select.PREFILL_GEMM, select.FP8_PREFILL_MIN_M, moe.MASKED_MAX_PAIRS, select.MOE_CONTIGUOUS = defaults
 
 
 def check_config(seed: int, workdir: Path, device: str, rule: dict | None = None, tiny: bool = False,
@@ -242,8 +246,8 @@ def check_config(seed: int, workdir: Path, device: str, rule: dict | None = None
     n = prompt_len or rng.randint(90, 240)
     prompt = [rng.randrange(1000, 120000) for _ in range(n)]
     decode = [rng.randrange(1000, 120000) for _ in range(n_decode)]
-    if device == "cuda" and seed % 2:
-        prefill_paths_for_small_steps(log)
+    if device == "cuda" and seed % 2 and weights == "release":
+        prefill_paths_for_small_steps(seed, log)
     total = None
     for name, chunks in schedules(seed, n).items():
         if name not in only:
@@ -260,7 +264,7 @@ def check_config(seed: int, workdir: Path, device: str, rule: dict | None = None
 def prefill_defaults() -> tuple:
     from deepinfer.kernels import select
     from deepinfer.model import moe
-    return select.PREFILL_GEMM, select.FP8_PREFILL_MIN_M, moe.MASKED_MAX_PAIRS
+    return select.PREFILL_GEMM, select.FP8_PREFILL_MIN_M, moe.MASKED_MAX_PAIRS, select.MOE_CONTIGUOUS
 
 
 def main(seeds: list[int]) -> int:
