@@ -137,8 +137,10 @@ class DataParallelScheduler:
         longest first, as one share per rank (rank r's list); None when there is none. A prompt for
         which some rank has no room to borrow runs the ordinary way."""
         cp = len(self.schedulers)
+        # text prompts only: the CP pass carries no image rows or token types (model/vision spans)
         found = [(rank, new) for rank, so in enumerate(out.per_rank) for new in so.new_reqs
-                 if new.num_computed_tokens == 0 and so.num_scheduled_tokens.get(new.req_id) == len(new.token_ids)
+                 if new.num_computed_tokens == 0 and new.image_prompt is None
+                 and so.num_scheduled_tokens.get(new.req_id) == len(new.token_ids)
                  and len(new.token_ids) - 1 >= max(self.cp_min_prompt_tokens - 1, 2 * cp)]
         shares: list[list[CPShare]] = [[] for _ in range(cp)]
         for owner, new in sorted(found, key=lambda rn: -len(rn[1].token_ids)):
