@@ -100,12 +100,15 @@ class EngineDriver:
             sender.send(state.outputs([], None, "error", 0, 0), True)
             return
         try:
-            params = self.make_sampling_params(req.sampling)
+            sampling = dict(req.sampling)
+            salt = sampling.pop("cache_salt", None)   # the prefix cache's tenant key, not a sampling knob
+            params = self.make_sampling_params(sampling)
             if req.request_key in self.active:
                 raise ValueError(f"request key {req.request_key!r} is already running")
             self.active[req.request_key] = state
             self.engine.add_request(req.request_key, req.input_ids, params,
-                                    lambda delta: self._events.put((state, delta)))
+                                    lambda delta: self._events.put((state, delta)),
+                                    **({"cache_salt": salt} if salt is not None else {}))
         except (TypeError, ValueError) as e:
             if self.active.get(req.request_key) is state:
                 del self.active[req.request_key]
