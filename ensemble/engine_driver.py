@@ -122,13 +122,16 @@ class EngineDriver:
             sender.send(state.outputs([], None, "error", 0, 0), True)
             return
         try:
-            params = self.make_sampling_params(req.sampling)
+            sampling = dict(req.sampling)
+            salt = sampling.pop("cache_salt", None)   # the prefix cache's tenant key, not a sampling knob
+            params = self.make_sampling_params(sampling)
             if req.request_key in self.active:
                 raise ValueError(f"request key {req.request_key!r} is already running")
             self.active[req.request_key] = state
             extra = {"images": req.images} if req.images else {}
             self.engine.add_request(req.request_key, req.input_ids, params,
-                                    lambda delta: self._events.put((state, delta)), **extra)
+                                    lambda delta: self._events.put((state, delta)), **extra,
+                                    **({"cache_salt": salt} if salt is not None else {}))
         except (TypeError, ValueError) as e:   # the engine's admission checks (a grammar it cannot compile...)
             if self.active.get(req.request_key) is state:
                 del self.active[req.request_key]

@@ -10,6 +10,13 @@ cache give the cold candidate. Both are judged by ../shared/tools/check-parity a
 reference outputs; the report is its verdict line for each, so the replay's cost is read on the
 same scale as implementation noise (fixtures/README.md, "Pass rules"). Prompts shorter than the
 window replay from position 0 (s = 0), where only the not-rewritten compressed KV differs.
+
+Measured (CPU, 2026-12-02; block_tokens 8, hits 16/144/296/688 of prompts 18/145/300/695):
+
+    fixture         cold                                    bounded replay
+    v41-tiny        PASS median 0.407 max 1.94  top1 63/68  PASS median 0.660 max 2.05 top1 64/68
+    v41-tiny-bf16   PASS median 0.158 max 0.71  top1 68/68  FAIL median 0.383 max 2.45 top1 68/68
+                                                            (rule: median < 0.307; noise variants 0.09-0.25)
 """
 
 from __future__ import annotations

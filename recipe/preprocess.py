@@ -111,6 +111,9 @@ class Preprocessor:
             ctx.prompt_tokens = len(ids) + (images.token_adjustment if images else 0)   # spans counted in full
             max_tokens = _resolve(api, conv, ctx.prompt_tokens, self.max_model_len)
             sampling = sampling_kwargs(conv.inference_options, max_tokens, conv.conversation.thinking_mode)
+            salt = _cache_salt(api, ctx.body)
+            if salt is not None:
+                sampling["cache_salt"] = salt
         except RecipeError as e:
             return _rejected(ctx, e)
         except UnicodeDecodeError as e:
@@ -202,6 +205,15 @@ def _resolve(api: str, conv, num_prompt_tokens: int, max_model_len: int) -> int:
         return conv.resolve_max_tokens(num_prompt_tokens, max_model_len)
     except dr.ConversionError as e:
         raise from_conversion_error(api, e) from e
+
+
+def _cache_salt(api: str, body: str) -> str | None:
+    """vLLM's `cache_salt` body field: the engine's prefix cache shares blocks only within one salt
+    (a tenant key). Travels to the engine in the sampling JSON."""
+    salt = json.loads(body).get("cache_salt") if body.lstrip().startswith("{") else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise api_error(api, 400, f"cache_salt must be a non-empty string, got {json.dumps(salt)}")
+    return salt
 
 
 def _rejected(ctx: RequestContext, err: RecipeError) -> PreparedRequest:

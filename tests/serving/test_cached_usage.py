@@ -62,3 +62,18 @@ def test_cached_tokens_in_all_three_usages(gateway):
         # the second sees the first one's full blocks (the last prompt token always runs)
         assert first_cached == 0 or api is not chat, (api.__name__, first_cached)
         assert cached >= (prompt - 1) // BLOCK * BLOCK - BLOCK and 0 < cached < prompt, (api.__name__, prompt, cached)
+
+
+def test_cache_salt_isolates_tenants(gateway):
+    oai = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": LONG + "Weather in Rome?"}]
+
+    def cached(**extra):
+        u = oai.chat.completions.create(model="deepseek-flash", messages=msgs, max_tokens=2, extra_body=extra).usage
+        return u.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0          # the same prompt, another tenant: nothing shared
+    assert cached(cache_salt="tenant-a") > 200
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached(cache_salt=7)
