@@ -1,7 +1,8 @@
 """API request -> prompt token ids + sampling parameters, on the official deepseek-recipe 0.2.0.
 
-Chat Completions, Responses and Anthropic Messages bodies are converted by the recipe's own request
-classes, rendered with `DeepseekV41Encoding` and tokenized with the checkpoint's `tokenizer.json`;
+Chat Completions, Responses and Anthropic Messages bodies are first checked by recipe/validation
+(each API's official ranges and the operator's Limits, before any conversion), then converted by the
+recipe's own request classes, rendered with `DeepseekV41Encoding` and tokenized with the checkpoint's `tokenizer.json`;
 `resolve_max_tokens` applies the default output limits (8,192; 65,536 thinking; 131,072 thinking at
 max effort) capped by the context left. The TensorRT-LLM style `text_input` path tokenizes raw text.
 Rejections never raise: they come back as a PreparedRequest whose context carries the API's error

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.triton
 
 MAX_REQUEST_BYTES = 300_000   # above the 200 KB deep-nesting case
 N_GENERATED = 80        # + ~60 hand-written and Triton-generate cases: well under a minute on the tiny model
-LONG_STREAM_TOKENS = 200
+BESIDE_TOKENS = 6        # short well-formed streams, one after another, all through the corpus
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +34,18 @@ def urls(server, tmp_path_factory):
 def test_corpus_subset(urls):
     cases = corpus(N_GENERATED, MAX_REQUEST_BYTES)
     assert len(cases) >= 130
-    beside: dict = {}
+    corpus_done, beside = threading.Event(), []
 
-    def long_stream():   # a well-formed stream running through the whole corpus
+    def streams_beside():   # well-formed streams running while the corpus is sent
         client = openai.OpenAI(base_url=f"{urls['gateway']}/v1", api_key="none", max_retries=0, timeout=300)
-        chunks = list(client.chat.completions.create(
-            model=MODEL, messages=USER, max_tokens=LONG_STREAM_TOKENS, stream=True,
-            stream_options={"include_usage": True}, extra_body={"thinking": {"type": "disabled"}}))
-        beside["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-        beside["usage"] = chunks[-1].usage
+        while not corpus_done.is_set() or not beside:
+            chunks = list(client.chat.completions.create(
+                model=MODEL, messages=USER, max_tokens=BESIDE_TOKENS, stream=True,
+                stream_options={"include_usage": True}, extra_body={"thinking": {"type": "disabled"}}))
+            beside.append(([c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason],
+                           chunks[-1].usage.completion_tokens))
 
-    t = threading.Thread(target=long_stream)
+    t = threading.Thread(target=streams_beside)
     t.start()
     wrong, unhealthy = [], []
     with httpx.Client(timeout=120) as client:
@@ -55,7 +56,8 @@ def test_corpus_subset(urls):
             if not healthy(client, urls):
                 unhealthy.append(case.name)
                 break
+    corpus_done.set()
     t.join(300)
     assert not unhealthy, f"server unhealthy after {unhealthy}"
     assert not wrong, "\n".join(wrong)
-    assert beside["finish"] == ["length"] and beside["usage"].completion_tokens == LONG_STREAM_TOKENS
+    assert beside and all(b == (["length"], BESIDE_TOKENS) for b in beside), beside

@@ -165,17 +165,17 @@ def test_concurrent_streams_share_one_channel(gateway):
 
 
 def test_bad_input_is_the_api_error(oai, claude):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:   # an unknown model: 404 model_not_found, as OpenAI
         oai.chat.completions.create(model="gpt-4o", messages=USER)
-    assert e.value.status_code == 400 and "gpt-4o" in e.value.message
-    with pytest.raises(openai.BadRequestError):   # refused before the stream starts: status + JSON
+    assert e.value.status_code == 404 and "gpt-4o" in e.value.message
+    with pytest.raises(openai.NotFoundError):   # refused before the stream starts: status + JSON
         oai.chat.completions.create(model="gpt-4o", messages=USER, stream=True)
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model=MODEL, input="hi", max_output_tokens="x")
     assert "expected an integer" in e.value.message
-    with pytest.raises(anthropic.BadRequestError) as e:
+    with pytest.raises(anthropic.NotFoundError) as e:
         claude.messages.create(model="nope", max_tokens=5, messages=USER)
-    assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.status_code == 404 and e.value.body["error"]["type"] == "not_found_error"
     assert "nope" in e.value.message
 
 

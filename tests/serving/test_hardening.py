@@ -56,19 +56,19 @@ def _stop_in(text: str) -> str:
 
 
 def test_chat_stop_sequence_not_streaming(oai):
-    kw = dict(model=MODEL, messages=USER, max_tokens=24, temperature=0, extra_body=NO_THINK)
+    kw = dict(model=MODEL, messages=USER, max_tokens=12, temperature=0, extra_body=NO_THINK)
     full = oai.chat.completions.create(**kw).choices[0].message.content
     assert len(full) >= 8, full
     stop = _stop_in(full)
     cut = oai.chat.completions.create(**kw, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == full[:full.index(stop)]
-    assert cut.usage.completion_tokens <= 24
+    assert cut.usage.completion_tokens <= 12
 
 
 def test_messages_stop_sequences_not_streaming(claude):
     # NOTE: anthropic 2.15's create() has no temperature/top_k keywords any more: extra_body
-    kw = dict(model=MODEL, max_tokens=24, messages=USER, thinking={"type": "disabled"}, extra_body={"temperature": 0})
+    kw = dict(model=MODEL, max_tokens=12, messages=USER, thinking={"type": "disabled"}, extra_body={"temperature": 0})
     full = claude.messages.create(**kw).content[0].text
     stop = _stop_in(full)
     cut = claude.messages.create(**kw, stop_sequences=[stop])
@@ -77,7 +77,7 @@ def test_messages_stop_sequences_not_streaming(claude):
 
 
 def test_trtllm_stop_words_not_streaming(server):
-    payload = {"text_input": "Hello", "max_tokens": 24, "temperature": 0.0}
+    payload = {"text_input": "Hello", "max_tokens": 12, "temperature": 0.0}
     full = httpx.post(f"{server.http_url}/v2/models/deepseek_v41_flash/generate", json=payload, timeout=120).json()
     stop = _stop_in(full["text_output"])
     r = httpx.post(f"{server.http_url}/v2/models/deepseek_v41_flash/generate",
@@ -96,10 +96,11 @@ def test_max_completion_tokens(oai):
 
 
 def test_reasoning_tokens_within_completion_tokens(oai):
-    for seed in range(4):
-        r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=32, seed=seed)
-        details = r.usage.completion_tokens_details
-        assert r.usage.completion_tokens == 32 and 0 < details.reasoning_tokens <= 32
+    """Thinking on (the default): the recipe counted invalid-UTF-8 ids twice as reasoning (35 of 32);
+    tests/recipe/test_postprocess.py covers many id sequences, this the SDK end to end."""
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=16, seed=5)
+    details = r.usage.completion_tokens_details
+    assert r.usage.completion_tokens == 16 and 0 < details.reasoning_tokens <= 16
 
 
 # -- client errors that were 500s or 200s ----------------------------------------------------------------
