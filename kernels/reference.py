@@ -115,7 +115,9 @@ def linear_fp32_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     GEMM with fp32 accumulation and output: bf16 products are exact in fp32, so it is the fp32 GEMM's
     math without an fp32 copy of the weight per call (the head's would be 2.6 GB at full width)."""
     if x.is_cuda and x.dtype == w.dtype == torch.bfloat16:
-        return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        # the output's last size named: a step with no logits rows (a prompt chunk that ends no prompt)
+        # has x [0, K], and view(0, -1) is ambiguous
+        return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
     return torch.nn.functional.linear(x.float(), w.float())
 
 
