@@ -99,6 +99,8 @@ class RequestOutput:
     new_logprobs: list[Any] | None = None           # one entry per new token when SamplingParams.logprobs is set
     logits: Any | None = None                       # fp32 [len(new_token_ids), V] when return_logits was asked
     error: str | None = None                        # why, when finish_reason == "error"
+    # kv_role="prefill": the final output's hand-over to a decode instance (deepinfer/disagg/params.py)
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

@@ -61,6 +61,12 @@ class EngineStats:
             "spec_draft_tokens_verified_total": 0,
             "spec_draft_tokens_accepted_total": 0,
             "spec_verify_steps_total": 0,
+            # prefill/decode disaggregation (deepinfer/disagg/): requests handed over (prefill: held
+            # caches read and freed; decode: caches pulled), the bytes pulled, hand-overs that failed
+            "kv_transfers_total": 0,
+            "kv_transfer_bytes_total": 0,
+            "kv_transfer_failures_total": 0,
+            "kv_holds_expired_total": 0,
         }
         self.gauges = {
             "num_requests_running": 0,
@@ -70,6 +76,8 @@ class EngineStats:
             "cache_usage": 0.0,
             "spec_mean_accepted_length": 0.0,   # tokens per verifying request-step: 1 + accepted / verify steps
             "spec_acceptance_rate": 0.0,        # accepted / verified drafts
+            "kv_requests_held": 0,              # prefill: finished requests whose caches wait for a decode pull
+            "kv_requests_loading": 0,           # decode: requests whose caches are being pulled
         }
         self.histograms = {
             "time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
