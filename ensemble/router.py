@@ -53,6 +53,7 @@ class _Replica:
     name: str
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     in_flight: int = 0                     # routed here and not finished (the router's own count)
+    num_routed: int = 0
     failures: int = 0                      # failed checks / requests in a row
     chunks: OrderedDict = field(default_factory=OrderedDict)   # chained chunk hash -> None (LRU)
 
@@ -111,6 +112,7 @@ class Router:
             hashes = chunk_hashes(key, self.chunk) if self.policy == "prefix" else []
             r = self._choose(live, hashes)
             r.in_flight += 1
+            r.num_routed += 1
             for h in hashes:
                 r.chunks[h] = None
                 r.chunks.move_to_end(h)

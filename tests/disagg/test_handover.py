@@ -28,9 +28,8 @@ NUM_OUT = 17
 
 
 def engine_args(ckpt, **kw) -> dict:
-    return dict(checkpoint=str(ckpt), device="cpu", max_num_seqs=4, max_num_batched_tokens=256, block_tokens=64,
-                num_cache_blocks=4 * 13, batch_invariant=True,
-                model_overrides={"emulate_index_k_alias": True}, **kw)
+    return dict(checkpoint=str(ckpt), device="cpu", max_num_seqs=8, max_num_batched_tokens=256, block_tokens=64,
+                num_cache_blocks=8 * 13, model_overrides={"emulate_index_k_alias": True}, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +37,24 @@ def ckpt(tmp_path_factory):
     return build_fixture("v41-tiny-bf16", tmp_path_factory)
 
 
+def start_pair(ckpt, **kw):
+    prefill = EngineProcess(engine_args(ckpt, kv_role="prefill", **kw), num_threads=1, name="prefill")
+    decode = EngineProcess(engine_args(ckpt, kv_role="decode", **kw), num_threads=1, name="decode")
+    return prefill, decode
+
+
 @pytest.fixture(scope="module")
 def pair(ckpt):
-    prefill = EngineProcess(engine_args(ckpt, kv_role="prefill"), num_threads=1, name="prefill")
-    decode = EngineProcess(engine_args(ckpt, kv_role="decode"), num_threads=1, name="decode")
+    prefill, decode = start_pair(ckpt)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+@pytest.fixture(scope="module")
+def pair_bi(ckpt):
+    """Both instances under batch_invariant (row-by-row GEMMs on CPU: short prompts only)."""
+    prefill, decode = start_pair(ckpt, batch_invariant=True)
     yield prefill, decode
     prefill.close()
     decode.close()
@@ -59,21 +72,18 @@ def handover(prefill, decode, rid, prompt, params, **kw):
     return first[0], outs
 
 
-def single_instance(ckpt, expected, forced: bool):
-    engine = Engine(EngineArgs(**engine_args(ckpt)))
-    res = {}
-    for i in range(4):
-        prompt = expected[f"p{i}_prompt_ids"].tolist()
-        kw = dict(forced_token_ids=expected[f"p{i}_fed_tokens"].tolist()) if forced else {}
-        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=NUM_OUT, temperature=0, ignore_eos=True),
-                           return_logits=True, **kw)
-    toks, logits = {f"p{i}": [] for i in range(4)}, {f"p{i}": [] for i in range(4)}
+def single_instance(ckpt, prompts: dict, params: dict, return_logits=False):
+    """The same requests on one kv_role="both" instance, all at once. -> (tokens, logits) by id"""
+    engine = Engine(EngineArgs(**engine_args(ckpt, batch_invariant=True)))
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params[rid], return_logits=return_logits)
+    toks, logits = {rid: [] for rid in prompts}, {rid: [] for rid in prompts}
     while engine.has_unfinished_requests():
         for o in engine.step():
             toks[o.request_id] += o.new_token_ids
             if o.logits is not None:
                 logits[o.request_id].append(o.logits)
-    return toks, {k: np.concatenate(v) for k, v in logits.items()}
+    return toks, {k: np.concatenate(v) if v else None for k, v in logits.items()}
 
 
 def test_teacher_forced_logits_after_handover_pass_check_parity(pair, ckpt, tmp_path):
@@ -106,47 +116,46 @@ def test_teacher_forced_logits_after_handover_pass_check_parity(pair, ckpt, tmp_
     assert_nothing_held(prefill, decode)
 
 
-def test_tokens_bit_identical_to_a_single_instance_under_batch_invariant(pair, ckpt):
-    prefill, decode = pair
+def test_tokens_bit_identical_to_a_single_instance_under_batch_invariant(pair_bi, ckpt):
+    prefill, decode = pair_bi
     expected = np.load(ckpt / "expected.npz")
-    ref_tokens, ref_logits = single_instance(ckpt, expected, forced=False)
-    for i in range(4):
-        prompt = expected[f"p{i}_prompt_ids"].tolist()
-        params = SamplingParams(max_tokens=NUM_OUT, temperature=0, ignore_eos=True)
-        first, outs = handover(prefill, decode, f"bi{i}", prompt, params, return_logits=True)
+    prompts = {f"p{i}": expected[f"p{i}_prompt_ids"].tolist() for i in (0, 1)}     # 18 and 145 tokens
+    params = {rid: SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for rid in prompts}
+    ref_tokens, ref_logits = single_instance(ckpt, prompts, params, return_logits=True)
+    for rid, prompt in prompts.items():
+        first, outs = handover(prefill, decode, rid, prompt, params[rid], return_logits=True)
         tokens = [t for o in outs for t in o.new_token_ids]
-        assert tokens == ref_tokens[f"p{i}"], f"prompt {i}: {tokens} != {ref_tokens[f'p{i}']}"
+        assert tokens == ref_tokens[rid], f"{rid}: {tokens} != {ref_tokens[rid]}"
         lg = np.concatenate([first.logits] + [o.logits for o in outs if o.logits is not None])
-        np.testing.assert_array_equal(lg, ref_logits[f"p{i}"])
+        np.testing.assert_array_equal(lg, ref_logits[rid])
     assert_nothing_held(prefill, decode)
 
 
-def test_concurrent_handovers_with_sampling(pair, ckpt):
-    """Eight requests in flight on both sides at once, seeded sampling: each equals its own
-    single-instance run (the seed's per-position stream crosses the hand-over)."""
-    prefill, decode = pair
+def test_concurrent_handovers_with_sampling(pair_bi, ckpt):
+    """Eight requests in flight on both sides at once, each handed over as soon as its prefill
+    ends, seeded sampling: each equals its run on a single instance (the seed's per-position
+    stream crosses the hand-over)."""
+    prefill, decode = pair_bi
     expected = np.load(ckpt / "expected.npz")
-    prompts = [expected[f"p{i % 4}_prompt_ids"].tolist()[: 20 + 9 * i] for i in range(8)]
-    params = [SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(8)]
-    firsts = [prefill.add(f"c{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    handed = [q.get(timeout=120) for q in firsts]
-    streams = [decode.add(f"c{i}", p, sp, kv_transfer_params=h.kv_transfer_params)
-               for i, (p, sp, h) in enumerate(zip(prompts, params, handed))]
-    got = []
-    for q in streams:
+    long = expected["p2_prompt_ids"].tolist()
+    prompts = {f"c{i}": long[3 * i: 3 * i + 12 + 5 * i] for i in range(8)}
+    params = {rid: SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True)
+              for i, rid in enumerate(prompts)}
+    firsts = {rid: prefill.add(rid, p, params[rid]) for rid, p in prompts.items()}
+    streams = {}
+    for rid, q in firsts.items():        # in order; the prefill keeps running the others meanwhile
+        kv = q.get(timeout=300).kv_transfer_params
+        streams[rid] = decode.add(rid, prompts[rid], params[rid], kv_transfer_params=kv)
+    got = {}
+    for rid, q in streams.items():
         toks, out = [], None
         while out is None or not out.finished:
-            out = q.get(timeout=120)
+            out = q.get(timeout=300)
             toks += out.new_token_ids
-        got.append(toks)
-    engine = Engine(EngineArgs(**engine_args(ckpt)))
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(f"c{i}", p, sp)
-    ref = {f"c{i}": [] for i in range(8)}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            ref[o.request_id] += o.new_token_ids
-    assert got == [ref[f"c{i}"] for i in range(8)]
+        assert out.finish_reason == "length", out
+        got[rid] = toks
+    ref, _ = single_instance(ckpt, prompts, params)
+    assert got == ref
     assert_nothing_held(prefill, decode)
 
 
