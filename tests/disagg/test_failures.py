@@ -35,6 +35,14 @@ def decode(tiny_checkpoint):
     d.close()
 
 
+@pytest.fixture(scope="module")
+def prefill(tiny_checkpoint):
+    """A prefill that holds for 30 s (the tests that need it to expire or die start their own)."""
+    p = start_prefill(tiny_checkpoint, timeout_s=30.0)
+    yield p
+    p.close()
+
+
 def start_prefill(ckpt, timeout_s=1.0):
     return EngineProcess(args(ckpt, kv_role="prefill", kv_transfer_timeout_s=timeout_s), num_threads=1, name="prefill")
 
@@ -86,10 +94,9 @@ def test_blocks_that_no_longer_exist(decode, tiny_checkpoint):
         prefill.close()
 
 
-def test_transfer_timeout_from_a_silent_peer(decode, tiny_checkpoint):
+def test_transfer_timeout_from_a_silent_peer(decode, prefill):
     """A peer that accepts connections and never answers: the pull times out with the peer named,
     while a plain request on the same decode instance runs to the end."""
-    prefill = start_prefill(tiny_checkpoint, timeout_s=30.0)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
@@ -107,7 +114,6 @@ def test_transfer_timeout_from_a_silent_peer(decode, tiny_checkpoint):
         assert_free(decode)
     finally:
         silent.close()
-        prefill.close()
 
 
 def test_prefill_goes_down_mid_request(decode, tiny_checkpoint):
@@ -123,11 +129,10 @@ def test_prefill_goes_down_mid_request(decode, tiny_checkpoint):
     assert decode.state()["stats"]["counters"]["kv_transfer_failures_total"] >= 1
 
 
-def test_abort_while_pulling_frees_the_blocks(decode, tiny_checkpoint):
+def test_abort_while_pulling_frees_the_blocks(decode, prefill):
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
-    prefill = start_prefill(tiny_checkpoint, timeout_s=30.0)
     try:
         kv = {**prefill_once(prefill, "ab"), "engine_id": "deepinfer-prefill-gone", "port": silent.getsockname()[1]}
         q = decode.add("ab", PROMPT, SamplingParams(max_tokens=6, temperature=0), kv_transfer_params=kv)
@@ -139,7 +144,6 @@ def test_abort_while_pulling_frees_the_blocks(decode, tiny_checkpoint):
         assert_free(decode)
     finally:
         silent.close()
-        prefill.close()
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -152,31 +156,27 @@ def test_malformed_params_are_refused(decode, bad, message):
     assert_free(decode)
 
 
-def test_params_of_another_layout_are_refused(decode, tiny_checkpoint):
-    prefill = start_prefill(tiny_checkpoint)
-    try:
-        kv = {**prefill_once(prefill, "lay"), "layout": "0123456789abcdef"}
-        outs = run(decode, "lay", kv_transfer_params=kv)
-        assert outs[-1].finish_reason == "error" and "cache layout" in outs[-1].error, outs[-1]
-        kv = prefill_once(prefill, "short")
-        outs = run(decode, "short", prompt=PROMPT[:-1], kv_transfer_params=kv)
-        assert outs[-1].finish_reason == "error" and "positions" in outs[-1].error, outs[-1]
-        assert_free(decode)
-    finally:
-        prefill.close()
+def test_params_of_another_layout_are_refused(decode, prefill):
+    kv = {**prefill_once(prefill, "lay"), "layout": "0123456789abcdef"}
+    outs = run(decode, "lay", kv_transfer_params=kv)
+    assert outs[-1].finish_reason == "error" and "cache layout" in outs[-1].error, outs[-1]
+    kv = prefill_once(prefill, "short")
+    outs = run(decode, "short", prompt=PROMPT[:-1], kv_transfer_params=kv)
+    assert outs[-1].finish_reason == "error" and "positions" in outs[-1].error, outs[-1]
+    assert_free(decode)
 
 
-def test_first_token_ends_the_request_without_a_pull(decode, tiny_checkpoint):
+def test_first_token_ends_the_request_without_a_pull(decode, prefill):
     """max_tokens=1 on the decode side: the prefill's token is the whole answer; the prefill is told
     to free at once (no wait for its timeout)."""
-    prefill = start_prefill(tiny_checkpoint, timeout_s=30.0)
-    try:
-        kv = prefill_once(prefill, "one")
-        pulled = decode.state()["stats"]["counters"]["kv_transfer_bytes_total"]
-        outs = run(decode, "one", max_tokens=1, kv_transfer_params=kv)
-        assert [o.new_token_ids for o in outs] == [[kv["first_token_id"]]] and outs[-1].finish_reason == "length"
-        assert_free(prefill)
-        assert_free(decode)
-        assert decode.state()["stats"]["counters"]["kv_transfer_bytes_total"] == pulled
-    finally:
-        prefill.close()
+    kv = prefill_once(prefill, "one")
+    pulled = decode.state()["stats"]["counters"]["kv_transfer_bytes_total"]
+    freed = prefill.state()["stats"]["counters"]["kv_transfers_total"]     # frees on a decode's word
+    outs = run(decode, "one", max_tokens=1, kv_transfer_params=kv)
+    assert [o.new_token_ids for o in outs] == [[kv["first_token_id"]]] and outs[-1].finish_reason == "length"
+    deadline = time.monotonic() + 10
+    while prefill.state()["stats"]["counters"]["kv_transfers_total"] == freed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert prefill.state()["stats"]["counters"]["kv_transfers_total"] == freed + 1
+    assert_free(decode)
+    assert decode.state()["stats"]["counters"]["kv_transfer_bytes_total"] == pulled
