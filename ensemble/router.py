@@ -14,11 +14,12 @@ metrics the `deepinfer` model publishes (running, waiting, cache usage, prefix h
       then the fewest cached chunks)
       then remember the key's chunks as cached on the chosen replica (LRU, max_chunks per replica)
 
-Why not vllm-router / sglang-router in front: both forward only OpenAI-shaped routes to workers
-that speak vLLM's / SGLang's worker API (/generate, /get_load, vLLM's Prometheus names); our
-replicas serve Triton's gRPC / generate_stream and the gateway's three APIs (OpenAI chat and
-responses, Anthropic messages), and publish `deepinfer_*` metrics, so neither could read the
-loads or route /v1/messages. The policy is small; it lives here, beside the gateway.
+Why not vllm-router / sglang-router in front (checked on their wheels here, sglang-router 0.3.2 and
+vllm-router 0.1.17: the routes in their Rust binaries): both proxy /v1/chat/completions,
+/v1/completions, /v1/responses and SGLang's /generate, and read load from /get_load or vLLM's
+Prometheus names (vllm:num_requests_running); neither has Anthropic's /v1/messages, which our
+gateway serves, and neither reads the deepinfer_* metrics. So the policy (small) lives here, beside
+the gateway, and router_server.py proxies all three APIs.
 
 The routing key is what shares a prefix across requests: the prompt token ids when the caller has
 them, else the request's text in prompt order (system prompt first), chunked by characters.

@@ -13,6 +13,7 @@ at each concurrency (default 16 and 64), with 2 x concurrency requests of random
 
     python perf/pd.py                              # tiny preset, built into a temp folder
     python perf/pd.py --concurrency 16 64 --prompt-len 512 --max-tokens 32
+    python perf/pd.py --device cuda --preset small --prompt-len 4096 --max-tokens 64     # H200
 """
 
 from __future__ import annotations
@@ -101,14 +102,16 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--preset", default="tiny", help="checkpoint preset when --checkpoint is not given")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (both processes share GPU 0)")
     args = ap.parse_args()
     ckpt = args.checkpoint
     if ckpt is None:
-        ckpt = str(Path(tempfile.mkdtemp()) / "tiny")
-        subprocess.run([sys.executable, "-m", "deepinfer.cli.make_checkpoint", "--preset", "tiny", "--out", ckpt],
+        ckpt = str(Path(tempfile.mkdtemp()) / args.preset)
+        subprocess.run([sys.executable, "-m", "deepinfer.cli.make_checkpoint", "--preset", args.preset, "--out", ckpt],
                        check=True, capture_output=True)
-    base = dict(checkpoint=ckpt, device="cpu", max_num_seqs=64, max_num_batched_tokens=2048, block_tokens=64,
-                num_cache_blocks=64 * (args.prompt_len + args.max_tokens + 63) // 64 + 64)
+    base = dict(checkpoint=ckpt, device=args.device, max_num_seqs=64, max_num_batched_tokens=2048, block_tokens=64,
+                num_cache_blocks=64 * ((args.prompt_len + args.max_tokens + 63) // 64) + 64)
     results = []
     procs = [EngineProcess(base, num_threads=args.threads, name=f"both{i}") for i in range(2)]
     try:
@@ -123,7 +126,7 @@ def main() -> None:
     finally:
         for p in procs:
             p.close()
-    print(f"\ntiny preset on CPU, 2 processes x {args.threads} thread(s), prompts {args.prompt_len // 2}.."
+    print(f"\n{args.preset} preset on {args.device}, 2 processes x {args.threads} thread(s), prompts {args.prompt_len // 2}.."
           f"{args.prompt_len} tokens, {args.max_tokens} output tokens, 2 x concurrency requests")
     print(f"{'mode':<11}{'conc':>5}{'TTFT p50':>10}{'p90':>8}{'ITL p50':>9}{'p90':>8}{'mean':>8}{'tok/s':>8}{'errors':>7}")
     for r in results:

@@ -7,11 +7,10 @@ Two kinds of region (model_caches.py):
     per block       compressed_kv[src], index_k[src]: [blocks, entries, row] -> block b is contiguous
 
 A request with positions 0..n-1 in the caches needs the ring rows of positions max(0, n-RING)..n-1
-(earlier ones were overwritten anyway) and its blocks:
+(earlier ones were overwritten anyway) and its blocks. The ring rows are one run per slot region:
 
-    RING = 8, n = 11: positions 3..10 -> ring rows 3..7 then 0..2 (two runs per slot region)
-    ring row: | 0 1 2 | 3 4 5 6 7 |
-    position:   8 9 10  3 4 5 6 7
+    RING = 8, n = 5:  positions 0..4  -> ring rows 0..4
+    RING = 8, n = 11: positions 3..10 -> every ring row (row r holds position 8 + r for r < 3, else r)
 
 The runs of the same request on two instances pair up one to one (same layout, same order), so a
 transfer is a list of (address, length) pairs on each side.
@@ -42,12 +41,10 @@ class Region:
 
 
 def ring_runs(num_tokens: int, ring_len: int) -> list[tuple[int, int]]:
-    """(first ring row, number of rows) runs holding positions max(0, n-RING)..n-1, in ring order."""
-    lo = max(0, num_tokens - ring_len)
-    if num_tokens - lo == ring_len:
-        return [(0, ring_len)]
-    a, b = lo % ring_len, (num_tokens - 1) % ring_len + 1
-    return [(a, b - a)] if a < b else [(a, ring_len - a), (0, b)]
+    """(first ring row, number of rows) runs holding positions max(0, n-RING)..n-1: rows 0..n-1
+    while n < RING, else the whole ring (its rows are then exactly the last RING positions)."""
+    n = min(num_tokens, ring_len)
+    return [(0, n)] if n else []
 
 
 class CacheLayout:
