@@ -9,7 +9,9 @@ sharing 4 system prompts, arriving in random order at a fixed concurrency. Per p
   hit rate   the replicas' prefix-cache hit rate (counters prefix_cache_hits_total /
              prefix_cache_queries_total) when the engine has a prefix cache; "n/a" otherwise
 
-Each policy gets fresh system prompts (another seed), so what one run cached does not help the next.
+Each policy gets its own system prompts (another seed), so what one policy cached does not help
+another; the policies run in alternating rounds (--rounds) so that a drift in the machine's load
+hits them alike.
 The router reads each replica's load (running, waiting, cache usage, hit rate) every 0.2 s, as it
 would from the deepinfer model's metrics.
 
@@ -69,49 +71,58 @@ def hit_counts(replicas: dict) -> tuple[int, int] | None:
     return hits, queries
 
 
-def run_policy(policy: str, replicas: dict, args, seed: int) -> dict:
-    router = Router(list(replicas), policy=policy, chunk=args.chunk)
-    stop = threading.Event()
-    poller = threading.Thread(target=poll_loads, args=(router, replicas, stop), daemon=True)
-    poller.start()
-    before = hit_counts(replicas)
-    ttft, assign = [], []
-    lock = threading.Lock()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    bar = tqdm(total=2 * args.conversations, desc=policy, leave=False)
+class PolicyRun:
+    """One policy's router and results; its conversations run in rounds interleaved with the other
+    policies' (so a change in the machine's load hits every policy alike)."""
 
-    def turn(p: int, prompt: list[int], rid: str) -> list[int]:
-        name = router.pick(prompt)
+    def __init__(self, policy: str, replicas: dict, args, seed: int) -> None:
+        self.policy, self.replicas, self.args = policy, replicas, args
+        self.router = Router(list(replicas), policy=policy, chunk=args.chunk)
+        self.convs = make_conversations(args, seed)
+        self.ttft, self.assign, self.hits, self.queries = [], [], 0, 0
+        self.lock = threading.Lock()
+
+    def run_round(self, k: int, rounds: int, bar) -> None:
+        stop = threading.Event()
+        poller = threading.Thread(target=poll_loads, args=(self.router, self.replicas, stop), daemon=True)
+        poller.start()
+        before = hit_counts(self.replicas)
+        n = len(self.convs)
+        chunk = list(enumerate(self.convs))[k * n // rounds:(k + 1) * n // rounds]
+        with ThreadPoolExecutor(self.args.concurrency) as pool:
+            list(pool.map(lambda ic: self._conversation(*ic, bar), chunk))
+        stop.set()
+        poller.join()
+        after = hit_counts(self.replicas)
+        if before is not None and after is not None:
+            self.hits, self.queries = self.hits + after[0] - before[0], self.queries + after[1] - before[1]
+
+    def _turn(self, p: int, prompt: list[int], rid: str, bar) -> list[int]:
+        params = SamplingParams(max_tokens=self.args.max_tokens, temperature=0, ignore_eos=True)
+        name = self.router.pick(prompt)
         t0, first, out_ids = time.perf_counter(), None, []
         try:
-            for out in replicas[name].stream(rid, prompt, params):
+            for out in self.replicas[name].stream(rid, prompt, params):
                 if first is None and out.new_token_ids:
                     first = time.perf_counter() - t0
                 out_ids += out.new_token_ids
         finally:
-            router.done(name)
-        with lock:
-            ttft.append(first if first is not None else float("nan"))
-            assign.append((p, name))
+            self.router.done(name)
+        with self.lock:
+            self.ttft.append(first if first is not None else float("nan"))
+            self.assign.append((p, name))
             bar.update()
         return out_ids
 
-    def conversation(i: int, conv) -> None:
+    def _conversation(self, i: int, conv, bar) -> None:
         p, first_turn, extra = conv
-        answer = turn(p, first_turn, f"{policy}-{i}-0")
-        turn(p, first_turn + answer + extra, f"{policy}-{i}-1")
+        answer = self._turn(p, first_turn, f"{self.policy}-{i}-0", bar)
+        self._turn(p, first_turn + answer + extra, f"{self.policy}-{i}-1", bar)
 
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        list(pool.map(lambda ic: conversation(*ic), enumerate(make_conversations(args, seed))))
-    bar.close()
-    stop.set()
-    poller.join()
-    after = hit_counts(replicas)
-    hit_rate = None
-    if before is not None and after is not None and after[1] > before[1]:
-        hit_rate = (after[0] - before[0]) / (after[1] - before[1])
-    return {"policy": policy, "locality": locality(assign, args.prefixes), "ttft": ttft, "hit_rate": hit_rate,
-            "per_replica": {n: sum(1 for _, m in assign if m == n) for n in replicas}}
+    def result(self) -> dict:
+        return {"policy": self.policy, "locality": locality(self.assign, self.args.prefixes), "ttft": self.ttft,
+                "hit_rate": self.hits / self.queries if self.queries else None,
+                "per_replica": {n: sum(1 for _, m in self.assign if m == n) for n in self.replicas}}
 
 
 def locality(assign, prefixes: int) -> float:
@@ -170,6 +181,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=64, help="router chunk (tokens)")
     ap.add_argument("--policies", nargs="+", default=["prefix", "round_robin", "least_loaded"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    ap.add_argument("--rounds", type=int, default=4, help="policies alternate in this many rounds")
     ap.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v (e.g. enable_prefix_caching=True)")
     ap.add_argument("--plot", default="perf/figures/routing_cpu_tiny.png")
     args = ap.parse_args()
@@ -184,7 +196,12 @@ def main() -> None:
     replicas = {f"replica{i}": EngineProcess(eargs, num_threads=args.threads, name=f"replica{i}")
                 for i in range(args.replicas)}
     try:
-        results = [run_policy(p, replicas, args, seed=1000 + k) for k, p in enumerate(args.policies)]
+        runs = [PolicyRun(p, replicas, args, seed=1000 + k) for k, p in enumerate(args.policies)]
+        with tqdm(total=2 * args.conversations * len(runs), desc="requests") as bar:
+            for k in range(args.rounds):
+                for run in runs:
+                    run.run_round(k, args.rounds, bar)
+        results = [run.result() for run in runs]
     finally:
         for rep in replicas.values():
             rep.close()

@@ -84,7 +84,7 @@ def test_three_apis_stream_through_the_router_and_prefixes_stay_put(topology):
     assert any("message_stop" in line for line in lines)
     lines = stream(url, "/v1/responses", {"model": "deepseek-flash", "max_output_tokens": 4, "stream": True,
                                           "instructions": SYSTEMS[1], "input": "hi"})
-    assert any("response.completed" in line for line in lines)
+    assert any("response.completed" in line or "response.incomplete" in line for line in lines), lines[-3:]
     time.sleep(1.0)
     assert all(r.failures == 0 for r in rs.router.replicas.values())
 
