@@ -186,7 +186,8 @@ class KVConnector:
             state = t.state(ld.handle)
             if state == "ERR":
                 t.forget_peer(p.engine_id)
-                return self._fail(ld, f"the KV transfer from prefill instance {p.engine_id} at {p.host}:{p.port} failed")
+                return self._fail(ld, f"the KV transfer from prefill instance {p.engine_id} at "
+                                      f"{p.host}:{p.port} failed")
             if state == "DONE":
                 t.release(ld.handle)
                 ld.handle = None
