@@ -52,7 +52,8 @@ class AsyncEngine:
     # thread-safe API ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
                     callback: Callback, *, forced_token_ids: list[int] | None = None,
-                    return_logits: bool = False, images=None, cache_salt: str | None = None) -> None:
+                    return_logits: bool = False, images=None, cache_salt: str | None = None,
+                    kv_transfer_params: dict | None = None) -> None:
         """Queue a request; callback(RequestOutput) is called on the engine thread for each delta,
         the last one with finish_reason set. Raises InvalidRequestError here on bad input.
         images: as Engine.add_request; decoded here, on the caller's thread."""
@@ -68,7 +69,7 @@ class AsyncEngine:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._sinks[request_id] = callback
         self._cmds.put(("add", (request_id, list(prompt_token_ids), params, forced_token_ids, return_logits,
-                                images or None, cache_salt)))
+                                images or None, cache_salt, kv_transfer_params)))
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
@@ -156,14 +157,14 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self._add(*arg)
-            elif self.engine.scheduler.requests.get(arg) is not None:
+            elif self.engine.holds_request(arg):
                 self._deliver(self.engine.abort(arg))
 
-    def _add(self, request_id, prompt, params, forced, return_logits, images, cache_salt) -> None:
+    def _add(self, request_id, prompt, params, forced, return_logits, images, cache_salt, kv_transfer_params) -> None:
         try:
             self.engine.add_request(request_id, prompt if images is None else images.token_ids, params,
                                     forced_token_ids=forced, return_logits=return_logits, images=images,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, kv_transfer_params=kv_transfer_params)
         except Exception as e:  # noqa: BLE001
             self._deliver(RequestOutput(request_id, [], "error", len(prompt), 0, error=str(e)))
 

@@ -86,6 +86,13 @@ class EngineArgs:
     # to (pinned) host memory of this size and come back on a hit; 0 = off
     host_cache_bytes: int = 0
     worker_threads: int | None = None       # torch threads per CPU rank; None = cores / ranks
+    # prefill/decode disaggregation (deepinfer/disagg/): "prefill" runs prompts, samples the first
+    # token and holds the request's caches for a decode instance, which pulls them (NIXL READ) and
+    # continues; "both" (default) does everything in one instance
+    kv_role: str = "both"                   # "both" | "prefill" | "decode"
+    kv_transfer_host: str = "127.0.0.1"     # address this instance's NIXL agent is reached at
+    kv_transfer_port: int = 0               # NIXL metadata listener port; 0 = a free one
+    kv_transfer_timeout_s: float = 30.0     # decode: a pull not done by then fails; prefill: held caches freed
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -138,6 +145,15 @@ class EngineArgs:
         if self.enable_prefix_caching and self.data_parallel_size > 1:
             raise ValueError("enable_prefix_caching is not supported with data_parallel_size > 1 yet: each rank "
                              "would need its own prefix index and snapshot store (run one rank per engine)")
+        if self.kv_role not in ("both", "prefill", "decode"):
+            raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}")
+        if self.kv_role != "both" and self.data_parallel_size > 1:
+            raise ValueError("kv_role 'prefill'/'decode' runs one rank per instance (data_parallel_size=1)")
+        if self.kv_role != "both" and self.enable_prefix_caching:
+            raise ValueError("kv_role 'prefill'/'decode' does not combine with enable_prefix_caching yet (a held "
+                             "request's blocks would also be shared by the prefix cache)")
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if not 0 < self.cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction}")
 

@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import random
 import threading
+import time
 
 from deepinfer.cache.kv_cache_manager import KVCacheManager
 from deepinfer.config import EngineArgs
@@ -50,6 +51,7 @@ class Engine:
         self.dead: str | None = None                # why the engine can no longer run steps
         self._init_model()
         self._init_scheduler()
+        self._init_connector()
 
     # construction ------------------------------------------------------------------------------
     def _init_model(self) -> None:
@@ -124,6 +126,18 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (vLLM's name); -> how many."""
         return self.kv_cache.pool.clear_cache()
+
+    def _init_connector(self) -> None:
+        """kv_role "prefill" / "decode": the KV connector (deepinfer/disagg/) on this rank's caches."""
+        self.connector = None
+        a = self.args
+        if a.kv_role == "both":
+            return
+        from deepinfer.disagg.connector import KVConnector
+        self.connector = KVConnector(a.kv_role, self.caches, self.kv_cache, self.stats, a.kv_transfer_host,
+                                     a.kv_transfer_port, a.kv_transfer_timeout_s, self.max_model_len)
+        if a.kv_role == "prefill":
+            self.scheduler.kv_hold = self.connector.request_finished
 
     def shutdown(self) -> None:
         """Stop the rank workers (multi-GPU); a no-op for one rank. Idempotent."""
@@ -210,7 +224,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                     *, forced_token_ids: list[int] | None = None, return_logits: bool = False,
-                    images=None, cache_salt: str | None = None) -> None:
+                    images=None, cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (bad input, duplicate id) to this caller only.
 
         forced_token_ids: teacher forcing, output token k is forced_token_ids[k] (scoring, parity tests).
@@ -218,6 +232,9 @@ class Engine:
         images: image bytes (PNG/JPEG/GIF/WebP), planned [H, W, 3] uint8 pixels (vision.padded_rgb) or
         ImageInputs, one per image placeholder id in the prompt, in order; or an ImagePrompt from prepare_images. num_prompt_tokens then counts spans.
         cache_salt: prefix caching shares blocks only between requests with the same salt (a tenant key).
+        kv_transfer_params: kv_role="decode": a prefill instance's hand-over (its final output's
+        kv_transfer_params); the caches are pulled and the request goes on from the prefill's token.
+        kv_role="prefill" runs every request to its first token (max_tokens=1) and hands it over.
         """
         image_prompt = None
         if images:
@@ -225,42 +242,90 @@ class Engine:
             prompt_token_ids = image_prompt.token_ids
         params = self.validate(request_id, prompt_token_ids, sampling_params)
         self.validate_cache_salt(request_id, cache_salt)
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or (self.connector is not None and self.connector.owns(request_id)):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if kv_transfer_params is not None and image_prompt is not None:
+            raise InvalidRequestError(f"request {request_id}: a hand-over with images is not supported yet")
+        if self.args.kv_role == "prefill":
+            params = dataclasses.replace(params, max_tokens=1)
         req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
                       forced_token_ids, return_logits, image_prompt=image_prompt, cache_salt=cache_salt)
         if image_prompt is not None and image_prompt.embeds is None and self.image_encoder is not None:
             self.image_encoder.submit(image_prompt)
-        self.scheduler.add_request(req)
+        if kv_transfer_params is None:
+            self.scheduler.add_request(req)
+            return
+        if self.args.kv_role != "decode":
+            raise InvalidRequestError(f"request {request_id}: kv_transfer_params need a kv_role='decode' instance "
+                                      f"(this one is {self.args.kv_role!r})")
+        from deepinfer.disagg.params import KVTransferParams
+        try:
+            handover = KVTransferParams.from_dict(kv_transfer_params)
+        except ValueError as e:
+            raise InvalidRequestError(f"request {request_id}: {e}") from None
+        self.connector.start_load(req, handover)
 
     def abort(self, request_id: str) -> RequestOutput:
         """Finish a request now (caches freed); its final output has finish_reason "abort"."""
+        if self.connector is not None and request_id in self.connector.loads:
+            out = self.connector.abort(request_id)
+            self.stats.inc("requests_finished_abort")
+            return out
         if request_id not in self.scheduler.requests:
             raise UnknownRequestError(f"unknown request id {request_id!r}")
         out = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)[0]
         self._update_gauges(step=False)
         return out
 
+    def holds_request(self, request_id: str) -> bool:
+        """In the scheduler, or (kv_role="decode") having its caches pulled."""
+        return request_id in self.scheduler.requests or (self.connector is not None and request_id in self.connector.loads)
+
     def has_unfinished_requests(self) -> bool:
         if self.dead is not None:
             return False
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or (self.connector is not None and self.connector.has_work()))
 
     # the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.image_encoder is not None:
             self.image_encoder.flush()     # images added since the last step: one pass, beside the steps
+        handed = self._poll_connector() if self.connector is not None else []
         if self.async_scheduling:
-            return self._step_pipelined()
+            return handed + self._with_handover(self._step_pipelined())
         sched_out = self.scheduler.schedule()
         try:
             runner_out = self.runner.execute(sched_out)
         except EngineDeadError as e:
-            return self._die(e)
+            return handed + self._die(e)
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
-            return self._fail_step(sched_out, e)
+            return handed + self._fail_step(sched_out, e)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         self._update_gauges()
+        return handed + self._with_handover(outputs)
+
+    # prefill/decode disaggregation (deepinfer/disagg/) ---------------------------------------------
+    def _poll_connector(self) -> list[RequestOutput]:
+        """Pulls that finished go to the scheduler (their first delta is the prefill's token); failed
+        ones end here. Idle with only transfers in flight: a short sleep instead of a hot loop."""
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            time.sleep(0.001)
+        outs, ready = self.connector.poll()
+        for req in ready:
+            self.scheduler.add_request(req)
+        for out in outs:
+            if out.finished:
+                self.stats.inc(f"requests_finished_{out.finish_reason}")
+        return outs
+
+    def _with_handover(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """kv_role="prefill": a request's final output carries its kv_transfer_params."""
+        if self.connector is None or self.args.kv_role != "prefill":
+            return outputs
+        for out in outputs:
+            if out.finished:
+                out.kv_transfer_params = self.connector.take_params(out.request_id)
         return outputs
 
     def _step_pipelined(self) -> list[RequestOutput]:

@@ -123,6 +123,8 @@ class RequestOutput:
     logits: Any | None = None                       # fp32 [len(new_token_ids), V] when return_logits was asked
     error: str | None = None                        # why, when finish_reason == "error"
     num_cached_tokens: int = 0                      # prompt tokens whose KV came from the prefix cache
+    # kv_role="prefill": the final output's hand-over to a decode instance (deepinfer/disagg/params.py)
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

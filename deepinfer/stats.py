@@ -72,6 +72,12 @@ class EngineStats:
             "prefix_cache_evictions_total": 0,
             "prefix_cache_host_offloads_total": 0,   # blocks copied to the host tier on eviction
             "prefix_cache_host_hits_total": 0,       # blocks brought back from the host tier on a hit
+            # prefill/decode disaggregation (deepinfer/disagg/): requests handed over (prefill: held
+            # caches read and freed; decode: caches pulled), the bytes pulled, hand-overs that failed
+            "kv_transfers_total": 0,
+            "kv_transfer_bytes_total": 0,
+            "kv_transfer_failures_total": 0,
+            "kv_holds_expired_total": 0,
         }
         self.gauges = {
             "num_requests_running": 0,
@@ -83,6 +89,8 @@ class EngineStats:
             "spec_acceptance_rate": 0.0,        # accepted / verified drafts
             "prefix_cache_hit_rate": 0.0,       # prefix_cache_hits_total / prefix_cache_queries_total
             "prefix_cache_blocks_cached": 0,    # blocks findable by hash (referenced or idle)
+            "kv_requests_held": 0,              # prefill: finished requests whose caches wait for a decode pull
+            "kv_requests_loading": 0,           # decode: requests whose caches are being pulled
         }
         self.histograms = {
             "time_to_first_token_seconds": Histogram(TTFT_BUCKETS),

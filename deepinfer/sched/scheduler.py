@@ -60,6 +60,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # admission order = priority order
         self._finished_for_runner: set[str] = set()
+        # kv_role="prefill" (deepinfer/disagg/): kv_hold(req) -> True keeps a finished request's
+        # ring slot and blocks for a decode instance; the connector frees them later
+        self.kv_hold = None
 
     # requests in and out -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -318,7 +321,8 @@ class Scheduler:
             self.prefix.on_finish(req, ended_normally=status in (RequestStatus.FINISHED_STOPPED,
                                                                  RequestStatus.FINISHED_LENGTH),
                                   failed=status == RequestStatus.FINISHED_ERROR)
-        self.kv_cache.free(req.request_id)
+        if self.kv_hold is None or not self.kv_hold(req):   # kv_role "prefill": held for a decode pull
+            self.kv_cache.free(req.request_id)
         del self.requests[req.request_id]
         self.stats.inc(f"requests_finished_{FINISH_REASONS[status]}")
         self.stats.observe("e2e_request_latency_seconds", time.monotonic() - req.arrival_time)

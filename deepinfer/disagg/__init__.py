@@ -1,0 +1,32 @@
+"""Prefill/decode disaggregation: one instance runs prompts, another continues the decode, the
+request's caches moving between them through NIXL (UCX over TCP/shared memory on CPU, RDMA/NVLink
+for GPU memory). vLLM's connector shape: the prefill side returns `kv_transfer_params` with its
+final output, the decode side pulls the blocks those params name (a one-sided READ) and goes on.
+
+    params.py      KVTransferParams: what a prefill instance hands over (JSON; travels through the
+                   gateway with the request)
+    layout.py      CacheLayout: which bytes of ModelCaches hold one request's state (window ring rows
+                   of every layer incl. the DSpark rings, compressor carry, compressed-KV and index-key
+                   blocks), as (address, length) runs; the layout signature both peers must share
+    nixl_transport.py  NixlTransport: the NIXL agent (registration, peer metadata, READ, notifications)
+    connector.py   KVConnector: the engine's one interface (request_finished on the prefill side,
+                   start_load / poll on the decode side; holds, deadlines, verification, freeing)
+    process.py     EngineProcess: an AsyncEngine in a child process (tests, benchmarks)
+
+What moves (MODEL.md "the caches"): the window ring rows of the last min(n, RING) positions of
+every layer (backbone and DSpark blocks), the fp32 compressor carry rows of the same positions, the
+compressed-KV and index-key blocks of positions 0..n-1. Engram history is the token ids (sent in
+the request), so nothing of it moves.
+
+    prefill instance                                   decode instance
+    run prompt, sample t0 -> final output + params     add_request(prompt, kv_transfer_params=...)
+    hold slot + blocks, tag[slot] = nonce              allocate slot + blocks
+                                                       READ ring rows, carry rows, blocks
+                                                       READ tag[slot]: still the nonce? (else freed)
+    notif "free:<id>:<nonce>" -> free      <---------- notify; continue at position n with t0
+    (or free at kv_transfer_timeout_s)                 (fail with a clear error on timeout / peer down)
+"""
+
+from deepinfer.disagg.params import KVTransferParams
+
+__all__ = ["KVTransferParams"]

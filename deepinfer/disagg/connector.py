@@ -1,0 +1,274 @@
+"""KVConnector: the one interface between the engine and a KV transfer (vLLM's KVConnector shape,
+scheduler and worker halves in one object: an instance here runs one rank).
+
+Prefill side (kv_role="prefill"):
+    request_finished(req) -> bool     the scheduler's hook when a request finishes: True = keep its
+                                      ring slot and blocks (the connector frees them later)
+    take_params(req_id) -> dict       the hand-over, attached to the request's final output
+Decode side (kv_role="decode"):
+    start_load(req, params)           the request enters the connector, not the scheduler
+    abort(req_id)                     stop a pull (blocks freed once no READ can still land in them)
+Both:
+    poll() -> (outputs, ready)        once per engine step: finished pulls (their requests go to the
+                                      scheduler at position n with the prefill's first token), errors,
+                                      frees of held caches (notification or deadline)
+
+A pull runs as a small state machine, one transition per poll, each bounded by the deadline:
+
+    ALLOC (wait for a slot and blocks; NOTIFY instead when the first token ends the request)
+      -> CONNECT (peer metadata) -> PULL (READ the runs)
+      -> VERIFY (READ the peer's tag of the slot: the nonce of params? then the blocks were held
+         during the whole PULL) -> notify the peer "free:<id>:<nonce>" -> the scheduler
+    any state past the deadline, a READ in ERR, a tag that differs -> the request fails ("error")
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.disagg.layout import CacheLayout
+from deepinfer.disagg.nixl_transport import NixlTransport
+from deepinfer.disagg.params import KVTransferParams
+from deepinfer.outputs import RequestOutput
+from deepinfer.request import InvalidRequestError, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    ring_slot: int
+    tag: int
+    deadline: float
+    params: dict | None
+
+
+@dataclass
+class _Load:
+    req: Request
+    params: KVTransferParams
+    deadline: float
+    state: str = "ALLOC"
+    handle: object = None
+    allocated: bool = False
+    finish_status: RequestStatus | None = None   # the prefill's token already ends the request
+    started: float = field(default_factory=time.monotonic)
+
+
+class KVConnector:
+    def __init__(self, role: str, caches, kv_cache, stats, host: str = "127.0.0.1", port: int = 0,
+                 timeout_s: float = 30.0, max_model_len: int | None = None) -> None:
+        self.role = role
+        self.kv_cache = kv_cache            # KVCacheManager: ring slots and block tables by request id
+        self.stats = stats
+        self.timeout_s = timeout_s
+        self.max_model_len = max_model_len
+        self.layout = CacheLayout(caches)
+        self.transport = NixlTransport(role, host, port)
+        self.transport.register(self.layout.registrations(), self.layout.mem_type)
+        # prefill: tags[slot] = nonce while the slot's request is held (0 = free); decode: where a
+        # peer's tag is read back into (indexed by the local slot)
+        self.tags = torch.zeros(kv_cache.num_ring_slots, dtype=torch.int64)
+        self.transport.register([(self.tags.data_ptr(), self.tags.numel() * 8, 0, "")], "DRAM")
+        self.held: dict[str, _Held] = {}
+        self.loads: dict[str, _Load] = {}
+        self._abandoned: list[tuple[object, str]] = []   # (handle, req_id): READs still landing in blocks
+        self._rng = random.Random()
+
+    def has_work(self) -> bool:
+        return bool(self.held or self.loads or self._abandoned)
+
+    def owns(self, req_id: str) -> bool:
+        return req_id in self.held or req_id in self.loads or any(r == req_id for _, r in self._abandoned)
+
+    # prefill side --------------------------------------------------------------------------------
+    def request_finished(self, req: Request) -> bool:
+        if self.role != "prefill" or req.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            return False
+        rid = req.request_id
+        slot, blocks = self.kv_cache.ring_slot[rid], list(self.kv_cache.block_ids[rid])
+        tag = self._rng.getrandbits(62) + 1
+        self.tags[slot] = tag
+        n = req.num_tokens - 1                     # every position but the sampled token's is cached
+        ring, pool = self.layout.num_bytes(n)
+        params = KVTransferParams(self.transport.name, self.transport.host, self.transport.port, rid, n,
+                                  req.all_token_ids[-1], slot, tuple(blocks), tag,
+                                  tuple(self.layout.base_addrs()), self.tags.data_ptr(), self.layout.signature,
+                                  ring + pool)
+        self.held[rid] = _Held(slot, tag, time.monotonic() + self.timeout_s, params.to_dict())
+        return True
+
+    def take_params(self, req_id: str) -> dict | None:
+        h = self.held.get(req_id)
+        if h is None:
+            return None
+        params, h.params = h.params, None
+        return params
+
+    def _release(self, req_id: str) -> None:
+        h = self.held.pop(req_id)
+        self.tags[h.ring_slot] = 0                 # before the free: a late VERIFY sees the blocks gone
+        self.kv_cache.free(req_id)
+
+    def _poll_held(self) -> None:
+        for msg in self.transport.notifications():
+            kind, _, rest = msg.decode(errors="replace").partition(":")
+            rid, _, tag = rest.rpartition(":")
+            h = self.held.get(rid)
+            if kind == "free" and h is not None and str(h.tag) == tag:
+                self._release(rid)
+                self.stats.inc("kv_transfers_total")
+        now = time.monotonic()
+        for rid in [r for r, h in self.held.items() if h.deadline < now]:
+            logger.warning("request %s: no decode instance read its caches in %.1f s; freed", rid, self.timeout_s)
+            self._release(rid)
+            self.stats.inc("kv_holds_expired_total")
+
+    # decode side ---------------------------------------------------------------------------------
+    def start_load(self, req: Request, params: KVTransferParams) -> None:
+        """Checks what can be checked at once (InvalidRequestError to the caller); the pull starts at
+        the next poll."""
+        rid = req.request_id
+        if params.layout != self.layout.signature:
+            raise InvalidRequestError(f"request {rid}: the prefill instance's cache layout ({params.layout}) "
+                                      f"differs from this decode instance's ({self.layout.signature}): "
+                                      "same checkpoint, block_tokens and dtype on both")
+        if params.num_tokens != req.num_prompt_tokens:
+            raise InvalidRequestError(f"request {rid}: kv_transfer_params cover {params.num_tokens} positions, "
+                                      f"the prompt has {req.num_prompt_tokens} tokens")
+        if len(params.base_addrs) != len(self.layout.regions):
+            raise InvalidRequestError(f"request {rid}: kv_transfer_params name {len(params.base_addrs)} "
+                                      f"regions, this layout has {len(self.layout.regions)}")
+        req.all_token_ids.append(params.first_token_id)
+        self.loads[rid] = _Load(req, params, time.monotonic() + self.timeout_s)
+
+    def abort(self, req_id: str) -> RequestOutput:
+        ld = self.loads.pop(req_id)
+        self._drop(ld)
+        ld.req.status = RequestStatus.FINISHED_ABORTED
+        return RequestOutput(req_id, [], "abort", ld.req.num_prompt_tokens, 0)
+
+    def _poll_loads(self) -> tuple[list[RequestOutput], list[Request]]:
+        outs, ready = [], []
+        for rid, ld in list(self.loads.items()):
+            try:
+                out = self._advance(ld)
+            except Exception as e:  # noqa: BLE001 - one failed pull fails one request
+                out = self._fail(ld, f"{type(e).__name__}: {e}")
+            if out is not None:
+                outs.append(out)
+                if ld.state == "READY":
+                    ready.append(ld.req)
+        return outs, ready
+
+    def _advance(self, ld: _Load) -> RequestOutput | None:
+        """One transition; an output when the request leaves the connector."""
+        p, rid, t = ld.params, ld.req.request_id, self.transport
+        if ld.state == "ALLOC":
+            ld.finish_status = self._first_token_finishes(ld.req)
+            if ld.finish_status is not None:
+                ld.state = "NOTIFY"
+            elif self.kv_cache.allocate_slots(rid, p.num_tokens) is not None:
+                ld.allocated, ld.state = True, "CONNECT"
+        if ld.state == "NOTIFY" and (t.peer_ready(p.engine_id, p.host, p.port) or time.monotonic() > ld.deadline):
+            return self._finish_at_first_token(ld)
+        if ld.state == "CONNECT" and t.peer_ready(p.engine_id, p.host, p.port):
+            slot = self.kv_cache.ring_slot[rid]
+            local = self.layout.runs(p.num_tokens, slot, self.kv_cache.block_ids[rid])
+            remote = self.layout.runs(p.num_tokens, p.ring_slot, p.block_ids, p.base_addrs)
+            ld.handle, ld.state = t.read(p.engine_id, local, remote, self.layout.mem_type), "PULL"
+        if ld.state in ("PULL", "VERIFY"):
+            state = t.state(ld.handle)
+            if state == "ERR":
+                t.forget_peer(p.engine_id)
+                return self._fail(ld, f"the KV transfer from prefill instance {p.engine_id} at "
+                                      f"{p.host}:{p.port} failed")
+            if state == "DONE":
+                t.release(ld.handle)
+                ld.handle = None
+                if ld.state == "PULL":
+                    slot = self.kv_cache.ring_slot[rid]
+                    self.tags[slot] = 0
+                    ld.handle = t.read(p.engine_id, [(self.tags.data_ptr() + 8 * slot, 8, 0)],
+                                       [(p.tag_addr + 8 * p.ring_slot, 8, 0)], "DRAM")
+                    ld.state = "VERIFY"
+                else:
+                    return self._verified(ld)
+        if time.monotonic() > ld.deadline:
+            t.forget_peer(p.engine_id)
+            return self._fail(ld, f"the KV transfer from prefill instance {p.engine_id} at {p.host}:{p.port} "
+                                  f"timed out after {self.timeout_s:g} s (state {ld.state})")
+        return None
+
+    def _verified(self, ld: _Load) -> RequestOutput:
+        p, rid = ld.params, ld.req.request_id
+        if int(self.tags[self.kv_cache.ring_slot[rid]]) != p.tag:
+            return self._fail(ld, f"the KV blocks of request {p.request_id} no longer exist on prefill "
+                                  f"instance {p.engine_id} (freed after its kv_transfer_timeout_s, or never held)")
+        self.transport.notify(p.engine_id, f"free:{p.request_id}:{p.tag}".encode())
+        del self.loads[rid]
+        ld.state = "READY"
+        ld.req.num_computed_tokens = p.num_tokens
+        self.stats.inc("kv_transfers_total")
+        self.stats.inc("kv_transfer_bytes_total", sum(self.layout.num_bytes(p.num_tokens)))
+        return RequestOutput(rid, [p.first_token_id], None, ld.req.num_prompt_tokens, 1)
+
+    def _first_token_finishes(self, req: Request) -> RequestStatus | None:
+        """The request may end at the prefill's token, under this instance's sampling params."""
+        sp, tok = req.sampling_params, req.all_token_ids[-1]
+        if not sp.ignore_eos and tok == req.eos_token_id or tok in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens <= 1 or (self.max_model_len is not None and req.num_tokens >= self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish_at_first_token(self, ld: _Load) -> RequestOutput:
+        """Nothing to pull: tell the prefill to free (it frees at its deadline if the peer is unreachable)."""
+        p = ld.params
+        del self.loads[ld.req.request_id]
+        ld.req.status = ld.finish_status
+        if self.transport.peer_ready(p.engine_id, p.host, p.port):
+            self.transport.notify(p.engine_id, f"free:{p.request_id}:{p.tag}".encode())
+        return RequestOutput(ld.req.request_id, [p.first_token_id], ld.req.finish_reason, ld.req.num_prompt_tokens, 1)
+
+    def _fail(self, ld: _Load, error: str) -> RequestOutput:
+        rid = ld.req.request_id
+        self.loads.pop(rid, None)
+        self._drop(ld)
+        ld.req.status = RequestStatus.FINISHED_ERROR
+        self.stats.inc("kv_transfer_failures_total")
+        logger.warning("request %s: %s", rid, error)
+        return RequestOutput(rid, [], "error", ld.req.num_prompt_tokens, 0, error=error)
+
+    def _drop(self, ld: _Load) -> None:
+        """Free what a pull holds; blocks a READ may still land in wait until it is over."""
+        if ld.handle is not None and self.transport.state(ld.handle) == "PROC":
+            self._abandoned.append((ld.handle, ld.req.request_id))
+            return
+        if ld.handle is not None:
+            self.transport.release(ld.handle)
+        if ld.allocated:
+            self.kv_cache.free(ld.req.request_id)
+
+    def _poll_abandoned(self) -> None:
+        keep = []
+        for handle, rid in self._abandoned:
+            if self.transport.state(handle) == "PROC":
+                keep.append((handle, rid))
+                continue
+            self.transport.release(handle)
+            self.kv_cache.free(rid)
+        self._abandoned = keep
+
+    # both --------------------------------------------------------------------------------------
+    def poll(self) -> tuple[list[RequestOutput], list[Request]]:
+        self._poll_held()
+        self._poll_abandoned()
+        outs, ready = self._poll_loads()
+        self.stats.set_gauges(kv_requests_held=len(self.held), kv_requests_loading=len(self.loads))
+        return outs, ready

@@ -1,0 +1,98 @@
+"""CacheLayout: where one request's state lives in ModelCaches, as runs of bytes.
+
+Two kinds of region (model_caches.py):
+
+    per ring slot   window_kv[layer] (DSpark layers included), carry_kv[src], carry_score[src]:
+                    [slots, RING, row] -> the rows of positions p live at [slot, p % RING]
+    per block       compressed_kv[src], index_k[src]: [blocks, entries, row] -> block b is contiguous
+
+A request with positions 0..n-1 in the caches needs the ring rows of positions max(0, n-RING)..n-1
+(earlier ones were overwritten anyway) and its blocks. The ring rows are one run per slot region:
+
+    RING = 8, n = 5:  positions 0..4  -> ring rows 0..4
+    RING = 8, n = 11: positions 3..10 -> every ring row (row r holds position 8 + r for r < 3, else r)
+
+The runs of the same request on two instances pair up one to one (same layout, same order), so a
+transfer is a list of (address, length) pairs on each side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    tensor: torch.Tensor            # [slots | blocks, rows, row_width]
+    per_slot: bool                  # True: indexed by ring slot; False: by block id
+
+    @property
+    def row_bytes(self) -> int:
+        return self.tensor.shape[2] * self.tensor.element_size()
+
+    @property
+    def item_bytes(self) -> int:    # one slot's rows or one block
+        return self.tensor.shape[1] * self.row_bytes
+
+
+def ring_runs(num_tokens: int, ring_len: int) -> list[tuple[int, int]]:
+    """(first ring row, number of rows) runs holding positions max(0, n-RING)..n-1: rows 0..n-1
+    while n < RING, else the whole ring (its rows are then exactly the last RING positions)."""
+    n = min(num_tokens, ring_len)
+    return [(0, n)] if n else []
+
+
+class CacheLayout:
+    def __init__(self, caches) -> None:
+        self.ring_len, self.block_tokens = caches.ring_len, caches.block_tokens
+        regions = [Region(f"window.{i}", t, True) for i, t in enumerate(caches.window_kv)]
+        regions += [Region(f"carry_kv.{s}", t, True) for s, t in sorted(caches.carry_kv.items())]
+        regions += [Region(f"carry_score.{s}", t, True) for s, t in sorted(caches.carry_score.items())]
+        regions += [Region(f"compressed_kv.{s}", t, False) for s, t in sorted(caches.compressed_kv.items())]
+        regions += [Region(f"index_k.{s}", t, False) for s, t in sorted(caches.index_k.items())]
+        self.regions = regions
+        device = caches.window_kv[0].device
+        self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+        self.dev_id = (device.index or 0) if device.type == "cuda" else 0
+
+    @property
+    def signature(self) -> str:
+        """Equal on two instances iff their runs of one request pair up (shapes past dim 0, dtypes)."""
+        desc = [self.ring_len, self.block_tokens] + [
+            [r.name, r.per_slot, list(r.tensor.shape[1:]), str(r.tensor.dtype)] for r in self.regions]
+        return hashlib.sha1(json.dumps(desc).encode()).hexdigest()[:16]
+
+    def base_addrs(self) -> list[int]:
+        return [r.tensor.data_ptr() for r in self.regions]
+
+    def registrations(self) -> list[tuple[int, int, int, str]]:
+        """Whole tensors, for NIXL registration: (address, bytes, device id, "")."""
+        return [(r.tensor.data_ptr(), r.tensor.numel() * r.tensor.element_size(), self.dev_id, "")
+                for r in self.regions]
+
+    def runs(self, num_tokens: int, ring_slot: int, block_ids, base_addrs=None) -> list[tuple[int, int, int]]:
+        """(address, bytes, device id) of every run of one request; base_addrs: another instance's
+        region addresses (the same layout), default this one's."""
+        bases = base_addrs if base_addrs is not None else self.base_addrs()
+        rings = ring_runs(num_tokens, self.ring_len)
+        num_blocks = -(-num_tokens // self.block_tokens)
+        out = []
+        for r, base in zip(self.regions, bases):
+            if r.per_slot:
+                slot = base + ring_slot * r.item_bytes
+                out += [(slot + first * r.row_bytes, count * r.row_bytes, self.dev_id) for first, count in rings]
+            else:
+                out += [(base + int(b) * r.item_bytes, r.item_bytes, self.dev_id) for b in block_ids[:num_blocks]]
+        return out
+
+    def num_bytes(self, num_tokens: int) -> tuple[int, int]:
+        """(window ring + carry bytes, compressed-KV + index-key bytes) one request of n tokens moves."""
+        rows = sum(c for _, c in ring_runs(num_tokens, self.ring_len))
+        num_blocks = -(-num_tokens // self.block_tokens)
+        ring = sum(rows * r.row_bytes for r in self.regions if r.per_slot)
+        return ring, sum(num_blocks * r.item_bytes for r in self.regions if not r.per_slot)

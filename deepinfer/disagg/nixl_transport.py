@@ -1,0 +1,95 @@
+"""NixlTransport: the NIXL agent of one engine instance (NVIDIA's transfer library, as vLLM's
+NixlConnector uses it). UCX backend: TCP / shared memory between CPU processes, RDMA and NVLink
+for GPU memory. Peers find each other's metadata through NIXL's own listener (host, port).
+
+All calls are non-blocking except construction: the connector polls states once per engine step.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import uuid
+
+logger = logging.getLogger(__name__)
+
+
+def import_nixl():
+    """The NIXL Python API: the `nixl` meta package (picks the CUDA build), else a build directly."""
+    for name in ("nixl", "nixl_cu13", "nixl_cu12"):
+        try:
+            module = __import__(name)
+            if hasattr(module, "nixl_agent"):
+                return module
+        except ImportError:
+            continue
+    raise ImportError("kv_role 'prefill'/'decode' needs NIXL: pip install 'deepinfer-triton[pd]'")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class NixlTransport:
+    def __init__(self, role: str, host: str = "127.0.0.1", port: int = 0) -> None:
+        nixl = import_nixl()
+        self.host = host
+        self.port = port or free_port(host)
+        self.name = f"deepinfer-{role}-{uuid.uuid4().hex[:12]}"
+        cfg = nixl.nixl_agent_config(enable_listen_thread=True, listen_port=self.port, backends=["UCX"])
+        self.agent = nixl.nixl_agent(self.name, cfg)
+        self._asked: set[str] = set()    # peers whose metadata was requested
+
+    # memory ------------------------------------------------------------------------------------
+    def register(self, regions: list[tuple[int, int, int, str]], mem_type: str) -> None:
+        self.agent.register_memory(regions, mem_type)
+
+    # peers ---------------------------------------------------------------------------------------
+    def peer_ready(self, name: str, host: str, port: int) -> bool:
+        """Ask for a peer's metadata once; True when it has arrived (poll)."""
+        if name not in self._asked:
+            self.agent.fetch_remote_metadata(name, host, port)
+            self._asked.add(name)
+        return self.agent.check_remote_metadata(name)
+
+    def forget_peer(self, name: str) -> None:
+        """A peer that failed: ask for its metadata again next time (it may have restarted)."""
+        if name in self._asked:
+            self._asked.discard(name)
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - its metadata may never have arrived
+                pass
+
+    # transfers -----------------------------------------------------------------------------------
+    def read(self, peer: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],
+             mem_type: str, notif: bytes = b""):
+        """Start a READ of the remote runs into the local ones (pairwise). -> handle"""
+        lo = self.agent.get_xfer_descs(local, mem_type)
+        ro = self.agent.get_xfer_descs(remote, mem_type)
+        handle = self.agent.initialize_xfer("READ", lo, ro, peer, notif)
+        if self.agent.transfer(handle) == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise ConnectionError(f"NIXL READ from {peer} could not be posted")
+        return handle
+
+    def state(self, handle) -> str:
+        """'DONE', 'PROC' or 'ERR'."""
+        return self.agent.check_xfer_state(handle)
+
+    def release(self, handle) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - a transfer to a dead peer may refuse to release cleanly
+            logger.warning("could not release a NIXL transfer handle", exc_info=True)
+
+    def notify(self, peer: str, msg: bytes) -> None:
+        try:
+            self.agent.send_notif(peer, msg)
+        except Exception:  # noqa: BLE001 - the peer frees at its timeout anyway
+            logger.warning("notification to %s failed", peer, exc_info=True)
+
+    def notifications(self) -> list[bytes]:
+        return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]

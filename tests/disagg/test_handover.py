@@ -1,0 +1,174 @@
+"""Prefill on one engine process, decode on another, the caches moved by NIXL (UCX over TCP /
+shared memory on CPU): teacher-forced logits after the hand-over pass the shared fixture's rule,
+and under batch_invariant the tokens (and logits) equal a single instance's bit for bit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from deepinfer.disagg.nixl_transport import import_nixl  # noqa: E402
+
+try:
+    import_nixl()
+except ImportError as e:
+    pytest.skip(str(e), allow_module_level=True)
+
+from deepinfer.config import EngineArgs  # noqa: E402
+from deepinfer.disagg.process import EngineProcess  # noqa: E402
+from deepinfer.engine import Engine  # noqa: E402
+from deepinfer.sampling_params import SamplingParams  # noqa: E402
+from tests.conftest import SHARED, build_fixture  # noqa: E402
+
+NUM_OUT = 17
+
+
+def engine_args(ckpt, **kw) -> dict:
+    return dict(checkpoint=str(ckpt), device="cpu", max_num_seqs=8, max_num_batched_tokens=256, block_tokens=64,
+                num_cache_blocks=8 * 13, model_overrides={"emulate_index_k_alias": True}, **kw)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_fixture("v41-tiny-bf16", tmp_path_factory)
+
+
+def start_pair(ckpt, **kw):
+    prefill = EngineProcess(engine_args(ckpt, kv_role="prefill", **kw), num_threads=1, name="prefill")
+    decode = EngineProcess(engine_args(ckpt, kv_role="decode", **kw), num_threads=1, name="decode")
+    return prefill, decode
+
+
+@pytest.fixture(scope="module")
+def pair(ckpt):
+    prefill, decode = start_pair(ckpt)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+@pytest.fixture(scope="module")
+def pair_bi(ckpt):
+    """Both instances under batch_invariant (row-by-row GEMMs on CPU: short prompts only)."""
+    prefill, decode = start_pair(ckpt, batch_invariant=True)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def handover(prefill, decode, rid, prompt, params, **kw):
+    """-> (prefill's final output, decode's outputs)"""
+    first = list(prefill.stream(rid, prompt, params, **kw))
+    assert len(first) == 1 and first[0].finish_reason == "length", first
+    kv = first[0].kv_transfer_params
+    assert kv is not None and kv["num_tokens"] == len(prompt)
+    outs = list(decode.stream(rid, prompt, params, kv_transfer_params=kv, **kw))
+    assert outs[-1].finish_reason in ("length", "stop"), outs[-1]
+    assert outs[0].new_token_ids == first[0].new_token_ids   # the decode stream starts with the prefill's token
+    return first[0], outs
+
+
+def single_instance(ckpt, prompts: dict, params: dict, return_logits=False):
+    """The same requests on one kv_role="both" instance, all at once. -> (tokens, logits) by id"""
+    engine = Engine(EngineArgs(**engine_args(ckpt, batch_invariant=True)))
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params[rid], return_logits=return_logits)
+    toks, logits = {rid: [] for rid in prompts}, {rid: [] for rid in prompts}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            toks[o.request_id] += o.new_token_ids
+            if o.logits is not None:
+                logits[o.request_id].append(o.logits)
+    return toks, {k: np.concatenate(v) if v else None for k, v in logits.items()}
+
+
+def test_teacher_forced_logits_after_handover_pass_check_parity(pair, ckpt, tmp_path):
+    prefill, decode = pair
+    expected = np.load(ckpt / "expected.npz")
+    cand = {"meta_json": np.array(json.dumps({"format": "dsv41-parity-candidate/1", "engine": "deepinfer",
+                                              "batch": "prefill/decode hand-over over NIXL"}))}
+    num_bytes = []
+    for i in range(4):
+        prompt = expected[f"p{i}_prompt_ids"].tolist()
+        params = SamplingParams(max_tokens=NUM_OUT, temperature=0, ignore_eos=True)
+        kw = dict(forced_token_ids=expected[f"p{i}_fed_tokens"].tolist(), return_logits=True)
+        first, outs = handover(prefill, decode, f"tf{i}", prompt, params, **kw)
+        num_bytes.append((len(prompt), first.kv_transfer_params["num_bytes"]))
+        lg = np.concatenate([first.logits] + [o.logits for o in outs if o.logits is not None])
+        assert lg.shape[0] == NUM_OUT
+        cand[f"p{i}_prefill_logits"] = lg[0].astype(np.float32)
+        cand[f"p{i}_decode_logits"] = lg[1:].astype(np.float32)
+        cand[f"p{i}_fed_tokens"] = expected[f"p{i}_fed_tokens"]
+        cand[f"p{i}_prompt_ids"] = expected[f"p{i}_prompt_ids"]
+        cand[f"p{i}_tokens"] = lg.argmax(-1).astype(np.int64)
+    print("bytes pulled per request (prompt tokens, bytes):", num_bytes)
+    path = tmp_path / "candidate.npz"
+    np.savez(path, **cand)
+    res = subprocess.run([sys.executable, str(SHARED / "tools" / "check-parity"), str(ckpt), str(path)],
+                         capture_output=True, text=True)
+    verdict = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-2000:]
+    print(verdict)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert_nothing_held(prefill, decode)
+
+
+def test_tokens_bit_identical_to_a_single_instance_under_batch_invariant(pair_bi, ckpt):
+    prefill, decode = pair_bi
+    expected = np.load(ckpt / "expected.npz")
+    prompts = {f"p{i}": expected[f"p{i}_prompt_ids"].tolist() for i in (0, 1)}     # 18 and 145 tokens
+    params = {rid: SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for rid in prompts}
+    ref_tokens, ref_logits = single_instance(ckpt, prompts, params, return_logits=True)
+    for rid, prompt in prompts.items():
+        first, outs = handover(prefill, decode, rid, prompt, params[rid], return_logits=True)
+        tokens = [t for o in outs for t in o.new_token_ids]
+        assert tokens == ref_tokens[rid], f"{rid}: {tokens} != {ref_tokens[rid]}"
+        lg = np.concatenate([first.logits] + [o.logits for o in outs if o.logits is not None])
+        np.testing.assert_array_equal(lg, ref_logits[rid])
+    assert_nothing_held(prefill, decode)
+
+
+def test_concurrent_handovers_with_sampling(pair_bi, ckpt):
+    """Eight requests in flight on both sides at once, each handed over as soon as its prefill
+    ends, seeded sampling: each equals its run on a single instance (the seed's per-position
+    stream crosses the hand-over)."""
+    prefill, decode = pair_bi
+    expected = np.load(ckpt / "expected.npz")
+    long = expected["p2_prompt_ids"].tolist()
+    prompts = {f"c{i}": long[3 * i: 3 * i + 12 + 5 * i] for i in range(8)}
+    params = {rid: SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True)
+              for i, rid in enumerate(prompts)}
+    firsts = {rid: prefill.add(rid, p, params[rid]) for rid, p in prompts.items()}
+    streams = {}
+    for rid, q in firsts.items():        # in order; the prefill keeps running the others meanwhile
+        kv = q.get(timeout=300).kv_transfer_params
+        streams[rid] = decode.add(rid, prompts[rid], params[rid], kv_transfer_params=kv)
+    got = {}
+    for rid, q in streams.items():
+        toks, out = [], None
+        while out is None or not out.finished:
+            out = q.get(timeout=300)
+            toks += out.new_token_ids
+        assert out.finish_reason == "length", out
+        got[rid] = toks
+    ref, _ = single_instance(ckpt, prompts, params)
+    assert got == ref
+    assert_nothing_held(prefill, decode)
+
+
+def assert_nothing_held(prefill, decode, timeout_s: float = 10.0) -> None:
+    """Every block and ring slot back in both pools (the prefill frees on the decode's notification)."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while True:
+        p, d = prefill.state(), decode.state()
+        if (p["cache_blocks_used"], p["ring_slots_used"], p["held"], d["cache_blocks_used"], d["ring_slots_used"],
+                d["loading"]) == (0, 0, 0, 0, 0, 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert (p["cache_blocks_used"], p["ring_slots_used"], p["held"]) == (0, 0, 0), p
+    assert (d["cache_blocks_used"], d["ring_slots_used"], d["loading"]) == (0, 0, 0), d
+    assert p["stats"]["counters"]["kv_holds_expired_total"] == 0
