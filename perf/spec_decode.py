@@ -21,6 +21,19 @@ steps that verified no draft included) and drafts verified per request-step and 
 fractions of verify-all's. The issue's goal: the
 scheduler verifies >= 25% fewer drafts than verify-all at >= 0.98 of its accepted length, and
 beats the static threshold in tok/s at batch 64.
+
+Tiny preset, CPU (2 shared cores), 2026-12-02, prompt 16, output 64, --variants (figure
+perf/figures/spec_decode_cpu.png). Step times hardly grow with drafts at batch 1-4 (60.8 -> 66.4 ms
+at n=1), so the scheduler verifies nearly everything there; at batch 16 (96 -> 200 ms) it cuts 39%
+of the drafts. CPU timings move by 10-20% between runs on this shared machine:
+    batch  policy            tok/s/user  x off  verif/acc  acc len  verif x all  acc len x all
+    1      verify-all            65.3    2.34     1.74      3.56       1.00          1.00
+    1      threshold 0.5         51.5    1.84     1.23      3.20       0.61          0.90
+    1      scheduler             62.2    2.23     1.65      3.56       0.95          1.00
+    16     verify-all            16.8    0.84     1.94      3.31       1.00          1.00
+    16     threshold 0.5         19.0    0.95     1.34      2.66       0.50          0.80
+    16     scheduler             15.8    0.79     1.52      2.81       0.61          0.85
+    16     sched early-stop      20.7    1.03     1.71      2.98       0.76          0.90
 """
 
 from __future__ import annotations
