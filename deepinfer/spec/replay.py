@@ -14,9 +14,15 @@ m solves 1 + sum_{j=1..K} m^j = the mean accepted length of verify-all (tokens p
 widely (a request-step with c = 0.95 next to one with 0.3), which is what the scheduler exploits;
 larger kappa makes every request alike (the policies then converge). The accepted drafts are the
 proposed draft ids themselves, and the token after them is the real sample at that row.
+
+Each proposal's draws are a pure function of (seed, request id, anchor position): engines running
+different policies over the same requests meet the same outcome wherever they propose at the same
+position (common random numbers), so their differences are the policies', not the draws'.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 
@@ -43,13 +49,19 @@ class ReplayedAcceptance:
         self.num_drafts = num_drafts
         self.m = survival_mean_for(mean_accepted_length, num_drafts)
         self.concentration = concentration
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
 
-    def draw(self, n: int) -> tuple[list[list[float]], list[int]]:
-        """n proposals -> (confidence logits [n][K], accepted-if-verified lengths L [n])."""
+    def draw(self, keys: list[tuple[str, int]]) -> tuple[list[list[float]], list[int]]:
+        """(request id, anchor position) per proposal -> (confidence logits [n][K], accepted-if-verified
+        lengths L [n])."""
         k, kappa = self.num_drafts, self.concentration
-        c = self.rng.beta(self.m * kappa, (1 - self.m) * kappa, size=(n, k)).clip(1e-6, 1 - 1e-6)
-        accepted = self.rng.random((n, k)) < c                               # draft j given 1..j-1
+        c, u = np.empty((len(keys), k)), np.empty((len(keys), k))
+        for i, (req_id, pos) in enumerate(keys):
+            rng = np.random.default_rng([self.seed, zlib.crc32(req_id.encode()), pos])
+            c[i] = rng.beta(self.m * kappa, (1 - self.m) * kappa, size=k)
+            u[i] = rng.random(k)
+        c = c.clip(1e-6, 1 - 1e-6)
+        accepted = u < c                                                     # draft j given 1..j-1
         lengths = np.cumprod(accepted, axis=1).sum(axis=1)
         logits = np.log(c) - np.log1p(-c)
         return logits.tolist(), lengths.tolist()

@@ -199,7 +199,7 @@ class ModelRunner:
                                       sampling=self._draft_sampling(step, which))
         replay = self.proposer.replay
         if replay is not None:   # benchmark mode: calibrated confidences with their outcomes
-            props.confidences, lengths = replay.draw(len(which))
+            props.confidences, lengths = replay.draw([(step.req_ids[i], int(sp.start[i] + keep[i] - 1)) for i in which])
         drafts, confs = [[] for _ in per_req], [[] for _ in per_req]
         for j, i in enumerate(which):
             req_id = step.req_ids[i]
