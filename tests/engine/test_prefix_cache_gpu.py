@@ -43,7 +43,7 @@ def test_snapshot_hit_bit_identical_on_cuda(tiny_checkpoint):
 
 def test_replay_clip_and_host_tier_on_cuda(tiny_checkpoint):
     p1, extra = prompt(301, 13), prompt(20, 14)
-    H = 300
+    H = len(p1) // 8 * 8          # full blocks of 8 (llm's block_tokens): 296
 
     def run(poison=False, **kw):
         eng = llm(tiny_checkpoint, enable_prefix_caching=True, window_snapshot_bytes=0, **kw)
