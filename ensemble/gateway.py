@@ -36,7 +36,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 
 import grpc
 from aiohttp import web

@@ -6,12 +6,11 @@ Its own tritonserver (prefix caching on), so the session server's outputs stay c
 
 from __future__ import annotations
 
-import anthropic
 import openai
 import pytest
 
 from tests.serving.conftest import MAX_MODEL_LEN, free_port
-from tests.serving.test_gateway import start_gateway, stop_gateway
+from tests.serving.test_gateway import anthropic_client, openai_client, start_gateway, stop_gateway
 
 pytestmark = pytest.mark.triton
 
@@ -39,8 +38,8 @@ def gateway(tmp_path_factory, checkpoint):
 
 
 def test_cached_tokens_in_all_three_usages(gateway):
-    oai = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0, timeout=120)
-    claude = anthropic.Anthropic(base_url=gateway, api_key="none", max_retries=0, timeout=120)
+    oai = openai_client(gateway)
+    claude = anthropic_client(gateway)
     msgs = [{"role": "user", "content": LONG + "Weather in Paris?"}]
 
     def chat():
@@ -65,7 +64,7 @@ def test_cached_tokens_in_all_three_usages(gateway):
 
 
 def test_cache_salt_isolates_tenants(gateway):
-    oai = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0, timeout=120)
+    oai = openai_client(gateway)
     msgs = [{"role": "user", "content": LONG + "Weather in Rome?"}]
 
     def cached(**extra):

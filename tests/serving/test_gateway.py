@@ -63,14 +63,23 @@ def gateway(server, tmp_path_factory):
         stop_gateway(proc)
 
 
+def openai_client(base: str, api_key: str = "none", timeout: float = 120) -> openai.OpenAI:
+    """The official OpenAI SDK on a gateway URL (no retries: a test sees the first answer)."""
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
+def anthropic_client(base: str, api_key: str = "none", timeout: float = 120) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base, api_key=api_key, max_retries=0, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def oai(gateway):
-    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(gateway)
 
 
 @pytest.fixture(scope="module")
 def claude(gateway):
-    return anthropic.Anthropic(base_url=gateway, api_key="none", max_retries=0, timeout=120)
+    return anthropic_client(gateway)
 
 
 def test_health_and_models(gateway, oai, claude):

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.test_gateway import MODEL, USER, start_gateway, stop_gateway
+from tests.serving.test_gateway import MODEL, USER, anthropic_client, openai_client, start_gateway, stop_gateway
 
 pytestmark = pytest.mark.triton
 
@@ -40,12 +40,12 @@ def url(gw):
 
 @pytest.fixture(scope="module")
 def oai(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(url)
 
 
 @pytest.fixture(scope="module")
 def claude(url):
-    return anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+    return anthropic_client(url)
 
 
 # -- the listed bugs, through the official SDKs -------------------------------------------------------

@@ -17,7 +17,7 @@ from PIL import Image
 
 from deepinfer.ensemble.client import GrpcClient, api_inputs
 from tests.serving.test_ensemble import accumulate, complete, summary
-from tests.serving.test_gateway import start_gateway, stop_gateway
+from tests.serving.test_gateway import anthropic_client, openai_client, start_gateway, stop_gateway
 
 pytestmark = pytest.mark.triton
 
@@ -82,12 +82,12 @@ def gateway(server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oai(gateway):
-    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(gateway)
 
 
 @pytest.fixture(scope="module")
 def claude(gateway):
-    return anthropic.Anthropic(base_url=gateway, api_key="none", max_retries=0, timeout=120)
+    return anthropic_client(gateway)
 
 
 def test_sdks_through_the_gateway(oai, claude):

@@ -105,7 +105,7 @@ def test_two_rank_engine_serves_the_one_rank_tokens_and_publishes_rank_metrics(m
     assert all(n == 6 for _, n in got.values())
     text = httpx.get(metrics_url).text
     for r in range(RANKS):
-        assert f'deepinfer_rank_generation_tokens{{' in text and f'rank="{r}"' in text
+        assert 'deepinfer_rank_generation_tokens{' in text and f'rank="{r}"' in text
     # both ranks served requests (the least-loaded placement spreads 6 concurrent requests)
     per_rank = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                 if line.startswith("deepinfer_rank_generation_tokens{")]
