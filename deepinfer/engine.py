@@ -52,6 +52,7 @@ class Engine:
         self._init_model()
         self._init_scheduler()
         self._init_connector()
+        self._init_speculation()
 
     # construction ------------------------------------------------------------------------------
     def _init_model(self) -> None:
@@ -102,7 +103,10 @@ class Engine:
             self.kv_cache = self.scheduler.kv_cache
         self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks * a.data_parallel_size)
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
-        if a.speculative == "dspark":
+
+    def _init_speculation(self) -> None:
+        """DSpark's verification policy; last, since the scheduler policy profiles real engine steps."""
+        if self.args.speculative == "dspark":
             from deepinfer.spec.engine_policy import set_verification_policy
             set_verification_policy(self)
 
