@@ -161,7 +161,8 @@ def test_parallel_sizes_that_do_not_divide_the_experts_fail_before_starting(tmp_
         Engine(EngineArgs(checkpoint=ckpt, device="cpu", data_parallel_size=3))
     with pytest.raises(PlacementError, match=r"8 routed experts \+ 1 redundant .* data_parallel_size=2"):
         Engine(EngineArgs(checkpoint=ckpt, device="cpu", data_parallel_size=2, num_redundant_experts=1))
-    assert _children() == before
+    # no process of these engines is left (an earlier test's child may still be exiting: only new ones count)
+    assert not _children() - before
 
 
 def test_more_ranks_than_gpus_fail_with_the_count():
