@@ -5,7 +5,7 @@ every call lands on the torch reference.
 Knobs (environment, read once):
     DEEPINFER_KERNELS=fast       the Triton fast paths on CUDA (default; CPU tensors always take the
                                  references). The whole model with every op bound passes both shared
-                                 fixtures' rules, hidden states included, on the H200 (session 2,
+                                 fixtures' rules, hidden states included, on the H200 (2026-11-30,
                                  tests/kernels/test_model_fast_path.py)
     DEEPINFER_KERNELS=ref        the torch references everywhere (what the fast paths are tested against)
     DEEPINFER_BATCH_INVARIANT=1  fixed-split configs in the GEMMs (attention and mHC are batch
@@ -326,7 +326,7 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     operands, M <= LINEAR_FP32_MAX_M rows and N <= LINEAR_FP32_MAX_N: the split-K Triton GEMM
     (triton_linear_fp32; tiles and splits from (N, K) only, so rows are batch invariant at any M,
     which batch-invariant mode uses for every M). Else cuBLAS / the CPU fp32 matmul.
-    NOTE(perf): only in batch-invariant mode: on the H200 (session 4) the Triton GEMM ran the router
+    NOTE(perf): only in batch-invariant mode: on the H200 (2026-12-01, earlier run) the Triton GEMM ran the router
     shape (N 384, K 5120) at 0.68-0.79x cuBLAS's speed (9.8-12.2 vs 7.7-8.3 us at M 1-128)."""
     n, k = w.shape
     m = x.numel() // k if k else 0

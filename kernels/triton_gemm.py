@@ -31,11 +31,11 @@ W8A16 variants (launch config key VARIANT, default W8A16_VARIANT = $DEEPINFER_W8
     v4  w8a16_pairs_kernel: the rows kernel's load (int16 pairs dequantized in the registers the wgmma A
         fragment reads) with the [BN, BK/32] scale tile broadcast over a [BN, BK/32, 16] view of the pairs:
         one dot per BK and no shared-memory shuffle (sm_90 SASS: no STS/LDSM, 2 barriers per K step where
-        v3 has 9). H200 (session 5): 1.10-1.23x v3 at M = 1, 0.98-1.05x at M = 64, where the wgmma work
+        v3 has 9). H200 (2026-12-01): 1.10-1.23x v3 at M = 1, 0.98-1.05x at M = 64, where the wgmma work
         is 4x larger and the shuffle was not the limit.
     auto (default): v4 for swapped tiles of at most AUTO_V4_MAX_BM tokens, v3 above.
     perf/ptx_check.py prints what each compiles to for sm_90; perf/bench_kernels.py times them.
-    H200 (session 2, `bench_kernels.py --only variants`): v3 is the default, 1.03-1.42x v1 on every
+    H200 (2026-11-30, `bench_kernels.py --only variants`): v3 is the default, 1.03-1.42x v1 on every
     decode shape but wq_b M64 (0.72x); MoE masked 48 experts w13/w2 at m=8: v1 560/270 us, v2 920/428,
     v3 440/190 (DeepGEMM 313/153, so 0.71/0.80x of it). v2's per-32 dots wait on each wgmma: slowest.
 
@@ -58,7 +58,7 @@ from .reference import e8m0_to_float
 NUM_SMS_DEFAULT = 132
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 W8A16_VARIANTS = ("v1", "v2", "v3", "v4")
-AUTO_V4_MAX_BM = 16          # "auto": v4 for swapped tiles of up to 16 tokens, v3 above (H200, session 5)
+AUTO_V4_MAX_BM = 16          # "auto": v4 for swapped tiles of up to 16 tokens, v3 above (H200, 2026-12-01)
 W8A16_VARIANT = os.environ.get("DEEPINFER_W8A16_VARIANT", "auto")
 
 
@@ -509,7 +509,7 @@ def w8a16_config(m: int, n: int, k: int, groups: int, device, batch_invariant: b
     """Decode-sized M (<= 128) swaps A/B so N fills the MMA's long side; split-K fills the SMs.
     batch_invariant: one tile shape for every M and a split count from (N, K) only. row_scaled
     (w8a16_pairs_kernel, ROW_SCALE) with swapped tiles: BN = 64, 1.05-1.16x BN = 128 on the masked MoE GEMMs
-    at m = 1 and 8 (H200, session 4), where the extra CTAs keep more loads in flight."""
+    at m = 1 and 8 (H200, 2026-12-01, earlier run), where the extra CTAs keep more loads in flight."""
     bk = 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
     nkb = k // bk
     sms = _num_sms(device)
@@ -524,7 +524,7 @@ def w8a16_config(m: int, n: int, k: int, groups: int, device, batch_invariant: b
     split = 1
     if tiles < 2 * sms:
         split = max(1, min(2 * sms // tiles, nkb // 4, 16))
-    # 3 stages: 1.0-1.5x 4 stages on every decode linear (H200, session 4, bench_kernels --only variants)
+    # 3 stages: 1.0-1.5x 4 stages on every decode linear (H200, 2026-12-01, earlier run, bench_kernels --only variants)
     return dict(BM=bm, BN=bn, BK=bk, SWAP=swap, SPLIT_K=split, NUM_STAGES=3, num_warps=warps)
 
 

@@ -131,7 +131,7 @@ def num_splits_for(L: int, blocks_per_split: int = 4) -> int:
 def blocks_per_split_for(n: int, heads: int, block_h: int, L: int, device) -> int:
     """The default mode's split: never more splits than the batch-invariant rule (DEFAULT_BLOCKS_PER_SPLIT),
     fewer once the batch fills the GPU: the most splits that keep one wave of programs (n queries x head
-    groups x splits <= the SM count), rebalanced so the splits walk equal block counts. H200, session 5,
+    groups x splits <= the SM count), rebalanced so the splits walk equal block counts. H200, 2026-12-01,
     L 640 (10 blocks): batch 64 two splits of 5 blocks, 42.3 us where the rule's 4 + 4 + 2 blocks (a
     second, partial wave) take 52.4 (FlashMLA 45.9); batch 128 one split, 54.6 us vs 92.1. Below ~30
     queries more, smaller splits gained 2-3 us (27.6 vs 29.8 at batch 16) but lost at batch 1 (1-block

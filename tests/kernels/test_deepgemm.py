@@ -188,7 +188,7 @@ def test_deepgemm_backend_no_host_sync_and_graph_capture(monkeypatch):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "open defect, measured on the H200 (session 3, perf/deepgemm_drift.py): DeepGEMM vs Triton median "
+    "open defect, measured on the H200 (2026-11-30, perf/deepgemm_drift.py): DeepGEMM vs Triton median "
     "1.01 / max 1.40 logit std over 12 decodes where the torch reference vs Triton is 0.02 / 1.21, with "
     "or without fused input linears; every per-op DeepGEMM test in this file passes and the CPU "
     "emulation of its numerics (test_deepgemm_backend.py) stays within DECODE_TOL. Cause not found yet: "

@@ -19,7 +19,7 @@ SHARED = Path(os.environ.get("DEEPINFER_SHARED", REPO / ".." / "shared")).resolv
 @pytest.mark.parametrize("kernels", ["ref", "fast"])
 def test_fixture_parity_on_cuda(name, kernels, tmp_path, monkeypatch):
     """The fixture's whole rule, the layer-by-layer hidden-state check included (--require-hidden).
-    H200, session 2, torch path: v41-tiny-bf16 PASS max_err 2.32 median 0.175 top-1 68/68; v41-tiny
+    H200, 2026-11-30, torch path: v41-tiny-bf16 PASS max_err 2.32 median 0.175 top-1 68/68; v41-tiny
     PASS 1.82 / 0.426 / 63/68, drafts 314/320 (hidden not yet dumped in that run)."""
     if not (SHARED / "fixtures" / name / "recipe.json").is_file():
         pytest.skip(f"shared fixtures not found at {SHARED}")

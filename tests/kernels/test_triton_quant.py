@@ -23,7 +23,7 @@ def test_act_quant_bit_exact(shape):
 def test_fp4_quant_bit_exact(shape, block):
     """Rows spread over ~10 binades, within the block-16 scale's range: an amax above 6 * 448 makes the
     reference's e4m3 cast NaN where the kernel's saturating cvt gives 448 (an unbounded spread reached it
-    now and then at the largest shape: a flaky failure in session 5's GPU run)."""
+    now and then at the largest shape: a flaky failure in the H200 run of 2026-12-01)."""
     from deepinfer.kernels.triton_quant import fp4_quant
     g = torch.Generator(device="cuda").manual_seed(sum(shape) + block)
     spread = torch.exp(2 * torch.randn(*shape[:-1], 1, device="cuda", generator=g)).clamp_max(300)
