@@ -17,10 +17,8 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 
 FIGURES = Path(__file__).resolve().parent / "figures"
 MODEL = "deepseek-flash"
@@ -68,29 +66,9 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="aiperf-"))
     if args.gateway:
         return run(args, args.gateway, args.checkpoint, tmp)
-    from deepinfer.ensemble import serve
-    ckpt = tmp / "ckpt"
-    subprocess.run([sys.executable, "-m", "deepinfer.cli.make_checkpoint", "--preset", "tiny", "--seed", "0",
-                    "--out", str(ckpt)], check=True)
-    repo = serve.runtime_repository(tmp / "repo", str(ckpt), 4096, {"max_num_seqs": 64})
-    ports = [serve.free_port() for _ in range(4)]
-    with serve.TritonServer(repo, *ports[:3], log_path=tmp / "triton.log"):
-        gw = subprocess.Popen([sys.executable, "-m", "deepinfer.ensemble.gateway", "--triton-grpc",
-                               f"127.0.0.1:{ports[1]}", "--host", "127.0.0.1", "--port", str(ports[3])],
-                              stdout=open(tmp / "gateway.log", "wb"), stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{ports[3]}"
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.5)
-            return run(args, url, ckpt, tmp)
-        finally:
-            gw.terminate()
-            gw.wait(15)
+    from serving_stack import tiny_serving_stack
+    with tiny_serving_stack("aiperf-", 4096, {"max_num_seqs": 64}) as st:
+        return run(args, st.gateway_url, st.checkpoint, st.tmp)
 
 
 def run(args, url: str, checkpoint: Path, tmp: Path) -> int:

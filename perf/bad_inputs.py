@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -66,39 +65,10 @@ def main(argv=None) -> int:
 
 
 def _with_servers(args) -> int:
-    import subprocess
-    from deepinfer.ensemble import serve
-    tmp = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
-    ckpt = tmp / "ckpt"
-    subprocess.run([sys.executable, "-m", "deepinfer.cli.make_checkpoint", "--preset", "tiny", "--seed", "0",
-                    "--out", str(ckpt)], check=True)
-    repo = serve.runtime_repository(tmp / "repo", str(ckpt), 2048, {"max_num_seqs": 40})
-    ports = [serve.free_port() for _ in range(4)]
-    with serve.TritonServer(repo, *ports[:3], log_path=tmp / "triton.log"):
-        gw = subprocess.Popen([sys.executable, "-m", "deepinfer.ensemble.gateway", "--triton-grpc",
-                               f"127.0.0.1:{ports[1]}", "--host", "127.0.0.1", "--port", str(ports[3]),
-                               "--max-request-bytes", str(args.max_request_bytes)],
-                              stdout=open(tmp / "gateway.log", "wb"), stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{ports[3]}"
-            _wait(url + "/health")
-            return run({"gateway": url, "text": f"http://127.0.0.1:{ports[0]}"}, args.generated,
-                       args.max_request_bytes)
-        finally:
-            gw.terminate()
-            gw.wait(15)
-
-
-def _wait(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
+    from serving_stack import tiny_serving_stack
+    with tiny_serving_stack("bad-inputs-", 2048, {"max_num_seqs": 40},
+                            ("--max-request-bytes", str(args.max_request_bytes))) as st:
+        return run({"gateway": st.gateway_url, "text": st.http_url}, args.generated, args.max_request_bytes)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import asyncio
 import json
 import random
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -255,31 +254,10 @@ def main(argv=None) -> int:
 
 
 def _with_servers(args) -> dict:
-    import subprocess
-    from deepinfer.ensemble import serve
-    tmp = Path(tempfile.mkdtemp(prefix="soak-"))
-    subprocess.run([sys.executable, "-m", "deepinfer.cli.make_checkpoint", "--preset", "tiny", "--seed", "0",
-                    "--out", str(tmp / "ckpt")], check=True)
-    repo = serve.runtime_repository(tmp / "repo", str(tmp / "ckpt"), 2048, {"max_num_seqs": args.max_num_seqs})
-    ports = [serve.free_port() for _ in range(4)]
-    with serve.TritonServer(repo, *ports[:3], log_path=tmp / "triton.log") as srv:
-        gw = subprocess.Popen([sys.executable, "-m", "deepinfer.ensemble.gateway", "--triton-grpc",
-                               f"127.0.0.1:{ports[1]}", "--host", "127.0.0.1", "--port", str(ports[3])],
-                              stdout=open(tmp / "gateway.log", "wb"), stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{ports[3]}"
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.5)
-            pid = next(p for k, p in srv.stub_pids().items() if k.startswith("deepinfer:"))
-            return asyncio.run(soak(url, f"http://127.0.0.1:{ports[2]}/metrics", pid, args.streams, args.duration))
-        finally:
-            gw.terminate()
-            gw.wait(15)
+    from serving_stack import tiny_serving_stack
+    with tiny_serving_stack("soak-", 2048, {"max_num_seqs": args.max_num_seqs}) as st:
+        pid = next(p for k, p in st.server.stub_pids().items() if k.startswith("deepinfer:"))
+        return asyncio.run(soak(st.gateway_url, st.metrics_url, pid, args.streams, args.duration))
 
 
 if __name__ == "__main__":
