@@ -17,9 +17,14 @@ CPU schedules and builds N+1 while the device runs N:
     
 A request that stops at step N has one wasted token in N+1 (dropped). On CPU there is nothing
 to overlap (torch CPU ops are synchronous), so the plain step is used.
-Draft verification needs the accepted count before the next step: EngineArgs.speculative ("dspark",
-deepinfer/spec/) turns async scheduling off. Its verification policy is built after the scheduler:
-the default ("scheduler") first profiles step times through this engine's own steps.
+Speculative decoding (EngineArgs.speculative "dspark", deepinfer/spec/): its verification policy is
+built after the scheduler (the default, "scheduler", first profiles step times through this
+engine's own steps). Async scheduling stays off with it unless asked for (async_scheduling=True,
+CPU included: the tests): then a step in flight that samples (so it verifies drafts or proposes
+them) is resolved BEFORE the next schedule, since its accepted counts set the next step's
+positions and drafts and the eager step's metadata is built on the host; only steps that sample
+nothing (prefill chunks) overlap the next one. The device-side resolution (the next step's
+positions and drafts read from device tensors) is not built yet: see README, DSpark.
 """
 
 from __future__ import annotations
@@ -333,8 +338,13 @@ class Engine:
         return outputs
 
     def _step_pipelined(self) -> list[RequestOutput]:
-        """Launch the next step, then finish the one in flight (its outputs are returned)."""
+        """Launch the next step, then finish the one in flight (its outputs are returned). A step in
+        flight whose results the next schedule needs (speculation) is finished first."""
         outputs, launched = [], None
+        if self._in_flight is not None and self._resolve_first(self._in_flight[1]):
+            outputs += self._finish_in_flight()
+            if self.dead is not None:
+                return outputs
         sched_out = self.scheduler.schedule()
         try:
             launched = self.runner.launch(sched_out)
@@ -343,16 +353,27 @@ class Engine:
         except Exception as e:  # noqa: BLE001
             outputs += self._fail_step(sched_out, e)
         if self._in_flight is not None:
-            prev_out, prev = self._in_flight
-            try:
-                outputs += self.scheduler.update_from_output(prev_out, self.runner.resolve(prev))
-            except EngineDeadError as e:
-                return self._die(e)
-            except Exception as e:  # noqa: BLE001
-                outputs += self._fail_step(prev_out, e)
+            outputs += self._finish_in_flight()
+            if self.dead is not None:
+                return outputs
         self._in_flight = (sched_out, launched) if launched is not None else None
         self._update_gauges()
         return outputs
+
+    def _resolve_first(self, launched) -> bool:
+        must = getattr(self.runner, "must_resolve_before_next", None)
+        return must is not None and must(launched)
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Resolve the step in flight into the scheduler (nothing in flight afterwards)."""
+        prev_out, prev = self._in_flight
+        self._in_flight = None
+        try:
+            return self.scheduler.update_from_output(prev_out, self.runner.resolve(prev))
+        except EngineDeadError as e:
+            return self._die(e)
+        except Exception as e:  # noqa: BLE001
+            return self._fail_step(prev_out, e)
 
     def _die(self, exc: EngineDeadError) -> list[RequestOutput]:
         """A rank is gone: every request fails with the reason, new ones are refused."""

@@ -2,9 +2,18 @@
 threshold and the confidence scheduler against no speculation, at several batch sizes, in one run.
 
     python perf/spec_decode.py [--checkpoint DIR | --preset tiny|small|full-width-ep8] [--device cpu|cuda]
-                               [--batches 1 16 64] [--prompt-len 64] [--output-len 64]
+                               [--batches 1 16 64] [--prompt-len 64] [--output-len 64] [--quick]
                                [--accepted-length 3.5] [--threshold 0.5] [--load-format dummy] [--variants]
+                               [--enforce-eager] [--json $OUT/spec_decode.json]
                                [--plot perf/figures/spec_decode_cpu.png]
+
+H200 (one GPU; the small preset and one GPU's EP8 share of the full width, random weights made on
+the device: --load-format dummy needs only config.json, written here from the preset):
+    timeout 280 python perf/spec_decode.py --preset small --device cuda --load-format dummy --quick
+    timeout 280 python perf/spec_decode.py --preset full-width-ep8 --device cuda --load-format dummy --quick
+--quick: prompt 32, output 32 tokens per request, no warm-up batch. A progress line on stderr
+counts the output tokens of each (policy, batch) run. No speculation keeps its decode CUDA graphs
+unless --enforce-eager (DSpark's verify steps run eagerly: the like-for-like comparison is eager).
 
 Random weights accept nothing, so every speculative engine runs in the replay mode
 (EngineArgs.spec_replay_accepted_length, deepinfer/spec/replay.py): each proposal's confidences and
@@ -50,7 +59,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import default_checkpoint  # noqa: E402
 
 
-def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int = 0) -> dict:
+class Progress:
+    """One stderr line per run: output tokens so far of the total (no dependency; a pipe gets the
+    final count only)."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done, self.t0 = label, total, 0, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.tty and (now - self._last > 0.2 or self.done >= self.total):
+            self._last = now
+            width = 30
+            fill = int(width * self.done / max(self.total, 1))
+            print(f"\r  {self.label:<28} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} tok "
+                  f"{now - self.t0:6.1f} s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        end = "\n" if self.tty else ""
+        print(f"{end}  {self.label:<28} {self.done}/{self.total} tok in {time.perf_counter() - self.t0:.1f} s",
+              file=sys.stderr, flush=True)
+
+
+def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int = 0,
+              label: str | None = None) -> dict:
     """All requests at once (greedy, ignore_eos); per-request finish times from the step loop."""
     from deepinfer import SamplingParams
     rng = random.Random(seed)
@@ -60,13 +95,18 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
     for i in range(batch):
         engine.add_request(f"b{batch}-{seed}-{i}", [rng.randrange(3, vocab - 300) for _ in range(prompt_len)], params)
     done, tokens, req_steps = {}, {}, 0
+    bar = Progress(label, batch * output_len) if label else None
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
             req_steps += bool(out.new_token_ids)
+            if bar is not None:
+                bar.update(len(out.new_token_ids))
             if out.finished:
                 done[out.request_id] = time.perf_counter() - t0
     wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
     c = engine.stats.snapshot()["counters"]
     d = {k: c[k] - before[k] for k in c}
     total = sum(tokens.values())
@@ -77,6 +117,21 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
     return {"per_user": sum(tokens[r] / done[r] for r in done) / len(done), "total": total / wall,
             "verified": verified, "accepted": acc, "steps": d["steps_total"],
             "mean_acc_len": total / req_steps, "verified_per_step": verified / req_steps}
+
+
+def config_only_checkpoint(tmp: Path, preset: str) -> str:
+    """A folder with the preset's config.json (text only) and tokenizer.json: what load_format="dummy"
+    reads (the weights are drawn on the device), so no shard is written for the large presets."""
+    import json
+    from deepinfer.checkpoint.generator import PRESETS, hf_config, text_config
+    from deepinfer.checkpoint.tokenizer import write_tokenizer
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown preset {preset!r}: one of {', '.join(PRESETS)}")
+    out = tmp / f"{preset}-dummy"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(text_config(preset)), indent=2, ensure_ascii=False))
+    write_tokenizer(out / "tokenizer.json")
+    return str(out)
 
 
 def configs(a) -> dict[str, dict]:
@@ -94,23 +149,27 @@ def measure_all(ckpt: str, a) -> dict:
     import torch
     from deepinfer import LLM
     base = dict(device=a.device, max_num_seqs=max(a.batches), max_num_batched_tokens=max(2048, 6 * max(a.batches)),
-                load_format=a.load_format, seed=0)
+                load_format=a.load_format, seed=0, enforce_eager=a.enforce_eager)
     if a.num_cache_blocks:
         base["num_cache_blocks"] = a.num_cache_blocks
     res = {}
     for name, extra in configs(a).items():
+        t0 = time.perf_counter()
         llm = LLM(ckpt, **base, **extra)
         eng = llm.engine
         vocab = eng.vocab_size
-        run_batch(eng, 1, a.prompt_len, min(a.output_len, 8), vocab, seed=99)   # warm-up
-        res[name] = {b: run_batch(eng, b, a.prompt_len, a.output_len, vocab) for b in a.batches}
+        print(f"[{name}] engine up in {time.perf_counter() - t0:.1f} s (step-time profile included)", flush=True)
+        if not a.quick:
+            run_batch(eng, 1, a.prompt_len, min(a.output_len, 8), vocab, seed=99)   # warm-up
+        res[name] = {b: run_batch(eng, b, a.prompt_len, a.output_len, vocab, label=f"{name} batch {b}")
+                     for b in a.batches}
         model = getattr(eng, "step_time_model", None)
         if model is not None:
             print(f"[{name}] step-time model (s): batch sizes {model.batch_sizes} x drafts/request "
                   f"{model.drafts_per_seq}: " + "; ".join(
                       f"n={n}: " + " ".join(f"{t * 1e3:.1f}" for t in row) + " ms"
                       for n, row in zip(model.batch_sizes, model.seconds)), flush=True)
-        print(f"[{name}] done", flush=True)
+        print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", flush=True)
         eng.shutdown()
         del llm, eng
         gc.collect()
@@ -122,16 +181,17 @@ def measure_all(ckpt: str, a) -> dict:
 def report(res: dict, batches: list[int], gpus: int) -> None:
     names = list(res)
     print(f"\n{'batch':>5} {'policy':>16} {'tok/s/user':>10} {'x off':>6} {'tok/s/GPU':>10} {'x off':>6} "
-          f"{'verif/acc':>9} {'acc len':>7} {'verif x all':>11} {'acc len x all':>13}")
+          f"{'verif/acc':>9} {'x all':>6} {'acc len':>7} {'verif x all':>11} {'acc len x all':>13}")
     for b in batches:
         off, va = res["off"][b], res["verify-all"][b]
         for n in names:
             r = res[n][b]
             vpa = r["verified"] / r["accepted"] if r["accepted"] else float("nan")
+            vpa_x = vpa / verified_per_accepted(va) if n != "off" else float("nan")
             vx = r["verified_per_step"] / va["verified_per_step"] if n != "off" and va["verified"] else float("nan")
             lx = r["mean_acc_len"] / va["mean_acc_len"] if n != "off" else float("nan")
             print(f"{b:>5} {n:>16} {r['per_user']:>10.1f} {r['per_user'] / off['per_user']:>6.2f} "
-                  f"{r['total'] / gpus:>10.1f} {r['total'] / off['total']:>6.2f} {vpa:>9.2f} "
+                  f"{r['total'] / gpus:>10.1f} {r['total'] / off['total']:>6.2f} {vpa:>9.2f} {vpa_x:>6.2f} "
                   f"{r['mean_acc_len']:>7.2f} {vx:>11.2f} {lx:>13.2f}")
     th = [n for n in names if n.startswith("threshold")][0]
     for b in batches:
@@ -139,7 +199,12 @@ def report(res: dict, batches: list[int], gpus: int) -> None:
         fewer = 1 - s["verified_per_step"] / va["verified_per_step"] if va["verified"] else float("nan")
         print(f"goal @ batch {b}: scheduler verifies {fewer:.0%} fewer drafts than verify-all "
               f"(goal >= 25%) at {s['mean_acc_len'] / va['mean_acc_len']:.2f} of its accepted length (goal >= 0.98); "
+              f"verified per accepted {verified_per_accepted(s) / verified_per_accepted(va):.2f}x verify-all's; "
               f"tok/s vs threshold {s['total'] / t['total']:.2f}x (goal > 1 at batch 64)")
+
+
+def verified_per_accepted(r: dict) -> float:
+    return r["verified"] / r["accepted"] if r["accepted"] else float("nan")
 
 
 def plot(path: str, res: dict, batches: list[int], title: str) -> None:
@@ -178,14 +243,30 @@ def main() -> None:
     ap.add_argument("--num-cache-blocks", type=int)
     ap.add_argument("--variants", action="store_true",
                     help="also the scheduler with the newest confidences for the budget, and with early stop")
+    ap.add_argument("--quick", action="store_true", help="prompt 32, output 32, no warm-up batch")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for no speculation either")
+    ap.add_argument("--json", help="write the measurements here")
     ap.add_argument("--plot")
     a = ap.parse_args()
+    if a.quick:
+        a.prompt_len, a.output_len = min(a.prompt_len, 32), min(a.output_len, 32)
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = a.checkpoint or default_checkpoint(Path(tmp), a.preset)
-        print(f"checkpoint {ckpt}, device {a.device}, prompt {a.prompt_len}, output {a.output_len}, replayed mean "
-              f"accepted length {a.accepted_length} of 5 (verify-all)", flush=True)
+        if a.checkpoint:
+            ckpt = a.checkpoint
+        elif a.load_format == "dummy":
+            ckpt = config_only_checkpoint(Path(tmp), a.preset)
+        else:
+            ckpt = default_checkpoint(Path(tmp), a.preset)
+        print(f"checkpoint {ckpt} ({a.load_format}), device {a.device}, prompt {a.prompt_len}, output {a.output_len}, "
+              f"replayed mean accepted length {a.accepted_length} of 5 (verify-all)", flush=True)
         res = measure_all(ckpt, a)
     report(res, a.batches, gpus=1)
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    if a.json:
+        import json
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"args": vars(a), "results": res}, indent=1))
     if a.plot:
         plot(a.plot, res, a.batches, f"DSpark policies, replayed acceptance {a.accepted_length} of 5 "
              f"({Path(ckpt).name}, {a.device})")

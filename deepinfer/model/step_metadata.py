@@ -174,23 +174,27 @@ class StepMetadata:
 
 
 class DecodeStepBuffers:
-    """A pure decode step (one new token per sequence, start > 0, no drafts) padded to B sequences,
-    in static buffers: the CUDA-graph form of ForwardBatch + StepMetadata. Its shapes depend only on
-    (B, window, max_model_len, ratios, block-table width), never on the step:
+    """A decode / verify step (L = tokens_per_seq rows per sequence, start > 0) padded to B sequences,
+    in static buffers: the CUDA-graph form of ForwardBatch + StepMetadata. L = 1: a pure decode step;
+    L = 1 + k: a DSpark verify step (the last known token and k drafts). Its shapes depend only on
+    (B, L, window, max_model_len, ratios, block-table width), never on the step:
 
-        ring width Wr = window - 1      window list width = window (decode layout, pads first)
-        E = max_model_len // ratio      G = B groups per ratio (a decode token closes at most one)
+        T = B * L rows; ring width Wr = window - 1; window list width = window (decode layout, pads first)
+        E = max_model_len // ratio      G = ceil(L / ratio) groups per sequence and ratio
         last_pos = the caller's max_pos (rope tables grown once, before capture)
-        ring_write_rows = None          (a one-token step keeps every row)
+        ring_write_rows = None          (L <= ring_len: a step keeps every row)
 
-    Rows n..B-1 are padding: index lists of -1, lens 0. Their ring / carry writes and the pool writes
-    of every group NOT closed in this step go to scratch rows (ring slot `scratch_slot`, pool block
-    `scratch_block`) that no sequence owns and no list points at. Every tensor is a view of ONE
+    Padding: sequences n..B-1, and rows j >= q_i of a sequence verifying fewer tokens (q_i < L), get
+    index lists of -1 and lens 0; their ring / carry writes and the pool writes of every group NOT
+    closed by a real row go to scratch rows (ring slot `scratch_slot`, pool block `scratch_block`)
+    that no sequence owns and no list points at. A real row attends to keys at or before its own
+    position only, so a padding row after it changes nothing it reads. Every tensor is a view of ONE
     int64 buffer, so a step is a numpy `fill` of a host buffer with the same layout and one copy:
 
-        flat = | input_ids B | positions B | ngram_history B x h | ring_slots B | block_tables B x mb |
-               | ring_read B*Wr | win_idx B x W | ring_write B | per ratio r: lens, entry, rows B     |
-               | (r > 1: member_rows, member_carry B x r) | cu_seqlens B+1 | seq, zeros, win_len B | extra B |
+        flat = | input_ids T | positions T | starts B | ngram_history B x h | ring_slots B | block_tables B x mb |
+               | ring_read B*Wr | win_idx T x W | ring_write T | per ratio r: lens T, gseq, entry, rows B*G     |
+               | (r > 1: member_rows, member_carry B*G x r) | cu_seqlens B+1 | seq, row_in_seq, win_len,         |
+               | logits_idx T | extra B |
 
     Indexer scores over the padded entries are masked by lens (as in the dynamic form), and the
     lists only grow by trailing -1s, so the step computes the dynamic form's numbers.
@@ -198,20 +202,26 @@ class DecodeStepBuffers:
 
     def __init__(self, num_seqs: int, *, window: int, ring_len: int, max_model_len: int, block_tokens: int,
                  max_blocks: int, ngram_width: int, ratios, scratch_slot: int, scratch_block: int,
-                 extra: tuple[str, ...] = (), device="cpu"):
+                 extra: tuple[str, ...] = (), device="cpu", tokens_per_seq: int = 1):
         B = self.num_seqs = num_seqs
+        L = self.tokens_per_seq = tokens_per_seq
+        if not 1 <= L <= ring_len:
+            raise ValueError(f"tokens_per_seq must be in [1, {ring_len}], got {L}")
+        T = self.num_tokens = B * L
         self.window, self.ring_len, self.block_tokens = window, ring_len, block_tokens
         self.ratios = tuple(sorted(set(ratios)))
         self.num_entries = {r: max_model_len // r for r in self.ratios}
+        self.groups = {r: -(-L // r) for r in self.ratios}          # groups a sequence may close per step
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
-        shapes = {"input_ids": (B,), "positions": (B,), "ngram_history": (B, ngram_width), "ring_slots": (B,),
-                  "block_tables": (B, max_blocks), "ring_read": (B * (window - 1),), "win_idx": (B, window),
-                  "ring_write": (B,)}
+        shapes = {"input_ids": (T,), "positions": (T,), "starts": (B,), "ngram_history": (B, ngram_width),
+                  "ring_slots": (B,), "block_tables": (B, max_blocks), "ring_read": (B * (window - 1),),
+                  "win_idx": (T, window), "ring_write": (T,)}
         for r in self.ratios:
-            shapes.update({f"lens{r}": (B,), f"entry{r}": (B,), f"rows{r}": (B,)})
+            G = B * self.groups[r]
+            shapes.update({f"lens{r}": (T,), f"gseq{r}": (G,), f"entry{r}": (G,), f"rows{r}": (G,)})
             if r > 1:
-                shapes.update({f"member_rows{r}": (B, r), f"member_carry{r}": (B, r)})
-        shapes.update({"cu_seqlens": (B + 1,), "seq": (B,), "zeros": (B,), "win_len": (B,)})
+                shapes.update({f"member_rows{r}": (G, r), f"member_carry{r}": (G, r)})
+        shapes.update({"cu_seqlens": (B + 1,), "seq": (T,), "row_in_seq": (T,), "win_len": (T,), "logits_idx": (T,)})
         shapes.update({name: (B,) for name in extra})
         self.shapes = shapes
         self.numel = sum(prod(s) for s in shapes.values())
@@ -228,89 +238,110 @@ class DecodeStepBuffers:
         return out
 
     def fill(self, host: np.ndarray, positions, input_ids, ngram_history, ring_slots, block_tables,
-             **extra) -> None:
+             num_tokens=None, **extra) -> None:
         """Write a step into `host` (int64, at least numel long, this layout): n = len(positions) <= B
-        sequences, sequence i runs token input_ids[i] at positions[i] (0 < positions[i] <
-        max_model_len). `extra`: [n] per field named at construction (padding -1)."""
+        sequences, sequence i runs q_i = num_tokens[i] (default L) tokens input_ids[i] (a row of L
+        ids, or one id when L = 1) from position positions[i] (0 < positions[i], positions[i] + q_i
+        <= max_model_len). `extra`: [n] per field named at construction (padding -1)."""
         v = self.views(host[:self.numel])
-        B, W, RL, n = self.num_seqs, self.window, self.ring_len, len(positions)
+        B, L, W, RL, n = self.num_seqs, self.tokens_per_seq, self.window, self.ring_len, len(positions)
         assert n <= B, (n, B)
-        wr, seq = W - 1, np.arange(n)
-        pos = np.asarray(positions, dtype=np.int64)
+        T, wr = B * L, W - 1
+        start = np.asarray(positions, dtype=np.int64)
         slots = np.asarray(ring_slots, dtype=np.int64)
-        _put(v["input_ids"], input_ids, 0)
-        _put(v["positions"], pos, 0)
+        q = np.full(n, L, dtype=np.int64) if num_tokens is None else np.asarray(num_tokens, dtype=np.int64)
+        assert ((q >= 1) & (q <= L)).all(), (q, L)
+        # rows: sequence i owns rows i*L .. i*L+L-1 at positions start_i .. start_i+L-1; real while j < q_i
+        row_seq, row_j = np.repeat(np.arange(B), L), np.tile(np.arange(L), B)
+        s_rows = np.zeros(T, dtype=np.int64)
+        s_rows[:n * L] = np.repeat(start, L)
+        real = np.zeros(T, dtype=bool)
+        real[:n * L] = row_j[:n * L] < np.repeat(q, L)
+        pos = np.where(row_seq < n, s_rows + row_j, 0)
+        ids = np.zeros((B, L), dtype=np.int64)
+        ids[:n] = np.asarray(input_ids, dtype=np.int64).reshape(n, -1)[:, :L] if n else 0
+        v["input_ids"][:] = ids.reshape(-1)
+        v["positions"][:] = pos
+        _put(v["starts"], start, 0)
         _put(v["ngram_history"], ngram_history, -1)
         _put(v["ring_slots"], slots, self.scratch_slot)
         bt = v["block_tables"]                      # the first max_blocks columns hold every position < max_model_len
         w = min(bt.shape[1], block_tables.shape[1])
         bt[:] = -1
         bt[:n, :w] = block_tables[:, :w]
-        # ring region: positions pos-Wr .. pos-1 (those before 0 read row 0 and are never listed)
+        # ring region: positions start-Wr .. start-1 (those before 0 read row 0 and are never listed)
         rr = v["ring_read"].reshape(B, wr)
-        rr[:n] = slots[:, None] * RL + np.maximum(pos[:, None] - wr + np.arange(wr), 0) % RL
+        rr[:n] = slots[:, None] * RL + np.maximum(start[:, None] - wr + np.arange(wr), 0) % RL
         rr[n:] = self.scratch_slot * RL
-        # window list: key j is position pos-Wr+j, ring row seq*Wr + j; the last key is the fresh row
-        j = np.arange(W)
-        idx = np.where(j < wr, seq[:, None] * wr + j, B * wr + seq[:, None])
-        v["win_idx"][:n] = np.where(pos[:, None] - wr + j >= 0, idx, -1)
-        v["win_idx"][n:] = -1
-        pad = np.arange(B)
-        v["ring_write"][:n] = slots * RL + pos % RL
-        v["ring_write"][n:] = self.scratch_slot * RL + pad[n:] % RL
+        # window list of row t: key k is position pos_t - Wr + k; below start: ring row seq*Wr + (key - start + Wr),
+        # else the fresh row seq*L + (key - start) after the B*Wr ring rows
+        kpos = pos[:, None] - wr + np.arange(W)                                # [T, W]
+        idx = np.where(kpos < s_rows[:, None], row_seq[:, None] * wr + kpos - s_rows[:, None] + wr,
+                       B * wr + row_seq[:, None] * L + kpos - s_rows[:, None])
+        v["win_idx"][:] = np.where(real[:, None] & (kpos >= 0), idx, -1)
+        slot_rows = np.full(T, self.scratch_slot, dtype=np.int64)
+        slot_rows[:n * L] = np.repeat(slots, L)
+        v["ring_write"][:] = np.where(real, slot_rows * RL + pos % RL, self.scratch_slot * RL + np.arange(T) % RL)
         for r in self.ratios:
-            self._fill_plan(v, r, pos, n)
-        v["cu_seqlens"][:] = np.arange(B + 1)
-        v["seq"][:] = pad
-        v["zeros"][:] = 0
+            self._fill_plan(v, r, start, q, pos, real, n)
+        v["cu_seqlens"][:] = np.arange(B + 1) * L
+        v["seq"][:] = row_seq
+        v["row_in_seq"][:] = row_j
         v["win_len"][:] = W
+        v["logits_idx"][:] = np.arange(T)
         for name, a in extra.items():
             _put(v[name], a, -1)
 
-    def _fill_plan(self, v: dict, r: int, pos: np.ndarray, n: int) -> None:
-        """Group g = sequence g: closed when its token is the group's last member ((pos+1) % r == 0);
-        an open or padding group pools garbage into a scratch row."""
-        B, epb, seq = self.num_seqs, self.block_tokens // r, np.arange(n)
-        entry = pos // r
-        closed = (pos + 1) % r == 0
-        _put(v[f"lens{r}"], (pos + 1) // r, 0)
-        _put(v[f"entry{r}"], entry, 0)
+    def _fill_plan(self, v: dict, r: int, start: np.ndarray, q: np.ndarray, pos: np.ndarray, real: np.ndarray,
+                   n: int) -> None:
+        """Group slot g of sequence i: entry start_i // r + g, closed when its last member position is
+        one of the sequence's real rows; an open or padding group pools garbage into a scratch row."""
+        B, L, G, epb = self.num_seqs, self.tokens_per_seq, self.groups[r], self.block_tokens // r
+        v[f"lens{r}"][:] = np.where(real, (pos + 1) // r, 0)
+        gseq = np.repeat(np.arange(B), G)                                    # [B*G]
+        g = np.tile(np.arange(G), B)
+        st = np.zeros(B, dtype=np.int64)
+        st[:n] = start
+        qq = np.zeros(B, dtype=np.int64)
+        qq[:n] = q
+        entry = np.where(gseq < n, st[gseq] // r + g, 0)
+        closed = (gseq < n) & (entry * r + r - 1 < st[gseq] + qq[gseq])
+        v[f"gseq{r}"][:] = gseq
+        v[f"entry{r}"][:] = entry
         bt = v["block_tables"]
-        blocks = bt[seq, np.minimum(entry // epb, bt.shape[1] - 1)]
-        scratch = self.scratch_block * epb + np.arange(B) % epb
-        rows = v[f"rows{r}"]
-        rows[:] = scratch
-        rows[:n] = np.where(closed, np.maximum(blocks, 0) * epb + entry % epb, scratch[:n])
+        blocks = bt[gseq, np.minimum(entry // epb, bt.shape[1] - 1)]
+        scratch = self.scratch_block * epb + np.arange(B * G) % epb
+        v[f"rows{r}"][:] = np.where(closed, np.maximum(blocks, 0) * epb + entry % epb, scratch)
         if r > 1:
-            mpos = entry[:, None] * r + np.arange(r)                  # [n, r] member positions
-            fresh = mpos >= pos[:, None]                              # the token itself (closed groups)
-            v[f"member_rows{r}"][:n] = np.where(fresh, seq[:, None], -1)
-            v[f"member_rows{r}"][n:] = -1
-            v[f"member_carry{r}"][:n] = np.where(fresh, -1, mpos % self.ring_len)
-            v[f"member_carry{r}"][n:] = 0
+            mpos = entry[:, None] * r + np.arange(r)                          # [B*G, r] member positions
+            s = st[gseq][:, None]
+            fresh = mpos >= s                                                 # rows of this step, else the carry ring
+            v[f"member_rows{r}"][:] = np.where(closed[:, None], np.where(fresh, gseq[:, None] * L + mpos - s, -1), -1)
+            v[f"member_carry{r}"][:] = np.where(closed[:, None], np.where(fresh, -1, mpos % self.ring_len), 0)
 
     def forward_batch(self, n: int | None = None) -> ForwardBatch:
         """The ForwardBatch over the buffers (cu_seqlens and start_pos on the device here); n: its
         first n sequences only (what a caller reads back after the step, e.g. positions)."""
         v, n = self.v, self.num_seqs if n is None else n
-        return ForwardBatch(input_ids=v["input_ids"][:n], positions=v["positions"][:n],
-                            cu_seqlens=v["cu_seqlens"][:n + 1], start_pos=v["positions"][:n],
+        t = n * self.tokens_per_seq
+        return ForwardBatch(input_ids=v["input_ids"][:t], positions=v["positions"][:t],
+                            cu_seqlens=v["cu_seqlens"][:n + 1], start_pos=v["starts"][:n],
                             ngram_history=v["ngram_history"][:n], ring_slots=v["ring_slots"][:n],
-                            block_tables=v["block_tables"][:n], logits_indices=v["seq"][:n])
+                            block_tables=v["block_tables"][:n], logits_indices=v["logits_idx"][:t])
 
     def metadata(self, max_pos: int) -> StepMetadata:
         """A fresh StepMetadata over the buffers (its per-forward state, topk / candidates, is new)."""
-        v, B = self.v, self.num_seqs
-        plans = {r: CompressPlan(num_entries=self.num_entries[r], lens=v[f"lens{r}"], group_seq=v["seq"],
+        v, B, T = self.v, self.num_seqs, self.num_tokens
+        plans = {r: CompressPlan(num_entries=self.num_entries[r], lens=v[f"lens{r}"], group_seq=v[f"gseq{r}"],
                                  group_entry=v[f"entry{r}"], member_rows=v.get(f"member_rows{r}"),
                                  member_carry=v.get(f"member_carry{r}"), seqs_with_new=np.ones(B, dtype=bool),
                                  group_rows=v[f"rows{r}"]) for r in self.ratios}
-        return StepMetadata(num_seqs=B, num_tokens=B, max_q=1, window=self.window, ring_len=self.ring_len,
-                            starts=None, ends=None, cu=None, positions=v["positions"], positions_host=None,
-                            seq_of=v["seq"], row_in_seq=v["zeros"], ring_slots=v["ring_slots"],
-                            block_tables=v["block_tables"], ring_width=self.window - 1, ring_read=v["ring_read"],
-                            win_idx=v["win_idx"], win_len=v["win_len"], ring_write_rows=None,
-                            ring_write=v["ring_write"], last_pos=max_pos, plans=plans,
+        return StepMetadata(num_seqs=B, num_tokens=T, max_q=self.tokens_per_seq, window=self.window,
+                            ring_len=self.ring_len, starts=None, ends=None, cu=None, positions=v["positions"],
+                            positions_host=None, seq_of=v["seq"], row_in_seq=v["row_in_seq"],
+                            ring_slots=v["ring_slots"], block_tables=v["block_tables"], ring_width=self.window - 1,
+                            ring_read=v["ring_read"], win_idx=v["win_idx"], win_len=v["win_len"],
+                            ring_write_rows=None, ring_write=v["ring_write"], last_pos=max_pos, plans=plans,
                             index_k_owner=np.full(B, -1, dtype=np.int64))
 
 

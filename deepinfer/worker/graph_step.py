@@ -1,21 +1,26 @@
-"""Pure decode steps through CUDA graphs: the model runner's fast path.
+"""Decode and DSpark verify steps through CUDA graphs: the model runner's fast path.
 
-A step in which every request runs exactly its next token (one new token at a start > 0, no
-drafts) and whose batch fits a captured size is padded to that size and replayed:
+A step in which every request runs exactly its last known token and its drafts (q_i = 1 + k_i
+tokens at a start > 0; k_i = 0: a pure decode step) and that fits a captured (batch size, verified
+length L) is padded to that key (VerifyKeys: the smallest batch >= n, the smallest L >= max q_i;
+rows past a request's q_i are padding) and replayed:
 
-    rows = input_batch.decode_rows(...)                 # None: not a pure decode step -> eager
-    host = input_batch.decode_inputs(rows)              # numpy: positions, ids, history, slots, tables
+    rows = input_batch.decode_rows(...)                 # None: not a decode / verify step -> eager
+    key = graphs.serves(n, max_position, max q_i)       # None: no captured key holds it -> eager
+    host = input_batch.decode_inputs(rows, q, L)        # numpy: positions, ids, history, slots, tables
     DecodeStepBuffers.fill(pinned, **host)              # padded metadata, one int64 buffer (model side)
     static.copy_(pinned, non_blocking=True)             # one H2D copy
     static input_ids <- previous step's device samples  # async scheduling: tokens not known on the host
-    graph.replay(); logits = static_logits[:n]
+    graph.replay(); logits = static_logits[:n * L]      # (the runner gathers rows j < q_i)
 
 The captured function is Transformer.forward on the static ForwardBatch / StepMetadata views
-(model/step_metadata.py DecodeStepBuffers draws the layout and the padding rules). Capture happens
-once, at engine start (after the caches exist), largest size first into one memory pool, each size
-warmed up first so Triton compilation and allocator growth happen outside capture. Without CUDA
-(or with enabled=False) CudaGraphRunner calls the function eagerly on the same padded buffers:
-the CPU tests of this path.
+(model/step_metadata.py DecodeStepBuffers draws the layout and the padding rules); it returns the
+logits of every row and, with DSpark, the draft blocks' input rows (main_hidden). Capture happens
+once, at engine start (after the caches exist), largest L and size first into one memory pool, each
+warmed up first so Triton compilation and allocator growth happen outside capture. With
+speculative="dspark" the lengths are 1 .. num_speculative_tokens + 1 (verify_lengths). Without
+CUDA (or with enabled=False) CudaGraphRunner calls the function eagerly on the same padded
+buffers: the CPU tests of this path. The DSpark drafting pass still runs eagerly.
 """
 
 from __future__ import annotations
@@ -40,10 +45,10 @@ DRAFT_ROOM = 64
 
 def graph_sizes(args, model_args, device: str) -> tuple[int, ...]:
     """Decode batch sizes to capture for EngineArgs `args`; () = eager only. Off for enforce_eager,
-    batch_invariant (row-by-row GEMMs), speculative decoding (verification steps) and the index-key
-    alias emulation (per-sequence host-side key owners). cuda_graph_sizes None: DEFAULT_SIZES on
-    CUDA, none on CPU; sizes given on a CPU run the padded step eagerly (a test mode)."""
-    if args.enforce_eager or args.batch_invariant or args.speculative or model_args.emulate_index_k_alias:
+    batch_invariant (row-by-row GEMMs) and the index-key alias emulation (per-sequence host-side key
+    owners). cuda_graph_sizes None: DEFAULT_SIZES on CUDA, none on CPU; sizes given on a CPU run the
+    padded step eagerly (a test mode)."""
+    if args.enforce_eager or args.batch_invariant or model_args.emulate_index_k_alias:
         return ()
     sizes = args.cuda_graph_sizes
     if sizes is None:
@@ -55,6 +60,32 @@ def graph_sizes(args, model_args, device: str) -> tuple[int, ...]:
     return tuple([s for s in sizes if s < args.max_num_seqs] + holds_all)
 
 
+def verify_lengths(args) -> tuple[int, ...]:
+    """Tokens per request of the captured steps: 1 (decode), and with DSpark 1 + k for every k the
+    scheduler may verify (0 .. num_speculative_tokens)."""
+    if args.speculative != "dspark":
+        return (1,)
+    return tuple(range(1, args.num_speculative_tokens + 2))
+
+
+class VerifyKeys:
+    """The captured (batch size, verified length) pairs and the one a step takes: the smallest
+    captured batch size >= n and the smallest captured length >= the step's longest q_i."""
+
+    def __init__(self, batch_sizes, lengths) -> None:
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.lengths = tuple(sorted(set(lengths)))
+
+    def key(self, n: int, length: int) -> tuple[int, int] | None:
+        b = next((s for s in self.batch_sizes if s >= n), None)
+        q = next((s for s in self.lengths if s >= length), None)
+        return None if b is None or q is None else (b, q)
+
+    def all(self) -> list[tuple[int, int]]:
+        """Capture order: the largest length first, each from the largest batch down (one pool)."""
+        return [(b, q) for q in reversed(self.lengths) for b in reversed(self.batch_sizes)]
+
+
 class DecodeGraphs:
     """The captured decode steps of one model + caches: `serves(n, max_position)` says whether a pure
     decode step of n requests takes a graph, `step(...)` runs it. max_len (the engine's
@@ -62,7 +93,7 @@ class DecodeGraphs:
     entries per sequence: the indexer's work per step grows with it); longer sequences run eagerly."""
 
     def __init__(self, model, caches, input_batch, sizes, max_model_len: int, block_tokens: int, device,
-                 enabled: bool | None = None, max_len: int | None = None):
+                 enabled: bool | None = None, max_len: int | None = None, lengths: tuple[int, ...] = (1,)):
         self.model, self.caches, self.device = model, caches, torch.device(device)
         if caches.scratch_slot < 0:
             raise ValueError("CUDA-graph decode needs caches allocated with scratch=True")
@@ -77,30 +108,40 @@ class DecodeGraphs:
                             scratch_slot=caches.scratch_slot, scratch_block=caches.scratch_block,
                             extra=("pending_src",), device=self.device)
         cuda = self.device.type == "cuda"
-        self.graphs = CudaGraphRunner(self._forward, sizes, enabled=cuda if enabled is None else enabled and cuda)
+        on = cuda if enabled is None else enabled and cuda
+        self.keys = VerifyKeys(sizes, lengths)
+        # one runner per verified length (the static buffers differ), one memory pool for all
+        self.runners = {q: CudaGraphRunner(self._forward, sizes, enabled=on) for q in self.keys.lengths}
+        self.graphs = self.runners[self.keys.lengths[0]]    # None once a capture failed: everything eager
         self._capture()
         self._host, self._host_free = self._host_buffers(cuda)
         self._next_host = 0
         self.num_steps = 0            # steps served (graph replays, or eager runs of the padded step)
+        self.num_verify_steps = 0     # of them, steps with drafts (L > 1)
 
     # construction ------------------------------------------------------------------------------
     def _capture(self) -> None:
         t0 = time.perf_counter()
+        pool = None
         try:
-            self.graphs.capture(self._inputs)
+            for q in reversed(self.keys.lengths):
+                runner = self.runners[q]
+                runner.pool = pool
+                runner.capture(lambda bs, q=q: self._inputs(bs, q))
+                pool = runner.pool
         except Exception:  # noqa: BLE001 - a step the graph cannot hold must not stop the engine
-            logger.exception("CUDA graph capture failed: decode steps stay eager")
+            logger.exception("CUDA graph capture failed: decode and verify steps stay eager")
             self.graphs = None
             return
         if self.graphs.enabled:
-            logger.info("captured decode CUDA graphs for batch sizes %s (positions < %d) in %.1f s",
-                        self.graphs.batch_sizes, self.max_len, time.perf_counter() - t0)
+            logger.info("captured CUDA graphs for batch sizes %s x tokens per request %s (positions < %d) in %.1f s",
+                        self.graphs.batch_sizes, self.keys.lengths, self.max_len, time.perf_counter() - t0)
         # a graph reads the rope tables it was captured with: they must never be reallocated
         self._rope_ptrs = self._rope_table_ptrs()
 
-    def _inputs(self, bs: int) -> tuple[DecodeStepBuffers]:
-        """Static buffers of size bs holding an all-padding step (what warm-up and capture run)."""
-        bufs = DecodeStepBuffers(bs, **self._layout)
+    def _inputs(self, bs: int, q: int = 1) -> tuple[DecodeStepBuffers]:
+        """Static buffers of size bs x q holding an all-padding step (what warm-up and capture run)."""
+        bufs = DecodeStepBuffers(bs, **self._layout, tokens_per_seq=q)
         host = np.zeros(bufs.numel, dtype=np.int64)
         h = self._layout["ngram_width"]
         bufs.fill(host, positions=[], input_ids=[], ngram_history=np.zeros((0, h), dtype=np.int64),
@@ -113,7 +154,7 @@ class DecodeGraphs:
         scheduling the next step is filled while the device may not have read the previous one."""
         if self.graphs is None or not cuda:
             return None, None
-        numel = max(self.graphs.static_in[bs][0].numel for bs in self.graphs.batch_sizes)
+        numel = max(r.static_in[bs][0].numel for r in self.runners.values() for bs in r.batch_sizes)
         host = [torch.zeros(numel, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         return host, [None, None]
 
@@ -121,35 +162,44 @@ class DecodeGraphs:
         return {k: t.table.data_ptr() if t.table is not None else 0 for k, t in self.model.rope.items()}
 
     # the step ----------------------------------------------------------------------------------
-    def serves(self, n: int, max_position: int) -> bool:
-        """True when a captured size holds n requests whose new tokens sit at positions up to
-        max_position (and the graphs are still valid)."""
-        if self.graphs is None or n > self.graphs.max_batch_size or max_position >= self.max_len:
-            return False
+    def serves(self, n: int, max_position: int, length: int = 1) -> tuple[int, int] | None:
+        """The (batch size, tokens per request) key that holds n requests of up to `length` tokens
+        each whose last ones sit at positions up to max_position; None (eager) when none does or the
+        graphs are no longer valid."""
+        if self.graphs is None or max_position >= self.max_len:
+            return None
+        key = self.keys.key(n, length)
+        if key is None:
+            return None
         if self.graphs.enabled and self._rope_table_ptrs() != self._rope_ptrs:
-            logger.warning("a rope table was reallocated after capture: CUDA graphs off, decode stays eager")
+            logger.warning("a rope table was reallocated after capture: CUDA graphs off, steps stay eager")
             self.graphs = None
-            return False
-        return True
+            return None
+        return key
 
-    def step(self, host_inputs: dict[str, np.ndarray], prev_sampled: torch.Tensor | None):
-        """-> (ForwardBatch views of the n real rows, logits [n, V] fp32). The logits are a view of
-        the graph's static output: the next step overwrites them."""
+    def step(self, host_inputs: dict[str, np.ndarray], prev_sampled: torch.Tensor | None,
+             key: tuple[int, int] | None = None):
+        """-> (ForwardBatch views of the n real sequences' padded rows, logits [n * L, V] fp32,
+        main_hidden [n * L, .] | None): views of the graph's static outputs, which the next step
+        overwrites. Row i * L + j is request i's token j (padding past its q_i)."""
         n = len(host_inputs["positions"])
-        bs = self.graphs.padded(n)
-        bufs: DecodeStepBuffers = self.graphs.static_in[bs][0]
+        bs, q = key if key is not None else (self.graphs.padded(n), 1)
+        runner = self.runners[q]
+        bufs: DecodeStepBuffers = runner.static_in[bs][0]
         self._load(bufs, host_inputs)
         if prev_sampled is not None and (host_inputs["pending_src"] >= 0).any():
-            v = bufs.v
+            v = bufs.v                        # async decode (q = 1): the input token is the last step's sample
             src = v["pending_src"]
             v["input_ids"].copy_(torch.where(src >= 0, prev_sampled[src.clamp_min(0)], v["input_ids"]))
-        logits = self.graphs.run(bs)[:n]
+        logits, hidden = runner.run(bs)
         self.num_steps += 1
-        return bufs.forward_batch(n), logits
+        self.num_verify_steps += q > 1
+        t = n * q
+        return bufs.forward_batch(n), logits[:t], None if hidden is None else hidden[:t]
 
     @property
     def num_replays(self) -> int:
-        return 0 if self.graphs is None else self.graphs.num_replays
+        return 0 if self.graphs is None else sum(r.num_replays for r in self.runners.values())
 
     def _load(self, bufs: DecodeStepBuffers, host_inputs: dict) -> None:
         """Host fill + one H2D copy (CPU: the fill writes the static buffer itself)."""
@@ -167,7 +217,9 @@ class DecodeGraphs:
         ev.record()
         self._host_free[i] = ev
 
-    def _forward(self, bufs: DecodeStepBuffers) -> torch.Tensor:
-        """The captured function: [B, V] fp32 logits of the padded step."""
+    def _forward(self, bufs: DecodeStepBuffers):
+        """The captured function: ([B * L, V] fp32 logits, [B * L, .] DSpark input rows | None) of the
+        padded step."""
         with torch.inference_mode():
-            return self.model(bufs.forward_batch(), self.caches, meta=bufs.metadata(self.max_pos)).logits
+            out = self.model(bufs.forward_batch(), self.caches, meta=bufs.metadata(self.max_pos))
+            return out.logits, out.main_hidden

@@ -159,9 +159,9 @@ class InputBatch:
         return batch, rows, num_logits
 
     def decode_rows(self, req_ids: list[str], q_lens: np.ndarray, num_spec: np.ndarray) -> np.ndarray | None:
-        """The rows of a pure decode step (every request runs its next token, one new token at a
-        start > 0, no drafts, and samples), else None: the steps a CUDA graph can serve."""
-        if num_spec.any() or (q_lens != 1).any():
+        """The rows of a decode / verify step (every request runs its next token at a start > 0, then
+        its drafts if any: q = 1 + drafts, and samples), else None: the steps a CUDA graph can serve."""
+        if (q_lens != 1 + num_spec).any():
             return None
         rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         start = self.num_computed[rows]
@@ -178,14 +178,21 @@ class InputBatch:
         ws = self.window_start[rows]
         return ((ws > 0) & (start - self.window + 1 < ws)) | (start < self.write_from[rows])
 
-    def decode_inputs(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """Host arrays of a pure decode step (DecodeStepBuffers.fill's arguments). pending_src: index
-        of the row's input token in the last launched step's device samples, -1 = known here."""
+    def decode_inputs(self, rows: np.ndarray, q_lens: np.ndarray | None = None, length: int = 1) -> dict[str, np.ndarray]:
+        """Host arrays of a decode step, or (q_lens, padded to `length` tokens) of a verify step
+        (DecodeStepBuffers.fill's arguments). pending_src: index of the row's input token in the last
+        launched step's device samples, -1 = known here."""
         start = self.num_computed[rows]                                      # [B] = the new token's position
-        return dict(positions=start, input_ids=self.token_ids[rows, start],
-                    ngram_history=self._history(rows, start), ring_slots=self.ring_slot[rows],
-                    block_tables=self.block_table[rows],
-                    pending_src=np.where(start >= self.num_tokens[rows], self.pending_index[rows], -1))
+        out = dict(positions=start, input_ids=self.token_ids[rows, start],
+                   ngram_history=self._history(rows, start), ring_slots=self.ring_slot[rows],
+                   block_tables=self.block_table[rows],
+                   pending_src=np.where(start >= self.num_tokens[rows], self.pending_index[rows], -1))
+        if length > 1:      # the last known token, then the drafts (written after it), then padding
+            j = np.arange(length)
+            ids = self.token_ids[rows[:, None], start[:, None] + j]
+            out["input_ids"] = np.where(j < q_lens[:, None], ids, 0)
+            out["num_tokens"] = q_lens
+        return out
 
     def _history(self, rows: np.ndarray, start: np.ndarray) -> np.ndarray:
         """[B, n-1] token ids at start-n+1 .. start-1 (Engram's look-back), -1 before position 0,

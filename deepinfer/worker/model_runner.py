@@ -32,9 +32,10 @@ step runs, and restored into a new request's ring slot before its first forward;
 admitted by bounded replay carries its ReplayParams into the InputBatch, which hands the model the
 window floor and the write floor (model/step_metadata.py applies them).
 
-CUDA graphs (graph_sizes, worker/graph_step.py): a pure decode step (every request runs its next
-token, no drafts) that a captured size holds replays the captured forward instead of step 3;
-everything else (prefill chunks, mixed steps, verification) runs eagerly.
+CUDA graphs (graph_sizes, worker/graph_step.py): a decode or verify step (every request runs its
+next token and its drafts, if any) that a captured (batch size, tokens per request) holds replays
+the captured forward instead of step 3; prefill chunks and mixed steps run eagerly, and so does
+the DSpark drafting pass.
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ class ModelRunner:
         if graph_sizes:
             from deepinfer.worker.graph_step import DecodeGraphs
             self.graphs = DecodeGraphs(model, caches, self.input_batch, graph_sizes, max_model_len,
-                                       block_tokens, self.device, max_len=graph_max_len)
+                                       block_tokens, self.device, max_len=graph_max_len,
+                                       lengths=(1,) if proposer is None else
+                                       tuple(range(1, proposer.num_speculative_tokens + 2)))
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.resolve(self.launch(sched_out))
@@ -158,6 +161,11 @@ class ModelRunner:
             spec = _SpecInputs(main_hidden, q_lens, batch.start_pos.numpy(), ib.ring_slot[rows].copy())
         return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits,
                          logprobs=logprobs, seq=self._launch_seq, spec=spec)
+
+    def must_resolve_before_next(self, step: _InFlight | None) -> bool:
+        """Speculation: a launched step in which a request samples verifies or proposes drafts, and
+        the next step's positions and drafts follow from its accepted counts (host metadata)."""
+        return step is not None and self.proposer is not None and bool((step.num_logits > 0).any())
 
     def resolve(self, step: _InFlight | None) -> ModelRunnerOutput:
         if step is None:
@@ -241,17 +249,38 @@ class ModelRunner:
         step is a pure decode step a captured size holds, else the eager forward."""
         ib = self.input_batch
         rows = ib.decode_rows(req_ids, q_lens, num_spec) if self.graphs is not None else None
-        if rows is not None and self.graphs.serves(len(rows), int(ib.num_computed[rows].max())):
-            batch, logits = self.graphs.step(ib.decode_inputs(rows), self._prev_sampled)
-            if ib.return_logits:      # kept until resolve(): the next replay overwrites the static output
-                logits = logits.clone()
-            return batch, rows, np.ones(len(rows), dtype=np.int64), logits, None
+        if rows is not None:
+            length = int(q_lens.max())
+            key = self.graphs.serves(len(rows), int((ib.num_computed[rows] + q_lens).max()) - 1, length)
+            if key is not None and key[1] == 1 and self.proposer is None:
+                batch, logits, _ = self.graphs.step(ib.decode_inputs(rows), self._prev_sampled, key)
+                if ib.return_logits:      # kept until resolve(): the next replay overwrites the static output
+                    logits = logits.clone()
+                return batch, rows, np.ones(len(rows), dtype=np.int64), logits, None
+            if key is not None:
+                return self._verify_graph_step(rows, q_lens, key)
         batch, rows, num_logits = ib.build(req_ids, q_lens, num_spec, self.device, self._prev_sampled)
         if self.images is not None and self.images.has_any():
             batch.image_rows, batch.image_embeds = self.images.gather(req_ids, batch.start_pos.numpy(), q_lens)
         with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
             out = self.model(batch, self.caches)
         return batch, rows, num_logits, out.logits, out.main_hidden
+
+    def _verify_graph_step(self, rows: np.ndarray, q_lens: np.ndarray, key: tuple[int, int]):
+        """A verify step (some request has drafts) through the captured (batch, L) graph: the real
+        rows gathered out of the padded outputs into the eager step's layout (logits row per token,
+        main_hidden row per token, a host start_pos), copies the next replay cannot overwrite."""
+        from deepinfer.model.batch import ForwardBatch
+        ib, L = self.input_batch, key[1]
+        fb, logits, hidden = self.graphs.step(ib.decode_inputs(rows, q_lens, L), self._prev_sampled, key)
+        idx = torch.from_numpy(np.repeat(np.arange(len(rows)) * L, q_lens) + _ragged_arange(q_lens)).to(self.device)
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        batch = ForwardBatch(input_ids=fb.input_ids[idx], positions=fb.positions[idx],
+                             cu_seqlens=torch.from_numpy(cu), start_pos=torch.from_numpy(ib.num_computed[rows].copy()),
+                             ngram_history=fb.ngram_history, ring_slots=fb.ring_slots, block_tables=fb.block_tables,
+                             logits_indices=torch.arange(int(cu[-1]), device=self.device))
+        return batch, rows, q_lens.copy(), logits[idx], None if hidden is None else hidden[idx]
 
     def _update_states(self, sched_out: SchedulerOutput) -> None:
         for req_id in sched_out.finished_req_ids | sched_out.preempted_req_ids:

@@ -91,7 +91,9 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
         from deepinfer.spec.dspark_proposer import DSparkProposer
         proposer = DSparkProposer(model, caches, args.num_speculative_tokens, acceptance=args.spec_acceptance,
                                   replay_accepted_length=args.spec_replay_accepted_length, seed=args.seed)
-        async_scheduling = False   # verification needs the accepted count before the next step
+        # a verify step is resolved before the next schedule (engine.py); on only when asked for, and
+        # never across data-parallel ranks (the executor holds no launched step to ask about)
+        async_scheduling = args.async_scheduling is True and args.data_parallel_size == 1
     from deepinfer.worker.model_runner import ModelRunner
     sampler = make_sampler(args.checkpoint, facts.vocab_size)
     runner = ModelRunner(model, caches, device, args.max_num_seqs, max_model_len, args.block_tokens,
