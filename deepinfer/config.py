@@ -21,7 +21,7 @@ class EngineArgs:
     batch_invariant: bool = False           # a request's logits do not depend on the batch (deepinfer/sample/BATCH_INVARIANCE.md)
     model_overrides: dict = field(default_factory=dict)  # ModelArgs runtime switches, e.g. {"emulate_index_k_alias": True}
     # speculative decoding (deepinfer/spec/): "dspark" drafts with the checkpoint's DSpark blocks; async
-    # scheduling is then off (verification needs the accepted count before the next step)
+    # scheduling is then off unless async_scheduling=True (a verify step is resolved before the next one)
     speculative: str | None = None          # None (off) or "dspark"
     num_speculative_tokens: int = 5         # drafts proposed per request and step (at most the DSpark block, 5)
     # which drafts to verify: "scheduler" (batch budget maximizing expected accepted tokens per profiled
@@ -37,10 +37,10 @@ class EngineArgs:
     # benchmark mode (spec/replay.py): replay acceptance outcomes and calibrated confidences drawn with
     # this mean accepted length (verify-all, tokens per step, e.g. 3.5 of 5 drafts); None = real drafts
     spec_replay_accepted_length: float | None = None
-    # CUDA graphs for pure decode steps (deepinfer/worker/graph_step.py): batch sizes captured at start;
+    # CUDA graphs for decode steps and DSpark verify steps (deepinfer/worker/graph_step.py): batch sizes
+    # captured at start (x verified lengths 1 .. num_speculative_tokens + 1 with speculative="dspark");
     # None = (1, 2, 4, .., 128) on CUDA and none on CPU (sizes given on a CPU run the padded step
-    # eagerly: a test mode). Off with enforce_eager, batch_invariant, speculative decoding and the
-    # index-key alias emulation.
+    # eagerly: a test mode). Off with enforce_eager, batch_invariant and the index-key alias emulation.
     cuda_graph_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False             # never use CUDA graphs (vLLM's flag)
     # a decode step takes a graph only while every sequence is shorter than this (vLLM's knob): the

@@ -12,8 +12,8 @@ the device: --load-format dummy needs only config.json, written here from the pr
     timeout 280 python perf/spec_decode.py --preset small --device cuda --load-format dummy --quick
     timeout 280 python perf/spec_decode.py --preset full-width-ep8 --device cuda --load-format dummy --quick
 --quick: prompt 32, output 32 tokens per request, no warm-up batch. A progress line on stderr
-counts the output tokens of each (policy, batch) run. No speculation keeps its decode CUDA graphs
-unless --enforce-eager (DSpark's verify steps run eagerly: the like-for-like comparison is eager).
+counts the output tokens of each (policy, batch) run. Decode and DSpark verify steps replay CUDA
+graphs (captured at each engine's start) unless --enforce-eager; the drafting pass is eager.
 
 Random weights accept nothing, so every speculative engine runs in the replay mode
 (EngineArgs.spec_replay_accepted_length, deepinfer/spec/replay.py): each proposal's confidences and
@@ -163,6 +163,10 @@ def measure_all(ckpt: str, a) -> dict:
             run_batch(eng, 1, a.prompt_len, min(a.output_len, 8), vocab, seed=99)   # warm-up
         res[name] = {b: run_batch(eng, b, a.prompt_len, a.output_len, vocab, label=f"{name} batch {b}")
                      for b in a.batches}
+        graphs = getattr(eng.runner, "graphs", None)
+        if graphs is not None:
+            print(f"[{name}] CUDA graphs: {graphs.num_replays} replays, {graphs.num_verify_steps} verify steps "
+                  f"of {graphs.num_steps} through the static form", flush=True)
         model = getattr(eng, "step_time_model", None)
         if model is not None:
             print(f"[{name}] step-time model (s): batch sizes {model.batch_sizes} x drafts/request "

@@ -69,21 +69,31 @@ def verify_lengths(args) -> tuple[int, ...]:
 
 
 class VerifyKeys:
-    """The captured (batch size, verified length) pairs and the one a step takes: the smallest
-    captured batch size >= n and the smallest captured length >= the step's longest q_i."""
+    """The captured (batch size, verified length) pairs and the one a step takes: among the pairs
+    with batch >= n and length >= the step's longest q_i, the fewest rows (then the shorter length).
+    max_tokens: verify pairs (L > 1) of more rows are not captured (the MoE's masked grouped form,
+    the one a graph can hold, stops at MASKED_MAX_PAIRS token-expert pairs); decode (L = 1) keeps
+    every size, as before."""
 
-    def __init__(self, batch_sizes, lengths) -> None:
+    def __init__(self, batch_sizes, lengths, max_tokens: int | None = None) -> None:
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.lengths = tuple(sorted(set(lengths)))
+        self.pairs = [(b, q) for q in self.lengths for b in self.batch_sizes
+                      if q == 1 or max_tokens is None or b * q <= max_tokens]
 
     def key(self, n: int, length: int) -> tuple[int, int] | None:
-        b = next((s for s in self.batch_sizes if s >= n), None)
-        q = next((s for s in self.lengths if s >= length), None)
-        return None if b is None or q is None else (b, q)
+        fits = [(b * q, q, b) for b, q in self.pairs if b >= n and q >= length]
+        if not fits:
+            return None
+        _, q, b = min(fits)
+        return b, q
+
+    def sizes(self, length: int) -> list[int]:
+        return [b for b, q in self.pairs if q == length]
 
     def all(self) -> list[tuple[int, int]]:
         """Capture order: the largest length first, each from the largest batch down (one pool)."""
-        return [(b, q) for q in reversed(self.lengths) for b in reversed(self.batch_sizes)]
+        return sorted(self.pairs, key=lambda p: (-p[1], -p[0]))
 
 
 class DecodeGraphs:
@@ -109,9 +119,11 @@ class DecodeGraphs:
                             extra=("pending_src",), device=self.device)
         cuda = self.device.type == "cuda"
         on = cuda if enabled is None else enabled and cuda
-        self.keys = VerifyKeys(sizes, lengths)
+        from deepinfer.model.moe import MASKED_MAX_PAIRS
+        self.keys = VerifyKeys(sizes, lengths, max_tokens=MASKED_MAX_PAIRS // max(args.n_activated_experts, 1))
         # one runner per verified length (the static buffers differ), one memory pool for all
-        self.runners = {q: CudaGraphRunner(self._forward, sizes, enabled=on) for q in self.keys.lengths}
+        self.runners = {q: CudaGraphRunner(self._forward, self.keys.sizes(q), enabled=on)
+                        for q in self.keys.lengths if self.keys.sizes(q)}
         self.graphs = self.runners[self.keys.lengths[0]]    # None once a capture failed: everything eager
         self._capture()
         self._host, self._host_free = self._host_buffers(cuda)
@@ -124,7 +136,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         pool = None
         try:
-            for q in reversed(self.keys.lengths):
+            for q in sorted(self.runners, reverse=True):
                 runner = self.runners[q]
                 runner.pool = pool
                 runner.capture(lambda bs, q=q: self._inputs(bs, q))

@@ -134,8 +134,10 @@ def test_graph_sizes():
     assert graph_sizes(EngineArgs(max_num_seqs=5), margs, "cuda:0") == (1, 2, 4, 8)
     assert graph_sizes(EngineArgs(), margs, "cpu") == ()
     assert graph_sizes(EngineArgs(cuda_graph_sizes=[3, 1]), margs, "cpu") == (1, 3)
-    for off in (dict(enforce_eager=True), dict(batch_invariant=True), dict(speculative="dspark")):
+    for off in (dict(enforce_eager=True), dict(batch_invariant=True)):
         assert graph_sizes(EngineArgs(**off), margs, "cuda") == ()
+    # DSpark verify steps have graphs too (tests/worker/test_graph_verify.py)
+    assert graph_sizes(EngineArgs(speculative="dspark", max_num_seqs=8), margs, "cuda") == (1, 2, 4, 8)
     assert graph_sizes(EngineArgs(), SimpleNamespace(emulate_index_k_alias=True), "cuda") == ()
 
 

@@ -163,6 +163,10 @@ def test_verify_keys_pick_the_smallest_captured_shape():
     assert keys.key(8, 6) == (8, 6)
     assert keys.key(9, 2) is None and keys.key(2, 7) is None
     assert keys.all() == [(b, n) for n in (6, 4, 2, 1) for b in (8, 4, 2, 1)]   # capture order: largest first
+    capped = VerifyKeys(batch_sizes=(1, 2, 4, 8), lengths=(1, 2, 4, 6), max_tokens=16)
+    assert capped.sizes(1) == [1, 2, 4, 8] and capped.sizes(4) == [1, 2, 4] and capped.sizes(6) == [1, 2]
+    assert capped.key(3, 5) is None and capped.key(2, 5) == (2, 6) and capped.key(8, 2) == (8, 2)
+    assert capped.key(5, 1) == (8, 1)
 
 
 def test_verify_lengths_from_args():
