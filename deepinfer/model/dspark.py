@@ -59,6 +59,18 @@ class DSparkAttention(Attention):
         o = ops.sparse_attn(q, buf, self.attn_sink, idx, self.scale)
         return self.out(o, cis)
 
+    def forward_draft_static(self, x: torch.Tensor, step: "DraftStepBuffers", caches, rope_tables) -> torch.Tensor:
+        """forward_draft on prebuilt device tensors (the CUDA-graph form, DraftStepBuffers): the same
+        buffer and lists, the lists W + block wide (trailing -1s), padding sequences reading a scratch
+        ring slot and listing nothing."""
+        v = step.v
+        cis = rope_tables[self.rope_kind](v["positions"], step.max_pos)
+        qr, q, kv = self.qkv(x, cis)
+        ring = caches.window_kv[self.layer_id].flatten(0, 1)
+        buf = torch.cat([ring[v["ring_rows"]].to(kv.dtype), kv])
+        o = ops.sparse_attn(q, buf, self.attn_sink, v["lists"], self.scale)
+        return self.out(o, cis)
+
     def main_kv(self, main_x: torch.Tensor, positions: torch.Tensor, rope_tables) -> torch.Tensor:
         cis = rope_tables[self.rope_kind](positions)
         return ops.act_quant(ops.rope(self.kv_norm(self.wkv(main_x)), cis))
@@ -99,6 +111,57 @@ class DSparkBlock(Block):
             self.confidence_head = ConfidenceHead(args.dim + args.dspark_markov_rank)
 
 
+class DraftStepBuffers:
+    """A drafting pass of up to B sequences in static buffers (views of one int64 buffer, filled on
+    the host and copied in one go), the CUDA-graph form of dspark_propose's per-call index work:
+
+        flat = | anchor_ids B | positions B*block | ring_rows B*W | lists B*block x (W + block) |
+
+    Sequence b's rows are its block at positions p+1 .. p+block; its ring rows are the W ring slots
+    in ring-slot order (forward_draft's); its lists: the nv = min(p+1, W) valid ring rows, then the
+    block's rows, then -1. Padding sequences (b >= n): position 0, the scratch ring slot, no list."""
+
+    def __init__(self, num_seqs: int, *, window: int, block: int, ring_len: int, scratch_slot: int,
+                 max_pos: int, device="cpu") -> None:
+        B, W = self.num_seqs, self.window = num_seqs, window
+        self.block, self.ring_len, self.scratch_slot, self.max_pos = block, ring_len, scratch_slot, max_pos
+        self.shapes = {"anchor_ids": (B,), "positions": (B * block,), "ring_rows": (B * W,),
+                       "lists": (B * block, W + block)}
+        self.numel = sum(int(np.prod(sh)) for sh in self.shapes.values())
+        self.flat = torch.zeros(self.numel, dtype=torch.int64, device=device)
+        self.v = self.views(self.flat)
+
+    def views(self, buf) -> dict:
+        out, off = {}, 0
+        for name, shape in self.shapes.items():
+            n = int(np.prod(shape))
+            out[name] = buf[off:off + n].reshape(shape)
+            off += n
+        return out
+
+    def fill(self, host: np.ndarray, anchor_ids, positions, ring_slots) -> None:
+        v = self.views(host[:self.numel])
+        B, W, blk, n = self.num_seqs, self.window, self.block, len(positions)
+        assert n <= B, (n, B)
+        p = np.zeros(B, dtype=np.int64)
+        p[:n] = positions
+        slots = np.full(B, self.scratch_slot, dtype=np.int64)
+        slots[:n] = ring_slots
+        v["anchor_ids"][:] = 0
+        v["anchor_ids"][:n] = anchor_ids
+        v["positions"][:] = np.where(np.repeat(np.arange(B) < n, blk), np.repeat(p, blk) + np.tile(np.arange(1, blk + 1), B), 0)
+        r = np.arange(W)
+        ring_pos = p[:, None] - (p[:, None] - r) % W
+        v["ring_rows"][:] = (slots[:, None] * self.ring_len + np.maximum(ring_pos, 0) % self.ring_len).ravel()
+        nv = np.minimum(p + 1, W)
+        j = np.arange(W + blk)
+        ring_idx = np.arange(B)[:, None] * W + j
+        draft_idx = B * W + np.arange(B)[:, None] * blk + j - nv[:, None]
+        lists = np.where(j < nv[:, None], ring_idx, np.where(j < (nv + blk)[:, None], draft_idx, -1))
+        lists[n:] = -1
+        v["lists"][:] = np.repeat(lists, blk, axis=0)
+
+
 def _main_x(model, main_hidden: torch.Tensor) -> torch.Tensor:
     m0 = model.mtp[0]
     return m0.main_norm(m0.main_proj(main_hidden))
@@ -124,9 +187,10 @@ def dspark_absorb(model, main_hidden: torch.Tensor, positions: torch.Tensor, rin
 
 @torch.inference_mode()
 def dspark_propose(model, anchor_ids: torch.Tensor, positions: list[int], ring_slots: list[int], caches,
-                   sample=None) -> DraftOutput:
+                   sample=None, static: DraftStepBuffers | None = None) -> DraftOutput:
     """anchor_ids [B] (the token at position p+1); positions: p per sequence (the last absorbed
-    backbone position). `sample(logits [B, V]) -> [B]` picks each draft (greedy by default)."""
+    backbone position). `sample(logits [B, V]) -> [B]` picks each draft (greedy by default).
+    static: the pass's index tensors prebuilt (CUDA graphs; anchor_ids = its anchor_ids view)."""
     args = model.args
     blk, B, dev = args.dspark_block_size, anchor_ids.numel(), anchor_ids.device
     ids = torch.full((B, blk), args.dspark_noise_token_id, dtype=torch.int64, device=dev)
@@ -136,7 +200,10 @@ def dspark_propose(model, anchor_ids: torch.Tensor, positions: list[int], ring_s
     pre[:, 0] = 1.0
     for m in model.mtp:
         attn = m.attn
-        fn = lambda xn, attn=attn: attn.forward_draft(xn, positions, ring_slots, blk, caches, model.rope)  # noqa: E731
+        if static is not None:
+            fn = lambda xn, attn=attn: attn.forward_draft_static(xn, static, caches, model.rope)  # noqa: E731
+        else:
+            fn = lambda xn, attn=attn: attn.forward_draft(xn, positions, ring_slots, blk, caches, model.rope)  # noqa: E731
         h, pre = m(h, pre, fn)
     last = model.mtp[-1]
     x = Block.hc_pre(h, pre)                                                      # [B*blk, d] bf16

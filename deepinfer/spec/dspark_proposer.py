@@ -57,6 +57,7 @@ class DSparkProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.acceptance = acceptance     # "identical" | "sampled" (sample/rejection.py)
         self.replay = None               # benchmark mode: replayed confidences and outcomes (spec/replay.py)
+        self.graphs = None               # worker/graph_step.py DraftGraphs: greedy drafting through CUDA graphs
         if replay_accepted_length is not None:
             from deepinfer.spec.replay import ReplayedAcceptance
             self.replay = ReplayedAcceptance(replay_accepted_length, num_speculative_tokens, seed=seed)
@@ -73,10 +74,13 @@ class DSparkProposer:
         sampling [B]: (params, seed) of a request whose drafts are sampled, None = greedy drafts."""
         if not anchor_ids:
             return DraftProposals([], [])
-        dev = self.caches.window_kv[0].device
-        ids = torch.tensor(anchor_ids, dtype=torch.int64, device=dev)
         k = self.num_speculative_tokens
         sampler = _DraftSampler(sampling, positions) if sampling and any(s is not None for s in sampling) else None
+        if sampler is None and self.graphs is not None and self.graphs.serves(len(anchor_ids)):
+            draft_ids, conf = self.graphs.step(anchor_ids, positions, ring_slots)
+            return DraftProposals(draft_ids[:, :k].tolist(), conf[:, :k].float().tolist())
+        dev = self.caches.window_kv[0].device
+        ids = torch.tensor(anchor_ids, dtype=torch.int64, device=dev)
         out = dspark_propose(self.model, ids, positions, ring_slots, self.caches, sample=sampler)
         probs = sampler.draft_probs(k) if sampler is not None else None
         return DraftProposals(out.draft_ids[:, :k].tolist(), out.confidence[:, :k].float().tolist(), probs)

@@ -29,8 +29,9 @@ The model's decode step keeps that contract (worker/graph_step.py runs it; what 
     run the masked grouped form up to MASKED_MAX_PAIRS token-expert pairs, with no host read; the
     per-expert loop (dense / packed FP4 experts on CUDA) reads the counts with `.tolist()`, so
     capture fails there and worker/graph_step.py keeps decode eager (with a logged warning).
-  * DSpark: verify steps are captured too (graph_step.py, L tokens per request); the drafting pass
-    stays eager (main_kv sizes its rope table from the device positions).
+  * DSpark: verify steps are captured too (graph_step.py, L tokens per request), and the greedy
+    drafting pass (DraftGraphs: its ring rows and lists prebuilt on the host, W + block wide); the
+    absorb stays eager (main_kv sizes its rope table from the device positions).
 """
 
 from __future__ import annotations

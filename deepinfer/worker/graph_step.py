@@ -20,7 +20,8 @@ once, at engine start (after the caches exist), largest L and size first into on
 warmed up first so Triton compilation and allocator growth happen outside capture. With
 speculative="dspark" the lengths are 1 .. num_speculative_tokens + 1 (verify_lengths). Without
 CUDA (or with enabled=False) CudaGraphRunner calls the function eagerly on the same padded
-buffers: the CPU tests of this path. The DSpark drafting pass still runs eagerly.
+buffers: the CPU tests of this path. DraftGraphs (below) does the same for the DSpark drafting
+pass (greedy drafts; sampled drafts stay eager).
 """
 
 from __future__ import annotations
@@ -235,3 +236,54 @@ class DecodeGraphs:
         with torch.inference_mode():
             out = self.model(bufs.forward_batch(), self.caches, meta=bufs.metadata(self.max_pos))
             return out.logits, out.main_hidden
+
+
+class DraftGraphs:
+    """The DSpark drafting pass (greedy drafts) through CUDA graphs, one per captured batch size:
+    dspark_propose on DraftStepBuffers (model/dspark.py), the draft ids and confidence logits its
+    static outputs. Sampled drafts (spec_acceptance="sampled", T > 0) call the sampler per draft
+    and stay eager. Without CUDA (enabled False) the padded pass runs eagerly (the CPU tests)."""
+
+    def __init__(self, model, caches, sizes, max_pos: int, device, enabled: bool | None = None) -> None:
+        from deepinfer.model.dspark import DraftStepBuffers
+        self.model, self.caches, self.device = model, caches, torch.device(device)
+        attn = model.mtp[0].attn
+        self._layout = dict(window=attn.window, block=model.args.dspark_block_size, ring_len=caches.ring_len,
+                            scratch_slot=caches.scratch_slot, max_pos=max_pos, device=self.device)
+        self._buffers = DraftStepBuffers
+        cuda = self.device.type == "cuda"
+        self.graphs = CudaGraphRunner(self._forward, sizes, enabled=cuda if enabled is None else enabled and cuda)
+        try:
+            self.graphs.capture(lambda bs: (self._empty(bs),))
+        except Exception:  # noqa: BLE001 - drafting stays eager, the engine keeps going
+            logger.exception("CUDA graph capture of the DSpark drafting pass failed: it stays eager")
+            self.graphs = None
+        self.num_steps = 0
+
+    def _empty(self, bs: int):
+        bufs = self._buffers(bs, **self._layout)
+        host = np.zeros(bufs.numel, dtype=np.int64)
+        bufs.fill(host, [], [], [])
+        bufs.flat.copy_(torch.from_numpy(host))
+        return bufs
+
+    def serves(self, n: int) -> bool:
+        return self.graphs is not None and 0 < n <= self.graphs.max_batch_size
+
+    def step(self, anchor_ids: list[int], positions: list[int], ring_slots: list[int]):
+        """-> (draft ids [n, block], confidence logits [n, block]): copies of the static outputs."""
+        n = len(positions)
+        bs = self.graphs.padded(n)
+        bufs = self.graphs.static_in[bs][0]
+        host = np.empty(bufs.numel, dtype=np.int64)
+        bufs.fill(host, anchor_ids, positions, ring_slots)
+        bufs.flat.copy_(torch.from_numpy(host))      # synchronous H2D: the .tolist() after the replay syncs anyway
+        ids, conf = self.graphs.run(bs)
+        self.num_steps += 1
+        return ids[:n].clone(), conf[:n].clone()
+
+    def _forward(self, bufs):
+        from deepinfer.model.dspark import dspark_propose
+        with torch.inference_mode():
+            out = dspark_propose(self.model, bufs.v["anchor_ids"], None, None, self.caches, static=bufs)
+            return out.draft_ids, out.confidence

@@ -34,8 +34,8 @@ window floor and the write floor (model/step_metadata.py applies them).
 
 CUDA graphs (graph_sizes, worker/graph_step.py): a decode or verify step (every request runs its
 next token and its drafts, if any) that a captured (batch size, tokens per request) holds replays
-the captured forward instead of step 3; prefill chunks and mixed steps run eagerly, and so does
-the DSpark drafting pass.
+the captured forward instead of step 3; prefill chunks and mixed steps run eagerly. The DSpark
+drafting pass with greedy drafts replays its own graphs (graph_step.DraftGraphs, in the proposer).
 """
 
 from __future__ import annotations
@@ -115,6 +115,9 @@ class ModelRunner:
                                        block_tokens, self.device, max_len=graph_max_len,
                                        lengths=(1,) if proposer is None else
                                        tuple(range(1, proposer.num_speculative_tokens + 2)))
+            if proposer is not None and self.graphs.graphs is not None:
+                from deepinfer.worker.graph_step import DraftGraphs
+                proposer.graphs = DraftGraphs(model, caches, graph_sizes, self.graphs.max_pos, self.device)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.resolve(self.launch(sched_out))

@@ -9,8 +9,9 @@
    holds it, and none past the largest.
 3. engine level (CPU): DSpark with graphs "enabled" in eager-padded mode gives the eager engine's
    tokens; the verify steps went through the static form.
-4. GPU (marked): verify steps replayed through CUDA graphs give tokens and logits bitwise equal to
-   the same padded steps run eagerly.
+4. the drafting pass (CPU): dspark_propose on DraftStepBuffers (padded) equals the dynamic pass.
+5. GPU (marked): verify steps and drafting passes replayed through CUDA graphs give tokens and
+   logits bitwise equal to the same padded steps run eagerly.
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ def test_engine_verify_graph_path_matches_eager_cpu(tiny_checkpoint):
     llm, got = _spec_engine_run(tiny_checkpoint, cuda_graph_sizes=(1, 2, 3))
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.num_verify_steps > 0 and graphs.num_replays == 0
+    assert llm.engine.runner.proposer.graphs.num_steps > 0          # the drafting pass, padded static form
     for g, r in zip(got, ref):
         assert g.token_ids == r.token_ids
         assert np.array_equal(g.logits, r.logits)
@@ -221,6 +223,9 @@ def test_verify_cuda_graphs_match_eager_gpu(tiny_checkpoint, monkeypatch):
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.num_replays > 0 and graphs.num_verify_steps > 0, \
         "no verify CUDA graph replayed (capture failed? see the log)"
+    drafts = llm.engine.runner.proposer.graphs
+    assert drafts is not None and drafts.graphs is not None and drafts.graphs.num_replays > 0, \
+        "no drafting-pass CUDA graph replayed (capture failed? see the log)"
 
     class EagerPadded(graph_step.CudaGraphRunner):
         def __init__(self, fn, sizes, enabled=None, **kw):
@@ -232,3 +237,29 @@ def test_verify_cuda_graphs_match_eager_gpu(tiny_checkpoint, monkeypatch):
     for g, s in zip(got, same):
         assert g.token_ids == s.token_ids
         assert np.array_equal(g.logits, s.logits)
+
+
+# ---- the drafting pass ----------------------------------------------------------------------------
+def test_static_drafting_pass_matches_dynamic(tiny_model):
+    """dspark_propose on DraftStepBuffers (padded to 4 sequences, lists W + block wide) gives the
+    dynamic pass's drafts and confidence logits bitwise, for anchors before and past the window."""
+    from deepinfer.model.dspark import DraftStepBuffers, dspark_absorb, dspark_propose
+    args = tiny_model.args
+    caches = ModelCaches.allocate(args, SLOTS, 64, BT, scratch=True)
+    k = len(args.dspark_target_layer_ids) * args.dim
+    lens = [6, 131, 300]
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(sum(lens), k, generator=gen).to(torch.bfloat16)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
+    dspark_absorb(tiny_model, hidden, pos, [0, 1, 2], cu, caches)
+    anchors, p, slots = [11, 22, 33], [n - 1 for n in lens], [0, 1, 2]
+    with batch_invariant_mode(True):
+        dyn = dspark_propose(tiny_model, torch.tensor(anchors), p, slots, caches)
+        bufs = DraftStepBuffers(4, window=tiny_model.mtp[0].attn.window, block=args.dspark_block_size,
+                                ring_len=caches.ring_len, scratch_slot=caches.scratch_slot, max_pos=MAX_LEN + 63)
+        bufs.fill(bufs.flat.numpy(), anchors, p, slots)
+        sta = dspark_propose(tiny_model, bufs.v["anchor_ids"], None, None, caches, static=bufs)
+    assert torch.equal(dyn.draft_ids, sta.draft_ids[:3])
+    assert torch.equal(dyn.confidence, sta.confidence[:3])
+    assert torch.equal(dyn.logits, sta.logits[:3])
