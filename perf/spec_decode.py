@@ -165,8 +165,10 @@ def measure_all(ckpt: str, a) -> dict:
                      for b in a.batches}
         graphs = getattr(eng.runner, "graphs", None)
         if graphs is not None:
+            drafts = getattr(getattr(eng.runner, "proposer", None), "graphs", None)
             print(f"[{name}] CUDA graphs: {graphs.num_replays} replays, {graphs.num_verify_steps} verify steps "
-                  f"of {graphs.num_steps} through the static form", flush=True)
+                  f"of {graphs.num_steps} through the static form"
+                  + (f", {drafts.num_steps} drafting passes" if drafts is not None else ""), flush=True)
         model = getattr(eng, "step_time_model", None)
         if model is not None:
             print(f"[{name}] step-time model (s): batch sizes {model.batch_sizes} x drafts/request "

@@ -149,7 +149,8 @@ class DraftStepBuffers:
         slots[:n] = ring_slots
         v["anchor_ids"][:] = 0
         v["anchor_ids"][:n] = anchor_ids
-        v["positions"][:] = np.where(np.repeat(np.arange(B) < n, blk), np.repeat(p, blk) + np.tile(np.arange(1, blk + 1), B), 0)
+        real = np.repeat(np.arange(B) < n, blk)
+        v["positions"][:] = np.where(real, np.repeat(p, blk) + np.tile(np.arange(1, blk + 1), B), 0)
         r = np.arange(W)
         ring_pos = p[:, None] - (p[:, None] - r) % W
         v["ring_rows"][:] = (slots[:, None] * self.ring_len + np.maximum(ring_pos, 0) % self.ring_len).ravel()

@@ -178,7 +178,8 @@ class InputBatch:
         ws = self.window_start[rows]
         return ((ws > 0) & (start - self.window + 1 < ws)) | (start < self.write_from[rows])
 
-    def decode_inputs(self, rows: np.ndarray, q_lens: np.ndarray | None = None, length: int = 1) -> dict[str, np.ndarray]:
+    def decode_inputs(self, rows: np.ndarray, q_lens: np.ndarray | None = None,
+                      length: int = 1) -> dict[str, np.ndarray]:
         """Host arrays of a decode step, or (q_lens, padded to `length` tokens) of a verify step
         (DecodeStepBuffers.fill's arguments). pending_src: index of the row's input token in the last
         launched step's device samples, -1 = known here."""
