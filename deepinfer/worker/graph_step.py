@@ -171,6 +171,15 @@ class DecodeGraphs:
         host = [torch.zeros(numel, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         return host, [None, None]
 
+    def adopt_new_rope_tables(self) -> None:
+        """Tables created after capture (the drafting graphs' "local" table, when no backbone layer
+        has that kind) are not read by these graphs: record them, so serves() does not take their
+        creation for a reallocation. A table that existed at capture keeps its recorded pointer."""
+        if self.graphs is None:
+            return
+        now = self._rope_table_ptrs()
+        self._rope_ptrs = {k: (p if p else now[k]) for k, p in self._rope_ptrs.items()}
+
     def _rope_table_ptrs(self) -> dict:
         return {k: t.table.data_ptr() if t.table is not None else 0 for k, t in self.model.rope.items()}
 

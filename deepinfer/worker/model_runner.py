@@ -118,6 +118,7 @@ class ModelRunner:
             if proposer is not None and self.graphs.graphs is not None:
                 from deepinfer.worker.graph_step import DraftGraphs
                 proposer.graphs = DraftGraphs(model, caches, graph_sizes, self.graphs.max_pos, self.device)
+                self.graphs.adopt_new_rope_tables()
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.resolve(self.launch(sched_out))
