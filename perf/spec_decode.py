@@ -9,9 +9,11 @@ threshold and the confidence scheduler against no speculation, at several batch 
 
 H200 (one GPU; the small preset and one GPU's EP8 share of the full width, random weights made on
 the device: --load-format dummy needs only config.json, written here from the preset):
-    timeout 280 python perf/spec_decode.py --preset small --device cuda --load-format dummy --quick
-    timeout 280 python perf/spec_decode.py --preset full-width-ep8 --device cuda --load-format dummy --quick
---quick: prompt 32, output 32 tokens per request, no warm-up batch. A progress line on stderr
+    timeout 280 python perf/spec_decode.py --preset small --device cuda --load-format dummy --quick --budget-s 200
+    timeout 280 python perf/spec_decode.py --preset full-width-ep8 --device cuda --load-format dummy --quick --budget-s 200
+--quick: prompt 32, output 32 tokens per request, 4-token warm-ups. --budget-s: no policy
+starts after that many seconds (the JSON is rewritten after every policy, the per-run lines print as
+they finish, so a run cut short still reports what it measured). A progress line on stderr
 counts the output tokens of each (policy, batch) run. Decode and DSpark verify steps replay CUDA
 graphs (captured at each engine's start) unless --enforce-eager; the drafting pass is eager.
 
@@ -55,6 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
+T_START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import default_checkpoint  # noqa: E402
 
@@ -138,8 +141,8 @@ def configs(a) -> dict[str, dict]:
     spec = dict(speculative="dspark", spec_replay_accepted_length=a.accepted_length)
     return {"off": {},
             "verify-all": {**spec, "spec_policy": "all"},
-            f"threshold {a.threshold}": {**spec, "spec_policy": "threshold", "spec_confidence_threshold": a.threshold},
             "scheduler": {**spec, "spec_policy": "scheduler"},
+            f"threshold {a.threshold}": {**spec, "spec_policy": "threshold", "spec_confidence_threshold": a.threshold},
             **({"sched newest": {**spec, "spec_policy": "scheduler", "spec_budget_confidences": "newest"},
                 "sched early-stop": {**spec, "spec_policy": "scheduler", "spec_early_stop": True}}
                if a.variants else {})}
@@ -159,10 +162,17 @@ def measure_all(ckpt: str, a) -> dict:
         eng = llm.engine
         vocab = eng.vocab_size
         print(f"[{name}] engine up in {time.perf_counter() - t0:.1f} s (step-time profile included)", flush=True)
-        if not a.quick:
-            run_batch(eng, 1, a.prompt_len, min(a.output_len, 8), vocab, seed=99)   # warm-up
-        res[name] = {b: run_batch(eng, b, a.prompt_len, a.output_len, vocab, label=f"{name} batch {b}")
-                     for b in a.batches}
+        # warm-up at every batch size (first-touch allocations, kernel builds and autotuning per shape):
+        # without it the first policy to reach a shape pays for it and every ratio to it is off
+        for b in a.batches:
+            run_batch(eng, b, a.prompt_len, min(a.output_len, 4 if a.quick else 8), vocab, seed=99 + b)
+        res[name] = {}
+        for b in a.batches:
+            r = res[name][b] = run_batch(eng, b, a.prompt_len, a.output_len, vocab, label=f"{name} batch {b}")
+            print(f"[{name}] batch {b}: {r['per_user']:.1f} tok/s/user, {r['total']:.1f} tok/s, {r['steps']} steps, "
+                  f"verified {r['verified']}, accepted {r['accepted']}, acc len {r['mean_acc_len']:.2f}", flush=True)
+        if a.json:         # after every policy: a run cut short by `timeout` still leaves its data
+            save_json(a, res)
         graphs = getattr(eng.runner, "graphs", None)
         if graphs is not None:
             drafts = getattr(getattr(eng.runner, "proposer", None), "graphs", None)
@@ -181,11 +191,25 @@ def measure_all(ckpt: str, a) -> dict:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if a.budget_s and time.perf_counter() - T_START > a.budget_s:
+            left = [n for n in configs(a) if n not in res]
+            if left:
+                print(f"--budget-s {a.budget_s:.0f} spent: not run {left}", flush=True)
+            break
     return res
+
+
+def save_json(a, res: dict) -> None:
+    import json
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps({"args": vars(a), "results": res}, indent=1))
 
 
 def report(res: dict, batches: list[int], gpus: int) -> None:
     names = list(res)
+    if "off" not in res or "verify-all" not in res:
+        print("no table: the run did not reach both no speculation and verify-all")
+        return
     print(f"\n{'batch':>5} {'policy':>16} {'tok/s/user':>10} {'x off':>6} {'tok/s/GPU':>10} {'x off':>6} "
           f"{'verif/acc':>9} {'x all':>6} {'acc len':>7} {'verif x all':>11} {'acc len x all':>13}")
     for b in batches:
@@ -199,7 +223,10 @@ def report(res: dict, batches: list[int], gpus: int) -> None:
             print(f"{b:>5} {n:>16} {r['per_user']:>10.1f} {r['per_user'] / off['per_user']:>6.2f} "
                   f"{r['total'] / gpus:>10.1f} {r['total'] / off['total']:>6.2f} {vpa:>9.2f} {vpa_x:>6.2f} "
                   f"{r['mean_acc_len']:>7.2f} {vx:>11.2f} {lx:>13.2f}")
-    th = [n for n in names if n.startswith("threshold")][0]
+    th = [n for n in names if n.startswith("threshold")]
+    if "scheduler" not in res or not th:
+        return
+    th = th[0]
     for b in batches:
         s, va, t = res["scheduler"][b], res["verify-all"][b], res[th][b]
         fewer = 1 - s["verified_per_step"] / va["verified_per_step"] if va["verified"] else float("nan")
@@ -249,14 +276,14 @@ def main() -> None:
     ap.add_argument("--num-cache-blocks", type=int)
     ap.add_argument("--variants", action="store_true",
                     help="also the scheduler with the newest confidences for the budget, and with early stop")
-    ap.add_argument("--quick", action="store_true", help="prompt 32, output 32, no warm-up batch")
+    ap.add_argument("--quick", action="store_true", help="prompt 32, output 32, a short warm-up")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for no speculation either")
-    ap.add_argument("--json", help="write the measurements here")
+    ap.add_argument("--json", help="write the measurements here (rewritten after every policy)")
+    ap.add_argument("--budget-s", type=float, help="start no further policy once this many seconds have passed")
     ap.add_argument("--plot")
     a = ap.parse_args()
     if a.quick:
         a.prompt_len, a.output_len = min(a.prompt_len, 32), min(a.output_len, 32)
-    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         if a.checkpoint:
             ckpt = a.checkpoint
@@ -268,11 +295,9 @@ def main() -> None:
               f"replayed mean accepted length {a.accepted_length} of 5 (verify-all)", flush=True)
         res = measure_all(ckpt, a)
     report(res, a.batches, gpus=1)
-    print(f"total {time.perf_counter() - t_start:.0f} s")
+    print(f"total {time.perf_counter() - T_START:.0f} s")
     if a.json:
-        import json
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"args": vars(a), "results": res}, indent=1))
+        save_json(a, res)
     if a.plot:
         plot(a.plot, res, a.batches, f"DSpark policies, replayed acceptance {a.accepted_length} of 5 "
              f"({Path(ckpt).name}, {a.device})")
