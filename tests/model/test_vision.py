@@ -15,7 +15,7 @@ from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.model.vision import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, TEXT, ImageInput, ImagePlan,
                                     VisionArgs, VisionTower, expand_image_placeholders)
 from deepinfer.model.vision.aligner import Aligner, unfold_cells
-from deepinfer.model.vision.vit import PatchEmbed, ViT, VisionBlock, apply_rope_2d, rope_2d_table
+from deepinfer.model.vision.vit import PatchEmbed, ViT, VisionBlock, VisionRMSNorm, apply_rope_2d, rope_2d_table
 
 
 def _fill(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -176,6 +176,14 @@ def test_tower_encode_in_any_order_equals_each_alone():
         alone = [tower.encode([im])[0] for im in imgs]
     assert [t.shape[0] for t in together] == [im.span_len for im in imgs]
     assert all(torch.equal(a, b) for a, b in zip(together, alone))
+
+
+def test_rms_norm_fp32_then_one_rounding():
+    """The fused rms_norm against the reference's spelled-out fp32 form (weight times the normalized
+    fp32 x, one bf16 rounding): at most one bf16 ulp apart."""
+    norm = _fill(VisionRMSNorm(1024), seed=2)
+    x = (torch.randn(300, 1024) * 3).to(torch.bfloat16)
+    torch.testing.assert_close(norm(x).float(), rms_ref(x, norm.weight).float(), atol=0, rtol=2 ** -7)
 
 
 def test_vit_fast_path_equals_the_plain_reference():

@@ -59,9 +59,9 @@ class VisionRMSNorm(nn.Module):
         self.register_buffer("weight", torch.ones(dim), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        """weight * (x * rsqrt(mean(x^2) + eps)) in fp32, rounded once (the reference's order); torch's
+        rms_norm is one fused kernel on CUDA where the spelled-out form is six."""
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 @lru_cache(16)
