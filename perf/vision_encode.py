@@ -89,21 +89,30 @@ def timed(fn, device: str, iters: int) -> float:
     return statistics.median(ts)
 
 
+def tower_flops(v, n: int, cells: int, dim: int) -> float:
+    """Multiply-adds x 2 of one image of n patches (cells aligner rows): the GEMMs and attention."""
+    per_layer = 2 * n * v.dim * (3 * v.dim + v.dim + 2 * v.inter_dim + v.inter_dim) + 4 * n * n * v.dim
+    return v.n_layers * per_layer + 2 * n * v.patch_dim * v.dim + 2 * cells * (9 * v.dim * dim + dim * dim)
+
+
 def bench_encode(tower, v, device: str, iters: int, sizes: dict = SIZES) -> list[dict]:
     rows = []
-    print(f"{'image':>16} {'batch':>5} {'ms/pass':>9} {'ms/image':>9} {'images/s':>9} {'vs 1-by-1':>9} {'patches':>8}",
-          flush=True)
+    print(f"{'image':>16} {'batch':>5} {'ms/pass':>9} {'ms/image':>9} {'images/s':>9} {'vs 1-by-1':>9} {'patches':>8} "
+          f"{'TFLOP/s':>8}", flush=True)
     for label, (w, h) in sizes.items():
         img = make_image(w, h, v, 0)
         one = timed(lambda: tower.encode([img]), device, iters)
         for n in (1, 16):
             imgs = [img] * n
             t = one if n == 1 else timed(lambda: tower.encode(imgs), device, max(2, iters // 4))
+            tflops = n * tower_flops(v, img.patches.shape[0], img.plan.n_llm_h * img.plan.n_llm_w,
+                                     tower.aligner.w2.weight.shape[0]) / t / 1e12
             row = dict(image=label, batch=n, ms_pass=t * 1e3, ms_per_image=t * 1e3 / n, images_per_s=n / t,
-                       batched_over_serial=(n * one) / t, patches=img.patches.shape[0], span=img.span_len)
+                       batched_over_serial=(n * one) / t, patches=img.patches.shape[0], span=img.span_len,
+                       tflops=tflops)
             rows.append(row)
             print(f"{label:>16} {n:>5} {t * 1e3:>9.2f} {t * 1e3 / n:>9.2f} {n / t:>9.1f} {n * one / t:>9.2f} "
-                  f"{img.patches.shape[0]:>8}", flush=True)
+                  f"{img.patches.shape[0]:>8} {tflops:>8.1f}", flush=True)
     return rows
 
 
@@ -245,18 +254,26 @@ def main() -> None:
     out = dict(device=a.device, preset=preset, tower=dict(layers=v.n_layers, dim=v.dim, text_dim=dim))
     sizes = {k: SIZES[k] for k in list(SIZES)[:1]} if a.quick else SIZES
     out["encode"] = bench_encode(build_tower(v, dim, a.device), v, a.device, a.iters, sizes)
+    save(out)
     if not a.skip_decode:
+        t = time.perf_counter()
         model = load_backbone(preset, a.device)
+        print(f"(backbone {preset} loaded in {time.perf_counter() - t:.0f} s)", flush=True)
         image = make_image(*SIZES["photo 1024x701"], v, 1)
         t = time.perf_counter()
         out["decode"] = bench_decode_slowdown(model, a.device, a.batch if not a.tiny else 2, a.ctx if not a.tiny else 256,
                                               a.steps if not a.tiny else 4, image)
         print(f"(decode part {time.perf_counter() - t:.0f} s)", flush=True)
+    save(out)
+
+
+def save(out: dict) -> None:
+    """Written after each part: a run cut short by its time box keeps what it measured."""
     from benchutil import out_dir
     path = os.path.join(out_dir(), "vision_encode.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":
