@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.model import ops
+
 from .config import VisionArgs
 
 ACT = torch.bfloat16
@@ -59,9 +61,10 @@ class VisionRMSNorm(nn.Module):
         self.register_buffer("weight", torch.ones(dim), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """weight * (x * rsqrt(mean(x^2) + eps)) in fp32, rounded once (the reference's order); torch's
-        rms_norm is one fused kernel on CUDA where the spelled-out form is six."""
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        """weight * (x * rsqrt(mean(x^2) + eps)) in fp32, rounded once (the reference's order): the
+        model's RMSNorm op (kernels/select.py: one Triton kernel on the GPU, the torch reference
+        rms_norm_ref elsewhere), where the spelled-out form is six kernels."""
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 @lru_cache(16)
