@@ -179,8 +179,8 @@ def test_tower_encode_in_any_order_equals_each_alone():
 
 
 def test_rms_norm_fp32_then_one_rounding():
-    """The model's rms_norm op (Triton on the GPU) against the reference's spelled-out fp32 form (weight times the normalized
-    fp32 x, one bf16 rounding): at most one bf16 ulp apart."""
+    """The model's rms_norm op (Triton on the GPU) against the reference's spelled-out fp32 form
+    (weight times the normalized fp32 x, one bf16 rounding): at most one bf16 ulp apart."""
     norm = _fill(VisionRMSNorm(1024), seed=2)
     x = (torch.randn(300, 1024) * 3).to(torch.bfloat16)
     torch.testing.assert_close(norm(x).float(), rms_ref(x, norm.weight).float(), atol=0, rtol=2 ** -7)
