@@ -104,8 +104,7 @@ def test_prompt_tokens_match_the_recipes_adjustment(pre):
     dr = pytest.importorskip("deepseek_recipe")
     a = png(640, 480, 3)
     release = Preprocessor(pre_tokenizer(pre), 1 << 20,
-                           prepare_image=lambda d, m, detail="high": __import__("deepinfer.model.vision", fromlist=["x"])
-                           .prepare_pixels(d, VisionArgs(), m, detail))
+                           prepare_image=release_preparer)
     p = prepare(release, chat(chat_image(data_url(a))))
     mm = dr.ImageResolver(dr.ReqwestImageFetcher(), dr.OpenCvImagePreprocessor()).resolve(
         [dr.BytesImageSource(a)], dr.ImageQuota())
@@ -129,8 +128,7 @@ def test_low_detail_takes_the_recipes_token_count(pre, api):
     dr = pytest.importorskip("deepseek_recipe")
     a = smooth_png(2000, 1000)
     release = Preprocessor(pre_tokenizer(pre), 1 << 20,
-                           prepare_image=lambda d, m, detail="high": __import__("deepinfer.model.vision", fromlist=["x"])
-                           .prepare_pixels(d, VisionArgs(), m, detail))
+                           prepare_image=release_preparer)
 
     def body(detail):
         if api == "chat":
@@ -153,6 +151,12 @@ def test_low_detail_takes_the_recipes_token_count(pre, api):
         info = resolved.images[0]
         assert rgb.shape[:2] == (info.height, info.width)              # the recipe's size too
     assert adjustments == {"low": 201, "high": 991, "auto": 991}
+
+
+def release_preparer(data, max_side, detail="high"):
+    """The preprocess model's image step for the release vision_config."""
+    from deepinfer.model.vision import prepare_pixels
+    return prepare_pixels(data, VisionArgs(), max_side, detail)
 
 
 def pre_tokenizer(pre):

@@ -80,8 +80,10 @@ def rope_2d_tables(grids: list[tuple[int, int]], rope_dim: int, theta: float,
     inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=device) / rope_dim))
     hh, ww = [], []
     for n_h, n_w in grids:
-        hh.append(torch.arange(n_h, dtype=torch.float32, device=device)[:, None].expand(n_h, n_w).reshape(-1))  # rows
-        ww.append(torch.arange(n_w, dtype=torch.float32, device=device)[None, :].expand(n_h, n_w).reshape(-1))  # columns
+        rows = torch.arange(n_h, dtype=torch.float32, device=device)
+        cols = torch.arange(n_w, dtype=torch.float32, device=device)
+        hh.append(rows[:, None].expand(n_h, n_w).reshape(-1))           # each patch's row, reading order
+        ww.append(cols[None, :].expand(n_h, n_w).reshape(-1))           # and column
     hh, ww = torch.cat(hh), torch.cat(ww)
     phases = torch.cat([hh[:, None] * inv_freq, ww[:, None] * inv_freq], dim=-1)   # [n, rope_dim]
     return phases.cos()[:, None], phases.sin()[:, None]
