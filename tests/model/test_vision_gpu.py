@@ -51,9 +51,8 @@ def test_release_tower_cuda_bf16_vs_cpu_fp32(cuda):
 # ops); they differ by the weights' bf16 rounding and by where bf16 roundings of activations fall.
 # Independent roundings add in quadrature over depth. Measured by emulating the CUDA numerics on the
 # CPU (perf/vision_bf16_spread.py: bf16-rounded weights, bf16 activations) against the CPU side,
-# release width, random patches,
-# 2026-12-02: on a 20x20 grid 0.98% at 2 layers, 1.89% at 8, 3.17% at 32 (~sqrt(depth)); on a 32x32
-# grid 3.23% at 32. Each side alone is 2.4-2.7% from an fp64 run of the same weights (so neither is
+# release width, random patches, 2026-12-02: on a 20x20 grid 0.98% at 2 layers, 1.89% at 8, 3.17%
+# at 32 (~sqrt(depth)); on a 32x32 grid 3.23% at 32. Each side alone is 2.4-2.7% from an fp64 run of the same weights (so neither is
 # "the exact one"; bf16 weights alone give 1.1%). The H200 gave 3.26% (2026-12-02): this spread.
 # Bound: the 32-layer spread with sqrt(2) headroom (image-to-image variation of a random-weight
 # tower; flash attention's bf16 probabilities, as the reference's SDPA on the GPU). A precision
