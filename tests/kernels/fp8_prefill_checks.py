@@ -17,6 +17,7 @@ import torch
 from deepinfer.kernels.select import dequant_fp8, row_scaled_fp8_weight
 from deepinfer.kernels.triton_fp8_prefill import (fp8_grouped_contiguous, fp8_prefill_gemm, fp8_prefill_linear,
                                                   fp8_prefill_linear_ref)
+from deepinfer.kernels.triton_fp8_variants import VARIANTS, fp8_variant_gemm
 from deepinfer.kernels.triton_moe_contiguous import w8a16_grouped_contiguous
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -64,6 +65,65 @@ def check_exact_dense(device):
         if rs is not None:                               # one f32 scale per row (the experts' form)
             assert same(fp8_prefill_gemm(a, sa, *rs, SMALL), r), (m, n, k, "row scale")
     print("exact dense: ok")
+
+
+def check_exact_variants(device, names=None):
+    """Every FP8 x FP8 variant (triton_fp8_variants) on ternary data: 32x32-tile, per-(row, 32) and per-row
+    weight scales, M and N not multiples of the tiles, K of 2 to 6 slices. Under the interpreter on small
+    tiles (BN 64: two scale blocks per tile, so BLOCKS' [BM, BN/32, 32] view is exercised)."""
+    gen = torch.Generator().manual_seed(4)
+    cases = ((5, 40, 64, "tile"), (70, 100, 192, "row32"), (33, 96, 128, "rows"), (64, 130, 128, "tile"))
+    if not INTERPRET:
+        cases += ((300, 1000, 1280, "tile"), (64, 4608, 5120, "tile"), (128, 2304, 5120, "rows"), (32, 512, 2304, "row32"))
+    for name in names or VARIANTS:
+        cfg = dict(VARIANTS[name], BM=32, BN=64, GROUP_M=2, num_warps=4) if INTERPRET else None
+        for m, n, k, scales in cases:
+            a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
+            sa = pow2((m, k // 32), -3, 3, gen, device)
+            b = ternary((n, k), gen, device).to(torch.float8_e4m3fn)
+            sb = e8m0((-(-n // 32) if scales == "tile" else n, k // 32), gen, device)
+            r = ref_gemm(a.float(), sa, b, sb)
+            if scales == "rows":
+                rs = row_scaled_fp8_weight(b, sb)
+                assert rs is not None
+                b, sb = rs
+            y = fp8_variant_gemm(a, sa, b, sb, name, cfg)
+            assert same(y, r), (name, m, n, k, scales, (y.float() - r.float()).abs().max())
+    print(f"exact variants ({', '.join(names or VARIANTS)}): ok")
+
+
+def check_select_variants(device):
+    """select.fp8_linear on the measured table (PREFILL_GEMM auto): the table's variant where it names one
+    (same values as the W8A16 path: exact products, fp32 sums; within one bf16 ulp), W8A16 where it says
+    null or has no row, and a clean decline (logged once, W8A16 values) where K breaks the lagged loop's
+    rule (K % 64)."""
+    import json
+    import tempfile
+    from deepinfer.kernels import select
+    from deepinfer.checkpoint.generator import quant_fp8
+    gen = torch.Generator().manual_seed(5)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "table.json")
+        rows = [dict(n=96, k=128, m=32, variant="lag_blocks"), dict(n=96, k=128, m=4096, variant=None),
+                dict(n=64, k=96, m=32, variant="lag_blocks")]
+        with open(path, "w") as f:
+            json.dump({"measured": "test", "rows": rows}, f)
+        saved = select.PREFILL_GEMM, select.FP8_TABLE_PATH
+        select.PREFILL_GEMM, select.FP8_TABLE_PATH = "auto", path
+        try:
+            for m, n, k, want in ((40, 96, 128, "lag_blocks"), (16, 96, 128, None), (40, 64, 96, None), (40, 72, 128, None)):
+                x = torch.randn(m, k, generator=gen).bfloat16().to(device)
+                q, sc = quant_fp8(torch.randn(n, k, generator=gen) * k ** -0.5)
+                q, sc = q.to(device), sc.view(torch.uint8).to(device)
+                assert select._fp8_variant_for(x, q, sc) == want, (m, n, k, want)
+                y = select.fp8_linear(x, q, sc).float()
+                r = fp8_prefill_linear_ref(x, q, sc).float()
+                bad = (y - r).abs() > r.abs() * 2 ** -7 + 1e-30
+                assert not bad.any(), (m, n, k, (y - r).abs().max().item())
+            assert ("fp8_variant_linear[lag_blocks]", "K a multiple of 64 and the W8A16 scale layouts") in select.declined()
+        finally:
+            select.PREFILL_GEMM, select.FP8_TABLE_PATH = saved
+    print("select: table picks and declines: ok")
 
 
 def check_exact_contiguous(device):
@@ -155,6 +215,8 @@ def check_moe_contiguous(device, tokens: int):
 def main():
     device = "cpu" if INTERPRET else "cuda"
     check_exact_dense(device)
+    check_exact_variants(device)
+    check_select_variants(device)
     check_exact_contiguous(device)
     check_moe_contiguous(device, 40 if INTERPRET else 3000)
     shapes = [(33, 72, 128), (70, 160, 256)] if INTERPRET else [
