@@ -4,6 +4,10 @@ release numbers, a speed reference), torch's bf16 matmul, and the FP8 / bf16 pea
 (benchutil.measure_ceilings); and the MoE's grouped contiguous form against the per-expert loop it replaces.
 
     python perf/bench_fp8_prefill.py [--m 8192] [--sweep]      (bench_fp8_prefill.json in $OUT)
+    python perf/bench_fp8_prefill.py --variants [NAMES]        (every FP8 x FP8 variant of
+        kernels/triton_fp8_variants.py at the six linears x M 32, 64, 128, 8192 against W8A16, DeepGEMM and
+        the peaks, then the MoE at 8192 x 6 pairs; writes fp8_select_table.json to $OUT: copy it to
+        kernels/fp8_select_table.json to make select take the winners. ~2-3 min on the H200)
 
 Shapes: the full-width layer's dense FP8 linears at M tokens (wq_a+wkv fused 1280+512 x 5120, wq_b
 32768 x 1280, wo_b 5120 x 8192, the shared expert 4608 x 5120 and 5120 x 2304, the indexer's wq_b
@@ -142,14 +146,91 @@ def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, int
     return r
 
 
+VARIANT_MS = (32, 64, 128, 8192)
+WIN_MARGIN = 1.03          # a variant enters the table only where it beats W8A16 by 3% or more
+
+
+def variant_rows(ms, names, peaks: dict) -> tuple[list[dict], list[dict]]:
+    """Each dense linear at each M: W8A16 (the default path's GEMM on act_quant's bf16 values), every FP8
+    x FP8 variant (GEMM on act_quant_fp8's e4m3 + scales), DeepGEMM (per-128 promotion: a speed reference,
+    not exact), with ratios; and the choice table (the fastest variant where it beats W8A16 by
+    WIN_MARGIN, else null)."""
+    from deepinfer.kernels import deepgemm
+    from deepinfer.kernels.triton_fp8_prefill import as_f32_scale
+    from deepinfer.kernels.triton_fp8_variants import fp8_variant_gemm
+    from deepinfer.kernels.triton_gemm import w8a16_gemm
+    from deepinfer.kernels.triton_quant import act_quant, act_quant_fp8
+    dg = deepgemm.load()
+    rows, table = [], []
+    for name, (n, k) in DENSE.items():
+        w, s = weight(n, k)
+        s32 = as_f32_scale(s)
+        pair = deepgemm.cached_tile128(w, s) if dg is not None and n % 128 == 0 and k % 128 == 0 else None
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq = act_quant(x)
+            a, sa = act_quant_fp8(x)
+            flops = 2.0 * m * n * k
+            r = {"name": name, "m": m, "n": n, "k": k, "w8a16_us": time_calls([lambda: w8a16_gemm(xq, w, s)]) * 1e6}
+            if pair is not None:
+                try:
+                    r["deepgemm_us"] = time_calls([lambda: deepgemm.linear(x, *pair)]) * 1e6
+                except Exception as e:  # noqa: BLE001 (DeepGEMM refusing an M: the row goes on without it)
+                    print(f"  {name} m {m} deepgemm: {type(e).__name__} {str(e)[:160]}", flush=True)
+            for v in names:
+                try:
+                    r[f"{v}_us"] = time_calls([lambda: fp8_variant_gemm(a, sa, w, s32, v)]) * 1e6
+                except Exception as e:  # noqa: BLE001 (a variant that does not compile or launch: say so, go on)
+                    print(f"  {name} m {m} {v}: {type(e).__name__} {str(e)[:160]}", flush=True)
+            timed = [v for v in names if f"{v}_us" in r]
+            best = min(timed, key=lambda v: r[f"{v}_us"]) if timed else None
+            r["best"] = best
+            for key in ["w8a16", "deepgemm"] + timed:
+                if f"{key}_us" in r:
+                    r[f"{key}_tflops"] = flops / r[f"{key}_us"] / 1e6
+            line = f"{name:10s} m {m:5d}: w8a16 {r['w8a16_tflops']:6.0f} TF"
+            if "deepgemm_us" in r:
+                line += f"  deepgemm {r['deepgemm_tflops']:6.0f}"
+            if best:
+                r["best_vs_w8a16"] = r["w8a16_us"] / r[f"{best}_us"]
+                r["best_of_fp8_peak"] = r[f"{best}_tflops"] * 1e12 / peaks["fp8_flops"]
+                if "deepgemm_us" in r:
+                    r["best_vs_deepgemm"] = r["deepgemm_us"] / r[f"{best}_us"]
+                line += (f"  best {best} {r[f'{best}_tflops']:6.0f} TF = {r['best_vs_w8a16']:.2f}x w8a16, "
+                         f"{r.get('best_vs_deepgemm', float('nan')):.2f}x deepgemm, {r['best_of_fp8_peak']:.2f} of FP8 peak |")
+            line += " ".join(f" {v} {r[f'{v}_tflops']:.0f}" for v in timed)
+            print(line, flush=True)
+            rows.append(r)
+            win = best is not None and r["w8a16_us"] >= WIN_MARGIN * r[f"{best}_us"]
+            table.append({"n": n, "k": k, "m": m, "variant": best if win else None})
+            del x, xq, a, sa
+        del w, s, s32, pair
+    return rows, table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--m", type=int, nargs="+", default=[8192])
     p.add_argument("--sweep", action="store_true", help="try every SWEEP tile config, keep the fastest")
+    p.add_argument("--variants", nargs="?", const="all", default=None,
+                   help="the FP8 x FP8 variants (comma-separated names, default all) at M 32/64/128/8192 + the MoE")
     a = p.parse_args()
     peaks = measure_ceilings()
     print(f"peaks (same run): FP8 {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s, bf16 {peaks['bf16_flops'] / 1e12:.0f}, "
           f"copy {peaks['copy_bw'] / 1e12:.2f} TB/s", flush=True)
+    if a.variants:
+        import time
+        from deepinfer.kernels.triton_fp8_variants import VARIANTS
+        names = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
+        t0 = time.time()
+        rows, table = variant_rows(VARIANT_MS, names, peaks)
+        moe = moe_rows(8192, peaks)
+        print(f"MoE grouped contiguous W8A16 / per-expert W8A16 loop: {moe['loop_w8a16_us'] / moe['grouped_w8a16_us']:.2f}x "
+              f"(> 1: flip select.MOE_CONTIGUOUS_DEFAULT to \"1\")", flush=True)
+        doc = {"measured": "H200 (perf/bench_fp8_prefill.py --variants)", "win_margin": WIN_MARGIN, "rows": table}
+        print("saved", save_json("bench_fp8_variants.json", {"peaks": peaks, "dense": rows, "moe": moe}),
+              save_json("fp8_select_table.json", doc), f"({time.time() - t0:.0f} s)")
+        return
     out = {"peaks": peaks, "dense": [], "moe": []}
     for m in a.m:
         out["dense"] += dense_rows(m, a.sweep, peaks)
