@@ -24,7 +24,8 @@ Knobs (environment, read once):
                                  table: W8A16 everywhere
     DEEPINFER_PREFILL_GEMM=w8a16 W8A16 everywhere, whatever the table says
     DEEPINFER_PREFILL_GEMM=<variant>  that FP8 x FP8 variant (e.g. lag_blocks) for every FP8 linear of >=
-                                 DEEPINFER_FP8_VARIANT_MIN_M rows (32)
+                                 DEEPINFER_FP8_VARIANT_MIN_M rows (32), and the MoE's large steps in the
+                                 grouped contiguous form on it
     DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
                                  on the first FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and
                                  the MoE's large steps in the grouped contiguous form on it
@@ -306,12 +307,17 @@ MOE_CONTIGUOUS = os.environ.get("DEEPINFER_MOE_CONTIGUOUS", MOE_CONTIGUOUS_DEFAU
 def grouped_contiguous_ok(x: torch.Tensor, k1: int, k2: int) -> bool:
     """The MoE's grouped contiguous form can run its two GEMMs (K = dim, then moe_inter_dim) for tensor
     x: on the FP8 prefill kernel (DEEPINFER_PREFILL_GEMM=fp8, K % 128 == 0) or on the W8A16 one
-    (DEEPINFER_MOE_CONTIGUOUS=1, K % 32 == 0)."""
+    (DEEPINFER_MOE_CONTIGUOUS=1, K % 32 == 0), or on an FP8 x FP8 variant DEEPINFER_PREFILL_GEMM names
+    (K a multiple of 64 for the lagged loops, 32 otherwise)."""
     if _batch_invariant():
         return False
     if PREFILL_GEMM == "fp8":
         return _fast_for(x, "grouped_fp8_linear_contiguous", k1 % 128 == 0 and k2 % 128 == 0,
                          "dim and moe_inter_dim multiples of 128")
+    if PREFILL_GEMM in FP8_VARIANTS:
+        step = 64 if "lag" in PREFILL_GEMM else 32
+        return _fast_for(x, f"grouped_fp8_variant_contiguous[{PREFILL_GEMM}]", k1 % step == 0 and k2 % step == 0,
+                         f"dim and moe_inter_dim multiples of {step}")
     return MOE_CONTIGUOUS and _fast_for(x, "grouped_w8a16_contiguous", k1 % 32 == 0 and k2 % 32 == 0,
                                         "dim and moe_inter_dim multiples of 32")
 
@@ -329,6 +335,10 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
             from .triton_fp8_prefill import fp8_grouped_contiguous
             from .triton_quant import act_quant_fp8
             return fp8_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts)
+        if PREFILL_GEMM in FP8_VARIANTS:
+            from .triton_fp8_variants import fp8_variant_grouped_contiguous
+            from .triton_quant import act_quant_fp8
+            return fp8_variant_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts, PREFILL_GEMM)
         from .triton_moe_contiguous import w8a16_grouped_contiguous
         return w8a16_grouped_contiguous(x, w, w_scale, counts)
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)

@@ -2,6 +2,7 @@
 perf/bench_fp8_prefill.py --variants measures against W8A16, DeepGEMM and the FP8 / bf16 peaks.
 
     fp8_variant_gemm(a, sa, b, sb, variant)   D[M, N] = sum_kb (A_kb . B_kb^T) * sa[m, kb] * sb[n / R, kb]
+    fp8_variant_grouped_contiguous(...)       the same per expert on the MoE's rows sorted by expert
     VARIANTS                                  name -> launch config (tile, warps, stages, K-loop form)
 
 Same contract and values as triton_fp8_prefill.fp8_prefill_gemm (the release GEMM: one FP8 MMA per 32-wide
@@ -80,31 +81,50 @@ def _promote(acc, d, sa_ptrs, sb_ptrs, kb, m_ok, sb_ok, BM: tl.constexpr, BN: tl
 
 
 @triton.jit
-def fp8_variant_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K,
+def fp8_variant_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, tile_e_ptr, tile_row_ptr, seg_end_ptr,
                        BM: tl.constexpr, BN: tl.constexpr, SB_ROWS: tl.constexpr, ROW_SCALE: tl.constexpr,
                        GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCKS: tl.constexpr, LAG: tl.constexpr,
-                       TMA: tl.constexpr, WS: tl.constexpr, UPCAST: tl.constexpr):
+                       TMA: tl.constexpr, WS: tl.constexpr, UPCAST: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
     """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [ceil(N/SB_ROWS), K/32] f32 or [N, 1] f32
-    (ROW_SCALE) -> c [M, N] bf16. 1-D grid over tiles, GROUP_M row tiles per column sweep."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_here = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_here
-    pid_n = (pid % per_group) // rows_here
-    rm = pid_m * BM + tl.arange(0, BM)
+    (ROW_SCALE) -> c [M, N] bf16. 1-D grid over tiles, GROUP_M row tiles per column sweep.
+    CONTIGUOUS (the MoE's grouped contiguous layout, as triton_fp8_prefill's): a's rows sorted by expert,
+    b / sb stacks [E, N, ...]; grid (N tiles, row tiles), row tile i starts at tile_row[i] and belongs
+    to expert tile_e[i] (-1: past the last tile), whose rows end at seg_end[e]."""
+    nkb = K // 32
+    if CONTIGUOUS:
+        pid_n = tl.program_id(0)
+        e = tl.load(tile_e_ptr + tl.program_id(1))
+        if e < 0:
+            return
+        row_a = tl.load(tile_row_ptr + tl.program_id(1)).to(tl.int32)
+        rm = row_a + tl.arange(0, BM)
+        m_ok = rm < tl.load(seg_end_ptr + e)
+        e64 = e.to(tl.int64)
+        b_ptr += e64 * N * K
+        if ROW_SCALE:
+            sb_ptr += e64 * N
+        else:
+            sb_ptr += e64 * ((N + SB_ROWS - 1) // SB_ROWS) * nkb
+    else:
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        rows_here = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % rows_here
+        pid_n = (pid % per_group) // rows_here
+        row_a = pid_m * BM
+        rm = row_a + tl.arange(0, BM)
+        m_ok = rm < M
     rn = pid_n * BN + tl.arange(0, BN)
-    m_ok = rm < M
     n_ok = rn < N
     rk = tl.arange(0, 32)
-    nkb = K // 32
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * K + rk[None, :]
     b_ptrs = b_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
     a_desc = a_ptr
     b_desc = b_ptr
-    if TMA:
+    if TMA:      # (CONTIGUOUS: b's rows past this expert's N read as zeros; a's past its rows are masked at the store)
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, 32])
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, 32])
     sa_ptrs = sa_ptr + rm.to(tl.int64) * nkb
@@ -115,7 +135,6 @@ def fp8_variant_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K,
     else:
         sb_ptrs = sb_ptr + (rn // SB_ROWS).to(tl.int64) * nkb
         sb_ok = n_ok
-    row_a = pid_m * BM
     row_b = pid_n * BN
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if LAG:
@@ -191,18 +210,51 @@ def fp8_variant_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m == 0 or n == 0:
         return c
-    cfg = dict(cfg or decode_config(variant, m))
+    cfg = _fit(cfg or decode_config(variant, m), sb_rows, row_scale)
+    if cfg["TMA"] and a.is_cuda:
+        _tma_allocator()
+    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+    fp8_variant_kernel[grid](a, sa.contiguous(), b, as_f32_scale(sb).contiguous(), c, m, n, k, c, c, c,
+                             SB_ROWS=sb_rows, ROW_SCALE=row_scale, UPCAST=INTERPRET, **cfg)
+    return c
+
+
+def _fit(cfg: dict, sb_rows: int, row_scale: bool) -> dict:
+    """The variant's switches that apply to this weight's scale layout (and the interpreter's limits)."""
+    cfg = dict(cfg)
     cfg["BLOCKS"] = bool(cfg["BLOCKS"]) and sb_rows == 32 and not row_scale
     # per-(row, 32) scales keep an FMUL per element: with a third live tile the lagged loop spills
     # (780 bytes at 128 x 128, sm_90 compile), so those weights take the one-slice loop
     cfg["LAG"] = bool(cfg["LAG"]) and (sb_rows == 32 or row_scale)
     if INTERPRET:
         cfg.update(NUM_STAGES=1, WS=False)
+    return cfg
+
+
+def fp8_variant_grouped_contiguous(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                                   counts: torch.Tensor, variant: str = "lag_blocks",
+                                   cfg: dict | None = None) -> torch.Tensor:
+    """triton_fp8_prefill.fp8_grouped_contiguous on a variant's K loop: a [P, K] e4m3 rows sorted by
+    expert (counts [E], device), sa [P, K/32] f32, b [E, N, K] e4m3, sb [E, N, K/32] / [E, N/32, K/32]
+    (E8M0 or f32) or [E, N, 1] f32 -> [P, N] bf16. One launch, no host read."""
+    from .triton_moe_contiguous import contiguous_tiles
+    P, k = a.shape
+    E, n, _ = b.shape
+    assert shapes_ok(k, variant) and b.shape[2] == k and sa.shape == (P, k // 32) and counts.shape == (E,)
+    row_scale = sb.shape[-1] == 1 and k > 32
+    sb_rows = 1 if sb.shape[1] == n else 32
+    c = torch.empty(P, n, dtype=torch.bfloat16, device=a.device)
+    if P == 0 or n == 0:
+        return c
+    cfg = _fit(cfg or VARIANTS[variant], sb_rows, row_scale)
+    cfg.pop("GROUP_M", None)
     if cfg["TMA"] and a.is_cuda:
         _tma_allocator()
-    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-    fp8_variant_kernel[grid](a, sa.contiguous(), b, as_f32_scale(sb).contiguous(), c, m, n, k, SB_ROWS=sb_rows,
-                             ROW_SCALE=row_scale, UPCAST=INTERPRET, **cfg)
+    tile_e, tile_row, seg_end = contiguous_tiles(counts, cfg["BM"], P)
+    grid = (triton.cdiv(n, cfg["BN"]), tile_e.numel())
+    fp8_variant_kernel[grid](a, sa.contiguous(), b, as_f32_scale(sb).contiguous(), c, P, n, k, tile_e, tile_row,
+                             seg_end, SB_ROWS=sb_rows, ROW_SCALE=row_scale, UPCAST=INTERPRET, CONTIGUOUS=True,
+                             GROUP_M=1, **cfg)
     return c
 
 

@@ -90,7 +90,8 @@ def dense_rows(m: int, sweep: bool, peaks: dict) -> list[dict]:
     return rows
 
 
-def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, inter: int = 2304) -> dict:
+def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, inter: int = 2304,
+             variants: tuple = ()) -> dict:
     """One layer's routed experts on this GPU at EP8: m tokens per GPU x top-6 -> m * 6 pairs over the 48
     local experts; the grouped contiguous GEMMs (both projections) vs the same GEMMs expert by expert.
     (H200, 2026-12-02: run with m * 6 / 8 pairs, 128 rows per expert, before this was corrected.)"""
@@ -134,10 +135,35 @@ def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, int
                 fp8_prefill_gemm(h[starts[e]:starts[e] + cl[e]], sh[starts[e]:starts[e] + cl[e]], w2[e], s2[e])
     flops = 2.0 * P * (2 * inter * d + d * inter)
     r = {"tokens": m, "pairs": P, "experts": E}
-    for name, fn in (("grouped_fp8", grouped), ("grouped_w8a16", grouped_w8a16), ("loop_w8a16", loop_w8a16),
-                     ("loop_fp8", loop_fp8)):
-        r[f"{name}_us"] = time_calls([fn], iters=3) * 1e6
+    cases = [("grouped_fp8", grouped), ("grouped_w8a16", grouped_w8a16), ("loop_w8a16", loop_w8a16),
+             ("loop_fp8", loop_fp8)]
+    if variants:
+        # the model's experts: FP4-origin stacks re-expressed with one f32 pow2 scale per row (select.row_scaled_fp8_weight)
+        from deepinfer.kernels.triton_fp8_variants import fp8_variant_grouped_contiguous
+        r13 = torch.exp2(torch.randint(-9, -4, (E, 2 * inter, 1), device="cuda").float())
+        r2 = torch.exp2(torch.randint(-9, -4, (E, d, 1), device="cuda").float())
+
+        def grouped_w8a16_rows():
+            w8a16_grouped_contiguous(xb, w13, r13, counts)
+            w8a16_grouped_contiguous(hb, w2, r2, counts)
+        cases.append(("grouped_w8a16_rowscale", grouped_w8a16_rows))
+        for v in variants:
+            def fn(v=v, s13=s13, s2=s2):
+                fp8_variant_grouped_contiguous(a, sa, w13, s13, counts, v)
+                fp8_variant_grouped_contiguous(h, sh, w2, s2, counts, v)
+            cases += [(f"grouped_{v}", fn), (f"grouped_{v}_rowscale", lambda v=v: fn(v, r13, r2))]
+    for name, fn in cases:
+        try:
+            r[f"{name}_us"] = time_calls([fn], iters=3) * 1e6
+        except Exception as e:  # noqa: BLE001 (a variant that does not compile or launch: say so, go on)
+            print(f"  MoE {name}: {type(e).__name__} {str(e)[:160]}", flush=True)
+            continue
         r[f"{name}_tflops"] = flops / r[f"{name}_us"] / 1e6
+    if variants:
+        print("MoE FP8 variants (TFLOP/s; per-(row, 32) scales / row scales): " + ", ".join(
+            f"{v} {r.get(f'grouped_{v}_tflops', float('nan')):.0f} / {r.get(f'grouped_{v}_rowscale_tflops', float('nan')):.0f}"
+            for v in variants) + f"; grouped W8A16 row scales {r.get('grouped_w8a16_rowscale_tflops', float('nan')):.0f}",
+            flush=True)
     r["grouped_of_fp8_peak"] = r["grouped_fp8_tflops"] * 1e12 / peaks["fp8_flops"]
     print(f"MoE {m} tokens, {P} pairs over {E} experts: grouped FP8 {r['grouped_fp8_tflops']:.0f} TF "
           f"({r['grouped_of_fp8_peak']:.2f} of FP8 peak), per-expert W8A16 loop {r['loop_w8a16_tflops']:.0f} TF, "
@@ -147,6 +173,7 @@ def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, int
 
 
 VARIANT_MS = (32, 64, 128, 8192)
+MOE_VARIANTS = ("blocks", "blocks_bm64", "lag_blocks", "lag_blocks_bm64", "tma_lag_blocks")   # (the MoE's grouped form)
 WIN_MARGIN = 1.03          # a variant enters the table only where it beats W8A16 by 3% or more
 
 
@@ -224,7 +251,7 @@ def main() -> None:
         names = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
         t0 = time.time()
         rows, table = variant_rows(VARIANT_MS, names, peaks)
-        moe = moe_rows(8192, peaks)
+        moe = moe_rows(8192, peaks, variants=tuple(v for v in names if v in MOE_VARIANTS))
         print(f"MoE grouped contiguous W8A16 / per-expert W8A16 loop: {moe['loop_w8a16_us'] / moe['grouped_w8a16_us']:.2f}x "
               f"(> 1: flip select.MOE_CONTIGUOUS_DEFAULT to \"1\")", flush=True)
         doc = {"measured": "H200 (perf/bench_fp8_prefill.py --variants)", "win_margin": WIN_MARGIN, "rows": table}

@@ -17,7 +17,7 @@ import torch
 from deepinfer.kernels.select import dequant_fp8, row_scaled_fp8_weight
 from deepinfer.kernels.triton_fp8_prefill import (fp8_grouped_contiguous, fp8_prefill_gemm, fp8_prefill_linear,
                                                   fp8_prefill_linear_ref)
-from deepinfer.kernels.triton_fp8_variants import VARIANTS, fp8_variant_gemm
+from deepinfer.kernels.triton_fp8_variants import VARIANTS, fp8_variant_gemm, fp8_variant_grouped_contiguous
 from deepinfer.kernels.triton_moe_contiguous import w8a16_grouped_contiguous
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -75,7 +75,13 @@ def check_exact_variants(device, names=None):
     cases = ((5, 40, 64, "tile"), (70, 100, 192, "row32"), (33, 96, 128, "rows"), (64, 130, 128, "tile"))
     if not INTERPRET:
         cases += ((300, 1000, 1280, "tile"), (64, 4608, 5120, "tile"), (128, 2304, 5120, "rows"), (32, 512, 2304, "row32"))
-    for name in names or VARIANTS:
+    names = list(names or VARIANTS)
+    if INTERPRET:                # the interpreter's tiles are all 32 x 64: one variant per K-loop form
+        forms = {}
+        for name in names:
+            forms.setdefault(tuple(VARIANTS[name][f] for f in ("BLOCKS", "LAG", "TMA")), name)
+        names = list(forms.values())
+    for name in names:
         cfg = dict(VARIANTS[name], BM=32, BN=64, GROUP_M=2, num_warps=4) if INTERPRET else None
         for m, n, k, scales in cases:
             a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
@@ -89,7 +95,36 @@ def check_exact_variants(device, names=None):
                 b, sb = rs
             y = fp8_variant_gemm(a, sa, b, sb, name, cfg)
             assert same(y, r), (name, m, n, k, scales, (y.float() - r.float()).abs().max())
-    print(f"exact variants ({', '.join(names or VARIANTS)}): ok")
+        if not INTERPRET or VARIANTS[name]["LAG"]:       # the interpreter: the lagged loops (TMA or not)
+            check_exact_variant_contiguous(device, name, cfg, gen)
+    print(f"exact variants, dense and grouped contiguous ({', '.join(names)}): ok")
+
+
+def check_exact_variant_contiguous(device, name, cfg, gen):
+    """The variant's grouped contiguous form: experts with no rows, rows not a multiple of the tile, N not
+    a multiple of BN (TMA: the next expert's rows must read as zeros), each scale layout."""
+    cases = [(4, 72, 128, [3, 0, 40, 9], "tile"), (3, 64, 192, [0, 0, 70], "row32"), (5, 40, 128, [1, 2, 0, 33, 64], "rows")]
+    if not INTERPRET:
+        cases += [(6, 320, 512, [0, 200, 1, 129, 0, 300], "tile"), (4, 2304, 1024, [64, 0, 128, 7], "rows")]
+    for E, n, k, counts, scales in cases:
+        P = sum(counts)
+        a = ternary((P, k), gen, device).to(torch.float8_e4m3fn)
+        sa = pow2((P, k // 32), -2, 3, gen, device)
+        b = ternary((E, n, k), gen, device).to(torch.float8_e4m3fn)
+        sb = e8m0((E, -(-n // 32) if scales == "tile" else n, k // 32), gen, device)
+        refs, start = [], 0
+        for e, c in enumerate(counts):
+            refs.append(ref_gemm(a[start:start + c].float(), sa[start:start + c], b[e], sb[e]))
+            start += c
+        if scales == "rows":
+            rs = row_scaled_fp8_weight(b, sb)
+            assert rs is not None
+            b, sb = rs
+        y = fp8_variant_grouped_contiguous(a, sa, b, sb, torch.tensor(counts, device=device), name, cfg)
+        start = 0
+        for e, c in enumerate(counts):
+            assert same(y[start:start + c], refs[e]), (name, E, counts, e, scales)
+            start += c
 
 
 def check_select_variants(device):
@@ -185,7 +220,8 @@ def check_moe_contiguous(device, tokens: int):
     x = torch.randn(tokens, 128, generator=gen).bfloat16().to(device)
     with tempfile.TemporaryDirectory() as d:
         ckpt = make_checkpoint(tc, 5, Path(d) / "moe", progress=False)
-        combos = [(False, "fp8"), (True, "fp8"), (False, "w8a16"), (True, "w8a16")]
+        combos = [(False, "fp8"), (True, "fp8"), (False, "w8a16"), (True, "w8a16"), (True, "lag_blocks"),
+                  (False, "tma_lag_blocks")]
         for rows, gemm in (combos[::3] if INTERPRET else combos):          # the interpreter: two of four
             select.PREFILL_GEMM, select.MOE_CONTIGUOUS = gemm, True
             ffn = load_model(ckpt, device=device, progress=False, weight_format="fp8", expert_row_scales=rows,
