@@ -81,16 +81,25 @@ def _promote(acc, d, sa_ptrs, sb_ptrs, kb, m_ok, sb_ok, BM: tl.constexpr, BN: tl
 
 
 @triton.jit
-def fp8_variant_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, tile_e_ptr, tile_row_ptr, seg_end_ptr,
+def fp8_variant_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, tile_e_ptr, tile_row_ptr, seg_end_ptr, SPLIT_PER,
                        BM: tl.constexpr, BN: tl.constexpr, SB_ROWS: tl.constexpr, ROW_SCALE: tl.constexpr,
                        GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCKS: tl.constexpr, LAG: tl.constexpr,
-                       TMA: tl.constexpr, WS: tl.constexpr, UPCAST: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
+                       TMA: tl.constexpr, WS: tl.constexpr, UPCAST: tl.constexpr, CONTIGUOUS: tl.constexpr = False,
+                       SPLIT_K: tl.constexpr = 1):
     """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [ceil(N/SB_ROWS), K/32] f32 or [N, 1] f32
     (ROW_SCALE) -> c [M, N] bf16. 1-D grid over tiles, GROUP_M row tiles per column sweep.
     CONTIGUOUS (the MoE's grouped contiguous layout, as triton_fp8_prefill's): a's rows sorted by expert,
     b / sb stacks [E, N, ...]; grid (N tiles, row tiles), row tile i starts at tile_row[i] and belongs
-    to expert tile_e[i] (-1: past the last tile), whose rows end at seg_end[e]."""
+    to expert tile_e[i] (-1: past the last tile), whose rows end at seg_end[e].
+    SPLIT_K > 1 (decode-sized M, dense only): program_id(1) walks slices [split * SPLIT_PER, + SPLIT_PER)
+    (never empty, even for LAG) and c is the fp32 workspace [SPLIT_K, M, N] (summed in split order after)."""
     nkb = K // 32
+    kb0 = 0
+    kb1 = nkb
+    if SPLIT_K > 1:
+        kb0 = tl.program_id(1) * SPLIT_PER
+        kb1 = tl.minimum(kb0 + SPLIT_PER, nkb)
+        c_ptr += tl.program_id(1).to(tl.int64) * M * N
     if CONTIGUOUS:
         pid_n = tl.program_id(0)
         e = tl.load(tile_e_ptr + tl.program_id(1))
@@ -140,23 +149,23 @@ def fp8_variant_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, tile_e_ptr,
     if LAG:
         # step = two slices: x (waited on at once) and d (left in flight, promoted next step)
         d_prev = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in tl.range(0, nkb, 2, num_stages=NUM_STAGES, warp_specialize=WS):
+        for kb in tl.range(kb0, kb1, 2, num_stages=NUM_STAGES, warp_specialize=WS):
             a0, b0 = _load_slice(a_ptrs, b_ptrs, a_desc, b_desc, kb * 32, row_a, row_b, m_ok, n_ok, TMA)
             x = _mma(a0, b0, UPCAST)
-            acc = _promote(acc, d_prev, sa_ptrs, sb_ptrs, kb - 1, m_ok & (kb > 0), sb_ok & (kb > 0),
-                           BM, BN, ROW_SCALE, BLOCKS)
+            # the previous step's slice (first step: d_prev is zeros, any valid scale column gives + 0)
+            acc = _promote(acc, d_prev, sa_ptrs, sb_ptrs, tl.maximum(kb - 1, kb0), m_ok, sb_ok, BM, BN, ROW_SCALE, BLOCKS)
             a1, b1 = _load_slice(a_ptrs, b_ptrs, a_desc, b_desc, kb * 32 + 32, row_a, row_b, m_ok, n_ok, TMA)
             d_prev = _mma(a1, b1, UPCAST)
             acc = _promote(acc, x, sa_ptrs, sb_ptrs, kb, m_ok, sb_ok, BM, BN, ROW_SCALE, BLOCKS)
-        acc = _promote(acc, d_prev, sa_ptrs, sb_ptrs, nkb - 1, m_ok, sb_ok, BM, BN, ROW_SCALE, BLOCKS)
+        acc = _promote(acc, d_prev, sa_ptrs, sb_ptrs, kb1 - 1, m_ok, sb_ok, BM, BN, ROW_SCALE, BLOCKS)
     else:
-        for kb in tl.range(0, nkb, num_stages=NUM_STAGES, warp_specialize=WS):
+        for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES, warp_specialize=WS):
             a0, b0 = _load_slice(a_ptrs, b_ptrs, a_desc, b_desc, kb * 32, row_a, row_b, m_ok, n_ok, TMA)
             acc = _promote(acc, _mma(a0, b0, UPCAST), sa_ptrs, sb_ptrs, kb, m_ok, sb_ok, BM, BN, ROW_SCALE, BLOCKS)
     if ROW_SCALE:
         acc = acc * tl.load(sb_ptr + rn, mask=n_ok, other=0.0)[None, :]
     c_ptrs = c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(c_ptrs, acc.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 _BASE = dict(BM=128, BN=128, GROUP_M=8, NUM_STAGES=4, num_warps=8, BLOCKS=False, LAG=False, TMA=False, WS=False)
@@ -173,12 +182,24 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def decode_config(variant: str, m: int) -> dict:
-    """Small M (decode, 32-128 tokens): the variant's K loop on a 64-row tile (one warpgroup)."""
+def decode_config(variant: str, m: int, n: int, k: int, device) -> dict:
+    """Small M (decode, 32-128 tokens): the variant's K loop on a 64-row tile (one warpgroup) and split-K
+    where the output tiles alone leave SMs idle (as the W8A16 decode configs do)."""
+    from .triton_gemm import _num_sms
     cfg = dict(VARIANTS[variant])
     if m <= 64:
         cfg.update(BM=64, num_warps=4)
+    tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
+    sms = _num_sms(device)
+    cfg["SPLIT_K"] = max(1, min(sms // tiles, k // 32 // 8, 16)) if tiles < sms else 1
     return cfg
+
+
+def split_plan(nkb: int, split: int, lag: bool) -> tuple[int, int]:
+    """(splits, slices per split): no split empty, and an even count per split for the lagged loop."""
+    step = 2 if lag else 1
+    per = triton.cdiv(triton.cdiv(nkb, split), step) * step
+    return triton.cdiv(nkb, per), per
 
 
 def shapes_ok(k: int, variant: str) -> bool:
@@ -210,12 +231,17 @@ def fp8_variant_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m == 0 or n == 0:
         return c
-    cfg = _fit(cfg or decode_config(variant, m), sb_rows, row_scale)
+    cfg = _fit(cfg or decode_config(variant, m, n, k, a.device), sb_rows, row_scale)
     if cfg["TMA"] and a.is_cuda:
         _tma_allocator()
-    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-    fp8_variant_kernel[grid](a, sa.contiguous(), b, as_f32_scale(sb).contiguous(), c, m, n, k, c, c, c,
-                             SB_ROWS=sb_rows, ROW_SCALE=row_scale, UPCAST=INTERPRET, **cfg)
+    split, per = split_plan(k // 32, cfg.pop("SPLIT_K", 1), cfg["LAG"])
+    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
+    out = c if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+    fp8_variant_kernel[grid](a, sa.contiguous(), b, as_f32_scale(sb).contiguous(), out, m, n, k, c, c, c, per,
+                             SB_ROWS=sb_rows, ROW_SCALE=row_scale, UPCAST=INTERPRET, SPLIT_K=split, **cfg)
+    if split > 1:
+        from .triton_gemm import splitk_reduce_kernel
+        splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](out, c, split, m * n, m, n, 1, BLOCK=1024, num_warps=4)
     return c
 
 
@@ -248,12 +274,13 @@ def fp8_variant_grouped_contiguous(a: torch.Tensor, sa: torch.Tensor, b: torch.T
         return c
     cfg = _fit(cfg or VARIANTS[variant], sb_rows, row_scale)
     cfg.pop("GROUP_M", None)
+    cfg.pop("SPLIT_K", None)
     if cfg["TMA"] and a.is_cuda:
         _tma_allocator()
     tile_e, tile_row, seg_end = contiguous_tiles(counts, cfg["BM"], P)
     grid = (triton.cdiv(n, cfg["BN"]), tile_e.numel())
     fp8_variant_kernel[grid](a, sa.contiguous(), b, as_f32_scale(sb).contiguous(), c, P, n, k, tile_e, tile_row,
-                             seg_end, SB_ROWS=sb_rows, ROW_SCALE=row_scale, UPCAST=INTERPRET, CONTIGUOUS=True,
+                             seg_end, 0, SB_ROWS=sb_rows, ROW_SCALE=row_scale, UPCAST=INTERPRET, CONTIGUOUS=True,
                              GROUP_M=1, **cfg)
     return c
 

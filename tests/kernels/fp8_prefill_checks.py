@@ -69,7 +69,8 @@ def check_exact_dense(device):
 
 def check_exact_variants(device, names=None):
     """Every FP8 x FP8 variant (triton_fp8_variants) on ternary data: 32x32-tile, per-(row, 32) and per-row
-    weight scales, M and N not multiples of the tiles, K of 2 to 6 slices. Under the interpreter on small
+    weight scales, M and N not multiples of the tiles, K of 2 to 6 slices, split-K (decode-sized M on a
+    GPU: decode_config's split). Under the interpreter on small
     tiles (BN 64: two scale blocks per tile, so BLOCKS' [BM, BN/32, 32] view is exercised)."""
     gen = torch.Generator().manual_seed(4)
     cases = ((5, 40, 64, "tile"), (70, 100, 192, "row32"), (33, 96, 128, "rows"), (64, 130, 128, "tile"))
@@ -82,7 +83,8 @@ def check_exact_variants(device, names=None):
             forms.setdefault(tuple(VARIANTS[name][f] for f in ("BLOCKS", "LAG", "TMA")), name)
         names = list(forms.values())
     for name in names:
-        cfg = dict(VARIANTS[name], BM=32, BN=64, GROUP_M=2, num_warps=4) if INTERPRET else None
+        # the interpreter: split-K 3 asked (fewer where K is short: split_plan), so split and unsplit walks run
+        cfg = dict(VARIANTS[name], BM=32, BN=64, GROUP_M=2, num_warps=4, SPLIT_K=3) if INTERPRET else None
         for m, n, k, scales in cases:
             a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
             sa = pow2((m, k // 32), -3, 3, gen, device)
