@@ -80,23 +80,23 @@ def _promote(acc, d, sa_ptrs, sb_ptrs, kb, m_ok, sb_ok, BM: tl.constexpr, BN: tl
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLIT_PER"])
 def fp8_variant_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, tile_e_ptr, tile_row_ptr, seg_end_ptr, SPLIT_PER,
                        BM: tl.constexpr, BN: tl.constexpr, SB_ROWS: tl.constexpr, ROW_SCALE: tl.constexpr,
                        GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCKS: tl.constexpr, LAG: tl.constexpr,
-                       TMA: tl.constexpr, WS: tl.constexpr, UPCAST: tl.constexpr, CONTIGUOUS: tl.constexpr = False,
-                       SPLIT_K: tl.constexpr = 1):
+                       TMA: tl.constexpr, WS: tl.constexpr, UPCAST: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
     """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [ceil(N/SB_ROWS), K/32] f32 or [N, 1] f32
     (ROW_SCALE) -> c [M, N] bf16. 1-D grid over tiles, GROUP_M row tiles per column sweep.
     CONTIGUOUS (the MoE's grouped contiguous layout, as triton_fp8_prefill's): a's rows sorted by expert,
     b / sb stacks [E, N, ...]; grid (N tiles, row tiles), row tile i starts at tile_row[i] and belongs
     to expert tile_e[i] (-1: past the last tile), whose rows end at seg_end[e].
-    SPLIT_K > 1 (decode-sized M, dense only): program_id(1) walks slices [split * SPLIT_PER, + SPLIT_PER)
-    (never empty, even for LAG) and c is the fp32 workspace [SPLIT_K, M, N] (summed in split order after)."""
+    Split-K (decode-sized M, dense only): program (t, s) walks slices [s * SPLIT_PER, + SPLIT_PER) (never
+    empty, even for LAG); with more than one split c is the fp32 workspace [splits, M, N], summed in split
+    order after. SPLIT_PER is a run-time value (no recompile per shape), c's dtype picks the epilogue."""
     nkb = K // 32
     kb0 = 0
     kb1 = nkb
-    if SPLIT_K > 1:
+    if not CONTIGUOUS:
         kb0 = tl.program_id(1) * SPLIT_PER
         kb1 = tl.minimum(kb0 + SPLIT_PER, nkb)
         c_ptr += tl.program_id(1).to(tl.int64) * M * N
@@ -187,7 +187,7 @@ def decode_config(variant: str, m: int, n: int, k: int, device) -> dict:
     where the output tiles alone leave SMs idle (as the W8A16 decode configs do)."""
     from .triton_gemm import _num_sms
     cfg = dict(VARIANTS[variant])
-    if m <= 64:
+    if m <= 64 and cfg["BM"] > 64:
         cfg.update(BM=64, num_warps=4)
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
     sms = _num_sms(device)
@@ -238,7 +238,7 @@ def fp8_variant_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
     out = c if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
     fp8_variant_kernel[grid](a, sa.contiguous(), b, as_f32_scale(sb).contiguous(), out, m, n, k, c, c, c, per,
-                             SB_ROWS=sb_rows, ROW_SCALE=row_scale, UPCAST=INTERPRET, SPLIT_K=split, **cfg)
+                             SB_ROWS=sb_rows, ROW_SCALE=row_scale, UPCAST=INTERPRET, **cfg)
     if split > 1:
         from .triton_gemm import splitk_reduce_kernel
         splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](out, c, split, m * n, m, n, 1, BLOCK=1024, num_warps=4)
