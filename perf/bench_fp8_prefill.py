@@ -177,6 +177,65 @@ MOE_VARIANTS = ("blocks", "blocks_bm64", "lag_blocks", "lag_blocks_bm64", "tma_l
 WIN_MARGIN = 1.03          # a variant enters the table only where it beats W8A16 by 3% or more
 
 
+def _warm(job: str) -> str:
+    """Compile what the timed run will launch, in a worker process (Triton's and DeepGEMM's on-disk caches
+    are shared, so the timed run only loads binaries). job: a variant name or "baselines". The compile
+    keys depend on the constexprs and on which ints are multiples of 16 (all of the bench's M, N, K), so
+    small K stands in for the real one."""
+    import time
+    t0 = time.time()
+    if job == "baselines":
+        from deepinfer.kernels import deepgemm
+        from deepinfer.kernels.triton_gemm import w8a16_gemm
+        from deepinfer.kernels.triton_quant import act_quant, act_quant_fp8
+        dg = deepgemm.load()
+        for n, k in DENSE.values():
+            w, s = weight(n, k)
+            pair = deepgemm.cached_tile128(w, s) if dg is not None and n % 128 == 0 and k % 128 == 0 else None
+            for m in VARIANT_MS:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                w8a16_gemm(act_quant(x), w, s)
+                act_quant_fp8(x)
+                if pair is not None:
+                    try:
+                        deepgemm.linear(x, *pair)
+                    except Exception:  # noqa: BLE001 (the timed run reports it)
+                        pass
+    else:
+        from deepinfer.kernels.triton_fp8_prefill import as_f32_scale
+        from deepinfer.kernels.triton_fp8_variants import fp8_variant_gemm, fp8_variant_grouped_contiguous
+        k = 512
+        for m, n in ((64, 4608), (128, 4608), (64, 32768), (1024, 4608)):   # split / unsplit at both tiles
+            w, s = weight(n, k)
+            a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+            fp8_variant_gemm(a, torch.ones(m, k // 32, device="cuda"), w, as_f32_scale(s), job)
+        if job in MOE_VARIANTS:
+            E, n, P = 4, 256, 320                  # P a multiple of 16, as 8192 x 6
+            a = torch.randn(P, k, device="cuda").to(torch.float8_e4m3fn)
+            w = torch.randn(E, n, k, device="cuda").to(torch.float8_e4m3fn)
+            counts = torch.tensor([100, 0, 160, 60], device="cuda")
+            for sc in (torch.ones(E, n, k // 32, device="cuda"), torch.ones(E, n, 1, device="cuda")):
+                fp8_variant_grouped_contiguous(a, torch.ones(P, k // 32, device="cuda"), w, sc, counts, job)
+    torch.cuda.synchronize()
+    return f"{job} {time.time() - t0:.0f} s"
+
+
+def warm_all(names, jobs: int) -> None:
+    """Compile every variant (and the baselines) in parallel worker processes before timing anything."""
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+    t0 = time.time()
+    todo = ["baselines"] + list(names)
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as ex:
+        for f in [ex.submit(_warm, j) for j in todo]:
+            try:
+                print("  compiled", f.result(), flush=True)
+            except Exception as e:  # noqa: BLE001 (the timed run meets it again and reports it)
+                print(f"  compile job failed: {type(e).__name__} {str(e)[:200]}", flush=True)
+    print(f"compiled in parallel: {time.time() - t0:.0f} s", flush=True)
+
+
 def variant_rows(ms, names, peaks: dict) -> tuple[list[dict], list[dict]]:
     """Each dense linear at each M: W8A16 (the default path's GEMM on act_quant's bf16 values), every FP8
     x FP8 variant (GEMM on act_quant_fp8's e4m3 + scales), DeepGEMM (per-128 promotion: a speed reference,
@@ -241,6 +300,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="try every SWEEP tile config, keep the fastest")
     p.add_argument("--variants", nargs="?", const="all", default=None,
                    help="the FP8 x FP8 variants (comma-separated names, default all) at M 32/64/128/8192 + the MoE")
+    p.add_argument("--jobs", type=int, default=8, help="--variants: compile in this many worker processes first (0: no)")
     a = p.parse_args()
     peaks = measure_ceilings()
     print(f"peaks (same run): FP8 {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s, bf16 {peaks['bf16_flops'] / 1e12:.0f}, "
@@ -250,6 +310,8 @@ def main() -> None:
         from deepinfer.kernels.triton_fp8_variants import VARIANTS
         names = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
         t0 = time.time()
+        if a.jobs > 0:
+            warm_all(names, a.jobs)
         rows, table = variant_rows(VARIANT_MS, names, peaks)
         moe = moe_rows(8192, peaks, variants=tuple(v for v in names if v in MOE_VARIANTS))
         print(f"MoE grouped contiguous W8A16 / per-expert W8A16 loop: {moe['loop_w8a16_us'] / moe['grouped_w8a16_us']:.2f}x "
