@@ -66,7 +66,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The variants of triton_fp8_variants.VARIANTS (named here so that this module imports no Triton; a test
 # checks the two lists agree): per-slice promotion with [BM, BN/32] scales (one FFMA per element), the next
 # slice's wgmma in flight during the promotion (lag), TMA loads, other tiles.
-FP8_VARIANTS = ("seq", "blocks", "blocks_bm64", "blocks_bn256", "lag_blocks", "lag_blocks_bm64", "tma_blocks",
+FP8_VARIANTS = ("seq", "blocks", "blocks_bm64", "blocks_bn256", "lag_blocks", "lag_blocks_bm64", "lag2_blocks_bn64", "tma_blocks",
                 "tma_lag_blocks")
 PREFILL_GEMM = os.environ.get("DEEPINFER_PREFILL_GEMM", "auto")
 if PREFILL_GEMM not in ("auto", "fp8", "w8a16") + FP8_VARIANTS:

@@ -17,7 +17,9 @@ compile path; H200, 2026-12-02 it ran 72 TFLOP/s):
     [BM, BN/32, 32] so the scale is [BM, BN/32] (8 products per thread) and each element takes one FFMA;
   - LAG: two slices per step, the first waited on at once, the second left in flight (its result is
     carried to the next step, which Triton's wgmma pipeliner keeps async after the step's wait 0) while
-    the CUDA cores promote the first: the promotion overlaps the next wgmma;
+    the CUDA cores promote the first: the promotion overlaps the next wgmma (sm_90 compile: one
+    warp_group_dot_wait {pendings 0} per step, where the 4-slice kernel has four). LAG 2 also promotes
+    the carried slice after issuing the next (both under it; 4 live tiles, so BN 64);
   - TMA (tl.make_tensor_descriptor) loads of the A and B slices, and WS: tl.range(warp_specialize=True)
     (a producer warp for the loads, the consumer warpgroups for MMA + promotion) where Triton does it.
 
@@ -152,10 +154,16 @@ def fp8_variant_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, tile_e_ptr,
         for kb in tl.range(kb0, kb1, 2, num_stages=NUM_STAGES, warp_specialize=WS):
             a0, b0 = _load_slice(a_ptrs, b_ptrs, a_desc, b_desc, kb * 32, row_a, row_b, m_ok, n_ok, TMA)
             x = _mma(a0, b0, UPCAST)
-            # the previous step's slice (first step: d_prev is zeros, any valid scale column gives + 0)
-            acc = _promote(acc, d_prev, sa_ptrs, sb_ptrs, tl.maximum(kb - 1, kb0), m_ok, sb_ok, BM, BN, ROW_SCALE, BLOCKS)
             a1, b1 = _load_slice(a_ptrs, b_ptrs, a_desc, b_desc, kb * 32 + 32, row_a, row_b, m_ok, n_ok, TMA)
-            d_prev = _mma(a1, b1, UPCAST)
+            # the previous step's slice (first step: d_prev is zeros, any valid scale column gives + 0)
+            kp = tl.maximum(kb - 1, kb0)
+            if LAG == 2:        # both promotions under the next wgmma (4 live tiles: for narrow tiles)
+                d = _mma(a1, b1, UPCAST)
+                acc = _promote(acc, d_prev, sa_ptrs, sb_ptrs, kp, m_ok, sb_ok, BM, BN, ROW_SCALE, BLOCKS)
+                d_prev = d
+            else:               # d_prev's promotion first (3 live tiles), then x's under the next wgmma
+                acc = _promote(acc, d_prev, sa_ptrs, sb_ptrs, kp, m_ok, sb_ok, BM, BN, ROW_SCALE, BLOCKS)
+                d_prev = _mma(a1, b1, UPCAST)
             acc = _promote(acc, x, sa_ptrs, sb_ptrs, kb, m_ok, sb_ok, BM, BN, ROW_SCALE, BLOCKS)
         acc = _promote(acc, d_prev, sa_ptrs, sb_ptrs, kb1 - 1, m_ok, sb_ok, BM, BN, ROW_SCALE, BLOCKS)
     else:
@@ -177,6 +185,7 @@ VARIANTS: dict[str, dict] = {
     "blocks_bn256": dict(_BASE, BM=64, BN=256, BLOCKS=True, NUM_STAGES=3),  # two warpgroups side by side in N
     "lag_blocks": dict(_BASE, LAG=True, BLOCKS=True),                     # + the next wgmma in flight
     "lag_blocks_bm64": dict(_BASE, BM=64, LAG=True, BLOCKS=True, num_warps=4),
+    "lag2_blocks_bn64": dict(_BASE, BN=64, LAG=2, BLOCKS=True),            # both promotions under the next wgmma
     "tma_blocks": dict(_BASE, BLOCKS=True, TMA=True),
     "tma_lag_blocks": dict(_BASE, LAG=True, BLOCKS=True, TMA=True),
 }
@@ -251,7 +260,7 @@ def _fit(cfg: dict, sb_rows: int, row_scale: bool) -> dict:
     cfg["BLOCKS"] = bool(cfg["BLOCKS"]) and sb_rows == 32 and not row_scale
     # per-(row, 32) scales keep an FMUL per element: with a third live tile the lagged loop spills
     # (780 bytes at 128 x 128, sm_90 compile), so those weights take the one-slice loop
-    cfg["LAG"] = bool(cfg["LAG"]) and (sb_rows == 32 or row_scale)
+    cfg["LAG"] = cfg["LAG"] if (sb_rows == 32 or row_scale) else 0
     if INTERPRET:
         cfg.update(NUM_STAGES=1, WS=False)
     return cfg

@@ -34,7 +34,7 @@ def test_fp8_prefill_on_gpu():
     assert fp8_prefill_checks.main() == 0
 
 
-VARIANT_NAMES = ("seq", "blocks", "blocks_bm64", "blocks_bn256", "lag_blocks", "lag_blocks_bm64", "tma_blocks",
+VARIANT_NAMES = ("seq", "blocks", "blocks_bm64", "blocks_bn256", "lag_blocks", "lag_blocks_bm64", "lag2_blocks_bn64", "tma_blocks",
                  "tma_lag_blocks")
 
 
