@@ -84,14 +84,14 @@ def declined() -> set[tuple[str, str]]:
     return set(_DECLINED)
 
 
-def _fast_for(t: torch.Tensor, op: str, ok: bool, rule: str) -> bool:
+def _fast_for(t: torch.Tensor, op: str, ok: bool, rule: str, then: str = "the torch reference") -> bool:
     """use_fast(t) and the op's shape rules hold. Where the fast path is on but the shape breaks its
     rules, the call takes the next path (the torch reference) and says so once per (op, rule)."""
     if not use_fast(t):
         return False
     if not ok and (op, rule) not in _DECLINED:
         _DECLINED.add((op, rule))
-        log.warning("kernels: %s declines the fast path (needs %s); using the torch reference", op, rule)
+        log.warning("kernels: %s declines the fast path (needs %s); using %s", op, rule, then)
     return ok
 
 
@@ -293,7 +293,7 @@ def _fp8_variant_for(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) ->
     step = 64 if "lag" in variant else 32
     ok = k % step == 0 and _fast_gemm_ok(w, w_scale) and w.dtype == torch.float8_e4m3fn
     return variant if _fast_for(x, f"fp8_variant_linear[{variant}]", ok,
-                                f"K a multiple of {step} and the W8A16 scale layouts") else None
+                                f"K a multiple of {step} and the W8A16 scale layouts", then="the W8A16 path") else None
 
 
 # DEEPINFER_MOE_CONTIGUOUS=1: MoE steps past the masked form (prefill chunks) in the grouped contiguous
@@ -306,20 +306,29 @@ MOE_CONTIGUOUS = os.environ.get("DEEPINFER_MOE_CONTIGUOUS", MOE_CONTIGUOUS_DEFAU
 
 def grouped_contiguous_ok(x: torch.Tensor, k1: int, k2: int) -> bool:
     """The MoE's grouped contiguous form can run its two GEMMs (K = dim, then moe_inter_dim) for tensor
-    x: on the FP8 prefill kernel (DEEPINFER_PREFILL_GEMM=fp8, K % 128 == 0) or on the W8A16 one
-    (DEEPINFER_MOE_CONTIGUOUS=1, K % 32 == 0), or on an FP8 x FP8 variant DEEPINFER_PREFILL_GEMM names
-    (K a multiple of 64 for the lagged loops, 32 otherwise)."""
+    x: on the FP8 prefill kernel (DEEPINFER_PREFILL_GEMM=fp8, K % 128 == 0), on an FP8 x FP8 variant
+    DEEPINFER_PREFILL_GEMM names (K a multiple of 64 for the lagged loops, 32 otherwise), or on the W8A16
+    one (DEEPINFER_MOE_CONTIGUOUS=1, K % 32 == 0; also where a named variant declines)."""
+    return _contiguous_kernel(x, k1, k2) is not None
+
+
+def _contiguous_kernel(x: torch.Tensor, k1: int, k2: int) -> str | None:
+    """"fp8", a variant name, "w8a16" or None (the per-expert loop): grouped_contiguous_ok's choice."""
     if _batch_invariant():
-        return False
+        return None
     if PREFILL_GEMM == "fp8":
-        return _fast_for(x, "grouped_fp8_linear_contiguous", k1 % 128 == 0 and k2 % 128 == 0,
-                         "dim and moe_inter_dim multiples of 128")
+        return "fp8" if _fast_for(x, "grouped_fp8_linear_contiguous", k1 % 128 == 0 and k2 % 128 == 0,
+                                  "dim and moe_inter_dim multiples of 128") else None
     if PREFILL_GEMM in FP8_VARIANTS:
         step = 64 if "lag" in PREFILL_GEMM else 32
-        return _fast_for(x, f"grouped_fp8_variant_contiguous[{PREFILL_GEMM}]", k1 % step == 0 and k2 % step == 0,
-                         f"dim and moe_inter_dim multiples of {step}")
-    return MOE_CONTIGUOUS and _fast_for(x, "grouped_w8a16_contiguous", k1 % 32 == 0 and k2 % 32 == 0,
-                                        "dim and moe_inter_dim multiples of 32")
+        if _fast_for(x, f"grouped_fp8_variant_contiguous[{PREFILL_GEMM}]", k1 % step == 0 and k2 % step == 0,
+                     f"dim and moe_inter_dim multiples of {step}",
+                     then="W8A16 (DEEPINFER_MOE_CONTIGUOUS=1) or the per-expert loop"):
+            return PREFILL_GEMM
+    if MOE_CONTIGUOUS and _fast_for(x, "grouped_w8a16_contiguous", k1 % 32 == 0 and k2 % 32 == 0,
+                                    "dim and moe_inter_dim multiples of 32"):
+        return "w8a16"
+    return None
 
 
 def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -330,15 +339,16 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
     host read; FP8 x FP8 with DEEPINFER_PREFILL_GEMM=fp8, else W8A16). Reference: expert by expert
     (reads counts on the host)."""
     k = w.shape[-1]
-    if grouped_contiguous_ok(x, k, k):
-        if PREFILL_GEMM == "fp8":
+    kernel = _contiguous_kernel(x, k, k)
+    if kernel is not None:
+        if kernel == "fp8":
             from .triton_fp8_prefill import fp8_grouped_contiguous
             from .triton_quant import act_quant_fp8
             return fp8_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts)
-        if PREFILL_GEMM in FP8_VARIANTS:
+        if kernel in FP8_VARIANTS:
             from .triton_fp8_variants import fp8_variant_grouped_contiguous
             from .triton_quant import act_quant_fp8
-            return fp8_variant_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts, PREFILL_GEMM)
+            return fp8_variant_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts, kernel)
         from .triton_moe_contiguous import w8a16_grouped_contiguous
         return w8a16_grouped_contiguous(x, w, w_scale, counts)
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)

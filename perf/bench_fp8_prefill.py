@@ -173,7 +173,7 @@ def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, int
 
 
 VARIANT_MS = (32, 64, 128, 8192)
-MOE_VARIANTS = ("blocks", "blocks_bm64", "lag_blocks", "lag_blocks_bm64", "tma_lag_blocks")   # (the MoE's grouped form)
+MOE_VARIANTS = ("blocks", "blocks_bm64", "lag_blocks", "lag_blocks_bm64", "lag2_blocks_bn64", "tma_lag_blocks")   # (the MoE's grouped form)
 WIN_MARGIN = 1.03          # a variant enters the table only where it beats W8A16 by 3% or more
 
 

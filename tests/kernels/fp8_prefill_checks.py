@@ -158,8 +158,15 @@ def check_select_variants(device):
                 bad = (y - r).abs() > r.abs() * 2 ** -7 + 1e-30
                 assert not bad.any(), (m, n, k, (y - r).abs().max().item())
             assert ("fp8_variant_linear[lag_blocks]", "K a multiple of 64 and the W8A16 scale layouts") in select.declined()
+            # the MoE's grouped contiguous form on a named variant; where it declines, W8A16's (if on) or the loop
+            x = torch.zeros(8, 128, device=device, dtype=torch.bfloat16)
+            for gemm, contiguous, k2, want in (("lag_blocks", False, 128, "lag_blocks"), ("lag_blocks", True, 96, "w8a16"),
+                                               ("lag_blocks", False, 96, None), ("blocks", False, 96, "blocks"),
+                                               ("auto", False, 128, None), ("auto", True, 128, "w8a16")):
+                select.PREFILL_GEMM, select.MOE_CONTIGUOUS = gemm, contiguous
+                assert select._contiguous_kernel(x, 128, k2) == want, (gemm, contiguous, k2, want)
         finally:
-            select.PREFILL_GEMM, select.FP8_TABLE_PATH = saved
+            select.PREFILL_GEMM, select.FP8_TABLE_PATH, select.MOE_CONTIGUOUS = *saved, False
     print("select: table picks and declines: ok")
 
 
