@@ -145,7 +145,7 @@ def check_select_variants(device):
                 dict(n=64, k=96, m=32, variant="lag_blocks")]
         with open(path, "w") as f:
             json.dump({"measured": "test", "rows": rows}, f)
-        saved = select.PREFILL_GEMM, select.FP8_TABLE_PATH
+        saved = select.PREFILL_GEMM, select.FP8_TABLE_PATH, select.MOE_CONTIGUOUS
         select.PREFILL_GEMM, select.FP8_TABLE_PATH = "auto", path
         try:
             for m, n, k, want in ((40, 96, 128, "lag_blocks"), (16, 96, 128, None), (40, 64, 96, None), (40, 72, 128, None)):
@@ -166,7 +166,7 @@ def check_select_variants(device):
                 select.PREFILL_GEMM, select.MOE_CONTIGUOUS = gemm, contiguous
                 assert select._contiguous_kernel(x, 128, k2) == want, (gemm, contiguous, k2, want)
         finally:
-            select.PREFILL_GEMM, select.FP8_TABLE_PATH, select.MOE_CONTIGUOUS = *saved, False
+            select.PREFILL_GEMM, select.FP8_TABLE_PATH, select.MOE_CONTIGUOUS = saved
     print("select: table picks and declines: ok")
 
 
@@ -229,6 +229,7 @@ def check_moe_contiguous(device, tokens: int):
     x = torch.randn(tokens, 128, generator=gen).bfloat16().to(device)
     with tempfile.TemporaryDirectory() as d:
         ckpt = make_checkpoint(tc, 5, Path(d) / "moe", progress=False)
+        saved = select.PREFILL_GEMM, select.MOE_CONTIGUOUS
         combos = [(False, "fp8"), (True, "fp8"), (False, "w8a16"), (True, "w8a16"), (True, "lag_blocks"),
                   (False, "tma_lag_blocks")]
         for rows, gemm in (combos[::3] if INTERPRET else combos):          # the interpreter: two of four
@@ -253,7 +254,7 @@ def check_moe_contiguous(device, tokens: int):
                 print(name, rows, rel)
                 assert rel < (3e-2 if INTERPRET else 2e-3), (name, rows, rel)
             print(f"moe contiguous {gemm} (row scales {rows}): ok")
-        select.PREFILL_GEMM, select.MOE_CONTIGUOUS = "w8a16", False
+        select.PREFILL_GEMM, select.MOE_CONTIGUOUS = saved
     assert moe_mod.MASKED_MAX_PAIRS > 0
 
 
