@@ -5,8 +5,7 @@ release numbers, a speed reference), torch's bf16 matmul, and the FP8 / bf16 pea
 
     python perf/bench_fp8_prefill.py [--m 8192] [--sweep]      (bench_fp8_prefill.json in $OUT)
     python perf/bench_fp8_prefill.py --variants [NAMES]        (every FP8 x FP8 variant of
-        kernels/triton_fp8_variants.py, and the TileLang kernel where tilelang imports (kernels/tilelang_fp8.py),
-        at the six linears x M 32, 64, 128, 8192 against W8A16, DeepGEMM and
+        kernels/triton_fp8_variants.py at the six linears x M 32, 64, 128, 8192 against W8A16, DeepGEMM and
         the peaks, then the MoE at 8192 x 6 pairs; writes fp8_select_table.json to $OUT: copy it to
         kernels/fp8_select_table.json to make select take the winners. ~2-3 min on the H200)
 
@@ -152,7 +151,7 @@ def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, int
             def fn(v=v, s13=s13, s2=s2):
                 fp8_variant_grouped_contiguous(a, sa, w13, s13, counts, v)
                 fp8_variant_grouped_contiguous(h, sh, w2, s2, counts, v)
-            cases += [(f"grouped_{v}", fn), (f"grouped_{v}_rowscale", lambda v=v: fn(v, r13, r2))]
+            cases += [(f"grouped_{v}", fn), (f"grouped_{v}_rowscale", lambda v=v, f=fn: f(v, r13, r2))]   # f bound now: the timing loop below rebinds fn
     for name, fn in cases:
         try:
             r[f"{name}_us"] = time_calls([fn], iters=3) * 1e6
@@ -185,13 +184,7 @@ def _warm(job: str) -> str:
     small K stands in for the real one."""
     import time
     t0 = time.time()
-    if job == "tilelang":
-        from deepinfer.kernels.tilelang_fp8 import _kernel, available
-        if not available():
-            return "tilelang: not importable"
-        for n, k in DENSE.values():
-            _kernel(n, k)
-    elif job == "baselines":
+    if job == "baselines":
         from deepinfer.kernels import deepgemm
         from deepinfer.kernels.triton_gemm import w8a16_gemm
         from deepinfer.kernels.triton_quant import act_quant, act_quant_fp8
@@ -233,7 +226,7 @@ def warm_all(names, jobs: int) -> None:
     import time
     from concurrent.futures import ProcessPoolExecutor
     t0 = time.time()
-    todo = ["baselines", "tilelang"] + list(names)
+    todo = ["baselines"] + list(names)
     with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as ex:
         for f in [ex.submit(_warm, j) for j in todo]:
             try:
@@ -253,9 +246,7 @@ def variant_rows(ms, names, peaks: dict) -> tuple[list[dict], list[dict]]:
     from deepinfer.kernels.triton_fp8_variants import fp8_variant_gemm
     from deepinfer.kernels.triton_gemm import w8a16_gemm
     from deepinfer.kernels.triton_quant import act_quant, act_quant_fp8
-    from deepinfer.kernels.tilelang_fp8 import available, tilelang_fp8_gemm
     dg = deepgemm.load()
-    use_tl = available()
     rows, table = [], []
     for name, (n, k) in DENSE.items():
         w, s = weight(n, k)
@@ -277,13 +268,6 @@ def variant_rows(ms, names, peaks: dict) -> tuple[list[dict], list[dict]]:
                     r[f"{v}_us"] = time_calls([lambda: fp8_variant_gemm(a, sa, w, s32, v)]) * 1e6
                 except Exception as e:  # noqa: BLE001 (a variant that does not compile or launch: say so, go on)
                     print(f"  {name} m {m} {v}: {type(e).__name__} {str(e)[:160]}", flush=True)
-            if use_tl:                   # measured beside the variants, not a table choice (select has no route to it)
-                try:
-                    r["tilelang_us"] = time_calls([lambda: tilelang_fp8_gemm(a, sa, w, s32)]) * 1e6
-                    r["tilelang_tflops"] = flops / r["tilelang_us"] / 1e6
-                    r["tilelang_vs_w8a16"] = r["w8a16_us"] / r["tilelang_us"]
-                except Exception as e:  # noqa: BLE001
-                    print(f"  {name} m {m} tilelang: {type(e).__name__} {str(e)[:160]}", flush=True)
             timed = [v for v in names if f"{v}_us" in r]
             best = min(timed, key=lambda v: r[f"{v}_us"]) if timed else None
             r["best"] = best
@@ -301,8 +285,6 @@ def variant_rows(ms, names, peaks: dict) -> tuple[list[dict], list[dict]]:
                 line += (f"  best {best} {r[f'{best}_tflops']:6.0f} TF = {r['best_vs_w8a16']:.2f}x w8a16, "
                          f"{r.get('best_vs_deepgemm', float('nan')):.2f}x deepgemm, {r['best_of_fp8_peak']:.2f} of FP8 peak |")
             line += " ".join(f" {v} {r[f'{v}_tflops']:.0f}" for v in timed)
-            if "tilelang_tflops" in r:
-                line += f"  tilelang {r['tilelang_tflops']:.0f} ({r['tilelang_vs_w8a16']:.2f}x w8a16)"
             print(line, flush=True)
             rows.append(r)
             win = best is not None and r["w8a16_us"] >= WIN_MARGIN * r[f"{best}_us"]
