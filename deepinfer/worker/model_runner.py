@@ -82,7 +82,7 @@ class ModelRunner:
     def __init__(self, model, caches, device: torch.device, max_num_seqs: int, max_model_len: int,
                  block_tokens: int, ngram_width: int = 3, sampler=None, batch_invariant: bool = False,
                  proposer=None, graph_sizes: tuple[int, ...] = (), graph_max_len: int = 8192,
-                 num_snapshot_slots: int = 0, num_host_slots: int = 0) -> None:
+                 num_snapshot_slots: int = 0, num_host_slots: int = 0, yoco_keep_tokens: int = 0) -> None:
         self.model = model
         self.proposer = proposer      # deepinfer.spec.DSparkProposer; None = no drafts
         self.batch_invariant = batch_invariant   # torch path: row-by-row GEMMs (kernels/batch_invariant.py)
@@ -90,7 +90,8 @@ class ModelRunner:
         self.caches = caches
         self.device = torch.device(device)
         max_blocks = -(-(max_model_len + 16) // block_tokens)
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks, ngram_width, window=caches.ring_len // 2)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks, ngram_width, window=caches.ring_len // 2,
+                                      yoco_keep_tokens=yoco_keep_tokens)
         self.snapshots = None         # SnapshotStore: window state of ended requests (prefix caching)
         if num_snapshot_slots:
             from deepinfer.cache.snapshot_store import SnapshotStore

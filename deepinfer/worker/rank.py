@@ -74,6 +74,10 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                        # EPLB moves experts between ranks' stacks: keep one scale form in all of them
                        **({"expert_row_scales": False} if args.enable_eplb else {}), **model_overrides(args))
     model_args = model.args
+    if args.yoco_prefill_keep_tokens:
+        from deepinfer.model.yoco import check_yoco
+        check_yoco(model_args, args.yoco_prefill_keep_tokens,
+                   args.num_speculative_tokens + 1 if args.speculative else 0)
     sizes = graph_sizes(args, model_args, device) if parallel is None or not parallel.is_parallel else ()
     num_blocks = args.num_cache_blocks
     if num_blocks is None:
@@ -99,7 +103,8 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                          batch_invariant=args.batch_invariant, proposer=proposer, graph_sizes=sizes,
                          graph_max_len=args.max_seq_len_to_capture,
                          num_snapshot_slots=num_snapshot_slots(args, model_args),
-                         num_host_slots=num_host_slots(args, model_args))
+                         num_host_slots=num_host_slots(args, model_args),
+                         yoco_keep_tokens=args.yoco_prefill_keep_tokens)
     return RankRuntime(device, model, caches, runner, sampler, num_blocks, max_model_len, sizes, async_scheduling)
 
 
