@@ -119,7 +119,9 @@ class PrefixCaching:
     def after_step(self, running: list[Request]) -> None:
         for name, now in (("prefix_cache_evictions_total", self.kv.pool.num_evictions),
                           ("prefix_cache_host_offloads_total", self.kv.num_offloads),
-                          ("prefix_cache_host_hits_total", self.kv.num_onloads)):
+                          ("prefix_cache_host_hits_total", self.kv.num_onloads - self.kv.num_disk_onloads),
+                          ("prefix_cache_disk_spills_total", self.kv.num_spills),
+                          ("prefix_cache_disk_hits_total", self.kv.num_disk_onloads)):
             seen = self._seen.get(name, 0)
             if now != seen:
                 self.stats.inc(name, now - seen)

@@ -61,6 +61,7 @@ def model_overrides(args: EngineArgs) -> dict:
 def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str | None = None) -> RankRuntime:
     """Load the model (this rank's experts only when `parallel` splits them), size and allocate the
     caches, and build the runner."""
+    from deepinfer.cache.disk_tier import num_disk_blocks
     from deepinfer.cache.host_tier import num_host_slots
     from deepinfer.cache.snapshot_store import check_replay_tokens, num_snapshot_slots
     from deepinfer.model.loader import load_model
@@ -104,7 +105,8 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                          graph_max_len=args.max_seq_len_to_capture,
                          num_snapshot_slots=num_snapshot_slots(args, model_args),
                          num_host_slots=num_host_slots(args, model_args),
-                         yoco_keep_tokens=args.yoco_prefill_keep_tokens)
+                         yoco_keep_tokens=args.yoco_prefill_keep_tokens,
+                         disk_cache_dir=args.disk_cache_dir if num_disk_blocks(args, model_args) else None)
     return RankRuntime(device, model, caches, runner, sampler, num_blocks, max_model_len, sizes, async_scheduling)
 
 
