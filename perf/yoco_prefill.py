@@ -118,11 +118,6 @@ def release(llm, cuda: bool) -> None:
     stop = getattr(llm.engine, "shutdown", None)
     if stop is not None:
         stop()
-    del llm
-    gc.collect()
-    if cuda:
-        import torch
-        torch.cuda.empty_cache()
 
 
 def main(argv=None) -> int:
@@ -151,12 +146,17 @@ def main(argv=None) -> int:
         drift_prompts = random_prompts(2, a.prompt_len, 7)
         fed = [list(map(int, np.random.default_rng(8 + i).integers(1000, 120000, FED))) for i in range(2)]
         tps, logits = {}, {}
-        for keep in (0, a.keep):
+        for keep in (0, a.keep):      # one engine at a time (the second sizes its cache from free memory)
             llm = make_llm(str(ckpt), a, keep, cuda)
             m = llm.engine.model.args if hasattr(llm.engine, "model") else None
             tps[keep] = throughput(llm, a, cuda)
             logits[keep] = forced_logits(llm, drift_prompts, fed)
             release(llm, cuda)
+            del llm
+            gc.collect()
+            if cuda:
+                import torch
+                torch.cuda.empty_cache()
         B = decoder_start(m) if m is not None else "?"
         n_layers = m.n_layers if m is not None else "?"
         print(f"YOCO prefill truncation, {a.preset} on {a.device} ({time.strftime('%Y-%m-%d')}): decoder = layers "

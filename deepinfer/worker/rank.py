@@ -70,15 +70,16 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     device = device or args.resolved_device()
     torch_dtype(args.dtype)
     check_replay_tokens(args, facts.model_args)
+    if args.yoco_prefill_keep_tokens:
+        from deepinfer.model.yoco import check_yoco
+        check_yoco(facts.model_args, args.yoco_prefill_keep_tokens,
+                   args.num_speculative_tokens + 1 if args.speculative else 0)
+    disk_blocks = num_disk_blocks(args, facts.model_args)      # refuses a bad disk tier before loading
     model = load_model(args.checkpoint, device=device, progress=parallel is not None and parallel.rank == 0,
                        parallel=parallel, load_format=args.load_format,
                        # EPLB moves experts between ranks' stacks: keep one scale form in all of them
                        **({"expert_row_scales": False} if args.enable_eplb else {}), **model_overrides(args))
     model_args = model.args
-    if args.yoco_prefill_keep_tokens:
-        from deepinfer.model.yoco import check_yoco
-        check_yoco(model_args, args.yoco_prefill_keep_tokens,
-                   args.num_speculative_tokens + 1 if args.speculative else 0)
     sizes = graph_sizes(args, model_args, device) if parallel is None or not parallel.is_parallel else ()
     num_blocks = args.num_cache_blocks
     if num_blocks is None:
@@ -106,7 +107,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                          num_snapshot_slots=num_snapshot_slots(args, model_args),
                          num_host_slots=num_host_slots(args, model_args),
                          yoco_keep_tokens=args.yoco_prefill_keep_tokens,
-                         disk_cache_dir=args.disk_cache_dir if num_disk_blocks(args, model_args) else None)
+                         disk_cache_dir=args.disk_cache_dir if disk_blocks else None)
     return RankRuntime(device, model, caches, runner, sampler, num_blocks, max_model_len, sizes, async_scheduling)
 
 
