@@ -5,6 +5,8 @@ One `forward(batch, caches)` serves every step shape: a whole prefill, a chunk c
 one-token decode and 1+k verification, for any number of sequences at once (see model/batch.py).
 Everything runs flat over all T new tokens of all sequences; attention gathers one KV buffer per
 layer for the whole batch (model/step_metadata.py builds the index lists once per step).
+With YOCO truncation (ForwardBatch.yoco_keep_from, model/yoco.py) the rows drop to the kept ones
+at the first decoder layer, after it has written the compressed KV of every row.
 """
 
 from __future__ import annotations
