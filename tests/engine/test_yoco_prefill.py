@@ -151,3 +151,15 @@ def test_dspark_drafts_with_yoco_give_the_same_tokens(tiny_checkpoint, engines):
     assert spec.token_ids == plain.token_ids
     with pytest.raises(ValueError, match=r"rollback \(6\)"):
         make(tiny_checkpoint, 130, speculative="dspark")            # 128 + 5 drafts + 1 > 130
+
+
+def test_two_prompts_in_one_step(engines):
+    yoco, p = engines["yoco"], engines["p"]
+    short = prompt(100, 4)
+    counter = RowCounter(yoco.engine.model)
+    outs = yoco.generate([p, short], SamplingParams(max_tokens=1, temperature=0))
+    counter.close()
+    B = decoder_start(yoco.engine.model.args)
+    assert counter.rows[0] == [P_LEN + 100] and counter.rows[B] == [KEEP + 100]   # one step, both prompts
+    alone = yoco.generate(short, SamplingParams(max_tokens=1, temperature=0))[0]
+    assert outs[1].token_ids == alone.token_ids                # the short prompt is exact mode's
