@@ -81,7 +81,8 @@ class DiskBlockStore:
         off = 0
         for host, dev in self.host._pairs():
             n = host[0].numel() * host.element_size()
-            src = torch.frombuffer(bytearray(data[off:off + n]), dtype=torch.uint8).view(host.dtype).view(host.shape[1:])
+            src = torch.frombuffer(bytearray(data[off:off + n]), dtype=torch.uint8)
+            src = src.view(host.dtype).view(host.shape[1:])
             dev[block].copy_(src)
             off += n
 

@@ -18,21 +18,16 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import torch
 
 
 def image_content_key(im) -> bytes:
-    """16-byte digest of an ImageInput's patches and span grid (deepinfer.model.vision)."""
+    """16-byte digest of an ImageInput's patches (their bits) and span grid (deepinfer.model.vision)."""
     p = im.patches.detach().cpu().contiguous()
-    raw = p.view(dtype=_int_view(p.dtype)).numpy() if p.is_floating_point() else p.numpy()
     h = hashlib.blake2b(digest_size=16, person=b"deepinfer-image")
     h.update(np.asarray([im.plan.n_llm_h, im.plan.n_llm_w, *p.shape], dtype=np.int64).tobytes())
-    h.update(raw.tobytes())
+    h.update(p.view(torch.uint8).numpy().tobytes())
     return h.digest()
-
-
-def _int_view(dtype):
-    import torch
-    return {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}.get(dtype, torch.int16)
 
 
 def span_keys(content_key: bytes, span_len: int) -> np.ndarray:

@@ -50,8 +50,9 @@ def check_yoco(args, keep_tokens: int, max_backtrack: int) -> None:
                          f"window keys that were never computed (DeepInfer runs 140 for V4.1)")
     late = [s for s in args.kv_source_layers if s > B]
     if late or any(args.compress_ratios[L] > 1 for L in range(B, args.n_layers)):
-        raise ValueError(f"yoco_prefill_keep_tokens: decoder layers {B}..{args.n_layers - 1} must read the compressed "
-                         f"KV of layer {B} only (KV sources after it: {late}); this checkpoint's layout cannot be truncated")
+        raise ValueError(f"yoco_prefill_keep_tokens: decoder layers {B}..{args.n_layers - 1} must read the "
+                         f"compressed KV of layer {B} only (KV sources after it: {late}); this checkpoint's "
+                         "layout cannot be truncated")
 
 
 @dataclass
