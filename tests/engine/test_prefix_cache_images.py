@@ -36,7 +36,7 @@ PROMPT = [0] + list(range(1000, 1010)) + [IMG] + list(range(2000, 2060))
 
 
 def counters(llm):
-    return llm.engine.stats()["counters"]
+    return llm.stats()["counters"]
 
 
 def test_same_image_hits_different_image_misses(tiny_checkpoint):
@@ -78,3 +78,25 @@ def test_cache_keys_follow_image_content_not_token_ids(tiny_checkpoint):
     from deepinfer.model.vision.preprocess import prepare_pixels
     px = image_from_pixels(prepare_pixels(png(200, 120, 3), v)[0], v)
     assert px.content_hash != a.content_hash and image_content_key(px) == image_content_key(a)
+
+
+def test_image_conversation_turn_two_hits_the_snapshot_exactly(tiny_checkpoint):
+    """Turn 2 resends turn 1 (its image included) plus new text: the window snapshot matches by the
+    image's keys, and under batch_invariant the tokens and logits equal a cold run's bit for bit."""
+    a = png(200, 120, 5)
+    p1 = [0] + list(range(1000, 1010)) + [IMG] + list(range(2000, 2012))
+    warm = make_llm(tiny_checkpoint, batch_invariant=True)
+    t1 = warm.generate([p1], GREEDY, images=[[a]])[0]
+    assert IMG not in t1.token_ids
+    p2 = p1 + t1.token_ids + list(range(3000, 3005))
+    hot = warm.generate([p2], GREEDY, images=[[a]], return_logits=True)[0]
+    assert counters(warm)["prefix_cache_snapshot_hits_total"] == 1
+    assert hot.num_cached_tokens == len(t1.prompt_token_ids) + len(t1.token_ids) - 1
+    from deepinfer.llm import LLM
+    cold = LLM(str(tiny_checkpoint), max_num_seqs=2, max_num_batched_tokens=256, num_cache_blocks=64, block_tokens=8,
+               max_model_len=256, batch_invariant=True).generate([p2], GREEDY, images=[[a]], return_logits=True)[0]
+    assert hot.token_ids == cold.token_ids and np.array_equal(hot.logits, cold.logits)
+    # the same conversation with another image of the same size: no snapshot, no block past the text
+    b = png(200, 120, 6)
+    other = warm.generate([p2], GREEDY, images=[[b]])[0]
+    assert counters(warm)["prefix_cache_snapshot_hits_total"] == 1 and other.num_cached_tokens == 8
