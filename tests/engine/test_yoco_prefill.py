@@ -147,7 +147,9 @@ def test_dspark_drafts_with_yoco_give_the_same_tokens(tiny_checkpoint, engines):
     """DSpark rings see the kept rows only (drafts read the last window): acceptance stays exact."""
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     plain = engines["yoco"].generate(engines["p"], sp)[0]
-    spec = make(tiny_checkpoint, KEEP, speculative="dspark").generate(engines["p"], sp)[0]
+    eng = make(tiny_checkpoint, KEEP, speculative="dspark", spec_policy="all")
+    spec = eng.generate(engines["p"], sp)[0]
+    assert eng.stats()["counters"]["spec_draft_tokens_verified_total"] > 0
     assert spec.token_ids == plain.token_ids
     with pytest.raises(ValueError, match=r"rollback \(6\)"):
         make(tiny_checkpoint, 130, speculative="dspark")            # 128 + 5 drafts + 1 > 130
