@@ -85,6 +85,16 @@ class EngineArgs:
     # the prefix cache's host-memory tier (cache/host_tier.py): cached blocks evicted from the device go
     # to (pinned) host memory of this size and come back on a hit; 0 = off
     host_cache_bytes: int = 0
+    # YOCO prefill truncation (deepinfer/model/yoco.py, DeepInfer's compact mode): 0 = off (exact);
+    # N > 0 = decoder layers (from the first ratio-1 layer) run only the last N rows of a prompt, their
+    # compressed KV still comes from every row. Approximate by design; DeepInfer runs 140 for V4.1.
+    # N must be >= the window + the largest rollback (num_speculative_tokens + 1 with drafts).
+    yoco_prefill_keep_tokens: int = 0
+    # the prefix cache's disk tier (cache/disk_tier.py), under the host tier: blocks the host tier
+    # evicts are written to files in a fresh folder under disk_cache_dir (removed at exit), at most
+    # disk_cache_bytes of them, LRU, and read back on a hit; 0 = off
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 0
     worker_threads: int | None = None       # torch threads per CPU rank; None = cores / ranks
     # prefill/decode disaggregation (deepinfer/disagg/): "prefill" runs prompts, samples the first
     # token and holds the request's caches for a decode instance, which pulls them (NIXL READ) and
@@ -138,6 +148,13 @@ class EngineArgs:
                              "step, so it would never run; raise max_num_batched_tokens")
         if self.window_snapshot_bytes is not None and self.window_snapshot_bytes < 0:
             raise ValueError(f"window_snapshot_bytes must be >= 0, got {self.window_snapshot_bytes}")
+        if self.yoco_prefill_keep_tokens < 0:
+            raise ValueError(f"yoco_prefill_keep_tokens must be >= 0 (0 = off), got {self.yoco_prefill_keep_tokens}")
+        if self.yoco_prefill_keep_tokens and self.context_parallel_size > 1:
+            raise ValueError("yoco_prefill_keep_tokens does not combine with context_parallel_size > 1 yet (the "
+                             "truncation would need the kept rows gathered across the CP ranks)")
+        if self.disk_cache_bytes < 0:
+            raise ValueError(f"disk_cache_bytes must be >= 0, got {self.disk_cache_bytes}")
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.window_snapshot_ttl_s <= 0:

@@ -94,7 +94,7 @@ class Engine:
 
         def scheduler():
             kv = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs, a.enable_prefix_caching,
-                                host_tier=self._host_tier())
+                                *self._lower_tiers())
             return Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len, kv, self.stats,
                              prefix=self._prefix_caching(kv))
         if a.data_parallel_size > 1:
@@ -127,10 +127,13 @@ class Engine:
         index = SnapshotIndex(slots, a.block_tokens, a.window_snapshot_ttl_s) if slots else None
         return PrefixCaching(kv, a.swa_replay_tokens, index, self.stats)
 
-    def _host_tier(self):
+    def _lower_tiers(self):
+        """(host tier index, disk tier index) of the prefix cache, each None when off."""
+        from deepinfer.cache.disk_tier import DiskTierIndex, num_disk_blocks
         from deepinfer.cache.host_tier import HostTierIndex, num_host_slots
         n = num_host_slots(self.args, self.model_args)
-        return HostTierIndex(n) if n else None
+        d = num_disk_blocks(self.args, self.model_args) if n else 0
+        return (HostTierIndex(n) if n else None), (DiskTierIndex(d) if d else None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (vLLM's name); -> how many."""

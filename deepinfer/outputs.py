@@ -74,8 +74,11 @@ class SnapshotCopy:
 class BlockCopy:
     """A cached block moved between the device pool and the host tier (cache/host_tier.py)."""
     kind: str                            # "offload" (device block -> host slot) | "onload" (host slot -> block)
+                                         # | disk tier: "spill" (host slot -> file) | "disk_onload"
+                                         #   (file -> block) | "disk_drop" (delete the file)
     block: int
     host_slot: int
+    key: str = ""                        # disk tier (cache/disk_tier.py): the block file's name
 
 
 @dataclass

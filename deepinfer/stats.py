@@ -72,6 +72,8 @@ class EngineStats:
             "prefix_cache_evictions_total": 0,
             "prefix_cache_host_offloads_total": 0,   # blocks copied to the host tier on eviction
             "prefix_cache_host_hits_total": 0,       # blocks brought back from the host tier on a hit
+            "prefix_cache_disk_spills_total": 0,     # host-tier blocks written to the disk tier on eviction
+            "prefix_cache_disk_hits_total": 0,       # blocks read back from the disk tier on a hit
             # prefill/decode disaggregation (deepinfer/disagg/): requests handed over (prefill: held
             # caches read and freed; decode: caches pulled), the bytes pulled, hand-overs that failed
             "kv_transfers_total": 0,

@@ -33,7 +33,9 @@ COUNTERS = {"prompt_tokens_total": "Prompt tokens of admitted requests",
             "prefix_cache_snapshot_hits_total": "Prefix hits that landed on a window snapshot (exact)",
             "prefix_cache_evictions_total": "Cached blocks taken back for new allocations",
             "prefix_cache_host_offloads_total": "Cached blocks copied to the host-memory tier",
-            "prefix_cache_host_hits_total": "Cached blocks brought back from the host-memory tier"}
+            "prefix_cache_host_hits_total": "Cached blocks brought back from the host-memory tier",
+            "prefix_cache_disk_spills_total": "Host-tier blocks written to the disk tier",
+            "prefix_cache_disk_hits_total": "Cached blocks read back from the disk tier"}
 GAUGES = {"num_requests_running": "Requests in the running batch",
           "num_requests_waiting": "Requests waiting to be scheduled",
           "cache_usage": "Fraction of KV cache blocks in use",

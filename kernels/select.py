@@ -17,12 +17,20 @@ Knobs (environment, read once):
                                  run: the fast path on for the tensor, an SM90 GPU, DeepGEMM importable,
                                  not batch-invariant mode, N and K multiples of 128; else the path above.
                                  load_model converts the weights once (deepgemm.prepare_deepgemm)
+    DEEPINFER_PREFILL_GEMM=auto  (default) an FP8 linear takes an FP8 x FP8 variant (triton_fp8_variants)
+                                 only where the measured table (DEEPINFER_FP8_TABLE, else
+                                 kernels/fp8_select_table.json; written by perf/bench_fp8_prefill.py
+                                 --variants) says it beat W8A16 at that (N, K) and M; else W8A16. No
+                                 table: W8A16 everywhere
+    DEEPINFER_PREFILL_GEMM=w8a16 W8A16 everywhere, whatever the table says
+    DEEPINFER_PREFILL_GEMM=<variant>  that FP8 x FP8 variant (e.g. lag_blocks) for every FP8 linear of >=
+                                 DEEPINFER_FP8_VARIANT_MIN_M rows (32), and the MoE's large steps in the
+                                 grouped contiguous form on it
     DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
-                                 on the FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and the
-                                 MoE's large steps in the grouped contiguous form on it; default w8a16
-                                 (the W8A16 kernels, faster on the H200: see PREFILL_GEMM below)
+                                 on the first FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and
+                                 the MoE's large steps in the grouped contiguous form on it
     DEEPINFER_MOE_CONTIGUOUS=1   MoE steps past the masked form (prefill) in the grouped contiguous form
-                                 on the W8A16 kernel (triton_moe_contiguous; not yet measured on the H200)
+                                 on the W8A16 kernel (triton_moe_contiguous; default: MOE_CONTIGUOUS_DEFAULT)
     Shape rules: a fast path whose rules a call breaks takes the next path (the torch reference) and
     logs one line per (op, rule) (_fast_for; declined() lists them), so any valid config runs.
     TRITON_INTERPRET=1           with DEEPINFER_KERNELS=fast set explicitly, CPU tensors take the fast paths too,
@@ -55,10 +63,17 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # (2026-12-02, perf/bench_fp8_prefill.py, M 8192) that Triton kernel ran 72-74 TFLOP/s (the BK 32 walk of
 # triton_gemm.fp8_gemm 150-159) against W8A16's 292-325: a wgmma wait per 32 K and the promotion FMAs
 # on the CUDA cores cap it, so the default keeps W8A16 (the per-expert loop for large MoE steps).
-PREFILL_GEMM = os.environ.get("DEEPINFER_PREFILL_GEMM", "w8a16")
-if PREFILL_GEMM not in ("fp8", "w8a16"):
-    raise ValueError(f"DEEPINFER_PREFILL_GEMM must be 'fp8' or 'w8a16', got {PREFILL_GEMM!r}")
+# The variants of triton_fp8_variants.VARIANTS (named here so that this module imports no Triton; a test
+# checks the two lists agree): per-slice promotion with [BM, BN/32] scales (one FFMA per element), the next
+# slice's wgmma in flight during the promotion (lag), TMA loads, other tiles.
+FP8_VARIANTS = ("seq", "blocks", "blocks_bm64", "blocks_bn256", "lag_blocks", "lag_blocks_bm64", "lag2_blocks_bn64", "tma_blocks",
+                "tma_lag_blocks")
+PREFILL_GEMM = os.environ.get("DEEPINFER_PREFILL_GEMM", "auto")
+if PREFILL_GEMM not in ("auto", "fp8", "w8a16") + FP8_VARIANTS:
+    raise ValueError(f"DEEPINFER_PREFILL_GEMM must be auto, w8a16, fp8 or one of {FP8_VARIANTS}, got {PREFILL_GEMM!r}")
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
+FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
+FP8_TABLE_PATH = os.environ.get("DEEPINFER_FP8_TABLE", os.path.join(os.path.dirname(__file__), "fp8_select_table.json"))
 
 log = logging.getLogger(__name__)
 _DECLINED: set[tuple[str, str]] = set()
@@ -69,14 +84,14 @@ def declined() -> set[tuple[str, str]]:
     return set(_DECLINED)
 
 
-def _fast_for(t: torch.Tensor, op: str, ok: bool, rule: str) -> bool:
+def _fast_for(t: torch.Tensor, op: str, ok: bool, rule: str, then: str = "the torch reference") -> bool:
     """use_fast(t) and the op's shape rules hold. Where the fast path is on but the shape breaks its
     rules, the call takes the next path (the torch reference) and says so once per (op, rule)."""
     if not use_fast(t):
         return False
     if not ok and (op, rule) not in _DECLINED:
         _DECLINED.add((op, rule))
-        log.warning("kernels: %s declines the fast path (needs %s); using the torch reference", op, rule)
+        log.warning("kernels: %s declines the fast path (needs %s); using %s", op, rule, then)
     return ok
 
 
@@ -210,6 +225,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
     if _prefill_fp8_ok(x, w, w_scale):
         from .triton_fp8_prefill import fp8_prefill_linear
         return fp8_prefill_linear(x, w, w_scale)
+    variant = _fp8_variant_for(x, w, w_scale)
+    if variant is not None:
+        from .triton_fp8_variants import fp8_variant_linear
+        return fp8_variant_linear(x, w, w_scale, variant)
     if _fast_for(x, "fp8_linear", _fast_gemm_ok(w, w_scale), _GEMM_RULE):
         from .triton_gemm import fp8_linear as fast
         return fast(x, w, w_scale, batch_invariant=_batch_invariant())
@@ -227,24 +246,89 @@ def _prefill_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> 
                      "K a multiple of 128 and the W8A16 scale layouts")
 
 
+@functools.lru_cache(maxsize=None)
+def fp8_table(path: str) -> dict:
+    """The measured choice table: {(n, k): [(m, variant), ...] ascending in m}, from the JSON that
+    perf/bench_fp8_prefill.py --variants writes ({"measured": "...", "rows": [{"n", "k", "m", "variant"}]},
+    variant null where W8A16 won). Missing file: {} (W8A16 everywhere). A malformed one raises."""
+    import json
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        doc = json.load(f)
+    table: dict = {}
+    for r in doc["rows"]:
+        v = r["variant"]
+        if v is not None and v not in FP8_VARIANTS:
+            raise ValueError(f"{path}: unknown FP8 variant {v!r} (known: {FP8_VARIANTS})")
+        table.setdefault((int(r["n"]), int(r["k"])), []).append((int(r["m"]), v))
+    return {key: sorted(rows) for key, rows in table.items()}
+
+
+def fp8_table_pick(m: int, n: int, k: int, path: str | None = None) -> str | None:
+    """The table's variant for an [m, k] x [n, k]^T call: the row of the largest measured M <= m at this
+    (n, k) (a shape or M below every measured one: None, W8A16)."""
+    pick = None
+    for mm, v in fp8_table(path or FP8_TABLE_PATH).get((n, k), ()):
+        if mm <= m:
+            pick = v
+    return pick
+
+
+def _fp8_variant_for(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> str | None:
+    """The FP8 x FP8 variant this FP8 linear takes (None: W8A16): DEEPINFER_PREFILL_GEMM names one (for
+    >= FP8_VARIANT_MIN_M rows), or auto and the measured table picks one for this shape; never in
+    batch-invariant mode. A call whose shape breaks the variant's rules (K a multiple of 64 for the
+    lagged loops, 32 otherwise; the W8A16 scale layouts) declines to W8A16 and logs it once."""
+    if PREFILL_GEMM in ("w8a16", "fp8") or _batch_invariant() or not use_fast(x):
+        return None
+    n, k = w.shape
+    m = x.numel() // k if k else 0
+    if PREFILL_GEMM == "auto":
+        variant = fp8_table_pick(m, n, k)
+    else:
+        variant = PREFILL_GEMM if m >= FP8_VARIANT_MIN_M else None
+    if variant is None:
+        return None
+    step = 64 if "lag" in variant else 32
+    ok = k % step == 0 and _fast_gemm_ok(w, w_scale) and w.dtype == torch.float8_e4m3fn
+    return variant if _fast_for(x, f"fp8_variant_linear[{variant}]", ok,
+                                f"K a multiple of {step} and the W8A16 scale layouts", then="the W8A16 path") else None
+
+
 # DEEPINFER_MOE_CONTIGUOUS=1: MoE steps past the masked form (prefill chunks) in the grouped contiguous
-# form on the W8A16 kernel (triton_moe_contiguous) instead of the per-expert loop. Opt-in until measured
-# on the H200 (perf/bench_fp8_prefill.py prints it against the loop); DEEPINFER_PREFILL_GEMM=fp8 takes
-# the contiguous form on the FP8 kernel.
-MOE_CONTIGUOUS = os.environ.get("DEEPINFER_MOE_CONTIGUOUS", "0") == "1"
+# form on the W8A16 kernel (triton_moe_contiguous) instead of the per-expert loop; DEEPINFER_PREFILL_GEMM=fp8
+# takes the contiguous form on the FP8 kernel. perf/bench_fp8_prefill.py --variants prints it against the
+# loop: where the H200 says it wins, flip this one line to "1" (the env still overrides either way).
+MOE_CONTIGUOUS_DEFAULT = "1"   # H200, 2026-12-02: grouped W8A16 1.55x the per-expert loop (8192 x 6 pairs)
+MOE_CONTIGUOUS = os.environ.get("DEEPINFER_MOE_CONTIGUOUS", MOE_CONTIGUOUS_DEFAULT) == "1"
 
 
 def grouped_contiguous_ok(x: torch.Tensor, k1: int, k2: int) -> bool:
     """The MoE's grouped contiguous form can run its two GEMMs (K = dim, then moe_inter_dim) for tensor
-    x: on the FP8 prefill kernel (DEEPINFER_PREFILL_GEMM=fp8, K % 128 == 0) or on the W8A16 one
-    (DEEPINFER_MOE_CONTIGUOUS=1, K % 32 == 0)."""
+    x: on the FP8 prefill kernel (DEEPINFER_PREFILL_GEMM=fp8, K % 128 == 0), on an FP8 x FP8 variant
+    DEEPINFER_PREFILL_GEMM names (K a multiple of 64 for the lagged loops, 32 otherwise), or on the W8A16
+    one (DEEPINFER_MOE_CONTIGUOUS=1, K % 32 == 0; also where a named variant declines)."""
+    return _contiguous_kernel(x, k1, k2) is not None
+
+
+def _contiguous_kernel(x: torch.Tensor, k1: int, k2: int) -> str | None:
+    """"fp8", a variant name, "w8a16" or None (the per-expert loop): grouped_contiguous_ok's choice."""
     if _batch_invariant():
-        return False
+        return None
     if PREFILL_GEMM == "fp8":
-        return _fast_for(x, "grouped_fp8_linear_contiguous", k1 % 128 == 0 and k2 % 128 == 0,
-                         "dim and moe_inter_dim multiples of 128")
-    return MOE_CONTIGUOUS and _fast_for(x, "grouped_w8a16_contiguous", k1 % 32 == 0 and k2 % 32 == 0,
-                                        "dim and moe_inter_dim multiples of 32")
+        return "fp8" if _fast_for(x, "grouped_fp8_linear_contiguous", k1 % 128 == 0 and k2 % 128 == 0,
+                                  "dim and moe_inter_dim multiples of 128") else None
+    if PREFILL_GEMM in FP8_VARIANTS:
+        step = 64 if "lag" in PREFILL_GEMM else 32
+        if _fast_for(x, f"grouped_fp8_variant_contiguous[{PREFILL_GEMM}]", k1 % step == 0 and k2 % step == 0,
+                     f"dim and moe_inter_dim multiples of {step}",
+                     then="W8A16 (DEEPINFER_MOE_CONTIGUOUS=1) or the per-expert loop"):
+            return PREFILL_GEMM
+    if MOE_CONTIGUOUS and _fast_for(x, "grouped_w8a16_contiguous", k1 % 32 == 0 and k2 % 32 == 0,
+                                    "dim and moe_inter_dim multiples of 32"):
+        return "w8a16"
+    return None
 
 
 def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -255,11 +339,16 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
     host read; FP8 x FP8 with DEEPINFER_PREFILL_GEMM=fp8, else W8A16). Reference: expert by expert
     (reads counts on the host)."""
     k = w.shape[-1]
-    if grouped_contiguous_ok(x, k, k):
-        if PREFILL_GEMM == "fp8":
+    kernel = _contiguous_kernel(x, k, k)
+    if kernel is not None:
+        if kernel == "fp8":
             from .triton_fp8_prefill import fp8_grouped_contiguous
             from .triton_quant import act_quant_fp8
             return fp8_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts)
+        if kernel in FP8_VARIANTS:
+            from .triton_fp8_variants import fp8_variant_grouped_contiguous
+            from .triton_quant import act_quant_fp8
+            return fp8_variant_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts, kernel)
         from .triton_moe_contiguous import w8a16_grouped_contiguous
         return w8a16_grouped_contiguous(x, w, w_scale, counts)
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)

@@ -5,7 +5,7 @@ for 1 x 8192, 4 x 2048 and 16 x 512 prompt tokens in one step, and 1 x 8192 as c
 default), W8A16 with the MoE in the grouped contiguous form (DEEPINFER_MOE_CONTIGUOUS=1), and the FP8 x
 FP8 per-32-promotion kernels (DEEPINFER_PREFILL_GEMM=fp8, kernels/triton_fp8_prefill.py).
 
-    python perf/bench_model_prefill.py [--cases 1x8192 4x2048 16x512 chunked] [--profile]
+    python perf/bench_model_prefill.py [--cases 1x8192 4x2048 16x512 chunked] [--profile] [--gemms w8a16 lag_blocks ...]
                                        (model_prefill.json / .png in $OUT, the plot also as perf/figures/model_prefill_h200.png)
 
 Printed per case and GEMM path: milliseconds, tokens/s, the linear work's TFLOP/s and its share of the
@@ -38,6 +38,18 @@ FULL_LAYERS = 40
 # the prefill GEMM paths compared: W8A16 everywhere (the default: per-expert loop for large MoE steps),
 # W8A16 with the MoE's grouped contiguous form (DEEPINFER_MOE_CONTIGUOUS=1), FP8 x FP8 (DEEPINFER_PREFILL_GEMM=fp8)
 GEMM_MODES = ("w8a16", "w8a16+moe", "fp8")
+
+
+def gemm_mode(mode: str) -> tuple[str, bool]:
+    """--gemms entry -> (select.PREFILL_GEMM, select.MOE_CONTIGUOUS): w8a16, w8a16+moe, fp8 (the first FP8
+    kernel, MoE contiguous on it), auto / auto+moe (the measured table kernels/fp8_select_table.json or
+    DEEPINFER_FP8_TABLE picks per shape), or an FP8 variant name (triton_fp8_variants: every FP8 linear of
+    >= 32 rows and the MoE's contiguous form on it)."""
+    from deepinfer.kernels import select
+    base, _, moe = mode.partition("+")
+    if base not in ("w8a16", "fp8", "auto") + select.FP8_VARIANTS or moe not in ("", "moe"):
+        raise SystemExit(f"--gemms: unknown mode {mode!r}")
+    return base, moe == "moe"
 FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
 
@@ -110,8 +122,9 @@ def plot(rows, path: str) -> None:
     import matplotlib.pyplot as plt
     cases = list(dict.fromkeys(r["case"] for r in rows))
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    w = 0.8 / len(GEMM_MODES)
-    for i, gemm in enumerate(GEMM_MODES):
+    modes = list(dict.fromkeys(r["gemm"] for r in rows))
+    w = 0.8 / len(modes)
+    for i, gemm in enumerate(modes):
         sel = [next((r for r in rows if r["case"] == c and r["gemm"] == gemm), None) for c in cases]
         sel = [r or dict(est40_tok_s=0.0, of_fp8_peak=0.0) for r in sel]
         xs = [j + w * i for j in range(len(cases))]
@@ -134,6 +147,8 @@ def main() -> None:
     p.add_argument("--cases", nargs="+", default=["1x8192", "4x2048", "16x512", "chunked"])
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--gemms", nargs="+", default=list(GEMM_MODES),
+                   help="GEMM paths to compare (gemm_mode): w8a16, w8a16+moe, fp8, auto[+moe], an FP8 variant name")
     a = p.parse_args()
 
     from deepinfer.cache.model_caches import ModelCaches
@@ -149,10 +164,10 @@ def main() -> None:
     caches = ModelCaches.allocate(model.args, 16, 16 * nb, 64, "cuda")
     rows = []
     print(f"{'case':>8} {'gemm':>6} {'ms':>8} {'tok/s':>8} {'lin TF/s':>9} {'/FP8':>6} {'/bf16':>6} {'40L tok/s/GPU':>14}")
+    defaults = select.PREFILL_GEMM, select.MOE_CONTIGUOUS
     for case in a.cases:
-        for gemm in GEMM_MODES:
-            select.PREFILL_GEMM = "fp8" if gemm == "fp8" else "w8a16"
-            select.MOE_CONTIGUOUS = gemm == "w8a16+moe"
+        for gemm in a.gemms:
+            select.PREFILL_GEMM, select.MOE_CONTIGUOUS = gemm_mode(gemm)
             try:
                 with torch.inference_mode():
                     fn, T = run_case(model, caches, case, nb)
@@ -171,7 +186,7 @@ def main() -> None:
         if "w8a16" in mine:
             print(f"{case:>8}  speed vs w8a16: " + ", ".join(f"{g} {mine['w8a16']['ms'] / r['ms']:.2f}x"
                                                            for g, r in mine.items() if g != "w8a16"), flush=True)
-    select.PREFILL_GEMM, select.MOE_CONTIGUOUS = "w8a16", False
+    select.PREFILL_GEMM, select.MOE_CONTIGUOUS = defaults
     top = []
     if a.profile:
         try:

@@ -147,7 +147,11 @@ def main(argv=None) -> int:
             modes["on, small"] = {**modes["on"], "num_cache_blocks": a.small_cache_blocks}
             if a.host_cache_bytes:
                 modes["on, small+host"] = {**modes["on, small"], "host_cache_bytes": a.host_cache_bytes}
-        results = {name: run_mode(ckpt, a, **kw) for name, kw in modes.items()}
+        results = {}
+        for name, kw in modes.items():   # a line per mode as it ends: a run cut short still reports
+            results[name] = r = run_mode(ckpt, a, **kw)
+            print(f"[{name}] prefill {r['prefill_tokens']} tokens, hit rate {r['hit_rate']:.3f}, "
+                  f"TTFT p50 {r['ttft_p50']:.3f} s p90 {r['ttft_p90']:.3f} s, {r['tok_s']:.1f} tok/s", flush=True)
     print(f"{a.conversations} conversations x {a.turns} turns, system {a.system_tokens} tokens, +{a.user_tokens} "
           f"user / {a.output_tokens} output tokens a turn, block {a.block_tokens}, device {a.device}")
     keys = ["prefill_tokens", "hit_rate", "snapshot_hits", "replayed", "evictions", "host_hits", "preemptions",

@@ -14,7 +14,8 @@
 Pixels are made from the ORIGINAL bytes with the reference's image_processor.py semantics; the
 recipe's own resolver (OpenCV resize + lossy WebP re-encode) is not used for pixels. Its sizes and
 adjustment agree with ours except at extreme aspect ratios (tests/model/test_vision_preprocess.py);
-`detail` ("low") is not applied: the reference has no such notion.
+`detail` is the recipe's: "low" caps the original's long side at 512 px before the plan (fewer
+tokens), as deepseek-recipe does (deepinfer.model.vision.preprocess.detail_size).
 
 Every failure is the API's own 400 (RecipeError), raised before anything reaches the engine.
 """
@@ -81,7 +82,7 @@ class ImageStage:
     """One per preprocess instance: the checkpoint's image preparation plus the request limits."""
 
     def __init__(self, prepare=None, limits: ImageLimits | None = None):
-        # prepare(bytes, max_side) -> (pixels, span_len), raising ValueError; None = text-only checkpoint
+        # prepare(bytes, max_side, detail) -> (pixels, span_len), raising ValueError; None = text-only checkpoint
         self.prepare = prepare
         self.limits = limits or ImageLimits()
         self._fetcher = None
@@ -135,7 +136,7 @@ class ImageStage:
         pixels, spans = [], []
         for src, data in zip(sources, datas):
             try:
-                rgb, span_len = self.prepare(data, self.limits.max_side)
+                rgb, span_len = self.prepare(data, self.limits.max_side, getattr(src, "detail", None) or "high")
             except ValueError as e:
                 raise api_error(api, 400, f"{getattr(src, 'path', '') or 'image'}: {e}") from None
             pixels.append(rgb)

@@ -6,10 +6,10 @@
 
 A hash therefore names the block's tokens AND every token before it, so equal hashes mean equal
 cached KV (the model is causal). The per-request `cache_salt` enters the root: two salts never
-share a block, not even the first. `extra(k)` is the hook for what token ids alone do not say:
-an image's content hash and offset for blocks overlapping its span (the vision path passes a
-function; text requests have none). BLAKE2b-128 over the raw int64 bytes: collision-safe across
-tenants, about 1 us per 64-token block.
+share a block, not even the first. Prompts with images hash their cache keys instead of their
+token ids (cache/image_keys.py: span positions keyed by the image's content and offset);
+`extra(k)` remains a hook for anything else token ids do not say. BLAKE2b-128 over the raw int64
+bytes: collision-safe across tenants, about 1 us per 64-token block.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ class HostTierIndex:
         self._lru: OrderedDict[bytes, int] = OrderedDict()   # hash -> slot, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))
         self.num_evictions = 0
+        self.on_evict = None     # (hash, slot) -> None, before an evicted entry's slot is reused (disk tier)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -49,8 +50,10 @@ class HostTierIndex:
         if self._free:
             slot = self._free.pop()
         else:
-            _, slot = self._lru.popitem(last=False)
+            old, slot = self._lru.popitem(last=False)
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(old, slot)
         self._lru[block_hash] = slot
         return slot
 

@@ -41,7 +41,7 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_tokens: int, num_ring_slots: int,
-                 enable_prefix_caching: bool = False, host_tier=None) -> None:
+                 enable_prefix_caching: bool = False, host_tier=None, disk_tier=None) -> None:
         self.block_tokens = block_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -50,6 +50,10 @@ class KVCacheManager:
         self.num_onloads = self.num_offloads = 0
         if host_tier is not None:
             self.pool.on_evict = self._offload
+        self.disk = disk_tier                     # DiskTierIndex (cache/disk_tier.py) under the host tier, or None
+        self.num_spills = self.num_disk_onloads = 0
+        if disk_tier is not None:
+            host_tier.on_evict = self._spill
         self.num_hashed: dict[str, int] = {}      # req_id -> leading blocks of its table registered by hash
         self.num_ring_slots = num_ring_slots
         self._free_slots = list(range(num_ring_slots - 1, -1, -1))
@@ -133,6 +137,29 @@ class KVCacheManager:
             self.block_copies.append(BlockCopy("offload", block, slot))
             self.num_offloads += 1
 
+    def _spill(self, block_hash: bytes, slot: int) -> None:
+        """The host tier reuses this slot: its block goes to the disk tier first."""
+        drops = self.disk.put(block_hash)
+        if drops is None:
+            return                      # a file holds it already, or the tier has no room
+        self.block_copies += [BlockCopy("disk_drop", -1, -1, h.hex()) for h in drops]
+        self.block_copies.append(BlockCopy("spill", -1, slot, block_hash.hex()))
+        self.num_spills += 1
+
+    def _onload_from_disk(self, block_hash: bytes) -> int | None:
+        """A device block holding the disk tier's copy of this hash (read before the next step), or None."""
+        if self.disk is None or not self.disk.has(block_hash):
+            return None
+        new = self.pool.allocate(1)
+        if new is None:
+            return None
+        if not self.disk.has(block_hash):    # making room spilled enough to drop it: give the block back
+            self.pool.free(new)
+            return None
+        self.block_copies.append(BlockCopy("disk_onload", new[0], -1, block_hash.hex()))
+        self.num_disk_onloads += 1
+        return new[0]
+
     def onload(self, block_hashes: list[bytes], max_blocks: int) -> int:
         """Bring the host tier's blocks that extend the device hit back into the pool (as idle
         cached blocks, copied before the next step); -> how many. The device hit and the blocks
@@ -145,9 +172,13 @@ class KVCacheManager:
         for h in block_hashes[n0:max_blocks]:
             slot = self.host.get(h)
             new = self.pool.allocate(1) if slot is not None else None
-            if new is None:
-                break
-            self.block_copies.append(BlockCopy("onload", new[0], slot))
+            if new is not None:
+                self.block_copies.append(BlockCopy("onload", new[0], slot))
+            else:
+                b = self._onload_from_disk(h)
+                if b is None:
+                    break
+                new = [b]
             self.pool.cache(new[0], h)
             held.append(new[0])
         self.pool.free(held)

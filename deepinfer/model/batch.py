@@ -38,6 +38,9 @@ class ForwardBatch:
     # whose compressed entries this step may write (the ones below are cached and shared)
     window_start: torch.Tensor | None = None   # [B] int64 (CPU)
     write_from: torch.Tensor | None = None     # [B] int64 (CPU)
+    # YOCO prefill truncation (model/yoco.py), None = off: per sequence, the first position whose row
+    # runs through the decoder layers (earlier rows run the encoder and layer B's compressor only)
+    yoco_keep_from: torch.Tensor | None = None   # [B] int64 (CPU)
 
     @property
     def num_seqs(self) -> int:

@@ -5,6 +5,8 @@ One `forward(batch, caches)` serves every step shape: a whole prefill, a chunk c
 one-token decode and 1+k verification, for any number of sequences at once (see model/batch.py).
 Everything runs flat over all T new tokens of all sequences; attention gathers one KV buffer per
 layer for the whole batch (model/step_metadata.py builds the index lists once per step).
+With YOCO truncation (ForwardBatch.yoco_keep_from, model/yoco.py) the rows drop to the kept ones
+at the first decoder layer, after it has written the compressed KV of every row.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .dspark import DSparkBlock
 from .layers import Embedding, Linear, RMSNorm, linear_fp32, rope_tables
 from .step_metadata import StepMetadata
 from .vision import VisionTower
+from . import yoco
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Transformer(nn.Module):
                                  if args.dspark_block_size else [])
         self.vision_tower = VisionTower(args.vision, args.dim) if args.vision is not None else None
         # the last index-key owner in layer order: what the reference's aliased decode reads first
+        self.decoder_start = yoco.decoder_start(args)   # YOCO boundary B (used when a batch sets yoco_keep_from)
         owners = [s for s in args.kv_source_layers if s in args.index_source_layers]
         self._last_index_owner = owners[-1] if owners else -1
 
@@ -95,11 +99,24 @@ class Transformer(nn.Module):
         pre = torch.zeros(h.shape[0], args.hc_mult, device=h.device)
         pre[:, 0] = 1.0
         taps, snaps, attn_outs = [], [], ([] if dump_hidden else None)
+        compact = yoco.plan_compaction(batch)
+        token_mask, num_rows = batch.token_mask, h.shape[0]
         for i, layer in enumerate(self.layers):
             if dump_hidden:
                 snaps.append(h.float())
             if layer.engram is not None:
-                h = layer.engram(h, hashes[:, layer.engram.hash_index], batch.token_mask)
+                h = layer.engram(h, hashes[:, layer.engram.hash_index], token_mask)
+            if compact is not None and i == self.decoder_start:
+                if dump_hidden:
+                    raise ValueError("dump_hidden does not combine with YOCO prefill truncation")
+                # YOCO: the decoder's compressed KV for every row, then the decoder runs the kept rows only
+                yoco.write_decoder_kv(layer, h, pre, meta, caches, self.rope)
+                kept, batch = compact.kept, compact.batch
+                h, pre = h[kept], pre[kept]
+                image_mask = None if image_mask is None else image_mask[kept]
+                hashes = None if hashes is None else hashes[kept]
+                token_mask = batch.token_mask
+                meta = self.step_metadata(batch, caches)
             attn_fn = lambda xn, layer=layer: layer.attn(xn, meta, caches, self.rope)  # noqa: E731
             # a DSpark target layer's tap (its input averaged over the hc copies) comes out of its mixes
             h, pre = layer(h, pre, attn_fn, image_mask, attn_outs, taps if i in args.dspark_target_layer_ids else None)
@@ -107,6 +124,9 @@ class Transformer(nn.Module):
             snaps.append(h.float())
         li = batch.logits_indices
         x = self.norm(Block.hc_pre(h[li], pre[li]))
+        if compact is not None and taps:    # DSpark rings get the kept rows (drafts read the last window only)
+            taps = [t if t.shape[0] == num_rows else t.new_zeros(num_rows, t.shape[1]).index_copy_(0, compact.kept, t)
+                    for t in taps]
         return ModelOutput(
             logits=self.logits(x),
             main_hidden=torch.cat(taps, dim=-1) if taps else None,

@@ -13,6 +13,10 @@ The Scheduler calls five hooks (and nothing else of this module decides its loop
     on_release(req)      preempted or finished: forget what it was computing
     on_finish(req, ok)   a request that ended normally leaves a window snapshot at C = tokens - 1
 
+Requests with images key their span positions by the image's content (cache/image_keys.py), in
+the block hashes and the snapshot tails alike; a replay never starts inside an image span (it
+moves back to the span's start) and a snapshot ending inside one is not used.
+
 A hit needs at least one block (or a snapshot) and leaves at least the prompt's last token to run
 (its logits). A snapshot is chosen over replay when it covers at least H - R positions (then it
 costs no more compute, and it is exact).
@@ -23,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.cache.block_hash import extend_block_hashes, root_hash
+from deepinfer.cache.image_keys import request_cache_keys
 from deepinfer.cache.kv_cache_manager import KVCacheManager
 from deepinfer.cache.snapshot_index import SnapshotIndex
 from deepinfer.outputs import ReplayParams, SnapshotCopy
@@ -53,7 +58,7 @@ class PrefixCaching:
         self._seen: dict[str, int] = {}            # pool / host-tier counts already added to stats
 
     def _hashes(self, req: Request) -> list[bytes]:
-        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_tokens, req.cache_salt)
+        return extend_block_hashes(req.block_hashes, request_cache_keys(req), self.block_tokens, req.cache_salt)
 
     def on_add(self, req: Request) -> None:
         self._hashes(req)
@@ -77,6 +82,9 @@ class PrefixCaching:
         if k == 0:
             return None
         s = H - min(self.replay_tokens, H)
+        for a, b in req.image_spans:       # chunks never cut an image: replay its whole span
+            if a < s < b:
+                s = a
         return PrefixHit(blocks, H, s, replay=ReplayParams(s, H))
 
     def _find_snapshot(self, req: Request, hashes: list[bytes], k: int, H: int):
@@ -87,8 +95,8 @@ class PrefixCaching:
             if j * B < H - self.replay_tokens:
                 break
             parent = hashes[j - 1] if j else root_hash(req.cache_salt)
-            snap = self.snapshots.find(parent, req.all_token_ids, j * B, min(N - 1, (j + 1) * B - 1))
-            if snap is not None:
+            snap = self.snapshots.find(parent, request_cache_keys(req), j * B, min(N - 1, (j + 1) * B - 1))
+            if snap is not None and not any(a < snap.num_tokens < b for a, b in req.image_spans):
                 return snap
         return None
 
@@ -111,7 +119,9 @@ class PrefixCaching:
     def after_step(self, running: list[Request]) -> None:
         for name, now in (("prefix_cache_evictions_total", self.kv.pool.num_evictions),
                           ("prefix_cache_host_offloads_total", self.kv.num_offloads),
-                          ("prefix_cache_host_hits_total", self.kv.num_onloads)):
+                          ("prefix_cache_host_hits_total", self.kv.num_onloads - self.kv.num_disk_onloads),
+                          ("prefix_cache_disk_spills_total", self.kv.num_spills),
+                          ("prefix_cache_disk_hits_total", self.kv.num_disk_onloads)):
             seen = self._seen.get(name, 0)
             if now != seen:
                 self.stats.inc(name, now - seen)
@@ -148,7 +158,7 @@ class PrefixCaching:
         if self.kv.num_hashed[rid] < j:
             return   # the blocks under it are not all cached (duplicates held elsewhere): no anchor
         parent = hashes[j - 1] if j else root_hash(req.cache_salt)
-        slot = self.snapshots.add(parent, C, tuple(req.all_token_ids[j * B:C]))
+        slot = self.snapshots.add(parent, C, tuple(request_cache_keys(req)[j * B:C]))
         if slot is None:
             return
         table = self.kv.block_ids[rid]

@@ -176,9 +176,9 @@ class Scheduler:
         deferred = []   # waiting for a block a running request computes (prefix caching)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            # prefix hits for text prompts only (image content hashes are not in the block keys yet)
+            # prefix hits (image spans keyed by the image's content: cache/image_keys.py)
             hit = (self.prefix.plan_hit(req) if self.prefix is not None and req.num_computed_tokens == 0
-                   and req.image_prompt is None else None)
+                   else None)
             if hit is not None and hit.wait:
                 deferred.append(self.waiting.popleft())
                 continue

@@ -25,8 +25,9 @@ from deepinfer.sampling_params import SamplingParams
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_req: int, ngram_width: int,
-                 window: int = 128) -> None:
+                 window: int = 128, yoco_keep_tokens: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
+        self.yoco_keep_tokens = yoco_keep_tokens           # YOCO truncation (model/yoco.py): 0 = off
         self.window = window
         self.ngram_width = ngram_width                      # max_ngram_size - 1 previous tokens
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 16), dtype=np.int64)  # + room for drafts
@@ -150,6 +151,10 @@ class InputBatch:
             logits_indices=to(logits_indices),
             window_start=torch.from_numpy(self.window_start[rows]) if replaying else None,
             write_from=torch.from_numpy(self.write_from[rows]) if replaying else None)
+        if self.yoco_keep_tokens:            # decoder rows from (tokens known) - N on: only prompt chunks lose rows
+            keep_from = np.maximum(self.num_tokens[rows] - self.yoco_keep_tokens, 0)
+            if (keep_from > start).any():
+                batch.yoco_keep_from = torch.from_numpy(keep_from)
         if self.has_images[rows].any():      # False inside image spans: VL router bias, Engram dead
             batch.token_mask = to(self.token_types[rows_rep, positions] < 0)
         if prev_sampled is not None and pending.any():

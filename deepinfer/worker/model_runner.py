@@ -83,7 +83,8 @@ class ModelRunner:
     def __init__(self, model, caches, device: torch.device, max_num_seqs: int, max_model_len: int,
                  block_tokens: int, ngram_width: int = 3, sampler=None, batch_invariant: bool = False,
                  proposer=None, graph_sizes: tuple[int, ...] = (), graph_max_len: int = 8192,
-                 num_snapshot_slots: int = 0, num_host_slots: int = 0) -> None:
+                 num_snapshot_slots: int = 0, num_host_slots: int = 0, yoco_keep_tokens: int = 0,
+                 disk_cache_dir: str | None = None) -> None:
         self.model = model
         self.proposer = proposer      # deepinfer.spec.DSparkProposer; None = no drafts
         self.batch_invariant = batch_invariant   # torch path: row-by-row GEMMs (kernels/batch_invariant.py)
@@ -91,7 +92,8 @@ class ModelRunner:
         self.caches = caches
         self.device = torch.device(device)
         max_blocks = -(-(max_model_len + 16) // block_tokens)
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks, ngram_width, window=caches.ring_len // 2)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks, ngram_width, window=caches.ring_len // 2,
+                                      yoco_keep_tokens=yoco_keep_tokens)
         self.snapshots = None         # SnapshotStore: window state of ended requests (prefix caching)
         if num_snapshot_slots:
             from deepinfer.cache.snapshot_store import SnapshotStore
@@ -100,6 +102,10 @@ class ModelRunner:
         if num_host_slots:
             from deepinfer.cache.host_tier import HostBlockStore
             self.host_blocks = HostBlockStore(caches, num_host_slots)
+        self.disk_blocks = None       # DiskBlockStore: the disk tier under the host tier
+        if num_host_slots and disk_cache_dir:
+            from deepinfer.cache.disk_tier import DiskBlockStore
+            self.disk_blocks = DiskBlockStore(caches, self.host_blocks, disk_cache_dir)
         self._prev_sampled: torch.Tensor | None = None   # [N] device samples of the last launched step
         self._launch_seq = 0
         self.images = None            # ImageEmbeds: span embeddings of the requests' images (vision checkpoints)
@@ -131,8 +137,14 @@ class ModelRunner:
         for copy in sched_out.block_copies:        # in decision order: an offload before its block's reuse
             if copy.kind == "offload":
                 self.host_blocks.offload(copy.block, copy.host_slot)
-            else:
+            elif copy.kind == "onload":
                 self.host_blocks.onload(copy.host_slot, copy.block)
+            elif copy.kind == "spill":
+                self.disk_blocks.spill(copy.host_slot, copy.key)
+            elif copy.kind == "disk_onload":
+                self.disk_blocks.onload(copy.key, copy.block)
+            else:
+                self.disk_blocks.drop(copy.key)
         self._update_states(sched_out)
         if sched_out.is_empty:
             return None

@@ -61,6 +61,7 @@ def model_overrides(args: EngineArgs) -> dict:
 def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str | None = None) -> RankRuntime:
     """Load the model (this rank's experts only when `parallel` splits them), size and allocate the
     caches, and build the runner."""
+    from deepinfer.cache.disk_tier import num_disk_blocks
     from deepinfer.cache.host_tier import num_host_slots
     from deepinfer.cache.snapshot_store import check_replay_tokens, num_snapshot_slots
     from deepinfer.model.loader import load_model
@@ -69,6 +70,11 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     device = device or args.resolved_device()
     torch_dtype(args.dtype)
     check_replay_tokens(args, facts.model_args)
+    if args.yoco_prefill_keep_tokens:
+        from deepinfer.model.yoco import check_yoco
+        check_yoco(facts.model_args, args.yoco_prefill_keep_tokens,
+                   args.num_speculative_tokens + 1 if args.speculative else 0)
+    disk_blocks = num_disk_blocks(args, facts.model_args)      # refuses a bad disk tier before loading
     model = load_model(args.checkpoint, device=device, progress=parallel is not None and parallel.rank == 0,
                        parallel=parallel, load_format=args.load_format,
                        # EPLB moves experts between ranks' stacks: keep one scale form in all of them
@@ -101,7 +107,9 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                          batch_invariant=args.batch_invariant, proposer=proposer, graph_sizes=sizes,
                          graph_max_len=args.max_seq_len_to_capture,
                          num_snapshot_slots=num_snapshot_slots(args, model_args),
-                         num_host_slots=num_host_slots(args, model_args))
+                         num_host_slots=num_host_slots(args, model_args),
+                         yoco_keep_tokens=args.yoco_prefill_keep_tokens,
+                         disk_cache_dir=args.disk_cache_dir if disk_blocks else None)
     return RankRuntime(device, model, caches, runner, sampler, num_blocks, max_model_len, sizes, async_scheduling)
 
 

@@ -17,6 +17,7 @@ import torch
 from deepinfer.kernels.select import dequant_fp8, row_scaled_fp8_weight
 from deepinfer.kernels.triton_fp8_prefill import (fp8_grouped_contiguous, fp8_prefill_gemm, fp8_prefill_linear,
                                                   fp8_prefill_linear_ref)
+from deepinfer.kernels.triton_fp8_variants import VARIANTS, fp8_variant_gemm, fp8_variant_grouped_contiguous
 from deepinfer.kernels.triton_moe_contiguous import w8a16_grouped_contiguous
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -64,6 +65,110 @@ def check_exact_dense(device):
         if rs is not None:                               # one f32 scale per row (the experts' form)
             assert same(fp8_prefill_gemm(a, sa, *rs, SMALL), r), (m, n, k, "row scale")
     print("exact dense: ok")
+
+
+def check_exact_variants(device, names=None):
+    """Every FP8 x FP8 variant (triton_fp8_variants) on ternary data: 32x32-tile, per-(row, 32) and per-row
+    weight scales, M and N not multiples of the tiles, K of 2 to 6 slices, split-K (decode-sized M on a
+    GPU: decode_config's split). Under the interpreter on small
+    tiles (BN 64: two scale blocks per tile, so BLOCKS' [BM, BN/32, 32] view is exercised)."""
+    gen = torch.Generator().manual_seed(4)
+    cases = ((5, 40, 64, "tile"), (70, 100, 192, "row32"), (33, 96, 128, "rows"), (64, 130, 128, "tile"))
+    if not INTERPRET:
+        cases += ((300, 1000, 1280, "tile"), (64, 4608, 5120, "tile"), (128, 2304, 5120, "rows"), (32, 512, 2304, "row32"))
+    names = list(names or VARIANTS)
+    if INTERPRET:                # the interpreter's tiles are all 32 x 64: one variant per K-loop form
+        forms = {}
+        for name in names:
+            forms.setdefault(tuple(VARIANTS[name][f] for f in ("BLOCKS", "LAG", "TMA")), name)
+        names = list(forms.values())
+    for name in names:
+        # the interpreter: split-K 3 asked (fewer where K is short: split_plan), so split and unsplit walks run
+        cfg = dict(VARIANTS[name], BM=32, BN=64, GROUP_M=2, num_warps=4, SPLIT_K=3) if INTERPRET else None
+        for m, n, k, scales in cases:
+            a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
+            sa = pow2((m, k // 32), -3, 3, gen, device)
+            b = ternary((n, k), gen, device).to(torch.float8_e4m3fn)
+            sb = e8m0((-(-n // 32) if scales == "tile" else n, k // 32), gen, device)
+            r = ref_gemm(a.float(), sa, b, sb)
+            if scales == "rows":
+                rs = row_scaled_fp8_weight(b, sb)
+                assert rs is not None
+                b, sb = rs
+            y = fp8_variant_gemm(a, sa, b, sb, name, cfg)
+            assert same(y, r), (name, m, n, k, scales, (y.float() - r.float()).abs().max())
+        if not INTERPRET or VARIANTS[name]["LAG"]:       # the interpreter: the lagged loops (TMA or not)
+            check_exact_variant_contiguous(device, name, cfg, gen)
+    print(f"exact variants, dense and grouped contiguous ({', '.join(names)}): ok")
+
+
+def check_exact_variant_contiguous(device, name, cfg, gen):
+    """The variant's grouped contiguous form: experts with no rows, rows not a multiple of the tile, N not
+    a multiple of BN (TMA: the next expert's rows must read as zeros), each scale layout."""
+    cases = [(4, 72, 128, [3, 0, 40, 9], "tile"), (3, 64, 192, [0, 0, 70], "row32"), (5, 40, 128, [1, 2, 0, 33, 64], "rows")]
+    if not INTERPRET:
+        cases += [(6, 320, 512, [0, 200, 1, 129, 0, 300], "tile"), (4, 2304, 1024, [64, 0, 128, 7], "rows")]
+    for E, n, k, counts, scales in cases:
+        P = sum(counts)
+        a = ternary((P, k), gen, device).to(torch.float8_e4m3fn)
+        sa = pow2((P, k // 32), -2, 3, gen, device)
+        b = ternary((E, n, k), gen, device).to(torch.float8_e4m3fn)
+        sb = e8m0((E, -(-n // 32) if scales == "tile" else n, k // 32), gen, device)
+        refs, start = [], 0
+        for e, c in enumerate(counts):
+            refs.append(ref_gemm(a[start:start + c].float(), sa[start:start + c], b[e], sb[e]))
+            start += c
+        if scales == "rows":
+            rs = row_scaled_fp8_weight(b, sb)
+            assert rs is not None
+            b, sb = rs
+        y = fp8_variant_grouped_contiguous(a, sa, b, sb, torch.tensor(counts, device=device), name, cfg)
+        start = 0
+        for e, c in enumerate(counts):
+            assert same(y[start:start + c], refs[e]), (name, E, counts, e, scales)
+            start += c
+
+
+def check_select_variants(device):
+    """select.fp8_linear on the measured table (PREFILL_GEMM auto): the table's variant where it names one
+    (same values as the W8A16 path: exact products, fp32 sums; within one bf16 ulp), W8A16 where it says
+    null or has no row, and a clean decline (logged once, W8A16 values) where K breaks the lagged loop's
+    rule (K % 64)."""
+    import json
+    import tempfile
+    from deepinfer.kernels import select
+    from deepinfer.checkpoint.generator import quant_fp8
+    gen = torch.Generator().manual_seed(5)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "table.json")
+        rows = [dict(n=96, k=128, m=32, variant="lag_blocks"), dict(n=96, k=128, m=4096, variant=None),
+                dict(n=64, k=96, m=32, variant="lag_blocks")]
+        with open(path, "w") as f:
+            json.dump({"measured": "test", "rows": rows}, f)
+        saved = select.PREFILL_GEMM, select.FP8_TABLE_PATH, select.MOE_CONTIGUOUS
+        select.PREFILL_GEMM, select.FP8_TABLE_PATH = "auto", path
+        try:
+            for m, n, k, want in ((40, 96, 128, "lag_blocks"), (16, 96, 128, None), (40, 64, 96, None), (40, 72, 128, None)):
+                x = torch.randn(m, k, generator=gen).bfloat16().to(device)
+                q, sc = quant_fp8(torch.randn(n, k, generator=gen) * k ** -0.5)
+                q, sc = q.to(device), sc.view(torch.uint8).to(device)
+                assert select._fp8_variant_for(x, q, sc) == want, (m, n, k, want)
+                y = select.fp8_linear(x, q, sc).float()
+                r = fp8_prefill_linear_ref(x, q, sc).float()
+                # one bf16 ulp of the larger of the two: sums in another order may round across a power of two
+                bad = (y - r).abs() > torch.maximum(r.abs(), y.abs()) * 2 ** -7 + 1e-30
+                assert not bad.any(), (m, n, k, (y - r).abs().max().item())
+            assert ("fp8_variant_linear[lag_blocks]", "K a multiple of 64 and the W8A16 scale layouts") in select.declined()
+            # the MoE's grouped contiguous form on a named variant; where it declines, W8A16's (if on) or the loop
+            x = torch.zeros(8, 128, device=device, dtype=torch.bfloat16)
+            for gemm, contiguous, k2, want in (("lag_blocks", False, 128, "lag_blocks"), ("lag_blocks", True, 96, "w8a16"),
+                                               ("lag_blocks", False, 96, None), ("blocks", False, 96, "blocks"),
+                                               ("auto", False, 128, None), ("auto", True, 128, "w8a16")):
+                select.PREFILL_GEMM, select.MOE_CONTIGUOUS = gemm, contiguous
+                assert select._contiguous_kernel(x, 128, k2) == want, (gemm, contiguous, k2, want)
+        finally:
+            select.PREFILL_GEMM, select.FP8_TABLE_PATH, select.MOE_CONTIGUOUS = saved
+    print("select: table picks and declines: ok")
 
 
 def check_exact_contiguous(device):
@@ -125,7 +230,9 @@ def check_moe_contiguous(device, tokens: int):
     x = torch.randn(tokens, 128, generator=gen).bfloat16().to(device)
     with tempfile.TemporaryDirectory() as d:
         ckpt = make_checkpoint(tc, 5, Path(d) / "moe", progress=False)
-        combos = [(False, "fp8"), (True, "fp8"), (False, "w8a16"), (True, "w8a16")]
+        saved = select.PREFILL_GEMM, select.MOE_CONTIGUOUS
+        combos = [(False, "fp8"), (True, "fp8"), (False, "w8a16"), (True, "w8a16"), (True, "lag_blocks"),
+                  (False, "tma_lag_blocks")]
         for rows, gemm in (combos[::3] if INTERPRET else combos):          # the interpreter: two of four
             select.PREFILL_GEMM, select.MOE_CONTIGUOUS = gemm, True
             ffn = load_model(ckpt, device=device, progress=False, weight_format="fp8", expert_row_scales=rows,
@@ -148,13 +255,14 @@ def check_moe_contiguous(device, tokens: int):
                 print(name, rows, rel)
                 assert rel < (3e-2 if INTERPRET else 2e-3), (name, rows, rel)
             print(f"moe contiguous {gemm} (row scales {rows}): ok")
-        select.PREFILL_GEMM, select.MOE_CONTIGUOUS = "w8a16", False
+        select.PREFILL_GEMM, select.MOE_CONTIGUOUS = saved
     assert moe_mod.MASKED_MAX_PAIRS > 0
 
 
 def main():
     device = "cpu" if INTERPRET else "cuda"
     check_exact_dense(device)
+    check_select_variants(device)
     check_exact_contiguous(device)
     check_moe_contiguous(device, 40 if INTERPRET else 3000)
     shapes = [(33, 72, 128), (70, 160, 256)] if INTERPRET else [
@@ -164,5 +272,13 @@ def main():
     return 0
 
 
+def main_variants():
+    """The FP8 x FP8 variants alone (test_fp8_prefill.py runs it under the interpreter: ~15 s)."""
+    device = "cpu" if INTERPRET else "cuda"
+    check_exact_variants(device)
+    check_select_variants(device)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_variants() if sys.argv[1:] == ["variants"] else main())

@@ -15,7 +15,7 @@ from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.model.vision import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, TEXT, ImageInput, ImagePlan,
                                     VisionArgs, VisionTower, expand_image_placeholders)
 from deepinfer.model.vision.aligner import Aligner, unfold_cells
-from deepinfer.model.vision.vit import PatchEmbed, ViT, VisionBlock, apply_rope_2d, rope_2d_table
+from deepinfer.model.vision.vit import PatchEmbed, ViT, VisionBlock, VisionRMSNorm, apply_rope_2d, rope_2d_table
 
 
 def _fill(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -163,6 +163,58 @@ def test_vit_over_several_images_equals_each_alone():
         together = vit(torch.cat([im.patches for im in imgs]), grids)
         alone = torch.cat([vit(im.patches, [g]) for im, g in zip(imgs, grids)])
     assert torch.equal(together, alone)
+
+
+def test_tower_encode_in_any_order_equals_each_alone():
+    """encode orders images by size for the ViT (equal sizes share an attention call) and hands the
+    spans back in the caller's order: bit-exact under batch-invariant mode."""
+    v = _args()
+    tower = _fill(VisionTower(v, dim=32), seed=9)
+    imgs = [_image(_plan(6, 5), 1), _image(_plan(2, 2), 2), _image(_plan(6, 5), 3), _image(_plan(1, 4), 4)]
+    with batch_invariant_mode(True):
+        together = tower.encode(imgs)
+        alone = [tower.encode([im])[0] for im in imgs]
+    assert [t.shape[0] for t in together] == [im.span_len for im in imgs]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+
+
+def test_rms_norm_fp32_then_one_rounding():
+    """The model's rms_norm op (Triton on the GPU) against the reference's spelled-out fp32 form
+    (weight times the normalized fp32 x, one bf16 rounding): at most one bf16 ulp apart."""
+    norm = _fill(VisionRMSNorm(1024), seed=2)
+    x = (torch.randn(300, 1024) * 3).to(torch.bfloat16)
+    torch.testing.assert_close(norm(x).float(), rms_ref(x, norm.weight).float(), atol=0, rtol=2 ** -7)
+
+
+def test_vit_fast_path_equals_the_plain_reference():
+    """The fast path (fused q/k rope, one 4-D SDPA per run of equal-size images, rope tables made on
+    the device, the tower's size ordering and one-gather span assembly) against the plain loop
+    reference image by image: patch embed, block_ref per layer (explicit softmax, head by head),
+    final norm, unfold_ref + the aligner MLP, and the span laid out slot by slot."""
+    v = _args(n_layers=2)
+    tower = _fill(VisionTower(v, dim=48), seed=11)
+    plans = [_plan(3, 5), _plan(4, 2), _plan(3, 5), _plan(3, 5), _plan(1, 1), _plan(4, 2)]   # runs and repeats
+    imgs = [_image(p, 20 + i) for i, p in enumerate(plans)]
+    got = tower.encode(imgs)
+    lin = lambda m, t: (t.float() @ m.weight.float().T + m.bias.float()).to(torch.bfloat16)  # noqa: E731
+    for im, span in zip(imgs, got):
+        n_h, n_w = im.plan.n_vit_h, im.plan.n_vit_w
+        x = lin(tower.vit.patch_embed.proj, im.patches.flatten(1))
+        for blk in tower.vit.blocks:
+            x = block_ref(blk, x, n_h, n_w, v.rope_theta)
+        x = rms_ref(x, tower.vit.norm.weight)
+        h = lin(tower.aligner.w1, unfold_ref(x, n_h, n_w, 3)).float()
+        rows = lin(tower.aligner.w2, (0.5 * h * (1 + torch.erf(h / math.sqrt(2)))).to(torch.bfloat16))
+        want, k = [], 0
+        for t in im.token_types.tolist():
+            if t == IMAGE:
+                want.append(rows[k])
+                k += 1
+            else:
+                want.append({IMAGE_START: tower.image_start, IMAGE_END: tower.image_end,
+                             IMAGE_NEW_LINE: tower.image_newline}[t].to(torch.bfloat16))
+        assert span.shape == (im.span_len, 48)
+        torch.testing.assert_close(span.float(), torch.stack(want).float(), atol=6e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("n_h,n_w", [(3, 3), (4, 5), (7, 2), (1, 1), (6, 9)])

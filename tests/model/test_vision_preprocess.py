@@ -58,6 +58,34 @@ def test_grid_span_and_count_equal_the_recipes(w, h, fmt):
     assert mm.image_token_adjustment() == p.span_len - 1
 
 
+LOW_SIZES = [(640, 480), (2000, 1000), (1000, 333), (333, 1000), (777, 555), (1234, 567), (4000, 37),
+             (1001, 999), (513, 100), (511, 300), (2000, 3)]
+
+
+@pytest.mark.parametrize("w,h", LOW_SIZES)
+def test_low_detail_equals_the_recipes(w, h):
+    """detail "low": the recipe caps the long side at 512 before its plan (sizes at the cap or under
+    it are unchanged); our plan of the capped size and the span equal the recipe's resolved low image."""
+    dr = pytest.importorskip("deepseek_recipe")
+    y, x = np.mgrid[0:h, 0:w]
+    buf = io.BytesIO()
+    Image.fromarray(np.stack([x % 256, y % 256, (x * y) % 256], -1).astype(np.uint8)).save(buf, "PNG")
+    data = buf.getvalue()
+    low, high = load_image(data, RELEASE, detail="low"), load_image(data, RELEASE, detail="high")
+    mm = dr.ImageResolver(dr.ReqwestImageFetcher(), dr.OpenCvImagePreprocessor()).resolve(
+        [dr.BytesImageSource(data, "low")], dr.ImageQuota())
+    assert (mm.images[0].width, mm.images[0].height) == (low.plan.width, low.plan.height)
+    assert mm.image_token_adjustment() == low.span_len - 1
+    assert low.span_len <= high.span_len and low.patches.shape[0] == low.plan.n_vit_h * low.plan.n_vit_w
+    # the encoder's dedup / prefix-cache key: the same bytes in low detail are other pixels
+    assert (low.content_hash == high.content_hash) == (max(w, h) <= 512)
+
+
+def test_unknown_detail_is_an_image_error():
+    with pytest.raises(ImageError, match="detail 'tiny'"):
+        load_image(encode(20, 20, "PNG"), RELEASE, detail="tiny")
+
+
 def test_where_the_recipe_differs_extreme_aspect():
     """1x4000 and 4000x1 (KVCACHE_VISION.md): the recipe caps a side at 16380 px, the reference's
     plan does not; the engine follows the reference (its span is what the model was trained on)."""

@@ -104,12 +104,59 @@ def test_prompt_tokens_match_the_recipes_adjustment(pre):
     dr = pytest.importorskip("deepseek_recipe")
     a = png(640, 480, 3)
     release = Preprocessor(pre_tokenizer(pre), 1 << 20,
-                           prepare_image=lambda d, m: __import__("deepinfer.model.vision", fromlist=["x"])
-                           .prepare_pixels(d, VisionArgs(), m))
+                           prepare_image=release_preparer)
     p = prepare(release, chat(chat_image(data_url(a))))
     mm = dr.ImageResolver(dr.ReqwestImageFetcher(), dr.OpenCvImagePreprocessor()).resolve(
         [dr.BytesImageSource(a)], dr.ImageQuota())
     assert p.context.prompt_tokens - len(p.prompt_token_ids) == mm.image_token_adjustment() == 205
+
+
+def smooth_png(w, h) -> bytes:
+    """A gradient (a few KB even when large: the test encodes it fast)."""
+    y, x = np.mgrid[0:h, 0:w]
+    arr = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], -1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_low_detail_takes_the_recipes_token_count(pre, api):
+    """OpenAI `detail: "low"` caps the original's long side at 512 px before the plan, as the recipe
+    does: 2000x1000 is 991 + 1 tokens in high detail, 201 + 1 in low (the recipe's own resolver on the
+    same bytes and detail gives the same adjustment); the pixels the engine gets follow the low plan."""
+    dr = pytest.importorskip("deepseek_recipe")
+    a = smooth_png(2000, 1000)
+    release = Preprocessor(pre_tokenizer(pre), 1 << 20,
+                           prepare_image=release_preparer)
+
+    def body(detail):
+        if api == "chat":
+            return chat({"type": "text", "text": "what is it?"},
+                        {"type": "image_url", "image_url": {"url": data_url(a), "detail": detail}})
+        return "responses", {"model": "deepseek-flash", "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "what is it?"},
+            {"type": "input_image", "image_url": data_url(a), "detail": detail}]}]}
+
+    adjustments = {}
+    for detail in ("low", "high", "auto"):
+        p = prepare(release, body(detail))
+        assert not p.rejected, p.context.error_body
+        adjustments[detail] = p.context.prompt_tokens - len(p.prompt_token_ids)
+        resolved = dr.ImageResolver(dr.ReqwestImageFetcher(), dr.OpenCvImagePreprocessor()).resolve(
+            [dr.BytesImageSource(a, detail)], dr.ImageQuota())
+        assert adjustments[detail] == resolved.image_token_adjustment()
+        out = preprocess_outputs(p)
+        (rgb,) = split_pixels(out["image_pixels"], out["image_sizes"])
+        info = resolved.images[0]
+        assert rgb.shape[:2] == (info.height, info.width)              # the recipe's size too
+    assert adjustments == {"low": 201, "high": 991, "auto": 991}
+
+
+def release_preparer(data, max_side, detail="high"):
+    """The preprocess model's image step for the release vision_config."""
+    from deepinfer.model.vision import prepare_pixels
+    return prepare_pixels(data, VisionArgs(), max_side, detail)
 
 
 def pre_tokenizer(pre):

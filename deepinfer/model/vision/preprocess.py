@@ -18,6 +18,13 @@ largest square 1302x1302 -> 93x93 patches -> 31x31 tokens -> span 994.
 The recipe (deepseek-recipe's OpenCvImagePreprocessor) produces the same sizes but re-encodes the
 resized image as lossy WebP; the engine preprocesses the ORIGINAL bytes here, so its pixels are the
 reference's (the recipe is used for counting tokens only).
+
+`detail` (an OpenAI image part's "low" / "high" / "auto" / "original"): the reference has no such
+notion, but the official recipe applies "low" before the plan, and its token counts are the API's:
+an original whose long side passes 512 px is first scaled down so that side is 512 (the other side
+rounded half up, at least 1 px), then planned as usual (so a big photo becomes ~200 tokens instead of
+up to 1024; measured against deepseek-recipe 0.2.0 on 126 sizes: equal but where its plan differs
+from the reference's anyway, e.g. 22x512). "high", "auto" and "original" are the plain plan there.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = range(4)
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP")       # what the recipe accepts too (BMP and others rejected)
 MAX_SIDE = 8192                                # the recipe's default per-side limit
+LOW_DETAIL_MAX_SIDE = 512                      # the recipe's long-side cap for detail "low"
+DETAILS = ("low", "high", "auto", "original")  # deepseek-recipe's ImageDetail
 
 
 class ImageError(ValueError):
@@ -138,6 +147,25 @@ def plan_image(width: int, height: int, v: VisionArgs) -> ImagePlan:
     return ImagePlan(pw, ph, ph // p, pw // p, n_h, n_w)
 
 
+def detail_size(width: int, height: int, detail: str = "high") -> tuple[int, int]:
+    """The original size the plan starts from: for "low", the long side capped at 512 as the recipe
+    does (aspect kept, the other side rounded half up, at least 1 px); the original size otherwise."""
+    if detail not in DETAILS:
+        raise ImageError(f"image detail {detail!r} is not one of {', '.join(DETAILS)}")
+    long_side = max(width, height)
+    if detail != "low" or long_side <= LOW_DETAIL_MAX_SIDE:
+        return width, height
+    s = LOW_DETAIL_MAX_SIDE / long_side
+    return max(1, math.floor(width * s + 0.5)), max(1, math.floor(height * s + 0.5))
+
+
+def apply_detail(img, detail: str = "high"):
+    """The decoded RGB image as the plan sees it: scaled down (bicubic, antialiased) for "low"."""
+    from PIL import Image
+    size = detail_size(img.width, img.height, detail)
+    return img if size == img.size else img.resize(size, Image.Resampling.BICUBIC)
+
+
 def decode_image(data: bytes, max_side: int = MAX_SIDE):
     """Bytes -> RGB PIL image; ImageError for corrupt data, other formats and oversized images."""
     from PIL import Image, UnidentifiedImageError
@@ -180,17 +208,29 @@ def to_patches(rgb: np.ndarray, plan: ImagePlan, p: int) -> torch.Tensor:
     return x.permute(1, 3, 0, 2, 4).reshape(plan.n_vit_h * plan.n_vit_w, 3, p, p).contiguous()
 
 
-def load_image(data: bytes, v: VisionArgs, max_side: int = MAX_SIDE) -> ImageInput:
-    """Original image bytes -> ImageInput (decode, plan, pad, normalize, patches)."""
-    img = decode_image(data, max_side)
+def load_image(data: bytes, v: VisionArgs, max_side: int = MAX_SIDE, detail: str = "high") -> ImageInput:
+    """Original image bytes -> ImageInput (decode, detail, plan, pad, normalize, patches)."""
+    original = decode_image(data, max_side)
+    img = apply_detail(original, detail)
     plan = plan_image(img.width, img.height, v)
-    return ImageInput(to_patches(padded_rgb(img, plan, v), plan, v.patch_size), plan, hashlib.sha256(data).hexdigest())
+    return ImageInput(to_patches(padded_rgb(img, plan, v), plan, v.patch_size), plan,
+                      content_hash(data, None if img is original else img.size))
 
 
-def prepare_pixels(data: bytes, v: VisionArgs, max_side: int = MAX_SIDE) -> tuple[np.ndarray, int]:
+def content_hash(data: bytes, scaled_to: tuple[int, int] | None = None) -> str:
+    """sha256 of the original bytes, plus the size when detail scaled them down (other pixels, other
+    embeddings: the encoder's dedup and the prefix cache must not take one for the other)."""
+    h = hashlib.sha256(data)
+    if scaled_to is not None:
+        h.update(f"|detail {scaled_to[0]}x{scaled_to[1]}".encode())
+    return h.hexdigest()
+
+
+def prepare_pixels(data: bytes, v: VisionArgs, max_side: int = MAX_SIDE,
+                   detail: str = "high") -> tuple[np.ndarray, int]:
     """Original bytes -> (planned, padded [H, W, 3] uint8 pixels, span length): the preprocess
     model's part (image_from_pixels is the engine's). ImageError on bad images."""
-    img = decode_image(data, max_side)
+    img = apply_detail(decode_image(data, max_side), detail)
     plan = plan_image(img.width, img.height, v)
     return padded_rgb(img, plan, v), plan.span_len
 
@@ -211,7 +251,7 @@ def image_from_pixels(rgb: np.ndarray, v: VisionArgs) -> ImageInput:
 
 
 def checkpoint_image_preparer(checkpoint):
-    """prepare(bytes, max_side) -> (pixels, span_len) for this checkpoint's vision_config (the
+    """prepare(bytes, max_side, detail) -> (pixels, span_len) for this checkpoint's vision_config (the
     preprocess model's ImageStage); None for a text-only checkpoint."""
     import json
     from pathlib import Path
@@ -219,4 +259,4 @@ def checkpoint_image_preparer(checkpoint):
     v = VisionArgs.from_hf(cfg.get("vision_config"), cfg.get("image_token_id", 129264))
     if v is None:
         return None
-    return lambda data, max_side=MAX_SIDE: prepare_pixels(data, v, max_side)
+    return lambda data, max_side=MAX_SIDE, detail="high": prepare_pixels(data, v, max_side, detail)

@@ -28,6 +28,7 @@ class ImagePrompt:
     encoding: bool = False           # submitted: not schedulable until `embeds` exist and `event` fired
     embeds: list | None = None       # [span_len, dim] per image, on the device
     event: object | None = None      # CUDA event after the encode (None: done synchronously)
+    cache_keys: list | None = None   # prefix-cache keys of token_ids (cache/image_keys.py), made on first use
 
     def __getstate__(self) -> dict:
         """To a rank worker: the images, not this process's device embeddings (the worker encodes)."""
