@@ -60,6 +60,8 @@ def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Ten
     """x [T, ..., D] (last dim contiguous; other strides free), cis [T, rd/2] complex64 (rd/2 a power
     of two) -> new contiguous tensor of x's shape and dtype."""
     T, D = x.shape[0], x.shape[-1]
+    if x.numel() == 0:           # no rows (a YOCO step whose kept rows skip this op): nothing to launch
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
     half = cis.shape[-1]
     assert cis.dim() == 2 and cis.shape[0] == T and 2 * half <= D and half == triton.next_power_of_2(half)
     x3 = x.reshape(T, -1, D) if x.dim() != 3 else x                             # [T, H, D]

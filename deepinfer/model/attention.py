@@ -243,6 +243,8 @@ class Attention(nn.Module):
             latent = self.compressor.norm(raw[0])                                # [T, D]: one entry per row
             if plan.member_rows is not None:                                     # replay: only rows >= write_from
                 latent = latent[plan.member_rows[:, 0]]
+                if latent.shape[0] == 0:      # every row below write_from (YOCO's decoder step): no entry to write
+                    return
         else:
             carry_kv, carry_sc = caches.carry_kv[L].flatten(0, 1), caches.carry_score[L].flatten(0, 1)
             if plan.group_seq.numel():

@@ -155,8 +155,12 @@ def check_select_variants(device):
                 assert select._fp8_variant_for(x, q, sc) == want, (m, n, k, want)
                 y = select.fp8_linear(x, q, sc).float()
                 r = fp8_prefill_linear_ref(x, q, sc).float()
-                # one bf16 ulp of the larger of the two: sums in another order may round across a power of two
-                bad = (y - r).abs() > torch.maximum(r.abs(), y.abs()) * 2 ** -7 + 1e-30
+                # one bf16 ulp of the larger of the two, plus what Hopper's FP8 wgmma drops inside one K=32
+                # slice (its adder keeps ~14 bits, so the error scales with the sum of |products|, not |r|;
+                # on random data an output near cancellation moved by two ulps; ternary data stays exact)
+                q_abs = q.float().abs().to(q.dtype)
+                mag = fp8_prefill_linear_ref(x.abs(), q_abs, sc).float()
+                bad = (y - r).abs() > torch.maximum(r.abs(), y.abs()) * 2 ** -7 + mag * 2 ** -12 + 1e-30
                 assert not bad.any(), (m, n, k, (y - r).abs().max().item())
             assert ("fp8_variant_linear[lag_blocks]", "K a multiple of 64 and the W8A16 scale layouts") in select.declined()
             # the MoE's grouped contiguous form on a named variant; where it declines, W8A16's (if on) or the loop
