@@ -150,6 +150,11 @@ class KVConnector:
     def abort(self, req_id: str) -> RequestOutput:
         ld = self.loads.pop(req_id)
         self._drop(ld)
+        p = ld.params
+        if ld.state != "ALLOC" and self.transport.peer_ready(p.engine_id, p.host, p.port):
+            # the client left mid-pull: the prefill frees its held caches now, not at its deadline
+            # (a READ still in flight only lands in our abandoned blocks)
+            self.transport.notify(p.engine_id, f"free:{p.request_id}:{p.tag}".encode())
         ld.req.status = RequestStatus.FINISHED_ABORTED
         return RequestOutput(req_id, [], "abort", ld.req.num_prompt_tokens, 0)
 
