@@ -250,7 +250,8 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if kv_transfer_params is not None and image_prompt is not None:
             raise InvalidRequestError(f"request {request_id}: a hand-over with images is not supported yet")
-        handover = None if kv_transfer_params is None else self.check_handover(request_id, kv_transfer_params)
+        handover = None if kv_transfer_params is None else \
+            self.check_handover(request_id, kv_transfer_params, len(prompt_token_ids))
         if self.args.kv_role == "prefill":
             params = dataclasses.replace(params, max_tokens=1)
         req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
@@ -262,18 +263,20 @@ class Engine:
             return
         self.connector.start_load(req, handover)
 
-    def check_handover(self, request_id: str, kv_transfer_params: dict):
-        """A hand-over's form and this instance's role (InvalidRequestError); thread-safe, so the
-        async engine refuses bad ones on the caller's thread (a 400, not a failed request).
-        -> KVTransferParams"""
+    def check_handover(self, request_id: str, kv_transfer_params: dict, num_prompt_tokens: int):
+        """A hand-over's form, this instance's role, layout and the prompt (InvalidRequestError);
+        reads nothing that changes, so the async engine refuses bad ones on the caller's thread (a
+        400, not a failed request). -> KVTransferParams"""
         if self.args.kv_role != "decode":
             raise InvalidRequestError(f"request {request_id}: kv_transfer_params need a kv_role='decode' instance "
                                       f"(this one is {self.args.kv_role!r})")
         from deepinfer.disagg.params import KVTransferParams
         try:
-            return KVTransferParams.from_dict(kv_transfer_params)
+            handover = KVTransferParams.from_dict(kv_transfer_params)
         except ValueError as e:
             raise InvalidRequestError(f"request {request_id}: {e}") from None
+        self.connector.check(request_id, handover, num_prompt_tokens)
+        return handover
 
     def abort(self, request_id: str) -> RequestOutput:
         """Finish a request now (caches freed); its final output has finish_reason "abort"."""

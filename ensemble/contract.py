@@ -105,7 +105,7 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     (POSTPROCESS, OUT, "num_output_tokens",       INT32,  (1,),  False, "num_output_tokens"),  # cumulative
     (POSTPROCESS, OUT, "finish_reason",           BYTES,  (1,),  False, "finish_reason"),   # "" until the last
     (POSTPROCESS, OUT, "status",                  INT32,  (1,),  False, "status"),          # HTTP status of the API answer
-    (POSTPROCESS, OUT, "kv_transfer_params",      BYTES,  (1,),  False, "kv_transfer_params"),  # the engine's, unchanged
+    (POSTPROCESS, OUT, "kv_transfer_params",      BYTES,  (1,),  False, "kv_transfer_params_out"),  # the engine's, unchanged (an ensemble input and output cannot share a name)
 ))
 
 

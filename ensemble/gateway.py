@@ -218,8 +218,8 @@ class Gateway:
             if first["status"] != 200 or not wants_stream(raw):
                 self._answered(api, first)
                 answer = json_response(first["status"], first["response"][0])
-                if first.get("kv_transfer_params"):    # a prefill replica's hand-over, for the router
-                    answer.headers[KV_TRANSFER_HEADER] = first["kv_transfer_params"]
+                if first.get("kv_transfer_params_out"):    # a prefill replica's hand-over, for the router
+                    answer.headers[KV_TRANSFER_HEADER] = first["kv_transfer_params_out"]
                 return answer
             return await self._stream(request, api, call, first)
         except TritonUnavailable as e:

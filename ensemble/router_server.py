@@ -182,7 +182,9 @@ class RouterServer:
             req = None
         if not isinstance(req, dict):                        # the API's 400 comes from the prefill's gateway
             req = None
-        data = json.dumps({**req, "stream": False}).encode() if req is not None else body
+        # whole, not streamed: the router only needs its hand-over (stream_options goes with stream)
+        data = body if req is None else json.dumps(
+            {**{k: v for k, v in req.items() if k != "stream_options"}, "stream": False}).encode()
         headers = self._headers(request)
         tried: list[str] = []
         for _ in range(2):

@@ -99,9 +99,10 @@ def wait_idle(*replicas, timeout: float = 15.0) -> None:
         time.sleep(0.25)
 
 
-def handover_from_prefill(prefill, content: str = "Tell me about ships.") -> tuple[dict, str]:
-    """The prefill replica's answer to a chat request: (body, its hand-over header)."""
-    r = httpx.post(f"{prefill.gateway_url}/v1/chat/completions", timeout=60, json=chat_body(content, stream=False))
+def handover_from_prefill(prefill, path: str = "/v1/chat/completions", body: dict | None = None) -> tuple[dict, str]:
+    """The prefill replica's answer to a request (default: a chat one): (body, its hand-over header)."""
+    r = httpx.post(f"{prefill.gateway_url}{path}", timeout=60, json=body or chat_body("Tell me about ships.", False),
+                   headers={"anthropic-version": "2023-06-01"} if path == "/v1/messages" else {})
     assert r.status_code == 200, r.text
     return r.json(), r.headers[HEADER]
 
@@ -130,7 +131,8 @@ def chat(base: str, stream: bool, **kw) -> tuple:
 
 def responses(base: str, stream: bool) -> tuple:
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
-    args = dict(model=MODEL, input="Weather in Paris?", max_output_tokens=8, temperature=0)
+    # greedy: the recipe ignores temperature while reasoning, so reasoning off
+    args = dict(model=MODEL, input="Weather in Paris?", max_output_tokens=8, temperature=0, reasoning={"effort": "none"})
     if not stream:
         r = client.responses.create(**args)
     else:
@@ -138,12 +140,13 @@ def responses(base: str, stream: bool) -> tuple:
         assert events[0].type == "response.created"
         assert events[-1].type in ("response.completed", "response.incomplete"), events[-1].type
         r = events[-1].response
-    return [item.model_dump(exclude={"id"}) for item in r.output], r.status, r.usage.output_tokens
+    return [item.model_dump(exclude={"id", "encrypted_content"}) for item in r.output], r.status, r.usage.output_tokens   # ids differ
 
 
 def messages(base: str, stream: bool) -> tuple:
     client = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=120)
-    args = dict(model=MODEL, max_tokens=8, temperature=0, messages=[{"role": "user", "content": "Weather in Paris?"}])
+    args = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                thinking={"type": "disabled"}, extra_body={"temperature": 0})   # greedy (see responses())
     if not stream:
         m = client.messages.create(**args)
     else:
@@ -151,7 +154,7 @@ def messages(base: str, stream: bool) -> tuple:
             types = [event.type for event in s]
             m = s.get_final_message()
         assert types[0] == "message_start" and types[-1] == "message_stop"
-    return [b.model_dump() for b in m.content], m.stop_reason, m.usage.output_tokens
+    return [b.model_dump(exclude={"signature"}) for b in m.content], m.stop_reason, m.usage.output_tokens   # ids differ
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
@@ -206,7 +209,7 @@ def test_blocks_that_no_longer_exist_fail_with_the_apis_error(pd):
     with httpx.stream("POST", f"{decode.gateway_url}/v1/chat/completions", json=body, headers={HEADER: handover},
                       timeout=60) as r:
         assert r.status_code == 200
-        assert list(r.iter_lines())[-1] == "data: [DONE]"
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
     failures = metric(decode, "kv_transfer_failures_total")
     r = httpx.post(f"{decode.gateway_url}/v1/chat/completions", json=body, headers={HEADER: handover}, timeout=60)
     assert r.status_code == 500, r.text                           # pulled once and freed: gone now
@@ -218,14 +221,14 @@ def test_blocks_that_no_longer_exist_fail_with_the_apis_error(pd):
 
 def test_a_transfer_that_times_out_fails_and_the_prefill_frees_at_its_deadline(pd):
     url, rs, prefill, decode = pd
-    _, handover = handover_from_prefill(prefill)
+    body = {"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": "Tell me about ships."}]}
+    _, handover = handover_from_prefill(prefill, "/v1/messages", body)
     params = json.loads(handover)
     expired = metric(prefill, "kv_holds_expired_total")
     dead = {**params, "engine_id": "deepinfer-prefill-gone", "port": free_port()}    # nobody listens there
     t0 = time.monotonic()
     r = httpx.post(f"{decode.gateway_url}/v1/messages", headers={HEADER: json.dumps(dead), "anthropic-version": "2023-06-01"},
-                   json={"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": "Tell me about ships."}]},
-                   timeout=60)
+                   json=body, timeout=60)
     assert r.status_code == 500 and r.json()["type"] == "error", r.text   # Anthropic's error shape
     assert "timed out" in r.json()["error"]["message"]
     assert time.monotonic() - t0 >= TIMEOUT_S * 0.9
@@ -235,14 +238,17 @@ def test_a_transfer_that_times_out_fails_and_the_prefill_frees_at_its_deadline(p
 
 
 @pytest.mark.parametrize("header, where", [("not json", "decode"), ("[1, 2]", "decode"), ('{"engine_id": "x"}', "decode"),
-                                           ("{}", "prefill")])
+                                           ("{}", "prefill"), ("another prompt's", "decode")])
 def test_malformed_handovers_get_a_400(pd, header, where):
     url, rs, prefill, decode = pd
+    if header == "another prompt's":
+        _, header = handover_from_prefill(prefill)              # held until it expires (TIMEOUT_S)
     replica = decode if where == "decode" else prefill
     r = httpx.post(f"{replica.gateway_url}/v1/chat/completions", json=chat_body("hi", False), headers={HEADER: header},
                    timeout=60)
     assert r.status_code == 400, r.text
     assert "kv_transfer_params" in r.json()["error"]["message"]
+    wait_idle(prefill, decode)
 
 
 def test_a_prefill_replica_that_goes_down(pd):
