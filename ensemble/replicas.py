@@ -8,7 +8,8 @@ router in front of them (ensemble/router_server.py).
 Prefill/decode disaggregation: `--roles prefill decode` (one role per replica) starts replica 0 with
 kv_role="prefill" and replica 1 with kv_role="decode"; the router then sends each request to a
 prefill replica and on to a decode one (router_server.py). On one GPU, two replicas can share it
-with a memory fraction each (--engine-args '{"gpu_memory_fraction": 0.4}', --devices 0 0).
+with a cache memory fraction each (--engine-args '{"cache_memory_fraction": 0.4}' --devices 0 0: the
+second replica takes 0.4 of the memory the first left free).
 
 Replica i serves Triton on ports base + 10 i (HTTP, gRPC, metrics) and its gateway on
 gateway_base + i; with --devices, replica i sees only those GPUs (CUDA_VISIBLE_DEVICES), else
