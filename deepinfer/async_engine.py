@@ -64,6 +64,8 @@ class AsyncEngine:
             prompt_token_ids = images.token_ids
         params = self.engine.validate(request_id, prompt_token_ids, sampling_params)
         self.engine.validate_cache_salt(request_id, cache_salt)
+        if kv_transfer_params is not None:
+            self.engine.check_handover(request_id, kv_transfer_params, len(prompt_token_ids))
         with self._lock:
             if request_id in self._sinks:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")

@@ -258,15 +258,23 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if kv_transfer_params is not None and image_prompt is not None:
             raise InvalidRequestError(f"request {request_id}: a hand-over with images is not supported yet")
+        handover = None if kv_transfer_params is None else \
+            self.check_handover(request_id, kv_transfer_params, len(prompt_token_ids))
         if self.args.kv_role == "prefill":
             params = dataclasses.replace(params, max_tokens=1)
         req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
                       forced_token_ids, return_logits, image_prompt=image_prompt, cache_salt=cache_salt)
         if image_prompt is not None and image_prompt.embeds is None and self.image_encoder is not None:
             self.image_encoder.submit(image_prompt)
-        if kv_transfer_params is None:
+        if handover is None:
             self.scheduler.add_request(req)
             return
+        self.connector.start_load(req, handover)
+
+    def check_handover(self, request_id: str, kv_transfer_params: dict, num_prompt_tokens: int):
+        """A hand-over's form, this instance's role, layout and the prompt (InvalidRequestError);
+        reads nothing that changes, so the async engine refuses bad ones on the caller's thread (a
+        400, not a failed request). -> KVTransferParams"""
         if self.args.kv_role != "decode":
             raise InvalidRequestError(f"request {request_id}: kv_transfer_params need a kv_role='decode' instance "
                                       f"(this one is {self.args.kv_role!r})")
@@ -275,7 +283,8 @@ class Engine:
             handover = KVTransferParams.from_dict(kv_transfer_params)
         except ValueError as e:
             raise InvalidRequestError(f"request {request_id}: {e}") from None
-        self.connector.start_load(req, handover)
+        self.connector.check(request_id, handover, num_prompt_tokens)
+        return handover
 
     def abort(self, request_id: str) -> RequestOutput:
         """Finish a request now (caches freed); its final output has finish_reason "abort"."""

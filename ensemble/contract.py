@@ -56,6 +56,9 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     # the client's own request key (unique; default: a fresh uuid): a gateway knows the key to stop
     # the engine with before any response arrives (a disconnect during prefill, a non-streaming request)
     (PREPROCESS,  IN,  "request_key",             BYTES,  (1,),  True,  "request_key"),
+    # prefill/decode disaggregation (deepinfer/disagg/): a prefill replica's hand-over (JSON of
+    # KVTransferParams) given to a decode replica; "" / absent = an ordinary request
+    (PREPROCESS,  IN,  "kv_transfer_params",      BYTES,  (1,),  True,  "kv_transfer_params"),
     (PREPROCESS,  OUT, "input_ids",               INT32,  (-1,), False, "_input_ids"),
     (PREPROCESS,  OUT, "sampling",                BYTES,  (1,),  False, "_sampling"),      # SamplingParams JSON
     (PREPROCESS,  OUT, "streaming",               BOOL,   (1,),  False, "_streaming"),
@@ -65,6 +68,7 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     # bytes (deepinfer.model.vision): RGB bytes row-major [H, W, 3] concatenated, and [h0, w0, h1, ..]
     (PREPROCESS,  OUT, "image_pixels",            UINT8,  (-1,), False, "_image_pixels"),
     (PREPROCESS,  OUT, "image_sizes",             INT32,  (-1,), False, "_image_sizes"),
+    (PREPROCESS,  OUT, "kv_transfer_params",      BYTES,  (1,),  False, "_kv_transfer_params"),   # passed through
     # the engine: a stop request carries only request_key + stop=true (TensorRT-LLM convention)
     (ENGINE,      IN,  "input_ids",               INT32,  (-1,), True,  "_input_ids"),
     (ENGINE,      IN,  "sampling",                BYTES,  (1,),  True,  "_sampling"),
@@ -74,6 +78,7 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     (ENGINE,      IN,  "stop",                    BOOL,   (1,),  True,  _),
     (ENGINE,      IN,  "image_pixels",            UINT8,  (-1,), True,  "_image_pixels"),
     (ENGINE,      IN,  "image_sizes",             INT32,  (-1,), True,  "_image_sizes"),
+    (ENGINE,      IN,  "kv_transfer_params",      BYTES,  (1,),  True,  "_kv_transfer_params"),
     (ENGINE,      OUT, "output_ids",              INT32,  (-1,), False, "_output_ids"),    # new ids of this step
     (ENGINE,      OUT, "logprobs",                BYTES,  (1,),  False, "_logprobs"),      # JSON [[lp, [[id, lp]..]]..] or ""
     (ENGINE,      OUT, "finish_reason",           BYTES,  (1,),  False, "_finish_reason"), # "" until the last response
@@ -82,6 +87,8 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     (ENGINE,      OUT, "num_cached_tokens",       INT32,  (1,),  False, "_num_cached_tokens"),  # prompt tokens from the prefix cache
     (ENGINE,      OUT, "context",                 BYTES,  (1,),  False, "_context_echo"),  # first response only, "" after
     (ENGINE,      OUT, "request_key",             BYTES,  (1,),  False, "_request_key_echo"),
+    # kv_role="prefill": the hand-over on the last response (JSON), "" otherwise
+    (ENGINE,      OUT, "kv_transfer_params",      BYTES,  (1,),  False, "_kv_transfer_params_out"),
     (POSTPROCESS, IN,  "output_ids",              INT32,  (-1,), False, "_output_ids"),
     (POSTPROCESS, IN,  "logprobs",                BYTES,  (1,),  False, "_logprobs"),
     (POSTPROCESS, IN,  "finish_reason",           BYTES,  (1,),  False, "_finish_reason"),
@@ -90,6 +97,7 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     (POSTPROCESS, IN,  "num_cached_tokens",       INT32,  (1,),  False, "_num_cached_tokens"),
     (POSTPROCESS, IN,  "context",                 BYTES,  (1,),  False, "_context_echo"),
     (POSTPROCESS, IN,  "request_key",             BYTES,  (1,),  False, "_request_key_echo"),
+    (POSTPROCESS, IN,  "kv_transfer_params",      BYTES,  (1,),  False, "_kv_transfer_params_out"),
     # API outputs: chunk/event JSONs when streaming (0..n per engine step), the whole response otherwise
     (POSTPROCESS, OUT, "response",                BYTES,  (-1,), False, "response"),
     (POSTPROCESS, OUT, "text_output",             BYTES,  (1,),  False, "text_output"),     # answer-text delta
@@ -97,6 +105,7 @@ TABLE: tuple[Tensor, ...] = tuple(Tensor(*row) for row in (
     (POSTPROCESS, OUT, "num_output_tokens",       INT32,  (1,),  False, "num_output_tokens"),  # cumulative
     (POSTPROCESS, OUT, "finish_reason",           BYTES,  (1,),  False, "finish_reason"),   # "" until the last
     (POSTPROCESS, OUT, "status",                  INT32,  (1,),  False, "status"),          # HTTP status of the API answer
+    (POSTPROCESS, OUT, "kv_transfer_params",      BYTES,  (1,),  False, "kv_transfer_params_out"),  # the engine's, unchanged (an ensemble input and output cannot share a name)
 ))
 
 

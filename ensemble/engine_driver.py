@@ -31,6 +31,7 @@ class EngineRequest:
     context: str = ""
     stop: bool = False
     images: list = field(default_factory=list)   # [H, W, 3] uint8 per image placeholder (split_pixels)
+    kv_transfer_params: str = ""                 # JSON: a prefill replica's hand-over (kv_role="decode")
 
     @classmethod
     def from_inputs(cls, inputs: dict) -> "EngineRequest":
@@ -38,7 +39,8 @@ class EngineRequest:
         return cls(request_key=inputs["request_key"] or "", input_ids=list(inputs.get("input_ids") or []),
                    sampling=json.loads(inputs.get("sampling") or "{}"), streaming=bool(inputs.get("streaming")),
                    context=inputs.get("context") or "", stop=bool(inputs.get("stop")),
-                   images=split_pixels(inputs.get("image_pixels"), inputs.get("image_sizes")))
+                   images=split_pixels(inputs.get("image_pixels"), inputs.get("image_sizes")),
+                   kv_transfer_params=inputs.get("kv_transfer_params") or "")
 
 
 def split_pixels(flat, sizes) -> list:
@@ -87,12 +89,13 @@ class _Active:
     token_ids: list[int] = field(default_factory=list)     # non-streaming: accumulated
     logprobs: list[Any] = field(default_factory=list)
 
-    def outputs(self, ids, logprobs, finish_reason, num_prompt, num_output, num_cached=0) -> dict:
+    def outputs(self, ids, logprobs, finish_reason, num_prompt, num_output, num_cached=0, kv_transfer_params=None) -> dict:
         context = "" if self.context_sent else self.req.context
         self.context_sent = True
         return {"output_ids": ids, "logprobs": _logprobs_json(logprobs), "finish_reason": finish_reason or "",
                 "num_input_tokens": num_prompt, "num_output_tokens": num_output, "num_cached_tokens": num_cached,
-                "context": context, "request_key": self.req.request_key}
+                "context": context, "request_key": self.req.request_key,
+                "kv_transfer_params": json.dumps(kv_transfer_params) if kv_transfer_params else ""}
 
 
 class EngineDriver:
@@ -129,6 +132,8 @@ class EngineDriver:
                 raise ValueError(f"request key {req.request_key!r} is already running")
             self.active[req.request_key] = state
             extra = {"images": req.images} if req.images else {}
+            if req.kv_transfer_params:   # a hand-over: the engine pulls the prefill's caches (or refuses)
+                extra["kv_transfer_params"] = _handover(req.kv_transfer_params)
             self.engine.add_request(req.request_key, req.input_ids, params,
                                     lambda delta: self._events.put((state, delta)), **extra,
                                     **({"cache_salt": salt} if salt is not None else {}))
@@ -197,6 +202,7 @@ class EngineDriver:
             state.sender.send_error(delta.error or "engine error", "INTERNAL")
             return
         new_lp = list(delta.new_logprobs) if delta.new_logprobs else []
+        handover = getattr(delta, "kv_transfer_params", None)   # kv_role="prefill": on the last delta
         if finished:
             self._finish(state)
             observe_e2e = getattr(self.observer, "observe_e2e", None)
@@ -206,14 +212,14 @@ class EngineDriver:
             if delta.new_token_ids or finished:
                 state.sender.send(state.outputs(list(delta.new_token_ids), new_lp, delta.finish_reason,
                                                 delta.num_prompt_tokens, delta.num_output_tokens,
-                                                delta.num_cached_tokens), finished)
+                                                delta.num_cached_tokens, handover), finished)
             return
         state.token_ids += list(delta.new_token_ids)
         state.logprobs += new_lp
         if finished:
             state.sender.send(state.outputs(state.token_ids, state.logprobs, delta.finish_reason,
                                             delta.num_prompt_tokens, delta.num_output_tokens,
-                                            delta.num_cached_tokens), True)
+                                            delta.num_cached_tokens, handover), True)
 
     def _finish(self, state: _Active) -> None:
         state.done = True
@@ -235,6 +241,17 @@ class EngineDriver:
             self.engine.abort(request_key)
         except KeyError:   # already finished
             pass
+
+
+def _handover(text: str) -> dict:
+    """The kv_transfer_params input -> the engine's dict (ValueError: the client's 400)."""
+    try:
+        params = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"kv_transfer_params is not JSON: {e}") from None
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
+    return params
 
 
 def _logprobs_json(entries: list) -> str:

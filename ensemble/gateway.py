@@ -27,6 +27,12 @@ disconnects (handler cancelled, or a write fails) it sends the engine's explicit
 (`request_key` + `stop`) at once, before or after the first response, streaming or not. A stop that
 reaches the engine model before its request does is kept there, and the request is answered
 "abort" when it arrives (ensemble/engine_driver.py), so one stop is enough.
+
+Prefill/decode disaggregation (the router drives it, router_server.py): the router's request to a
+prefill replica comes back (not streamed) with the hand-over in the `x-kv-transfer-params` header
+(the ensemble's `kv_transfer_params` output); the router sends the same request to a decode replica
+with that header, which becomes the ensemble's `kv_transfer_params` input. Only the router should
+set it: decode replicas are reached through the router, which drops a client's own header.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from .gateway_metrics import GatewayMetrics
 log = logging.getLogger("deepinfer.gateway")
 
 SERVED_MODELS = ("deepseek-flash", "DeepSeek-V4.1-Flash", "deepseek_v41_flash")   # what the preprocess accepts
+KV_TRANSFER_HEADER = "x-kv-transfer-params"   # a prefill replica's hand-over (JSON), see the docstring
 _ABANDON_S = 60.0                  # how long an abandoned request's stream is drained for its FINAL
 PROBE_PERIOD_S = 2.0               # the engine liveness probe (EngineWatch)
 PROBE_TIMEOUTS_TO_DEAD = 3         # probes in a row without an answer before the engine counts as dead
@@ -197,7 +204,10 @@ class Gateway:
         if isinstance(raw, web.Response):
             return raw
         key = "gw-" + request["request_id"].removeprefix("req_")
-        call = self._call({"request": raw, "api": api, "request_key": key}, key)
+        inputs = {"request": raw, "api": api, "request_key": key}
+        if request.headers.get(KV_TRANSFER_HEADER):
+            inputs["kv_transfer_params"] = request.headers[KV_TRANSFER_HEADER]
+        call = self._call(inputs, key)
         self.metrics.add("requests_in_flight", 1)
         t0 = time.monotonic()
         try:
@@ -207,7 +217,10 @@ class Gateway:
                 return json_response(500, error_body(api, 500, "the ensemble sent no response"))
             if first["status"] != 200 or not wants_stream(raw):
                 self._answered(api, first)
-                return json_response(first["status"], first["response"][0])
+                answer = json_response(first["status"], first["response"][0])
+                if first.get("kv_transfer_params_out"):    # a prefill replica's hand-over, for the router
+                    answer.headers[KV_TRANSFER_HEADER] = first["kv_transfer_params_out"]
+                return answer
             return await self._stream(request, api, call, first)
         except TritonUnavailable as e:
             return json_response(503, error_body(api, 503, f"Triton is unreachable at {self.triton_grpc}: {e}"))

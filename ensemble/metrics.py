@@ -35,13 +35,20 @@ COUNTERS = {"prompt_tokens_total": "Prompt tokens of admitted requests",
             "prefix_cache_host_offloads_total": "Cached blocks copied to the host-memory tier",
             "prefix_cache_host_hits_total": "Cached blocks brought back from the host-memory tier",
             "prefix_cache_disk_spills_total": "Host-tier blocks written to the disk tier",
-            "prefix_cache_disk_hits_total": "Cached blocks read back from the disk tier"}
+            "prefix_cache_disk_hits_total": "Cached blocks read back from the disk tier",
+            "kv_transfers_total": "P/D hand-overs done (prefill: held caches read and freed; decode: caches pulled)",
+            "kv_transfer_bytes_total": "Bytes of caches pulled from prefill instances",
+            "kv_transfer_failures_total": "Pulls that failed (blocks gone, timeout, peer down)",
+            "kv_holds_expired_total": "Held prefill caches freed at kv_transfer_timeout_s (no decode pulled them)"}
 GAUGES = {"num_requests_running": "Requests in the running batch",
           "num_requests_waiting": "Requests waiting to be scheduled",
           "cache_usage": "Fraction of KV cache blocks in use",
           "spec_mean_accepted_length": "Tokens per verifying request-step (1 + accepted drafts)",
           "spec_acceptance_rate": "Accepted / verified draft tokens",
-          "prefix_cache_hit_rate": "Prefix cache hits / lookups, in tokens"}
+          "prefix_cache_hit_rate": "Prefix cache hits / lookups, in tokens",
+          "cache_blocks_used": "KV cache blocks in use (held P/D caches included)",
+          "kv_requests_held": "Prefill: finished requests whose caches wait for a decode pull",
+          "kv_requests_loading": "Decode: requests whose caches are being pulled"}
 # multi-GPU engine: the expert placement's balance (Σmax/Σmean of per-rank MoE tokens over the EPLB
 # window, before / after the last rebalance) and, with a `rank` label, each rank's own figures
 PARALLEL_GAUGES = {"moe_load_balance": "Max/mean rank MoE load over the EPLB window (before the last rebalance)",

@@ -5,6 +5,12 @@ router in front of them (ensemble/router_server.py).
     python -m deepinfer.ensemble.replicas --checkpoint DIR --replicas 4 --devices 0,1 2,3 4,5 6,7 \
         --engine-args '{"data_parallel_size": 2}'
 
+Prefill/decode disaggregation: `--roles prefill decode` (one role per replica) starts replica 0 with
+kv_role="prefill" and replica 1 with kv_role="decode"; the router then sends each request to a
+prefill replica and on to a decode one (router_server.py). On one GPU, two replicas can share it
+with a cache memory fraction each (--engine-args '{"cache_memory_fraction": 0.4}' --devices 0 0: the
+second replica takes 0.4 of the memory the first left free).
+
 Replica i serves Triton on ports base + 10 i (HTTP, gRPC, metrics) and its gateway on
 gateway_base + i; with --devices, replica i sees only those GPUs (CUDA_VISIBLE_DEVICES), else
 the replicas are CPU processes. Several machines: run this (or `make serve` with a gateway) on each
@@ -96,13 +102,20 @@ def main(argv=None) -> int:
     ap.add_argument("--gateway-base-port", type=int, default=9100)
     ap.add_argument("--port", type=int, default=8080, help="the router")
     ap.add_argument("--policy", default="prefix")
+    ap.add_argument("--roles", nargs="*", choices=("both", "prefill", "decode"),
+                    help="per replica: its kv_role (default both); prefill ones go behind --prefill-replica")
     args = ap.parse_args(argv)
     if args.devices and len(args.devices) != args.replicas:
         ap.error(f"--devices names {len(args.devices)} replicas, --replicas is {args.replicas}")
+    roles = args.roles or ["both"] * args.replicas
+    if len(roles) != args.replicas:
+        ap.error(f"--roles names {len(roles)} replicas, --replicas is {args.replicas}")
+    if ("prefill" in roles) != ("decode" in roles) or ("prefill" in roles and "both" in roles):
+        ap.error(f"--roles {roles}: prefill and decode replicas go together, without 'both' ones")
     engine_args = json.loads(args.engine_args)
     base = args.base_port
-    replicas = [Replica(i, args.checkpoint, engine_args, args.max_model_len, (base + 10 * i, base + 10 * i + 1,
-                                                                              base + 10 * i + 2),
+    replicas = [Replica(i, args.checkpoint, {**engine_args, "kv_role": roles[i]} if roles[i] != "both" else engine_args,
+                        args.max_model_len, (base + 10 * i, base + 10 * i + 1, base + 10 * i + 2),
                         args.gateway_base_port + i, args.devices[i] if args.devices else None)
                 for i in range(args.replicas)]
     try:
@@ -110,9 +123,9 @@ def main(argv=None) -> int:
             r.start()
             print(f"replica {r.index}: gateway {r.gateway_url}, metrics {r.metrics_url}", flush=True)
         from .router_server import main as router_main
-        specs = [f"{r.gateway_url},{r.metrics_url}" for r in replicas]
-        return router_main([a for s in specs for a in ("--replica", s)] + ["--port", str(args.port),
-                                                                             "--policy", args.policy])
+        flags = [a for r, role in zip(replicas, roles)
+                 for a in ("--prefill-replica" if role == "prefill" else "--replica", f"{r.gateway_url},{r.metrics_url}")]
+        return router_main(flags + ["--port", str(args.port), "--policy", args.policy])
     finally:
         for r in replicas:
             r.stop()

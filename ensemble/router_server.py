@@ -14,6 +14,24 @@ whichever replica holds the request.
 
 Routing key: the request's text in prompt order (system / instructions first, then the messages'
 contents), so conversations that share a system prompt share a key prefix.
+
+Prefill/decode disaggregation (`--prefill-replica`, replicas started with kv_role="prefill"; the
+`--replica`s then run kv_role="decode"):
+
+    client --POST--> router --same body, stream=false--> prefill replica (prefix-aware pick)
+                            <--its answer + x-kv-transfer-params header (the hand-over)
+                     router --body + that header--> decode replica (least loaded)
+           <--stream----------------------------------  (its stream, passed through as above)
+
+The prefill runs the prompt and samples the first token, then holds the request's caches; the
+decode pulls them through NIXL and streams from that token on. A prefill's error answer (400...)
+goes to the client as it is; a prefill that cannot be reached or answers 503 is retried once on
+another. A decode that fails the pull (blocks gone, timeout, prefill down) answers the API's error
+(its gateway); the prefill frees what it holds when the decode reads it, when a decode that gave
+up tells it so, or at its kv_transfer_timeout_s. A client gone during the prefill closes that
+request (its gateway stops it); gone during the decode, the decode's gateway stops its request and
+the decode tells the prefill to free. A replica's own x-kv-transfer-params header from a client
+is dropped: only the router hands over.
 """
 
 from __future__ import annotations
@@ -26,11 +44,14 @@ import logging
 import aiohttp
 from aiohttp import web
 
+from .gateway import KV_TRANSFER_HEADER, SSE_END, sse_error
+from .gateway_guard import ROUTES, error_body
 from .router import ReplicaLoad, Router, parse_metrics
 
 log = logging.getLogger("deepinfer.router")
 API_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+_MAX_HEADER = 65536     # a hand-over header names every block of the prompt (aiohttp's default: 8 KiB)
 
 
 def routing_key(body: bytes) -> str:
@@ -62,10 +83,12 @@ def _text(v) -> str:
 
 class RouterServer:
     def __init__(self, replicas: dict[str, str | None], policy: str = "prefix", poll_s: float = 1.0,
-                 chunk: int = 256) -> None:
-        """replicas: gateway URL -> Triton metrics URL (or None)."""
-        self.metrics_urls = dict(replicas)
-        self.router = Router(list(replicas), policy=policy, chunk=chunk)
+                 chunk: int = 256, prefill: dict[str, str | None] | None = None) -> None:
+        """replicas: gateway URL -> Triton metrics URL (or None); prefill: the same for prefill
+        replicas (then `replicas` are the decode ones: least loaded, the prefix lives on the prefill)."""
+        self.metrics_urls = {**(prefill or {}), **replicas}
+        self.router = Router(list(replicas), policy="least_loaded" if prefill else policy, chunk=chunk)
+        self.prefill_router = Router(list(prefill), policy=policy, chunk=chunk) if prefill else None
         self.poll_s = poll_s
         self.session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task | None = None
@@ -81,7 +104,8 @@ class RouterServer:
         return app
 
     async def _open(self, _app) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                             max_field_size=_MAX_HEADER)
         await self.check_all()
         self._poller = asyncio.create_task(self._poll())
 
@@ -112,16 +136,28 @@ class RouterServer:
             load.healthy = healthy
         except (aiohttp.ClientError, asyncio.TimeoutError):
             load = ReplicaLoad(healthy=False)
-        self.router.update_load(name, load)
+        self._router_of(name).update_load(name, load)
+
+    def _router_of(self, name: str) -> Router:
+        return self.router if name in self.router.replicas else self.prefill_router
 
     async def health(self, _request: web.Request) -> web.Response:
         live = self.router.healthy()
-        return web.json_response({"healthy_replicas": live}, status=200 if live else 503)
+        body = {"healthy_replicas": live}
+        if self.prefill_router is not None:
+            body["healthy_prefill_replicas"] = self.prefill_router.healthy()
+            live = live and body["healthy_prefill_replicas"]
+        return web.json_response(body, status=200 if live else 503)
 
     # requests -----------------------------------------------------------------------------------
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         key = routing_key(body) if request.method == "POST" else ""
+        handover = None
+        if self.prefill_router is not None and request.method == "POST":
+            handover = await self._prefill(request, body, key)
+            if isinstance(handover, web.Response):
+                return handover                              # the prefill's own answer (an error)
         tried: list[str] = []
         for _ in range(2):                                   # one retry on another replica
             try:
@@ -130,16 +166,63 @@ class RouterServer:
                 break
             tried.append(name)
             try:
-                return await self._forward(request, name, body)
+                return await self._forward(request, name, body, handover)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 log.warning("replica %s failed before answering (%s); %s", name, e,
                             "retrying elsewhere" if len(tried) < 2 else "giving up")
                 self.router.report_failure(name)
-        return web.json_response({"error": {"message": f"no replica could take the request (tried {tried})",
-                                            "type": "server_error"}}, status=503)
+        return _error(request, 503, f"no replica could take the request (tried {tried})")
 
-    async def _forward(self, request: web.Request, name: str, body: bytes) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS | {"host"}}
+    async def _prefill(self, request: web.Request, body: bytes, key: str) -> str | web.Response:
+        """The request on a prefill replica, not streamed -> its hand-over (the header's JSON), or
+        the response the client gets instead (the prefill's error answer, or ours)."""
+        try:
+            req = json.loads(body)
+        except ValueError:
+            req = None
+        if not isinstance(req, dict):                        # the API's 400 comes from the prefill's gateway
+            req = None
+        # whole, not streamed: the router only needs its hand-over (stream_options goes with stream)
+        data = body if req is None else json.dumps(
+            {**{k: v for k, v in req.items() if k != "stream_options"}, "stream": False}).encode()
+        headers = self._headers(request)
+        tried: list[str] = []
+        for _ in range(2):
+            try:
+                name = self.prefill_router.pick(key, exclude=tried)
+            except LookupError:
+                break
+            tried.append(name)
+            try:
+                async with self.session.post(f"{name}{request.path_qs}", data=data, headers=headers) as r:
+                    answer, status, handover = await r.read(), r.status, r.headers.get(KV_TRANSFER_HEADER)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                log.warning("prefill replica %s failed (%s)", name, e)
+                self.prefill_router.report_failure(name)
+                continue
+            finally:
+                self.prefill_router.done(name)
+            if status == 503:                                # its engine is not answering: another one
+                self.prefill_router.report_failure(name)
+                continue
+            if status != 200:
+                return web.Response(status=status, body=answer, content_type="application/json")
+            if not handover:
+                return _error(request, 502, f"prefill replica {name} answered without a hand-over "
+                                            "(is it running kv_role='prefill'?)")
+            return handover
+        return _error(request, 503, f"no prefill replica could take the request (tried {tried})")
+
+    @staticmethod
+    def _headers(request: web.Request) -> dict:
+        drop = _HOP_HEADERS | {"host", KV_TRANSFER_HEADER}
+        return {k: v for k, v in request.headers.items() if k.lower() not in drop}
+
+    async def _forward(self, request: web.Request, name: str, body: bytes,
+                       handover: str | None = None) -> web.StreamResponse:
+        headers = self._headers(request)
+        if handover is not None:
+            headers[KV_TRANSFER_HEADER] = handover
         try:
             async with self.session.request(request.method, f"{name}{request.path_qs}", data=body,
                                             headers=headers) as up:
@@ -150,31 +233,59 @@ class RouterServer:
                 try:
                     while first:
                         await response.write(first)
-                        first = await up.content.readany()
+                        try:
+                            first = await up.content.readany()
+                        except aiohttp.ClientError as e:     # the replica went away mid-stream
+                            await self._end_broken_stream(request, up, response, name, e)
+                            return response
                     await response.write_eof()
                 except (aiohttp.ClientError, ConnectionResetError):
-                    pass                                     # a side went away mid-stream: nothing to retry
+                    pass                                     # the client went away: closing `up` stops the replica's request
                 return response
         finally:
             self.router.done(name)
+
+    async def _end_broken_stream(self, request, up, response, name, exc) -> None:
+        """The API's error event and end marker: every stream ends, even when its replica died."""
+        self.router.report_failure(name)
+        api = ROUTES.get(request.path)
+        log.warning("replica %s broke a stream (%s)", name, exc)
+        if api and up.headers.get("Content-Type", "").startswith("text/event-stream"):
+            await response.write(sse_error(api, f"the replica serving this request went away: {exc}") + SSE_END[api])
+        await response.write_eof()
+
+
+def _error(request: web.Request, status: int, message: str) -> web.Response:
+    """The router's own error, in the API's format."""
+    api = ROUTES.get(request.path, "chat.completions")
+    return web.Response(status=status, body=error_body(api, status, message).encode(), content_type="application/json")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Route the three APIs over several replicas' gateways.")
     ap.add_argument("--replica", action="append", required=True,
                     help="GATEWAY_URL[,METRICS_URL], e.g. http://127.0.0.1:9000,http://127.0.0.1:8002/metrics")
+    ap.add_argument("--prefill-replica", action="append", default=[],
+                    help="GATEWAY_URL[,METRICS_URL] of a kv_role='prefill' replica (then the --replica ones decode)")
     ap.add_argument("--policy", default="prefix", choices=Router.POLICIES)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--poll-s", type=float, default=1.0)
     args = ap.parse_args(argv)
-    replicas = {}
-    for spec in args.replica:
-        gw, _, metrics = spec.partition(",")
-        replicas[gw.rstrip("/")] = metrics or None
     logging.basicConfig(level=logging.INFO)
-    web.run_app(RouterServer(replicas, args.policy, args.poll_s).app(), host=args.host, port=args.port)
+    server = RouterServer(_specs(args.replica), args.policy, args.poll_s, prefill=_specs(args.prefill_replica) or None)
+    # handler_cancellation: a client gone while the router waits (the prefill, the decode's first
+    # byte) cancels the handler, which closes the upstream request (its gateway stops the engine)
+    web.run_app(server.app(), host=args.host, port=args.port, handler_cancellation=True)
     return 0
+
+
+def _specs(items: list[str]) -> dict[str, str | None]:
+    out = {}
+    for spec in items:
+        gw, _, metrics = spec.partition(",")
+        out[gw.rstrip("/")] = metrics or None
+    return out
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ at each concurrency (default 16 and 64), with 2 x concurrency requests of random
 
     python perf/pd.py                              # tiny preset, built into a temp folder
     python perf/pd.py --concurrency 16 64 --prompt-len 512 --max-tokens 32
-    python perf/pd.py --device cuda --preset small --prompt-len 4096 --max-tokens 64     # H200
+    python perf/pd.py --device cuda --preset small --prompt-len 1024 --max-tokens 32     # H200, one GPU
 """
 
 from __future__ import annotations
@@ -104,14 +104,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--preset", default="tiny", help="checkpoint preset when --checkpoint is not given")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (both processes share GPU 0)")
+    ap.add_argument("--cache-memory-fraction", type=float,
+                    help="cuda: size each process's cache from this fraction of the free memory it sees at start "
+                         "(the second process sees what the first left) instead of to the workload")
     args = ap.parse_args()
     ckpt = args.checkpoint
     if ckpt is None:
         ckpt = str(Path(tempfile.mkdtemp()) / args.preset)
         subprocess.run([sys.executable, "-m", "deepinfer.cli.make_checkpoint", "--preset", args.preset, "--out", ckpt],
                        check=True, capture_output=True)
+    # two processes share one GPU: each cache is sized to the workload (64 requests' blocks), not from
+    # the free memory (the default 0.85 of it would leave the second process nothing)
+    blocks = 64 * ((args.prompt_len + args.max_tokens + 63) // 64) + 64
     base = dict(checkpoint=ckpt, device=args.device, max_num_seqs=64, max_num_batched_tokens=2048, block_tokens=64,
-                num_cache_blocks=64 * ((args.prompt_len + args.max_tokens + 63) // 64) + 64)
+                num_cache_blocks=blocks)
+    if args.cache_memory_fraction is not None:
+        base.update(num_cache_blocks=None, cache_memory_fraction=args.cache_memory_fraction)
     results = []
     procs = [EngineProcess(base, num_threads=args.threads, name=f"both{i}") for i in range(2)]
     try:

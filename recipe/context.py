@@ -48,6 +48,7 @@ class PreparedRequest:
     stream: bool
     context: RequestContext
     images: object | None = None        # recipe.images.RequestImages (one per placeholder), None = text
+    kv_transfer_params: str = ""        # a prefill replica's hand-over (JSON), for the engine as given
 
     @property
     def rejected(self) -> bool:

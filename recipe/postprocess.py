@@ -197,6 +197,12 @@ class Postprocessor:
 
     def process(self, inputs: dict) -> tuple[dict, bool]:
         """One engine response (postprocess inputs by contract name) -> (outputs, stop_engine)."""
+        outputs, stop_engine = self._process(inputs)
+        # a prefill replica's hand-over goes out as the engine wrote it (the router passes it on)
+        outputs["kv_transfer_params"] = inputs.get("kv_transfer_params") or ""
+        return outputs, stop_engine
+
+    def _process(self, inputs: dict) -> tuple[dict, bool]:
         key, context = inputs["request_key"], inputs.get("context") or ""
         finish_reason = inputs.get("finish_reason") or None
         if context:

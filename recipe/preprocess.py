@@ -233,6 +233,8 @@ def prepare_inputs(pre: Preprocessor, inputs: dict) -> PreparedRequest:
     prepared = _prepare_inputs(pre, inputs)
     if inputs.get("request_key"):
         prepared.request_key = inputs["request_key"]
+    if inputs.get("kv_transfer_params") and not prepared.rejected:
+        prepared.kv_transfer_params = inputs["kv_transfer_params"]   # the engine checks it
     return prepared
 
 
@@ -256,4 +258,4 @@ def preprocess_outputs(prepared: PreparedRequest) -> dict:
         {"image_pixels": np.zeros(0, np.uint8), "image_sizes": []}
     return {"input_ids": prepared.prompt_token_ids, "sampling": json.dumps(prepared.sampling),
             "streaming": prepared.stream, "context": prepared.context.to_json(),
-            "request_key": prepared.request_key, **images}
+            "request_key": prepared.request_key, "kv_transfer_params": prepared.kv_transfer_params, **images}

@@ -134,22 +134,32 @@ class KVConnector:
         """Checks what can be checked at once (InvalidRequestError to the caller); the pull starts at
         the next poll."""
         rid = req.request_id
+        self.check(rid, params, req.num_prompt_tokens)
+        req.all_token_ids.append(params.first_token_id)
+        self.loads[rid] = _Load(req, params, time.monotonic() + self.timeout_s)
+
+    def check(self, rid: str, params: KVTransferParams, num_prompt_tokens: int) -> None:
+        """What a hand-over must agree on with this instance and the request (InvalidRequestError);
+        reads only what never changes (any thread)."""
         if params.layout != self.layout.signature:
             raise InvalidRequestError(f"request {rid}: the prefill instance's cache layout ({params.layout}) "
                                       f"differs from this decode instance's ({self.layout.signature}): "
                                       "same checkpoint, block_tokens and dtype on both")
-        if params.num_tokens != req.num_prompt_tokens:
+        if params.num_tokens != num_prompt_tokens:
             raise InvalidRequestError(f"request {rid}: kv_transfer_params cover {params.num_tokens} positions, "
-                                      f"the prompt has {req.num_prompt_tokens} tokens")
+                                      f"the prompt has {num_prompt_tokens} tokens")
         if len(params.base_addrs) != len(self.layout.regions):
             raise InvalidRequestError(f"request {rid}: kv_transfer_params name {len(params.base_addrs)} "
                                       f"regions, this layout has {len(self.layout.regions)}")
-        req.all_token_ids.append(params.first_token_id)
-        self.loads[rid] = _Load(req, params, time.monotonic() + self.timeout_s)
 
     def abort(self, req_id: str) -> RequestOutput:
         ld = self.loads.pop(req_id)
         self._drop(ld)
+        p = ld.params
+        if ld.state != "ALLOC" and self.transport.peer_ready(p.engine_id, p.host, p.port):
+            # the client left mid-pull: the prefill frees its held caches now, not at its deadline
+            # (a READ still in flight only lands in our abandoned blocks)
+            self.transport.notify(p.engine_id, f"free:{p.request_id}:{p.tag}".encode())
         ld.req.status = RequestStatus.FINISHED_ABORTED
         return RequestOutput(req_id, [], "abort", ld.req.num_prompt_tokens, 0)
 

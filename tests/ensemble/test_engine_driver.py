@@ -147,3 +147,20 @@ def test_a_grammar_the_engine_cannot_compile_is_a_client_error(engine):
         assert err["type"] == "invalid_request_error"
     finally:
         d._events.put(None)
+
+
+@pytest.mark.parametrize("handover, needle", [("not json", "not JSON"), ("[1]", "JSON object"),
+                                               ('{"engine_id": "x"}', "kv_role='decode'")])
+def test_a_bad_or_misplaced_handover_is_a_client_error(driver, handover, needle):
+    """kv_transfer_params: malformed, or given to an instance that is not kv_role="decode" (this
+    one is "both"): a 400 through the ensemble, and the request never runs; ordinary requests carry
+    an empty kv_transfer_params output."""
+    s = RecordingSender()
+    driver.submit(EngineRequest("h1", PROMPT, {"max_tokens": 4}, True, context='{"c": 1}',
+                                kv_transfer_params=handover), s)
+    assert s.wait().finals == 1 and not s.errors and s.responses[0]["finish_reason"] == "error"
+    ctx = json.loads(s.responses[0]["context"])
+    assert ctx["error_status"] == 400 and needle in ctx["error_message"], ctx
+    ok = RecordingSender()
+    driver.submit(request("h2", streaming=False), ok)
+    assert ok.wait().responses[-1]["kv_transfer_params"] == "" and ok.responses[-1]["finish_reason"] == "length"

@@ -99,7 +99,11 @@ def test_text_input_path(pre):
     assert p.prompt_token_ids[0] == 0 and p.stream and p.context.api == "text"
     assert (p.sampling["max_tokens"], p.sampling["top_k"], p.sampling["temperature"]) == (5, 3, 0.0)
     out = preprocess_outputs(p)
-    assert set(out) == {"input_ids", "sampling", "streaming", "context", "request_key", "image_pixels", "image_sizes"}
+    assert set(out) == {"input_ids", "sampling", "streaming", "context", "request_key", "image_pixels", "image_sizes",
+                        "kv_transfer_params"}
+    assert out["kv_transfer_params"] == ""                         # an ordinary request
+    handed = preprocess_outputs(prepare_inputs(pre, {"text_input": "Hello", "kv_transfer_params": "{\"a\": 1}"}))
+    assert handed["kv_transfer_params"] == "{\"a\": 1}"            # passed through for the engine to check
     over = prepare_inputs(pre, {"text_input": "hi " * 5000})
     assert over.rejected and over.context.error_status == 400
 
