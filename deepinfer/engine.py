@@ -108,6 +108,11 @@ class Engine:
             self.kv_cache = self.scheduler.kv_cache
         self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks * a.data_parallel_size)
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
+        # async + speculation: how often the pipeline was broken, and how often it was not
+        # (tests/engine/test_spec_async.py): steps in flight resolved before the next schedule since
+        # they sampled; verify steps launched while a step that samples was still unresolved
+        self.num_resolved_before_schedule = 0
+        self.num_verify_steps_overlapped = 0
 
     def _init_speculation(self) -> None:
         """DSpark's verification policy; last, since the scheduler policy profiles real engine steps."""
@@ -354,6 +359,7 @@ class Engine:
         flight whose results the next schedule needs (speculation) is finished first."""
         outputs, launched = [], None
         if self._in_flight is not None and self._resolve_first(self._in_flight[1]):
+            self.num_resolved_before_schedule += 1
             outputs += self._finish_in_flight()
             if self.dead is not None:
                 return outputs
@@ -364,6 +370,8 @@ class Engine:
             return self._die(e)
         except Exception as e:  # noqa: BLE001
             outputs += self._fail_step(sched_out, e)
+        if self._in_flight is not None and sched_out.spec_tokens and _samples(self._in_flight[1]):
+            self.num_verify_steps_overlapped += 1
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
             if self.dead is not None:
@@ -428,3 +436,9 @@ class Engine:
             accepted = c["spec_draft_tokens_accepted_total"]
             self.stats.set_gauges(spec_mean_accepted_length=1 + accepted / steps if steps else 0.0,
                                   spec_acceptance_rate=accepted / verified if verified else 0.0)
+
+
+def _samples(launched) -> bool:
+    """A launched step in which some request samples (its tokens are still unknown on the host)."""
+    n = getattr(launched, "num_logits", None)
+    return n is not None and bool((n > 0).any())

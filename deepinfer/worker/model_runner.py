@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.spec.device_resolution import resolve_on_device
 from deepinfer.worker.input_batch import InputBatch, _ragged_arange
 
 
@@ -69,6 +70,10 @@ class _InFlight:
     logprobs: list | None = None  # [N] TokenLogprob | None per logits row (Sampler)
     seq: int = 0                # launch sequence number
     spec: "_SpecInputs | None" = None   # what the DSpark proposer needs (speculative decoding only)
+    # speculation: accepted counts / new tokens / next positions on the device (spec/device_resolution.py),
+    # and their host copy [B, 1 + L] (count, tokens), started at launch, read at resolve
+    resolution: object | None = None
+    resolution_host: torch.Tensor | None = None
 
 
 @dataclass
@@ -170,13 +175,19 @@ class ModelRunner:
         self._prev_sampled = sampled
         fed = batch.input_ids[batch.logits_indices] if num_spec.any() else None
         keep_logits = logits if ib.return_logits else None
-        host, done = self._to_host(sampled)
+        res = res_host = None
+        if self.proposer is not None:   # resolved on the device: the host reads one copy, at resolve()
+            res = resolve_on_device(sampled, fed, num_logits, num_spec, batch.start_pos.numpy(), q_lens,
+                                    self._replayed_for(req_ids, num_spec))
+            res_host, _ = self._to_host(torch.cat([res.num_tokens[:, None], res.tokens], dim=1))
+        host, done = self._to_host(sampled)   # its event also covers the resolution's copy (same stream)
         self._launch_seq += 1
         spec = None
         if self.proposer is not None and main_hidden is not None:
             spec = _SpecInputs(main_hidden, q_lens, batch.start_pos.numpy(), ib.ring_slot[rows].copy())
         return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits,
-                         logprobs=logprobs, seq=self._launch_seq, spec=spec)
+                         logprobs=logprobs, seq=self._launch_seq, spec=spec, resolution=res,
+                         resolution_host=res_host)
 
     def must_resolve_before_next(self, step: _InFlight | None) -> bool:
         """Speculation: a launched step in which a request samples verifies or proposes drafts, and
@@ -188,8 +199,12 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         if step.done is not None:
             step.done.synchronize()
-        per_req = self._accept(step.sampled.numpy(), step.num_logits, step.num_spec,
-                               None if step.fed is None else step.fed.cpu().numpy(), self._replayed(step))
+        if step.resolution_host is not None:
+            h = step.resolution_host.numpy()
+            per_req = [h[b, 1:1 + int(c)].tolist() for b, c in enumerate(h[:, 0].tolist())]
+        else:
+            per_req = self._accept(step.sampled.numpy(), step.num_logits, step.num_spec,
+                                   None if step.fed is None else step.fed.cpu().numpy(), self._replayed(step))
         out_logits = self._gather_logits(step, per_req)
         logprobs = self._per_request_logprobs(step, per_req)
         self._advance_after_verification(step, per_req)
@@ -249,10 +264,13 @@ class ModelRunner:
         return res
 
     def _replayed(self, step: _InFlight) -> np.ndarray | None:
+        return self._replayed_for(step.req_ids, step.num_spec)
+
+    def _replayed_for(self, req_ids: list[str], num_spec: np.ndarray) -> np.ndarray | None:
         """[B] replayed accepted lengths of the verifying requests (-1 = the real comparison)."""
-        if self.proposer is None or self.proposer.replay is None or not step.num_spec.any():
+        if self.proposer is None or self.proposer.replay is None or not num_spec.any():
             return None
-        return np.array([self._replay_len.get(r, -1) if k else -1 for r, k in zip(step.req_ids, step.num_spec.tolist())],
+        return np.array([self._replay_len.get(r, -1) if k else -1 for r, k in zip(req_ids, num_spec.tolist())],
                         dtype=np.int64)
 
     def _can_generate(self, row: int) -> bool:
