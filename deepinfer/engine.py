@@ -23,8 +23,10 @@ engine's own steps). Async scheduling stays off with it unless asked for (async_
 CPU included: the tests): then a step in flight that samples (so it verifies drafts or proposes
 them) is resolved BEFORE the next schedule, since its accepted counts set the next step's
 positions and drafts and the eager step's metadata is built on the host; only steps that sample
-nothing (prefill chunks) overlap the next one. The device-side resolution (the next step's
-positions and drafts read from device tensors) is not built yet: see README, DSpark.
+nothing (prefill chunks) overlap the next one. Each such step is resolved on the device at launch
+(spec/device_resolution.py; the host reads one copy at resolve), but the next step's build does not
+read those tensors yet (positions and drafts from them, spec/reservation.py's worst case): see
+README, DSpark. num_resolved_before_schedule / num_verify_steps_overlapped count both cases.
 """
 
 from __future__ import annotations

@@ -11,4 +11,8 @@ sampler (deepinfer/sample/rejection.py).
     step_time.py        StepTimeModel and its profile through the engine's own steps at start
     engine_policy.py    EngineArgs.spec_policy -> the policy in every scheduler's DraftBook
     replay.py           ReplayedAcceptance: the benchmark mode's stated acceptance distribution
+    device_resolution.py  a verify step resolved on the device: accepted counts, new tokens, the next
+                        anchor / positions / draft slots (the runner reads one copy of it at resolve)
+    reservation.py      a verify step scheduled with the previous one in flight: worst-case drafts and
+                        blocks, trimmed when the accepted counts arrive (not wired into schedule() yet)
 """

@@ -12,7 +12,9 @@ how many tokens, which blocks: all of that is in the SchedulerOutput). Per step:
 Draft verification: logits rows r_0..r_k of a request with drafts d_1..d_k give one token g_j
 each (its seeded sample, or under the "sampled" rule the accepted draft / residual token,
 sample/rejection.py); d_j is accepted while d_j == g_(j-1), and the sampled list is g_0..g_a
-(a accepted drafts + 1 new token). The scheduler then lowers
+(a accepted drafts + 1 new token); with a proposer this is computed on the device at launch
+(spec/device_resolution.py, one host copy read at resolve; _accept is its host reference and the
+path without speculation). The scheduler then lowers
 num_computed_tokens by the k - a rejected positions and frees the blocks past them; the caches
 need nothing else (addressed by absolute position).
 

@@ -77,3 +77,22 @@ def test_every_draft_rejected_and_every_draft_accepted():
     assert res.num_accepted.tolist() == [3, 0]
     assert res.per_request() == [[5, 6, 7, 8], [1]]
     assert res.next_pos.tolist() == [14, 21]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_resolution_on_cuda_does_not_sync():
+    """On the GPU the resolution is launched without the host waiting for the stream (sync debug
+    mode "error" raises on any synchronizing call), and equals the host reference."""
+    rng = np.random.default_rng(11)
+    for _ in range(4):
+        sampled, fed, num_logits, num_spec, start, q_lens = random_step(rng, 16)
+        want = ModelRunner._accept(sampled.numpy(), num_logits, num_spec, fed.numpy())
+        s, f = sampled.cuda(), fed.cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            res = resolve_on_device(s, f, num_logits, num_spec, start, q_lens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert res.next_pos.is_cuda and res.per_request() == want
