@@ -107,10 +107,23 @@ def test_images_inside_the_cached_prefix_are_not_encoded(tiny_checkpoint):
     """A full hit whose replay starts past the image's span never reads its embeddings: the tower
     runs 0 images for it, and the tokens equal the cold run's. A hit whose replay covers the span
     (a short prompt) encodes it again: the replay reads its rows."""
+    check_images_inside_the_cached_prefix_are_not_encoded(tiny_checkpoint)
+
+
+@pytest.mark.gpu
+def test_images_inside_the_cached_prefix_are_not_encoded_cuda(tiny_checkpoint):
+    """The same on CUDA: the encoder's side stream, events over partly encoded prompts, async steps."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    check_images_inside_the_cached_prefix_are_not_encoded(tiny_checkpoint, device="cuda")
+
+
+def check_images_inside_the_cached_prefix_are_not_encoded(ckpt, **kw):
     a = png(200, 120, 7)
     long_prompt = [0] + list(range(1000, 1010)) + [IMG] + list(range(2000, 2170))   # > 128 tokens after the span
-    llm = make_llm(tiny_checkpoint, window_snapshot_bytes=0, max_num_batched_tokens=512, max_model_len=512,
-                   num_cache_blocks=128)
+    llm = make_llm(ckpt, window_snapshot_bytes=0, max_num_batched_tokens=512, max_model_len=512,
+                   num_cache_blocks=128, **kw)
     enc = llm.engine.image_encoder
     first = llm.generate([long_prompt], GREEDY, images=[[a]])[0]
     assert enc.num_encoded == 1
