@@ -3,8 +3,6 @@
 The Scheduler calls five hooks (and nothing else of this module decides its loop):
 
     on_add(req)          hash the prompt's full blocks (cache/block_hash.py chain, cache_salt at the root)
-    expected_start(req)  (the engine, at add_request) the start a hit would give now: images whose
-                         spans end before it are not encoded
     plan_hit(req)        at admission: the longest reuse, one of
                            snapshot  positions [0, C) from a window snapshot + cached blocks: exact
                            replay    a run of k cached blocks, H = k*B: start at s = H - min(R, H)
@@ -14,6 +12,13 @@ The Scheduler calls five hooks (and nothing else of this module decides its loop
     after_step(running)  register blocks that became full and written (shared from now on)
     on_release(req)      preempted or finished: forget what it was computing
     on_finish(req, ok)   a request that ended normally leaves a window snapshot at C = tokens - 1
+
+Two read-only looks come from outside the Scheduler:
+
+    expected_start(req)  (the engine, at add_request) the start a hit would give now: images whose
+                         spans end before it are not encoded
+    cached_tokens(req)   (parallel/dp_scheduler.py) how much of the request this rank's cache holds:
+                         prefix-aware DP placement
 
 Requests with images key their span positions by the image's content (cache/image_keys.py), in
 the block hashes and the snapshot tails alike; a replay never starts inside an image span (it
