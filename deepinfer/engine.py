@@ -108,6 +108,8 @@ class Engine:
         else:
             self.scheduler = scheduler()
             self.kv_cache = self.scheduler.kv_cache
+            if self.image_encoder is not None:
+                self.scheduler.encode_images = self.image_encoder.submit
         self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks * a.data_parallel_size)
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
         # async + speculation: how often the pipeline was broken, and how often it was not
@@ -272,7 +274,10 @@ class Engine:
         req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
                       forced_token_ids, return_logits, image_prompt=image_prompt, cache_salt=cache_salt)
         if image_prompt is not None and image_prompt.embeds is None and self.image_encoder is not None:
-            self.image_encoder.submit(image_prompt)
+            # with a prefix hit, images wholly inside the cached prefix are never read: not encoded
+            prefix = self.scheduler.prefix
+            start = prefix.expected_start(req) if prefix is not None and handover is None else 0
+            self.image_encoder.submit(image_prompt, image_prompt.needed(start))
         if handover is None:
             self.scheduler.add_request(req)
             return

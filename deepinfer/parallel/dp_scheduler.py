@@ -3,7 +3,12 @@ interface, so the Engine's step reads the same with one rank or N.
 
 A new request goes to the rank with the least load, 4 * waiting + running (vLLM's DP front end,
 ../shared/docs/PARALLEL.md), ties to the lowest rank, and stays there for its life (its caches live
-on that rank). Each step every rank schedules its own requests under its own budget and caps; the
+on that rank). With prefix caching each rank keeps its own cache (blocks, snapshots, host tier), and
+placement is prefix-aware: the request goes to the rank that holds the longest prefix of it
+(cached, or being computed by a request placed there: a conversation's turns and requests sent
+together with a shared prefix land together), among the ranks whose load is within
+`prefix_load_slack` of the least (a prefix every request shares must not pile them all on one
+rank); ties and no prefix anywhere: least loaded. Each step every rank schedules its own requests under its own budget and caps; the
 executor runs the N plans in lockstep.
 
 Balanced CP (cp_min_prompt_tokens set, parallel/cp.py): when a rank's plan starts a prompt of at
@@ -16,7 +21,7 @@ step run one after the other, longest first.
 
 from __future__ import annotations
 
-from collections import ChainMap
+from collections import ChainMap, Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +66,24 @@ class ParallelSchedulerOutput:
         return all(o.is_empty for o in self.per_rank)
 
 
+class _PoolView:
+    """The ranks' block pools summed (prefix caching: cached-block gauge, reset_prefix_cache)."""
+
+    def __init__(self, pools) -> None:
+        self.per_rank = pools
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(p.num_cached_blocks for p in self.per_rank)
+
+    @property
+    def num_evictions(self) -> int:
+        return sum(p.num_evictions for p in self.per_rank)
+
+    def clear_cache(self) -> int:
+        return sum(p.clear_cache() for p in self.per_rank)
+
+
 class _KVCacheView:
     """The ranks' KV caches summed, for gauges and accounting checks."""
 
@@ -71,19 +94,31 @@ class _KVCacheView:
     def num_used_blocks(self) -> int:
         return sum(kv.num_used_blocks for kv in self.per_rank)
 
+    @property
+    def pool(self) -> "_PoolView":
+        return _PoolView([kv.pool for kv in self.per_rank])
+
     def check(self) -> None:
         for kv in self.per_rank:
             kv.check()
 
 
 class DataParallelScheduler:
-    def __init__(self, schedulers: list[Scheduler], cp_min_prompt_tokens: int | None = None) -> None:
+    def __init__(self, schedulers: list[Scheduler], cp_min_prompt_tokens: int | None = None,
+                 prefix_load_slack: int | None = None) -> None:
         self.schedulers = schedulers
         self.cp_min_prompt_tokens = cp_min_prompt_tokens   # None = balanced CP off
         self.cp_prefills: list[tuple[str, int, int]] = []  # (req_id, owner rank, prefix tokens) per CP prefill
         self.kv_cache = _KVCacheView(schedulers)
         self.rank_of: dict[str, int] = {}      # unfinished request id -> its rank
         self.generated = [0] * len(schedulers)  # tokens generated per rank
+        self.prefix_aware = schedulers[0].prefix is not None
+        # how much busier (4 * waiting + running) than the least loaded a rank may be and still get
+        # a request for its cached prefix: one batch's worth by default
+        self.prefix_load_slack = schedulers[0].max_num_seqs if prefix_load_slack is None else prefix_load_slack
+        self._placed_hashes = [Counter() for _ in schedulers]   # block hashes of the unfinished requests per rank
+        self._placed: dict[str, list[bytes]] = {}                # request id -> the hashes it added there
+        self.num_prefix_placements = 0          # requests placed for a cached prefix (not by load alone)
 
     # requests in and out -------------------------------------------------------------------
     @property
@@ -94,16 +129,46 @@ class DataParallelScheduler:
         loads = [4 * s.num_waiting + s.num_running for s in self.schedulers]
         return loads.index(min(loads))
 
+    def _loads(self) -> list[int]:
+        return [4 * s.num_waiting + s.num_running for s in self.schedulers]
+
+    def prefix_rank(self, req: Request) -> int | None:
+        """The rank holding the longest prefix of req among those not too busy; None when no rank
+        holds a block of it."""
+        loads = self._loads()
+        best, best_tokens = None, 0
+        for r, s in enumerate(self.schedulers):
+            if loads[r] > min(loads) + self.prefix_load_slack:
+                continue
+            n = s.prefix.cached_tokens(req, self._placed_hashes[r])
+            if n > best_tokens or (n == best_tokens and best is not None and loads[r] < loads[best]):
+                best, best_tokens = r, n
+        return best if best_tokens > 0 else None
+
     def add_request(self, req: Request) -> None:
-        rank = self.least_loaded_rank()
+        rank = self.prefix_rank(req) if self.prefix_aware else None
+        if rank is None:
+            rank = self.least_loaded_rank()
+        else:
+            self.num_prefix_placements += 1
         self.schedulers[rank].add_request(req)
         self.rank_of[req.request_id] = rank
+        if self.prefix_aware:
+            self._placed[req.request_id] = list(req.block_hashes)
+            self._placed_hashes[rank].update(self._placed[req.request_id])
+
+    def _forget(self, req_id: str, rank: int) -> None:
+        placed = self._placed.pop(req_id, None)
+        if placed:
+            self._placed_hashes[rank].subtract(placed)
+            self._placed_hashes[rank] = +self._placed_hashes[rank]    # drop the zeros
 
     def finish_requests(self, req_ids, status: RequestStatus, error: str | None = None) -> list[RequestOutput]:
         outs = []
         for req_id in req_ids:
             rank = self.rank_of.pop(req_id, None)
             if rank is not None:
+                self._forget(req_id, rank)
                 outs += self.schedulers[rank].finish_requests([req_id], status, error)
         return outs
 
@@ -181,5 +246,6 @@ class DataParallelScheduler:
                 self.generated[rank] += len(out.new_token_ids)
                 if out.finished:
                     self.rank_of.pop(out.request_id, None)
+                    self._forget(out.request_id, rank)
             outputs += outs
         return outputs

@@ -13,6 +13,13 @@ The Scheduler calls five hooks (and nothing else of this module decides its loop
     on_release(req)      preempted or finished: forget what it was computing
     on_finish(req, ok)   a request that ended normally leaves a window snapshot at C = tokens - 1
 
+Two read-only looks come from outside the Scheduler:
+
+    expected_start(req)  (the engine, at add_request) the start a hit would give now: images whose
+                         spans end before it are not encoded
+    cached_tokens(req)   (parallel/dp_scheduler.py) how much of the request this rank's cache holds:
+                         prefix-aware DP placement
+
 Requests with images key their span positions by the image's content (cache/image_keys.py), in
 the block hashes and the snapshot tails alike; a replay never starts inside an image span (it
 moves back to the span's start) and a snapshot ending inside one is not used.
@@ -86,6 +93,37 @@ class PrefixCaching:
             if a < s < b:
                 s = a
         return PrefixHit(blocks, H, s, replay=ReplayParams(s, H))
+
+    def expected_start(self, req: Request) -> int:
+        """Where plan_hit would start the request now, from device blocks alone: the images whose
+        spans end at or before it need no encode (never read). Changes nothing but a snapshot's
+        LRU place; a guess (a host-tier onload may change the plan), checked again at admission."""
+        B, N = self.block_tokens, req.num_tokens
+        hashes = self._hashes(req)
+        k = len(self.kv.find_cached_blocks(hashes, (N - 1) // B))
+        H = k * B
+        snap = self._find_snapshot(req, hashes, k, H)
+        if snap is not None:
+            return snap.num_tokens
+        s = H - min(self.replay_tokens, H)
+        for a, b in req.image_spans:
+            if a < s < b:
+                s = a
+        return s
+
+    def cached_tokens(self, req: Request, also: set | None = None) -> int:
+        """Prompt positions this rank could serve from its cache now (device blocks, or a longer
+        window snapshot), for placement (parallel/dp_scheduler.py). `also`: block hashes counted
+        as cached (being computed by requests placed here). Changes nothing but a snapshot's LRU place."""
+        B, N = self.block_tokens, req.num_tokens
+        hashes = self._hashes(req)
+        max_blocks = (N - 1) // B
+        k = len(self.kv.find_cached_blocks(hashes, max_blocks))
+        if also:
+            while k < max_blocks and hashes[k] in also:
+                k += 1
+        snap = self._find_snapshot(req, hashes, k, k * B)
+        return max(k * B, snap.num_tokens if snap is not None else 0)
 
     def _find_snapshot(self, req: Request, hashes: list[bytes], k: int, H: int):
         if self.snapshots is None or not len(self.snapshots):

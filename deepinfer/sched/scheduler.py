@@ -63,6 +63,9 @@ class Scheduler:
         # kv_role="prefill" (deepinfer/disagg/): kv_hold(req) -> True keeps a finished request's
         # ring slot and blocks for a decode instance; the connector frees them later
         self.kv_hold = None
+        # the engine's ImageEncoder.submit(prompt, indices): images a request reads from its start
+        # that were not encoded (a shorter hit than expected at add_request, or a preemption)
+        self.encode_images = None
 
     # requests in and out -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -182,8 +185,8 @@ class Scheduler:
             if hit is not None and hit.wait:
                 deferred.append(self.waiting.popleft())
                 continue
-            if not req.images_ready:        # its images are still being encoded
-                break
+            if not self._images_ready(req, hit.start if hit is not None else req.num_computed_tokens):
+                break                       # its images are still being encoded
             new_blocks = self._admit(req, hit, budget)
             if new_blocks is None:
                 break
@@ -196,6 +199,16 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _images_ready(self, req: Request, start: int) -> bool:
+        """Are the images a run from `start` reads encoded? Those not yet asked for are asked now."""
+        ip = req.image_prompt
+        if ip is None or not ip.encoding:
+            return True
+        todo = [i for i in ip.missing(start) if i not in ip.asked]
+        if todo and self.encode_images is not None:
+            self.encode_images(ip, todo)
+        return ip.ready_from(start)
 
     def _admit(self, req: Request, hit, budget: int) -> list[int] | None:
         """Blocks for the request's first step (starting past its prefix hit, if any); None = no room."""

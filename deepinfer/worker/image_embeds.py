@@ -3,17 +3,21 @@ chunks cover the spans.
 
 ImageEncoder (the engine, one rank in process): encodes AHEAD of scheduling, beside the steps.
 
-    engine.add_request -> submit(prompt)    the request waits (ImagePrompt.ready is False)
+    engine.add_request -> submit(prompt, i) the request waits (ImagePrompt.ready_from is False); with
+                                            prefix caching only the images whose spans end past the
+                                            expected hit's start (the others are never read)
     engine.step        -> flush()           ONE tower pass over every image submitted since the last
                                             step (each distinct image once, by content hash), on its
                                             own CUDA stream; the step's own kernels are not held up
-    scheduler          -> admits the request once the pass's event has fired
+    scheduler          -> admits the request from its start once the images it reads are encoded
+                          (a hit shorter than expected, or a preempted request, submits the rest and waits)
 
 ImageEmbeds (the runner): what each running request's spans hold.
 
-    add(req, prompt)     precomputed embeddings (the encoder's: the step stream waits on its event), or
+    add(req, prompt, s)  precomputed embeddings (the encoder's: the step stream waits on its event), or
                          the images wait for encode_pending() (rank workers of a multi-GPU engine,
-                         which encode in the runner: one pass before the step that first needs them)
+                         which encode in the runner: one pass before the step that first needs them);
+                         only images whose spans end past s, the request's start (a prefix hit's)
     gather(...)          the step's rows inside spans and their embeddings (ForwardBatch.image_rows,
                          .image_embeds); the scheduler never cuts a span, so a chunk holds whole spans
     remove(req)          finished / preempted: freed (a preempted request keeps its ImagePrompt's
@@ -53,25 +57,34 @@ class ImageEncoder:
         self.num_encoded = 0
         self.num_passes = 0
 
-    def submit(self, prompt) -> None:
+    def submit(self, prompt, indices=None) -> None:
+        """Encode prompt's images `indices` (all by default) at the next flush."""
         prompt.encoding = True
-        self._pending.append(prompt)
+        if prompt.embeds is None:
+            prompt.embeds = [None] * len(prompt.images)
+        todo = [i for i in (range(len(prompt.images)) if indices is None else indices) if i not in prompt.asked]
+        prompt.asked.update(todo)
+        if todo:
+            self._pending.append((prompt, todo))
 
     def flush(self) -> None:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        images = [[p.images[i] for i in todo] for p, todo in pending]
         if self.stream is None:
-            embeds, n = encode_unique(self.tower, [p.images for p in pending], self.batch_invariant)
+            embeds, n = encode_unique(self.tower, images, self.batch_invariant)
             event = None
         else:
             self.stream.wait_stream(torch.cuda.current_stream())   # inputs made on the step stream
             with torch.cuda.stream(self.stream):
-                embeds, n = encode_unique(self.tower, [p.images for p in pending], self.batch_invariant)
+                embeds, n = encode_unique(self.tower, images, self.batch_invariant)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-        for p, e in zip(pending, embeds):
-            p.embeds, p.event = e, event
+        for (p, todo), e in zip(pending, embeds):
+            for i, x in zip(todo, e):
+                p.embeds[i] = x
+            p.event = event          # one stream: the latest event covers the earlier passes too
         self.num_encoded += n
         self.num_passes += 1
 
@@ -85,17 +98,25 @@ class ImageEmbeds:
         self.num_encoded = 0                    # images run through the tower (stats, tests)
         self.num_passes = 0                     # tower passes
 
-    def add(self, req_id: str, prompt) -> None:
-        """prompt: the request's ImagePrompt; its embeddings are used when the encoder made them."""
+    def add(self, req_id: str, prompt, start: int = 0) -> None:
+        """prompt: the request's ImagePrompt; its embeddings are used when the encoder made them.
+        start: the request's first position to run (past a prefix hit): images wholly before it
+        are never read, so none is encoded or required for them."""
         if prompt.embeds is None:
-            self._pending.append((req_id, prompt.images))
+            need = prompt.needed(start)
+            if need:
+                self._pending.append((req_id, [prompt.images[i] for i in need]))
             return
+        if prompt.missing(start):       # the scheduler admits only when they are encoded
+            raise RuntimeError(f"request {req_id}: images {prompt.missing(start)} from position {start} "
+                               "are not encoded")
         if prompt.event is not None:
             stream = torch.cuda.current_stream()
             stream.wait_event(prompt.event)
             for e in prompt.embeds:          # made on the encoder's stream, read on this one
-                e.record_stream(stream)
-        self.spans[req_id] = [(im.start, e) for im, e in zip(prompt.images, prompt.embeds)]
+                if e is not None:
+                    e.record_stream(stream)
+        self.spans[req_id] = [(im.start, e) for im, e in zip(prompt.images, prompt.embeds) if e is not None]
 
     def remove(self, req_id: str) -> None:
         self.spans.pop(req_id, None)

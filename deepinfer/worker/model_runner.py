@@ -330,7 +330,7 @@ class ModelRunner:
             if new.image_prompt is not None:
                 if self.images is None:
                     raise ValueError(f"request {new.req_id} has images but the checkpoint has no vision tower")
-                self.images.add(new.req_id, new.image_prompt)
+                self.images.add(new.req_id, new.image_prompt, new.num_computed_tokens)
             if new.restore is not None:
                 self.snapshots.restore(new.restore.snapshot_slot, new.restore.ring_slot, new.restore.tail_block)
         for diff in sched_out.cached_reqs:

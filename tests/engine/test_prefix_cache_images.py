@@ -27,8 +27,9 @@ def png(w: int, h: int, seed: int) -> bytes:
 
 def make_llm(ckpt, **kw):
     from deepinfer.llm import LLM
-    return LLM(str(ckpt), max_num_seqs=2, max_num_batched_tokens=256, num_cache_blocks=64, block_tokens=8,
-               max_model_len=256, enable_prefix_caching=True, **kw)
+    kw = {"max_num_seqs": 2, "max_num_batched_tokens": 256, "num_cache_blocks": 64, "block_tokens": 8,
+          "max_model_len": 256, **kw}
+    return LLM(str(ckpt), enable_prefix_caching=True, **kw)
 
 
 # an image early in a long prompt: the hit's blocks cover the whole span
@@ -100,3 +101,62 @@ def test_image_conversation_turn_two_hits_the_snapshot_exactly(tiny_checkpoint):
     b = png(200, 120, 6)
     other = warm.generate([p2], GREEDY, images=[[b]])[0]
     assert counters(warm)["prefix_cache_snapshot_hits_total"] == 1 and other.num_cached_tokens == 8
+
+
+def test_images_inside_the_cached_prefix_are_not_encoded(tiny_checkpoint):
+    """A full hit whose replay starts past the image's span never reads its embeddings: the tower
+    runs 0 images for it, and the tokens equal the cold run's. A hit whose replay covers the span
+    (a short prompt) encodes it again: the replay reads its rows."""
+    check_images_inside_the_cached_prefix_are_not_encoded(tiny_checkpoint)
+
+
+@pytest.mark.gpu
+def test_images_inside_the_cached_prefix_are_not_encoded_cuda(tiny_checkpoint):
+    """The same on CUDA: the encoder's side stream, events over partly encoded prompts, async steps."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    check_images_inside_the_cached_prefix_are_not_encoded(tiny_checkpoint, device="cuda")
+
+
+def check_images_inside_the_cached_prefix_are_not_encoded(ckpt, **kw):
+    a = png(200, 120, 7)
+    long_prompt = [0] + list(range(1000, 1010)) + [IMG] + list(range(2000, 2170))   # > 128 tokens after the span
+    llm = make_llm(ckpt, window_snapshot_bytes=0, max_num_batched_tokens=512, max_model_len=512,
+                   num_cache_blocks=128, **kw)
+    enc = llm.engine.image_encoder
+    first = llm.generate([long_prompt], GREEDY, images=[[a]])[0]
+    assert enc.num_encoded == 1
+    span_end = 11 + (len(first.prompt_token_ids) - len(long_prompt) + 1)
+    again = llm.generate([long_prompt], GREEDY, images=[[a]])[0]
+    n = len(first.prompt_token_ids)
+    assert again.num_cached_tokens == (n - 1) // 8 * 8
+    assert again.num_cached_tokens - 128 >= span_end           # the replay starts past the span
+    assert enc.num_encoded == 1                                 # nothing encoded for the hit
+    assert again.token_ids == first.token_ids
+    # a shorter prompt over the same blocks: the hit's replay starts at 0 and reads the span again
+    short = llm.generate([PROMPT], GREEDY, images=[[a]])[0]
+    assert short.num_cached_tokens == (len(short.prompt_token_ids) - 1) // 8 * 8 > span_end
+    assert enc.num_encoded == 2
+
+
+def test_a_hit_shorter_than_expected_asks_for_the_skipped_images():
+    """The engine skips images by the hit it sees at add_request; if admission starts earlier (the
+    blocks were evicted meanwhile, or a preemption), the scheduler asks for them and waits."""
+    import torch
+    from tests.engine.conftest import create_scheduler
+    from deepinfer.model.vision import ImageInput, ImagePlan, expand_image_placeholders
+    im = ImageInput(torch.zeros(36, 3, 14, 14, dtype=torch.bfloat16), ImagePlan(84, 84, 6, 6, 2, 2))
+    ip = expand_image_placeholders([1, IMG, 2], [im], IMG)
+    ip.encoding, ip.embeds = True, [None]          # submitted with its image skipped
+    asked = []
+    sched = create_scheduler(max_num_batched_tokens=32)
+    sched.encode_images = lambda prompt, idx: (asked.append(list(idx)), prompt.asked.update(idx))
+    sched.add_request(Request("img", ip.token_ids, GREEDY, image_prompt=ip))
+    assert ip.ready_from(9) and not ip.ready_from(0)
+    assert sched.schedule().num_scheduled_tokens == {}   # no hit: starts at 0, reads the span
+    assert asked == [[0]]
+    sched.schedule()
+    assert asked == [[0]]                                # asked once
+    ip.embeds = [torch.zeros(8, 4)]
+    assert sched.schedule().num_scheduled_tokens == {"img": 10}

@@ -199,3 +199,50 @@ def _children() -> set[int]:
         with open(f"/proc/self/task/{task}/children") as f:
             out |= {int(p) for p in f.read().split() if _alive(int(p))}
     return out
+
+
+def test_prefix_caching_places_requests_on_the_rank_that_holds_their_prefix(tmp_path_factory):
+    """Each rank keeps its own prefix cache; a conversation's second turn goes to the rank holding
+    its first (where plain least-loaded placement would send it elsewhere) and hits the window
+    snapshot there; two requests sent together with a new shared prefix land together. Under
+    batch_invariant the tokens equal one rank's without the cache."""
+    ckpt = str(build_fixture("v41-tiny", tmp_path_factory))
+    kw = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=64, block_tokens=8, batch_invariant=True)
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    p1 = PROMPTS[3] + list(range(300, 340))
+    eng = Engine(EngineArgs(checkpoint=ckpt, data_parallel_size=2, worker_threads=1, enable_prefix_caching=True,
+                            **kw))
+    sched, done, tokens = eng.scheduler, {}, {}
+
+    def run_until(*rids):
+        while not all(r in done for r in rids):
+            for out in eng.step():
+                tokens[out.request_id] = tokens.get(out.request_id, []) + out.new_token_ids
+                if out.finished:
+                    done[out.request_id] = out
+
+    try:
+        eng.add_request("x", PROMPTS[0], long)
+        eng.add_request("t1", p1, short)
+        assert sched.rank_of == {"x": 0, "t1": 1}             # least loaded
+        run_until("t1")
+        eng.add_request("y", PROMPTS[1], long)                 # no prefix anywhere: least loaded, rank 1
+        assert sched.rank_of["y"] == 1
+        p2 = p1 + tokens["t1"] + list(range(500, 506))
+        eng.add_request("t2", p2, short)                       # equal loads: least loaded would pick rank 0
+        assert sched.rank_of["t2"] == 1 and sched.num_prefix_placements == 1
+        shared = list(range(700, 724))
+        eng.add_request("a", shared + [801, 802], short)
+        eng.add_request("b", shared + [803, 804, 805], short)  # a's blocks are not cached yet: placed with a
+        assert sched.rank_of["a"] == sched.rank_of["b"]
+        run_until("x", "y", "t2", "a", "b")
+        assert done["t2"].num_cached_tokens == len(p1) + len(tokens["t1"]) - 1   # the snapshot
+        assert done["b"].num_cached_tokens == 24                # waited for a's blocks instead of computing them
+        assert eng.stats.snapshot()["counters"]["prefix_cache_snapshot_hits_total"] == 1
+        assert not sched.rank_of and not any(sched._placed_hashes)
+    finally:
+        eng.shutdown()
+    ref = LLM(ckpt, **kw)
+    for rid, prompt in (("t1", p1), ("t2", p2), ("a", shared + [801, 802]), ("b", shared + [803, 804, 805])):
+        assert tokens[rid] == ref.generate([prompt], short)[0].token_ids, rid

@@ -11,7 +11,7 @@ replace the embeddings, the MoE gate picks experts with bias_vl, Engram treats t
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,21 +25,36 @@ class ImagePrompt:
     token_types: np.ndarray          # [len(token_ids)] int8
     images: list[ImageInput]         # in prompt order, .start set
     # set by the engine's ImageEncoder (worker/image_embeds.py) when it encodes ahead of scheduling:
-    encoding: bool = False           # submitted: not schedulable until `embeds` exist and `event` fired
-    embeds: list | None = None       # [span_len, dim] per image, on the device
-    event: object | None = None      # CUDA event after the encode (None: done synchronously)
+    encoding: bool = False           # submitted: an image a run needs is usable once its embeds exist and `event` fired
+    embeds: list | None = None       # [span_len, dim] per image, on the device; None for one not encoded (yet):
+                                     # its span lies wholly inside the request's cached prefix, never read
+    event: object | None = None      # CUDA event after the latest encode (None: done synchronously)
+    asked: set = field(default_factory=set)   # image indices handed to the encoder
     cache_keys: list | None = None   # prefix-cache keys of token_ids (cache/image_keys.py), made on first use
 
     def __getstate__(self) -> dict:
         """To a rank worker: the images, not this process's device embeddings (the worker encodes)."""
-        return {**self.__dict__, "encoding": False, "embeds": None, "event": None}
+        return {**self.__dict__, "encoding": False, "embeds": None, "event": None, "asked": set()}
+
+    def needed(self, start: int) -> list[int]:
+        """Indices of the images a run from position `start` reads: spans ending past it. A span
+        wholly before it sits in the cached prefix (a replay start never lies inside a span)."""
+        return [i for i, im in enumerate(self.images) if im.start + im.span_len > start]
+
+    def missing(self, start: int) -> list[int]:
+        """Images a run from `start` reads that have no embeddings yet."""
+        return [i for i in self.needed(start) if self.embeds is None or self.embeds[i] is None]
+
+    def ready_from(self, start: int) -> bool:
+        """May the scheduler run this prompt's tokens from `start`? (no early encode asked, or the
+        images it reads are encoded)"""
+        if not self.encoding:
+            return True
+        return not self.missing(start) and (self.event is None or self.event.query())
 
     @property
     def ready(self) -> bool:
-        """May the scheduler run this prompt's tokens? (no early encode asked, or it has finished)"""
-        if not self.encoding:
-            return True
-        return self.embeds is not None and (self.event is None or self.event.query())
+        return self.ready_from(0)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
