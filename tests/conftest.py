@@ -74,3 +74,20 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def small_checkpoint(tmp_path_factory) -> Path:
     """The project's small preset (widths whose GEMMs take the Triton kernels on a GPU)."""
     return build_preset("small", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (use with pytest.mark.usefixtures): the tiny model's ops are too
+    small for two threads, and they spin against other processes."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoint):
+    from deepinfer.model.loader import load_model
+    return load_model(tiny_checkpoint, progress=False)

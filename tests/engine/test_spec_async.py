@@ -10,22 +10,14 @@ spec/device_resolution.py, feeds the next step's build)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from deepinfer import EngineArgs, SamplingParams
 from deepinfer.engine import Engine
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # a long prompt prefilled over several budget-limited steps (the overlapped ones), short ones beside it
 PROMPTS = [[(7 * i) % 1000 + 10 for i in range(60)], list(range(500, 520)), [3, 4, 5], [9] * 12]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops are too small for two threads (and they spin against other processes)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -21,22 +21,11 @@ from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.model.simple import make_batch
 from deepinfer.model.step_metadata import DecodeStepBuffers
 
+from cache_views import owned_cache_tensors
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BT, MAX_LEN, SLOTS = 64, 512, 3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops are too small for two threads (and they spin against other processes)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_checkpoint):
-    from deepinfer.model.loader import load_model
-    return load_model(tiny_checkpoint, progress=False)
 
 
 def _tables(n_seqs: int, per_seq: int) -> np.ndarray:
@@ -87,19 +76,6 @@ def _run(model, prompts, steps: int, static_batch: int | None, invariant: bool):
     return logits, caches
 
 
-def _cache_tensors(caches: ModelCaches):
-    """Every cache tensor without the scratch slot / block (what sequences own)."""
-    slot, block = caches.scratch_slot, caches.scratch_block
-    for i, t in enumerate(caches.window_kv):
-        yield f"window_kv[{i}]", t[:slot]
-    for name in ("carry_kv", "carry_score"):
-        for s, t in getattr(caches, name).items():
-            yield f"{name}[{s}]", t[:slot]
-    for name in ("compressed_kv", "index_k"):
-        for s, t in getattr(caches, name).items():
-            yield f"{name}[{s}]", t[:block]
-
-
 @pytest.mark.parametrize("lens,steps,static_batch", [((5, 130, 260), 40, 4), ((5, 9), 24, 4), ((5, 130, 260), 40, 3)])
 def test_static_decode_metadata_matches_dynamic(tiny_model, lens, steps, static_batch):
     """(5, 130, 260): the window (128) and ratio-2 groups crossed; the static E (MAX_LEN // ratio)
@@ -113,7 +89,7 @@ def test_static_decode_metadata_matches_dynamic(tiny_model, lens, steps, static_
     sta, sta_caches = _run(tiny_model, prompts, steps, static_batch, invariant)
     for step, (a, b) in enumerate(zip(dyn, sta)):
         assert torch.equal(a, b), (step, (a - b).abs().max().item())
-    for (name, a), (_, b) in zip(_cache_tensors(dyn_caches), _cache_tensors(sta_caches)):
+    for (name, a), (_, b) in zip(owned_cache_tensors(dyn_caches), owned_cache_tensors(sta_caches)):
         assert torch.equal(a, b), name
 
 

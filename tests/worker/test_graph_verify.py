@@ -25,21 +25,11 @@ from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.model.simple import make_batch
 from deepinfer.model.step_metadata import DecodeStepBuffers
 
+from cache_views import owned_cache_tensors
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BT, MAX_LEN, SLOTS, L = 64, 512, 3, 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_checkpoint):
-    from deepinfer.model.loader import load_model
-    return load_model(tiny_checkpoint, progress=False)
 
 
 def _hist(seq: list[int], ngram: int) -> list[int]:
@@ -103,18 +93,6 @@ def _run(model, prompts, plan, static_batch: int | None):
     return logits, caches
 
 
-def _cache_tensors(caches: ModelCaches):
-    slot, block = caches.scratch_slot, caches.scratch_block
-    for i, t in enumerate(caches.window_kv):
-        yield f"window_kv[{i}]", t[:slot]
-    for name in ("carry_kv", "carry_score"):
-        for s, t in getattr(caches, name).items():
-            yield f"{name}[{s}]", t[:slot]
-    for name in ("compressed_kv", "index_k"):
-        for s, t in getattr(caches, name).items():
-            yield f"{name}[{s}]", t[:block]
-
-
 def test_static_verify_metadata_matches_dynamic(tiny_model):
     """Verified lengths 1..6 per sequence and step, padded to L = 6 and batch 4."""
     rng = np.random.default_rng(0)
@@ -124,7 +102,7 @@ def test_static_verify_metadata_matches_dynamic(tiny_model):
     sta, sta_caches = _run(tiny_model, prompts, plan, 4)
     for step, (a, b) in enumerate(zip(dyn, sta)):
         assert torch.equal(a, b), (step, (a - b).abs().max().item())
-    for (name, a), (_, b) in zip(_cache_tensors(dyn_caches), _cache_tensors(sta_caches)):
+    for (name, a), (_, b) in zip(owned_cache_tensors(dyn_caches), owned_cache_tensors(sta_caches)):
         assert torch.equal(a, b), name
 
 
