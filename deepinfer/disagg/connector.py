@@ -33,7 +33,7 @@ import torch
 
 from deepinfer.disagg.layout import CacheLayout
 from deepinfer.disagg.nixl_transport import NixlTransport
-from deepinfer.disagg.params import KVTransferParams
+from deepinfer.disagg.params import TRANSIENT_PULL_FAILURE, KVTransferParams
 from deepinfer.outputs import ReplayParams, RequestOutput
 from deepinfer.request import InvalidRequestError, Request, RequestStatus
 
@@ -174,7 +174,9 @@ class KVConnector:
             try:
                 out = self._advance(ld)
             except Exception as e:  # noqa: BLE001 - one failed pull fails one request
-                out = self._fail(ld, f"{type(e).__name__}: {e}")
+                p = ld.params
+                out = self._fail(ld, f"{TRANSIENT_PULL_FAILURE} {p.engine_id} at {p.host}:{p.port} "
+                                     f"failed: {type(e).__name__}: {e}")
             if out is not None:
                 outs.append(out)
                 if ld.state == "READY":
@@ -206,8 +208,7 @@ class KVConnector:
             state = t.state(ld.handle)
             if state == "ERR":
                 t.forget_peer(p.engine_id)
-                return self._fail(ld, f"the KV transfer from prefill instance {p.engine_id} at "
-                                      f"{p.host}:{p.port} failed")
+                return self._fail(ld, f"{TRANSIENT_PULL_FAILURE} {p.engine_id} at {p.host}:{p.port} failed")
             if state == "DONE":
                 t.release(ld.handle)
                 ld.handle = None
@@ -217,7 +218,7 @@ class KVConnector:
                     return self._verified(ld)
         if time.monotonic() > ld.deadline:
             t.forget_peer(p.engine_id)
-            return self._fail(ld, f"the KV transfer from prefill instance {p.engine_id} at {p.host}:{p.port} "
+            return self._fail(ld, f"{TRANSIENT_PULL_FAILURE} {p.engine_id} at {p.host}:{p.port} "
                                   f"timed out after {self.timeout_s:g} s (state {ld.state})")
         return None
 
