@@ -278,7 +278,7 @@ def unreachable_prefill(prefill) -> tuple[web.Application, list]:
             gone = {**json.loads(r.headers[HEADER]), "engine_id": "deepinfer-prefill-gone", "port": free_port()}
             headers[HEADER] = json.dumps(gone)
             rewritten.append(gone)
-        return web.Response(status=r.status, body=r.content, headers=headers, content_type="application/json")
+        return web.Response(status=r.status_code, body=r.content, headers=headers, content_type="application/json")
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", forward)
