@@ -103,6 +103,11 @@ class EngineArgs:
     kv_transfer_host: str = "127.0.0.1"     # address this instance's NIXL agent is reached at
     kv_transfer_port: int = 0               # NIXL metadata listener port; 0 = a free one
     kv_transfer_timeout_s: float = 30.0     # decode: a pull not done by then fails; prefill: held caches freed
+    # decode: True pulls the window ring rows of the last 128 positions of every layer (DSpark rings
+    # included) and the compressor carry with the blocks (exact); False pulls only the compressed-KV
+    # and index-key blocks of the full blocks and rebuilds the window by bounded replay of the last
+    # swa_replay_tokens positions (the prefix cache's replay: fewer bytes, approximate past 128 tokens)
+    kv_transfer_window: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

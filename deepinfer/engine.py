@@ -155,8 +155,12 @@ class Engine:
         if a.kv_role == "both":
             return
         from deepinfer.disagg.connector import KVConnector
+        if not a.kv_transfer_window and a.swa_replay_tokens < self.model_args.window_size:
+            raise ValueError(f"kv_transfer_window=False replays swa_replay_tokens ({a.swa_replay_tokens}) positions, "
+                             f"below the model's window ({self.model_args.window_size}): window keys would be missing")
         self.connector = KVConnector(a.kv_role, self.caches, self.kv_cache, self.stats, a.kv_transfer_host,
-                                     a.kv_transfer_port, a.kv_transfer_timeout_s, self.max_model_len)
+                                     a.kv_transfer_port, a.kv_transfer_timeout_s, self.max_model_len,
+                                     window=a.kv_transfer_window, replay_tokens=a.swa_replay_tokens)
         if a.kv_role == "prefill":
             self.scheduler.kv_hold = self.connector.request_finished
 

@@ -82,6 +82,9 @@ class Request:
         self.num_preemptions = 0
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        # kv_role="decode" with kv_transfer_window=False: the window is rebuilt by bounded replay
+        # (outputs.ReplayParams), taken by the scheduler at admission (disagg/connector.py)
+        self.handover_replay = None
 
     @property
     def num_tokens(self) -> int:

@@ -78,6 +78,7 @@ class EngineStats:
             # caches read and freed; decode: caches pulled), the bytes pulled, hand-overs that failed
             "kv_transfers_total": 0,
             "kv_transfer_bytes_total": 0,
+            "kv_transfer_replayed_tokens_total": 0,   # kv_transfer_window=False: positions replayed
             "kv_transfer_failures_total": 0,
             "kv_holds_expired_total": 0,
         }

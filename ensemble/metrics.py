@@ -38,6 +38,7 @@ COUNTERS = {"prompt_tokens_total": "Prompt tokens of admitted requests",
             "prefix_cache_disk_hits_total": "Cached blocks read back from the disk tier",
             "kv_transfers_total": "P/D hand-overs done (prefill: held caches read and freed; decode: caches pulled)",
             "kv_transfer_bytes_total": "Bytes of caches pulled from prefill instances",
+            "kv_transfer_replayed_tokens_total": "Positions a decode instance replayed to rebuild the window (kv_transfer_window=False)",
             "kv_transfer_failures_total": "Pulls that failed (blocks gone, timeout, peer down)",
             "kv_holds_expired_total": "Held prefill caches freed at kv_transfer_timeout_s (no decode pulled them)"}
 GAUGES = {"num_requests_running": "Requests in the running batch",

@@ -26,8 +26,10 @@ Prefill/decode disaggregation (`--prefill-replica`, replicas started with kv_rol
 The prefill runs the prompt and samples the first token, then holds the request's caches; the
 decode pulls them through NIXL and streams from that token on. A prefill's error answer (400...)
 goes to the client as it is; a prefill that cannot be reached or answers 503 is retried once on
-another. A decode that fails the pull (blocks gone, timeout, prefill down) answers the API's error
-(its gateway); the prefill frees what it holds when the decode reads it, when a decode that gave
+another. A decode whose pull fails for a transient reason (the prefill's agent unreachable, a READ
+in error, the deadline passed: its 500 names TRANSIENT_PULL_FAILURE) before any token gets the whole
+hand-over once more through another healthy prefill replica, the first one counted as failed; other
+pull failures (blocks gone) and a second failure answer the API's error (its gateway); the prefill frees what it holds when the decode reads it, when a decode that gave
 up tells it so, or at its kv_transfer_timeout_s. A client gone during the prefill closes that
 request (its gateway stops it); gone during the decode, the decode's gateway stops its request and
 the decode tells the prefill to free. A replica's own x-kv-transfer-params header from a client
@@ -43,6 +45,8 @@ import logging
 
 import aiohttp
 from aiohttp import web
+
+from deepinfer.disagg.params import TRANSIENT_PULL_FAILURE
 
 from .gateway import KV_TRANSFER_HEADER, SSE_END, sse_error
 from .gateway_guard import ROUTES, error_body
@@ -153,11 +157,27 @@ class RouterServer:
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         key = routing_key(body) if request.method == "POST" else ""
-        handover = None
-        if self.prefill_router is not None and request.method == "POST":
-            handover = await self._prefill(request, body, key)
+        if self.prefill_router is None or request.method != "POST":
+            return await self._decode(request, body, key)
+        prefills: list[str] = []
+        while True:
+            handover = await self._prefill(request, body, key, exclude=prefills)
             if isinstance(handover, web.Response):
                 return handover                              # the prefill's own answer (an error)
+            name, handover = handover
+            prefills.append(name)
+            # the whole hand-over once more on another prefill replica when the pull failed for a
+            # transient reason (the client has seen nothing yet); else the decode's answer as it is
+            retry = len(prefills) < 2 and any(n not in prefills for n in self.prefill_router.healthy())
+            try:
+                return await self._decode(request, body, key, handover, retry)
+            except _PullFailed as e:
+                log.warning("the decode's pull from prefill replica %s failed (%s); the hand-over again elsewhere",
+                            name, e)
+                self.prefill_router.report_failure(name)
+
+    async def _decode(self, request: web.Request, body: bytes, key: str, handover: str | None = None,
+                      retry_pull: bool = False) -> web.StreamResponse:
         tried: list[str] = []
         for _ in range(2):                                   # one retry on another replica
             try:
@@ -166,16 +186,18 @@ class RouterServer:
                 break
             tried.append(name)
             try:
-                return await self._forward(request, name, body, handover)
+                return await self._forward(request, name, body, handover, retry_pull)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 log.warning("replica %s failed before answering (%s); %s", name, e,
                             "retrying elsewhere" if len(tried) < 2 else "giving up")
                 self.router.report_failure(name)
         return _error(request, 503, f"no replica could take the request (tried {tried})")
 
-    async def _prefill(self, request: web.Request, body: bytes, key: str) -> str | web.Response:
-        """The request on a prefill replica, not streamed -> its hand-over (the header's JSON), or
-        the response the client gets instead (the prefill's error answer, or ours)."""
+    async def _prefill(self, request: web.Request, body: bytes, key: str,
+                       exclude: list[str]) -> tuple[str, str] | web.Response:
+        """The request on a prefill replica (none of `exclude`), not streamed -> (that replica, its
+        hand-over: the header's JSON), or the response the client gets instead (the prefill's error
+        answer, or ours)."""
         try:
             req = json.loads(body)
         except ValueError:
@@ -189,7 +211,7 @@ class RouterServer:
         tried: list[str] = []
         for _ in range(2):
             try:
-                name = self.prefill_router.pick(key, exclude=tried)
+                name = self.prefill_router.pick(key, exclude=tried + exclude)
             except LookupError:
                 break
             tried.append(name)
@@ -210,16 +232,16 @@ class RouterServer:
             if not handover:
                 return _error(request, 502, f"prefill replica {name} answered without a hand-over "
                                             "(is it running kv_role='prefill'?)")
-            return handover
-        return _error(request, 503, f"no prefill replica could take the request (tried {tried})")
+            return name, handover
+        return _error(request, 503, f"no prefill replica could take the request (tried {exclude + tried})")
 
     @staticmethod
     def _headers(request: web.Request) -> dict:
         drop = _HOP_HEADERS | {"host", KV_TRANSFER_HEADER}
         return {k: v for k, v in request.headers.items() if k.lower() not in drop}
 
-    async def _forward(self, request: web.Request, name: str, body: bytes,
-                       handover: str | None = None) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, name: str, body: bytes, handover: str | None = None,
+                       retry_pull: bool = False) -> web.StreamResponse:
         headers = self._headers(request)
         if handover is not None:
             headers[KV_TRANSFER_HEADER] = handover
@@ -229,6 +251,8 @@ class RouterServer:
                 response = web.StreamResponse(status=up.status, headers={
                     k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS})
                 first = await up.content.readany()           # before this, a failure can still be retried
+                if retry_pull and up.status == 500 and TRANSIENT_PULL_FAILURE.encode() in first:
+                    raise _PullFailed(first[:500].decode(errors="replace"))
                 await response.prepare(request)
                 try:
                     while first:
@@ -253,6 +277,10 @@ class RouterServer:
         if api and up.headers.get("Content-Type", "").startswith("text/event-stream"):
             await response.write(sse_error(api, f"the replica serving this request went away: {exc}") + SSE_END[api])
         await response.write_eof()
+
+
+class _PullFailed(Exception):
+    """A decode replica could not pull a hand-over's caches (a transient failure, before any token)."""
 
 
 def _error(request: web.Request, status: int, message: str) -> web.Response:

@@ -3,16 +3,21 @@
 Same two CPU processes (tiny preset) in both runs:
   colocated   2 replicas with kv_role="both", requests alternating (round robin)
   disagg      1 kv_role="prefill" + 1 kv_role="decode" process; each request runs its prompt on the
-              prefill, its caches move by NIXL (UCX), the decode continues (deepinfer/disagg/)
+              prefill, its caches move by NIXL (UCX), the decode continues (deepinfer/disagg/): the
+              window ring rows and compressor carry move with the blocks (kv_transfer_window=True)
+  replay      the same pair, the decode pulling only the full blocks and replaying the last 128
+              positions to rebuild the window (kv_transfer_window=False)
 at each concurrency (default 16 and 64), with 2 x concurrency requests of random prompts.
 
   TTFT  client time to the first token (disagg: the prefill's final output, which carries it; a
         gateway streams it at once)
   ITL   gaps between later tokens (disagg: the first gap includes the hand-over)
-  ratio disagg / colocated
+  bytes the decode's pulled bytes per hand-over (its kv_transfer_bytes_total), replayed positions
+  ratio disagg / colocated, replay / disagg
 
     python perf/pd.py                              # tiny preset, built into a temp folder
     python perf/pd.py --concurrency 16 64 --prompt-len 512 --max-tokens 32
+    python perf/pd.py --modes disagg replay        # the two transfer modes only
     python perf/pd.py --device cuda --preset small --prompt-len 1024 --max-tokens 32     # H200, one GPU
 """
 
@@ -66,6 +71,7 @@ def run(mode, target, concurrency, args) -> dict:
                for _ in range(n)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     fn = colocated if mode == "colocated" else disaggregated
+    before = target[1].state()["stats"]["counters"] if mode != "colocated" else {}
     ttft, itl, errors = [], [], 0
     lock = threading.Lock()
     bar = tqdm(total=n, desc=f"{mode} c={concurrency}", leave=False)
@@ -86,8 +92,13 @@ def run(mode, target, concurrency, args) -> dict:
         list(pool.map(one, range(n)))
     wall = time.perf_counter() - t
     bar.close()
+    moved = {}
+    if mode != "colocated":
+        after = target[1].state()["stats"]["counters"]
+        moved = {k: after[k] - before[k] for k in
+                 ("kv_transfers_total", "kv_transfer_bytes_total", "kv_transfer_replayed_tokens_total")}
     return {"mode": mode, "concurrency": concurrency, "ttft": ttft, "itl": itl, "errors": errors,
-            "tok_s": n * args.max_tokens / wall}
+            "tok_s": n * args.max_tokens / wall, **moved}
 
 
 def pct(xs, q):
@@ -101,6 +112,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--modes", nargs="+", default=["colocated", "disagg", "replay"],
+                    choices=["colocated", "disagg", "replay"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--preset", default="tiny", help="checkpoint preset when --checkpoint is not given")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (both processes share GPU 0)")
@@ -121,31 +134,38 @@ def main() -> None:
     if args.cache_memory_fraction is not None:
         base.update(num_cache_blocks=None, cache_memory_fraction=args.cache_memory_fraction)
     results = []
-    procs = [EngineProcess(base, num_threads=args.threads, name=f"both{i}") for i in range(2)]
-    try:
-        results += [run("colocated", procs, c, args) for c in args.concurrency]
-    finally:
-        for p in procs:
-            p.close()
-    procs = [EngineProcess({**base, "kv_role": role}, num_threads=args.threads, name=role)
-             for role in ("prefill", "decode")]
-    try:
-        results += [run("disagg", procs, c, args) for c in args.concurrency]
-    finally:
-        for p in procs:
-            p.close()
+    for mode in args.modes:
+        if mode == "colocated":
+            procs = [EngineProcess(base, num_threads=args.threads, name=f"both{i}") for i in range(2)]
+        else:
+            procs = [EngineProcess({**base, "kv_role": role, "kv_transfer_window": mode == "disagg"},
+                                   num_threads=args.threads, name=role) for role in ("prefill", "decode")]
+        try:
+            results += [run(mode, procs, c, args) for c in args.concurrency]
+        finally:
+            for p in procs:
+                p.close()
     print(f"\n{args.preset} preset on {args.device}, 2 processes x {args.threads} thread(s), prompts {args.prompt_len // 2}.."
           f"{args.prompt_len} tokens, {args.max_tokens} output tokens, 2 x concurrency requests")
-    print(f"{'mode':<11}{'conc':>5}{'TTFT p50':>10}{'p90':>8}{'ITL p50':>9}{'p90':>8}{'mean':>8}{'tok/s':>8}{'errors':>7}")
+    print(f"{'mode':<11}{'conc':>5}{'TTFT p50':>10}{'p90':>8}{'ITL p50':>9}{'p90':>8}{'mean':>8}{'tok/s':>8}{'errors':>7}"
+          f"{'KiB/req':>10}{'replayed/req':>13}")
     for r in results:
+        k = r.get("kv_transfers_total") or 0
+        per = (f"{r['kv_transfer_bytes_total'] / k / 1024:>10.1f}{r['kv_transfer_replayed_tokens_total'] / k:>13.1f}"
+               if k else f"{'-':>10}{'-':>13}")
         print(f"{r['mode']:<11}{r['concurrency']:>5}{pct(r['ttft'], .5):>10.3f}{pct(r['ttft'], .9):>8.3f}"
               f"{pct(r['itl'], .5):>9.4f}{pct(r['itl'], .9):>8.4f}{statistics.fmean(r['itl'] or [0]):>8.4f}"
-              f"{r['tok_s']:>8.1f}{r['errors']:>7}")
+              f"{r['tok_s']:>8.1f}{r['errors']:>7}" + per)
     for c in args.concurrency:
-        a, b = (next(r for r in results if r["mode"] == m and r["concurrency"] == c) for m in ("colocated", "disagg"))
-        print(f"concurrency {c}: disagg/colocated  TTFT p50 {pct(b['ttft'], .5) / pct(a['ttft'], .5):.2f}  "
-              f"ITL p50 {pct(b['itl'], .5) / pct(a['itl'], .5):.2f}  ITL p90 {pct(b['itl'], .9) / pct(a['itl'], .9):.2f}  "
-              f"throughput {b['tok_s'] / a['tok_s']:.2f}")
+        got = {r["mode"]: r for r in results if r["concurrency"] == c}
+        for num, den in (("disagg", "colocated"), ("replay", "colocated"), ("replay", "disagg")):
+            if num in got and den in got:
+                a, b = got[den], got[num]
+                bytes_ratio = (f"  bytes {b['kv_transfer_bytes_total'] / a['kv_transfer_bytes_total']:.3f}"
+                               if a.get("kv_transfer_bytes_total") else "")
+                print(f"concurrency {c}: {num}/{den}  TTFT p50 {pct(b['ttft'], .5) / pct(a['ttft'], .5):.2f}  "
+                      f"ITL p50 {pct(b['itl'], .5) / pct(a['itl'], .5):.2f}  ITL p90 {pct(b['itl'], .9) / pct(a['itl'], .9):.2f}  "
+                      f"throughput {b['tok_s'] / a['tok_s']:.2f}{bytes_ratio}")
 
 
 if __name__ == "__main__":

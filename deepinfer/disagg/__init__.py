@@ -16,7 +16,9 @@ final output, the decode side pulls the blocks those params name (a one-sided RE
 What moves (MODEL.md "the caches"): the window ring rows of the last min(n, RING) positions of
 every layer (backbone and DSpark blocks), the fp32 compressor carry rows of the same positions, the
 compressed-KV and index-key blocks of positions 0..n-1. Engram history is the token ids (sent in
-the request), so nothing of it moves.
+the request), so nothing of it moves. With kv_transfer_window=False (decode side) only the blocks
+below H = n rounded down to a block move, and the decode rebuilds the window by the prefix cache's
+bounded replay of positions [H - swa_replay_tokens, n] (outputs.ReplayParams through the scheduler).
 
     prefill instance                                   decode instance
     run prompt, sample t0 -> final output + params     add_request(prompt, kv_transfer_params=...)

@@ -33,8 +33,8 @@ import torch
 
 from deepinfer.disagg.layout import CacheLayout
 from deepinfer.disagg.nixl_transport import NixlTransport
-from deepinfer.disagg.params import KVTransferParams
-from deepinfer.outputs import RequestOutput
+from deepinfer.disagg.params import TRANSIENT_PULL_FAILURE, KVTransferParams
+from deepinfer.outputs import ReplayParams, RequestOutput
 from deepinfer.request import InvalidRequestError, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class _Load:
     deadline: float
     state: str = "ALLOC"
     handle: object = None
+    replay: ReplayParams | None = None   # window=False: positions [replay_start, n) are recomputed
     allocated: bool = False
     finish_status: RequestStatus | None = None   # the prefill's token already ends the request
     started: float = field(default_factory=time.monotonic)
@@ -62,8 +63,12 @@ class _Load:
 
 class KVConnector:
     def __init__(self, role: str, caches, kv_cache, stats, host: str = "127.0.0.1", port: int = 0,
-                 timeout_s: float = 30.0, max_model_len: int | None = None) -> None:
+                 timeout_s: float = 30.0, max_model_len: int | None = None, window: bool = True,
+                 replay_tokens: int = 128) -> None:
         self.role = role
+        # decode: pull the window rings + carry (exact), or only full blocks and replay (window=False)
+        self.window = window
+        self.replay_tokens = replay_tokens
         self.kv_cache = kv_cache            # KVCacheManager: ring slots and block tables by request id
         self.stats = stats
         self.timeout_s = timeout_s
@@ -169,7 +174,9 @@ class KVConnector:
             try:
                 out = self._advance(ld)
             except Exception as e:  # noqa: BLE001 - one failed pull fails one request
-                out = self._fail(ld, f"{type(e).__name__}: {e}")
+                p = ld.params
+                out = self._fail(ld, f"{TRANSIENT_PULL_FAILURE} {p.engine_id} at {p.host}:{p.port} "
+                                     f"failed: {type(e).__name__}: {e}")
             if out is not None:
                 outs.append(out)
                 if ld.state == "READY":
@@ -189,31 +196,38 @@ class KVConnector:
             return self._finish_at_first_token(ld)
         if ld.state == "CONNECT" and t.peer_ready(p.engine_id, p.host, p.port):
             slot = self.kv_cache.ring_slot[rid]
-            local = self.layout.runs(p.num_tokens, slot, self.kv_cache.block_ids[rid])
-            remote = self.layout.runs(p.num_tokens, p.ring_slot, p.block_ids, p.base_addrs)
-            ld.handle, ld.state = t.read(p.engine_id, local, remote, self.layout.mem_type), "PULL"
+            ld.replay = self._replay_plan(ld.req, p.num_tokens)
+            n, window = (p.num_tokens, True) if ld.replay is None else (ld.replay.hit, False)
+            local = self.layout.runs(n, slot, self.kv_cache.block_ids[rid], window=window)
+            remote = self.layout.runs(n, p.ring_slot, p.block_ids, p.base_addrs, window=window)
+            if local:
+                ld.handle, ld.state = t.read(p.engine_id, local, remote, self.layout.mem_type), "PULL"
+            else:                                   # a replay of the whole prompt: only the check
+                ld.handle, ld.state = self._read_tag(ld), "VERIFY"
         if ld.state in ("PULL", "VERIFY"):
             state = t.state(ld.handle)
             if state == "ERR":
                 t.forget_peer(p.engine_id)
-                return self._fail(ld, f"the KV transfer from prefill instance {p.engine_id} at "
-                                      f"{p.host}:{p.port} failed")
+                return self._fail(ld, f"{TRANSIENT_PULL_FAILURE} {p.engine_id} at {p.host}:{p.port} failed")
             if state == "DONE":
                 t.release(ld.handle)
                 ld.handle = None
                 if ld.state == "PULL":
-                    slot = self.kv_cache.ring_slot[rid]
-                    self.tags[slot] = 0
-                    ld.handle = t.read(p.engine_id, [(self.tags.data_ptr() + 8 * slot, 8, 0)],
-                                       [(p.tag_addr + 8 * p.ring_slot, 8, 0)], "DRAM")
-                    ld.state = "VERIFY"
+                    ld.handle, ld.state = self._read_tag(ld), "VERIFY"
                 else:
                     return self._verified(ld)
         if time.monotonic() > ld.deadline:
             t.forget_peer(p.engine_id)
-            return self._fail(ld, f"the KV transfer from prefill instance {p.engine_id} at {p.host}:{p.port} "
+            return self._fail(ld, f"{TRANSIENT_PULL_FAILURE} {p.engine_id} at {p.host}:{p.port} "
                                   f"timed out after {self.timeout_s:g} s (state {ld.state})")
         return None
+
+    def _read_tag(self, ld: _Load):
+        """READ the peer's tag of the slot into ours (VERIFY compares it with the params' nonce)."""
+        p, slot = ld.params, self.kv_cache.ring_slot[ld.req.request_id]
+        self.tags[slot] = 0
+        return self.transport.read(p.engine_id, [(self.tags.data_ptr() + 8 * slot, 8, 0)],
+                                   [(p.tag_addr + 8 * p.ring_slot, 8, 0)], "DRAM")
 
     def _verified(self, ld: _Load) -> RequestOutput:
         p, rid = ld.params, ld.req.request_id
@@ -223,10 +237,29 @@ class KVConnector:
         self.transport.notify(p.engine_id, f"free:{p.request_id}:{p.tag}".encode())
         del self.loads[rid]
         ld.state = "READY"
-        ld.req.num_computed_tokens = p.num_tokens
+        if ld.replay is None:
+            ld.req.num_computed_tokens = p.num_tokens
+            moved = self.layout.num_bytes(p.num_tokens)
+        else:                                       # the scheduler runs [replay_start, n] first
+            ld.req.num_computed_tokens, ld.req.handover_replay = ld.replay.replay_start, ld.replay
+            moved = self.layout.num_bytes(ld.replay.hit, window=False)
+            self.stats.inc("kv_transfer_replayed_tokens_total", p.num_tokens - ld.replay.replay_start)
         self.stats.inc("kv_transfers_total")
-        self.stats.inc("kv_transfer_bytes_total", sum(self.layout.num_bytes(p.num_tokens)))
+        self.stats.inc("kv_transfer_bytes_total", sum(moved))
         return RequestOutput(rid, [p.first_token_id], None, ld.req.num_prompt_tokens, 1)
+
+    def _replay_plan(self, req: Request, n: int) -> ReplayParams | None:
+        """window=False: pull the full blocks below H (a block boundary, so every compressed entry
+        below it is complete and none is rewritten) and replay from s = H - min(R, H): the window
+        keys a query at n or later reads all lie at or past s. None = pull the window (window=True,
+        or an image span in [s, n): this instance would need its embeddings to replay it)."""
+        if self.window:
+            return None
+        H = n // self.layout.block_tokens * self.layout.block_tokens
+        s = H - min(self.replay_tokens, H)
+        if any(a < n and b > s for a, b in req.image_spans):
+            return None
+        return ReplayParams(s, H)
 
     def _first_token_finishes(self, req: Request) -> RequestStatus | None:
         """The request may end at the prefill's token, under this instance's sampling params."""

@@ -75,11 +75,12 @@ class CacheLayout:
         return [(r.tensor.data_ptr(), r.tensor.numel() * r.tensor.element_size(), self.dev_id, "")
                 for r in self.regions]
 
-    def runs(self, num_tokens: int, ring_slot: int, block_ids, base_addrs=None) -> list[tuple[int, int, int]]:
+    def runs(self, num_tokens: int, ring_slot: int, block_ids, base_addrs=None,
+             window: bool = True) -> list[tuple[int, int, int]]:
         """(address, bytes, device id) of every run of one request; base_addrs: another instance's
-        region addresses (the same layout), default this one's."""
+        region addresses (the same layout), default this one's; window=False: the blocks only."""
         bases = base_addrs if base_addrs is not None else self.base_addrs()
-        rings = ring_runs(num_tokens, self.ring_len)
+        rings = ring_runs(num_tokens, self.ring_len) if window else []
         num_blocks = -(-num_tokens // self.block_tokens)
         out = []
         for r, base in zip(self.regions, bases):
@@ -90,9 +91,9 @@ class CacheLayout:
                 out += [(base + int(b) * r.item_bytes, r.item_bytes, self.dev_id) for b in block_ids[:num_blocks]]
         return out
 
-    def num_bytes(self, num_tokens: int) -> tuple[int, int]:
+    def num_bytes(self, num_tokens: int, window: bool = True) -> tuple[int, int]:
         """(window ring + carry bytes, compressed-KV + index-key bytes) one request of n tokens moves."""
-        rows = sum(c for _, c in ring_runs(num_tokens, self.ring_len))
+        rows = sum(c for _, c in ring_runs(num_tokens, self.ring_len)) if window else 0
         num_blocks = -(-num_tokens // self.block_tokens)
         ring = sum(rows * r.row_bytes for r in self.regions if r.per_slot)
         return ring, sum(num_blocks * r.item_bytes for r in self.regions if not r.per_slot)

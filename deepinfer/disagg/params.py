@@ -8,6 +8,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 
+# How a decode instance's error for a pull that failed for a transient reason (the prefill's agent
+# unreachable or gone, a READ in error, the deadline passed) begins: the router retries the whole
+# hand-over on another prefill replica when the decode answers with it (ensemble/router_server.py)
+TRANSIENT_PULL_FAILURE = "the KV transfer from prefill instance"
+
+
 @dataclass(frozen=True)
 class KVTransferParams:
     engine_id: str                 # the prefill instance's NIXL agent name

@@ -233,6 +233,8 @@ class Scheduler:
         replay = restore = None
         if hit is not None and hit.replay is not None:
             replay = hit.replay
+        elif req.handover_replay is not None:     # taken once: a preempted request recomputes from 0
+            replay, req.handover_replay = req.handover_replay, None
         if hit is not None and hit.snapshot_slot is not None:
             j, partial = divmod(hit.start, self.kv_cache.block_tokens)
             restore = SnapshotCopy(hit.snapshot_slot, slot, table[j] if partial else -1)

@@ -72,18 +72,31 @@ def handover(prefill, decode, rid, prompt, params, **kw):
     return first[0], outs
 
 
-def single_instance(ckpt, prompts: dict, params: dict, return_logits=False):
-    """The same requests on one kv_role="both" instance, all at once. -> (tokens, logits) by id"""
-    engine = Engine(EngineArgs(**engine_args(ckpt, batch_invariant=True)))
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, params[rid], return_logits=return_logits)
+def single_instance(ckpt, prompts: dict, params: dict, return_logits=False, batch_invariant=True,
+                    one_at_a_time=False):
+    """The same requests on one kv_role="both" instance, all at once (or each alone, in turn).
+    -> (tokens, logits) by id"""
+    engine = Engine(EngineArgs(**engine_args(ckpt, batch_invariant=batch_invariant)))
     toks, logits = {rid: [] for rid in prompts}, {rid: [] for rid in prompts}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            toks[o.request_id] += o.new_token_ids
-            if o.logits is not None:
-                logits[o.request_id].append(o.logits)
+    for batch in ([[r] for r in prompts] if one_at_a_time else [list(prompts)]):
+        for rid in batch:
+            engine.add_request(rid, prompts[rid], params[rid], return_logits=return_logits)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                toks[o.request_id] += o.new_token_ids
+                if o.logits is not None:
+                    logits[o.request_id].append(o.logits)
     return toks, {k: np.concatenate(v) if v else None for k, v in logits.items()}
+
+
+@pytest.fixture(scope="module")
+def short_prompts_bi(ckpt):
+    """p0 and p1 (18 and 145 tokens), 8 greedy tokens, and a single instance's run of them under
+    batch_invariant: (prompts, params, tokens, logits)."""
+    expected = np.load(ckpt / "expected.npz")
+    prompts = {f"p{i}": expected[f"p{i}_prompt_ids"].tolist() for i in (0, 1)}
+    params = {rid: SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for rid in prompts}
+    return (prompts, params) + single_instance(ckpt, prompts, params, return_logits=True)
 
 
 def test_teacher_forced_logits_after_handover_pass_check_parity(pair, ckpt, tmp_path):
@@ -116,12 +129,9 @@ def test_teacher_forced_logits_after_handover_pass_check_parity(pair, ckpt, tmp_
     assert_nothing_held(prefill, decode)
 
 
-def test_tokens_bit_identical_to_a_single_instance_under_batch_invariant(pair_bi, ckpt):
+def test_tokens_bit_identical_to_a_single_instance_under_batch_invariant(pair_bi, short_prompts_bi):
     prefill, decode = pair_bi
-    expected = np.load(ckpt / "expected.npz")
-    prompts = {f"p{i}": expected[f"p{i}_prompt_ids"].tolist() for i in (0, 1)}     # 18 and 145 tokens
-    params = {rid: SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for rid in prompts}
-    ref_tokens, ref_logits = single_instance(ckpt, prompts, params, return_logits=True)
+    prompts, params, ref_tokens, ref_logits = short_prompts_bi
     for rid, prompt in prompts.items():
         first, outs = handover(prefill, decode, rid, prompt, params[rid], return_logits=True)
         tokens = [t for o in outs for t in o.new_token_ids]
@@ -129,6 +139,51 @@ def test_tokens_bit_identical_to_a_single_instance_under_batch_invariant(pair_bi
         lg = np.concatenate([first.logits] + [o.logits for o in outs if o.logits is not None])
         np.testing.assert_array_equal(lg, ref_logits[rid])
     assert_nothing_held(prefill, decode)
+
+
+def test_window_mode_is_exact_without_batch_invariant(pair, ckpt):
+    """Pulling the window rings and carry (kv_transfer_window=True, the default) replays nothing: one
+    request at a time, the hand-over gives the single instance's logits bit for bit even without
+    batch_invariant (same shapes on both sides: the prompt alone, then one decode row)."""
+    prefill, decode = pair
+    expected = np.load(ckpt / "expected.npz")
+    prompts = {f"exact{i}": expected[f"p{i}_prompt_ids"].tolist() for i in (0, 1)}
+    params = {rid: SamplingParams(max_tokens=6, temperature=0, ignore_eos=True) for rid in prompts}
+    ref_tokens, ref_logits = single_instance(ckpt, prompts, params, return_logits=True, batch_invariant=False,
+                                             one_at_a_time=True)
+    for rid, prompt in prompts.items():
+        first, outs = handover(prefill, decode, rid, prompt, params[rid], return_logits=True)
+        assert [t for o in outs for t in o.new_token_ids] == ref_tokens[rid]
+        lg = np.concatenate([first.logits] + [o.logits for o in outs if o.logits is not None])
+        np.testing.assert_array_equal(lg, ref_logits[rid])
+    assert_nothing_held(prefill, decode)
+
+
+def test_replay_mode_bit_identical_and_moves_only_blocks(ckpt, short_prompts_bi):
+    """kv_transfer_window=False: the decode pulls the full blocks below H (a block boundary) and
+    replays [H - 128, n]. Prompts of 18 and 145 tokens replay from 0 with the compressed entries
+    below H pulled, so under batch_invariant the tokens and logits equal a single instance's; the
+    bytes pulled are the blocks' only (no ring rows, no carry)."""
+    prefill, decode = start_pair(ckpt, batch_invariant=True, kv_transfer_window=False)
+    try:
+        prompts, params, ref_tokens, ref_logits = short_prompts_bi
+        window_bytes = 0
+        for rid, prompt in prompts.items():
+            first, outs = handover(prefill, decode, rid, prompt, params[rid], return_logits=True)
+            window_bytes += first.kv_transfer_params["num_bytes"]
+            assert [t for o in outs for t in o.new_token_ids] == ref_tokens[rid]
+            lg = np.concatenate([first.logits] + [o.logits for o in outs if o.logits is not None])
+            np.testing.assert_array_equal(lg, ref_logits[rid])
+        assert_nothing_held(prefill, decode)
+        c = decode.state()["stats"]["counters"]
+        assert c["kv_transfers_total"] == 2
+        assert c["kv_transfer_replayed_tokens_total"] == 18 + 145 + 0   # both replay from 0
+        full_blocks = (18 // 64 + 145 // 64) * 64                     # blocks below H: 0 and 2 of 64
+        assert 0 < c["kv_transfer_bytes_total"] < window_bytes / 10
+        assert c["kv_transfer_bytes_total"] % full_blocks == 0
+    finally:
+        prefill.close()
+        decode.close()
 
 
 def test_concurrent_handovers_with_sampling(pair_bi, ckpt):

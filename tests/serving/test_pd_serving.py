@@ -237,6 +237,79 @@ def test_a_transfer_that_times_out_fails_and_the_prefill_frees_at_its_deadline(p
     assert chat(url, True)[2] == 8
 
 
+class ServedApp:
+    """An aiohttp app on its own loop thread (the router of a test, the unreachable-prefill shim)."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.loop, self.port = asyncio.new_event_loop(), free_port()
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop)
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{self.url}/health", timeout=2)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+
+    async def _start(self) -> None:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def unreachable_prefill(prefill) -> tuple[web.Application, list]:
+    """The prefill replica's gateway behind a shim whose hand-overs name an agent that is gone (an
+    engine id and port nobody serves): a prefill replica that died right after answering. -> (app,
+    the hand-overs it rewrote)"""
+    rewritten = []
+
+    async def forward(request: web.Request) -> web.Response:
+        async with httpx.AsyncClient(timeout=60) as client:
+            r = await client.request(request.method, f"{prefill.gateway_url}{request.path_qs}",
+                                     content=await request.read(), headers={"content-type": "application/json"})
+        headers = {}
+        if HEADER in r.headers:
+            gone = {**json.loads(r.headers[HEADER]), "engine_id": "deepinfer-prefill-gone", "port": free_port()}
+            headers[HEADER] = json.dumps(gone)
+            rewritten.append(gone)
+        return web.Response(status=r.status_code, body=r.content, headers=headers, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    return app, rewritten
+
+
+def test_a_failed_pull_is_retried_on_another_prefill_replica(pd, stream=True):
+    """The first prefill replica (round robin) hands over caches whose agent is gone: the decode's
+    pull times out (a transient failure), the router runs the whole hand-over again on the other
+    prefill replica, and the client gets one clean answer, the same as the decode replica alone."""
+    from deepinfer.ensemble.router_server import RouterServer
+    url, rs, prefill, decode = pd
+    alone = chat(decode.gateway_url, stream)
+    shim_app, rewritten = unreachable_prefill(prefill)
+    shim = ServedApp(shim_app)
+    router = ServedApp(RouterServer({decode.gateway_url: decode.metrics_url}, policy="round_robin", poll_s=0.3,
+                                    prefill={shim.url: None, prefill.gateway_url: prefill.metrics_url}).app())
+    try:
+        expired, failures = metric(prefill, "kv_holds_expired_total"), metric(decode, "kv_transfer_failures_total")
+        t0 = time.monotonic()
+        assert chat(router.url, stream) == alone
+        assert time.monotonic() - t0 >= TIMEOUT_S * 0.9              # the first pull waited out its deadline
+        assert len(rewritten) == 1                                    # the shim answered once, the retry went elsewhere
+        assert wait_metric(decode, "kv_transfer_failures_total", failures + 1)
+        wait_idle(prefill, decode)                                    # the shim's hand-over expired on the prefill
+        assert metric(prefill, "kv_holds_expired_total") == expired + 1
+    finally:
+        router.close()
+        shim.close()
+
+
 @pytest.mark.parametrize("header, where", [("not json", "decode"), ("[1, 2]", "decode"), ('{"engine_id": "x"}', "decode"),
                                            ("{}", "prefill"), ("another prompt's", "decode")])
 def test_malformed_handovers_get_a_400(pd, header, where):
