@@ -53,6 +53,10 @@ class ParallelSchedulerOutput:
         return dict(ChainMap(*[o.num_scheduled_tokens for o in self.per_rank]))
 
     @property
+    def spec_tokens(self) -> dict[str, list[int]]:
+        return dict(ChainMap(*[o.spec_tokens for o in self.per_rank]))
+
+    @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(o.total_num_scheduled_tokens for o in self.per_rank)
 
