@@ -3,7 +3,11 @@ runtime copy of model_repository/ with a tiny checkpoint; always stopped at the 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,3 +61,36 @@ def server(tmp_path_factory, checkpoint):
                      log, checkpoint)
     finally:
         srv.stop()
+
+
+@contextlib.contextmanager
+def serve_router(rs, **runner_kw):
+    """A RouterServer's app on a free local port, on its own event-loop thread; yields its URL once
+    /health answers 200 (or after 30 s), and cleans the app up on exit."""
+    import httpx
+    from aiohttp import web
+    loop = asyncio.new_event_loop()
+    port = free_port()
+    runner = web.AppRunner(rs.app(), **runner_kw)
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_forever()
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        yield url
+    finally:
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+            loop.call_soon_threadsafe(loop.stop)

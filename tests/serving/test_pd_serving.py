@@ -24,7 +24,7 @@ import pytest
 from aiohttp import web
 
 from deepinfer.disagg.nixl_transport import import_nixl
-from tests.serving.conftest import MAX_MODEL_LEN, free_port
+from tests.serving.conftest import MAX_MODEL_LEN, free_port, serve_router
 
 try:
     import_nixl()
@@ -47,36 +47,14 @@ def pd(tmp_path_factory, tiny_checkpoint):
     prefill, decode = (Replica(i, str(tiny_checkpoint), {**ENGINE_ARGS, "kv_role": role}, MAX_MODEL_LEN,
                                (free_port(), free_port(), free_port()), free_port(), state_dir=state)
                        for i, role in enumerate(("prefill", "decode")))
-    loop = asyncio.new_event_loop()
-    port = free_port()
-    runner = None
     try:
         prefill.start(timeout=300)
         decode.start(timeout=300)
         rs = RouterServer({decode.gateway_url: decode.metrics_url}, poll_s=0.3, chunk=32,
                           prefill={prefill.gateway_url: prefill.metrics_url})
-        runner = web.AppRunner(rs.app(), handler_cancellation=True)
-
-        def serve():
-            asyncio.set_event_loop(loop)
-            loop.run_until_complete(runner.setup())
-            loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-            loop.run_forever()
-        threading.Thread(target=serve, daemon=True).start()
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield url, rs, prefill, decode
+        with serve_router(rs, handler_cancellation=True) as url:
+            yield url, rs, prefill, decode
     finally:
-        if runner is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-            loop.call_soon_threadsafe(loop.stop)
         for r in (prefill, decode):
             r.stop()
 

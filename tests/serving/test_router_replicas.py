@@ -5,15 +5,12 @@ requests, and the requests keep being answered by the other."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import httpx
 import pytest
-from aiohttp import web
 
-from tests.serving.conftest import MAX_MODEL_LEN, free_port
+from tests.serving.conftest import MAX_MODEL_LEN, free_port, serve_router
 
 pytestmark = pytest.mark.triton
 
@@ -25,33 +22,13 @@ def topology(tmp_path_factory, tiny_checkpoint):
     state = tmp_path_factory.mktemp("replicas")
     reps = [Replica(i, str(tiny_checkpoint), {"max_num_seqs": 8}, MAX_MODEL_LEN,
                     (free_port(), free_port(), free_port()), free_port(), state_dir=state) for i in range(2)]
-    loop = asyncio.new_event_loop()
-    port = free_port()
     try:
         for r in reps:
             r.start(timeout=300)
         rs = RouterServer({r.gateway_url: r.metrics_url for r in reps}, policy="prefix", poll_s=0.3, chunk=32)
-        runner = web.AppRunner(rs.app())
-
-        def serve():
-            asyncio.set_event_loop(loop)
-            loop.run_until_complete(runner.setup())
-            loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-            loop.run_forever()
-        threading.Thread(target=serve, daemon=True).start()
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield url, rs, reps
+        with serve_router(rs) as url:
+            yield url, rs, reps
     finally:
-        if loop.is_running():
-            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-            loop.call_soon_threadsafe(loop.stop)
         for r in reps:
             r.stop()
 
