@@ -4,7 +4,7 @@ every sequence at position --ctx, eager against the CUDA graph the engine replay
 builds the same static step), as achieved HBM bandwidth over the copy bandwidth measured in the
 same run, and the EP8 whole-model estimate built from it.
 
-    python perf/bench_model_decode.py [--checkpoint DIR | --preset full-width-ep8] [--batches 1 16 64 128]
+    python perf/bench_model_decode.py [--checkpoint DIR | --preset full-width-ep8 [--load-format dummy]] [--batches 1 16 64 128]
                                       [--ctx 8192]                    (model_decode.json/.png in $OUT)
                                       [--profile 64]   GPU kernel time of one step by kernel (torch.profiler)
 
@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import measure_ceilings, out_dir, save_json, time_eager  # noqa: E402
+from benchutil import dummy_model, measure_ceilings, out_dir, save_json, time_eager  # noqa: E402
 
 FULL_LAYERS = 40
 
@@ -155,15 +155,21 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--profile", type=int, default=0, help="also profile one eager step at this batch size")
+    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
+                   help="dummy: random weights made on the device from the preset's config (no checkpoint)")
     a = p.parse_args()
 
     from deepinfer.cache.model_caches import ModelCaches
     from deepinfer.kernels.select import capability_report
     from deepinfer.model.loader import load_model
 
-    ckpt = a.checkpoint or build_checkpoint(a.preset)
     t0 = time.time()
-    model = load_model(ckpt, "cuda")
+    if a.load_format == "dummy":
+        ckpt = f"{a.preset} (dummy weights)"
+        model = dummy_model(a.preset)
+    else:
+        ckpt = a.checkpoint or build_checkpoint(a.preset)
+        model = load_model(ckpt, "cuda")
     print(f"loaded {ckpt} in {time.time() - t0:.0f} s; kernels: {capability_report()}", flush=True)
     stacks = [m.stacks for m in model.modules() if getattr(m, "stacks", None) is not None]
     print(f"expert stacks with one scale per row: w13 {sum(st.r13 is not None for st in stacks)}, "

@@ -21,10 +21,8 @@ indexers, compressors, norms, mHC and the head are not counted. --profile: the t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -32,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import measure_ceilings, out_dir, save_json, time_eager  # noqa: E402
+from benchutil import dummy_model, measure_ceilings, out_dir, save_json, time_eager  # noqa: E402
 
 FULL_LAYERS = 40
 # the prefill GEMM paths compared: W8A16 everywhere (the default: per-expert loop for large MoE steps),
@@ -51,15 +49,6 @@ def gemm_mode(mode: str) -> tuple[str, bool]:
         raise SystemExit(f"--gemms: unknown mode {mode!r}")
     return base, moe == "moe"
 FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
-
-
-def build_model(preset: str):
-    from deepinfer.checkpoint.generator import hf_config, text_config
-    from deepinfer.model.loader import load_model
-    d = tempfile.mkdtemp(prefix="deepinfer-prefill-")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(hf_config(text_config(preset)), f)
-    return load_model(d, "cuda", load_format="dummy", progress=False)
 
 
 def linear_flops(args, T: int) -> float:
@@ -154,7 +143,7 @@ def main() -> None:
     from deepinfer.cache.model_caches import ModelCaches
     from deepinfer.kernels import select
     t0 = time.time()
-    model = build_model(a.preset)
+    model = dummy_model(a.preset)
     print(f"built {a.preset} (dummy weights) in {time.time() - t0:.0f} s; kernels: {select.capability_report()}",
           flush=True)
     peaks = measure_ceilings()

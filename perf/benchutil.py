@@ -102,3 +102,15 @@ def save_json(name: str, obj) -> str:
     with open(p, "w") as f:
         json.dump(obj, f, indent=1, default=str)
     return p
+
+
+def dummy_model(preset: str, device: str = "cuda"):
+    """The preset's model with random weights made on the device (load_format="dummy"): no checkpoint
+    to build (the full-width-ep8 one takes ~3 min of CPU and 12 GB of disk)."""
+    import tempfile
+    from deepinfer.checkpoint.generator import hf_config, text_config
+    from deepinfer.model.loader import load_model
+    d = tempfile.mkdtemp(prefix=f"deepinfer-{preset}-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(hf_config(text_config(preset)), f)
+    return load_model(d, device, load_format="dummy", progress=False)
