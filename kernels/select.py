@@ -228,7 +228,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
     variant = _fp8_variant_for(x, w, w_scale)
     if variant is not None:
         from .triton_fp8_variants import fp8_variant_linear
-        return fp8_variant_linear(x, w, w_scale, variant)
+        split = None
+        if PREFILL_GEMM == "auto":            # the split count measured with the table's pick, if any
+            split = fp8_table_entry(x.numel() // w.shape[1], *w.shape)[1]
+        return fp8_variant_linear(x, w, w_scale, variant, split_k=split)
     if _fast_for(x, "fp8_linear", _fast_gemm_ok(w, w_scale), _GEMM_RULE):
         from .triton_gemm import fp8_linear as fast
         return fast(x, w, w_scale, batch_invariant=_batch_invariant())
@@ -248,9 +251,10 @@ def _prefill_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> 
 
 @functools.lru_cache(maxsize=None)
 def fp8_table(path: str) -> dict:
-    """The measured choice table: {(n, k): [(m, variant), ...] ascending in m}, from the JSON that
+    """The measured choice table: {(n, k): [(m, variant, split_k), ...] ascending in m}, from the JSON that
     perf/bench_fp8_prefill.py --variants writes ({"measured": "...", "rows": [{"n", "k", "m", "variant"}]},
-    variant null where W8A16 won). Missing file: {} (W8A16 everywhere). A malformed one raises."""
+    variant null where W8A16 won; an optional "split_k" is the split count that won at that M, else
+    None: the variant's decode_config rule). Missing file: {} (W8A16 everywhere). A malformed one raises."""
     import json
     if not os.path.exists(path):
         return {}
@@ -258,21 +262,27 @@ def fp8_table(path: str) -> dict:
         doc = json.load(f)
     table: dict = {}
     for r in doc["rows"]:
-        v = r["variant"]
+        v, split = r["variant"], r.get("split_k")
         if v is not None and v not in FP8_VARIANTS:
             raise ValueError(f"{path}: unknown FP8 variant {v!r} (known: {FP8_VARIANTS})")
-        table.setdefault((int(r["n"]), int(r["k"])), []).append((int(r["m"]), v))
-    return {key: sorted(rows) for key, rows in table.items()}
+        if split is not None and (not isinstance(split, int) or not 1 <= split <= 64):
+            raise ValueError(f"{path}: split_k must be an integer in [1, 64], got {split!r}")
+        table.setdefault((int(r["n"]), int(r["k"])), []).append((int(r["m"]), v, split))
+    return {key: sorted(rows, key=lambda row: row[0]) for key, rows in table.items()}
+
+
+def fp8_table_entry(m: int, n: int, k: int, path: str | None = None) -> tuple[str | None, int | None]:
+    """(variant, split_k) of the table for an [m, k] x [n, k]^T call: the row of the largest measured
+    M <= m at this (n, k) (a shape or M below every measured one: (None, None), W8A16)."""
+    pick = (None, None)
+    for mm, v, split in fp8_table(path or FP8_TABLE_PATH).get((n, k), ()):
+        if mm <= m:
+            pick = (v, split)
+    return pick
 
 
 def fp8_table_pick(m: int, n: int, k: int, path: str | None = None) -> str | None:
-    """The table's variant for an [m, k] x [n, k]^T call: the row of the largest measured M <= m at this
-    (n, k) (a shape or M below every measured one: None, W8A16)."""
-    pick = None
-    for mm, v in fp8_table(path or FP8_TABLE_PATH).get((n, k), ()):
-        if mm <= m:
-            pick = v
-    return pick
+    return fp8_table_entry(m, n, k, path)[0]
 
 
 def _fp8_variant_for(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> str | None:

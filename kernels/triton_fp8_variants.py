@@ -191,9 +191,11 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def decode_config(variant: str, m: int, n: int, k: int, device) -> dict:
+def decode_config(variant: str, m: int, n: int, k: int, device, split_k: int | None = None) -> dict:
     """Small M (decode, 32-128 tokens): the variant's K loop on a 64-row tile (one warpgroup) and split-K
-    where the output tiles alone leave SMs idle (as the W8A16 decode configs do)."""
+    where the output tiles alone leave SMs idle (as the W8A16 decode configs do). split_k (the measured
+    table's, kernels/fp8_select_table.json) overrides that rule's count; split_plan keeps every split
+    non-empty."""
     from .triton_gemm import _num_sms
     cfg = dict(VARIANTS[variant])
     if m <= 64 and cfg["BM"] > 64:
@@ -201,6 +203,8 @@ def decode_config(variant: str, m: int, n: int, k: int, device) -> dict:
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
     sms = _num_sms(device)
     cfg["SPLIT_K"] = max(1, min(sms // tiles, k // 32 // 8, 16)) if tiles < sms else 1
+    if split_k is not None:
+        cfg["SPLIT_K"] = max(1, min(split_k, k // 32))
     return cfg
 
 
@@ -227,9 +231,10 @@ def _tma_allocator() -> None:
 
 
 def fp8_variant_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, variant: str = "lag_blocks",
-                     cfg: dict | None = None) -> torch.Tensor:
+                     cfg: dict | None = None, split_k: int | None = None) -> torch.Tensor:
     """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [ceil(N/32), K/32] or [N, K/32] (E8M0 bytes or
-    f32 pow2), or [N, 1] f32 -> [M, N] bf16 (fp8_prefill_gemm's values). cfg overrides the variant's."""
+    f32 pow2), or [N, 1] f32 -> [M, N] bf16 (fp8_prefill_gemm's values). cfg overrides the variant's;
+    split_k the decode rule's split count."""
     m, k = a.shape
     n = b.shape[0]
     assert shapes_ok(k, variant) and b.shape[1] == k and sa.shape == (m, k // 32), (variant, a.shape, b.shape)
@@ -240,7 +245,7 @@ def fp8_variant_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m == 0 or n == 0:
         return c
-    cfg = _fit(cfg or decode_config(variant, m, n, k, a.device), sb_rows, row_scale)
+    cfg = _fit(cfg or decode_config(variant, m, n, k, a.device, split_k), sb_rows, row_scale)
     if cfg["TMA"] and a.is_cuda:
         _tma_allocator()
     split, per = split_plan(k // 32, cfg.pop("SPLIT_K", 1), cfg["LAG"])
@@ -294,8 +299,9 @@ def fp8_variant_grouped_contiguous(a: torch.Tensor, sa: torch.Tensor, b: torch.T
     return c
 
 
-def fp8_variant_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, variant: str) -> torch.Tensor:
+def fp8_variant_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, variant: str,
+                       split_k: int | None = None) -> torch.Tensor:
     """x [..., K] bf16 -> act_quant_fp8 (per 32, pow2) + fp8_variant_gemm -> [..., N] bf16."""
     from .triton_quant import act_quant_fp8
     a, sa = act_quant_fp8(x.reshape(-1, x.shape[-1]))
-    return fp8_variant_gemm(a, sa, w, w_scale, variant).view(*x.shape[:-1], w.shape[0])
+    return fp8_variant_gemm(a, sa, w, w_scale, variant, split_k=split_k).view(*x.shape[:-1], w.shape[0])

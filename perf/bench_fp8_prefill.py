@@ -8,6 +8,8 @@ release numbers, a speed reference), torch's bf16 matmul, and the FP8 / bf16 pea
         kernels/triton_fp8_variants.py at the six linears x M 32, 64, 128, 8192 against W8A16, DeepGEMM and
         the peaks, then the MoE at 8192 x 6 pairs; writes fp8_select_table.json to $OUT: copy it to
         kernels/fp8_select_table.json to make select take the winners. ~2-3 min on the H200)
+    python perf/bench_fp8_prefill.py --variants --splits       (+ split-K counts per variant at M <= 128;
+        a winning count goes into the table row as split_k)
 
 Shapes: the full-width layer's dense FP8 linears at M tokens (wq_a+wkv fused 1280+512 x 5120, wq_b
 32768 x 1280, wo_b 5120 x 8192, the shared expert 4608 x 5120 and 5120 x 2304, the indexer's wq_b
@@ -236,11 +238,23 @@ def warm_all(names, jobs: int) -> None:
     print(f"compiled in parallel: {time.time() - t0:.0f} s", flush=True)
 
 
-def variant_rows(ms, names, peaks: dict) -> tuple[list[dict], list[dict]]:
+def split_candidates(variant: str, m: int, n: int, k: int) -> list[int]:
+    """Split-K counts to try besides decode_config's rule at decode-sized M: up to 32 splits of at
+    least 4 slices each (the rule stops at one wave of output tiles; two or more CTAs per SM may hide
+    the promotion's latency better)."""
+    from deepinfer.kernels.triton_fp8_variants import decode_config
+    if m > 128:
+        return []
+    rule = decode_config(variant, m, n, k, "cuda")["SPLIT_K"]
+    return [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if s != rule and s <= k // 32 // 4]
+
+
+def variant_rows(ms, names, peaks: dict, splits: bool = False) -> tuple[list[dict], list[dict]]:
     """Each dense linear at each M: W8A16 (the default path's GEMM on act_quant's bf16 values), every FP8
     x FP8 variant (GEMM on act_quant_fp8's e4m3 + scales), DeepGEMM (per-128 promotion: a speed reference,
     not exact), with ratios; and the choice table (the fastest variant where it beats W8A16 by
-    WIN_MARGIN, else null)."""
+    WIN_MARGIN, else null). splits: at M <= 128 also each variant's split-K counts (split_candidates);
+    a count that wins by WIN_MARGIN replaces the rule's and goes into the table row as split_k."""
     from deepinfer.kernels import deepgemm
     from deepinfer.kernels.triton_fp8_prefill import as_f32_scale
     from deepinfer.kernels.triton_fp8_variants import fp8_variant_gemm
@@ -266,6 +280,10 @@ def variant_rows(ms, names, peaks: dict) -> tuple[list[dict], list[dict]]:
             for v in names:
                 try:
                     r[f"{v}_us"] = time_calls([lambda: fp8_variant_gemm(a, sa, w, s32, v)]) * 1e6
+                    for split in (split_candidates(v, m, n, k) if splits else ()):
+                        us = time_calls([lambda: fp8_variant_gemm(a, sa, w, s32, v, split_k=split)]) * 1e6
+                        if us * WIN_MARGIN < r[f"{v}_us"]:        # a split count beats the rule's clearly
+                            r[f"{v}_us"], r[f"{v}_split"] = us, split
                 except Exception as e:  # noqa: BLE001 (a variant that does not compile or launch: say so, go on)
                     print(f"  {name} m {m} {v}: {type(e).__name__} {str(e)[:160]}", flush=True)
             timed = [v for v in names if f"{v}_us" in r]
@@ -284,11 +302,15 @@ def variant_rows(ms, names, peaks: dict) -> tuple[list[dict], list[dict]]:
                     r["best_vs_deepgemm"] = r["deepgemm_us"] / r[f"{best}_us"]
                 line += (f"  best {best} {r[f'{best}_tflops']:6.0f} TF = {r['best_vs_w8a16']:.2f}x w8a16, "
                          f"{r.get('best_vs_deepgemm', float('nan')):.2f}x deepgemm, {r['best_of_fp8_peak']:.2f} of FP8 peak |")
-            line += " ".join(f" {v} {r[f'{v}_tflops']:.0f}" for v in timed)
+            line += " ".join(f" {v} {r[f'{v}_tflops']:.0f}" + (f"/s{r[f'{v}_split']}" if f"{v}_split" in r else "")
+                             for v in timed)
             print(line, flush=True)
             rows.append(r)
             win = best is not None and r["w8a16_us"] >= WIN_MARGIN * r[f"{best}_us"]
-            table.append({"n": n, "k": k, "m": m, "variant": best if win else None})
+            row = {"n": n, "k": k, "m": m, "variant": best if win else None}
+            if win and f"{best}_split" in r:
+                row["split_k"] = r[f"{best}_split"]
+            table.append(row)
             del x, xq, a, sa
         del w, s, s32, pair
     return rows, table
@@ -300,6 +322,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="try every SWEEP tile config, keep the fastest")
     p.add_argument("--variants", nargs="?", const="all", default=None,
                    help="the FP8 x FP8 variants (comma-separated names, default all) at M 32/64/128/8192 + the MoE")
+    p.add_argument("--splits", action="store_true", help="--variants: also sweep split-K counts at M <= 128")
     p.add_argument("--jobs", type=int, default=8, help="--variants: compile in this many worker processes first (0: no)")
     a = p.parse_args()
     peaks = measure_ceilings()
@@ -312,7 +335,7 @@ def main() -> None:
         t0 = time.time()
         if a.jobs > 0:
             warm_all(names, a.jobs)
-        rows, table = variant_rows(VARIANT_MS, names, peaks)
+        rows, table = variant_rows(VARIANT_MS, names, peaks, a.splits)
         moe = moe_rows(8192, peaks, variants=tuple(v for v in names if v in MOE_VARIANTS))
         print(f"MoE grouped contiguous W8A16 / per-expert W8A16 loop: {moe['loop_w8a16_us'] / moe['grouped_w8a16_us']:.2f}x "
               f"(> 1: flip select.MOE_CONTIGUOUS_DEFAULT to \"1\")", flush=True)

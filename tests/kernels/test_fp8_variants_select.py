@@ -63,3 +63,22 @@ def test_cpu_tensors_never_take_a_variant(tmp_path):
         assert select._fp8_variant_for(x, w, s) is None  # the reference path (no interpreter here)
     finally:
         select.PREFILL_GEMM, select.FP8_TABLE_PATH = saved
+
+
+def test_table_split_k_rides_with_its_row(tmp_path):
+    path = _table(tmp_path, [dict(n=5120, k=8192, m=64, variant="blocks_bm64", split_k=8),
+                             dict(n=5120, k=8192, m=128, variant="lag_blocks"),
+                             dict(n=5120, k=8192, m=8192, variant=None)])
+    assert select.fp8_table_entry(64, 5120, 8192, path) == ("blocks_bm64", 8)
+    assert select.fp8_table_entry(100, 5120, 8192, path) == ("blocks_bm64", 8)
+    assert select.fp8_table_entry(128, 5120, 8192, path) == ("lag_blocks", None)   # the rule's count
+    assert select.fp8_table_entry(9000, 5120, 8192, path) == (None, None)
+    assert select.fp8_table_entry(32, 5120, 8192, path) == (None, None)
+
+
+@pytest.mark.parametrize("split", [0, 65, 2.5, "8"])
+def test_table_split_k_out_of_range_is_an_error(tmp_path, split):
+    path = _table(tmp_path, [dict(n=64, k=128, m=32, variant="blocks", split_k=split)])
+    with pytest.raises(ValueError, match="split_k"):
+        select.fp8_table(path)
+
