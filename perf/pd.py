@@ -7,7 +7,8 @@ Same two CPU processes (tiny preset) in both runs:
               window ring rows and compressor carry move with the blocks (kv_transfer_window=True)
   replay      the same pair, the decode pulling only the full blocks and replaying the last 128
               positions to rebuild the window (kv_transfer_window=False)
-at each concurrency (default 16 and 64), with 2 x concurrency requests of random prompts.
+at each concurrency (default 16 and 64), with 2 x concurrency requests of random prompts, after one
+untimed wave per mode (on a GPU the first requests compile kernels and capture graphs: 12 s TTFT).
 
   TTFT  client time to the first token (disagg: the prefill's final output, which carries it; a
         gateway streams it at once)
@@ -64,8 +65,8 @@ def disaggregated(pair, rid, i, prompt, params):
     return first_t + times[1:], out.finish_reason     # the decode's first delta repeats the prefill's token
 
 
-def run(mode, target, concurrency, args) -> dict:
-    rng = random.Random(concurrency)
+def run(mode, target, concurrency, args, warmup: bool = False) -> dict:
+    rng = random.Random(concurrency + (1000 if warmup else 0))
     n = 2 * concurrency
     prompts = [[rng.randrange(100, 30000) for _ in range(rng.randint(args.prompt_len // 2, args.prompt_len))]
                for _ in range(n)]
@@ -74,7 +75,7 @@ def run(mode, target, concurrency, args) -> dict:
     before = target[1].state()["stats"]["counters"] if mode != "colocated" else {}
     ttft, itl, errors = [], [], 0
     lock = threading.Lock()
-    bar = tqdm(total=n, desc=f"{mode} c={concurrency}", leave=False)
+    bar = tqdm(total=n, desc=f"{mode} c={concurrency}" + (" warm-up" if warmup else ""), leave=False)
 
     def one(i):
         nonlocal errors
@@ -114,6 +115,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--modes", nargs="+", default=["colocated", "disagg", "replay"],
                     choices=["colocated", "disagg", "replay"])
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="time the first requests too (default: one untimed wave per mode first)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--preset", default="tiny", help="checkpoint preset when --checkpoint is not given")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (both processes share GPU 0)")
@@ -141,6 +144,8 @@ def main() -> None:
             procs = [EngineProcess({**base, "kv_role": role, "kv_transfer_window": mode == "disagg"},
                                    num_threads=args.threads, name=role) for role in ("prefill", "decode")]
         try:
+            if not args.no_warmup:     # compiles, graph captures and allocator growth out of the timed runs
+                run(mode, procs, min(args.concurrency), args, warmup=True)
             results += [run(mode, procs, c, args) for c in args.concurrency]
         finally:
             for p in procs:
