@@ -163,6 +163,34 @@ class DraftStepBuffers:
         v["lists"][:] = np.repeat(lists, blk, axis=0)
 
 
+    def fill_on_device(self, anchor_ids: torch.Tensor, positions: torch.Tensor, ring_slots: torch.Tensor) -> None:
+        """fill() into the buffers themselves from tensors on their device ([n] each), by tensor ops
+        only: an overlapped verify step drafts from anchors and positions its resolution left on the
+        device (spec/overlap.py)."""
+        v, dev = self.v, self.flat.device
+        B, W, blk, RL, n = self.num_seqs, self.window, self.block, self.ring_len, int(positions.shape[0])
+        assert n <= B, (n, B)
+        i64 = dict(dtype=torch.int64, device=dev)
+        seqs = torch.arange(B, **i64)
+        p = torch.zeros(B, **i64)
+        p[:n] = positions
+        slots = torch.full((B,), self.scratch_slot, **i64)
+        slots[:n] = ring_slots
+        v["anchor_ids"].zero_()
+        v["anchor_ids"][:n] = anchor_ids
+        real = (seqs < n).repeat_interleave(blk)
+        v["positions"].copy_(torch.where(real, p.repeat_interleave(blk) + torch.arange(1, blk + 1, **i64).repeat(B), 0))
+        r = torch.arange(W, **i64)
+        ring_pos = p[:, None] - (p[:, None] - r) % W
+        v["ring_rows"].copy_((slots[:, None] * RL + ring_pos.clamp_min(0) % RL).reshape(-1))
+        nv = (p + 1).clamp_max(W)[:, None]
+        j = torch.arange(W + blk, **i64)
+        ring_idx = seqs[:, None] * W + j
+        draft_idx = B * W + seqs[:, None] * blk + j - nv
+        lists = torch.where(j < nv, ring_idx, torch.where(j < nv + blk, draft_idx, -1))
+        lists = torch.where(seqs[:, None] < n, lists, -1)
+        v["lists"].copy_(lists.repeat_interleave(blk, dim=0))
+
 def _main_x(model, main_hidden: torch.Tensor) -> torch.Tensor:
     m0 = model.mtp[0]
     return m0.main_norm(m0.main_proj(main_hidden))
