@@ -368,15 +368,21 @@ class Engine:
     def _step_pipelined(self) -> list[RequestOutput]:
         """Launch the next step, then finish the one in flight (its outputs are returned). A step in
         flight whose results the next schedule needs (speculation) is finished first."""
-        outputs, launched = [], None
+        outputs, launched, sched_out = [], None, None
         if self._in_flight is not None and self._resolve_first(self._in_flight[1]):
-            self.num_resolved_before_schedule += 1
-            outputs += self._finish_in_flight()
-            if self.dead is not None:
-                return outputs
-        sched_out = self.scheduler.schedule()
+            sched_out = self._schedule_overlapped(self._in_flight[1])
+            if sched_out is None:
+                self.num_resolved_before_schedule += 1
+                outputs += self._finish_in_flight()
+                if self.dead is not None:
+                    return outputs
+        if sched_out is None:
+            sched_out = self.scheduler.schedule()
         try:
-            launched = self.runner.launch(sched_out)
+            if sched_out.overlapped:
+                launched = self.runner.launch_overlapped(sched_out, self._in_flight[1])
+            else:
+                launched = self.runner.launch(sched_out)
         except EngineDeadError as e:
             return self._die(e)
         except Exception as e:  # noqa: BLE001
@@ -390,6 +396,14 @@ class Engine:
         self._in_flight = (sched_out, launched) if launched is not None else None
         self._update_gauges()
         return outputs
+
+    def _schedule_overlapped(self, launched):
+        """The next verify step with `launched` unresolved (spec/overlap.py), or None: resolve it first."""
+        drafts_of = getattr(self.runner, "overlap_drafts", None)
+        in_flight = drafts_of(launched) if drafts_of is not None else None
+        if in_flight is None:
+            return None
+        return self.scheduler.schedule_overlapped(in_flight, self.args.num_speculative_tokens)
 
     def _resolve_first(self, launched) -> bool:
         must = getattr(self.runner, "must_resolve_before_next", None)

@@ -191,6 +191,13 @@ class DraftStepBuffers:
         lists = torch.where(seqs[:, None] < n, lists, -1)
         v["lists"].copy_(lists.repeat_interleave(blk, dim=0))
 
+def _to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """Host indices onto the device without a host sync (pinned, non-blocking on CUDA): absorbing at
+    launch (spec/overlap.py) must not wait for the step in flight."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
 def _main_x(model, main_hidden: torch.Tensor) -> torch.Tensor:
     m0 = model.mtp[0]
     return m0.main_norm(m0.main_proj(main_hidden))
@@ -205,8 +212,8 @@ def dspark_absorb(model, main_hidden: torch.Tensor, positions: torch.Tensor, rin
     counts = cu[1:] - cu[:-1]
     ring_len = caches.ring_len
     keep = np.arange(int(cu[-1])) >= np.repeat(cu[1:], counts) - ring_len      # only the last RING rows
-    rows = torch.from_numpy(np.nonzero(keep)[0]).to(positions.device)
-    slots = torch.from_numpy(np.repeat(np.asarray(ring_slots, dtype=np.int64), counts)[keep]).to(positions.device)
+    rows = _to_device(np.nonzero(keep)[0], positions.device)
+    slots = _to_device(np.repeat(np.asarray(ring_slots, dtype=np.int64), counts)[keep], positions.device)
     dst = slots * ring_len + positions[rows] % ring_len
     for m in model.mtp:
         kv = m.attn.main_kv(main_x, positions, model.rope)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.spec.device_resolution import resolve_on_device
+from deepinfer.spec.overlap import can_draft_on_device, step_inputs, to_device
 from deepinfer.worker.input_batch import InputBatch, _ragged_arange
 
 
@@ -76,6 +77,10 @@ class _InFlight:
     # and their host copy [B, 1 + L] (count, tokens), started at launch, read at resolve
     resolution: object | None = None
     resolution_host: torch.Tensor | None = None
+    # drafted on the device at launch (spec/overlap.py): (ids [B, K], confidence logits [B, K]) there,
+    # and their host copies read at resolve; the next step may verify them before this one resolves
+    device_drafts: tuple | None = None
+    drafts_host: tuple | None = None
 
 
 @dataclass
@@ -114,6 +119,12 @@ class ModelRunner:
             from deepinfer.cache.disk_tier import DiskBlockStore
             self.disk_blocks = DiskBlockStore(caches, self.host_blocks, disk_cache_dir)
         self._prev_sampled: torch.Tensor | None = None   # [N] device samples of the last launched step
+        # verify steps that overlap (spec/overlap.py): the engine turns this on (async scheduling +
+        # EngineArgs.spec_async_overlap); static step buffers of the eager overlapped steps by (B, L)
+        self.overlap = False
+        self._max_model_len, self._block_tokens = max_model_len, block_tokens
+        self._static_steps: dict = {}
+        self._static_drafts: dict = {}
         self._launch_seq = 0
         self.images = None            # ImageEmbeds: span embeddings of the requests' images (vision checkpoints)
         if getattr(model, "vision_tower", None) is not None:
@@ -177,19 +188,127 @@ class ModelRunner:
         self._prev_sampled = sampled
         fed = batch.input_ids[batch.logits_indices] if num_spec.any() else None
         keep_logits = logits if ib.return_logits else None
-        res = res_host = None
+        return self._finish_launch(req_ids, rows, num_logits, num_spec, q_lens, batch.start_pos.numpy(),
+                                   batch.positions, sampled, fed, keep_logits, logprobs, main_hidden)
+
+    def _finish_launch(self, req_ids, rows, num_logits, num_spec, q_lens, start, positions, sampled, fed,
+                       keep_logits, logprobs, main_hidden) -> _InFlight:
+        """The launch's last part: the device-side resolution (speculation), drafting on the device when
+        the next step may overlap this one, and the host copies resolve() reads. start: [B] host array,
+        or (an overlapped step) a device tensor."""
+        res = res_host = drafts = drafts_host = None
         if self.proposer is not None:   # resolved on the device: the host reads one copy, at resolve()
-            res = resolve_on_device(sampled, fed, num_logits, num_spec, batch.start_pos.numpy(), q_lens,
+            res = resolve_on_device(sampled, fed, num_logits, num_spec, start, q_lens,
                                     self._replayed_for(req_ids, num_spec))
             res_host, _ = self._to_host(torch.cat([res.num_tokens[:, None], res.tokens], dim=1))
-        host, done = self._to_host(sampled)   # its event also covers the resolution's copy (same stream)
+            if self.overlap and main_hidden is not None and can_draft_on_device(
+                    self.input_batch, rows, num_logits, self.proposer.replay):
+                drafts = self._draft_on_device(main_hidden, positions, q_lens, rows, res)
+                drafts_host = (self._to_host(drafts[0])[0], self._to_host(drafts[1])[0])
+        host, done = self._to_host(sampled)   # its event also covers the copies above (same stream)
         self._launch_seq += 1
         spec = None
-        if self.proposer is not None and main_hidden is not None:
-            spec = _SpecInputs(main_hidden, q_lens, batch.start_pos.numpy(), ib.ring_slot[rows].copy())
+        if self.proposer is not None and main_hidden is not None and drafts is None:
+            if isinstance(start, torch.Tensor):
+                raise RuntimeError("an overlapped verify step must draft on the device")
+            spec = _SpecInputs(main_hidden, q_lens, start, self.input_batch.ring_slot[rows].copy())
         return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits,
                          logprobs=logprobs, seq=self._launch_seq, spec=spec, resolution=res,
-                         resolution_host=res_host)
+                         resolution_host=res_host, device_drafts=drafts, drafts_host=drafts_host)
+
+    # verify steps that overlap (spec/overlap.py) -------------------------------------------------
+    def overlap_drafts(self, step: _InFlight | None) -> dict[str, int] | None:
+        """req_id -> drafts it verifies, of a launched step whose requests drafted on the device (the
+        next step may verify those drafts before this one resolves); None: resolve it first."""
+        if step is None or step.device_drafts is None:
+            return None
+        return {r: int(k) for r, k in zip(step.req_ids, step.num_spec.tolist())}
+
+    def _draft_on_device(self, main_hidden, positions, q_lens, rows, res):
+        """Every row of the step into the DSpark rings (rejected ones are overwritten later), then
+        num_speculative_tokens drafts per request from its resolved anchor at next_pos - 1.
+        -> (ids [B, K], confidence logits [B, K]) on the device."""
+        from deepinfer.model.dspark import dspark_propose
+        ib, dev, K = self.input_batch, self.device, self.proposer.num_speculative_tokens
+        slots = ib.ring_slot[rows]
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        self.proposer.absorb(main_hidden, positions, slots.tolist(), cu.tolist())
+        n, dg = len(rows), self.proposer.graphs
+        if dg is not None and dg.serves(n):
+            bufs = dg.graphs.static_in[dg.graphs.padded(n)][0]
+        else:
+            bufs = self._static_drafts.get(n)
+            if bufs is None:
+                from deepinfer.model.dspark import DraftStepBuffers
+                attn = self.model.mtp[0].attn
+                bufs = self._static_drafts[n] = DraftStepBuffers(
+                    n, window=attn.window, block=self.model.args.dspark_block_size, ring_len=self.caches.ring_len,
+                    scratch_slot=self.caches.scratch_slot, max_pos=self._max_pos(), device=dev)
+        bufs.fill_on_device(res.anchor, res.next_pos - 1, to_device(slots, dev))
+        if dg is not None and dg.serves(n):
+            ids, conf = dg.graphs.run(bufs.num_seqs)
+            dg.num_steps += 1
+        else:
+            with torch.inference_mode():
+                out = dspark_propose(self.model, bufs.v["anchor_ids"], None, None, self.caches, static=bufs)
+            ids, conf = out.draft_ids, out.confidence
+        return ids[:n, :K].clone(), conf[:n, :K].float().clone()
+
+    def _max_pos(self) -> int:
+        from deepinfer.worker.graph_step import DRAFT_ROOM
+        return self.graphs.max_pos if self.graphs is not None else self._max_model_len + DRAFT_ROOM - 1
+
+    def launch_overlapped(self, sched_out: SchedulerOutput, prev: _InFlight) -> _InFlight | None:
+        """A verify step scheduled with `prev` unresolved (SchedulerOutput.overlapped): each request runs
+        prev's anchor and the first K' of the drafts prev proposed on the device, from prev's next_pos,
+        with the step's metadata filled on the device (spec/overlap.py; no host read of prev)."""
+        self._update_states(sched_out)
+        if sched_out.is_empty:
+            return None
+        ib = self.input_batch
+        req_ids = list(sched_out.num_scheduled_tokens)
+        q_lens = np.fromiter(sched_out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        rows = np.fromiter((ib.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        where = {r: i for i, r in enumerate(prev.req_ids)}
+        prev_index = np.array([where[r] for r in req_ids], dtype=np.int64)
+        inputs = step_inputs(ib, rows, q_lens, prev.resolution, prev.device_drafts[0], prev_index)
+        n, L = len(rows), int(q_lens.max())
+        key = None
+        if self.graphs is not None:      # scheduled positions are the worst case: an upper bound
+            key = self.graphs.serves(n, int((ib.num_computed[rows] + q_lens).max()) - 1, L)
+        if key is not None:
+            bufs, logits, hidden = self.graphs.step_on_device(inputs, key)
+        else:
+            bufs = self._static_step(n, L)
+            bufs.fill_on_device(**inputs)
+            with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
+                out = self.model(bufs.forward_batch(), self.caches, meta=bufs.metadata(self._max_pos()))
+            logits, hidden = out.logits, out.main_hidden
+        width = bufs.tokens_per_seq
+        idx = to_device(np.repeat(np.arange(n) * width, q_lens) + _ragged_arange(q_lens), self.device)
+        with torch.inference_mode():
+            sampled = sample_greedy(logits[idx])
+        fed = bufs.v["input_ids"][idx]
+        self.input_batch.pending_index[:] = -1
+        self._prev_sampled = sampled
+        return self._finish_launch(req_ids, rows, q_lens.copy(), q_lens - 1, q_lens, inputs["start"],
+                                   bufs.v["positions"][idx], sampled, fed, None, None,
+                                   None if hidden is None else hidden[idx])
+
+    def _static_step(self, n: int, length: int):
+        """The static form of an n x length verify step, run eagerly (no captured graph serves it)."""
+        key = (n, length)
+        if key not in self._static_steps:
+            from deepinfer.model.step_metadata import DecodeStepBuffers
+            args = self.model.args
+            self._static_steps[key] = DecodeStepBuffers(
+                n, window=args.window_size, ring_len=self.caches.ring_len, max_model_len=self._max_model_len,
+                block_tokens=self._block_tokens, max_blocks=self.input_batch.block_table.shape[1],
+                ngram_width=self.input_batch.ngram_width,
+                ratios=[r for r in args.compress_ratios[:args.n_layers] if r > 0],
+                scratch_slot=self.caches.scratch_slot, scratch_block=self.caches.scratch_block,
+                device=self.device, tokens_per_seq=length)
+        return self._static_steps[key]
 
     def must_resolve_before_next(self, step: _InFlight | None) -> bool:
         """Speculation: a launched step in which a request samples verifies or proposes drafts, and
@@ -211,7 +330,11 @@ class ModelRunner:
         logprobs = self._per_request_logprobs(step, per_req)
         self._advance_after_verification(step, per_req)
         self._append(step, per_req)
-        drafts, confidences = self._speculate(step, per_req) if step.spec is not None else (None, None)
+        drafts, confidences = None, None
+        if step.spec is not None:
+            drafts, confidences = self._speculate(step, per_req)
+        elif step.drafts_host is not None:
+            drafts, confidences = self._drafts_from_device(step, per_req)
         if step.seq == self._launch_seq:  # nothing launched after it: every token is known here now
             self.input_batch.pending_index[:] = -1
             self._prev_sampled = None
@@ -252,6 +375,17 @@ class ModelRunner:
                 self._draft_probs.pop(req_id, None)
             if replay is not None:
                 self._replay_len[req_id] = lengths[j]
+        return drafts, confs
+
+    def _drafts_from_device(self, step: _InFlight, per_req: list[list[int]]):
+        """The proposal made at launch (host copy), for the requests that sampled and can still generate."""
+        ib = self.input_batch
+        ids, conf = step.drafts_host[0].tolist(), step.drafts_host[1].tolist()
+        drafts, confs = [[] for _ in per_req], [[] for _ in per_req]
+        for i, (req_id, row, toks) in enumerate(zip(step.req_ids, step.rows.tolist(), per_req)):
+            if toks and ib.row_of.get(req_id) == row and self._can_generate(row):
+                drafts[i], confs[i] = ids[i], conf[i]
+                self._draft_probs.pop(req_id, None)
         return drafts, confs
 
     def _draft_sampling(self, step: _InFlight, which: list[int]):
