@@ -71,8 +71,9 @@ class DSparkAttention(Attention):
         o = ops.sparse_attn(q, buf, self.attn_sink, v["lists"], self.scale)
         return self.out(o, cis)
 
-    def main_kv(self, main_x: torch.Tensor, positions: torch.Tensor, rope_tables) -> torch.Tensor:
-        cis = rope_tables[self.rope_kind](positions)
+    def main_kv(self, main_x: torch.Tensor, positions: torch.Tensor, rope_tables,
+                max_pos: int | None = None) -> torch.Tensor:
+        cis = rope_tables[self.rope_kind](positions, max_pos)
         return ops.act_quant(ops.rope(self.kv_norm(self.wkv(main_x)), cis))
 
 
@@ -205,8 +206,9 @@ def _main_x(model, main_hidden: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def dspark_absorb(model, main_hidden: torch.Tensor, positions: torch.Tensor, ring_slots: list[int],
-                  cu_seqlens: list[int], caches) -> None:
-    """main_hidden [T, k*d] rows at `positions` [T]; sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1]."""
+                  cu_seqlens: list[int], caches, max_pos: int | None = None) -> None:
+    """main_hidden [T, k*d] rows at `positions` [T]; sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1].
+    max_pos: a bound on the positions, if known (no device-to-host read for the rope table)."""
     main_x = _main_x(model, main_hidden)
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     counts = cu[1:] - cu[:-1]
@@ -216,7 +218,7 @@ def dspark_absorb(model, main_hidden: torch.Tensor, positions: torch.Tensor, rin
     slots = _to_device(np.repeat(np.asarray(ring_slots, dtype=np.int64), counts)[keep], positions.device)
     dst = slots * ring_len + positions[rows] % ring_len
     for m in model.mtp:
-        kv = m.attn.main_kv(main_x, positions, model.rope)
+        kv = m.attn.main_kv(main_x, positions, model.rope, max_pos)
         ring = caches.window_kv[m.layer_id].flatten(0, 1)
         ring[dst] = kv[rows].to(ring.dtype)
 

@@ -232,7 +232,7 @@ class ModelRunner:
         ib, dev, K = self.input_batch, self.device, self.proposer.num_speculative_tokens
         slots = ib.ring_slot[rows]
         cu = np.concatenate([[0], np.cumsum(q_lens)])
-        self.proposer.absorb(main_hidden, positions, slots.tolist(), cu.tolist())
+        self.proposer.absorb(main_hidden, positions, slots.tolist(), cu.tolist(), max_pos=self._max_pos())
         n, dg = len(rows), self.proposer.graphs
         if dg is not None and dg.serves(n):
             bufs = dg.graphs.static_in[dg.graphs.padded(n)][0]
