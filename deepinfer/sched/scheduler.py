@@ -22,7 +22,9 @@ Speculative decoding: the runner returns drafts with confidence logits, which wa
 DraftBook (spec/draft_book.py); at the next schedule() `spec_policy` (spec/policy.py, spec/budget.py)
 picks, over the whole batch, the prefix each request verifies (_plan_drafts). That becomes the
 request's spec_token_ids, scheduled after its last token as far as the budget allows, then lowered
-by the rejected ones (_advance).
+by the rejected ones (_advance). With async scheduling a verify step may be scheduled while the
+previous one is unresolved (schedule_overlapped, spec/overlap.py): the worst case of
+spec/reservation.py, every draft in flight counted as accepted; _advance's lowering is then the trim.
 
 Prefix caching (`prefix`, sched/prefix_admission.py) hooks in at four points: a waiting request's
 admission may start past a cached prefix (or wait for a block another request computes), blocks

@@ -27,6 +27,9 @@ Async scheduling splits execute() into launch() (steps 1-3, the samples stay on 
 are copied back asynchronously) and resolve() (step 4). Between them the engine schedules and
 launches the next step, whose tokens that are not yet known on the host are gathered from the
 previous step's device-side samples (InputBatch.pending_index). execute() = resolve(launch()).
+With speculation a step whose requests qualify also drafts at launch, on the device, and the next
+verify step may be launched before it resolves (launch_overlapped: its inputs and metadata filled
+on the device from the resolution, spec/overlap.py).
 
 Prefix caching asks two things of the runner, both values in the SchedulerOutput: window snapshots
 (cache/snapshot_store.py) are saved out of ended requests' ring slots before anything else of a
