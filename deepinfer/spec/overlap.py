@@ -21,8 +21,11 @@ rejected row never lands on a slot a later proposal still reads (checked at star
 What may draft on the device, and so be followed by an overlapped step (can_draft_on_device):
 every request of the step samples (no prompt chunk short of its end), by plain argmax (no
 temperature, logprobs, penalties, grammar: the Sampler reads host positions and drafts), with no
-teacher forcing, returned logits, images or bounded replay, and no replayed acceptance (benchmark
-mode draws with host positions). Anything else is resolved before the next schedule, as before.
+teacher forcing, returned logits, images or bounded replay. Anything else is resolved before the
+next schedule, as before. Replayed acceptance (benchmark mode, spec/replay.py) draws each
+proposal's outcome by (request, anchor position): with overlap the runner draws every position a
+request may reach when it is added (a device table by row and position), so a proposal made on the
+device reads the same outcome the host would have drawn.
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ def ring_fits(model, caches, num_speculative_tokens: int) -> bool:
     return caches.ring_len >= window + num_speculative_tokens + 1
 
 
-def can_draft_on_device(input_batch, rows: np.ndarray, num_logits: np.ndarray, replay) -> bool:
+def can_draft_on_device(input_batch, rows: np.ndarray, num_logits: np.ndarray) -> bool:
     ib = input_batch
     row_set = set(rows.tolist())
-    return (replay is None and bool((num_logits > 0).all())
+    return (bool((num_logits > 0).all())
             and not ib.needs_sampler[rows].any() and not ib.has_images[rows].any()
             and not (row_set & set(ib.forced)) and not (row_set & ib.return_logits)
             and not ib._replaying(rows, ib.num_computed[rows]).any())

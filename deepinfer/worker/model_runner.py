@@ -84,6 +84,7 @@ class _InFlight:
     # and their host copies read at resolve; the next step may verify them before this one resolves
     device_drafts: tuple | None = None
     drafts_host: tuple | None = None
+    replay_dev: torch.Tensor | None = None   # [B] replayed lengths of those drafts (benchmark mode), device
 
 
 @dataclass
@@ -128,6 +129,7 @@ class ModelRunner:
         self._max_model_len, self._block_tokens = max_model_len, block_tokens
         self._static_steps: dict = {}
         self._static_drafts: dict = {}
+        self._replay_table: torch.Tensor | None = None   # [rows, positions] replayed lengths (overlap + replay)
         self._launch_seq = 0
         self.images = None            # ImageEmbeds: span embeddings of the requests' images (vision checkpoints)
         if getattr(model, "vision_tower", None) is not None:
@@ -192,22 +194,23 @@ class ModelRunner:
         fed = batch.input_ids[batch.logits_indices] if num_spec.any() else None
         keep_logits = logits if ib.return_logits else None
         return self._finish_launch(req_ids, rows, num_logits, num_spec, q_lens, batch.start_pos.numpy(),
-                                   batch.positions, sampled, fed, keep_logits, logprobs, main_hidden)
+                                   batch.positions, sampled, fed, keep_logits, logprobs, main_hidden,
+                                   self._replayed_for(req_ids, num_spec))
 
     def _finish_launch(self, req_ids, rows, num_logits, num_spec, q_lens, start, positions, sampled, fed,
-                       keep_logits, logprobs, main_hidden) -> _InFlight:
+                       keep_logits, logprobs, main_hidden, replayed) -> _InFlight:
         """The launch's last part: the device-side resolution (speculation), drafting on the device when
         the next step may overlap this one, and the host copies resolve() reads. start: [B] host array,
-        or (an overlapped step) a device tensor."""
-        res = res_host = drafts = drafts_host = None
+        or (an overlapped step) a device tensor; replayed: benchmark mode's lengths (host or device)."""
+        res = res_host = drafts = drafts_host = replay_dev = None
         if self.proposer is not None:   # resolved on the device: the host reads one copy, at resolve()
-            res = resolve_on_device(sampled, fed, num_logits, num_spec, start, q_lens,
-                                    self._replayed_for(req_ids, num_spec))
+            res = resolve_on_device(sampled, fed, num_logits, num_spec, start, q_lens, replayed)
             res_host, _ = self._to_host(torch.cat([res.num_tokens[:, None], res.tokens], dim=1))
-            if self.overlap and main_hidden is not None and can_draft_on_device(
-                    self.input_batch, rows, num_logits, self.proposer.replay):
+            if self.overlap and main_hidden is not None and can_draft_on_device(self.input_batch, rows, num_logits):
                 drafts = self._draft_on_device(main_hidden, positions, q_lens, rows, res)
                 drafts_host = (self._to_host(drafts[0])[0], self._to_host(drafts[1])[0])
+                if self._replay_table is not None:    # the proposal's replayed outcome, keyed by its p
+                    replay_dev = self._replay_table[to_device(rows, self.device), res.next_pos - 1]
         host, done = self._to_host(sampled)   # its event also covers the copies above (same stream)
         self._launch_seq += 1
         spec = None
@@ -217,7 +220,8 @@ class ModelRunner:
             spec = _SpecInputs(main_hidden, q_lens, start, self.input_batch.ring_slot[rows].copy())
         return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits,
                          logprobs=logprobs, seq=self._launch_seq, spec=spec, resolution=res,
-                         resolution_host=res_host, device_drafts=drafts, drafts_host=drafts_host)
+                         resolution_host=res_host, device_drafts=drafts, drafts_host=drafts_host,
+                         replay_dev=replay_dev)
 
     # verify steps that overlap (spec/overlap.py) -------------------------------------------------
     def overlap_drafts(self, step: _InFlight | None) -> dict[str, int] | None:
@@ -257,6 +261,19 @@ class ModelRunner:
             ids, conf = out.draft_ids, out.confidence
         return ids[:n, :K].clone(), conf[:n, :K].float().clone()
 
+    def _fill_replay_table(self, new) -> None:
+        """Benchmark mode with overlap: the replayed length of every proposal the request may make
+        (anchor positions p from its prompt's end to max_tokens past it), drawn now with the host's
+        keys, so a device-drafted proposal reads its outcome by (row, p) without the host."""
+        ib = self.input_batch
+        if self._replay_table is None:
+            self._replay_table = torch.full(ib.token_ids.shape, -1, dtype=torch.int64, device=self.device)
+        row, width = ib.row_of[new.req_id], ib.token_ids.shape[1]
+        lo = max(new.num_prompt_tokens - 1, 0)
+        hi = min(len(new.token_ids) + new.sampling_params.max_tokens + 1, width)
+        _, lengths = self.proposer.replay.draw([(new.req_id, p) for p in range(lo, hi)])
+        self._replay_table[row, lo:hi] = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+
     def _max_pos(self) -> int:
         from deepinfer.worker.graph_step import DRAFT_ROOM
         return self.graphs.max_pos if self.graphs is not None else self._max_model_len + DRAFT_ROOM - 1
@@ -282,7 +299,7 @@ class ModelRunner:
         if key is not None:
             bufs, logits, hidden = self.graphs.step_on_device(inputs, key)
         else:
-            bufs = self._static_step(n, L)
+            bufs = self._static_step(n, L, int((ib.num_computed[rows] + q_lens).max()))
             bufs.fill_on_device(**inputs)
             with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
                 out = self.model(bufs.forward_batch(), self.caches, meta=bufs.metadata(self._max_pos()))
@@ -294,19 +311,26 @@ class ModelRunner:
         fed = bufs.v["input_ids"][idx]
         self.input_batch.pending_index[:] = -1
         self._prev_sampled = sampled
+        replayed = None if prev.replay_dev is None else torch.where(
+            to_device(q_lens, self.device) > 1, prev.replay_dev[to_device(prev_index, self.device)], -1)
         return self._finish_launch(req_ids, rows, q_lens.copy(), q_lens - 1, q_lens, inputs["start"],
                                    bufs.v["positions"][idx], sampled, fed, None, None,
-                                   None if hidden is None else hidden[idx])
+                                   None if hidden is None else hidden[idx], replayed)
 
-    def _static_step(self, n: int, length: int):
-        """The static form of an n x length verify step, run eagerly (no captured graph serves it)."""
-        key = (n, length)
+    def _static_step(self, n: int, length: int, end: int):
+        """The static form of an n x length verify step whose positions stay below `end`, run eagerly
+        (no captured graph serves it). Its compressed-entry width follows `end` (a power of two, so
+        few shapes), not max_model_len: the indexer's work grows with it, and padded entries are
+        masked (the numbers do not depend on the width)."""
+        max_len = min(max(256, 1 << (end - 1).bit_length()), self._max_model_len)
+        key = (n, length, max_len)
         if key not in self._static_steps:
             from deepinfer.model.step_metadata import DecodeStepBuffers
             args = self.model.args
             self._static_steps[key] = DecodeStepBuffers(
-                n, window=args.window_size, ring_len=self.caches.ring_len, max_model_len=self._max_model_len,
-                block_tokens=self._block_tokens, max_blocks=self.input_batch.block_table.shape[1],
+                n, window=args.window_size, ring_len=self.caches.ring_len, max_model_len=max_len,
+                block_tokens=self._block_tokens,
+                max_blocks=min(self.input_batch.block_table.shape[1], -(-max_len // self._block_tokens)),
                 ngram_width=self.input_batch.ngram_width,
                 ratios=[r for r in args.compress_ratios[:args.n_layers] if r > 0],
                 scratch_slot=self.caches.scratch_slot, scratch_block=self.caches.scratch_block,
@@ -385,10 +409,18 @@ class ModelRunner:
         ib = self.input_batch
         ids, conf = step.drafts_host[0].tolist(), step.drafts_host[1].tolist()
         drafts, confs = [[] for _ in per_req], [[] for _ in per_req]
-        for i, (req_id, row, toks) in enumerate(zip(step.req_ids, step.rows.tolist(), per_req)):
-            if toks and ib.row_of.get(req_id) == row and self._can_generate(row):
-                drafts[i], confs[i] = ids[i], conf[i]
-                self._draft_probs.pop(req_id, None)
+        which = [i for i, (req_id, row, toks) in enumerate(zip(step.req_ids, step.rows.tolist(), per_req))
+                 if toks and ib.row_of.get(req_id) == row and self._can_generate(row)]
+        replay = self.proposer.replay
+        if replay is not None:   # the same draws as the device table's (p = the anchor's position - 1)
+            keys = [(step.req_ids[i], int(ib.num_tokens[step.rows[i]]) - 2) for i in which]
+            conf_r, lengths = replay.draw(keys)
+        for j, i in enumerate(which):
+            req_id = step.req_ids[i]
+            drafts[i], confs[i] = ids[i], conf[i] if replay is None else conf_r[j]
+            self._draft_probs.pop(req_id, None)
+            if replay is not None:
+                self._replay_len[req_id] = lengths[j]
         return drafts, confs
 
     def _draft_sampling(self, step: _InFlight, which: list[int]):
@@ -464,6 +496,8 @@ class ModelRunner:
             self._replay_len.pop(req_id, None)
         for new in sched_out.new_reqs:
             self.input_batch.add(new)
+            if self.overlap and self.proposer.replay is not None:
+                self._fill_replay_table(new)
             if new.image_prompt is not None:
                 if self.images is None:
                     raise ValueError(f"request {new.req_id} has images but the checkpoint has no vision tower")

@@ -151,6 +151,23 @@ def test_sampled_requests_beside_greedy_ones(args, ref):
     assert a.num_verify_steps_overlapped > 0 and a.num_resolved_before_schedule > 0
 
 
+def test_replayed_acceptance_with_overlap(args):
+    """Benchmark mode (spec_replay_accepted_length): a proposal made on the device reads its replayed
+    outcome from the table drawn when the request was added, the same draw the host makes, so the
+    accepted drafts and tokens equal the synchronous engine's, except within 2 (K + 1) tokens of
+    max_tokens, where the worst case may verify fewer drafts than the synchronous schedule (and a
+    replayed outcome accepts min(L, verified) of the proposed ids)."""
+    n, k = 24, 5
+    replay = {**args, "spec_policy": "all", "spec_replay_accepted_length": 3.5}
+    want = run(Engine(EngineArgs(**replay)), [greedy(n) for _ in PROMPTS])[0]
+    a = Engine(EngineArgs(**replay, async_scheduling=True))
+    got = run(a, [greedy(n) for _ in PROMPTS])[0]
+    assert a.num_verify_steps_overlapped > 0
+    assert all(len(got[r]) == n and got[r][:n - 2 * (k + 1)] == want[r][:n - 2 * (k + 1)] for r in want)
+    c = a.stats.snapshot()["counters"]
+    assert c["spec_draft_tokens_accepted_total"] > 0.4 * c["spec_draft_tokens_verified_total"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args):
