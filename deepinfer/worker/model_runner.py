@@ -210,7 +210,7 @@ class ModelRunner:
                 drafts = self._draft_on_device(main_hidden, positions, q_lens, rows, res)
                 drafts_host = (self._to_host(drafts[0])[0], self._to_host(drafts[1])[0])
                 if self._replay_table is not None:    # the proposal's replayed outcome, keyed by its p
-                    replay_dev = self._replay_table[to_device(rows, self.device), res.next_pos - 1]
+                    replay_dev = self._replay_table[to_device(rows, self.device), res.next_pos - 1].long()
         host, done = self._to_host(sampled)   # its event also covers the copies above (same stream)
         self._launch_seq += 1
         spec = None
@@ -267,12 +267,13 @@ class ModelRunner:
         keys, so a device-drafted proposal reads its outcome by (row, p) without the host."""
         ib = self.input_batch
         if self._replay_table is None:
-            self._replay_table = torch.full(ib.token_ids.shape, -1, dtype=torch.int64, device=self.device)
+            # int8: lengths are <= K (the table spans every position of every row)
+            self._replay_table = torch.full(ib.token_ids.shape, -1, dtype=torch.int8, device=self.device)
         row, width = ib.row_of[new.req_id], ib.token_ids.shape[1]
         lo = max(new.num_prompt_tokens - 1, 0)
         hi = min(len(new.token_ids) + new.sampling_params.max_tokens + 1, width)
         _, lengths = self.proposer.replay.draw([(new.req_id, p) for p in range(lo, hi)])
-        self._replay_table[row, lo:hi] = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+        self._replay_table[row, lo:hi] = to_device(np.asarray(lengths, dtype=np.int64), self.device).to(torch.int8)
 
     def _max_pos(self) -> int:
         from deepinfer.worker.graph_step import DRAFT_ROOM
