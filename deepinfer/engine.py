@@ -380,7 +380,7 @@ class Engine:
         if sched_out is None:
             sched_out = self.scheduler.schedule()
         try:
-            if sched_out.overlapped:
+            if getattr(sched_out, "overlapped", False):     # one rank only: a DP step has no such field
                 launched = self.runner.launch_overlapped(sched_out, self._in_flight[1])
             else:
                 launched = self.runner.launch(sched_out)
