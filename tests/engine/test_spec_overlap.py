@@ -168,31 +168,64 @@ def test_replayed_acceptance_with_overlap(args):
     assert c["spec_draft_tokens_accepted_total"] > 0.4 * c["spec_draft_tokens_verified_total"]
 
 
+def _cuda_args(tiny_engine_args) -> dict:
+    return {**tiny_engine_args, "device": "cuda", "max_num_batched_tokens": 64, "speculative": "dspark",
+            "spec_policy": "all", "async_scheduling": True, "cuda_graph_sizes": (1, 2, 4, 8)}
+
+
+def _strict(fn, calls: list):
+    """fn under sync debug mode "error" (any call that makes the host wait for the device raises)."""
+    def wrapped(*a, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*a, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            calls.append(1)
+    return wrapped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlapped_build_does_not_sync_on_cuda(tiny_engine_args, monkeypatch):
+    """The build of an overlapped verify step on the GPU: its inputs gathered from the previous
+    step's resolution (spec/overlap.step_inputs) and the static verify and drafting buffers filled
+    from them (fill_on_device) make no call that waits for the device."""
+    from deepinfer.model.dspark import DraftStepBuffers
+    from deepinfer.model.step_metadata import DecodeStepBuffers
+    from deepinfer.worker import model_runner
+    calls = []
+    monkeypatch.setattr(model_runner, "step_inputs", _strict(model_runner.step_inputs, calls))
+    monkeypatch.setattr(DecodeStepBuffers, "fill_on_device", _strict(DecodeStepBuffers.fill_on_device, calls))
+    monkeypatch.setattr(DraftStepBuffers, "fill_on_device", _strict(DraftStepBuffers.fill_on_device, calls))
+    e = Engine(EngineArgs(**_cuda_args(tiny_engine_args)))
+    got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
+    assert e.num_verify_steps_overlapped > 0 and len(calls) >= 3 * e.num_verify_steps_overlapped
+    assert all(len(t) == N_OUT for t in got.values())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args):
-    """On the GPU an overlapped verify step is built (DecodeStepBuffers / DraftStepBuffers filled on
-    the device from the previous step's resolution), replayed through the captured verify and
-    drafting graphs, resolved and drafted on the device without the host waiting for the stream:
-    launch_overlapped runs under sync debug mode "error", which raises on any synchronizing call."""
-    args = {**tiny_engine_args, "device": "cuda", "max_num_batched_tokens": 64, "speculative": "dspark",
-            "spec_policy": "all", "async_scheduling": True, "cuda_graph_sizes": (1, 2, 4, 8)}
+    """The whole launch of an overlapped verify step on the GPU (the build, the captured verify
+    graph's replay, the greedy sample, the device-side resolution, the DSpark absorb of every row
+    and the drafting graph's replay, the host copies) without the host waiting for the stream:
+    launch_overlapped under sync debug mode "error"; every overlapped step replays its graph."""
+    args = _cuda_args(tiny_engine_args)
     e = Engine(EngineArgs(**args))
     runner = e.runner
     assert runner.overlap and runner.graphs is not None and runner.graphs.graphs is not None
-    launch = runner.launch_overlapped
-    replays = []
+    calls, replays = [], []
+    strict = _strict(runner.launch_overlapped, calls)
 
-    def strict_launch(sched_out, prev):
+    def counted(sched_out, prev):
         before = runner.graphs.num_replays
-        torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(sched_out, prev)
+            return strict(sched_out, prev)
         finally:
-            torch.cuda.set_sync_debug_mode("default")
             replays.append(runner.graphs.num_replays - before)
 
-    runner.launch_overlapped = strict_launch
+    runner.launch_overlapped = counted
     ref = run(Engine(EngineArgs(**{**args, "async_scheduling": False})), [greedy(N_OUT) for _ in PROMPTS])[0]
     got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
     assert e.num_verify_steps_overlapped > 0 and len(replays) == e.num_verify_steps_overlapped
