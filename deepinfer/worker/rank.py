@@ -90,7 +90,9 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                                                   args.block_tokens)
     max_model_len = min(args.max_model_len or facts.max_position, facts.max_position, num_blocks * args.block_tokens)
     # overlapped verify steps (spec/overlap.py) run the static step form: padding writes need scratch rows
+    # (not with prefix caching: Scheduler.schedule_overlapped refuses it, drafting on the device would not pay)
     overlap = (args.speculative == "dspark" and args.async_scheduling is True and args.spec_async_overlap
+               and not args.enable_prefix_caching
                and (parallel is None or not parallel.is_parallel) and args.data_parallel_size == 1)
     caches = allocate_caches(model_args, args.max_num_seqs, num_blocks, args.block_tokens, device, args.dtype,
                              scratch=bool(sizes) or overlap)
