@@ -295,7 +295,7 @@ class DecodeStepBuffers:
 
     def fill_on_device(self, start: torch.Tensor, input_ids: torch.Tensor, ngram_history: torch.Tensor,
                        ring_slots: torch.Tensor, block_tables: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        """fill() into the buffers themselves, from tensors on their device: start [n], input_ids [n, >= L],
+        """fill() into the buffers themselves, from tensors on their device: start [n], input_ids [n, <= L] (0 past),
         ngram_history [n, h], ring_slots [n], block_tables [n, w], num_tokens [n]. The same values as
         fill(), by tensor ops only (no host read): the positions of an overlapped verify step are only
         on the device (the previous step's resolution, spec/overlap.py). Extra fields get -1."""
@@ -316,7 +316,8 @@ class DecodeStepBuffers:
         s_rows = st[row_seq]
         pos = torch.where(row_seq < n, s_rows + row_j, 0)
         ids = torch.zeros((B, L), **i64)
-        ids[:n] = input_ids[:, :L]
+        w = min(L, input_ids.shape[1])          # narrower ids (a captured L above the step's): 0 past them
+        ids[:n, :w] = input_ids[:, :w]
         v["input_ids"].copy_(ids.reshape(-1))
         v["positions"].copy_(pos)
         v["starts"].copy_(st)
@@ -365,7 +366,8 @@ class DecodeStepBuffers:
             mpos = entry[:, None] * r + torch.arange(r, **i64)
             s = st[gseq][:, None]
             fresh = mpos >= s
-            v[f"member_rows{r}"].copy_(torch.where(closed[:, None], torch.where(fresh, gseq[:, None] * L + mpos - s, -1), -1))
+            rows = torch.where(fresh, gseq[:, None] * L + mpos - s, -1)
+            v[f"member_rows{r}"].copy_(torch.where(closed[:, None], rows, -1))
             v[f"member_carry{r}"].copy_(torch.where(closed[:, None], torch.where(fresh, -1, mpos % self.ring_len), 0))
 
     def _fill_plan(self, v: dict, r: int, start: np.ndarray, q: np.ndarray, pos: np.ndarray, real: np.ndarray,

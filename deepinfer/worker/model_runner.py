@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.spec.device_resolution import resolve_on_device
-from deepinfer.spec.overlap import can_draft_on_device, step_inputs, to_device
+from deepinfer.spec.overlap import can_draft_on_device, to_device
 from deepinfer.worker.input_batch import InputBatch, _ragged_arange
 
 
@@ -123,13 +123,10 @@ class ModelRunner:
             from deepinfer.cache.disk_tier import DiskBlockStore
             self.disk_blocks = DiskBlockStore(caches, self.host_blocks, disk_cache_dir)
         self._prev_sampled: torch.Tensor | None = None   # [N] device samples of the last launched step
-        # verify steps that overlap (spec/overlap.py): the engine turns this on (async scheduling +
-        # EngineArgs.spec_async_overlap); static step buffers of the eager overlapped steps by (B, L)
-        self.overlap = False
-        self._max_model_len, self._block_tokens = max_model_len, block_tokens
-        self._static_steps: dict = {}
-        self._static_drafts: dict = {}
-        self._replay_table: torch.Tensor | None = None   # [rows, positions] replayed lengths (overlap + replay)
+        # verify steps that overlap (worker/overlapped_step.py): build_rank enables them (async
+        # scheduling + EngineArgs.spec_async_overlap); None = every step that samples resolves first
+        self.overlapped = None
+        self.max_model_len, self.block_tokens = max_model_len, block_tokens
         self._launch_seq = 0
         self.images = None            # ImageEmbeds: span embeddings of the requests' images (vision checkpoints)
         if getattr(model, "vision_tower", None) is not None:
@@ -206,11 +203,11 @@ class ModelRunner:
         if self.proposer is not None:   # resolved on the device: the host reads one copy, at resolve()
             res = resolve_on_device(sampled, fed, num_logits, num_spec, start, q_lens, replayed)
             res_host, _ = self._to_host(torch.cat([res.num_tokens[:, None], res.tokens], dim=1))
-            if self.overlap and main_hidden is not None and can_draft_on_device(self.input_batch, rows, num_logits):
-                drafts = self._draft_on_device(main_hidden, positions, q_lens, rows, res)
+            if self.overlapped is not None and main_hidden is not None and can_draft_on_device(
+                    self.input_batch, rows, num_logits):
+                drafts = self.overlapped.draft(main_hidden, positions, q_lens, rows, res)
                 drafts_host = (self._to_host(drafts[0])[0], self._to_host(drafts[1])[0])
-                if self._replay_table is not None:    # the proposal's replayed outcome, keyed by its p
-                    replay_dev = self._replay_table[to_device(rows, self.device), res.next_pos - 1].long()
+                replay_dev = self.overlapped.replayed(rows, res)   # benchmark mode: the proposals' outcomes
         host, done = self._to_host(sampled)   # its event also covers the copies above (same stream)
         self._launch_seq += 1
         spec = None
@@ -223,7 +220,11 @@ class ModelRunner:
                          resolution_host=res_host, device_drafts=drafts, drafts_host=drafts_host,
                          replay_dev=replay_dev)
 
-    # verify steps that overlap (spec/overlap.py) -------------------------------------------------
+    # verify steps that overlap (spec/overlap.py, worker/overlapped_step.py) ----------------------
+    def enable_overlap(self) -> None:
+        from deepinfer.worker.overlapped_step import OverlappedSteps
+        self.overlapped = OverlappedSteps(self)
+
     def overlap_drafts(self, step: _InFlight | None) -> dict[str, int] | None:
         """req_id -> drafts it verifies, of a launched step whose requests drafted on the device (the
         next step may verify those drafts before this one resolves); None: resolve it first."""
@@ -231,112 +232,22 @@ class ModelRunner:
             return None
         return {r: int(k) for r, k in zip(step.req_ids, step.num_spec.tolist())}
 
-    def _draft_on_device(self, main_hidden, positions, q_lens, rows, res):
-        """Every row of the step into the DSpark rings (rejected ones are overwritten later), then
-        num_speculative_tokens drafts per request from its resolved anchor at next_pos - 1.
-        -> (ids [B, K], confidence logits [B, K]) on the device."""
-        from deepinfer.model.dspark import dspark_propose
-        ib, dev, K = self.input_batch, self.device, self.proposer.num_speculative_tokens
-        slots = ib.ring_slot[rows]
-        cu = np.concatenate([[0], np.cumsum(q_lens)])
-        self.proposer.absorb(main_hidden, positions, slots.tolist(), cu.tolist(), max_pos=self._max_pos())
-        n, dg = len(rows), self.proposer.graphs
-        if dg is not None and dg.serves(n):
-            bufs = dg.graphs.static_in[dg.graphs.padded(n)][0]
-        else:
-            bufs = self._static_drafts.get(n)
-            if bufs is None:
-                from deepinfer.model.dspark import DraftStepBuffers
-                attn = self.model.mtp[0].attn
-                bufs = self._static_drafts[n] = DraftStepBuffers(
-                    n, window=attn.window, block=self.model.args.dspark_block_size, ring_len=self.caches.ring_len,
-                    scratch_slot=self.caches.scratch_slot, max_pos=self._max_pos(), device=dev)
-        bufs.fill_on_device(res.anchor, res.next_pos - 1, to_device(slots, dev))
-        if dg is not None and dg.serves(n):
-            ids, conf = dg.graphs.run(bufs.num_seqs)
-            dg.num_steps += 1
-        else:
-            with torch.inference_mode():
-                out = dspark_propose(self.model, bufs.v["anchor_ids"], None, None, self.caches, static=bufs)
-            ids, conf = out.draft_ids, out.confidence
-        return ids[:n, :K].clone(), conf[:n, :K].float().clone()
-
-    def _fill_replay_table(self, new) -> None:
-        """Benchmark mode with overlap: the replayed length of every proposal the request may make
-        (anchor positions p from its prompt's end to max_tokens past it), drawn now with the host's
-        keys, so a device-drafted proposal reads its outcome by (row, p) without the host."""
-        ib = self.input_batch
-        if self._replay_table is None:
-            # int8: lengths are <= K (the table spans every position of every row)
-            self._replay_table = torch.full(ib.token_ids.shape, -1, dtype=torch.int8, device=self.device)
-        row, width = ib.row_of[new.req_id], ib.token_ids.shape[1]
-        lo = max(new.num_prompt_tokens - 1, 0)
-        hi = min(len(new.token_ids) + new.sampling_params.max_tokens + 1, width)
-        _, lengths = self.proposer.replay.draw([(new.req_id, p) for p in range(lo, hi)])
-        self._replay_table[row, lo:hi] = to_device(np.asarray(lengths, dtype=np.int64), self.device).to(torch.int8)
-
-    def _max_pos(self) -> int:
-        from deepinfer.worker.graph_step import DRAFT_ROOM
-        return self.graphs.max_pos if self.graphs is not None else self._max_model_len + DRAFT_ROOM - 1
-
     def launch_overlapped(self, sched_out: SchedulerOutput, prev: _InFlight) -> _InFlight | None:
         """A verify step scheduled with `prev` unresolved (SchedulerOutput.overlapped): each request runs
         prev's anchor and the first K' of the drafts prev proposed on the device, from prev's next_pos,
-        with the step's metadata filled on the device (spec/overlap.py; no host read of prev)."""
+        with the step's metadata filled on the device (no host read of prev)."""
         self._update_states(sched_out)
         if sched_out.is_empty:
             return None
-        ib = self.input_batch
-        req_ids = list(sched_out.num_scheduled_tokens)
-        q_lens = np.fromiter(sched_out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        rows = np.fromiter((ib.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        where = {r: i for i, r in enumerate(prev.req_ids)}
-        prev_index = np.array([where[r] for r in req_ids], dtype=np.int64)
-        inputs = step_inputs(ib, rows, q_lens, prev.resolution, prev.device_drafts[0], prev_index)
-        n, L = len(rows), int(q_lens.max())
-        key = None
-        if self.graphs is not None:      # scheduled positions are the worst case: an upper bound
-            key = self.graphs.serves(n, int((ib.num_computed[rows] + q_lens).max()) - 1, L)
-        if key is not None:
-            bufs, logits, hidden = self.graphs.step_on_device(inputs, key)
-        else:
-            bufs = self._static_step(n, L, int((ib.num_computed[rows] + q_lens).max()))
-            bufs.fill_on_device(**inputs)
-            with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
-                out = self.model(bufs.forward_batch(), self.caches, meta=bufs.metadata(self._max_pos()))
-            logits, hidden = out.logits, out.main_hidden
-        width = bufs.tokens_per_seq
-        idx = to_device(np.repeat(np.arange(n) * width, q_lens) + _ragged_arange(q_lens), self.device)
+        f = self.overlapped.forward(sched_out, prev)
         with torch.inference_mode():
-            sampled = sample_greedy(logits[idx])
-        fed = bufs.v["input_ids"][idx]
+            sampled = sample_greedy(f.logits)
         self.input_batch.pending_index[:] = -1
         self._prev_sampled = sampled
         replayed = None if prev.replay_dev is None else torch.where(
-            to_device(q_lens, self.device) > 1, prev.replay_dev[to_device(prev_index, self.device)], -1)
-        return self._finish_launch(req_ids, rows, q_lens.copy(), q_lens - 1, q_lens, inputs["start"],
-                                   bufs.v["positions"][idx], sampled, fed, None, None,
-                                   None if hidden is None else hidden[idx], replayed)
-
-    def _static_step(self, n: int, length: int, end: int):
-        """The static form of an n x length verify step whose positions stay below `end`, run eagerly
-        (no captured graph serves it). Its compressed-entry width follows `end` (a power of two, so
-        few shapes), not max_model_len: the indexer's work grows with it, and padded entries are
-        masked (the numbers do not depend on the width)."""
-        max_len = min(max(256, 1 << (end - 1).bit_length()), self._max_model_len)
-        key = (n, length, max_len)
-        if key not in self._static_steps:
-            from deepinfer.model.step_metadata import DecodeStepBuffers
-            args = self.model.args
-            self._static_steps[key] = DecodeStepBuffers(
-                n, window=args.window_size, ring_len=self.caches.ring_len, max_model_len=max_len,
-                block_tokens=self._block_tokens,
-                max_blocks=min(self.input_batch.block_table.shape[1], -(-max_len // self._block_tokens)),
-                ngram_width=self.input_batch.ngram_width,
-                ratios=[r for r in args.compress_ratios[:args.n_layers] if r > 0],
-                scratch_slot=self.caches.scratch_slot, scratch_block=self.caches.scratch_block,
-                device=self.device, tokens_per_seq=length)
-        return self._static_steps[key]
+            to_device(f.q_lens, self.device) > 1, prev.replay_dev[to_device(f.prev_index, self.device)], -1)
+        return self._finish_launch(f.req_ids, f.rows, f.q_lens.copy(), f.q_lens - 1, f.q_lens, f.start,
+                                   f.positions, sampled, f.fed, None, None, f.main_hidden, replayed)
 
     def must_resolve_before_next(self, step: _InFlight | None) -> bool:
         """Speculation: a launched step in which a request samples verifies or proposes drafts, and
@@ -497,8 +408,8 @@ class ModelRunner:
             self._replay_len.pop(req_id, None)
         for new in sched_out.new_reqs:
             self.input_batch.add(new)
-            if self.overlap and self.proposer.replay is not None:
-                self._fill_replay_table(new)
+            if self.overlapped is not None and self.proposer.replay is not None:
+                self.overlapped.fill_replay_table(new)
             if new.image_prompt is not None:
                 if self.images is None:
                     raise ValueError(f"request {new.req_id} has images but the checkpoint has no vision tower")

@@ -117,8 +117,9 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                          disk_cache_dir=args.disk_cache_dir if disk_blocks else None)
     if overlap:
         from deepinfer.spec.overlap import ring_fits
-        runner.overlap = ring_fits(model, caches, args.num_speculative_tokens)
-        if not runner.overlap:
+        if ring_fits(model, caches, args.num_speculative_tokens):
+            runner.enable_overlap()
+        else:
             logger.warning("spec_async_overlap off: the ring (%d) is shorter than the draft window + drafts + 1",
                            caches.ring_len)
     return RankRuntime(device, model, caches, runner, sampler, num_blocks, max_model_len, sizes, async_scheduling)

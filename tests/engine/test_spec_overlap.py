@@ -59,7 +59,10 @@ def oracle_drafts(engine: Engine, ref: dict[str, list[int]]) -> None:
         props.draft_ids = [[token(owner[s], p + 2 + j) for j in range(k)] for p, s in zip(positions, ring_slots)]
         return props
 
-    device_draft = runner._draft_on_device
+    proposer.propose = propose
+    if runner.overlapped is None:
+        return
+    device_draft = runner.overlapped.draft
 
     def draft_on_device(main_hidden, positions, q_lens, rows, res):
         ids, conf = device_draft(main_hidden, positions, q_lens, rows, res)
@@ -68,8 +71,7 @@ def oracle_drafts(engine: Engine, ref: dict[str, list[int]]) -> None:
         want = [[token(owner[int(row)], nxt[b] + 1 + j) for j in range(ids.shape[1])] for b, row in enumerate(rows)]
         return torch.tensor(want, dtype=ids.dtype, device=ids.device), conf
 
-    proposer.propose = propose
-    runner._draft_on_device = draft_on_device
+    runner.overlapped.draft = draft_on_device
 
 
 def run(engine: Engine, plist, abort=None):
@@ -103,21 +105,19 @@ def ref(args):
 @pytest.mark.parametrize("rule", ["identical", "sampled"])
 def test_overlapped_verify_steps_equal_sync(args, ref, rule):
     a = Engine(EngineArgs(**args, spec_acceptance=rule, async_scheduling=True))
-    assert a.args.spec_async_overlap and a.runner.overlap
+    assert a.args.spec_async_overlap and a.runner.overlapped is not None
     oracle_drafts(a, ref)
     got, _, _ = run(a, [greedy(N_OUT) for _ in PROMPTS])
     assert got == ref
     c = a.stats.snapshot()["counters"]
     verified, accepted = c["spec_draft_tokens_verified_total"], c["spec_draft_tokens_accepted_total"]
     assert 0.3 * verified < accepted < verified           # the oracle: long and short acceptances
-    print("overlapped", a.num_verify_steps_overlapped, "resolved first", a.num_resolved_before_schedule, verified, accepted)
     assert a.num_verify_steps_overlapped >= 4
     if rule == "identical":      # the pipeline breaks less often than with every verify step resolved first
         b = Engine(EngineArgs(**args, async_scheduling=True, spec_async_overlap=False))
         oracle_drafts(b, ref)
         assert run(b, [greedy(N_OUT) for _ in PROMPTS])[0] == ref
         assert b.num_verify_steps_overlapped == 0
-        print("no overlap: resolved first", b.num_resolved_before_schedule)
         assert a.num_resolved_before_schedule < b.num_resolved_before_schedule
 
 
@@ -193,9 +193,9 @@ def test_overlapped_build_does_not_sync_on_cuda(tiny_engine_args, monkeypatch):
     from them (fill_on_device) make no call that waits for the device."""
     from deepinfer.model.dspark import DraftStepBuffers
     from deepinfer.model.step_metadata import DecodeStepBuffers
-    from deepinfer.worker import model_runner
+    from deepinfer.worker import overlapped_step
     calls = []
-    monkeypatch.setattr(model_runner, "step_inputs", _strict(model_runner.step_inputs, calls))
+    monkeypatch.setattr(overlapped_step, "step_inputs", _strict(overlapped_step.step_inputs, calls))
     monkeypatch.setattr(DecodeStepBuffers, "fill_on_device", _strict(DecodeStepBuffers.fill_on_device, calls))
     monkeypatch.setattr(DraftStepBuffers, "fill_on_device", _strict(DraftStepBuffers.fill_on_device, calls))
     e = Engine(EngineArgs(**_cuda_args(tiny_engine_args)))
@@ -214,7 +214,7 @@ def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args):
     args = _cuda_args(tiny_engine_args)
     e = Engine(EngineArgs(**args))
     runner = e.runner
-    assert runner.overlap and runner.graphs is not None and runner.graphs.graphs is not None
+    assert runner.overlapped is not None and runner.graphs is not None and runner.graphs.graphs is not None
     calls, replays = [], []
     strict = _strict(runner.launch_overlapped, calls)
 

@@ -39,6 +39,20 @@ def test_decode_step_fill_on_device_equals_host_fill(seed):
         assert np.array_equal(got[name], want), name
 
 
+def test_decode_step_fill_on_device_takes_narrower_ids():
+    """A step of at most 2 tokens per request in buffers of L = 4 (the captured key a step takes may
+    be longer than its longest request): the ids are padded with 0, as the host fill's are."""
+    bufs = DecodeStepBuffers(2, **LAYOUT, tokens_per_seq=4)
+    start, q, ids = np.array([5, 40]), np.array([2, 1]), np.array([[7, 8], [9, 0]])
+    hist, slots, tables = np.full((2, 3), 3), np.array([1, 2]), np.arange(12).reshape(2, 6)
+    host = np.zeros(bufs.numel, dtype=np.int64)
+    bufs.fill(host, positions=start, input_ids=np.pad(ids, ((0, 0), (0, 2))), ngram_history=hist, ring_slots=slots,
+              block_tables=tables, num_tokens=q, pending_src=[])
+    t = torch.from_numpy
+    bufs.fill_on_device(t(start), t(ids), t(hist), t(slots), t(tables), t(q))
+    assert np.array_equal(bufs.flat.numpy(), host)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_draft_step_fill_on_device_equals_host_fill(seed):
     rng = np.random.default_rng(seed)
