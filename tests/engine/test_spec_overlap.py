@@ -77,15 +77,18 @@ def oracle_drafts(engine: Engine, ref: dict[str, list[int]]) -> None:
 def run(engine: Engine, plist, abort=None):
     """Step to the end; abort = (req_id, n): abort it right after the step() in which it has received
     n tokens; -> (tokens, finish reasons, whether the step in flight at the abort held it and was
-    an overlapped one)."""
+    an overlapped one, the requests that stopped with an overlapped step holding them in flight)."""
     for i, sp in enumerate(plist):
         engine.add_request(str(i), PROMPTS[i], sp)
-    got, reasons, abort_in_overlap = {str(i): [] for i in range(len(plist))}, {}, None
+    got, reasons, abort_in_overlap, stopped_in_overlap = {str(i): [] for i in range(len(plist))}, {}, None, set()
     while engine.has_unfinished_requests():
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
+                f = engine._in_flight
+                if f is not None and f[0].overlapped and out.request_id in f[0].num_scheduled_tokens:
+                    stopped_in_overlap.add(out.request_id)
         if abort is not None and len(got[abort[0]]) >= abort[1] and abort[0] not in reasons:
             f = engine._in_flight
             abort_in_overlap = f is not None and f[0].overlapped and abort[0] in f[0].num_scheduled_tokens
@@ -93,7 +96,7 @@ def run(engine: Engine, plist, abort=None):
             reasons[abort[0]] = "abort"
         engine.kv_cache.check()
     assert engine.kv_cache.num_used_blocks == 0
-    return got, reasons, abort_in_overlap
+    return got, reasons, abort_in_overlap, stopped_in_overlap
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +110,7 @@ def test_overlapped_verify_steps_equal_sync(args, ref, rule):
     a = Engine(EngineArgs(**args, spec_acceptance=rule, async_scheduling=True))
     assert a.args.spec_async_overlap and a.runner.overlapped is not None
     oracle_drafts(a, ref)
-    got, _, _ = run(a, [greedy(N_OUT) for _ in PROMPTS])
+    got = run(a, [greedy(N_OUT) for _ in PROMPTS])[0]
     assert got == ref
     c = a.stats.snapshot()["counters"]
     verified, accepted = c["spec_draft_tokens_verified_total"], c["spec_draft_tokens_accepted_total"]
@@ -130,8 +133,9 @@ def test_overlap_with_stop_and_abort_in_flight(args, ref):
     plist[3] = greedy(N_OUT, stop_token_ids=[stop_tok])
     a = Engine(EngineArgs(**args, async_scheduling=True))
     oracle_drafts(a, ref)
-    got, reasons, abort_in_overlap = run(a, plist, abort=("1", 6))
+    got, reasons, abort_in_overlap, stopped_in_overlap = run(a, plist, abort=("1", 6))
     assert abort_in_overlap, "the aborted request was not in an overlapped step in flight"
+    assert "3" in stopped_in_overlap, "the stop was not found with an overlapped step holding it in flight"
     first = ref["3"].index(stop_tok)
     assert reasons["3"] == "stop" and got["3"] == ref["3"][:first + 1]
     assert reasons["1"] == "abort" and 6 <= len(got["1"]) < N_OUT and got["1"] == ref["1"][:len(got["1"])]
