@@ -37,6 +37,11 @@ class EngineArgs:
     # benchmark mode (spec/replay.py): replay acceptance outcomes and calibrated confidences drawn with
     # this mean accepted length (verify-all, tokens per step, e.g. 3.5 of 5 drafts); None = real drafts
     spec_replay_accepted_length: float | None = None
+    # with async_scheduling=True: verify steps overlap (spec/overlap.py): the next one is scheduled with
+    # the worst-case reservation and launched from the device-side resolution before this one's
+    # accepted counts reach the host (greedy requests; anything else is resolved first); False = every
+    # step that samples is resolved before the next schedule
+    spec_async_overlap: bool = True
     # CUDA graphs for decode steps and DSpark verify steps (deepinfer/worker/graph_step.py): batch sizes
     # captured at start (x verified lengths 1 .. num_speculative_tokens + 1 with speculative="dspark");
     # None = (1, 2, 4, .., 128) on CUDA and none on CPU (sizes given on a CPU run the padded step

@@ -20,13 +20,13 @@ to overlap (torch CPU ops are synchronous), so the plain step is used.
 Speculative decoding (EngineArgs.speculative "dspark", deepinfer/spec/): its verification policy is
 built after the scheduler (the default, "scheduler", first profiles step times through this
 engine's own steps). Async scheduling stays off with it unless asked for (async_scheduling=True,
-CPU included: the tests): then a step in flight that samples (so it verifies drafts or proposes
-them) is resolved BEFORE the next schedule, since its accepted counts set the next step's
-positions and drafts and the eager step's metadata is built on the host; only steps that sample
-nothing (prefill chunks) overlap the next one. Each such step is resolved on the device at launch
-(spec/device_resolution.py; the host reads one copy at resolve), but the next step's build does not
-read those tensors yet (positions and drafts from them, spec/reservation.py's worst case): see
-README, DSpark. num_resolved_before_schedule / num_verify_steps_overlapped count both cases.
+CPU included: the tests). Then a step in flight that samples (it verifies drafts or proposes them)
+and drafted on the device is followed by an overlapped verify step (spec/overlap.py,
+spec_async_overlap): scheduled with the worst-case reservation (Scheduler.schedule_overlapped) and
+built from the device-side resolution (ModelRunner.launch_overlapped) before its counts reach the
+host. Any other such step is resolved BEFORE the next schedule (its accepted counts set the next
+step's positions, built on the host). num_resolved_before_schedule / num_verify_steps_overlapped
+count both cases.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Engine:
         self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks * a.data_parallel_size)
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
         # async + speculation: how often the pipeline was broken, and how often it was not
-        # (tests/engine/test_spec_async.py): steps in flight resolved before the next schedule since
+        # (tests/engine/test_spec_overlap.py): steps in flight resolved before the next schedule since
         # they sampled; verify steps launched while a step that samples was still unresolved
         self.num_resolved_before_schedule = 0
         self.num_verify_steps_overlapped = 0
@@ -367,16 +367,23 @@ class Engine:
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Launch the next step, then finish the one in flight (its outputs are returned). A step in
-        flight whose results the next schedule needs (speculation) is finished first."""
-        outputs, launched = [], None
+        flight whose results the next schedule needs (speculation) is finished first, unless the next
+        verify step can overlap it (spec/overlap.py)."""
+        outputs, launched, sched_out = [], None, None
         if self._in_flight is not None and self._resolve_first(self._in_flight[1]):
-            self.num_resolved_before_schedule += 1
-            outputs += self._finish_in_flight()
-            if self.dead is not None:
-                return outputs
-        sched_out = self.scheduler.schedule()
+            sched_out = self._schedule_overlapped(self._in_flight[1])
+            if sched_out is None:
+                self.num_resolved_before_schedule += 1
+                outputs += self._finish_in_flight()
+                if self.dead is not None:
+                    return outputs
+        if sched_out is None:
+            sched_out = self.scheduler.schedule()
         try:
-            launched = self.runner.launch(sched_out)
+            if getattr(sched_out, "overlapped", False):     # one rank only: a DP step has no such field
+                launched = self.runner.launch_overlapped(sched_out, self._in_flight[1])
+            else:
+                launched = self.runner.launch(sched_out)
         except EngineDeadError as e:
             return self._die(e)
         except Exception as e:  # noqa: BLE001
@@ -390,6 +397,14 @@ class Engine:
         self._in_flight = (sched_out, launched) if launched is not None else None
         self._update_gauges()
         return outputs
+
+    def _schedule_overlapped(self, launched):
+        """The next verify step with `launched` unresolved (spec/overlap.py), or None: resolve it first."""
+        drafts_of = getattr(self.runner, "overlap_drafts", None)
+        in_flight = drafts_of(launched) if drafts_of is not None else None
+        if in_flight is None:
+            return None
+        return self.scheduler.schedule_overlapped(in_flight, self.args.num_speculative_tokens)
 
     def _resolve_first(self, launched) -> bool:
         must = getattr(self.runner, "must_resolve_before_next", None)

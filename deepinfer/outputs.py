@@ -93,6 +93,9 @@ class SchedulerOutput:
     block_copies: list[BlockCopy] = field(default_factory=list)       # host tier, in decision order, after the saves
     finished_req_ids: set[str] = field(default_factory=set)          # runner frees their per-request state
     preempted_req_ids: set[str] = field(default_factory=set)         # runner frees them too (they come back as new_reqs)
+    # a verify step scheduled with the previous one unresolved (spec/overlap.py): spec_tokens hold -1
+    # placeholders, the drafts are the previous step's device-side proposal
+    overlapped: bool = False
 
     @property
     def is_empty(self) -> bool:

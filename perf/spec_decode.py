@@ -4,7 +4,7 @@ threshold and the confidence scheduler against no speculation, at several batch 
     python perf/spec_decode.py [--checkpoint DIR | --preset tiny|small|full-width-ep8] [--device cpu|cuda]
                                [--batches 1 16 64] [--prompt-len 64] [--output-len 64] [--quick]
                                [--accepted-length 3.5] [--threshold 0.5] [--load-format dummy] [--variants]
-                               [--enforce-eager] [--json $OUT/spec_decode.json]
+                               [--enforce-eager] [--async-overlap] [--json $OUT/spec_decode.json]
                                [--plot perf/figures/spec_decode_cpu.png]
 
 H200 (one GPU; the small preset and one GPU's EP8 share of the full width, random weights made on
@@ -24,6 +24,14 @@ length --accepted-length of 5 under verify-all: 3.5 is V4.1-Flash DSpark-5 with 
 while the engine runs every verify step for real (the verified lengths the policy picks, rollback,
 proposals). The scheduler's step-time model is profiled at engine start on this device.
 Engines are built one at a time (one set of caches in memory); the ratios are taken at the end.
+--async-overlap replaces the policies by verify-all three ways: synchronous, async scheduling with
+every verify step resolved before the next schedule, and async with verify steps that overlap
+(spec/overlap.py: the next one launched before the counts reach the host), and prints their ratios.
+Tiny preset, CPU (2 shared cores, OMP_NUM_THREADS=1), 2026-12-02, --quick --batches 16 64:
+overlap / sync verify-all 0.96x (batch 16) and 0.83x (batch 64) tok/s per GPU, 0.95x / 0.93x async
+with verify steps resolved first; 14 of 37 speculative steps overlapped. On a CPU there is nothing
+to hide (torch CPU ops are synchronous), so these are the overlap path's own costs (the padded
+static step run eagerly, all of a step's rows absorbed); the H200 run is the one that counts.
 
 Columns, per batch: tok/s per user (mean over requests of output tokens / their time to finish),
 tok/s per GPU (all output tokens / wall time / GPUs), the ratio of each to no speculation,
@@ -139,6 +147,10 @@ def config_only_checkpoint(tmp: Path, preset: str) -> str:
 
 def configs(a) -> dict[str, dict]:
     spec = dict(speculative="dspark", spec_replay_accepted_length=a.accepted_length)
+    if a.async_overlap:     # verify-all synchronous, async with every verify step resolved first, overlapped
+        return {"off": {}, "verify-all": {**spec, "spec_policy": "all"},
+                "all async": {**spec, "spec_policy": "all", "async_scheduling": True, "spec_async_overlap": False},
+                "all overlap": {**spec, "spec_policy": "all", "async_scheduling": True}}
     return {"off": {},
             "verify-all": {**spec, "spec_policy": "all"},
             "scheduler": {**spec, "spec_policy": "scheduler"},
@@ -173,6 +185,9 @@ def measure_all(ckpt: str, a) -> dict:
                   f"verified {r['verified']}, accepted {r['accepted']}, acc len {r['mean_acc_len']:.2f}", flush=True)
         if a.json:         # after every policy: a run cut short by `timeout` still leaves its data
             save_json(a, res)
+        if eng.async_scheduling and eng.args.speculative:
+            print(f"[{name}] verify steps overlapped {eng.num_verify_steps_overlapped}, steps resolved before "
+                  f"the next schedule {eng.num_resolved_before_schedule}", flush=True)
         graphs = getattr(eng.runner, "graphs", None)
         if graphs is not None:
             drafts = getattr(getattr(eng.runner, "proposer", None), "graphs", None)
@@ -223,6 +238,14 @@ def report(res: dict, batches: list[int], gpus: int) -> None:
             print(f"{b:>5} {n:>16} {r['per_user']:>10.1f} {r['per_user'] / off['per_user']:>6.2f} "
                   f"{r['total'] / gpus:>10.1f} {r['total'] / off['total']:>6.2f} {vpa:>9.2f} {vpa_x:>6.2f} "
                   f"{r['mean_acc_len']:>7.2f} {vx:>11.2f} {lx:>13.2f}")
+    if "all overlap" in res:
+        for b in batches:
+            va, o = res["verify-all"][b], res["all overlap"][b]
+            line = (f"async overlap @ batch {b}: tok/s per GPU {o['total'] / va['total']:.2f}x synchronous "
+                    f"verify-all, per user {o['per_user'] / va['per_user']:.2f}x")
+            if "all async" in res:
+                line += f"; {o['total'] / res['all async'][b]['total']:.2f}x async with verify steps resolved first"
+            print(line)
     th = [n for n in names if n.startswith("threshold")]
     if "scheduler" not in res or not th:
         return
@@ -277,6 +300,9 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="also the scheduler with the newest confidences for the budget, and with early stop")
     ap.add_argument("--quick", action="store_true", help="prompt 32, output 32, a short warm-up")
+    ap.add_argument("--async-overlap", action="store_true",
+                    help="instead of the policies: verify-all synchronous, async (verify steps resolved "
+                         "first) and async with verify steps that overlap (spec_async_overlap)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for no speculation either")
     ap.add_argument("--json", help="write the measurements here (rewritten after every policy)")
     ap.add_argument("--budget-s", type=float, help="start no further policy once this many seconds have passed")

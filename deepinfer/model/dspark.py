@@ -71,8 +71,9 @@ class DSparkAttention(Attention):
         o = ops.sparse_attn(q, buf, self.attn_sink, v["lists"], self.scale)
         return self.out(o, cis)
 
-    def main_kv(self, main_x: torch.Tensor, positions: torch.Tensor, rope_tables) -> torch.Tensor:
-        cis = rope_tables[self.rope_kind](positions)
+    def main_kv(self, main_x: torch.Tensor, positions: torch.Tensor, rope_tables,
+                max_pos: int | None = None) -> torch.Tensor:
+        cis = rope_tables[self.rope_kind](positions, max_pos)
         return ops.act_quant(ops.rope(self.kv_norm(self.wkv(main_x)), cis))
 
 
@@ -163,6 +164,41 @@ class DraftStepBuffers:
         v["lists"][:] = np.repeat(lists, blk, axis=0)
 
 
+    def fill_on_device(self, anchor_ids: torch.Tensor, positions: torch.Tensor, ring_slots: torch.Tensor) -> None:
+        """fill() into the buffers themselves from tensors on their device ([n] each), by tensor ops
+        only: an overlapped verify step drafts from anchors and positions its resolution left on the
+        device (spec/overlap.py)."""
+        v, dev = self.v, self.flat.device
+        B, W, blk, RL, n = self.num_seqs, self.window, self.block, self.ring_len, int(positions.shape[0])
+        assert n <= B, (n, B)
+        i64 = dict(dtype=torch.int64, device=dev)
+        seqs = torch.arange(B, **i64)
+        p = torch.zeros(B, **i64)
+        p[:n] = positions
+        slots = torch.full((B,), self.scratch_slot, **i64)
+        slots[:n] = ring_slots
+        v["anchor_ids"].zero_()
+        v["anchor_ids"][:n] = anchor_ids
+        real = (seqs < n).repeat_interleave(blk)
+        v["positions"].copy_(torch.where(real, p.repeat_interleave(blk) + torch.arange(1, blk + 1, **i64).repeat(B), 0))
+        r = torch.arange(W, **i64)
+        ring_pos = p[:, None] - (p[:, None] - r) % W
+        v["ring_rows"].copy_((slots[:, None] * RL + ring_pos.clamp_min(0) % RL).reshape(-1))
+        nv = (p + 1).clamp_max(W)[:, None]
+        j = torch.arange(W + blk, **i64)
+        ring_idx = seqs[:, None] * W + j
+        draft_idx = B * W + seqs[:, None] * blk + j - nv
+        lists = torch.where(j < nv, ring_idx, torch.where(j < nv + blk, draft_idx, -1))
+        lists = torch.where(seqs[:, None] < n, lists, -1)
+        v["lists"].copy_(lists.repeat_interleave(blk, dim=0))
+
+def _to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """Host indices onto the device without a host sync (pinned, non-blocking on CUDA): absorbing at
+    launch (spec/overlap.py) must not wait for the step in flight."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
 def _main_x(model, main_hidden: torch.Tensor) -> torch.Tensor:
     m0 = model.mtp[0]
     return m0.main_norm(m0.main_proj(main_hidden))
@@ -170,18 +206,19 @@ def _main_x(model, main_hidden: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def dspark_absorb(model, main_hidden: torch.Tensor, positions: torch.Tensor, ring_slots: list[int],
-                  cu_seqlens: list[int], caches) -> None:
-    """main_hidden [T, k*d] rows at `positions` [T]; sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1]."""
+                  cu_seqlens: list[int], caches, max_pos: int | None = None) -> None:
+    """main_hidden [T, k*d] rows at `positions` [T]; sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1].
+    max_pos: a bound on the positions, if known (no device-to-host read for the rope table)."""
     main_x = _main_x(model, main_hidden)
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     counts = cu[1:] - cu[:-1]
     ring_len = caches.ring_len
     keep = np.arange(int(cu[-1])) >= np.repeat(cu[1:], counts) - ring_len      # only the last RING rows
-    rows = torch.from_numpy(np.nonzero(keep)[0]).to(positions.device)
-    slots = torch.from_numpy(np.repeat(np.asarray(ring_slots, dtype=np.int64), counts)[keep]).to(positions.device)
+    rows = _to_device(np.nonzero(keep)[0], positions.device)
+    slots = _to_device(np.repeat(np.asarray(ring_slots, dtype=np.int64), counts)[keep], positions.device)
     dst = slots * ring_len + positions[rows] % ring_len
     for m in model.mtp:
-        kv = m.attn.main_kv(main_x, positions, model.rope)
+        kv = m.attn.main_kv(main_x, positions, model.rope, max_pos)
         ring = caches.window_kv[m.layer_id].flatten(0, 1)
         ring[dst] = kv[rows].to(ring.dtype)
 

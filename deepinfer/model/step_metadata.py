@@ -223,6 +223,7 @@ class DecodeStepBuffers:
                 shapes.update({f"member_rows{r}": (G, r), f"member_carry{r}": (G, r)})
         shapes.update({"cu_seqlens": (B + 1,), "seq": (T,), "row_in_seq": (T,), "win_len": (T,), "logits_idx": (T,)})
         shapes.update({name: (B,) for name in extra})
+        self.extra = tuple(extra)
         self.shapes = shapes
         self.numel = sum(prod(s) for s in shapes.values())
         self.flat = torch.zeros(self.numel, dtype=torch.int64, device=device)
@@ -291,6 +292,83 @@ class DecodeStepBuffers:
         v["logits_idx"][:] = np.arange(T)
         for name, a in extra.items():
             _put(v[name], a, -1)
+
+    def fill_on_device(self, start: torch.Tensor, input_ids: torch.Tensor, ngram_history: torch.Tensor,
+                       ring_slots: torch.Tensor, block_tables: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """fill() into the buffers themselves, from tensors on their device: start [n], input_ids [n, <= L] (0 past),
+        ngram_history [n, h], ring_slots [n], block_tables [n, w], num_tokens [n]. The same values as
+        fill(), by tensor ops only (no host read): the positions of an overlapped verify step are only
+        on the device (the previous step's resolution, spec/overlap.py). Extra fields get -1."""
+        v, dev = self.v, self.flat.device
+        B, L, W, RL, n = self.num_seqs, self.tokens_per_seq, self.window, self.ring_len, int(start.shape[0])
+        assert n <= B, (n, B)
+        T, wr = B * L, W - 1
+        i64 = dict(dtype=torch.int64, device=dev)
+        seqs = torch.arange(B, **i64)
+        st = torch.zeros(B, **i64)
+        st[:n] = start
+        q = torch.zeros(B, **i64)
+        q[:n] = num_tokens
+        slots = torch.full((B,), self.scratch_slot, **i64)
+        slots[:n] = ring_slots
+        row_seq, row_j = seqs.repeat_interleave(L), torch.arange(L, **i64).repeat(B)
+        real = (row_seq < n) & (row_j < q[row_seq])
+        s_rows = st[row_seq]
+        pos = torch.where(row_seq < n, s_rows + row_j, 0)
+        ids = torch.zeros((B, L), **i64)
+        w = min(L, input_ids.shape[1])          # narrower ids (a captured L above the step's): 0 past them
+        ids[:n, :w] = input_ids[:, :w]
+        v["input_ids"].copy_(ids.reshape(-1))
+        v["positions"].copy_(pos)
+        v["starts"].copy_(st)
+        v["ngram_history"].fill_(-1)
+        v["ngram_history"][:n] = ngram_history
+        v["ring_slots"].copy_(slots)
+        bt = v["block_tables"]
+        w = min(bt.shape[1], block_tables.shape[1])
+        bt.fill_(-1)
+        bt[:n, :w] = block_tables[:, :w]
+        rr = slots[:, None] * RL + (st[:, None] - wr + torch.arange(wr, **i64)).clamp_min(0) % RL
+        v["ring_read"].copy_(torch.where(seqs[:, None] < n, rr, self.scratch_slot * RL).reshape(-1))
+        kpos = pos[:, None] - wr + torch.arange(W, **i64)                      # [T, W]
+        rs, sr = row_seq[:, None], s_rows[:, None]
+        idx = torch.where(kpos < sr, rs * wr + kpos - sr + wr, B * wr + rs * L + kpos - sr)
+        v["win_idx"].copy_(torch.where(real[:, None] & (kpos >= 0), idx, -1))
+        tr = torch.arange(T, **i64)
+        v["ring_write"].copy_(torch.where(real, slots[row_seq] * RL + pos % RL, self.scratch_slot * RL + tr % RL))
+        for r in self.ratios:
+            self._fill_plan_on_device(v, r, st, q, pos, real, n)
+        v["cu_seqlens"].copy_(torch.arange(B + 1, **i64) * L)
+        v["seq"].copy_(row_seq)
+        v["row_in_seq"].copy_(row_j)
+        v["win_len"].fill_(W)
+        v["logits_idx"].copy_(tr)
+        for name in self.extra:
+            v[name].fill_(-1)
+
+    def _fill_plan_on_device(self, v: dict, r: int, st: torch.Tensor, q: torch.Tensor, pos: torch.Tensor,
+                             real: torch.Tensor, n: int) -> None:
+        """_fill_plan with st / q [B] (padded with 0) as device tensors."""
+        B, L, G, epb = self.num_seqs, self.tokens_per_seq, self.groups[r], self.block_tokens // r
+        i64 = dict(dtype=torch.int64, device=st.device)
+        v[f"lens{r}"].copy_(torch.where(real, (pos + 1) // r, 0))
+        gseq = torch.arange(B, **i64).repeat_interleave(G)
+        g = torch.arange(G, **i64).repeat(B)
+        entry = torch.where(gseq < n, st[gseq] // r + g, 0)
+        closed = (gseq < n) & (entry * r + r - 1 < st[gseq] + q[gseq])
+        v[f"gseq{r}"].copy_(gseq)
+        v[f"entry{r}"].copy_(entry)
+        bt = v["block_tables"]
+        blocks = bt[gseq, (entry // epb).clamp_max(bt.shape[1] - 1)]
+        scratch = self.scratch_block * epb + torch.arange(B * G, **i64) % epb
+        v[f"rows{r}"].copy_(torch.where(closed, blocks.clamp_min(0) * epb + entry % epb, scratch))
+        if r > 1:
+            mpos = entry[:, None] * r + torch.arange(r, **i64)
+            s = st[gseq][:, None]
+            fresh = mpos >= s
+            rows = torch.where(fresh, gseq[:, None] * L + mpos - s, -1)
+            v[f"member_rows{r}"].copy_(torch.where(closed[:, None], rows, -1))
+            v[f"member_carry{r}"].copy_(torch.where(closed[:, None], torch.where(fresh, -1, mpos % self.ring_len), 0))
 
     def _fill_plan(self, v: dict, r: int, start: np.ndarray, q: np.ndarray, pos: np.ndarray, real: np.ndarray,
                    n: int) -> None:

@@ -22,7 +22,9 @@ Speculative decoding: the runner returns drafts with confidence logits, which wa
 DraftBook (spec/draft_book.py); at the next schedule() `spec_policy` (spec/policy.py, spec/budget.py)
 picks, over the whole batch, the prefix each request verifies (_plan_drafts). That becomes the
 request's spec_token_ids, scheduled after its last token as far as the budget allows, then lowered
-by the rejected ones (_advance).
+by the rejected ones (_advance). With async scheduling a verify step may be scheduled while the
+previous one is unresolved (schedule_overlapped, spec/overlap.py): the worst case of
+spec/reservation.py, every draft in flight counted as accepted; _advance's lowering is then the trim.
 
 Prefix caching (`prefix`, sched/prefix_admission.py) hooks in at four points: a waiting request's
 admission may start past a cached prefix (or wait for a block another request computes), blocks
@@ -42,6 +44,7 @@ from deepinfer.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestD
 from deepinfer.request import FINISH_REASONS, Request, RequestStatus
 from deepinfer.spec.draft_book import DraftBook
 from deepinfer.spec.policy import VerifyAllPolicy
+from deepinfer.spec.reservation import reserve, worst_case_drafts
 from deepinfer.stats import EngineStats
 
 
@@ -66,6 +69,9 @@ class Scheduler:
         # the engine's ImageEncoder.submit(prompt, indices): images a request reads from its start
         # that were not encoded (a shorter hit than expected at add_request, or a preemption)
         self.encode_images = None
+        # requests whose step in flight proposed drafts that an overlapped step already verifies: its
+        # proposal does not go to the DraftBook when it resolves (schedule_overlapped)
+        self._drafts_taken: set[str] = set()
 
     # requests in and out -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -121,6 +127,50 @@ class Scheduler:
         self.stats.inc("computed_tokens_total", out.total_num_scheduled_tokens)
         return out
 
+    def schedule_overlapped(self, in_flight: dict[str, int], num_speculative_tokens: int) -> SchedulerOutput | None:
+        """The next verify step while the one in flight is unresolved (spec/overlap.py): every running
+        request was in it (in_flight: req_id -> drafts it verifies there) and runs its anchor plus the
+        K' drafts spec/reservation.py's worst case leaves room for, all of its device-side proposal
+        (verify-all: the confidences are not on the host yet). Positions, tokens and blocks are
+        counted as if every draft in flight were accepted; update_from_output trims the rejected
+        ones a step later (_advance). None (nothing changed): schedule normally after resolving -
+        a request waits, one may be done under the worst case, the pool or the budget is short,
+        or prefix caching is on (its block registration reads computed positions)."""
+        if self.waiting or not self.running or self.prefix is not None:
+            return None
+        if any(r.request_id not in in_flight for r in self.running):
+            return None
+        plan, need, total = [], 0, 0
+        for req in self.running:
+            k = worst_case_drafts(req, in_flight[req.request_id], num_speculative_tokens, self.max_model_len)
+            if k is None:
+                return None
+            end = req.num_computed_tokens + 1 + k
+            need += max(self.kv_cache.num_blocks_for(end) - len(self.kv_cache.block_ids[req.request_id]), 0)
+            total += 1 + k
+            plan.append((req, k))
+        if need > self.kv_cache.num_free_blocks or total > self.max_num_batched_tokens:
+            return None
+        out = SchedulerOutput([], [], {}, total, finished_req_ids=self._finished_for_runner, overlapped=True)
+        self._finished_for_runner = set()
+        for req, k in plan:
+            rid = req.request_id
+            new_blocks = reserve(self.kv_cache, req, k)
+            if new_blocks is None:      # counted above: cannot happen
+                raise RuntimeError(f"request {rid}: the worst-case reservation found the pool short")
+            num_blocks = len(self.kv_cache.block_ids[rid]) - len(new_blocks)
+            out.cached_reqs.append(CachedRequestData(rid, req.num_computed_tokens, num_blocks, new_blocks))
+            out.num_scheduled_tokens[rid] = 1 + k
+            req.num_computed_tokens += 1 + k
+            req.num_output_placeholders += 1
+            if k:
+                out.spec_tokens[rid] = [-1] * k
+            self._drafts_taken.add(rid)
+        if self.kv_cache.host is not None:
+            out.block_copies = self.kv_cache.take_block_copies()
+        self.stats.inc("computed_tokens_total", total)
+        return out
+
     def _plan_drafts(self) -> None:
         """The verification policy's batch-wide choice of drafts (for requests with a new proposal)."""
         for req_id, drafts in self.draft_book.plan([r.request_id for r in self.running]).items():
@@ -170,6 +220,7 @@ class Scheduler:
         req.num_output_placeholders = 0
         req.spec_token_ids = []
         self.draft_book.drop(req.request_id)
+        self._drafts_taken.discard(req.request_id)
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted_req_ids.add(req.request_id)
@@ -272,6 +323,8 @@ class Scheduler:
                 self.running.remove(req)
                 self._finished_for_runner.add(req_id)
                 self._finish(req, status)
+            elif req_id in self._drafts_taken:
+                self._drafts_taken.discard(req_id)     # an overlapped step in flight verifies them
             elif runner_out.draft_token_ids is not None:
                 self._take_drafts(req, runner_out, i)
             outputs.append(RequestOutput(req_id, new_ids, req.finish_reason, req.num_prompt_tokens,
@@ -331,6 +384,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.draft_book.drop(req.request_id)
+        self._drafts_taken.discard(req.request_id)
         if self.prefix is not None:
             self.prefix.on_release(req)
             self.prefix.on_finish(req, ended_normally=status in (RequestStatus.FINISHED_STOPPED,

@@ -14,5 +14,7 @@ sampler (deepinfer/sample/rejection.py).
     device_resolution.py  a verify step resolved on the device: accepted counts, new tokens, the next
                         anchor / positions / draft slots (the runner reads one copy of it at resolve)
     reservation.py      a verify step scheduled with the previous one in flight: worst-case drafts and
-                        blocks, trimmed when the accepted counts arrive (not wired into schedule() yet)
+                        blocks, trimmed when the accepted counts arrive (Scheduler.schedule_overlapped)
+    overlap.py          verify steps that overlap under async scheduling: who may draft on the device,
+                        the next step's inputs gathered from the resolution (ModelRunner.launch_overlapped)
 """

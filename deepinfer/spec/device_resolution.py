@@ -50,12 +50,13 @@ class DeviceResolution:
 
 
 def resolve_on_device(sampled: torch.Tensor, fed: torch.Tensor | None, num_logits: np.ndarray,
-                      num_spec: np.ndarray, start: np.ndarray, q_lens: np.ndarray,
+                      num_spec: np.ndarray, start, q_lens: np.ndarray,
                       replayed: np.ndarray | None = None) -> DeviceResolution:
     """sampled [N] / fed [N] (device; fed None: no drafts, one row per sampling request): the step's
     tokens per logits row; num_logits, num_spec, start, q_lens [B] host arrays the launch already
-    has (the step's shape, not its outcome); replayed [B] accepted lengths >= 0 that replace the
-    comparison (benchmark mode), -1 = compare."""
+    has (the step's shape, not its outcome; start is a device tensor in an overlapped step,
+    spec/overlap.py); replayed [B] accepted lengths >= 0 that replace the comparison (benchmark
+    mode), -1 = compare."""
     dev = sampled.device
     B = len(num_logits)
     n, k = _to(num_logits, dev), _to(num_spec, dev)
@@ -91,7 +92,9 @@ def resolve_on_device(sampled: torch.Tensor, fed: torch.Tensor | None, num_logit
 
 def _to(a, dev: torch.device) -> torch.Tensor:
     """A host array onto the device without waiting for the stream (pinned, non-blocking on CUDA:
-    a plain copy would block the host until the step in flight finishes)."""
+    a plain copy would block the host until the step in flight finishes); a device tensor as is."""
+    if isinstance(a, torch.Tensor):     # already on the device (an overlapped step's start positions)
+        return a.to(dev)
     t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
     if dev.type != "cuda":
         return t.to(dev)

@@ -63,10 +63,11 @@ class DSparkProposer:
             self.replay = ReplayedAcceptance(replay_accepted_length, num_speculative_tokens, seed=seed)
 
     def absorb(self, main_hidden: torch.Tensor, positions: torch.Tensor, ring_slots: list[int],
-               cu_seqlens: list[int]) -> None:
-        """main_hidden [T, k*dim] rows of accepted positions [T]; sequence i owns rows cu[i]:cu[i+1]."""
+               cu_seqlens: list[int], max_pos: int | None = None) -> None:
+        """main_hidden [T, k*dim] rows of accepted positions [T]; sequence i owns rows cu[i]:cu[i+1].
+        max_pos: a bound on the positions (absorbing at launch must not read them back)."""
         if main_hidden.shape[0]:
-            dspark_absorb(self.model, main_hidden, positions, ring_slots, cu_seqlens, self.caches)
+            dspark_absorb(self.model, main_hidden, positions, ring_slots, cu_seqlens, self.caches, max_pos)
 
     def propose(self, anchor_ids: list[int], positions: list[int], ring_slots: list[int],
                 sampling: list[tuple[SamplingParams, int] | None] | None = None) -> DraftProposals:

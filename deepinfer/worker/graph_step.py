@@ -219,6 +219,19 @@ class DecodeGraphs:
         t = n * q
         return bufs.forward_batch(n), logits[:t], None if hidden is None else hidden[:t]
 
+    def step_on_device(self, inputs: dict, key: tuple[int, int]):
+        """step() of an overlapped verify step (spec/overlap.py): the static buffers filled on the device
+        from `inputs` (DecodeStepBuffers.fill_on_device's arguments), no host fill, no H2D copy of
+        the step. -> (the buffers, logits [B * L, V], main_hidden | None): static outputs."""
+        bs, q = key
+        runner = self.runners[q]
+        bufs: DecodeStepBuffers = runner.static_in[bs][0]
+        bufs.fill_on_device(**inputs)
+        logits, hidden = runner.run(bs)
+        self.num_steps += 1
+        self.num_verify_steps += q > 1
+        return bufs, logits, hidden
+
     @property
     def num_replays(self) -> int:
         return 0 if self.graphs is None else sum(r.num_replays for r in self.runners.values())

@@ -27,6 +27,9 @@ Async scheduling splits execute() into launch() (steps 1-3, the samples stay on 
 are copied back asynchronously) and resolve() (step 4). Between them the engine schedules and
 launches the next step, whose tokens that are not yet known on the host are gathered from the
 previous step's device-side samples (InputBatch.pending_index). execute() = resolve(launch()).
+With speculation a step whose requests qualify also drafts at launch, on the device, and the next
+verify step may be launched before it resolves (launch_overlapped: its inputs and metadata filled
+on the device from the resolution, spec/overlap.py).
 
 Prefix caching asks two things of the runner, both values in the SchedulerOutput: window snapshots
 (cache/snapshot_store.py) are saved out of ended requests' ring slots before anything else of a
@@ -50,6 +53,7 @@ from dataclasses import dataclass
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.spec.device_resolution import resolve_on_device
+from deepinfer.spec.overlap import can_draft_on_device, to_device
 from deepinfer.worker.input_batch import InputBatch, _ragged_arange
 
 
@@ -76,6 +80,11 @@ class _InFlight:
     # and their host copy [B, 1 + L] (count, tokens), started at launch, read at resolve
     resolution: object | None = None
     resolution_host: torch.Tensor | None = None
+    # drafted on the device at launch (spec/overlap.py): (ids [B, K], confidence logits [B, K]) there,
+    # and their host copies read at resolve; the next step may verify them before this one resolves
+    device_drafts: tuple | None = None
+    drafts_host: tuple | None = None
+    replay_dev: torch.Tensor | None = None   # [B] replayed lengths of those drafts (benchmark mode), device
 
 
 @dataclass
@@ -114,6 +123,10 @@ class ModelRunner:
             from deepinfer.cache.disk_tier import DiskBlockStore
             self.disk_blocks = DiskBlockStore(caches, self.host_blocks, disk_cache_dir)
         self._prev_sampled: torch.Tensor | None = None   # [N] device samples of the last launched step
+        # verify steps that overlap (worker/overlapped_step.py): build_rank enables them (async
+        # scheduling + EngineArgs.spec_async_overlap); None = every step that samples resolves first
+        self.overlapped = None
+        self.max_model_len, self.block_tokens = max_model_len, block_tokens
         self._launch_seq = 0
         self.images = None            # ImageEmbeds: span embeddings of the requests' images (vision checkpoints)
         if getattr(model, "vision_tower", None) is not None:
@@ -177,19 +190,64 @@ class ModelRunner:
         self._prev_sampled = sampled
         fed = batch.input_ids[batch.logits_indices] if num_spec.any() else None
         keep_logits = logits if ib.return_logits else None
-        res = res_host = None
+        return self._finish_launch(req_ids, rows, num_logits, num_spec, q_lens, batch.start_pos.numpy(),
+                                   batch.positions, sampled, fed, keep_logits, logprobs, main_hidden,
+                                   self._replayed_for(req_ids, num_spec))
+
+    def _finish_launch(self, req_ids, rows, num_logits, num_spec, q_lens, start, positions, sampled, fed,
+                       keep_logits, logprobs, main_hidden, replayed) -> _InFlight:
+        """The launch's last part: the device-side resolution (speculation), drafting on the device when
+        the next step may overlap this one, and the host copies resolve() reads. start: [B] host array,
+        or (an overlapped step) a device tensor; replayed: benchmark mode's lengths (host or device)."""
+        res = res_host = drafts = drafts_host = replay_dev = None
         if self.proposer is not None:   # resolved on the device: the host reads one copy, at resolve()
-            res = resolve_on_device(sampled, fed, num_logits, num_spec, batch.start_pos.numpy(), q_lens,
-                                    self._replayed_for(req_ids, num_spec))
+            res = resolve_on_device(sampled, fed, num_logits, num_spec, start, q_lens, replayed)
             res_host, _ = self._to_host(torch.cat([res.num_tokens[:, None], res.tokens], dim=1))
-        host, done = self._to_host(sampled)   # its event also covers the resolution's copy (same stream)
+            if self.overlapped is not None and main_hidden is not None and can_draft_on_device(
+                    self.input_batch, rows, num_logits):
+                drafts = self.overlapped.draft(main_hidden, positions, q_lens, rows, res)
+                drafts_host = (self._to_host(drafts[0])[0], self._to_host(drafts[1])[0])
+                replay_dev = self.overlapped.replayed(rows, res)   # benchmark mode: the proposals' outcomes
+        host, done = self._to_host(sampled)   # its event also covers the copies above (same stream)
         self._launch_seq += 1
         spec = None
-        if self.proposer is not None and main_hidden is not None:
-            spec = _SpecInputs(main_hidden, q_lens, batch.start_pos.numpy(), ib.ring_slot[rows].copy())
+        if self.proposer is not None and main_hidden is not None and drafts is None:
+            if isinstance(start, torch.Tensor):
+                raise RuntimeError("an overlapped verify step must draft on the device")
+            spec = _SpecInputs(main_hidden, q_lens, start, self.input_batch.ring_slot[rows].copy())
         return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits,
                          logprobs=logprobs, seq=self._launch_seq, spec=spec, resolution=res,
-                         resolution_host=res_host)
+                         resolution_host=res_host, device_drafts=drafts, drafts_host=drafts_host,
+                         replay_dev=replay_dev)
+
+    # verify steps that overlap (spec/overlap.py, worker/overlapped_step.py) ----------------------
+    def enable_overlap(self) -> None:
+        from deepinfer.worker.overlapped_step import OverlappedSteps
+        self.overlapped = OverlappedSteps(self)
+
+    def overlap_drafts(self, step: _InFlight | None) -> dict[str, int] | None:
+        """req_id -> drafts it verifies, of a launched step whose requests drafted on the device (the
+        next step may verify those drafts before this one resolves); None: resolve it first."""
+        if step is None or step.device_drafts is None:
+            return None
+        return {r: int(k) for r, k in zip(step.req_ids, step.num_spec.tolist())}
+
+    def launch_overlapped(self, sched_out: SchedulerOutput, prev: _InFlight) -> _InFlight | None:
+        """A verify step scheduled with `prev` unresolved (SchedulerOutput.overlapped): each request runs
+        prev's anchor and the first K' of the drafts prev proposed on the device, from prev's next_pos,
+        with the step's metadata filled on the device (no host read of prev)."""
+        self._update_states(sched_out)
+        if sched_out.is_empty:
+            return None
+        f = self.overlapped.forward(sched_out, prev)
+        with torch.inference_mode():
+            sampled = sample_greedy(f.logits)
+        self.input_batch.pending_index[:] = -1
+        self._prev_sampled = sampled
+        replayed = None if prev.replay_dev is None else torch.where(
+            to_device(f.q_lens, self.device) > 1, prev.replay_dev[to_device(f.prev_index, self.device)], -1)
+        return self._finish_launch(f.req_ids, f.rows, f.q_lens.copy(), f.q_lens - 1, f.q_lens, f.start,
+                                   f.positions, sampled, f.fed, None, None, f.main_hidden, replayed)
 
     def must_resolve_before_next(self, step: _InFlight | None) -> bool:
         """Speculation: a launched step in which a request samples verifies or proposes drafts, and
@@ -211,7 +269,11 @@ class ModelRunner:
         logprobs = self._per_request_logprobs(step, per_req)
         self._advance_after_verification(step, per_req)
         self._append(step, per_req)
-        drafts, confidences = self._speculate(step, per_req) if step.spec is not None else (None, None)
+        drafts, confidences = None, None
+        if step.spec is not None:
+            drafts, confidences = self._speculate(step, per_req)
+        elif step.drafts_host is not None:
+            drafts, confidences = self._drafts_from_device(step, per_req)
         if step.seq == self._launch_seq:  # nothing launched after it: every token is known here now
             self.input_batch.pending_index[:] = -1
             self._prev_sampled = None
@@ -250,6 +312,25 @@ class ModelRunner:
                 self._draft_probs[req_id] = q
             else:
                 self._draft_probs.pop(req_id, None)
+            if replay is not None:
+                self._replay_len[req_id] = lengths[j]
+        return drafts, confs
+
+    def _drafts_from_device(self, step: _InFlight, per_req: list[list[int]]):
+        """The proposal made at launch (host copy), for the requests that sampled and can still generate."""
+        ib = self.input_batch
+        ids, conf = step.drafts_host[0].tolist(), step.drafts_host[1].tolist()
+        drafts, confs = [[] for _ in per_req], [[] for _ in per_req]
+        which = [i for i, (req_id, row, toks) in enumerate(zip(step.req_ids, step.rows.tolist(), per_req))
+                 if toks and ib.row_of.get(req_id) == row and self._can_generate(row)]
+        replay = self.proposer.replay
+        if replay is not None:   # the same draws as the device table's (p = the anchor's position - 1)
+            keys = [(step.req_ids[i], int(ib.num_tokens[step.rows[i]]) - 2) for i in which]
+            conf_r, lengths = replay.draw(keys)
+        for j, i in enumerate(which):
+            req_id = step.req_ids[i]
+            drafts[i], confs[i] = ids[i], conf[i] if replay is None else conf_r[j]
+            self._draft_probs.pop(req_id, None)
             if replay is not None:
                 self._replay_len[req_id] = lengths[j]
         return drafts, confs
@@ -327,6 +408,8 @@ class ModelRunner:
             self._replay_len.pop(req_id, None)
         for new in sched_out.new_reqs:
             self.input_batch.add(new)
+            if self.overlapped is not None and self.proposer.replay is not None:
+                self.overlapped.fill_replay_table(new)
             if new.image_prompt is not None:
                 if self.images is None:
                     raise ValueError(f"request {new.req_id} has images but the checkpoint has no vision tower")

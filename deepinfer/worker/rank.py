@@ -89,8 +89,13 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
             num_blocks = args.max_num_seqs * cdiv(min(facts.max_position, CPU_DEFAULT_CACHE_TOKENS_PER_SEQ),
                                                   args.block_tokens)
     max_model_len = min(args.max_model_len or facts.max_position, facts.max_position, num_blocks * args.block_tokens)
+    # overlapped verify steps (spec/overlap.py) run the static step form: padding writes need scratch rows
+    # (not with prefix caching: Scheduler.schedule_overlapped refuses it, drafting on the device would not pay)
+    overlap = (args.speculative == "dspark" and args.async_scheduling is True and args.spec_async_overlap
+               and not args.enable_prefix_caching
+               and (parallel is None or not parallel.is_parallel) and args.data_parallel_size == 1)
     caches = allocate_caches(model_args, args.max_num_seqs, num_blocks, args.block_tokens, device, args.dtype,
-                             scratch=bool(sizes))
+                             scratch=bool(sizes) or overlap)
     async_scheduling = args.async_scheduling if args.async_scheduling is not None else device.startswith("cuda")
     proposer = None
     if args.speculative == "dspark":
@@ -110,6 +115,13 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                          num_host_slots=num_host_slots(args, model_args),
                          yoco_keep_tokens=args.yoco_prefill_keep_tokens,
                          disk_cache_dir=args.disk_cache_dir if disk_blocks else None)
+    if overlap:
+        from deepinfer.spec.overlap import ring_fits
+        if ring_fits(model, caches, args.num_speculative_tokens):
+            runner.enable_overlap()
+        else:
+            logger.warning("spec_async_overlap off: the ring (%d) is shorter than the draft window + drafts + 1",
+                           caches.ring_len)
     return RankRuntime(device, model, caches, runner, sampler, num_blocks, max_model_len, sizes, async_scheduling)
 
 

@@ -2,10 +2,9 @@
 the same tokens as the synchronous engine under batch_invariant=True, with the greedy and the
 sampled acceptance rule, a request that stops on a stop token and one aborted while a step
 holding it is in flight. Steps that sample nothing (prefill chunks) are launched with the previous
-one still in flight; a step that verifies / proposes drafts is resolved before the next schedule
-(engine.py: its accepted counts set the next step's positions); Engine.num_verify_steps_overlapped
-counts verify steps launched with such a step unresolved (0 until the device-side resolution,
-spec/device_resolution.py, feeds the next step's build)."""
+one still in flight; here sampled requests (temperature > 0) share every verify step until the
+greedy ones are near max_tokens, so each is resolved before the next schedule (engine.py) and
+Engine.num_verify_steps_overlapped stays 0; verify steps that overlap: test_spec_overlap.py."""
 
 from __future__ import annotations
 
@@ -96,9 +95,8 @@ def test_async_speculation_equals_sync(args, sync_runs, rule):
     assert got == want
     assert all(len(got[str(i)]) == p.max_tokens for i, p in enumerate(PLIST[rule]()))
     assert overlapped > 0                                  # prefill chunks launched with a step in flight
-    # every verify step still waits for the one before it (the device-side resolution is computed,
-    # spec/device_resolution.py, but the next step's build does not read it yet: README, DSpark);
-    # the counter that shows the overlap once it is wired stays at 0 until then
+    # sampled requests in every verify step (and the greedy ones near max_tokens after them): each
+    # waits for the one before it (spec/overlap.py overlaps greedy ones: test_spec_overlap.py)
     assert a.num_resolved_before_schedule > 0 and a.num_verify_steps_overlapped == 0
     assert sync_engine.num_resolved_before_schedule == sync_engine.num_verify_steps_overlapped == 0
     c = a.stats.snapshot()["counters"]

@@ -1,0 +1,257 @@
+"""Verify steps that overlap under async scheduling (spec/overlap.py, EngineArgs.spec_async_overlap):
+step N+1 is scheduled with the worst-case reservation and launched from N's device-side resolution
+before N's accepted counts reach the host. Under batch_invariant=True the tokens equal the
+synchronous engine's, with both acceptance rules, with a stop and an abort discovered while an
+overlapped step is in flight, and with sampled requests beside greedy ones (those steps are
+resolved first). The random tiny model accepts almost no draft, so an oracle proposer (the
+reference tokens, one draft in four corrupted) makes acceptance lengths 0..K happen: the trim of
+the worst case (k - a positions) is exercised at every length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import EngineArgs, SamplingParams
+from deepinfer.engine import Engine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[(7 * i) % 1000 + 10 for i in range(30)], list(range(500, 520)), [3, 4, 5], [9] * 12]
+N_OUT = 20
+
+
+@pytest.fixture(scope="module")
+def args(tiny_engine_args):
+    return {**tiny_engine_args, "max_num_batched_tokens": 24, "num_cache_blocks": 64, "batch_invariant": True,
+            "speculative": "dspark", "spec_policy": "threshold", "spec_confidence_threshold": 0.0}
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def sampled(n, seed):
+    return SamplingParams(max_tokens=n, temperature=8.0, top_p=0.95, seed=seed, ignore_eos=True)
+
+
+def oracle_drafts(engine: Engine, ref: dict[str, list[int]]) -> None:
+    """Both drafting paths propose the reference continuation, one draft in four corrupted (by
+    request and position), so verify steps accept 0..K drafts."""
+    runner, vocab = engine.runner, engine.vocab_size
+
+    def token(req_id: str, pos: int) -> int:
+        i = int(req_id)
+        full = PROMPTS[i] + ref[req_id]
+        tok = full[pos] if pos < len(full) else 0
+        return (tok + 1) % vocab if (3 * pos + i) % 4 == 0 else tok
+
+    def req_of_slot() -> dict[int, str]:
+        ib = runner.input_batch
+        return {int(ib.ring_slot[row]): r for r, row in ib.row_of.items()}
+
+    proposer = runner.proposer
+    host_propose = proposer.propose
+
+    def propose(anchor_ids, positions, ring_slots, sampling=None):
+        props = host_propose(anchor_ids, positions, ring_slots, sampling=sampling)
+        owner, k = req_of_slot(), proposer.num_speculative_tokens
+        props.draft_ids = [[token(owner[s], p + 2 + j) for j in range(k)] for p, s in zip(positions, ring_slots)]
+        return props
+
+    proposer.propose = propose
+    if runner.overlapped is None:
+        return
+    device_draft = runner.overlapped.draft
+
+    def draft_on_device(main_hidden, positions, q_lens, rows, res):
+        ids, conf = device_draft(main_hidden, positions, q_lens, rows, res)
+        owner = {row: r for r, row in runner.input_batch.row_of.items()}
+        nxt = res.next_pos.tolist()        # CPU: a test may read it; the engine does not
+        want = [[token(owner[int(row)], nxt[b] + 1 + j) for j in range(ids.shape[1])] for b, row in enumerate(rows)]
+        return torch.tensor(want, dtype=ids.dtype, device=ids.device), conf
+
+    runner.overlapped.draft = draft_on_device
+
+
+def run(engine: Engine, plist, abort=None):
+    """Step to the end; abort = (req_id, n): abort it right after the step() in which it has received
+    n tokens; -> (tokens, finish reasons, whether the step in flight at the abort held it and was
+    an overlapped one, the requests that stopped with an overlapped step holding them in flight)."""
+    for i, sp in enumerate(plist):
+        engine.add_request(str(i), PROMPTS[i], sp)
+    got, reasons, abort_in_overlap, stopped_in_overlap = {str(i): [] for i in range(len(plist))}, {}, None, set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+                f = engine._in_flight
+                if f is not None and f[0].overlapped and out.request_id in f[0].num_scheduled_tokens:
+                    stopped_in_overlap.add(out.request_id)
+        if abort is not None and len(got[abort[0]]) >= abort[1] and abort[0] not in reasons:
+            f = engine._in_flight
+            abort_in_overlap = f is not None and f[0].overlapped and abort[0] in f[0].num_scheduled_tokens
+            engine.abort(abort[0])
+            reasons[abort[0]] = "abort"
+        engine.kv_cache.check()
+    assert engine.kv_cache.num_used_blocks == 0
+    return got, reasons, abort_in_overlap, stopped_in_overlap
+
+
+@pytest.fixture(scope="module")
+def ref(args):
+    """The synchronous engine's tokens (speculation on, real drafts)."""
+    return run(Engine(EngineArgs(**args)), [greedy(N_OUT) for _ in PROMPTS])[0]
+
+
+@pytest.mark.parametrize("rule", ["identical", "sampled"])
+def test_overlapped_verify_steps_equal_sync(args, ref, rule):
+    a = Engine(EngineArgs(**args, spec_acceptance=rule, async_scheduling=True))
+    assert a.args.spec_async_overlap and a.runner.overlapped is not None
+    oracle_drafts(a, ref)
+    got = run(a, [greedy(N_OUT) for _ in PROMPTS])[0]
+    assert got == ref
+    c = a.stats.snapshot()["counters"]
+    verified, accepted = c["spec_draft_tokens_verified_total"], c["spec_draft_tokens_accepted_total"]
+    assert 0.3 * verified < accepted < verified           # the oracle: long and short acceptances
+    assert a.num_verify_steps_overlapped >= 4
+    if rule == "identical":      # the pipeline breaks less often than with every verify step resolved first
+        b = Engine(EngineArgs(**args, async_scheduling=True, spec_async_overlap=False))
+        oracle_drafts(b, ref)
+        assert run(b, [greedy(N_OUT) for _ in PROMPTS])[0] == ref
+        assert b.num_verify_steps_overlapped == 0
+        assert a.num_resolved_before_schedule < b.num_resolved_before_schedule
+
+
+def test_overlap_with_stop_and_abort_in_flight(args, ref):
+    """Request 3 stops on its 9th token, found by the host while an overlapped step holding it runs
+    (that step's tokens for it are dropped); request 1 is aborted while an overlapped step holding
+    it is in flight; the others keep the reference tokens."""
+    stop_tok = ref["3"][8]
+    plist = [greedy(N_OUT) for _ in PROMPTS]
+    plist[3] = greedy(N_OUT, stop_token_ids=[stop_tok])
+    a = Engine(EngineArgs(**args, async_scheduling=True))
+    oracle_drafts(a, ref)
+    got, reasons, abort_in_overlap, stopped_in_overlap = run(a, plist, abort=("1", 6))
+    assert abort_in_overlap, "the aborted request was not in an overlapped step in flight"
+    assert "3" in stopped_in_overlap, "the stop was not found with an overlapped step holding it in flight"
+    first = ref["3"].index(stop_tok)
+    assert reasons["3"] == "stop" and got["3"] == ref["3"][:first + 1]
+    assert reasons["1"] == "abort" and 6 <= len(got["1"]) < N_OUT and got["1"] == ref["1"][:len(got["1"])]
+    assert got["0"] == ref["0"] and got["2"] == ref["2"]
+    assert a.num_verify_steps_overlapped > 0
+
+
+def test_sampled_requests_beside_greedy_ones(args, ref):
+    """Requests at temperature > 0 (sampled rule) are resolved before the next schedule; once they
+    are done the greedy ones overlap again; every token equals the synchronous engine's."""
+    plist = [greedy(N_OUT), sampled(4, 1), sampled(3, 2), greedy(N_OUT)]
+    want = run(Engine(EngineArgs(**args, spec_acceptance="sampled")), plist)[0]
+    a = Engine(EngineArgs(**args, spec_acceptance="sampled", async_scheduling=True))
+    oracle_drafts(a, ref)
+    got = run(a, plist)[0]
+    assert got == want and got["0"] == ref["0"] and got["3"] == ref["3"]
+    assert a.num_verify_steps_overlapped > 0 and a.num_resolved_before_schedule > 0
+
+
+def test_replayed_acceptance_with_overlap(args):
+    """Benchmark mode (spec_replay_accepted_length): a proposal made on the device reads its replayed
+    outcome from the table drawn when the request was added, the same draw the host makes, so the
+    accepted drafts and tokens equal the synchronous engine's, except within 2 (K + 1) tokens of
+    max_tokens, where the worst case may verify fewer drafts than the synchronous schedule (and a
+    replayed outcome accepts min(L, verified) of the proposed ids)."""
+    n, k = 24, 5
+    replay = {**args, "spec_policy": "all", "spec_replay_accepted_length": 3.5}
+    want = run(Engine(EngineArgs(**replay)), [greedy(n) for _ in PROMPTS])[0]
+    a = Engine(EngineArgs(**replay, async_scheduling=True))
+    got = run(a, [greedy(n) for _ in PROMPTS])[0]
+    assert a.num_verify_steps_overlapped > 0
+    assert all(len(got[r]) == n and got[r][:n - 2 * (k + 1)] == want[r][:n - 2 * (k + 1)] for r in want)
+    c = a.stats.snapshot()["counters"]
+    assert c["spec_draft_tokens_accepted_total"] > 0.4 * c["spec_draft_tokens_verified_total"]
+
+
+def _cuda_args(tiny_engine_args) -> dict:
+    return {**tiny_engine_args, "device": "cuda", "max_num_batched_tokens": 64, "speculative": "dspark",
+            "spec_policy": "all", "async_scheduling": True, "cuda_graph_sizes": (1, 2, 4, 8)}
+
+
+def _strict(fn, calls: list):
+    """fn under sync debug mode "error" (any call that makes the host wait for the device raises)."""
+    def wrapped(*a, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*a, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            calls.append(1)
+    return wrapped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlapped_build_does_not_sync_on_cuda(tiny_engine_args, monkeypatch):
+    """The build of an overlapped verify step on the GPU: its inputs gathered from the previous
+    step's resolution (spec/overlap.step_inputs) and the static verify and drafting buffers filled
+    from them (fill_on_device) make no call that waits for the device."""
+    from deepinfer.model.dspark import DraftStepBuffers
+    from deepinfer.model.step_metadata import DecodeStepBuffers
+    from deepinfer.worker import overlapped_step
+    calls = []
+    monkeypatch.setattr(overlapped_step, "step_inputs", _strict(overlapped_step.step_inputs, calls))
+    monkeypatch.setattr(DecodeStepBuffers, "fill_on_device", _strict(DecodeStepBuffers.fill_on_device, calls))
+    monkeypatch.setattr(DraftStepBuffers, "fill_on_device", _strict(DraftStepBuffers.fill_on_device, calls))
+    e = Engine(EngineArgs(**_cuda_args(tiny_engine_args)))
+    got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
+    assert e.num_verify_steps_overlapped > 0 and len(calls) >= 3 * e.num_verify_steps_overlapped
+    assert all(len(t) == N_OUT for t in got.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args):
+    """The whole launch of an overlapped verify step on the GPU (the build, the captured verify
+    graph's replay, the greedy sample, the device-side resolution, the DSpark absorb of every row
+    and the drafting graph's replay, the host copies) without the host waiting for the stream:
+    launch_overlapped under sync debug mode "error"; every overlapped step replays its graph."""
+    args = _cuda_args(tiny_engine_args)
+    e = Engine(EngineArgs(**args))
+    runner = e.runner
+    assert runner.overlapped is not None and runner.graphs is not None and runner.graphs.graphs is not None
+    calls, replays = [], []
+    strict = _strict(runner.launch_overlapped, calls)
+
+    def counted(sched_out, prev):
+        before = runner.graphs.num_replays
+        try:
+            return strict(sched_out, prev)
+        finally:
+            replays.append(runner.graphs.num_replays - before)
+
+    runner.launch_overlapped = counted
+    ref = run(Engine(EngineArgs(**{**args, "async_scheduling": False})), [greedy(N_OUT) for _ in PROMPTS])[0]
+    got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
+    assert e.num_verify_steps_overlapped > 0 and len(replays) == e.num_verify_steps_overlapped
+    assert all(r == 1 for r in replays), replays          # every overlapped step replayed its graph
+    assert all(len(t) == N_OUT for t in got.values())
+    # not batch-invariant on the GPU: the batches differ, so only the first tokens must agree
+    assert all(got[r][:2] == ref[r][:2] for r in ref)
+
+
+def test_overlapped_steps_through_the_graph_path_on_cpu(args, ref):
+    """cuda_graph_sizes on a CPU: the captured-step code path (DecodeGraphs.step_on_device and the
+    drafting graphs' static buffers, run eagerly on the padded buffers) serves the overlapped
+    steps; not batch-invariant (graphs are off with it), so the tokens are compared with the
+    synchronous engine on the same path."""
+    g = {**args, "batch_invariant": False, "cuda_graph_sizes": (1, 2, 4, 8)}
+    want = run(Engine(EngineArgs(**g)), [greedy(N_OUT) for _ in PROMPTS])[0]
+    e = Engine(EngineArgs(**g, async_scheduling=True))
+    graphs = e.runner.graphs
+    served = []
+    step_on_device = graphs.step_on_device
+    graphs.step_on_device = lambda inputs, key: served.append(key) or step_on_device(inputs, key)
+    oracle_drafts(e, ref)
+    got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
+    assert e.num_verify_steps_overlapped > 0 and len(served) == e.num_verify_steps_overlapped
+    assert got == want
