@@ -110,6 +110,7 @@ class EnsembleCall:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.engine_done = False   # a finish_reason, a FINAL or an error seen: nothing runs in the engine
         self._answered = False     # Triton sent the request's last response (FINAL or its error)
+        self._last_seen = False    # the caller read the response with a finish_reason (FINAL may follow)
         self._registry = registry  # the open calls the engine watch fails when the engine dies
         if registry is not None:
             registry.add(self)
@@ -155,14 +156,14 @@ class EnsembleCall:
                 raise item
             return None
         if item.get("finish_reason"):
-            self.engine_done = True
+            self.engine_done = self._last_seen = True
         return item
 
     def close(self) -> None:
         if self._registry is not None:
             self._registry.discard(self)
         self._closed.set()   # our half of the stream ends (the request iterator returns)
-        if self._answered:   # nothing more will come for the request: let Triton end the stream
+        if self._answered or self._last_seen:   # nothing but FINAL is left: let Triton end the stream
             task = asyncio.ensure_future(self._finish())
             _finishing.add(task)
             task.add_done_callback(_finishing.discard)
@@ -183,7 +184,8 @@ class EnsembleCall:
             self._it.cancel()
 
     async def _drain(self) -> None:
-        async for _ in self._it:
+        await self._reader           # up to the FINAL (a whole answer's may still be on its way)
+        async for _ in self._it:     # then Triton's end of the stream
             pass
 
 
@@ -222,8 +224,10 @@ class Gateway:
         await self.watch.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=10)
-        if _finishing:
-            await asyncio.wait(set(_finishing), timeout=_FINISH_S)
+        loop = asyncio.get_running_loop()
+        finishing = {t for t in _finishing if t.get_loop() is loop}
+        if finishing:
+            await asyncio.wait(finishing, timeout=_FINISH_S)
         await self.client.close()
 
     # -- the three APIs ---------------------------------------------------------------------------
