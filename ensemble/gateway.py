@@ -60,6 +60,8 @@ KV_TRANSFER_HEADER = "x-kv-transfer-params"   # a prefill replica's hand-over (J
 _ABANDON_S = 60.0                  # how long an abandoned request's stream is drained for its FINAL
 PROBE_PERIOD_S = 2.0               # the engine liveness probe (EngineWatch)
 PROBE_TIMEOUTS_TO_DEAD = 3         # probes in a row without an answer before the engine counts as dead
+_FINISH_S = 5.0                    # how long an answered call waits for Triton to end its stream
+_finishing: set[asyncio.Task] = set()   # those calls' tasks (asyncio itself keeps only weak references)
 
 
 # -- each API's SSE framing --------------------------------------------------------------------------
@@ -107,6 +109,8 @@ class EnsembleCall:
         self._closed = asyncio.Event()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.engine_done = False   # a finish_reason, a FINAL or an error seen: nothing runs in the engine
+        self._answered = False     # Triton sent the request's last response (FINAL or its error)
+        self._last_seen = False    # the caller read the response with a finish_reason (FINAL may follow)
         self._registry = registry  # the open calls the engine watch fails when the engine dies
         if registry is not None:
             registry.add(self)
@@ -125,7 +129,8 @@ class EnsembleCall:
     async def _read(self) -> None:
         try:
             async for result, error in self._it:
-                if error is not None:
+                if error is not None:   # Triton's error response ends the request
+                    self._answered = True
                     self.queue.put_nowait(TritonStreamError(str(error)))
                     return
                 response = result.get_response()
@@ -133,6 +138,7 @@ class EnsembleCall:
                     self.queue.put_nowait(decode_result(result))
                 final = response.parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
+                    self._answered = True
                     break
             self.queue.put_nowait(None)
         except grpc.aio.AioRpcError as e:
@@ -150,15 +156,37 @@ class EnsembleCall:
                 raise item
             return None
         if item.get("finish_reason"):
-            self.engine_done = True
+            self.engine_done = self._last_seen = True
         return item
 
     def close(self) -> None:
         if self._registry is not None:
             self._registry.discard(self)
-        self._closed.set()
-        self._it.cancel()
-        self._reader.cancel()
+        self._closed.set()   # our half of the stream ends (the request iterator returns)
+        if self._answered or self._last_seen:   # nothing but FINAL is left: let Triton end the stream
+            task = asyncio.ensure_future(self._finish())
+            _finishing.add(task)
+            task.add_done_callback(_finishing.discard)
+        else:
+            self._it.cancel()
+            self._reader.cancel()
+
+    async def _finish(self) -> None:
+        """NOTE: cancelling the stream right after the request's last response (as close() did) races
+        Triton 2.51 writing that response: its gRPC handler then logs "Waiting for the callback to
+        retrieve cancellation" and never completes, and the stranded request keeps its model
+        referenced, so at shutdown Triton never unloads the engine model and waits out its whole
+        --exit-timeout-secs (30 s). So a call that saw its last response half-closes and reads on to
+        Triton's end of the stream; it is cancelled only if that takes _FINISH_S."""
+        try:
+            await asyncio.wait_for(self._drain(), _FINISH_S)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            self._it.cancel()
+
+    async def _drain(self) -> None:
+        await self._reader           # up to the FINAL (a whole answer's may still be on its way)
+        async for _ in self._it:     # then Triton's end of the stream
+            pass
 
 
 # -- the application ----------------------------------------------------------------------------------
@@ -196,6 +224,10 @@ class Gateway:
         await self.watch.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=10)
+        loop = asyncio.get_running_loop()
+        finishing = {t for t in _finishing if t.get_loop() is loop}
+        if finishing:
+            await asyncio.wait(finishing, timeout=_FINISH_S)
         await self.client.close()
 
     # -- the three APIs ---------------------------------------------------------------------------

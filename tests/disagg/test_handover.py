@@ -99,11 +99,12 @@ def short_prompts_bi(ckpt):
     return (prompts, params) + single_instance(ckpt, prompts, params, return_logits=True)
 
 
-def test_teacher_forced_logits_after_handover_pass_check_parity(pair, ckpt, tmp_path):
-    prefill, decode = pair
+def teacher_forced_candidate(prefill, decode, ckpt, batch: str) -> tuple[dict, list]:
+    """The fixture's four prompts (18, 145, 300, 695 tokens) handed over, teacher-forced, as a
+    check-parity candidate. -> (candidate arrays, [(prompt tokens, bytes pulled)])"""
     expected = np.load(ckpt / "expected.npz")
     cand = {"meta_json": np.array(json.dumps({"format": "dsv41-parity-candidate/1", "engine": "deepinfer",
-                                              "batch": "prefill/decode hand-over over NIXL"}))}
+                                              "batch": batch}))}
     num_bytes = []
     for i in range(4):
         prompt = expected[f"p{i}_prompt_ids"].tolist()
@@ -118,7 +119,11 @@ def test_teacher_forced_logits_after_handover_pass_check_parity(pair, ckpt, tmp_
         cand[f"p{i}_fed_tokens"] = expected[f"p{i}_fed_tokens"]
         cand[f"p{i}_prompt_ids"] = expected[f"p{i}_prompt_ids"]
         cand[f"p{i}_tokens"] = lg.argmax(-1).astype(np.int64)
-    print("bytes pulled per request (prompt tokens, bytes):", num_bytes)
+    return cand, num_bytes
+
+
+def check_parity(ckpt, cand: dict, tmp_path) -> str:
+    """The shared checker on a candidate: its verdict line (asserts PASS)."""
     path = tmp_path / "candidate.npz"
     np.savez(path, **cand)
     res = subprocess.run([sys.executable, str(SHARED / "tools" / "check-parity"), str(ckpt), str(path)],
@@ -126,7 +131,41 @@ def test_teacher_forced_logits_after_handover_pass_check_parity(pair, ckpt, tmp_
     verdict = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-2000:]
     print(verdict)
     assert res.returncode == 0, res.stdout[-3000:]
+    return verdict
+
+
+def test_teacher_forced_logits_after_handover_pass_check_parity(pair, ckpt, tmp_path):
+    prefill, decode = pair
+    cand, num_bytes = teacher_forced_candidate(prefill, decode, ckpt, "prefill/decode hand-over over NIXL")
+    print("bytes pulled per request (prompt tokens, bytes):", num_bytes)
+    check_parity(ckpt, cand, tmp_path)
     assert_nothing_held(prefill, decode)
+
+
+def test_replay_mode_passes_check_parity_on_long_prompts(ckpt, tmp_path):
+    """kv_transfer_window=False on prompts past the window: the decode pulls only the full blocks
+    below H (the prompt rounded down to a 64-token block) and rebuilds the window by replaying
+    [H - 128, n]. For the 300- and 695-token prompts that replay starts at 128 and 512, so the
+    compressed / index entries of 2 and 4 window lengths come from the prefill's blocks and the
+    window rows and the compressors' carry come from the replay: approximate by design (the replay
+    recomputes what the window held), so judged by the fixture's rule, not bit for bit."""
+    prefill, decode = start_pair(ckpt, kv_transfer_window=False)
+    try:
+        cand, num_bytes = teacher_forced_candidate(prefill, decode, ckpt, "P/D hand-over, replay mode (blocks only)")
+        check_parity(ckpt, cand, tmp_path)
+        assert_nothing_held(prefill, decode)
+        c = decode.state()["stats"]["counters"]
+        lengths = [n for n, _ in num_bytes]
+        replayed = [n - max(0, n // 64 * 64 - 128) for n in lengths]   # [H - 128, n], H = n rounded down to a block
+        assert replayed == [18, 145, 172, 183]
+        assert c["kv_transfer_replayed_tokens_total"] == sum(replayed)
+        blocks = sum(n // 64 for n in lengths)                         # 0 + 2 + 4 + 10 full blocks below H
+        window_bytes = sum(b for _, b in num_bytes)                    # what the window mode would pull
+        assert 0 < c["kv_transfer_bytes_total"] < window_bytes / 4
+        assert c["kv_transfer_bytes_total"] % blocks == 0               # whole blocks, nothing else
+    finally:
+        prefill.close()
+        decode.close()
 
 
 def test_tokens_bit_identical_to_a_single_instance_under_batch_invariant(pair_bi, short_prompts_bi):

@@ -235,3 +235,48 @@ def test_disconnect_stops_the_engine_request(server, gateway, stream):
             httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=2.5))
         assert running(server) >= 1
     assert wait_running(server, 0, 6), "the engine request kept running after the client left"
+
+
+def test_an_answered_call_ends_its_grpc_stream_with_ok_not_a_cancel(server):
+    """After a request's last response the gateway half-closes its gRPC stream and lets Triton end it
+    (status OK). Cancelling it there raced Triton 2.51 writing that response: the stranded request
+    kept the engine model referenced and a stopped tritonserver waited out its exit timeout."""
+    import asyncio
+
+    import grpc
+    import tritonclient.grpc as grpcclient
+    import tritonclient.grpc.aio as aio
+
+    from deepinfer.ensemble import contract as c
+    from deepinfer.ensemble.client import _input_tensor
+    from deepinfer.ensemble.gateway import EnsembleCall
+
+    engine_in = {t.name: t for t in c.tensors(c.ENGINE, c.IN)}
+    ensemble_in = {t.name: t for t in c.ensemble_inputs()}
+    body = json.dumps({"model": MODEL, "messages": USER, "max_tokens": 4, "stream": False})
+
+    async def calls() -> list:
+        client = aio.InferenceServerClient(server.grpc_url)
+        codes = []
+        try:
+            for i in range(3):   # the engine's stop for an unknown key: answered with FINAL only
+                tensors = [_input_tensor(grpcclient, engine_in["request_key"], f"gw-test-ok-{i}"),
+                           _input_tensor(grpcclient, engine_in["stop"], True)]
+                call = EnsembleCall(client, c.ENGINE, tensors, f"gw-test-ok-{i}-stop")
+                while await call.next(30) is not None:
+                    pass
+                call.close()
+                codes.append(await asyncio.wait_for(call._it._grpc_call.code(), 10))
+            for i in range(3):   # a whole answer, closed as soon as it is read (its FINAL still to come)
+                inputs = {"request": body, "api": "chat.completions", "request_key": f"gw-test-whole-{i}"}
+                tensors = [_input_tensor(grpcclient, ensemble_in[k], v) for k, v in inputs.items()]
+                call = EnsembleCall(client, c.ENSEMBLE, tensors, f"gw-test-whole-{i}")
+                answer = await call.next(120)
+                assert answer["status"] == 200 and answer["finish_reason"] and call.engine_done, answer
+                call.close()
+                codes.append(await asyncio.wait_for(call._it._grpc_call.code(), 10))
+        finally:
+            await client.close()
+        return codes
+
+    assert asyncio.run(calls()) == [grpc.StatusCode.OK] * 6

@@ -308,6 +308,9 @@ def test_a_prefill_replica_that_goes_down(pd):
     url, rs, prefill, decode = pd
     _, handover = handover_from_prefill(prefill)
     prefill.server.stop()
+    # exited by itself (0) once every model unloaded, not killed after its 30 s exit timeout: no
+    # request stranded by a cancelled gRPC stream keeps the engine model referenced (EnsembleCall._finish)
+    assert prefill.server.proc.returncode == 0, prefill.server.log_tail()
     r = httpx.post(f"{decode.gateway_url}/v1/chat/completions", json=chat_body("Tell me about ships.", False),
                    headers={HEADER: handover}, timeout=60)
     assert r.status_code == 500 and r.json()["error"]["message"], r.text
