@@ -255,3 +255,66 @@ def test_overlapped_steps_through_the_graph_path_on_cpu(args, ref):
     got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
     assert e.num_verify_steps_overlapped > 0 and len(served) == e.num_verify_steps_overlapped
     assert got == want
+
+
+def _budget_policy():
+    """A step-time model under which a draft pays only when its survival is high enough: t(n, B) =
+    1 + 0.1 B for any n, so the budget stops well short of every draft."""
+    from deepinfer.spec.budget import VerifyBudgetPolicy
+    from deepinfer.spec.step_time import StepTimeModel
+    drafts = list(range(4 * 5 + 1))
+    return VerifyBudgetPolicy(StepTimeModel([1, 4], drafts, [[1.0 + 0.1 * b for b in drafts]] * 2))
+
+
+@pytest.mark.parametrize("policy", ["scheduler", "threshold"])
+def test_overlapped_steps_honour_the_verification_policy(args, ref, policy, monkeypatch):
+    """Overlapped verify steps verify k_i <= K' drafts picked by the policy (spec/overlap_verify.py:
+    the budget B from the older confidences on the host, split on the device by the newest; the
+    threshold on the device): the tokens stay the synchronous engine's (greedy rule: the policy
+    changes how many drafts are verified, never which tokens come out), fewer drafts are verified
+    than by overlapped verify-all, and each device split equals split_budget on the host."""
+    from deepinfer.spec.budget import split_budget
+    from deepinfer.spec.policy import DraftEntry
+    from deepinfer.worker import overlapped_step
+    seen = []
+    device_counts = overlapped_step.verified_counts
+
+    def recorded(plan, conf, num_drafts):
+        k = device_counts(plan, conf, num_drafts)
+        seen.append((plan, conf.tolist(), num_drafts.tolist(), k.tolist()))
+        return k
+
+    monkeypatch.setattr(overlapped_step, "verified_counts", recorded)
+    from deepinfer.sched import scheduler as scheduler_module
+    host_half, olders = scheduler_module.plan_overlapped, []
+    monkeypatch.setattr(scheduler_module, "plan_overlapped", lambda p, n, o: olders.append(o) or host_half(p, n, o))
+    kw = dict(args, async_scheduling=True)
+    if policy == "threshold":
+        kw["spec_confidence_threshold"] = 0.3
+    a = Engine(EngineArgs(**kw))
+    if policy == "scheduler":
+        a.scheduler.draft_book.policy = _budget_policy()
+    oracle_drafts(a, ref)
+    assert run(a, [greedy(N_OUT) for _ in PROMPTS])[0] == ref
+    assert a.num_verify_steps_overlapped >= 4 and len(seen) == a.num_verify_steps_overlapped
+    # the host half had every request's previous proposal (two steps old) once the chain ran a while
+    assert len(olders) == len(seen) and all(o is not None for older in olders[2:] for o in older)
+    assert len({tuple(older[0]) for older in olders}) > len(olders) // 2      # kept fresh (DraftBook.remember)
+    plans = [p for p, *_ in seen if p is not None]
+    assert plans and all((p.budget is not None) == (policy == "scheduler") for p in plans)
+    verified = sum(sum(k) for *_, k in seen)
+    assert 0 < verified < sum(sum(n) for _, _, n, _ in seen)        # some drafts were not verified
+    for plan, conf, num, k in seen:
+        assert all(0 <= ki <= ni for ki, ni in zip(k, num))
+        if plan is not None and plan.budget is not None:
+            entries = [DraftEntry(n, c) for n, c in zip(num, conf) if n > 0]
+            want = iter(split_budget(entries, plan.budget))
+            assert k == [next(want) if n > 0 else 0 for n in num]
+    # the counters count the verified drafts, not the scheduled worst case
+    b = Engine(EngineArgs(**dict(args, async_scheduling=True)))     # threshold 0: verify all
+    oracle_drafts(b, ref)
+    assert run(b, [greedy(N_OUT) for _ in PROMPTS])[0] == ref
+    ca, cb = a.stats.snapshot()["counters"], b.stats.snapshot()["counters"]
+    assert ca["spec_draft_tokens_verified_total"] < cb["spec_draft_tokens_verified_total"]
+    print(policy, "verified", ca["spec_draft_tokens_verified_total"], "accepted", ca["spec_draft_tokens_accepted_total"],
+          "| verify-all verified", cb["spec_draft_tokens_verified_total"], "accepted", cb["spec_draft_tokens_accepted_total"])
