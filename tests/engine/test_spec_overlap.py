@@ -35,6 +35,16 @@ def sampled(n, seed):
     return SamplingParams(max_tokens=n, temperature=8.0, top_p=0.95, seed=seed, ignore_eos=True)
 
 
+def _budget_policy():
+    """A step-time model under which a draft pays only when its survival is high enough: t(n, B) =
+    1 + 0.1 B for 1 <= n <= 4 (the grid is by drafts per request x = B / n), so the budget stops
+    well short of every draft."""
+    from deepinfer.spec.budget import VerifyBudgetPolicy
+    from deepinfer.spec.step_time import StepTimeModel
+    sizes = [1, 4]
+    return VerifyBudgetPolicy(StepTimeModel(sizes, list(range(6)), [[1.0 + 0.1 * n * x for x in range(6)] for n in sizes]))
+
+
 def oracle_drafts(engine: Engine, ref: dict[str, list[int]]) -> None:
     """Both drafting paths propose the reference continuation, one draft in four corrupted (by
     request and position), so verify steps accept 0..K drafts."""
@@ -210,19 +220,24 @@ def test_overlapped_build_does_not_sync_on_cuda(tiny_engine_args, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args):
+@pytest.mark.parametrize("policy", ["all", "scheduler"])
+def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     """The whole launch of an overlapped verify step on the GPU (the build, the captured verify
     graph's replay, the greedy sample, the device-side resolution, the DSpark absorb of every row
     and the drafting graph's replay, the host copies) without the host waiting for the stream:
-    launch_overlapped under sync debug mode "error"; every overlapped step replays its graph."""
+    launch_overlapped under sync debug mode "error"; every overlapped step replays its graph.
+    "scheduler": the budget's split over the requests by the newest confidences runs in it too."""
     args = _cuda_args(tiny_engine_args)
     e = Engine(EngineArgs(**args))
+    if policy == "scheduler":
+        e.scheduler.draft_book.policy = _budget_policy()
     runner = e.runner
     assert runner.overlapped is not None and runner.graphs is not None and runner.graphs.graphs is not None
-    calls, replays = [], []
+    calls, replays, budgets = [], [], []
     strict = _strict(runner.launch_overlapped, calls)
 
     def counted(sched_out, prev):
+        budgets.append(sched_out.overlap_verify is not None and sched_out.overlap_verify.budget is not None)
         before = runner.graphs.num_replays
         try:
             return strict(sched_out, prev)
@@ -234,6 +249,7 @@ def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args):
     got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
     assert e.num_verify_steps_overlapped > 0 and len(replays) == e.num_verify_steps_overlapped
     assert all(r == 1 for r in replays), replays          # every overlapped step replayed its graph
+    assert any(budgets) == (policy == "scheduler")
     assert all(len(t) == N_OUT for t in got.values())
     # not batch-invariant on the GPU: the batches differ, so only the first tokens must agree
     assert all(got[r][:2] == ref[r][:2] for r in ref)
@@ -255,15 +271,6 @@ def test_overlapped_steps_through_the_graph_path_on_cpu(args, ref):
     got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
     assert e.num_verify_steps_overlapped > 0 and len(served) == e.num_verify_steps_overlapped
     assert got == want
-
-
-def _budget_policy():
-    """A step-time model under which a draft pays only when its survival is high enough: t(n, B) =
-    1 + 0.1 B for any n, so the budget stops well short of every draft."""
-    from deepinfer.spec.budget import VerifyBudgetPolicy
-    from deepinfer.spec.step_time import StepTimeModel
-    drafts = list(range(4 * 5 + 1))
-    return VerifyBudgetPolicy(StepTimeModel([1, 4], drafts, [[1.0 + 0.1 * b for b in drafts]] * 2))
 
 
 @pytest.mark.parametrize("policy", ["scheduler", "threshold"])
@@ -296,7 +303,7 @@ def test_overlapped_steps_honour_the_verification_policy(args, ref, policy, monk
         a.scheduler.draft_book.policy = _budget_policy()
     oracle_drafts(a, ref)
     assert run(a, [greedy(N_OUT) for _ in PROMPTS])[0] == ref
-    assert a.num_verify_steps_overlapped >= 4 and len(seen) == a.num_verify_steps_overlapped
+    assert len(seen) >= a.num_verify_steps_overlapped >= 4     # (a step with K' = 0 everywhere is not counted)
     # the host half had every request's previous proposal (two steps old) once the chain ran a while
     assert len(olders) == len(seen) and all(o is not None for older in olders[2:] for o in older)
     assert len({tuple(older[0]) for older in olders}) > len(olders) // 2      # kept fresh (DraftBook.remember)
@@ -316,5 +323,3 @@ def test_overlapped_steps_honour_the_verification_policy(args, ref, policy, monk
     assert run(b, [greedy(N_OUT) for _ in PROMPTS])[0] == ref
     ca, cb = a.stats.snapshot()["counters"], b.stats.snapshot()["counters"]
     assert ca["spec_draft_tokens_verified_total"] < cb["spec_draft_tokens_verified_total"]
-    print(policy, "verified", ca["spec_draft_tokens_verified_total"], "accepted", ca["spec_draft_tokens_accepted_total"],
-          "| verify-all verified", cb["spec_draft_tokens_verified_total"], "accepted", cb["spec_draft_tokens_accepted_total"])

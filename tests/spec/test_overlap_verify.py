@@ -68,9 +68,10 @@ def test_device_survival_and_threshold_equal_the_host():
             assert threshold_counts_on_device(torch.tensor(conf), torch.tensor(num), t).tolist() == want
 
 
-def _step_time(n_max=8, per_draft=0.08):
-    sizes = [1, n_max]
-    return StepTimeModel(sizes, list(range(n_max * K + 1)), [[1.0 + per_draft * n * x for x in range(n_max * K + 1)] for n in sizes])
+def _step_time(per_draft=0.08):
+    """t(n, B) = 1 + per_draft * B at the profiled n (the grid is by drafts per request x = B / n)."""
+    sizes = [1, 8]
+    return StepTimeModel(sizes, list(range(K + 1)), [[1.0 + per_draft * n * x for x in range(K + 1)] for n in sizes])
 
 
 def test_host_half_picks_b_from_the_older_confidences():
