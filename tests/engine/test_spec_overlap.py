@@ -175,8 +175,22 @@ def test_replayed_acceptance_with_overlap(args):
     replay = {**args, "spec_policy": "all", "spec_replay_accepted_length": 3.5}
     want = run(Engine(EngineArgs(**replay)), [greedy(n) for _ in PROMPTS])[0]
     a = Engine(EngineArgs(**replay, async_scheduling=True))
+    # a device-made proposal carries the replayed confidences the host draws for it (the overlapped
+    # policy splits its budget by them on the device)
+    from_device, compared = a.runner._drafts_from_device, []
+
+    def checked(step, per_req):
+        drafts, confs = from_device(step, per_req)
+        on_device = step.drafts_host[1].tolist()
+        for i, c in enumerate(confs):
+            if c:
+                assert on_device[i] == pytest.approx(c, rel=1e-5, abs=1e-5)
+                compared.append(i)
+        return drafts, confs
+
+    a.runner._drafts_from_device = checked
     got = run(a, [greedy(n) for _ in PROMPTS])[0]
-    assert a.num_verify_steps_overlapped > 0
+    assert a.num_verify_steps_overlapped > 0 and len(compared) > 10
     assert all(len(got[r]) == n and got[r][:n - 2 * (k + 1)] == want[r][:n - 2 * (k + 1)] for r in want)
     c = a.stats.snapshot()["counters"]
     assert c["spec_draft_tokens_accepted_total"] > 0.4 * c["spec_draft_tokens_verified_total"]
