@@ -96,7 +96,7 @@ class SchedulerOutput:
     # a verify step scheduled with the previous one unresolved (spec/overlap.py): spec_tokens hold -1
     # placeholders, the drafts are the previous step's device-side proposal
     overlapped: bool = False
-    # an overlapped step's verification policy, device half (spec/overlap_verify.py); None: verify all
+    # an overlapped step's verification policy, device half (spec/device_verify.py); None: verify all
     overlap_verify: Any = None
 
     @property

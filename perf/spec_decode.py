@@ -256,8 +256,9 @@ def report(res: dict, batches: list[int], gpus: int) -> None:
     if "all overlap" in res and "sched overlap" in res:
         for b in batches:
             o, s = res["all overlap"][b], res["sched overlap"][b]
-            print(f"overlapped scheduler @ batch {b}: verified per accepted {verified_per_accepted(s):.2f} vs "
-                  f"{verified_per_accepted(o):.2f} overlapped verify-all ({verified_per_accepted(s) / verified_per_accepted(o):.2f}x), "
+            vs, vo = verified_per_accepted(s), verified_per_accepted(o)
+            print(f"overlapped scheduler @ batch {b}: verified per accepted {vs:.2f} vs {vo:.2f} overlapped "
+                  f"verify-all ({vs / vo:.2f}x), "
                   f"drafts verified per step {s['verified_per_step'] / o['verified_per_step']:.2f}x, accepted length "
                   f"{s['mean_acc_len'] / o['mean_acc_len']:.2f}x, tok/s per GPU {s['total'] / o['total']:.2f}x")
     th = [n for n in names if n.startswith("threshold")]

@@ -69,7 +69,7 @@ def step_inputs(input_batch, rows: np.ndarray, q_lens: np.ndarray, res: DeviceRe
     rows[i], index prev_index[i] in step N) runs q_i = 1 + K'_i tokens, its anchor then its first K'_i
     drafts of N's proposal, from N's next_pos. Its Engram history (positions next_pos-h .. next_pos-1)
     is the host's known tokens before n_known, then N's accepted drafts: next_pos = n_known + a.
-    num_verified [n] (device): the policy's k_i <= K'_i (spec/overlap_verify.py): q_i = 1 + k_i on
+    num_verified [n] (device): the policy's k_i <= K'_i (spec/device_verify.py): q_i = 1 + k_i on
     the device, the layout keeps L = 1 + max K' (rows past q_i are padding)."""
     ib, dev = input_batch, drafts.device
     b = to_device(prev_index, dev)

@@ -23,7 +23,7 @@ import torch
 
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.spec.overlap import step_inputs, to_device
-from deepinfer.spec.overlap_verify import verified_counts
+from deepinfer.spec.device_verify import verified_counts
 from deepinfer.worker.input_batch import _ragged_arange
 
 
@@ -32,7 +32,7 @@ class OverlappedForward:
     req_ids: list[str]
     rows: np.ndarray            # [B] InputBatch rows
     q_lens: np.ndarray          # [B] 1 + K' tokens per request: the layout (rows past 1 + k_i are padding)
-    num_verified: torch.Tensor  # [B] device: k_i <= K' drafts each request verifies (spec/overlap_verify.py)
+    num_verified: torch.Tensor  # [B] device: k_i <= K' drafts each request verifies (spec/device_verify.py)
     prev_index: np.ndarray      # [B] each request's index in the previous step
     start: torch.Tensor         # [B] device: first position of each request (the previous next_pos)
     logits: torch.Tensor        # [sum q, V] the real rows' logits
@@ -148,8 +148,9 @@ class OverlappedSteps:
             logits, hidden = out.logits, out.main_hidden
         width = bufs.tokens_per_seq
         idx = to_device(np.repeat(np.arange(n) * width, q_lens) + _ragged_arange(q_lens), r.device)
-        return OverlappedForward(req_ids, rows, q_lens, k, prev_index, inputs["start"], logits[idx], bufs.v["input_ids"][idx],
-                                 bufs.v["positions"][idx], None if hidden is None else hidden[idx])
+        return OverlappedForward(req_ids, rows, q_lens, k, prev_index, inputs["start"], logits[idx],
+                                 bufs.v["input_ids"][idx], bufs.v["positions"][idx],
+                                 None if hidden is None else hidden[idx])
 
     def _static_step(self, n: int, length: int, end: int):
         """The static form of an n x length verify step whose positions stay below `end`, run eagerly

@@ -42,7 +42,8 @@ def _budget_policy():
     from deepinfer.spec.budget import VerifyBudgetPolicy
     from deepinfer.spec.step_time import StepTimeModel
     sizes = [1, 4]
-    return VerifyBudgetPolicy(StepTimeModel(sizes, list(range(6)), [[1.0 + 0.1 * n * x for x in range(6)] for n in sizes]))
+    seconds = [[1.0 + 0.1 * n * x for x in range(6)] for n in sizes]
+    return VerifyBudgetPolicy(StepTimeModel(sizes, list(range(6)), seconds))
 
 
 def oracle_drafts(engine: Engine, ref: dict[str, list[int]]) -> None:

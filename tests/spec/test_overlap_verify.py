@@ -1,5 +1,6 @@
-"""The verification policy inside overlapped verify steps (spec/overlap_verify.py): the device's
-split of the budget equals spec/budget.split_budget on the host, and its threshold counts equal
+"""The verification policy inside overlapped verify steps (spec/overlap_verify.py, the host half;
+spec/device_verify.py, the device half): the device's split of the budget equals
+spec/budget.split_budget on the host, and its threshold counts equal
 StaticThresholdPolicy's, on random ragged batches with ties; the host half picks B from the older
 confidences exactly as VerifyBudgetPolicy.best_budget."""
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from deepinfer.spec.budget import VerifyBudgetPolicy, split_budget
-from deepinfer.spec.overlap_verify import (OverlapVerify, plan_overlapped, prefix_survival_on_device,
-                                           split_budget_on_device, threshold_counts_on_device, verified_counts)
+from deepinfer.spec.device_verify import (prefix_survival_on_device, split_budget_on_device,
+                                          threshold_counts_on_device, verified_counts)
+from deepinfer.spec.overlap_verify import OverlapVerify, plan_overlapped
 from deepinfer.spec.policy import (DraftEntry, FixedDraftsPolicy, StaticThresholdPolicy, VerifyAllPolicy,
                                    prefix_survival)
 from deepinfer.spec.step_time import StepTimeModel
