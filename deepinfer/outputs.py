@@ -96,6 +96,8 @@ class SchedulerOutput:
     # a verify step scheduled with the previous one unresolved (spec/overlap.py): spec_tokens hold -1
     # placeholders, the drafts are the previous step's device-side proposal
     overlapped: bool = False
+    # an overlapped step's verification policy, device half (spec/device_verify.py); None: verify all
+    overlap_verify: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -111,6 +113,8 @@ class ModelRunnerOutput:
     draft_token_ids: list[list[int]] | None = None  # next step's proposals (DSpark), batch order; [] = none
     draft_confidences: list[list[float]] | None = None  # per draft, the confidence logit (pre-sigmoid); the
                                                         # scheduler's policy picks the prefix to verify
+    num_verified: list[int] | None = None           # an overlapped step: drafts each request verified (picked
+                                                    # on the device, <= its spec_tokens); None: all of them
 
 
 @dataclass

@@ -26,7 +26,13 @@ proposals). The scheduler's step-time model is profiled at engine start on this 
 Engines are built one at a time (one set of caches in memory); the ratios are taken at the end.
 --async-overlap replaces the policies by verify-all three ways: synchronous, async scheduling with
 every verify step resolved before the next schedule, and async with verify steps that overlap
-(spec/overlap.py: the next one launched before the counts reach the host), and prints their ratios.
+(spec/overlap.py: the next one launched before the counts reach the host), and prints their ratios,
+plus the confidence scheduler with overlap ("sched overlap": B from the older confidences on the
+host, split by the newest on the device, spec/overlap_verify.py) against overlapped verify-all.
+Tiny preset, CPU, 2026-12-02, --async-overlap --quick --batches 16 64 (replayed acceptance 3.5): the
+overlapped scheduler verifies 1.57 / 1.44 drafts per accepted draft against 1.92-2.11 for overlapped
+verify-all (0.74x / 0.75x; 0.59x / 0.63x the drafts per request-step) at 0.86x / 0.89x its accepted
+length, at 0.95x / 0.88x its tok/s (a CPU step hardly shrinks with fewer drafts at these sizes).
 Tiny preset, CPU (2 shared cores, OMP_NUM_THREADS=1), 2026-12-02, --quick --batches 16 64:
 overlap / sync verify-all 0.96x (batch 16) and 0.83x (batch 64) tok/s per GPU, 0.95x / 0.93x async
 with verify steps resolved first; 14 of 37 speculative steps overlapped. On a CPU there is nothing
@@ -150,7 +156,8 @@ def configs(a) -> dict[str, dict]:
     if a.async_overlap:     # verify-all synchronous, async with every verify step resolved first, overlapped
         return {"off": {}, "verify-all": {**spec, "spec_policy": "all"},
                 "all async": {**spec, "spec_policy": "all", "async_scheduling": True, "spec_async_overlap": False},
-                "all overlap": {**spec, "spec_policy": "all", "async_scheduling": True}}
+                "all overlap": {**spec, "spec_policy": "all", "async_scheduling": True},
+                "sched overlap": {**spec, "spec_policy": "scheduler", "async_scheduling": True}}
     return {"off": {},
             "verify-all": {**spec, "spec_policy": "all"},
             "scheduler": {**spec, "spec_policy": "scheduler"},
@@ -246,6 +253,14 @@ def report(res: dict, batches: list[int], gpus: int) -> None:
             if "all async" in res:
                 line += f"; {o['total'] / res['all async'][b]['total']:.2f}x async with verify steps resolved first"
             print(line)
+    if "all overlap" in res and "sched overlap" in res:
+        for b in batches:
+            o, s = res["all overlap"][b], res["sched overlap"][b]
+            vs, vo = verified_per_accepted(s), verified_per_accepted(o)
+            print(f"overlapped scheduler @ batch {b}: verified per accepted {vs:.2f} vs {vo:.2f} overlapped "
+                  f"verify-all ({vs / vo:.2f}x), "
+                  f"drafts verified per step {s['verified_per_step'] / o['verified_per_step']:.2f}x, accepted length "
+                  f"{s['mean_acc_len'] / o['mean_acc_len']:.2f}x, tok/s per GPU {s['total'] / o['total']:.2f}x")
     th = [n for n in names if n.startswith("threshold")]
     if "scheduler" not in res or not th:
         return

@@ -43,6 +43,7 @@ from deepinfer.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestD
                                SchedulerOutput, SnapshotCopy)
 from deepinfer.request import FINISH_REASONS, Request, RequestStatus
 from deepinfer.spec.draft_book import DraftBook
+from deepinfer.spec.overlap_verify import plan_overlapped
 from deepinfer.spec.policy import VerifyAllPolicy
 from deepinfer.spec.reservation import reserve, worst_case_drafts
 from deepinfer.stats import EngineStats
@@ -129,9 +130,10 @@ class Scheduler:
 
     def schedule_overlapped(self, in_flight: dict[str, int], num_speculative_tokens: int) -> SchedulerOutput | None:
         """The next verify step while the one in flight is unresolved (spec/overlap.py): every running
-        request was in it (in_flight: req_id -> drafts it verifies there) and runs its anchor plus the
-        K' drafts spec/reservation.py's worst case leaves room for, all of its device-side proposal
-        (verify-all: the confidences are not on the host yet). Positions, tokens and blocks are
+        request was in it (in_flight: req_id -> drafts it verifies there) and runs its anchor plus up
+        to the K' drafts spec/reservation.py's worst case leaves room for, of its device-side
+        proposal: the policy's host half picks B (or caps K') here, its device half the k_i <= K'
+        (spec/overlap_verify.py; the newest confidences are not on the host yet). Positions, tokens and blocks are
         counted as if every draft in flight were accepted; update_from_output trims the rejected
         ones a step later (_advance). None (nothing changed): schedule normally after resolving -
         a request waits, one may be done under the worst case, the pool or the budget is short,
@@ -140,18 +142,22 @@ class Scheduler:
             return None
         if any(r.request_id not in in_flight for r in self.running):
             return None
+        ks = [worst_case_drafts(req, in_flight[req.request_id], num_speculative_tokens, self.max_model_len)
+              for req in self.running]
+        if any(k is None for k in ks):
+            return None
+        book = self.draft_book     # the policy's host half (spec/overlap_verify.py): B from the older confidences
+        ks, verify = plan_overlapped(book.policy, ks, [book.last_confidences(r.request_id) for r in self.running])
         plan, need, total = [], 0, 0
-        for req in self.running:
-            k = worst_case_drafts(req, in_flight[req.request_id], num_speculative_tokens, self.max_model_len)
-            if k is None:
-                return None
+        for req, k in zip(self.running, ks):
             end = req.num_computed_tokens + 1 + k
             need += max(self.kv_cache.num_blocks_for(end) - len(self.kv_cache.block_ids[req.request_id]), 0)
             total += 1 + k
             plan.append((req, k))
         if need > self.kv_cache.num_free_blocks or total > self.max_num_batched_tokens:
             return None
-        out = SchedulerOutput([], [], {}, total, finished_req_ids=self._finished_for_runner, overlapped=True)
+        out = SchedulerOutput([], [], {}, total, finished_req_ids=self._finished_for_runner, overlapped=True,
+                              overlap_verify=verify)
         self._finished_for_runner = set()
         for req, k in plan:
             rid = req.request_id
@@ -312,7 +318,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran: drop its tokens
             sampled = runner_out.sampled_token_ids[i]
-            self._advance(req, sched_out, sampled)
+            self._advance(req, sched_out, sampled, runner_out.num_verified[i] if runner_out.num_verified else None)
             if not sampled:
                 continue  # a prompt chunk that did not reach the end
             new_ids, status = self._append_tokens(req, sampled)
@@ -325,6 +331,8 @@ class Scheduler:
                 self._finish(req, status)
             elif req_id in self._drafts_taken:
                 self._drafts_taken.discard(req_id)     # an overlapped step in flight verifies them
+                if runner_out.draft_confidences is not None and runner_out.draft_confidences[i]:
+                    self.draft_book.remember(req_id, runner_out.draft_confidences[i])   # the next budget's "older"
             elif runner_out.draft_token_ids is not None:
                 self._take_drafts(req, runner_out, i)
             outputs.append(RequestOutput(req_id, new_ids, req.finish_reason, req.num_prompt_tokens,
@@ -334,15 +342,18 @@ class Scheduler:
             self.prefix.after_step(self.running)
         return outputs
 
-    def _advance(self, req: Request, sched_out: SchedulerOutput, sampled: list[int]) -> None:
-        """Resolve the step's placeholder; lower num_computed_tokens by rejected drafts (blocks freed)."""
+    def _advance(self, req: Request, sched_out: SchedulerOutput, sampled: list[int],
+                 num_verified: int | None = None) -> None:
+        """Resolve the step's placeholder; lower num_computed_tokens by rejected drafts (blocks freed).
+        num_verified: the drafts an overlapped step's device verified of the len(spec) scheduled (the
+        trim is len(spec) - accepted either way: the step ran start .. start + accepted for real)."""
         if sampled:
             req.num_output_placeholders -= 1
         spec = sched_out.spec_tokens.get(req.request_id)
         if spec:
             num_accepted = len(sampled) - 1
             num_rejected = len(spec) - num_accepted
-            self.stats.inc("spec_draft_tokens_verified_total", len(spec))
+            self.stats.inc("spec_draft_tokens_verified_total", len(spec) if num_verified is None else num_verified)
             self.stats.inc("spec_draft_tokens_accepted_total", num_accepted)
             self.stats.inc("spec_verify_steps_total")
             req.num_computed_tokens -= num_rejected

@@ -17,4 +17,8 @@ sampler (deepinfer/sample/rejection.py).
                         blocks, trimmed when the accepted counts arrive (Scheduler.schedule_overlapped)
     overlap.py          verify steps that overlap under async scheduling: who may draft on the device,
                         the next step's inputs gathered from the resolution (ModelRunner.launch_overlapped)
+    overlap_verify.py   the verification policy inside overlapped steps, host half: B from the older
+                        confidences (Scheduler.schedule_overlapped)
+    device_verify.py    its device half: the split of B (or the threshold) by the newest confidences,
+                        k_i <= K' per request as a tensor (the overlapped build)
 """

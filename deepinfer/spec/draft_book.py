@@ -36,6 +36,15 @@ class DraftBook:
         self._pending.clear()
         return plan
 
+    def remember(self, req_id: str, confidences: list[float]) -> None:
+        """A proposal an overlapped step verifies without a plan (spec/overlap_verify.py): only its
+        confidences are kept, the `older` of the next budget."""
+        self._last_confidences[req_id] = list(confidences)
+
+    def last_confidences(self, req_id: str) -> list[float] | None:
+        """req_id's latest proposal's confidence logits the host has (None: none yet)."""
+        return self._last_confidences.get(req_id)
+
     def pending(self, req_id: str) -> list[int]:
         """The drafts of req_id waiting for the next plan ([] if none)."""
         return list(self._pending[req_id][0]) if req_id in self._pending else []

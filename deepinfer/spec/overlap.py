@@ -63,15 +63,18 @@ def to_device(a, dev: torch.device) -> torch.Tensor:
 
 
 def step_inputs(input_batch, rows: np.ndarray, q_lens: np.ndarray, res: DeviceResolution,
-                drafts: torch.Tensor, prev_index: np.ndarray) -> dict[str, torch.Tensor]:
+                drafts: torch.Tensor, prev_index: np.ndarray,
+                num_verified: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """DecodeStepBuffers.fill_on_device's arguments of an overlapped step: request i (InputBatch row
     rows[i], index prev_index[i] in step N) runs q_i = 1 + K'_i tokens, its anchor then its first K'_i
     drafts of N's proposal, from N's next_pos. Its Engram history (positions next_pos-h .. next_pos-1)
-    is the host's known tokens before n_known, then N's accepted drafts: next_pos = n_known + a."""
+    is the host's known tokens before n_known, then N's accepted drafts: next_pos = n_known + a.
+    num_verified [n] (device): the policy's k_i <= K'_i (spec/device_verify.py): q_i = 1 + k_i on
+    the device, the layout keeps L = 1 + max K' (rows past q_i are padding)."""
     ib, dev = input_batch, drafts.device
     b = to_device(prev_index, dev)
     L = int(q_lens.max())
-    q = to_device(q_lens, dev)
+    q = to_device(q_lens, dev) if num_verified is None else 1 + num_verified
     ids = torch.cat([res.anchor[b][:, None], drafts[b]], dim=1)[:, :L]
     j = torch.arange(L, device=dev)
     ids = torch.where(j[None, :] < q[:, None], ids, 0)

@@ -85,6 +85,7 @@ class _InFlight:
     device_drafts: tuple | None = None
     drafts_host: tuple | None = None
     replay_dev: torch.Tensor | None = None   # [B] replayed lengths of those drafts (benchmark mode), device
+    verified_host: torch.Tensor | None = None  # [B] an overlapped step: drafts the device's policy verified
 
 
 @dataclass
@@ -195,13 +196,19 @@ class ModelRunner:
                                    self._replayed_for(req_ids, num_spec))
 
     def _finish_launch(self, req_ids, rows, num_logits, num_spec, q_lens, start, positions, sampled, fed,
-                       keep_logits, logprobs, main_hidden, replayed) -> _InFlight:
+                       keep_logits, logprobs, main_hidden, replayed, verified=None) -> _InFlight:
         """The launch's last part: the device-side resolution (speculation), drafting on the device when
         the next step may overlap this one, and the host copies resolve() reads. start: [B] host array,
-        or (an overlapped step) a device tensor; replayed: benchmark mode's lengths (host or device)."""
-        res = res_host = drafts = drafts_host = replay_dev = None
+        or (an overlapped step) a device tensor; replayed: benchmark mode's lengths (host or device).
+        verified [B] (an overlapped step, device): the drafts each request verified, <= num_spec (the
+        layout's; q_lens and num_logits stay the layout, rows past 1 + verified are padding)."""
+        res = res_host = drafts = drafts_host = replay_dev = verified_host = None
         if self.proposer is not None:   # resolved on the device: the host reads one copy, at resolve()
-            res = resolve_on_device(sampled, fed, num_logits, num_spec, start, q_lens, replayed)
+            if verified is None:
+                res = resolve_on_device(sampled, fed, num_logits, num_spec, start, q_lens, replayed)
+            else:
+                res = resolve_on_device(sampled, fed, num_logits, verified, start, 1 + verified, replayed)
+                verified_host, _ = self._to_host(verified)
             res_host, _ = self._to_host(torch.cat([res.num_tokens[:, None], res.tokens], dim=1))
             if self.overlapped is not None and main_hidden is not None and can_draft_on_device(
                     self.input_batch, rows, num_logits):
@@ -218,7 +225,7 @@ class ModelRunner:
         return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits,
                          logprobs=logprobs, seq=self._launch_seq, spec=spec, resolution=res,
                          resolution_host=res_host, device_drafts=drafts, drafts_host=drafts_host,
-                         replay_dev=replay_dev)
+                         replay_dev=replay_dev, verified_host=verified_host)
 
     # verify steps that overlap (spec/overlap.py, worker/overlapped_step.py) ----------------------
     def enable_overlap(self) -> None:
@@ -247,7 +254,8 @@ class ModelRunner:
         replayed = None if prev.replay_dev is None else torch.where(
             to_device(f.q_lens, self.device) > 1, prev.replay_dev[to_device(f.prev_index, self.device)], -1)
         return self._finish_launch(f.req_ids, f.rows, f.q_lens.copy(), f.q_lens - 1, f.q_lens, f.start,
-                                   f.positions, sampled, f.fed, None, None, f.main_hidden, replayed)
+                                   f.positions, sampled, f.fed, None, None, f.main_hidden, replayed,
+                                   verified=f.num_verified)
 
     def must_resolve_before_next(self, step: _InFlight | None) -> bool:
         """Speculation: a launched step in which a request samples verifies or proposes drafts, and
@@ -277,8 +285,9 @@ class ModelRunner:
         if step.seq == self._launch_seq:  # nothing launched after it: every token is known here now
             self.input_batch.pending_index[:] = -1
             self._prev_sampled = None
+        num_verified = None if step.verified_host is None else step.verified_host.tolist()
         return ModelRunnerOutput(step.req_ids, per_req, logprobs=logprobs, logits=out_logits,
-                                 draft_token_ids=drafts, draft_confidences=confidences)
+                                 draft_token_ids=drafts, draft_confidences=confidences, num_verified=num_verified)
 
     def _speculate(self, step: _InFlight, per_req: list[list[int]]):
         """Absorb the accepted rows into the DSpark rings, then draft for the requests that sampled

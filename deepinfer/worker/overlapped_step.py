@@ -4,11 +4,12 @@ launch, and the forward of a verify step launched before the previous one resolv
     draft(...)     every row of a launched step into the DSpark rings, then the next proposal from
                    the resolved anchors (static drafting buffers filled on the device; the captured
                    drafting graph when one serves the batch)
-    forward(...)   the overlapped step's inputs from the previous step's resolution and proposal,
+    forward(...)   the overlapped step's inputs from the previous step's resolution and proposal
+                   (k_i <= K' drafts each, picked here by the policy's device half),
                    the static verify step filled on the device, then the captured verify graph
                    (CUDA) or the same static step run eagerly; the real rows gathered back
-    replayed(...)  benchmark mode: a device-made proposal's replayed outcome, from a table drawn
-                   when the request was added (spec/replay.py's keys: request id, anchor position)
+    replayed(...)  benchmark mode: a device-made proposal's replayed outcome (and confidences), from
+                   tables drawn when the request was added (spec/replay.py's keys: request id, anchor position)
 
 The runner (model_runner.py) samples, resolves and copies to the host as for any step.
 """
@@ -22,6 +23,7 @@ import torch
 
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.spec.overlap import step_inputs, to_device
+from deepinfer.spec.device_verify import verified_counts
 from deepinfer.worker.input_batch import _ragged_arange
 
 
@@ -29,7 +31,8 @@ from deepinfer.worker.input_batch import _ragged_arange
 class OverlappedForward:
     req_ids: list[str]
     rows: np.ndarray            # [B] InputBatch rows
-    q_lens: np.ndarray          # [B] 1 + K' tokens per request
+    q_lens: np.ndarray          # [B] 1 + K' tokens per request: the layout (rows past 1 + k_i are padding)
+    num_verified: torch.Tensor  # [B] device: k_i <= K' drafts each request verifies (spec/device_verify.py)
     prev_index: np.ndarray      # [B] each request's index in the previous step
     start: torch.Tensor         # [B] device: first position of each request (the previous next_pos)
     logits: torch.Tensor        # [sum q, V] the real rows' logits
@@ -44,6 +47,7 @@ class OverlappedSteps:
         self._static_steps: dict = {}     # (B, L, max_len) -> DecodeStepBuffers run eagerly
         self._static_drafts: dict = {}    # B -> DraftStepBuffers run eagerly
         self._replay_table: torch.Tensor | None = None   # [rows, positions] replayed lengths (int8)
+        self._replay_conf: torch.Tensor | None = None    # [rows, positions, K] their confidence logits
 
     # drafting at launch ------------------------------------------------------------------------
     def draft(self, main_hidden, positions, q_lens, rows, res):
@@ -68,6 +72,8 @@ class OverlappedSteps:
                 out = dspark_propose(r.model, bufs.v["anchor_ids"], None, None, r.caches, static=bufs)
             ids, conf = out.draft_ids, out.confidence
         K = proposer.num_speculative_tokens
+        if self._replay_conf is not None:   # benchmark mode: the replayed confidences, as the host's
+            conf = self._replay_conf[to_device(rows, dev), res.next_pos - 1]
         return ids[:n, :K].clone(), conf[:n, :K].float().clone()
 
     def _draft_buffers(self, n: int):
@@ -95,11 +101,18 @@ class OverlappedSteps:
         ib = r.input_batch
         if self._replay_table is None:     # int8: lengths are <= K (the table spans every position of every row)
             self._replay_table = torch.full(ib.token_ids.shape, -1, dtype=torch.int8, device=r.device)
+            # the confidences too: an overlapped step's policy splits its budget by them on the device
+            self._replay_conf = torch.zeros((*ib.token_ids.shape, r.proposer.num_speculative_tokens),
+                                            dtype=torch.float32, device=r.device)
         row, width = ib.row_of[new.req_id], ib.token_ids.shape[1]
         lo = max(new.num_prompt_tokens - 1, 0)
         hi = min(len(new.token_ids) + new.sampling_params.max_tokens + 1, width)
-        _, lengths = r.proposer.replay.draw([(new.req_id, p) for p in range(lo, hi)])
+        if hi <= lo:
+            return
+        conf, lengths = r.proposer.replay.draw([(new.req_id, p) for p in range(lo, hi)])
         self._replay_table[row, lo:hi] = to_device(np.asarray(lengths, dtype=np.int64), r.device).to(torch.int8)
+        K = self._replay_conf.shape[2]
+        self._replay_conf[row, lo:hi] = torch.tensor(np.asarray(conf)[:, :K], dtype=torch.float32).to(r.device)
 
     def replayed(self, rows: np.ndarray, res) -> torch.Tensor | None:
         """[B] replayed lengths of the proposals just made on the device (None outside benchmark mode)."""
@@ -118,7 +131,10 @@ class OverlappedSteps:
         rows = np.fromiter((ib.row_of[x] for x in req_ids), dtype=np.int64, count=len(req_ids))
         where = {x: i for i, x in enumerate(prev.req_ids)}
         prev_index = np.array([where[x] for x in req_ids], dtype=np.int64)
-        inputs = step_inputs(ib, rows, q_lens, prev.resolution, prev.device_drafts[0], prev_index)
+        # the policy's device half: k_i from the newest confidences (prev's proposal, never on the host yet)
+        conf = prev.device_drafts[1][to_device(prev_index, r.device)]
+        k = verified_counts(sched_out.overlap_verify, conf, to_device(q_lens - 1, r.device))
+        inputs = step_inputs(ib, rows, q_lens, prev.resolution, prev.device_drafts[0], prev_index, k)
         n, L = len(rows), int(q_lens.max())
         end = int((ib.num_computed[rows] + q_lens).max())   # scheduled positions: the worst case, an upper bound
         key = r.graphs.serves(n, end - 1, L) if r.graphs is not None else None
@@ -132,8 +148,9 @@ class OverlappedSteps:
             logits, hidden = out.logits, out.main_hidden
         width = bufs.tokens_per_seq
         idx = to_device(np.repeat(np.arange(n) * width, q_lens) + _ragged_arange(q_lens), r.device)
-        return OverlappedForward(req_ids, rows, q_lens, prev_index, inputs["start"], logits[idx], bufs.v["input_ids"][idx],
-                                 bufs.v["positions"][idx], None if hidden is None else hidden[idx])
+        return OverlappedForward(req_ids, rows, q_lens, k, prev_index, inputs["start"], logits[idx],
+                                 bufs.v["input_ids"][idx], bufs.v["positions"][idx],
+                                 None if hidden is None else hidden[idx])
 
     def _static_step(self, n: int, length: int, end: int):
         """The static form of an n x length verify step whose positions stay below `end`, run eagerly

@@ -35,6 +35,17 @@ def sampled(n, seed):
     return SamplingParams(max_tokens=n, temperature=8.0, top_p=0.95, seed=seed, ignore_eos=True)
 
 
+def _budget_policy():
+    """A step-time model under which a draft pays only when its survival is high enough: t(n, B) =
+    1 + 0.1 B for 1 <= n <= 4 (the grid is by drafts per request x = B / n), so the budget stops
+    well short of every draft."""
+    from deepinfer.spec.budget import VerifyBudgetPolicy
+    from deepinfer.spec.step_time import StepTimeModel
+    sizes = [1, 4]
+    seconds = [[1.0 + 0.1 * n * x for x in range(6)] for n in sizes]
+    return VerifyBudgetPolicy(StepTimeModel(sizes, list(range(6)), seconds))
+
+
 def oracle_drafts(engine: Engine, ref: dict[str, list[int]]) -> None:
     """Both drafting paths propose the reference continuation, one draft in four corrupted (by
     request and position), so verify steps accept 0..K drafts."""
@@ -165,8 +176,22 @@ def test_replayed_acceptance_with_overlap(args):
     replay = {**args, "spec_policy": "all", "spec_replay_accepted_length": 3.5}
     want = run(Engine(EngineArgs(**replay)), [greedy(n) for _ in PROMPTS])[0]
     a = Engine(EngineArgs(**replay, async_scheduling=True))
+    # a device-made proposal carries the replayed confidences the host draws for it (the overlapped
+    # policy splits its budget by them on the device)
+    from_device, compared = a.runner._drafts_from_device, []
+
+    def checked(step, per_req):
+        drafts, confs = from_device(step, per_req)
+        on_device = step.drafts_host[1].tolist()
+        for i, c in enumerate(confs):
+            if c:
+                assert on_device[i] == pytest.approx(c, rel=1e-5, abs=1e-5)
+                compared.append(i)
+        return drafts, confs
+
+    a.runner._drafts_from_device = checked
     got = run(a, [greedy(n) for _ in PROMPTS])[0]
-    assert a.num_verify_steps_overlapped > 0
+    assert a.num_verify_steps_overlapped > 0 and len(compared) > 10
     assert all(len(got[r]) == n and got[r][:n - 2 * (k + 1)] == want[r][:n - 2 * (k + 1)] for r in want)
     c = a.stats.snapshot()["counters"]
     assert c["spec_draft_tokens_accepted_total"] > 0.4 * c["spec_draft_tokens_verified_total"]
@@ -210,19 +235,24 @@ def test_overlapped_build_does_not_sync_on_cuda(tiny_engine_args, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args):
+@pytest.mark.parametrize("policy", ["all", "scheduler"])
+def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     """The whole launch of an overlapped verify step on the GPU (the build, the captured verify
     graph's replay, the greedy sample, the device-side resolution, the DSpark absorb of every row
     and the drafting graph's replay, the host copies) without the host waiting for the stream:
-    launch_overlapped under sync debug mode "error"; every overlapped step replays its graph."""
+    launch_overlapped under sync debug mode "error"; every overlapped step replays its graph.
+    "scheduler": the budget's split over the requests by the newest confidences runs in it too."""
     args = _cuda_args(tiny_engine_args)
     e = Engine(EngineArgs(**args))
+    if policy == "scheduler":
+        e.scheduler.draft_book.policy = _budget_policy()
     runner = e.runner
     assert runner.overlapped is not None and runner.graphs is not None and runner.graphs.graphs is not None
-    calls, replays = [], []
+    calls, replays, budgets = [], [], []
     strict = _strict(runner.launch_overlapped, calls)
 
     def counted(sched_out, prev):
+        budgets.append(sched_out.overlap_verify is not None and sched_out.overlap_verify.budget is not None)
         before = runner.graphs.num_replays
         try:
             return strict(sched_out, prev)
@@ -234,6 +264,7 @@ def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args):
     got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
     assert e.num_verify_steps_overlapped > 0 and len(replays) == e.num_verify_steps_overlapped
     assert all(r == 1 for r in replays), replays          # every overlapped step replayed its graph
+    assert any(budgets) == (policy == "scheduler")
     assert all(len(t) == N_OUT for t in got.values())
     # not batch-invariant on the GPU: the batches differ, so only the first tokens must agree
     assert all(got[r][:2] == ref[r][:2] for r in ref)
@@ -255,3 +286,55 @@ def test_overlapped_steps_through_the_graph_path_on_cpu(args, ref):
     got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
     assert e.num_verify_steps_overlapped > 0 and len(served) == e.num_verify_steps_overlapped
     assert got == want
+
+
+@pytest.mark.parametrize("policy", ["scheduler", "threshold"])
+def test_overlapped_steps_honour_the_verification_policy(args, ref, policy, monkeypatch):
+    """Overlapped verify steps verify k_i <= K' drafts picked by the policy (spec/overlap_verify.py:
+    the budget B from the older confidences on the host, split on the device by the newest; the
+    threshold on the device): the tokens stay the synchronous engine's (greedy rule: the policy
+    changes how many drafts are verified, never which tokens come out), fewer drafts are verified
+    than by overlapped verify-all, and each device split equals split_budget on the host."""
+    from deepinfer.spec.budget import split_budget
+    from deepinfer.spec.policy import DraftEntry
+    from deepinfer.worker import overlapped_step
+    seen = []
+    device_counts = overlapped_step.verified_counts
+
+    def recorded(plan, conf, num_drafts):
+        k = device_counts(plan, conf, num_drafts)
+        seen.append((plan, conf.tolist(), num_drafts.tolist(), k.tolist()))
+        return k
+
+    monkeypatch.setattr(overlapped_step, "verified_counts", recorded)
+    from deepinfer.sched import scheduler as scheduler_module
+    host_half, olders = scheduler_module.plan_overlapped, []
+    monkeypatch.setattr(scheduler_module, "plan_overlapped", lambda p, n, o: olders.append(o) or host_half(p, n, o))
+    kw = dict(args, async_scheduling=True)
+    if policy == "threshold":
+        kw["spec_confidence_threshold"] = 0.3
+    a = Engine(EngineArgs(**kw))
+    if policy == "scheduler":
+        a.scheduler.draft_book.policy = _budget_policy()
+    oracle_drafts(a, ref)
+    assert run(a, [greedy(N_OUT) for _ in PROMPTS])[0] == ref
+    assert len(seen) >= a.num_verify_steps_overlapped >= 4     # (a step with K' = 0 everywhere is not counted)
+    # the host half had every request's previous proposal (two steps old) once the chain ran a while
+    assert len(olders) == len(seen) and all(o is not None for older in olders[2:] for o in older)
+    assert len({tuple(older[0]) for older in olders}) > len(olders) // 2      # kept fresh (DraftBook.remember)
+    plans = [p for p, *_ in seen if p is not None]
+    assert plans and all((p.budget is not None) == (policy == "scheduler") for p in plans)
+    verified = sum(sum(k) for *_, k in seen)
+    assert 0 < verified < sum(sum(n) for _, _, n, _ in seen)        # some drafts were not verified
+    for plan, conf, num, k in seen:
+        assert all(0 <= ki <= ni for ki, ni in zip(k, num))
+        if plan is not None and plan.budget is not None:
+            entries = [DraftEntry(n, c) for n, c in zip(num, conf) if n > 0]
+            want = iter(split_budget(entries, plan.budget))
+            assert k == [next(want) if n > 0 else 0 for n in num]
+    # the counters count the verified drafts, not the scheduled worst case
+    b = Engine(EngineArgs(**dict(args, async_scheduling=True)))     # threshold 0: verify all
+    oracle_drafts(b, ref)
+    assert run(b, [greedy(N_OUT) for _ in PROMPTS])[0] == ref
+    ca, cb = a.stats.snapshot()["counters"], b.stats.snapshot()["counters"]
+    assert ca["spec_draft_tokens_verified_total"] < cb["spec_draft_tokens_verified_total"]

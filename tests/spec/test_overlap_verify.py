@@ -1,0 +1,100 @@
+"""The verification policy inside overlapped verify steps (spec/overlap_verify.py, the host half;
+spec/device_verify.py, the device half): the device's split of the budget equals
+spec/budget.split_budget on the host, and its threshold counts equal
+StaticThresholdPolicy's, on random ragged batches with ties; the host half picks B from the older
+confidences exactly as VerifyBudgetPolicy.best_budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.spec.budget import VerifyBudgetPolicy, split_budget
+from deepinfer.spec.device_verify import (prefix_survival_on_device, split_budget_on_device,
+                                          threshold_counts_on_device, verified_counts)
+from deepinfer.spec.overlap_verify import OverlapVerify, plan_overlapped
+from deepinfer.spec.policy import (DraftEntry, FixedDraftsPolicy, StaticThresholdPolicy, VerifyAllPolicy,
+                                   prefix_survival)
+from deepinfer.spec.step_time import StepTimeModel
+
+K = 5
+
+
+def _batch(rng: np.random.Generator, ties: bool):
+    """[n, K] confidence logits and ragged K'_i in 0..K; ties: logits from a few values, repeated
+    across and within requests (equal survivals at equal prefixes), some certain (+inf)."""
+    n = int(rng.integers(1, 9))
+    if ties:
+        conf = rng.choice([0.0, 1.5, -0.5, 3.0, np.inf], size=(n, K))
+        conf[rng.random(n) < 0.5] = conf[0]          # whole rows equal to the first one
+    else:
+        conf = rng.normal(1.0, 2.0, size=(n, K))
+    num = rng.integers(0, K + 1, size=n)
+    return conf, num
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_device_split_equals_split_budget(ties):
+    rng = np.random.default_rng(19 + ties)
+    checked = 0
+    for _ in range(200):
+        conf, num = _batch(rng, ties)
+        entries = [DraftEntry(int(k), conf[i].tolist()) for i, k in enumerate(num) if k > 0]
+        total = int(num.sum())
+        for budget in sorted({0, 1, total // 2, total, int(rng.integers(0, total + 1))}):
+            want = iter(split_budget(entries, budget))
+            want = [next(want) if k > 0 else 0 for k in num]
+            got = split_budget_on_device(torch.tensor(conf), torch.tensor(num), budget).tolist()
+            assert got == want, (conf, num, budget)
+            assert sum(got) == min(budget, total)
+            checked += 1
+    assert checked > 400
+
+
+def test_device_split_breaks_ties_toward_the_earlier_request():
+    conf = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])      # every request: 0.5, 0.25
+    got = split_budget_on_device(conf, torch.tensor([2, 2, 2]), 4).tolist()
+    assert got == [2, 1, 1]          # 0.5 x3 first, then the first 0.25 (request 0's)
+    assert got == split_budget([DraftEntry(2, [0.0, 0.0])] * 3, 4)
+
+
+def test_device_survival_and_threshold_equal_the_host():
+    rng = np.random.default_rng(7)
+    for _ in range(100):
+        conf, num = _batch(rng, ties=bool(rng.integers(2)))
+        a = prefix_survival_on_device(torch.tensor(conf)).tolist()
+        assert a == [prefix_survival(row.tolist()) for row in conf]
+        for t in (0.0, 0.25, 0.5, 1.0):
+            want = [StaticThresholdPolicy(t).assign([DraftEntry(int(k), row.tolist())])[0] for k, row in zip(num, conf)]
+            assert threshold_counts_on_device(torch.tensor(conf), torch.tensor(num), t).tolist() == want
+
+
+def _step_time(per_draft=0.08):
+    """t(n, B) = 1 + per_draft * B at the profiled n (the grid is by drafts per request x = B / n)."""
+    sizes = [1, 8]
+    return StepTimeModel(sizes, list(range(K + 1)), [[1.0 + per_draft * n * x for x in range(K + 1)] for n in sizes])
+
+
+def test_host_half_picks_b_from_the_older_confidences():
+    policy = VerifyBudgetPolicy(_step_time())
+    num = [5, 3, 0, 5]
+    older = [[2.0, 1.0, 0.0, -1.0, -2.0], None, [1.0] * 5, [3.0, 3.0]]
+    ks, plan = plan_overlapped(policy, num, older)
+    entries = [DraftEntry(5, [], older[0]), DraftEntry(3, [], None), DraftEntry(5, [], older[3])]
+    survival = sorted((a for e in entries for a in policy._budget_survival(e)), reverse=True)
+    assert ks == num and plan == OverlapVerify(budget=policy.best_budget(3, survival))
+    assert 0 < plan.budget < sum(num)          # the step-time model makes some drafts not pay
+    # budget_confidences="newest" has no newest on the host: the older ones, the same B
+    newest = VerifyBudgetPolicy(policy.step_time, budget_confidences="newest")
+    assert plan_overlapped(newest, num, older) == (num, plan)
+
+
+def test_host_half_of_the_other_policies():
+    assert plan_overlapped(VerifyAllPolicy(), [5, 2], [None, None]) == ([5, 2], None)
+    assert plan_overlapped(FixedDraftsPolicy(3), [5, 2], [None, None]) == ([3, 2], None)
+    assert plan_overlapped(StaticThresholdPolicy(0.4), [5, 2], [None, None]) == ([5, 2], OverlapVerify(threshold=0.4))
+    conf = torch.zeros(2, K)
+    assert verified_counts(None, conf, torch.tensor([5, 2])).tolist() == [5, 2]
+    assert verified_counts(OverlapVerify(threshold=0.4), conf, torch.tensor([5, 2])).tolist() == [1, 1]
+    assert verified_counts(OverlapVerify(budget=3), conf, torch.tensor([5, 2])).tolist() == [2, 1]
