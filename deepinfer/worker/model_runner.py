@@ -191,7 +191,9 @@ class ModelRunner:
         self._prev_sampled = sampled
         fed = batch.input_ids[batch.logits_indices] if num_spec.any() else None
         keep_logits = logits if ib.return_logits else None
-        return self._finish_launch(req_ids, rows, num_logits, num_spec, q_lens, batch.start_pos.numpy(),
+        # start positions on the host serve speculation only; a plain decode graph's are on the device
+        start = batch.start_pos.numpy() if self.proposer is not None else None
+        return self._finish_launch(req_ids, rows, num_logits, num_spec, q_lens, start,
                                    batch.positions, sampled, fed, keep_logits, logprobs, main_hidden,
                                    self._replayed_for(req_ids, num_spec))
 
