@@ -42,3 +42,22 @@ def tiny_engine_args(tiny_checkpoint):
     """Small real-model engine settings: CPU, block_tokens 8, a modest cache."""
     return dict(checkpoint=str(tiny_checkpoint), device="cpu", max_num_seqs=8, max_num_batched_tokens=64,
                 block_tokens=8, num_cache_blocks=64)
+
+
+# -- speculation under async scheduling (test_spec_async.py, test_spec_overlap.py) ------------------
+
+@pytest.fixture(scope="module")
+def spec_args(tiny_engine_args):
+    """DSpark on the tiny model with a small step budget (prompts prefill over several steps) under
+    batch_invariant, every draft verified (threshold 0)."""
+    return {**tiny_engine_args, "max_num_batched_tokens": 24, "num_cache_blocks": 64, "batch_invariant": True,
+            "speculative": "dspark", "spec_policy": "threshold", "spec_confidence_threshold": 0.0}
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def sampled(n, seed):
+    # the tiny model's logits are ~100 wide: temperature 8 spreads its samples
+    return SamplingParams(max_tokens=n, temperature=8.0, top_p=0.95, seed=seed, ignore_eos=True)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer import EngineArgs, SamplingParams
+from deepinfer import EngineArgs
 from deepinfer.engine import Engine
+from tests.engine.conftest import greedy, sampled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -20,18 +21,8 @@ PROMPTS = [[(7 * i) % 1000 + 10 for i in range(60)], list(range(500, 520)), [3, 
 
 
 @pytest.fixture(scope="module")
-def args(tiny_engine_args):
-    return {**tiny_engine_args, "max_num_batched_tokens": 24, "num_cache_blocks": 64, "batch_invariant": True,
-            "speculative": "dspark", "spec_policy": "threshold", "spec_confidence_threshold": 0.0}
-
-
-def greedy(n, **kw):
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
-
-
-def sampled(n, seed):
-    # the tiny model's logits are ~100 wide: temperature 8 spreads its samples
-    return SamplingParams(max_tokens=n, temperature=8.0, top_p=0.95, seed=seed, ignore_eos=True)
+def args(spec_args):
+    return spec_args
 
 
 def run(engine: Engine, plist, abort=None):
