@@ -37,14 +37,16 @@ def test_handover_in_gpu_memory_equals_a_single_instance(which, small_checkpoint
     prompts = {f"g{i}": rng.integers(100, 20000, size=n).tolist() for i, n in enumerate((17, 300, 1000))}
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     engine = Engine(EngineArgs(**args(ckpt)))
+    ref, ref_logits = {rid: [] for rid in prompts}, {rid: [] for rid in prompts}
+    # one prompt at a time, as the pair runs them: batch invariance on CUDA does not hold with long
+    # prompts prefilled together (README, "What does not work yet"), and this test is of the hand-over
     for rid, p in prompts.items():
         engine.add_request(rid, p, params, return_logits=True)
-    ref, ref_logits = {rid: [] for rid in prompts}, {rid: [] for rid in prompts}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            ref[o.request_id] += o.new_token_ids
-            if o.logits is not None:   # a step that samples nothing (a prefill chunk) has none
-                ref_logits[o.request_id].append(o.logits)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                ref[o.request_id] += o.new_token_ids
+                if o.logits is not None:   # a step that samples nothing (a prefill chunk) has none
+                    ref_logits[o.request_id].append(o.logits)
     del engine
     torch.cuda.empty_cache()
     prefill = EngineProcess(args(ckpt, kv_role="prefill"), name="prefill")
