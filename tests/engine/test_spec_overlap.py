@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer import EngineArgs
+from deepinfer import EngineArgs, SamplingParams
 from deepinfer.engine import Engine
 from tests.engine.conftest import greedy, sampled
 
@@ -68,11 +68,11 @@ def oracle_drafts(engine: Engine, ref: dict[str, list[int]]) -> None:
     device_draft = runner.overlapped.draft
 
     def draft_on_device(main_hidden, positions, q_lens, rows, res):
-        ids, conf = device_draft(main_hidden, positions, q_lens, rows, res)
+        ids, conf, q = device_draft(main_hidden, positions, q_lens, rows, res)
         owner = {row: r for r, row in runner.input_batch.row_of.items()}
         nxt = res.next_pos.tolist()        # CPU: a test may read it; the engine does not
         want = [[token(owner[int(row)], nxt[b] + 1 + j) for j in range(ids.shape[1])] for b, row in enumerate(rows)]
-        return torch.tensor(want, dtype=ids.dtype, device=ids.device), conf
+        return torch.tensor(want, dtype=ids.dtype, device=ids.device), conf, q
 
     runner.overlapped.draft = draft_on_device
 
@@ -156,6 +156,48 @@ def test_sampled_requests_beside_greedy_ones(args, ref):
     got = run(a, plist)[0]
     assert got == want and got["0"] == ref["0"] and got["3"] == ref["3"]
     assert a.num_verify_steps_overlapped > 0 and a.num_resolved_before_schedule > 0
+
+
+def _sampled_plist(n, stop=None):
+    """Requests at temperature > 0 only: top-p (conftest.sampled) and one with top-k and min-p."""
+    plist = [sampled(n, 11 + i) for i in range(len(PROMPTS))]
+    plist[2] = SamplingParams(max_tokens=n, temperature=6.0, top_k=40, min_p=0.01, seed=5, ignore_eos=True)
+    if stop is not None:
+        plist[3] = SamplingParams(max_tokens=n, temperature=8.0, top_p=0.95, seed=14, ignore_eos=True,
+                                  stop_token_ids=[stop])
+    return plist
+
+
+@pytest.mark.parametrize("rule", ["identical", "sampled"])
+def test_sampled_requests_overlap(args, rule):
+    """Only requests at temperature > 0 in the batch (seeded, top-p / top-k / min-p): their verify
+    steps overlap (the seeded streams' positions, the drafts and, under "sampled", q come from the
+    previous step's device tensors), with a stop and an abort found while an overlapped step holds
+    them, and the tokens equal sync + speculation. "identical": every token (the rule's tokens are
+    plain decoding's whatever was verified). "sampled": the tokens depend on how many drafts were
+    verified, and near max_tokens the worst case verifies fewer than the synchronous schedule, so
+    the last 2 (K + 1) tokens are left out (as replay mode)."""
+    n, k = 28, 5
+    plain = run(Engine(EngineArgs(**args)), _sampled_plist(n))[0]     # identical rule: plain decoding's tokens
+    sync = Engine(EngineArgs(**args, spec_acceptance=rule))
+    oracle_drafts(sync, plain)
+    base = run(sync, _sampled_plist(n))[0]
+    if rule == "identical":
+        assert base == plain
+    stop_tok = base["3"][8]
+    a = Engine(EngineArgs(**args, spec_acceptance=rule, async_scheduling=True))
+    oracle_drafts(a, plain)
+    got, reasons, abort_in_overlap, stopped_in_overlap = run(a, _sampled_plist(n, stop_tok), abort=("1", 6))
+    assert a.num_verify_steps_overlapped > 0
+    assert abort_in_overlap, "the aborted request was not in an overlapped step in flight"
+    assert "3" in stopped_in_overlap, "the stop was not found with an overlapped step holding it in flight"
+    first = base["3"].index(stop_tok)
+    assert reasons["3"] == "stop" and got["3"] == base["3"][:first + 1]
+    assert reasons["1"] == "abort" and 6 <= len(got["1"]) < n and got["1"] == base["1"][:len(got["1"])]
+    keep = n if rule == "identical" else n - 2 * (k + 1)
+    assert all(len(got[r]) == n and got[r][:keep] == base[r][:keep] for r in ("0", "2"))
+    c = a.stats.snapshot()["counters"]
+    assert 0 < c["spec_draft_tokens_accepted_total"] < c["spec_draft_tokens_verified_total"]
 
 
 def test_replayed_acceptance_with_overlap(args):
