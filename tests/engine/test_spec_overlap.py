@@ -2,8 +2,8 @@
 step N+1 is scheduled with the worst-case reservation and launched from N's device-side resolution
 before N's accepted counts reach the host. Under batch_invariant=True the tokens equal the
 synchronous engine's, with both acceptance rules, with a stop and an abort discovered while an
-overlapped step is in flight, and with sampled requests beside greedy ones (those steps are
-resolved first). The random tiny model accepts almost no draft, so an oracle proposer (the
+overlapped step is in flight, with sampled requests beside greedy ones, and with only requests at
+temperature > 0 (their seeded positions, drafts and draft probabilities from the device). The random tiny model accepts almost no draft, so an oracle proposer (the
 reference tokens, one draft in four corrupted) makes acceptance lengths 0..K happen: the trim of
 the worst case (k - a positions) is exercised at every length."""
 
@@ -147,8 +147,8 @@ def test_overlap_with_stop_and_abort_in_flight(args, ref):
 
 
 def test_sampled_requests_beside_greedy_ones(args, ref):
-    """Requests at temperature > 0 (sampled rule) are resolved before the next schedule; once they
-    are done the greedy ones overlap again; every token equals the synchronous engine's."""
+    """Requests at temperature > 0 (sampled rule) beside greedy ones, all under async + overlap:
+    every token equals the synchronous engine's."""
     plist = [greedy(N_OUT), sampled(4, 1), sampled(3, 2), greedy(N_OUT)]
     want = run(Engine(EngineArgs(**args, spec_acceptance="sampled")), plist)[0]
     a = Engine(EngineArgs(**args, spec_acceptance="sampled", async_scheduling=True))
@@ -187,14 +187,23 @@ def test_sampled_requests_overlap(args, rule):
     stop_tok = base["3"][8]
     a = Engine(EngineArgs(**args, spec_acceptance=rule, async_scheduling=True))
     oracle_drafts(a, plain)
+    launch_overlapped, with_q = a.runner.launch_overlapped, []
+
+    def recorded(sched_out, prev):       # did the step verify sampled drafts with the device's q?
+        with_q.append(prev.draft_probs_dev is not None)
+        return launch_overlapped(sched_out, prev)
+
+    a.runner.launch_overlapped = recorded
     got, reasons, abort_in_overlap, stopped_in_overlap = run(a, _sampled_plist(n, stop_tok), abort=("1", 6))
-    assert a.num_verify_steps_overlapped > 0
+    assert a.num_verify_steps_overlapped >= 4
+    assert all(with_q) == (rule == "sampled") and any(with_q) == (rule == "sampled")
     assert abort_in_overlap, "the aborted request was not in an overlapped step in flight"
     assert "3" in stopped_in_overlap, "the stop was not found with an overlapped step holding it in flight"
     first = base["3"].index(stop_tok)
     assert reasons["3"] == "stop" and got["3"] == base["3"][:first + 1]
     assert reasons["1"] == "abort" and 6 <= len(got["1"]) < n and got["1"] == base["1"][:len(got["1"])]
     keep = n if rule == "identical" else n - 2 * (k + 1)
+    print(rule, {r: sum(x == y for x, y in zip(got[r], base[r])) for r in ("0", "2")})
     assert all(len(got[r]) == n and got[r][:keep] == base[r][:keep] for r in ("0", "2"))
     c = a.stats.snapshot()["counters"]
     assert 0 < c["spec_draft_tokens_accepted_total"] < c["spec_draft_tokens_verified_total"]
