@@ -313,20 +313,50 @@ def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     assert all(got[r][:2] == ref[r][:2] for r in ref)
 
 
-def test_overlapped_steps_through_the_graph_path_on_cpu(args, ref):
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rule", ["identical", "sampled"])
+def test_sampled_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, rule):
+    """Only requests at temperature > 0 (top-p, top-k + min-p): the whole overlapped launch on the GPU,
+    the seeded draws mixed on the device (and under "sampled" the drafts sampled on the device, the
+    accept / residual draws with the device's q), under sync debug mode "error"; the verify steps
+    replay their graphs (sampled drafting runs eagerly)."""
+    args = {**_cuda_args(tiny_engine_args), "spec_acceptance": rule}
+    e = Engine(EngineArgs(**args))
+    runner = e.runner
+    calls, replays = [], []
+    strict = _strict(runner.launch_overlapped, calls)
+
+    def counted(sched_out, prev):
+        before = runner.graphs.num_replays
+        try:
+            return strict(sched_out, prev)
+        finally:
+            replays.append(runner.graphs.num_replays - before)
+
+    runner.launch_overlapped = counted
+    got = run(e, _sampled_plist(N_OUT))[0]
+    assert e.num_verify_steps_overlapped > 0 and len(replays) == e.num_verify_steps_overlapped
+    assert all(r == 1 for r in replays), replays
+    assert all(len(t) == N_OUT for t in got.values()) and len({tuple(t) for t in got.values()}) == len(got)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_overlapped_steps_through_the_graph_path_on_cpu(args, ref, kind):
     """cuda_graph_sizes on a CPU: the captured-step code path (DecodeGraphs.step_on_device and the
     drafting graphs' static buffers, run eagerly on the padded buffers) serves the overlapped
     steps; not batch-invariant (graphs are off with it), so the tokens are compared with the
-    synchronous engine on the same path."""
+    synchronous engine on the same path. "sampled": requests at temperature > 0 (identical rule)."""
     g = {**args, "batch_invariant": False, "cuda_graph_sizes": (1, 2, 4, 8)}
-    want = run(Engine(EngineArgs(**g)), [greedy(N_OUT) for _ in PROMPTS])[0]
+    plist = (lambda: [greedy(N_OUT) for _ in PROMPTS]) if kind == "greedy" else (lambda: _sampled_plist(N_OUT))
+    want = run(Engine(EngineArgs(**g)), plist())[0]
     e = Engine(EngineArgs(**g, async_scheduling=True))
     graphs = e.runner.graphs
     served = []
     step_on_device = graphs.step_on_device
     graphs.step_on_device = lambda inputs, key: served.append(key) or step_on_device(inputs, key)
     oracle_drafts(e, ref)
-    got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
+    got = run(e, plist())[0]
     assert e.num_verify_steps_overlapped > 0 and len(served) == e.num_verify_steps_overlapped
     assert got == want
 
