@@ -95,8 +95,8 @@ def sample_on_device(logits: torch.Tensor, rows: DeviceRows) -> torch.Tensor:
     probs = filtered_probs(logits[sel].float(), [rows.params[i] for i in rand])
     tok = inverse_cdf(probs, uniforms_on_device(seeds, pos, SAMPLE))
     if rows.verifies is not None:
-        spec = speculative_rows(probs, rows.draft_ids[sel], rows.draft_probs[sel],
-                                uniforms_on_device(seeds, pos, ACCEPT), uniforms_on_device(seeds, pos, RESIDUAL))
+        u_accept, u_residual = uniforms_on_device(seeds, pos, ACCEPT), uniforms_on_device(seeds, pos, RESIDUAL)
+        spec = speculative_rows(probs, rows.draft_ids[sel], rows.draft_probs[sel], u_accept, u_residual)
         tok = torch.where(rows.verifies[sel], spec, tok)
     out[sel] = tok
     return out

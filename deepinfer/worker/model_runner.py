@@ -86,7 +86,7 @@ class _InFlight:
     drafts_host: tuple | None = None
     replay_dev: torch.Tensor | None = None   # [B] replayed lengths of those drafts (benchmark mode), device
     verified_host: torch.Tensor | None = None  # [B] an overlapped step: drafts the device's policy verified
-    draft_probs_dev: torch.Tensor | None = None  # [B, K, V] q of the device-made sampled drafts ("sampled" rule)
+    draft_probs_dev: torch.Tensor | None = None  # [B, K, V] q of device-made sampled drafts ("sampled")
 
 
 @dataclass
@@ -345,7 +345,7 @@ class ModelRunner:
             req_id = step.req_ids[i]
             drafts[i], confs[i] = ids[i], conf[i] if replay is None else conf_r[j]
             p = self.input_batch.params[int(step.rows[i])]
-            if q is not None and not p.greedy:   # sampled drafts: a later host-built step verifies them with q
+            if q is not None and not p.greedy:   # sampled drafts: a host-built step verifies them with q
                 self._draft_probs[req_id] = q[i]
             else:
                 self._draft_probs.pop(req_id, None)

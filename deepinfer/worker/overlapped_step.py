@@ -72,7 +72,8 @@ class OverlappedSteps:
             dg.num_steps += 1
         else:
             with torch.inference_mode():
-                out = dspark_propose(r.model, bufs.v["anchor_ids"], None, None, r.caches, sample=sampler, static=bufs)
+                out = dspark_propose(r.model, bufs.v["anchor_ids"], None, None, r.caches, sample=sampler,
+                                     static=bufs)
             ids, conf = out.draft_ids, out.confidence
         K = proposer.num_speculative_tokens
         if self._replay_conf is not None:   # benchmark mode: the replayed confidences, as the host's

@@ -3,9 +3,10 @@ step N+1 is scheduled with the worst-case reservation and launched from N's devi
 before N's accepted counts reach the host. Under batch_invariant=True the tokens equal the
 synchronous engine's, with both acceptance rules, with a stop and an abort discovered while an
 overlapped step is in flight, with sampled requests beside greedy ones, and with only requests at
-temperature > 0 (their seeded positions, drafts and draft probabilities from the device). The random tiny model accepts almost no draft, so an oracle proposer (the
-reference tokens, one draft in four corrupted) makes acceptance lengths 0..K happen: the trim of
-the worst case (k - a positions) is exercised at every length."""
+temperature > 0 (their seeded positions, drafts and draft probabilities from the device). The
+random tiny model accepts almost no draft, so an oracle proposer (the reference tokens, one draft
+in four corrupted) makes acceptance lengths 0..K happen: the trim of the worst case (k - a
+positions) is exercised at every length."""
 
 from __future__ import annotations
 
@@ -203,7 +204,6 @@ def test_sampled_requests_overlap(args, rule):
     assert reasons["3"] == "stop" and got["3"] == base["3"][:first + 1]
     assert reasons["1"] == "abort" and 6 <= len(got["1"]) < n and got["1"] == base["1"][:len(got["1"])]
     keep = n if rule == "identical" else n - 2 * (k + 1)
-    print(rule, {r: sum(x == y for x, y in zip(got[r], base[r])) for r in ("0", "2")})
     assert all(len(got[r]) == n and got[r][:keep] == base[r][:keep] for r in ("0", "2"))
     c = a.stats.snapshot()["counters"]
     assert 0 < c["spec_draft_tokens_accepted_total"] < c["spec_draft_tokens_verified_total"]
@@ -348,7 +348,7 @@ def test_overlapped_steps_through_the_graph_path_on_cpu(args, ref, kind):
     steps; not batch-invariant (graphs are off with it), so the tokens are compared with the
     synchronous engine on the same path. "sampled": requests at temperature > 0 (identical rule)."""
     g = {**args, "batch_invariant": False, "cuda_graph_sizes": (1, 2, 4, 8)}
-    plist = (lambda: [greedy(N_OUT) for _ in PROMPTS]) if kind == "greedy" else (lambda: _sampled_plist(N_OUT))
+    plist = (lambda: [greedy(N_OUT) for _ in PROMPTS]) if kind == "greedy" else lambda: _sampled_plist(N_OUT)
     want = run(Engine(EngineArgs(**g)), plist())[0]
     e = Engine(EngineArgs(**g, async_scheduling=True))
     graphs = e.runner.graphs
