@@ -92,7 +92,8 @@ def sample_on_device(logits: torch.Tensor, rows: DeviceRows) -> torch.Tensor:
     sel = host_tensor(rand, torch.int64, logits.device)
     seeds = [rows.seeds[i] for i in rand]
     pos = rows.positions[sel]
-    probs = filtered_probs(logits[sel].float(), [rows.params[i] for i in rand])
+    on_gpu = logits.device.type == "cuda"
+    probs = filtered_probs(logits[sel].float(), [rows.params[i] for i in rand], no_host_read=on_gpu)
     tok = inverse_cdf(probs, uniforms_on_device(seeds, pos, SAMPLE))
     if rows.verifies is not None:
         u_accept, u_residual = uniforms_on_device(seeds, pos, ACCEPT), uniforms_on_device(seeds, pos, RESIDUAL)

@@ -241,15 +241,16 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Ten
     return inverse_cdf(filtered_probs(logits, params), u.to(logits.device))
 
 
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], no_host_read: bool = False) -> torch.Tensor:
     """logits [n, V] fp32 (consumed) -> [n, V] probabilities after temperature, top_k, top_p, min_p;
     rows at temperature > 0 only. Not renormalized after the cuts (inverse_cdf scales by the total;
-    row_totals gives it)."""
+    row_totals gives it). no_host_read (overlapped verify steps on CUDA): the same values without
+    reading the device on the host (top_p sorts every row whole)."""
     temp = host_tensor([p.temperature for p in params], torch.float32, logits.device)
     x = logits.div_(temp[:, None])
     _top_k(x, [p.top_k for p in params])
     probs = torch.softmax(x, dim=-1)                                                  # [n, V]
-    _top_p(probs, [p.top_p for p in params])
+    _top_p(probs, [p.top_p for p in params], no_host_read)
     _min_p(probs, [p.min_p for p in params])
     return probs
 
@@ -301,7 +302,7 @@ def _top_k(x: torch.Tensor, ks: list[int]) -> None:
     x[idx] = sub.masked_fill(sub < kth, float("-inf"))
 
 
-def _top_p(probs: torch.Tensor, ps: list[float]) -> None:
+def _top_p(probs: torch.Tensor, ps: list[float], no_host_read: bool = False) -> None:
     idx = [i for i, p in enumerate(ps) if p < 1.0]
     if not idx:
         return
@@ -310,7 +311,7 @@ def _top_p(probs: torch.Tensor, ps: list[float]) -> None:
     vals = torch.topk(sub, min(TOP_P_FIRST_K, sub.shape[-1]), dim=-1).values          # [m, K] descending
     mass = torch.cumsum(vals, dim=-1, dtype=torch.float64)
     short = mass[:, -1] < p[:, 0]
-    if probs.device.type == "cuda":   # no host read (overlapped verify steps): every row sorted, same cut
+    if no_host_read:   # which rows' nucleus is wider than K is on the device: sort every row, same cut
         full = torch.sort(sub, dim=-1, descending=True).values
         wide = _cut_values(full, torch.cumsum(full, dim=-1, dtype=torch.float64), p)
         probs[idx] = sub.masked_fill(sub < torch.where(short[:, None], wide, _cut_values(vals, mass, p)), 0.0)

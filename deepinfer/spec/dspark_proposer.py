@@ -111,7 +111,8 @@ class _DraftSampler:
         i = len(self.q)
         out = logits.argmax(-1)
         sel = host_tensor(self.idx, torch.int64, logits.device)
-        probs = filtered_probs(logits[sel].float(), self.params)
+        on_device = isinstance(self.positions, torch.Tensor) and logits.device.type == "cuda"
+        probs = filtered_probs(logits[sel].float(), self.params, no_host_read=on_device)
         q = probs / row_totals(probs).to(probs.dtype)[:, None]
         if isinstance(self.positions, torch.Tensor):
             u = uniforms_on_device(self.seeds, self.positions + 2 + i, DRAFT)

@@ -63,3 +63,18 @@ def test_device_samplable():
     assert not device_samplable(SamplingParams(temperature=0.8, logprobs=2))
     assert not device_samplable(SamplingParams(temperature=0.8, presence_penalty=0.5))
     assert not device_samplable(None)
+
+
+def test_top_p_without_host_read_equals_the_host_cut():
+    """filtered_probs(no_host_read=True) (overlapped steps on CUDA: every row sorted whole) keeps the
+    same probabilities as the host branch, nuclei wider than TOP_P_FIRST_K included (near-flat rows)."""
+    from deepinfer.sample.sampler import TOP_P_FIRST_K, filtered_probs
+    g = torch.Generator().manual_seed(0)
+    for scale in (0.05, 1.0, 5.0):
+        x = torch.randn(12, 5000, generator=g) * scale
+        params = [SamplingParams(temperature=0.7 + 0.1 * i, top_p=[0.5, 0.9, 0.99, 1.0][i % 4],
+                                 top_k=[0, 50, 0, 3000][i % 4]) for i in range(12)]
+        want = filtered_probs(x.clone(), params)
+        assert torch.equal(filtered_probs(x.clone(), params, no_host_read=True), want)
+        if scale < 0.1:
+            assert int((want[2] > 0).sum()) > TOP_P_FIRST_K      # the wide-nucleus case happened
