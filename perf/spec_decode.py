@@ -102,14 +102,16 @@ class Progress:
 
 
 def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, seed: int = 0,
-              label: str | None = None) -> dict:
-    """All requests at once (greedy, ignore_eos); per-request finish times from the step loop."""
+              label: str | None = None, temperature: float = 0.0) -> dict:
+    """All requests at once (ignore_eos; greedy, or at `temperature` with top_p 0.95 and a seed each);
+    per-request finish times from the step loop."""
     from deepinfer import SamplingParams
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     before = engine.stats.snapshot()["counters"]
     t0 = time.perf_counter()
     for i in range(batch):
+        params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True,
+                                **(dict(top_p=0.95, seed=1000 * seed + i) if temperature > 0 else {}))
         engine.add_request(f"b{batch}-{seed}-{i}", [rng.randrange(3, vocab - 300) for _ in range(prompt_len)], params)
     done, tokens, req_steps = {}, {}, 0
     bar = Progress(label, batch * output_len) if label else None
@@ -152,7 +154,7 @@ def config_only_checkpoint(tmp: Path, preset: str) -> str:
 
 
 def configs(a) -> dict[str, dict]:
-    spec = dict(speculative="dspark", spec_replay_accepted_length=a.accepted_length)
+    spec = dict(speculative="dspark", spec_replay_accepted_length=a.accepted_length, spec_acceptance=a.acceptance)
     if a.async_overlap:     # verify-all synchronous, async with every verify step resolved first, overlapped
         return {"off": {}, "verify-all": {**spec, "spec_policy": "all"},
                 "all async": {**spec, "spec_policy": "all", "async_scheduling": True, "spec_async_overlap": False},
@@ -184,10 +186,12 @@ def measure_all(ckpt: str, a) -> dict:
         # warm-up at every batch size (first-touch allocations, kernel builds and autotuning per shape):
         # without it the first policy to reach a shape pays for it and every ratio to it is off
         for b in a.batches:
-            run_batch(eng, b, a.prompt_len, min(a.output_len, 4 if a.quick else 8), vocab, seed=99 + b)
+            run_batch(eng, b, a.prompt_len, min(a.output_len, 4 if a.quick else 8), vocab, seed=99 + b,
+                      temperature=a.temperature)
         res[name] = {}
         for b in a.batches:
-            r = res[name][b] = run_batch(eng, b, a.prompt_len, a.output_len, vocab, label=f"{name} batch {b}")
+            r = res[name][b] = run_batch(eng, b, a.prompt_len, a.output_len, vocab, label=f"{name} batch {b}",
+                                         temperature=a.temperature)
             print(f"[{name}] batch {b}: {r['per_user']:.1f} tok/s/user, {r['total']:.1f} tok/s, {r['steps']} steps, "
                   f"verified {r['verified']}, accepted {r['accepted']}, acc len {r['mean_acc_len']:.2f}", flush=True)
         if a.json:         # after every policy: a run cut short by `timeout` still leaves its data
@@ -318,6 +322,11 @@ def main() -> None:
     ap.add_argument("--async-overlap", action="store_true",
                     help="instead of the policies: verify-all synchronous, async (verify steps resolved "
                          "first) and async with verify steps that overlap (spec_async_overlap)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="requests at this temperature (top_p 0.95, seeded; 0 = greedy): verify steps of "
+                         "sampled requests overlap too")
+    ap.add_argument("--acceptance", default="identical", choices=["identical", "sampled"],
+                    help="spec_acceptance (sampled: drafts sampled at temperature > 0, min(1, p/q))")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for no speculation either")
     ap.add_argument("--json", help="write the measurements here (rewritten after every policy)")
     ap.add_argument("--budget-s", type=float, help="start no further policy once this many seconds have passed")
@@ -333,7 +342,8 @@ def main() -> None:
         else:
             ckpt = default_checkpoint(Path(tmp), a.preset)
         print(f"checkpoint {ckpt} ({a.load_format}), device {a.device}, prompt {a.prompt_len}, output {a.output_len}, "
-              f"replayed mean accepted length {a.accepted_length} of 5 (verify-all)", flush=True)
+              f"replayed mean accepted length {a.accepted_length} of 5 (verify-all), temperature {a.temperature}, "
+              f"acceptance {a.acceptance}", flush=True)
         res = measure_all(ckpt, a)
     report(res, a.batches, gpus=1)
     print(f"total {time.perf_counter() - T_START:.0f} s")

@@ -58,7 +58,6 @@ def speculative_rows(probs: torch.Tensor, draft_ids: torch.Tensor, draft_probs: 
     accept = u_accept.to(dev) * q_d < p_d                                             # P = min(1, p/q)
     residual = (p - q).clamp_(min=0.0)                                                # [m, V]
     empty = row_totals(residual) <= 0                                                 # p == q: never rejected
-    if bool(empty.any()):
-        residual[empty] = p[empty]
+    residual = torch.where(empty[:, None], p, residual)                               # no host read
     resampled = inverse_cdf(residual, u_residual.to(dev))
     return torch.where(accept, d[:, 0], resampled)

@@ -27,6 +27,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from deepinfer.sample.device_sampling import host_tensor
 from deepinfer.sample.grammar import GrammarState, InvalidConstraintError, StructuredOutput
 from deepinfer.sample.random import ACCEPT, RESIDUAL, resolve_seed, uniforms
 from deepinfer.sampling_params import SamplingParams
@@ -240,15 +241,16 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], u: torch.Ten
     return inverse_cdf(filtered_probs(logits, params), u.to(logits.device))
 
 
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], no_host_read: bool = False) -> torch.Tensor:
     """logits [n, V] fp32 (consumed) -> [n, V] probabilities after temperature, top_k, top_p, min_p;
     rows at temperature > 0 only. Not renormalized after the cuts (inverse_cdf scales by the total;
-    row_totals gives it)."""
-    temp = torch.tensor([p.temperature for p in params], device=logits.device)
+    row_totals gives it). no_host_read (overlapped verify steps on CUDA): the same values without
+    reading the device on the host (top_p sorts every row whole)."""
+    temp = host_tensor([p.temperature for p in params], torch.float32, logits.device)
     x = logits.div_(temp[:, None])
     _top_k(x, [p.top_k for p in params])
     probs = torch.softmax(x, dim=-1)                                                  # [n, V]
-    _top_p(probs, [p.top_p for p in params])
+    _top_p(probs, [p.top_p for p in params], no_host_read)
     _min_p(probs, [p.min_p for p in params])
     return probs
 
@@ -293,22 +295,27 @@ def _top_k(x: torch.Tensor, ks: list[int]) -> None:
     idx = [i for i, k in enumerate(ks) if 0 < k < x.shape[-1]]
     if not idx:
         return
-    k = torch.tensor([ks[i] for i in idx], device=x.device)
-    vals = torch.topk(x[idx], int(k.max()), dim=-1).values                            # [m, kmax], descending
+    k = host_tensor([ks[i] for i in idx], torch.int64, x.device)
+    vals = torch.topk(x[idx], max(ks[i] for i in idx), dim=-1).values                 # [m, kmax], descending
     kth = vals.gather(1, (k - 1)[:, None])
     sub = x[idx]
     x[idx] = sub.masked_fill(sub < kth, float("-inf"))
 
 
-def _top_p(probs: torch.Tensor, ps: list[float]) -> None:
+def _top_p(probs: torch.Tensor, ps: list[float], no_host_read: bool = False) -> None:
     idx = [i for i, p in enumerate(ps) if p < 1.0]
     if not idx:
         return
-    p = torch.tensor([ps[i] for i in idx], device=probs.device, dtype=torch.float64)[:, None]
+    p = host_tensor([ps[i] for i in idx], torch.float64, probs.device)[:, None]
     sub = probs[idx]
     vals = torch.topk(sub, min(TOP_P_FIRST_K, sub.shape[-1]), dim=-1).values          # [m, K] descending
     mass = torch.cumsum(vals, dim=-1, dtype=torch.float64)
     short = mass[:, -1] < p[:, 0]
+    if no_host_read:   # which rows' nucleus is wider than K is on the device: sort every row, same cut
+        full = torch.sort(sub, dim=-1, descending=True).values
+        wide = _cut_values(full, torch.cumsum(full, dim=-1, dtype=torch.float64), p)
+        probs[idx] = sub.masked_fill(sub < torch.where(short[:, None], wide, _cut_values(vals, mass, p)), 0.0)
+        return
     if bool(short.any()):   # the nucleus is wider than K: sort those rows whole
         full = torch.sort(sub[short], dim=-1, descending=True).values
         cut = _cut_values(full, torch.cumsum(full, dim=-1, dtype=torch.float64), p[short])
@@ -328,6 +335,6 @@ def _min_p(probs: torch.Tensor, ms: list[float]) -> None:
     idx = [i for i, m in enumerate(ms) if m > 0.0]
     if not idx:
         return
-    m = torch.tensor([ms[i] for i in idx], device=probs.device)[:, None]
+    m = host_tensor([ms[i] for i in idx], torch.float32, probs.device)[:, None]
     sub = probs[idx]
     probs[idx] = sub.masked_fill(sub < m * sub.amax(dim=-1, keepdim=True), 0.0)

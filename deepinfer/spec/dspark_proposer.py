@@ -90,23 +90,34 @@ class DSparkProposer:
 class _DraftSampler:
     """dspark_propose's `sample` callback: draft i of each row (position p+2+i), greedy or sampled."""
 
-    def __init__(self, sampling: list[tuple[SamplingParams, int] | None], positions: list[int]) -> None:
+    def __init__(self, sampling: list[tuple[SamplingParams, int] | None], positions) -> None:
+        """positions [B]: p per row, a host list, or a device tensor (drafting on the device at launch,
+        spec/overlap.py: the DRAFT stream is then mixed on the device, sample/device_sampling.py)."""
         self.idx = [b for b, s in enumerate(sampling) if s is not None]
         self.params = [sampling[b][0] for b in self.idx]
         self.seeds = [sampling[b][1] for b in self.idx]
-        self.positions = [positions[b] for b in self.idx]
+        if isinstance(positions, torch.Tensor):
+            from deepinfer.sample.device_sampling import host_tensor
+            self.positions = positions[host_tensor(self.idx, torch.int64, positions.device)]
+        else:
+            self.positions = [positions[b] for b in self.idx]
         self.num_rows = len(sampling)
         self.q: list[torch.Tensor] = []              # per draft i: [len(idx), V] normalized
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:          # [B, V] -> [B]
+        from deepinfer.sample.device_sampling import host_tensor, uniforms_on_device
         from deepinfer.sample.random import DRAFT, uniforms
         from deepinfer.sample.sampler import filtered_probs, inverse_cdf, row_totals
         i = len(self.q)
         out = logits.argmax(-1)
-        sel = torch.tensor(self.idx, device=logits.device)
-        probs = filtered_probs(logits[sel].float(), self.params)
+        sel = host_tensor(self.idx, torch.int64, logits.device)
+        on_device = isinstance(self.positions, torch.Tensor) and logits.device.type == "cuda"
+        probs = filtered_probs(logits[sel].float(), self.params, no_host_read=on_device)
         q = probs / row_totals(probs).to(probs.dtype)[:, None]
-        u = uniforms(self.seeds, [p + 2 + i for p in self.positions], DRAFT)
+        if isinstance(self.positions, torch.Tensor):
+            u = uniforms_on_device(self.seeds, self.positions + 2 + i, DRAFT)
+        else:
+            u = uniforms(self.seeds, [p + 2 + i for p in self.positions], DRAFT)
         out[sel] = inverse_cdf(q, u.to(q.device))
         self.q.append(q)
         return out

@@ -19,9 +19,12 @@ draft row reads positions <= its anchor's). That needs ring_len >= the draft win
 rejected row never lands on a slot a later proposal still reads (checked at start: ring_fits).
 
 What may draft on the device, and so be followed by an overlapped step (can_draft_on_device):
-every request of the step samples (no prompt chunk short of its end), by plain argmax (no
-temperature, logprobs, penalties, grammar: the Sampler reads host positions and drafts), with no
-teacher forcing, returned logits, images or bounded replay. Anything else is resolved before the
+every request of the step samples (no prompt chunk short of its end), by argmax or by a seeded
+sample at temperature > 0 with top-k / top-p / min-p (sample/device_sampling.py: the positions of
+the seeded streams, the drafts and, under spec_acceptance="sampled", the draft probabilities q come
+from N's device tensors; the drafts of such requests are sampled on the device too), with no
+logprobs, penalties or grammar (the Sampler reads host state for them), teacher forcing, returned
+logits, images or bounded replay. Anything else is resolved before the
 next schedule, as before. Replayed acceptance (benchmark mode, spec/replay.py) draws each
 proposal's outcome by (request, anchor position): with overlap the runner draws every position a
 request may reach when it is added (a device table by row and position), so a proposal made on the
@@ -43,10 +46,12 @@ def ring_fits(model, caches, num_speculative_tokens: int) -> bool:
 
 
 def can_draft_on_device(input_batch, rows: np.ndarray, num_logits: np.ndarray) -> bool:
+    from deepinfer.sample.device_sampling import device_samplable
     ib = input_batch
     row_set = set(rows.tolist())
     return (bool((num_logits > 0).all())
-            and not ib.needs_sampler[rows].any() and not ib.has_images[rows].any()
+            and all(device_samplable(ib.params[r]) for r in rows[ib.needs_sampler[rows]].tolist())
+            and not ib.has_images[rows].any()
             and not (row_set & set(ib.forced)) and not (row_set & ib.return_logits)
             and not ib._replaying(rows, ib.num_computed[rows]).any())
 

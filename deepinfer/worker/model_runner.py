@@ -86,6 +86,7 @@ class _InFlight:
     drafts_host: tuple | None = None
     replay_dev: torch.Tensor | None = None   # [B] replayed lengths of those drafts (benchmark mode), device
     verified_host: torch.Tensor | None = None  # [B] an overlapped step: drafts the device's policy verified
+    draft_probs_dev: torch.Tensor | None = None  # [B, K, V] q of device-made sampled drafts ("sampled")
 
 
 @dataclass
@@ -204,7 +205,7 @@ class ModelRunner:
         or (an overlapped step) a device tensor; replayed: benchmark mode's lengths (host or device).
         verified [B] (an overlapped step, device): the drafts each request verified, <= num_spec (the
         layout's; q_lens and num_logits stay the layout, rows past 1 + verified are padding)."""
-        res = res_host = drafts = drafts_host = replay_dev = verified_host = None
+        res = res_host = drafts = drafts_host = replay_dev = verified_host = draft_probs = None
         if self.proposer is not None:   # resolved on the device: the host reads one copy, at resolve()
             if verified is None:
                 res = resolve_on_device(sampled, fed, num_logits, num_spec, start, q_lens, replayed)
@@ -214,7 +215,8 @@ class ModelRunner:
             res_host, _ = self._to_host(torch.cat([res.num_tokens[:, None], res.tokens], dim=1))
             if self.overlapped is not None and main_hidden is not None and can_draft_on_device(
                     self.input_batch, rows, num_logits):
-                drafts = self.overlapped.draft(main_hidden, positions, q_lens, rows, res)
+                ids, conf, draft_probs = self.overlapped.draft(main_hidden, positions, q_lens, rows, res)
+                drafts = (ids, conf)
                 drafts_host = (self._to_host(drafts[0])[0], self._to_host(drafts[1])[0])
                 replay_dev = self.overlapped.replayed(rows, res)   # benchmark mode: the proposals' outcomes
         host, done = self._to_host(sampled)   # its event also covers the copies above (same stream)
@@ -227,7 +229,7 @@ class ModelRunner:
         return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits,
                          logprobs=logprobs, seq=self._launch_seq, spec=spec, resolution=res,
                          resolution_host=res_host, device_drafts=drafts, drafts_host=drafts_host,
-                         replay_dev=replay_dev, verified_host=verified_host)
+                         replay_dev=replay_dev, verified_host=verified_host, draft_probs_dev=draft_probs)
 
     # verify steps that overlap (spec/overlap.py, worker/overlapped_step.py) ----------------------
     def enable_overlap(self) -> None:
@@ -250,7 +252,7 @@ class ModelRunner:
             return None
         f = self.overlapped.forward(sched_out, prev)
         with torch.inference_mode():
-            sampled = sample_greedy(f.logits)
+            sampled = self.overlapped.sample(f, prev)
         self.input_batch.pending_index[:] = -1
         self._prev_sampled = sampled
         replayed = None if prev.replay_dev is None else torch.where(
@@ -338,10 +340,15 @@ class ModelRunner:
         if replay is not None:   # the same draws as the device table's (p = the anchor's position - 1)
             keys = [(step.req_ids[i], int(ib.num_tokens[step.rows[i]]) - 2) for i in which]
             conf_r, lengths = replay.draw(keys)
+        q = step.draft_probs_dev
         for j, i in enumerate(which):
             req_id = step.req_ids[i]
             drafts[i], confs[i] = ids[i], conf[i] if replay is None else conf_r[j]
-            self._draft_probs.pop(req_id, None)
+            p = self.input_batch.params[int(step.rows[i])]
+            if q is not None and not p.greedy:   # sampled drafts: a host-built step verifies them with q
+                self._draft_probs[req_id] = q[i]
+            else:
+                self._draft_probs.pop(req_id, None)
             if replay is not None:
                 self._replay_len[req_id] = lengths[j]
         return drafts, confs

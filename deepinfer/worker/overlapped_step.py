@@ -53,7 +53,9 @@ class OverlappedSteps:
     def draft(self, main_hidden, positions, q_lens, rows, res):
         """Every row of the step into the DSpark rings (rejected ones are overwritten later), then
         num_speculative_tokens drafts per request from its resolved anchor at next_pos - 1.
-        -> (ids [B, K], confidence logits [B, K]) on the device."""
+        -> (ids [B, K], confidence logits [B, K], q [B, K, V] | None) on the device; q: the draft
+        probabilities of the requests that sample their drafts (spec_acceptance="sampled", T > 0;
+        zeros for the others), drawn eagerly with the DRAFT stream at the device positions."""
         from deepinfer.model.dspark import dspark_propose
         r = self.runner
         ib, dev, proposer = r.input_batch, r.device, r.proposer
@@ -61,7 +63,8 @@ class OverlappedSteps:
         cu = np.concatenate([[0], np.cumsum(q_lens)])
         proposer.absorb(main_hidden, positions, slots.tolist(), cu.tolist(), max_pos=self.max_pos())
         n, dg = len(rows), proposer.graphs
-        graph = dg is not None and dg.serves(n)
+        sampler = self._draft_sampler(rows, res.next_pos - 1)
+        graph = sampler is None and dg is not None and dg.serves(n)
         bufs = dg.graphs.static_in[dg.graphs.padded(n)][0] if graph else self._draft_buffers(n)
         bufs.fill_on_device(res.anchor, res.next_pos - 1, to_device(slots, dev))
         if graph:
@@ -69,12 +72,65 @@ class OverlappedSteps:
             dg.num_steps += 1
         else:
             with torch.inference_mode():
-                out = dspark_propose(r.model, bufs.v["anchor_ids"], None, None, r.caches, static=bufs)
+                out = dspark_propose(r.model, bufs.v["anchor_ids"], None, None, r.caches, sample=sampler,
+                                     static=bufs)
             ids, conf = out.draft_ids, out.confidence
         K = proposer.num_speculative_tokens
         if self._replay_conf is not None:   # benchmark mode: the replayed confidences, as the host's
             conf = self._replay_conf[to_device(rows, dev), res.next_pos - 1]
-        return ids[:n, :K].clone(), conf[:n, :K].float().clone()
+        q = None
+        if sampler is not None:
+            stacked = torch.stack(sampler.q[:K], dim=1)                          # [len(idx), K, V]
+            q = torch.zeros((n, K, stacked.shape[-1]), dtype=torch.float32, device=dev)
+            q[to_device(np.asarray(sampler.idx), dev)] = stacked
+        return ids[:n, :K].clone(), conf[:n, :K].float().clone(), q
+
+    def _draft_sampler(self, rows: np.ndarray, positions: torch.Tensor):
+        """The DSpark sample callback of the requests that sample their drafts ("sampled" rule, T > 0;
+        as ModelRunner._draft_sampling), positions p on the device; None: every draft greedy."""
+        from deepinfer.spec.dspark_proposer import _DraftSampler
+        r = self.runner
+        if r.proposer.acceptance != "sampled":
+            return None
+        ib = r.input_batch
+        sampling = []
+        for row in rows.tolist():
+            p, state = ib.params[row], ib.sampling_state[row]
+            sampling.append((p, state.seed) if p is not None and not p.greedy and state is not None else None)
+        if all(x is None for x in sampling):
+            return None
+        return _DraftSampler(sampling, positions)
+
+    # sampling an overlapped step ---------------------------------------------------------------
+    def sample(self, f: "OverlappedForward", prev) -> torch.Tensor:
+        """[sum q] tokens of the overlapped step's logits rows, on the device: argmax, or the seeded
+        sample at the row's position (f.positions + 1, device), or ("sampled" rule) the accept /
+        residual draw of the draft the row verifies with prev's device q (sample/device_sampling.py).
+        can_draft_on_device admitted only requests that need nothing else."""
+        from deepinfer.sample.device_sampling import DeviceRows, sample_on_device
+        r = self.runner
+        ib, dev = r.input_batch, r.device
+        params = [ib.params[row] for row in f.rows.tolist()]
+        if all(p is None or p.greedy for p in params):
+            return f.logits.argmax(dim=-1)
+        seeds = []
+        for row, p in zip(f.rows.tolist(), params):
+            if ib.sampling_state[row] is None and not p.greedy:
+                ib.sampling_state[row] = r._new_state(row)
+            seeds.append(0 if p.greedy else ib.sampling_state[row].seed)
+        req = np.repeat(np.arange(len(params)), f.q_lens)
+        rows = DeviceRows([params[i] for i in req], [seeds[i] for i in req], f.positions + 1)
+        q = getattr(prev, "draft_probs_dev", None)
+        if q is not None:    # row j < k_i verifies draft d_(j+1) (fed at the next row) sampled from q_(j+1)
+            j = to_device(_ragged_arange(f.q_lens), dev)
+            req_d = to_device(req, dev)
+            has_q = to_device(np.array([not p.greedy for p in params], dtype=np.int64)[req], dev) > 0
+            rows.verifies = has_q & (j < f.num_verified[req_d])
+            rows.draft_ids = torch.roll(f.fed, -1).to(torch.int64)
+            b = to_device(f.prev_index, dev)[req_d]
+            rows.draft_probs = q[b, j.clamp(max=q.shape[1] - 1)]
+        with torch.inference_mode():
+            return sample_on_device(f.logits, rows)
 
     def _draft_buffers(self, n: int):
         if n not in self._static_drafts:

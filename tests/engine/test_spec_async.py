@@ -2,9 +2,10 @@
 the same tokens as the synchronous engine under batch_invariant=True, with the greedy and the
 sampled acceptance rule, a request that stops on a stop token and one aborted while a step
 holding it is in flight. Steps that sample nothing (prefill chunks) are launched with the previous
-one still in flight; here sampled requests (temperature > 0) share every verify step until the
-greedy ones are near max_tokens, so each is resolved before the next schedule (engine.py) and
-Engine.num_verify_steps_overlapped stays 0; verify steps that overlap: test_spec_overlap.py."""
+one still in flight; here the requests are short (max_tokens 6-9: under the worst-case reservation
+any of them may be done) and a long prompt is prefilled beside them, so each verify step is resolved
+before the next schedule (engine.py) and Engine.num_verify_steps_overlapped stays 0; verify steps
+that overlap (greedy and sampled requests): test_spec_overlap.py."""
 
 from __future__ import annotations
 
@@ -86,8 +87,8 @@ def test_async_speculation_equals_sync(args, sync_runs, rule):
     assert got == want
     assert all(len(got[str(i)]) == p.max_tokens for i, p in enumerate(PLIST[rule]()))
     assert overlapped > 0                                  # prefill chunks launched with a step in flight
-    # sampled requests in every verify step (and the greedy ones near max_tokens after them): each
-    # waits for the one before it (spec/overlap.py overlaps greedy ones: test_spec_overlap.py)
+    # short requests and a long prefill beside them: each verify step waits for the one before it
+    # (spec/overlap.py; verify steps that overlap: test_spec_overlap.py)
     assert a.num_resolved_before_schedule > 0 and a.num_verify_steps_overlapped == 0
     assert sync_engine.num_resolved_before_schedule == sync_engine.num_verify_steps_overlapped == 0
     c = a.stats.snapshot()["counters"]

@@ -2,17 +2,18 @@
 step N+1 is scheduled with the worst-case reservation and launched from N's device-side resolution
 before N's accepted counts reach the host. Under batch_invariant=True the tokens equal the
 synchronous engine's, with both acceptance rules, with a stop and an abort discovered while an
-overlapped step is in flight, and with sampled requests beside greedy ones (those steps are
-resolved first). The random tiny model accepts almost no draft, so an oracle proposer (the
-reference tokens, one draft in four corrupted) makes acceptance lengths 0..K happen: the trim of
-the worst case (k - a positions) is exercised at every length."""
+overlapped step is in flight, with sampled requests beside greedy ones, and with only requests at
+temperature > 0 (their seeded positions, drafts and draft probabilities from the device). The
+random tiny model accepts almost no draft, so an oracle proposer (the reference tokens, one draft
+in four corrupted) makes acceptance lengths 0..K happen: the trim of the worst case (k - a
+positions) is exercised at every length."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deepinfer import EngineArgs
+from deepinfer import EngineArgs, SamplingParams
 from deepinfer.engine import Engine
 from tests.engine.conftest import greedy, sampled
 
@@ -68,11 +69,11 @@ def oracle_drafts(engine: Engine, ref: dict[str, list[int]]) -> None:
     device_draft = runner.overlapped.draft
 
     def draft_on_device(main_hidden, positions, q_lens, rows, res):
-        ids, conf = device_draft(main_hidden, positions, q_lens, rows, res)
+        ids, conf, q = device_draft(main_hidden, positions, q_lens, rows, res)
         owner = {row: r for r, row in runner.input_batch.row_of.items()}
         nxt = res.next_pos.tolist()        # CPU: a test may read it; the engine does not
         want = [[token(owner[int(row)], nxt[b] + 1 + j) for j in range(ids.shape[1])] for b, row in enumerate(rows)]
-        return torch.tensor(want, dtype=ids.dtype, device=ids.device), conf
+        return torch.tensor(want, dtype=ids.dtype, device=ids.device), conf, q
 
     runner.overlapped.draft = draft_on_device
 
@@ -147,8 +148,8 @@ def test_overlap_with_stop_and_abort_in_flight(args, ref):
 
 
 def test_sampled_requests_beside_greedy_ones(args, ref):
-    """Requests at temperature > 0 (sampled rule) are resolved before the next schedule; once they
-    are done the greedy ones overlap again; every token equals the synchronous engine's."""
+    """Requests at temperature > 0 (sampled rule) beside greedy ones, all under async + overlap:
+    every token equals the synchronous engine's."""
     plist = [greedy(N_OUT), sampled(4, 1), sampled(3, 2), greedy(N_OUT)]
     want = run(Engine(EngineArgs(**args, spec_acceptance="sampled")), plist)[0]
     a = Engine(EngineArgs(**args, spec_acceptance="sampled", async_scheduling=True))
@@ -156,6 +157,56 @@ def test_sampled_requests_beside_greedy_ones(args, ref):
     got = run(a, plist)[0]
     assert got == want and got["0"] == ref["0"] and got["3"] == ref["3"]
     assert a.num_verify_steps_overlapped > 0 and a.num_resolved_before_schedule > 0
+
+
+def _sampled_plist(n, stop=None):
+    """Requests at temperature > 0 only: top-p (conftest.sampled) and one with top-k and min-p."""
+    plist = [sampled(n, 11 + i) for i in range(len(PROMPTS))]
+    plist[2] = SamplingParams(max_tokens=n, temperature=6.0, top_k=40, min_p=0.01, seed=5, ignore_eos=True)
+    if stop is not None:
+        plist[3] = SamplingParams(max_tokens=n, temperature=8.0, top_p=0.95, seed=14, ignore_eos=True,
+                                  stop_token_ids=[stop])
+    return plist
+
+
+@pytest.mark.parametrize("rule", ["identical", "sampled"])
+def test_sampled_requests_overlap(args, rule):
+    """Only requests at temperature > 0 in the batch (seeded, top-p / top-k / min-p): their verify
+    steps overlap (the seeded streams' positions, the drafts and, under "sampled", q come from the
+    previous step's device tensors), with a stop and an abort found while an overlapped step holds
+    them, and the tokens equal sync + speculation. "identical": every token (the rule's tokens are
+    plain decoding's whatever was verified). "sampled": the tokens depend on how many drafts were
+    verified, and near max_tokens the worst case verifies fewer than the synchronous schedule, so
+    the last 2 (K + 1) tokens are left out (as replay mode)."""
+    n, k = 28, 5
+    plain = run(Engine(EngineArgs(**args)), _sampled_plist(n))[0]     # identical rule: plain decoding's tokens
+    sync = Engine(EngineArgs(**args, spec_acceptance=rule))
+    oracle_drafts(sync, plain)
+    base = run(sync, _sampled_plist(n))[0]
+    if rule == "identical":
+        assert base == plain
+    stop_tok = base["3"][8]
+    a = Engine(EngineArgs(**args, spec_acceptance=rule, async_scheduling=True))
+    oracle_drafts(a, plain)
+    launch_overlapped, with_q = a.runner.launch_overlapped, []
+
+    def recorded(sched_out, prev):       # did the step verify sampled drafts with the device's q?
+        with_q.append(prev.draft_probs_dev is not None)
+        return launch_overlapped(sched_out, prev)
+
+    a.runner.launch_overlapped = recorded
+    got, reasons, abort_in_overlap, stopped_in_overlap = run(a, _sampled_plist(n, stop_tok), abort=("1", 6))
+    assert a.num_verify_steps_overlapped >= 4
+    assert all(with_q) == (rule == "sampled") and any(with_q) == (rule == "sampled")
+    assert abort_in_overlap, "the aborted request was not in an overlapped step in flight"
+    assert "3" in stopped_in_overlap, "the stop was not found with an overlapped step holding it in flight"
+    first = base["3"].index(stop_tok)
+    assert reasons["3"] == "stop" and got["3"] == base["3"][:first + 1]
+    assert reasons["1"] == "abort" and 6 <= len(got["1"]) < n and got["1"] == base["1"][:len(got["1"])]
+    keep = n if rule == "identical" else n - 2 * (k + 1)
+    assert all(len(got[r]) == n and got[r][:keep] == base[r][:keep] for r in ("0", "2"))
+    c = a.stats.snapshot()["counters"]
+    assert 0 < c["spec_draft_tokens_accepted_total"] < c["spec_draft_tokens_verified_total"]
 
 
 def test_replayed_acceptance_with_overlap(args):
@@ -262,20 +313,50 @@ def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     assert all(got[r][:2] == ref[r][:2] for r in ref)
 
 
-def test_overlapped_steps_through_the_graph_path_on_cpu(args, ref):
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rule", ["identical", "sampled"])
+def test_sampled_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, rule):
+    """Only requests at temperature > 0 (top-p, top-k + min-p): the whole overlapped launch on the GPU,
+    the seeded draws mixed on the device (and under "sampled" the drafts sampled on the device, the
+    accept / residual draws with the device's q), under sync debug mode "error"; the verify steps
+    replay their graphs (sampled drafting runs eagerly)."""
+    args = {**_cuda_args(tiny_engine_args), "spec_acceptance": rule}
+    e = Engine(EngineArgs(**args))
+    runner = e.runner
+    calls, replays = [], []
+    strict = _strict(runner.launch_overlapped, calls)
+
+    def counted(sched_out, prev):
+        before = runner.graphs.num_replays
+        try:
+            return strict(sched_out, prev)
+        finally:
+            replays.append(runner.graphs.num_replays - before)
+
+    runner.launch_overlapped = counted
+    got = run(e, _sampled_plist(N_OUT))[0]
+    assert e.num_verify_steps_overlapped > 0 and len(replays) == e.num_verify_steps_overlapped
+    assert all(r == 1 for r in replays), replays
+    assert all(len(t) == N_OUT for t in got.values()) and len({tuple(t) for t in got.values()}) == len(got)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_overlapped_steps_through_the_graph_path_on_cpu(args, ref, kind):
     """cuda_graph_sizes on a CPU: the captured-step code path (DecodeGraphs.step_on_device and the
     drafting graphs' static buffers, run eagerly on the padded buffers) serves the overlapped
     steps; not batch-invariant (graphs are off with it), so the tokens are compared with the
-    synchronous engine on the same path."""
+    synchronous engine on the same path. "sampled": requests at temperature > 0 (identical rule)."""
     g = {**args, "batch_invariant": False, "cuda_graph_sizes": (1, 2, 4, 8)}
-    want = run(Engine(EngineArgs(**g)), [greedy(N_OUT) for _ in PROMPTS])[0]
+    plist = (lambda: [greedy(N_OUT) for _ in PROMPTS]) if kind == "greedy" else lambda: _sampled_plist(N_OUT)
+    want = run(Engine(EngineArgs(**g)), plist())[0]
     e = Engine(EngineArgs(**g, async_scheduling=True))
     graphs = e.runner.graphs
     served = []
     step_on_device = graphs.step_on_device
     graphs.step_on_device = lambda inputs, key: served.append(key) or step_on_device(inputs, key)
     oracle_drafts(e, ref)
-    got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
+    got = run(e, plist())[0]
     assert e.num_verify_steps_overlapped > 0 and len(served) == e.num_verify_steps_overlapped
     assert got == want
 

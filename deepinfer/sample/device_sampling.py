@@ -1,0 +1,103 @@
+"""Seeded sampling whose positions, drafts and draft probabilities are device tensors (issue 19: verify
+steps that overlap at temperature > 0, spec/overlap.py). The Sampler (sampler.py) reads positions and
+drafts from the host; an overlapped step N+1 has them only on the device (positions = N's next_pos +
+arange, drafts and q = N's device proposal), so this module does the same draws with tensor ops:
+
+    uniforms_on_device   random.uniforms bit for bit: SplitMix64 in int64 tensor arithmetic
+                         (wrapping multiply and add, logical shifts by masking)
+    sample_on_device     the Sampler's draw for rows that need only temperature / top-k / top-p /
+                         min-p (no logprobs, penalties or grammar): greedy rows argmax, sampled rows
+                         inverse CDF at the SAMPLE stream; rows that verify a sampled draft ("sampled"
+                         rule) accept with min(1, p/q) or resample the residual (rejection.py)
+
+The per-request seed stream key is made on the host (the seed is host-known); only the position
+mixing runs on the device. Same filters, same inverse CDF, same rejection code as the Sampler, so
+a row's token equals the Sampler's (tests/sample/test_device_sampling.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.sample.random import ACCEPT, RESIDUAL, SAMPLE, _MASK64, purpose_seed, splitmix64
+from deepinfer.sampling_params import SamplingParams
+
+
+def _signed(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_C0, _C1, _C2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    x = x + _C0
+    x = (x ^ _srl(x, 30)) * _C1
+    x = (x ^ _srl(x, 27)) * _C2
+    return x ^ _srl(x, 31)
+
+
+def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values onto the device without waiting for the stream (pinned, non-blocking on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def uniforms_on_device(seeds: list[int], positions: torch.Tensor, purpose: int = SAMPLE) -> torch.Tensor:
+    """[N] float64 on positions' device: random.uniforms(seeds, positions, purpose) without reading
+    the positions on the host."""
+    keys = [_signed(splitmix64(purpose_seed(s, purpose) & _MASK64)) for s in seeds]
+    k = host_tensor(keys, torch.int64, positions.device)
+    h = _splitmix64(k ^ positions.to(torch.int64))
+    return _srl(h, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def device_samplable(p: SamplingParams | None) -> bool:
+    """The request's token needs nothing but its logits, seed and position (no logprobs, penalties
+    or grammar, which read host state)."""
+    return p is not None and p.logprobs is None and p.constraint is None and not (
+        p.presence_penalty or p.frequency_penalty)
+
+
+@dataclass
+class DeviceRows:
+    """The logits rows of a step, for sample_on_device. Host lists are the step's shape (known at
+    build); tensors are on the device."""
+    params: list[SamplingParams]        # [N] per logits row
+    seeds: list[int]                    # [N] the request's resolved seed (unused for greedy rows)
+    positions: torch.Tensor             # [N] int64: absolute position of the token each row samples
+    draft_ids: torch.Tensor | None = None     # [N] "sampled" rule: the draft each row verifies
+    draft_probs: torch.Tensor | None = None   # [N, V] its q (rows without one: any, masked by verifies)
+    verifies: torch.Tensor | None = None      # [N] bool: the row verifies a sampled draft
+
+
+def sample_on_device(logits: torch.Tensor, rows: DeviceRows) -> torch.Tensor:
+    """logits [N, V] fp32 -> [N] int64 tokens on the device, as Sampler.sample's _draw for these rows."""
+    from deepinfer.sample.rejection import speculative_rows
+    from deepinfer.sample.sampler import filtered_probs, inverse_cdf
+    out = logits.argmax(dim=-1)
+    rand = [i for i, p in enumerate(rows.params) if not p.greedy]
+    if not rand:
+        return out
+    sel = host_tensor(rand, torch.int64, logits.device)
+    seeds = [rows.seeds[i] for i in rand]
+    pos = rows.positions[sel]
+    on_gpu = logits.device.type == "cuda"
+    probs = filtered_probs(logits[sel].float(), [rows.params[i] for i in rand], no_host_read=on_gpu)
+    tok = inverse_cdf(probs, uniforms_on_device(seeds, pos, SAMPLE))
+    if rows.verifies is not None:
+        u_accept, u_residual = uniforms_on_device(seeds, pos, ACCEPT), uniforms_on_device(seeds, pos, RESIDUAL)
+        spec = speculative_rows(probs, rows.draft_ids[sel], rows.draft_probs[sel], u_accept, u_residual)
+        tok = torch.where(rows.verifies[sel], spec, tok)
+    out[sel] = tok
+    return out

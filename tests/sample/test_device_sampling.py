@@ -1,0 +1,80 @@
+"""sample/device_sampling.py: the draws of an overlapped verify step, whose positions, drafts and draft
+probabilities are device tensors, equal the Sampler's (which reads them on the host): the uniforms
+bit for bit over random seeds and positions, and each row's token, for greedy, top-p / top-k /
+min-p rows and rows verifying a sampled draft, mixed in one batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+
+from deepinfer.sample.device_sampling import DeviceRows, device_samplable, sample_on_device, uniforms_on_device
+from deepinfer.sample.random import ACCEPT, DRAFT, RESIDUAL, SAMPLE, uniforms
+from deepinfer.sample.sampler import Sampler, SamplingRow
+from deepinfer.sampling_params import SamplingParams
+
+
+def test_uniforms_on_device_equal_the_host_streams():
+    rng = random.Random(0)
+    seeds = [rng.getrandbits(63) for _ in range(3000)] + [0, 1, (1 << 63) - 1, (1 << 64) - 1]
+    positions = [rng.randrange(0, 1 << 40) for _ in range(len(seeds) - 4)] + [0, 1, 7, 1 << 20]
+    for purpose in (SAMPLE, DRAFT, ACCEPT, RESIDUAL):
+        want = uniforms(seeds, positions, purpose)
+        got = uniforms_on_device(seeds, torch.tensor(positions), purpose)
+        assert torch.equal(got, want), purpose
+
+
+def test_device_sample_equals_the_sampler():
+    """A batch of 60 rows: greedy, temperature with top-p / top-k / min-p, and rows verifying a sampled
+    draft with its q (the "sampled" rule), each row's token equal to Sampler.sample's."""
+    V, n = 300, 60
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(n, V, generator=g) * 4
+    q = torch.softmax(torch.randn(n, V, generator=g) * 3, dim=-1)
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_p=0.9),
+             SamplingParams(temperature=1.5, top_k=20, min_p=0.02), SamplingParams(temperature=0.7)]
+    sampler = Sampler(V)
+    params, seeds, positions, host_rows, verifies, drafts = [], [], [], [], [], []
+    for i in range(n):
+        p = dataclasses.replace(kinds[i % 4], seed=100 + i)
+        state = sampler.new_state(p)
+        pos = 17 + 3 * i
+        verify = not p.greedy and i % 3 == 0
+        d = int(torch.multinomial(q[i], 1, generator=g)) if verify else 0
+        extra = dict(draft_id=d, draft_probs=q[i]) if verify else {}
+        host_rows.append(SamplingRow(state, (), pos, **extra))
+        params.append(p)
+        seeds.append(state.seed)
+        positions.append(pos)
+        verifies.append(verify)
+        drafts.append(d)
+    want = sampler.sample(logits.clone(), host_rows, advance=False).token_ids
+    rows = DeviceRows(params, seeds, torch.tensor(positions), draft_ids=torch.tensor(drafts),
+                      draft_probs=q, verifies=torch.tensor(verifies))
+    got = sample_on_device(logits.clone(), rows)
+    assert torch.equal(got, want)
+    assert sum(verifies) > 5 and len(set(want.tolist())) > 20       # the rows exercise every path
+
+
+def test_device_samplable():
+    assert device_samplable(SamplingParams(temperature=0.8, top_p=0.9, seed=1))
+    assert not device_samplable(SamplingParams(temperature=0.8, logprobs=2))
+    assert not device_samplable(SamplingParams(temperature=0.8, presence_penalty=0.5))
+    assert not device_samplable(None)
+
+
+def test_top_p_without_host_read_equals_the_host_cut():
+    """filtered_probs(no_host_read=True) (overlapped steps on CUDA: every row sorted whole) keeps the
+    same probabilities as the host branch, nuclei wider than TOP_P_FIRST_K included (near-flat rows)."""
+    from deepinfer.sample.sampler import TOP_P_FIRST_K, filtered_probs
+    g = torch.Generator().manual_seed(0)
+    for scale in (0.05, 1.0, 5.0):
+        x = torch.randn(12, 5000, generator=g) * scale
+        params = [SamplingParams(temperature=0.7 + 0.1 * i, top_p=[0.5, 0.9, 0.99, 1.0][i % 4],
+                                 top_k=[0, 50, 0, 3000][i % 4]) for i in range(12)]
+        want = filtered_probs(x.clone(), params)
+        assert torch.equal(filtered_probs(x.clone(), params, no_host_read=True), want)
+        if scale < 0.1:
+            assert int((want[2] > 0).sum()) > TOP_P_FIRST_K      # the wide-nucleus case happened
