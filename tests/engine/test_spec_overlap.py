@@ -257,6 +257,18 @@ def _strict(fn, calls: list):
     return wrapped
 
 
+def _counting_replays(runner, launch, replays: list, on_call=lambda sched_out: None):
+    """launch_overlapped wrapped: each call's number of graph replays appended to replays."""
+    def counted(sched_out, prev):
+        on_call(sched_out)
+        before = runner.graphs.num_replays
+        try:
+            return launch(sched_out, prev)
+        finally:
+            replays.append(runner.graphs.num_replays - before)
+    return counted
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_overlapped_build_does_not_sync_on_cuda(tiny_engine_args, monkeypatch):
@@ -294,15 +306,8 @@ def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     calls, replays, budgets = [], [], []
     strict = _strict(runner.launch_overlapped, calls)
 
-    def counted(sched_out, prev):
-        budgets.append(sched_out.overlap_verify is not None and sched_out.overlap_verify.budget is not None)
-        before = runner.graphs.num_replays
-        try:
-            return strict(sched_out, prev)
-        finally:
-            replays.append(runner.graphs.num_replays - before)
-
-    runner.launch_overlapped = counted
+    runner.launch_overlapped = _counting_replays(runner, strict, replays, lambda sched_out: budgets.append(
+        sched_out.overlap_verify is not None and sched_out.overlap_verify.budget is not None))
     ref = run(Engine(EngineArgs(**{**args, "async_scheduling": False})), [greedy(N_OUT) for _ in PROMPTS])[0]
     got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
     assert e.num_verify_steps_overlapped > 0 and len(replays) == e.num_verify_steps_overlapped
@@ -327,14 +332,7 @@ def test_sampled_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, rule)
     calls, replays = [], []
     strict = _strict(runner.launch_overlapped, calls)
 
-    def counted(sched_out, prev):
-        before = runner.graphs.num_replays
-        try:
-            return strict(sched_out, prev)
-        finally:
-            replays.append(runner.graphs.num_replays - before)
-
-    runner.launch_overlapped = counted
+    runner.launch_overlapped = _counting_replays(runner, strict, replays)
     got = run(e, _sampled_plist(N_OUT))[0]
     assert e.num_verify_steps_overlapped > 0 and len(replays) == e.num_verify_steps_overlapped
     assert all(r == 1 for r in replays), replays
