@@ -11,7 +11,9 @@ The engine uses:
 
 Draft verification: rows j = 0..k of a request carry lookahead=drafts[:j]; call
 sample(..., advance=False), then state.accept(accepted tokens). Details in sampler.py / grammar.py;
-what batch invariance needs from the model in BATCH_INVARIANCE.md.
+what batch invariance needs from the model in BATCH_INVARIANCE.md. device_sampling.py draws the same
+seeded samples from device tensors alone (positions and drafts of a step still in flight: DSpark's
+overlapped verify steps).
 """
 
 from deepinfer.sample.grammar import GrammarState, InvalidConstraintError, StructuredOutput
