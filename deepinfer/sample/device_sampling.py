@@ -45,9 +45,10 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _srl(x, 31)
 
 
-def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values onto the device without waiting for the stream (pinned, non-blocking on CUDA)."""
-    t = torch.tensor(values, dtype=dtype)
+def host_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (a list or a numpy array) onto the device without waiting for the stream (pinned,
+    non-blocking on CUDA)."""
+    t = torch.as_tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deepinfer.sample.device_sampling import host_tensor
 from deepinfer.spec.device_resolution import DeviceResolution
 
 
@@ -61,10 +62,7 @@ def to_device(a, dev: torch.device) -> torch.Tensor:
     CUDA); a tensor already there passes through."""
     if isinstance(a, torch.Tensor):
         return a.to(dev, non_blocking=True)
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-    if dev.type != "cuda":
-        return t.to(dev)
-    return t.pin_memory().to(dev, non_blocking=True)
+    return host_tensor(np.ascontiguousarray(a, dtype=np.int64), torch.int64, dev)
 
 
 def step_inputs(input_batch, rows: np.ndarray, q_lens: np.ndarray, res: DeviceResolution,
