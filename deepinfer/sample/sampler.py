@@ -291,15 +291,22 @@ def _last_positive(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 0, idx, torch.zeros_like(idx)).amax(dim=-1, keepdim=True)
 
 
+def _row_index(idx: list[int], x: torch.Tensor) -> torch.Tensor:
+    """The rows idx of x as a device index (a Python list index is copied to the device synchronously,
+    which an overlapped verify step must not do)."""
+    return host_tensor(idx, torch.int64, x.device)
+
+
 def _top_k(x: torch.Tensor, ks: list[int]) -> None:
     idx = [i for i, k in enumerate(ks) if 0 < k < x.shape[-1]]
     if not idx:
         return
     k = host_tensor([ks[i] for i in idx], torch.int64, x.device)
-    vals = torch.topk(x[idx], max(ks[i] for i in idx), dim=-1).values                 # [m, kmax], descending
+    rows = _row_index(idx, x)
+    sub = x[rows]
+    vals = torch.topk(sub, max(ks[i] for i in idx), dim=-1).values                    # [m, kmax], descending
     kth = vals.gather(1, (k - 1)[:, None])
-    sub = x[idx]
-    x[idx] = sub.masked_fill(sub < kth, float("-inf"))
+    x[rows] = sub.masked_fill(sub < kth, float("-inf"))
 
 
 def _top_p(probs: torch.Tensor, ps: list[float], no_host_read: bool = False) -> None:
@@ -307,14 +314,15 @@ def _top_p(probs: torch.Tensor, ps: list[float], no_host_read: bool = False) -> 
     if not idx:
         return
     p = host_tensor([ps[i] for i in idx], torch.float64, probs.device)[:, None]
-    sub = probs[idx]
+    rows = _row_index(idx, probs)
+    sub = probs[rows]
     vals = torch.topk(sub, min(TOP_P_FIRST_K, sub.shape[-1]), dim=-1).values          # [m, K] descending
     mass = torch.cumsum(vals, dim=-1, dtype=torch.float64)
     short = mass[:, -1] < p[:, 0]
     if no_host_read:   # which rows' nucleus is wider than K is on the device: sort every row, same cut
         full = torch.sort(sub, dim=-1, descending=True).values
         wide = _cut_values(full, torch.cumsum(full, dim=-1, dtype=torch.float64), p)
-        probs[idx] = sub.masked_fill(sub < torch.where(short[:, None], wide, _cut_values(vals, mass, p)), 0.0)
+        probs[rows] = sub.masked_fill(sub < torch.where(short[:, None], wide, _cut_values(vals, mass, p)), 0.0)
         return
     if bool(short.any()):   # the nucleus is wider than K: sort those rows whole
         full = torch.sort(sub[short], dim=-1, descending=True).values
@@ -322,7 +330,7 @@ def _top_p(probs: torch.Tensor, ps: list[float], no_host_read: bool = False) -> 
     cut_all = _cut_values(vals, mass, p)
     if bool(short.any()):
         cut_all[short] = cut
-    probs[idx] = sub.masked_fill(sub < cut_all, 0.0)
+    probs[rows] = sub.masked_fill(sub < cut_all, 0.0)
 
 
 def _cut_values(vals: torch.Tensor, mass: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -336,5 +344,6 @@ def _min_p(probs: torch.Tensor, ms: list[float]) -> None:
     if not idx:
         return
     m = host_tensor([ms[i] for i in idx], torch.float32, probs.device)[:, None]
-    sub = probs[idx]
-    probs[idx] = sub.masked_fill(sub < m * sub.amax(dim=-1, keepdim=True), 0.0)
+    rows = _row_index(idx, probs)
+    sub = probs[rows]
+    probs[rows] = sub.masked_fill(sub < m * sub.amax(dim=-1, keepdim=True), 0.0)
