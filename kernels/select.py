@@ -666,7 +666,7 @@ def hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bo
     if _fast_for(x, "hc_mixes_pre", x.shape[1] == 4 and x.shape[-1] % 64 == 0,    # 64-wide column chunks
                  "hc_mult 4 and dim a multiple of 64"):
         from .triton_mhc import hc_mixes_pre as fast
-        return fast(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
+        return fast(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean, batch_invariant=_batch_invariant())
     return _ref.hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
 
 

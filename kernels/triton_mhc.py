@@ -232,11 +232,14 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 
 
 def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                 pre_prev: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, mean: bool = False):
+                 pre_prev: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, mean: bool = False,
+                 batch_invariant: bool = False):
     """x [T, hc, d] bf16 -> (pre, post, comb) of this sublayer and y = hc_pre(x, pre_prev) [T, d]
     (mean: and x.mean(dim=1) [T, d] bf16, a DSpark tap, from the same read). Replaces Block.hc_mixes(x)
     followed by Block.hc_pre(x, pre_prev) with one read of x. The column chunks (and so the summation
-    order) depend on d only, not on T."""
+    order) depend on d only, not on T. batch_invariant: one token tile for every T (the tile's MMA shape
+    changes the tf32x3 products' last bits: measured on the H200, a prompt's pre-mix moved with what was
+    prefilled beside it when T crossed 1,024)."""
     T, hc, d = x.shape
     mix = fn.shape[0]
     assert fn.shape[1] == hc * d and mix <= MIX_PAD and mix == (2 + hc) * hc
@@ -252,7 +255,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     if T == 0:
         z = torch.empty(0, hc, device=x.device)
         return (z, z.clone(), torch.empty(0, hc, hc, device=x.device), y) + ((avg,) if mean else ())
-    bt = 64 if T >= 1024 else 16
+    bt = 64 if T >= 1024 and not batch_invariant else 16
     hc_mixes_pre_kernel[(triton.cdiv(T, bt), nc)](x, fn.float().contiguous(), pre_prev.float().contiguous(), mixp, sqp,
                                                   y, avg, T, d, HC=hc, MIX=mix, BT=bt, BK=bk, CH=ch, MIXP=MIX_PAD,
                                                   PREC="ieee" if INTERPRET else "tf32x3", MEAN=mean, num_warps=4,

@@ -22,3 +22,20 @@ def test_same_logits_alone_and_in_batches_on_cuda(small_checkpoint):
         out = llm.generate(ps, sp, return_logits=True)[pos]
         assert out.token_ids == alone.token_ids
         assert np.array_equal(out.logits, alone.logits), f"batch {size}: max diff {np.abs(out.logits - alone.logits).max()}"
+
+
+def test_long_prompts_prefilled_together_match_alone_on_cuda(small_checkpoint):
+    """Prompts of 17 / 300 / 1,000 tokens in one 2,048-token prefill step vs each alone: the step's token
+    count crosses 1,024, where the fast mHC kernel used to take a taller token tile (H200, 2026-12-02:
+    logits 0.12-0.36 apart before; perf/batch_invariance_probe.py found the module)."""
+    from deepinfer import LLM, SamplingParams
+    llm = LLM(str(small_checkpoint), device="cuda", max_num_seqs=8, max_num_batched_tokens=2048,
+              batch_invariant=True)
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(1000, 100000, n)] for n in (17, 300, 1000)]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    together = llm.generate(prompts, sp, return_logits=True)
+    for p, out in zip(prompts, together):
+        alone = llm.generate([p], sp, return_logits=True)[0]
+        assert out.token_ids == alone.token_ids
+        assert np.array_equal(out.logits, alone.logits), f"{len(p)} tokens: max diff {np.abs(out.logits - alone.logits).max()}"

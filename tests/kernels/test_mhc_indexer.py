@@ -24,6 +24,21 @@ def test_hc_mixes_pre(T, d):
     assert rel_err(out[3], ref[3]) < 1e-3
 
 
+def test_hc_mixes_pre_batch_invariant_rows():
+    """batch_invariant: a token's outputs are the same bits in a 17-token call and a 1,317-token one
+    (the default mode's taller tile at T >= 1,024 changes them)."""
+    from deepinfer.kernels.triton_mhc import hc_mixes_pre
+    hc, d, T = 4, 256, 1317
+    x = torch.randn(T, hc, d, device="cuda").bfloat16()
+    fn = torch.randn(24, hc * d, device="cuda") * 0.01
+    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda") * 0.3
+    pre_prev = torch.rand(T, hc, device="cuda")
+    whole = hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, batch_invariant=True)
+    part = hc_mixes_pre(x[:17], fn, scale, base, pre_prev[:17], 20, 1e-6, 1e-20, batch_invariant=True)
+    for a, b in zip(whole, part):
+        assert torch.equal(a[:17], b)
+
+
 @pytest.mark.parametrize("T", [1, 64, 1500])
 def test_hc_mixes_pre_mean_tap(T):
     """mean=True: the same four outputs, plus x.mean(dim=1) (the DSpark tap) bit for bit."""
