@@ -40,6 +40,7 @@ class NvccMissing(RuntimeError):
     pass
 
 
+@functools.lru_cache(maxsize=None)
 def find_nvcc() -> str | None:
     """nvcc from CUDA_HOME, then PATH, then /usr/local/cuda."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
