@@ -3,7 +3,7 @@ cached under ~/.cache/deepinfer/cubin), load it with the CUDA driver API through
 build TMA descriptors (cuTensorMapEncodeTiled) and launch on torch's current stream, so a launch is
 captured by a CUDA graph like any torch op.
 
-    compile_cubin(src, arch)        -> (cubin path, ptxas log)   nvcc -arch=<arch> -cubin -O3 -std=c++17
+    compile_cubin(src, arch)        -> (cubin path, ptxas log)   nvcc -gencode ...<arch> -cubin -O3 -std=c++17
     kernel(src, name, smem)         -> Kernel for torch's current device (module loaded once per device)
     tensor_map_2d(t, box, swizzle)  -> TensorMap of a 2-D row-major uint8-sized tensor (e4m3)
     Kernel.launch(grid, block, smem, args)   args: TensorMap, torch tensors (pointers), ints (int32)
@@ -51,6 +51,13 @@ def find_nvcc() -> str | None:
     return None
 
 
+def _gencode(arch: str) -> str:
+    """sm_90a -> -gencode=arch=compute_90a,code=sm_90a: the explicit form (a newer nvcc's -arch=sm_90a
+    shorthand also runs a plain sm_90 pass that rejects wgmma / setmaxnreg; HOPPER.md)."""
+    assert arch.startswith("sm_"), arch
+    return f"-gencode=arch=compute_{arch[3:]},code={arch}"
+
+
 def compile_cubin(src: str, arch: str = "sm_90a") -> tuple[str, str]:
     """(cubin path, ptxas -v log) of source file src for arch; compiled once per (source, arch, flags,
     nvcc) hash. The log of a cached cubin is the one its compilation wrote."""
@@ -69,7 +76,7 @@ def compile_cubin(src: str, arch: str = "sm_90a") -> tuple[str, str]:
         os.makedirs(CACHE_DIR, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".cubin", dir=CACHE_DIR)
         os.close(fd)
-        r = subprocess.run([nvcc, f"-arch={arch}", *NVCC_FLAGS, "-o", tmp, src], capture_output=True, text=True)
+        r = subprocess.run([nvcc, _gencode(arch), *NVCC_FLAGS, "-o", tmp, src], capture_output=True, text=True)
         if r.returncode != 0:
             os.unlink(tmp)
             raise RuntimeError(f"nvcc failed on {src}:\n{r.stderr[-4000:]}")

@@ -207,84 +207,83 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
         }
-        return;
-    }
+    } else {
+        // consumer warpgroup wg: rows m0 + 64 wg + [0, 64)
+        setmaxnreg_consumer();
+        const int warp = tid / 32, lane = tid % 32;
+        const int r0 = m0 + 64 * wg + 16 * warp + lane / 4, r1 = r0 + 8;
+        const float* sa_r0 = r0 < m_end ? sa + static_cast<int64_t>(r0) * ks : nullptr;
+        const float* sa_r1 = r1 < m_end ? sa + static_cast<int64_t>(r1) * ks : nullptr;
+        const int blk0 = n0 / 32;
+        const float* sb_blk = sb + (static_cast<int64_t>(expert) * nblk32 + blk0) * ks;
+        const int nblk = min(4, nblk32 - blk0);
 
-    // consumer warpgroup wg: rows m0 + 64 wg + [0, 64)
-    setmaxnreg_consumer();
-    const int warp = tid / 32, lane = tid % 32;
-    const int r0 = m0 + 64 * wg + 16 * warp + lane / 4, r1 = r0 + 8;
-    const float* sa_r0 = r0 < m_end ? sa + static_cast<int64_t>(r0) * ks : nullptr;
-    const float* sa_r1 = r1 < m_end ? sa + static_cast<int64_t>(r1) * ks : nullptr;
-    const int blk0 = n0 / 32;
-    const float* sb_blk = sb + (static_cast<int64_t>(expert) * nblk32 + blk0) * ks;
-    const int nblk = min(4, nblk32 - blk0);
+        float acc[64], t0[64], t1[64];
+    #pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] = 0.f;
 
-    float acc[64], t0[64], t1[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-
-    // Per stage: slice j's wgmma runs while slice j-1 is promoted; the stage's last slice is promoted
-    // after a wait_group 0 (no wgmma is left in flight across the loop's back edge: ptxas cannot follow
-    // one there and would serialize every wgmma of the kernel, C7514). The other consumer warpgroup's
-    // wgmmas keep the tensor cores busy meanwhile.
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int kb = 0; kb < nkb; ++kb) {
-        SliceScales sc[SLICES];
-#pragma unroll
-        for (int j = 0; j < SLICES; ++j) sc[j] = load_scales(sa_r0, sa_r1, sb_blk, ks, nblk, kb * SLICES + j);
-        mbar_wait(full_bar(stage), phase);
-        const uint64_t da = sw128_desc(a_smem + stage * A_BYTES + wg * 64 * BK);
-        const uint64_t db = sw128_desc(b_smem + stage * B_BYTES);
-#pragma unroll
-        for (int j = 0; j < SLICES; ++j) {
-            float(&t)[64] = (OVERLAP && j % 2 == 1) ? t1 : t0;   // the debugging form: t0 only
-            float(&other)[64] = (j % 2 == 0) ? t1 : t0;
-            wgmma_fence();
-            fence_regs(t);
-            wgmma_m64n128k32_e4m3(t, da + 2 * j, db + 2 * j, 0);   // + 32 bytes per slice (>> 4)
-            wgmma_commit();
-            if constexpr (OVERLAP) {
-                if (j > 0) {
-                    wgmma_wait<1>();              // slice j-1 is done; slice j runs on the tensor cores
-                    fence_regs(other);
-                    promote(acc, other, sc[j - 1]);
-                }
-            } else {
-                wgmma_wait<0>();
+        // Per stage: slice j's wgmma runs while slice j-1 is promoted; the stage's last slice is promoted
+        // after a wait_group 0 (no wgmma is left in flight across the loop's back edge: ptxas cannot follow
+        // one there and would serialize every wgmma of the kernel, C7514). The other consumer warpgroup's
+        // wgmmas keep the tensor cores busy meanwhile.
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int kb = 0; kb < nkb; ++kb) {
+            SliceScales sc[SLICES];
+    #pragma unroll
+            for (int j = 0; j < SLICES; ++j) sc[j] = load_scales(sa_r0, sa_r1, sb_blk, ks, nblk, kb * SLICES + j);
+            mbar_wait(full_bar(stage), phase);
+            const uint64_t da = sw128_desc(a_smem + stage * A_BYTES + wg * 64 * BK);
+            const uint64_t db = sw128_desc(b_smem + stage * B_BYTES);
+    #pragma unroll
+            for (int j = 0; j < SLICES; ++j) {
+                float(&t)[64] = (OVERLAP && j % 2 == 1) ? t1 : t0;   // the debugging form: t0 only
+                float(&other)[64] = (j % 2 == 0) ? t1 : t0;
+                wgmma_fence();
                 fence_regs(t);
-                promote(acc, t, sc[j]);
+                wgmma_m64n128k32_e4m3(t, da + 2 * j, db + 2 * j, 0);   // + 32 bytes per slice (>> 4)
+                wgmma_commit();
+                if constexpr (OVERLAP) {
+                    if (j > 0) {
+                        wgmma_wait<1>();              // slice j-1 is done; slice j runs on the tensor cores
+                        fence_regs(other);
+                        promote(acc, other, sc[j - 1]);
+                    }
+                } else {
+                    wgmma_wait<0>();
+                    fence_regs(t);
+                    promote(acc, t, sc[j]);
+                }
             }
+            if constexpr (OVERLAP) {
+                float(&last)[64] = (SLICES % 2 == 0) ? t1 : t0;
+                wgmma_wait<0>();
+                fence_regs(last);
+                promote(acc, last, sc[SLICES - 1]);
+            }
+            // every wgmma reading this stage has completed: hand the buffers back to the producer
+            if (lane == 0) mbar_arrive(empty_bar(stage));
+            if (++stage == STAGES) stage = 0, phase ^= 1;
         }
-        if constexpr (OVERLAP) {
-            float(&last)[64] = (SLICES % 2 == 0) ? t1 : t0;
-            wgmma_wait<0>();
-            fence_regs(last);
-            promote(acc, last, sc[SLICES - 1]);
-        }
-        // every wgmma reading this stage has completed: hand the buffers back to the producer
-        if (lane == 0) mbar_arrive(empty_bar(stage));
-        if (++stage == STAGES) stage = 0, phase ^= 1;
-    }
 
-    // epilogue: bf16 (round to nearest even), masked
-    const int q = lane % 4;
-    const bool pairs = (N % 2) == 0;              // 4-byte aligned bf16 pairs
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = h == 0 ? r0 : r1;
-        if (row >= m_end) continue;
-        __nv_bfloat16* crow = c + static_cast<int64_t>(row) * N;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const int col = n0 + 8 * j + 2 * q;
-            const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-            if (pairs) {
-                if (col < N) *reinterpret_cast<__nv_bfloat162*>(crow + col) = __floats2bfloat162_rn(v0, v1);
-            } else {
-                if (col < N) crow[col] = __float2bfloat16_rn(v0);
-                if (col + 1 < N) crow[col + 1] = __float2bfloat16_rn(v1);
+        // epilogue: bf16 (round to nearest even), masked
+        const int q = lane % 4;
+        const bool pairs = (N % 2) == 0;              // 4-byte aligned bf16 pairs
+    #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = h == 0 ? r0 : r1;
+            if (row >= m_end) continue;
+            __nv_bfloat16* crow = c + static_cast<int64_t>(row) * N;
+    #pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const int col = n0 + 8 * j + 2 * q;
+                const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+                if (pairs) {
+                    if (col < N) *reinterpret_cast<__nv_bfloat162*>(crow + col) = __floats2bfloat162_rn(v0, v1);
+                } else {
+                    if (col < N) crow[col] = __float2bfloat16_rn(v0);
+                    if (col + 1 < N) crow[col + 1] = __float2bfloat16_rn(v1);
+                }
             }
         }
     }

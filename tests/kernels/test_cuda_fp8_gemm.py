@@ -57,6 +57,7 @@ def test_compiles_without_spills_or_serialized_wgmma(compiled):
         assert "0 bytes spill stores, 0 bytes spill loads" in funcs[name], (name, funcs[name])
     # C7514: ptxas serializes every wgmma of a kernel it cannot prove safe (the whole point lost)
     assert "C7514" not in log and "serialized" not in log, log
+    assert "C7508" not in log, log              # setmaxnreg ignored: the consumers could not hold 3 x 64 floats
     assert all(smem_bytes(name) <= 227 * 1024 for name in FORMS)
 
 
