@@ -97,6 +97,7 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16 and out.is_contiguous(), (out.shape, out.dtype)
+    assert out.data_ptr() % 4 == 0, "out must be 4-byte aligned (bf16 pair stores)"
     if m == 0 or n == 0:
         return out
     name = entry or form()

@@ -123,3 +123,19 @@ def test_cuda_fp8_gemm_on_gpu():
     sys.path.insert(0, str(Path(__file__).parent))
     import cuda_fp8_checks
     assert cuda_fp8_checks.main() == 0
+
+
+def test_select_cuda_mode_on_cpu():
+    """DEEPINFER_PREFILL_GEMM=cuda is a valid mode; CPU tensors still take the reference (same bits)."""
+    code = ("import torch\n"
+            "from deepinfer.kernels import select\n"
+            "from deepinfer.checkpoint.generator import quant_fp8\n"
+            "assert select.PREFILL_GEMM == 'cuda'\n"
+            "x = torch.randn(40, 256).bfloat16()\n"
+            "q, s = quant_fp8(torch.randn(96, 256) * 0.06)\n"
+            "assert not select._cuda_fp8_ok(x, q, s)\n"
+            "assert select._fp8_variant_for(x, q, s) is None\n"
+            "assert torch.equal(select.fp8_linear(x, q, s), select._ref_fp8_linear(x, select.dequant_fp8(q, s)))\n")
+    env = dict(os.environ, DEEPINFER_PREFILL_GEMM="cuda")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
