@@ -46,18 +46,35 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// FP8_GEMM_HANG_CYCLES: a wait longer than this many clocks (~10 s) traps (a launch error the host sees)
+// instead of hanging the GPU: a pipeline bug then costs one failed call, not the machine's time limit.
+#ifndef FP8_GEMM_HANG_CYCLES
+#define FP8_GEMM_HANG_CYCLES 20000000000ll
+#endif
+__device__ __forceinline__ uint32_t mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done;
+}
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n"
-            ".reg .pred p;\n"
-            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n"
-            "}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+// The producer's waits (a trap in the consumers' loop makes ptxas spill their accumulators). Any stall
+// of the pipeline reaches one: the producer waits on every stage's release, also after its last load.
+__device__ __forceinline__ void mbar_wait_or_trap(uint32_t bar, uint32_t parity) {
+    if (mbar_try_wait(bar, parity)) return;
+    const long long start = clock64();
+    while (!mbar_try_wait(bar, parity)) {
+        if (clock64() - start > FP8_GEMM_HANG_CYCLES) __trap();
     }
 }
 
@@ -200,12 +217,15 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
             int stage = 0;
             uint32_t phase = 0;
             for (int kb = 0; kb < nkb; ++kb) {
-                mbar_wait(empty_bar(stage), phase ^ 1);
+                mbar_wait_or_trap(empty_bar(stage), phase ^ 1);
                 mbar_arrive_expect_tx(full_bar(stage), A_BYTES + B_BYTES);
                 tma_load_2d(a_smem + stage * A_BYTES, tmap_a, full_bar(stage), kb * BK, m0);
                 tma_load_2d(b_smem + stage * B_BYTES, tmap_b, full_bar(stage), kb * BK, b_row);
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
+            // the consumers' releases of the last loads (the hang check; nothing is loaded after them):
+            // load j's release completes phase j / STAGES of its stage's empty barrier
+            for (int j = max(0, nkb - STAGES); j < nkb; ++j) mbar_wait_or_trap(empty_bar(j % STAGES), (j / STAGES) & 1);
         }
     } else {
         // consumer warpgroup wg: rows m0 + 64 wg + [0, 64)
