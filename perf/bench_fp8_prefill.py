@@ -10,10 +10,10 @@ release numbers, a speed reference), torch's bf16 matmul, and the FP8 / bf16 pea
         kernels/fp8_select_table.json to make select take the winners. ~2-3 min on the H200)
     python perf/bench_fp8_prefill.py --variants --splits       (+ split-K counts per variant at M <= 128;
         a winning count goes into the table row as split_k)
-    python perf/bench_fp8_prefill.py --cuda [--m 32 64 128 8192]  (the warp-specialized CUDA kernel,
+    python perf/bench_fp8_prefill.py --cuda [--m 8192 128 64 32] [--deepgemm-m 8192]  (the CUDA kernel,
         kernels/cuda_fp8_gemm.py, and its one-consumer no-overlap debugging form, against W8A16, the
         Triton FP8 forms, DeepGEMM and the peaks at the six linears; each CUDA result is checked against
-        the Triton per-32 kernel's first. bench_fp8_cuda.json in $OUT. ~1-2 min on the H200)
+        triton_gemm.fp8_gemm's first. bench_fp8_cuda.json in $OUT. ~1-2 min on the H200)
 
 Shapes: the full-width layer's dense FP8 linears at M tokens (wq_a+wkv fused 1280+512 x 5120, wq_b
 32768 x 1280, wo_b 5120 x 8192, the shared expert 4608 x 5120 and 5120 x 2304, the indexer's wq_b
@@ -191,14 +191,15 @@ def _cuda_ok(n: int, k: int, s: torch.Tensor) -> bool:
     return why is None
 
 
-CUDA_MS = (32, 64, 128, 8192)
+CUDA_MS = (8192, 128, 64, 32)      # prefill first: the numbers that matter most if the run is cut short
 
 
-def cuda_rows(ms, peaks: dict) -> list[dict]:
+def cuda_rows(ms, peaks: dict, deepgemm_ms=(8192,)) -> list[dict]:
     """The CUDA kernel (fast form and the one-consumer no-overlap debugging form) against W8A16, the Triton
     FP8 x FP8 forms (the BK 32 walk of triton_gemm.fp8_gemm; the per-32 prefill kernel at M >= 512),
-    DeepGEMM and bf16 at each dense linear and M, with ratios to W8A16, DeepGEMM and the FP8 peak. Each
-    row first checks the CUDA kernel's values against the Triton per-32 kernel's (same exact products:
+    DeepGEMM (at deepgemm_ms only: its JIT compiles each shape, minutes on a fresh machine) and bf16 at
+    each dense linear and M, with ratios to W8A16, DeepGEMM and the FP8 peak. Each
+    row first checks the CUDA kernel's values against triton_gemm.fp8_gemm's (the same exact products:
     they may differ by the FP8 MMA's in-slice rounding only), so a fast wrong kernel cannot post a number."""
     from deepinfer.kernels import deepgemm
     from deepinfer.kernels.cuda_fp8_gemm import fp8_gemm_cuda
@@ -234,7 +235,7 @@ def cuda_rows(ms, peaks: dict) -> list[dict]:
             r["cuda_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry="fp8_gemm_sm90_bn128")]) * 1e6
             r["cuda_debug_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry="fp8_gemm_sm90_debug")]) * 1e6
             r["bf16_us"] = time_calls([lambda: x @ wb.T]) * 1e6
-            if pair is not None:
+            if pair is not None and m in deepgemm_ms:
                 try:
                     r["deepgemm_us"] = time_calls([lambda: deepgemm.linear(x, *pair)]) * 1e6
                 except Exception as e:  # noqa: BLE001 (DeepGEMM refusing an M: the row goes on without it)
@@ -410,14 +411,15 @@ def main() -> None:
     p.add_argument("--variants", nargs="?", const="all", default=None,
                    help="the FP8 x FP8 variants (comma-separated names, default all) at M 32/64/128/8192 + the MoE")
     p.add_argument("--splits", action="store_true", help="--variants: also sweep split-K counts at M <= 128")
-    p.add_argument("--cuda", action="store_true", help="the CUDA kernel against the others at --m (default 32/64/128/8192)")
+    p.add_argument("--cuda", action="store_true", help="the CUDA kernel against the others at --m (default 8192/128/64/32)")
+    p.add_argument("--deepgemm-m", type=int, nargs="*", default=[8192], help="--cuda: the Ms that also time DeepGEMM")
     p.add_argument("--jobs", type=int, default=8, help="--variants: compile in this many worker processes first (0: no)")
     a = p.parse_args()
     peaks = measure_ceilings()
     print(f"peaks (same run): FP8 {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s, bf16 {peaks['bf16_flops'] / 1e12:.0f}, "
           f"copy {peaks['copy_bw'] / 1e12:.2f} TB/s", flush=True)
     if a.cuda:
-        rows = cuda_rows(a.m or CUDA_MS, peaks)
+        rows = cuda_rows(a.m or CUDA_MS, peaks, tuple(a.deepgemm_m))
         print("saved", save_json("bench_fp8_cuda.json", {"peaks": peaks, "dense": rows}))
         return
     if a.variants:

@@ -37,6 +37,64 @@ def ternary_case(m, n, k, gen, device="cuda"):
     return a, sa, b, sb
 
 
+def diagnose(y, r, what="") -> str:
+    """Where y differs from r, in the kernel's terms (a wrong result's pattern names the culprit: rows of
+    one consumer warpgroup or warp, columns of one 32-block or 8-column fragment group, a constant factor
+    = a scale, all zeros = nothing stored), for the report of a failed GPU run."""
+    y, r = y.float(), r.float()
+    bad = y != r
+    rows, cols = bad.nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return f"{what}: equal"
+    out = [f"{what}: {rows.numel()} of {bad.numel()} differ; y all zero: {bool((y == 0).all())}; "
+           f"max |y - r| {(y - r).abs().max().item():.3g}, max |r| {r.abs().max().item():.3g}"]
+    for name, key, size in (("row % 128 // 64 (consumer)", rows % 128 // 64, 2), ("row % 64 // 16 (warp)", rows % 64 // 16, 4),
+                            ("row % 16 // 8 (fragment half)", rows % 16 // 8, 2), ("col % 128 // 32 (scale block)", cols % 128 // 32, 4),
+                            ("col % 8 (fragment column)", cols % 8, 8)):
+        out.append(f"  {name}: {torch.bincount(key, minlength=size).tolist()}")
+    nz = bad & (r != 0) & (y != 0)
+    if nz.any():
+        ratio = (y[nz] / r[nz])
+        out.append(f"  y / r where both nonzero: median {ratio.median().item():.4g}, min {ratio.min().item():.4g}, "
+                   f"max {ratio.max().item():.4g}")
+    out.append(f"  first bad (row, col): {list(zip(rows[:6].tolist(), cols[:6].tolist()))}")
+    return "\n".join(out)
+
+
+def smoke(device="cuda") -> int:
+    """A few ternary shapes, with a diagnosis of any difference (run in a child process by main: a hang or
+    a trap stays there)."""
+    from deepinfer.kernels import cuda_fp8_gemm
+    gen = torch.Generator().manual_seed(9)
+    ok = True
+    for m, n, k in ((128, 128, 128), (17, 128, 160), (300, 576, 1280), (64, 4128, 5120)):
+        a, sa, b, sb = ternary_case(m, n, k, gen, device)
+        y = fp8_gemm_cuda(a, sa, b, sb)
+        torch.cuda.synchronize()
+        r = ref_gemm(a.float(), sa, b, sb)
+        if not torch.equal(y, r):
+            ok = False
+            print(diagnose(y, r, f"{cuda_fp8_gemm.form()} {m}x{n}x{k}"), flush=True)
+            # the same operands with unit scales: a scale bug vs a data-path bug
+            ones_a, ones_b = torch.ones_like(sa), torch.full_like(sb, 127)
+            y1 = fp8_gemm_cuda(a, ones_a, b, ones_b)
+            print(diagnose(y1, ref_gemm(a.float(), ones_a, b, ones_b), "  unit scales"), flush=True)
+    print(f"smoke {cuda_fp8_gemm.form()}: {'ok' if ok else 'WRONG'}", flush=True)
+    return 0 if ok else 1
+
+
+def _smoke_in_child(debug: bool, timeout: int = 120) -> str:
+    import subprocess
+    env = dict(os.environ, DEEPINFER_CUDA_FP8_DEBUG="1" if debug else "0")
+    try:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "smoke"], env=env, capture_output=True,
+                           text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "HANG (killed after %d s)" % timeout
+    print(r.stdout[-6000:], r.stderr[-3000:] if r.returncode else "", flush=True)
+    return "ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})"
+
+
 def check_exact_grid(device="cuda", ms=GRID_M, ns=GRID_N, ks=GRID_K):
     """Bit-exact on ternary data over M x N x K (tails of every tile dimension; K % 128 == 32 at 160)."""
     gen = torch.Generator().manual_seed(0)
@@ -168,17 +226,37 @@ def check_select_decline(device="cuda"):
 
 
 def main(quick: bool = False):
+    """Smoke both forms in child processes first (a hang or trap costs a child, not the run), then every
+    check on the fast form (or, where only the debugging form passes its smoke, on that one, to test the
+    pipeline), each section reported whatever the others do."""
+    import traceback
+    from deepinfer.kernels import cuda_driver, cuda_fp8_gemm
     t0 = time.time()
-    check_exact_grid(ms=(1, 17, 300) if quick else GRID_M)
-    check_graph_capture()
-    check_grouped()
-    check_select_decline()
-    check_random_grid(ms=(17,) if quick else (17, 300, 2048))
+    log = cuda_driver.compile_cubin(cuda_fp8_gemm.SRC)[1]
+    print("ptxas:", " | ".join(line.strip() for line in log.splitlines() if "spill" in line or "Used" in line), flush=True)
+    smoke_debug, smoke_fast = _smoke_in_child(True), _smoke_in_child(False)
+    print(f"smoke: debugging form (one consumer, no overlap) {smoke_debug}; fast form {smoke_fast}", flush=True)
+    if smoke_fast != "ok":
+        if smoke_debug != "ok":
+            return 1
+        cuda_fp8_gemm.DEBUG = True                  # the rest on the debugging form: does the pipeline hold?
+    failed = [] if smoke_fast == "ok" else ["fast form smoke"]
+    sections = [("exact grid", lambda: check_exact_grid(ms=(1, 17, 300) if quick else GRID_M)),
+                ("graph capture", check_graph_capture), ("grouped contiguous", check_grouped),
+                ("select", check_select_decline),
+                ("random grid", lambda: check_random_grid(ms=(17,) if quick else (17, 300, 2048)))]
     if not quick:
-        check_release_shapes()
-    print(f"all ok in {time.time() - t0:.1f} s")
-    return 0
+        sections.append(("release shapes", check_release_shapes))
+    for name, fn in sections:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 (report every section; the exit code says it failed)
+            failed.append(name)
+            print(f"{name}: FAILED on {cuda_fp8_gemm.form()}\n{traceback.format_exc()[-3000:]}", flush=True)
+    print(f"{'all ok' if not failed else 'FAILED: ' + ', '.join(failed)} ({cuda_fp8_gemm.form()}, {time.time() - t0:.1f} s)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] == ["quick"]))
+    arg = sys.argv[1:]
+    sys.exit(smoke() if arg == ["smoke"] else main(arg == ["quick"]))
