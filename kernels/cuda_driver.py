@@ -1,5 +1,5 @@
 """CUDA C++ kernels without a build system: compile a .cu to a cubin with nvcc (once per source hash,
-cached under ~/.cache/deepinfer/cubin), load it with the CUDA driver API through ctypes (libcuda.so.1),
+cached under ~/.cache/deepinfer/cubin or DEEPINFER_CUBIN_CACHE), load it with the CUDA driver API through ctypes (libcuda.so.1),
 build TMA descriptors (cuTensorMapEncodeTiled) and launch on torch's current stream, so a launch is
 captured by a CUDA graph like any torch op.
 
@@ -22,7 +22,8 @@ import threading
 
 import torch
 
-CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "deepinfer", "cubin")
+CACHE_DIR = os.environ.get("DEEPINFER_CUBIN_CACHE") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "deepinfer", "cubin")
 NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", "-Xptxas", "-v")
 
 # cuda.h enums (CUDA 12 / 13)
@@ -67,14 +68,19 @@ def compile_cubin(src: str, arch: str = "sm_90a") -> tuple[str, str]:
     with open(src, "rb") as f:
         text = f.read()
     key = hashlib.sha256(text + repr((arch, NVCC_FLAGS, os.path.realpath(nvcc))).encode()).hexdigest()[:20]
-    stem = os.path.join(CACHE_DIR, f"{os.path.splitext(os.path.basename(src))[0]}-{arch}-{key}")
+    cache = CACHE_DIR
+    try:
+        os.makedirs(cache, exist_ok=True)
+    except OSError:                              # a read-only home: the temp folder
+        cache = os.path.join(tempfile.gettempdir(), "deepinfer-cubin")
+        os.makedirs(cache, exist_ok=True)
+    stem = os.path.join(cache, f"{os.path.splitext(os.path.basename(src))[0]}-{arch}-{key}")
     cubin, log_path = stem + ".cubin", stem + ".log"
     with _lock:
         if os.path.exists(cubin) and os.path.exists(log_path):
             with open(log_path) as f:
                 return cubin, f.read()
-        os.makedirs(CACHE_DIR, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".cubin", dir=CACHE_DIR)
+        fd, tmp = tempfile.mkstemp(suffix=".cubin", dir=cache)
         os.close(fd)
         r = subprocess.run([nvcc, _gencode(arch), *NVCC_FLAGS, "-o", tmp, src], capture_output=True, text=True)
         if r.returncode != 0:
