@@ -131,6 +131,10 @@ __device__ __forceinline__ void setmaxnreg_consumer() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 }
 
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+}
+
 // One slice's scales for this thread: its two rows' activation scales and the tile's four 32-column
 // weight blocks. Zero where the slice lies past K/32, the row past M or the block past N.
 struct SliceScales {
@@ -239,7 +243,7 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
         const int nblk = min(4, nblk32 - blk0);
 
         float acc[64], t0[64], t1[64];
-    #pragma unroll
+#pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.f;
 
         // Per stage: slice j's wgmma runs while slice j-1 is promoted; the stage's last slice is promoted
@@ -249,13 +253,23 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
         int stage = 0;
         uint32_t phase = 0;
         for (int kb = 0; kb < nkb; ++kb) {
+            // the scale rows' cache lines two stages ahead into L1 (a line holds 8 stages of one row's
+            // scales: without this, every 8th stage's first promotion waits on L2)
+            const int gp = (kb + 2) * SLICES;
+            if (gp < ks) {
+                if (sa_r0 != nullptr) prefetch_l1(sa_r0 + gp);
+                if (sa_r1 != nullptr) prefetch_l1(sa_r1 + gp);
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    if (c < nblk) prefetch_l1(sb_blk + static_cast<int64_t>(c) * ks + gp);
+            }
             SliceScales sc[SLICES];
-    #pragma unroll
+#pragma unroll
             for (int j = 0; j < SLICES; ++j) sc[j] = load_scales(sa_r0, sa_r1, sb_blk, ks, nblk, kb * SLICES + j);
             mbar_wait(full_bar(stage), phase);
             const uint64_t da = sw128_desc(a_smem + stage * A_BYTES + wg * 64 * BK);
             const uint64_t db = sw128_desc(b_smem + stage * B_BYTES);
-    #pragma unroll
+#pragma unroll
             for (int j = 0; j < SLICES; ++j) {
                 float(&t)[64] = (OVERLAP && j % 2 == 1) ? t1 : t0;   // the debugging form: t0 only
                 float(&other)[64] = (j % 2 == 0) ? t1 : t0;
@@ -289,12 +303,12 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
         // epilogue: bf16 (round to nearest even), masked
         const int q = lane % 4;
         const bool pairs = (N % 2) == 0;              // 4-byte aligned bf16 pairs
-    #pragma unroll
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = h == 0 ? r0 : r1;
             if (row >= m_end) continue;
             __nv_bfloat16* crow = c + static_cast<int64_t>(row) * N;
-    #pragma unroll
+#pragma unroll
             for (int j = 0; j < 16; ++j) {
                 const int col = n0 + 8 * j + 2 * q;
                 const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
