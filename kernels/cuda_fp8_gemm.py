@@ -26,12 +26,17 @@ SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "fp8_gemm
 BK = 128
 # entry point -> (BM, BN, stages, threads); must match FP8_GEMM_ENTRY in the .cu
 FORMS = {"fp8_gemm_sm90_bn128": (128, 128, 5, 384),
+         "fp8_gemm_sm90_bm64": (64, 128, 6, 256),
          "fp8_gemm_sm90_debug": (64, 128, 4, 256)}
 DEBUG = os.environ.get("DEEPINFER_CUDA_FP8_DEBUG", "0") == "1"
 
 
-def form() -> str:
-    return "fp8_gemm_sm90_debug" if DEBUG else "fp8_gemm_sm90_bn128"
+def form(m: int | None = None) -> str:
+    """The entry point for m rows: one consumer warpgroup (BM 64) up to 64 rows (decode), two above;
+    the debugging form whenever DEEPINFER_CUDA_FP8_DEBUG=1 (or DEBUG set)."""
+    if DEBUG:
+        return "fp8_gemm_sm90_debug"
+    return "fp8_gemm_sm90_bm64" if m is not None and m <= 64 else "fp8_gemm_sm90_bn128"
 
 
 def smem_bytes(name: str) -> int:
@@ -84,7 +89,7 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
                   out: torch.Tensor | None = None, *, entry: str | None = None) -> torch.Tensor:
     """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [ceil(N/32), K/32] f32 or E8M0 -> [M, N] bf16:
     per output, the sum over K/32 slices of (fp32 slice sum of the e4m3 products) * sa * sb. entry: one
-    of FORMS (the benchmark times both), else form()."""
+    of FORMS (the benchmark times them side by side), else form(M)."""
     m, k = a.shape
     n = b.shape[0]
     assert b.shape[1] == k, (a.shape, b.shape)
@@ -100,7 +105,7 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     assert out.data_ptr() % 4 == 0, "out must be 4-byte aligned (bf16 pair stores)"
     if m == 0 or n == 0:
         return out
-    name = entry or form()
+    name = entry or form(m)
     bm, bn, _, threads = FORMS[name]
     smem = smem_bytes(name)
     kern = cuda_driver.kernel(SRC, name, smem, a.device.index)

@@ -195,7 +195,8 @@ CUDA_MS = (8192, 128, 64, 32)      # prefill first: the numbers that matter most
 
 
 def cuda_rows(ms, peaks: dict, deepgemm_ms=(8192,)) -> list[dict]:
-    """The CUDA kernel (fast form and the one-consumer no-overlap debugging form) against W8A16, the Triton
+    """The CUDA kernel (the two-consumer form, at M <= 128 also the one-consumer BM 64 form, and the
+    one-consumer no-overlap debugging form) against W8A16, the Triton
     FP8 x FP8 forms (the BK 32 walk of triton_gemm.fp8_gemm; the per-32 prefill kernel at M >= 512),
     DeepGEMM (at deepgemm_ms only: its JIT compiles each shape, minutes on a fresh machine) and bf16 at
     each dense linear and M, with ratios to W8A16, DeepGEMM and the FP8 peak. Each
@@ -222,7 +223,7 @@ def cuda_rows(ms, peaks: dict, deepgemm_ms=(8192,)) -> list[dict]:
             flops = 2.0 * m * n * k
             r = {"name": name, "m": m, "n": n, "k": k}
             want = fp8_gemm(a, sa, w, s32).float()
-            for entry in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_debug"):
+            for entry in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64", "fp8_gemm_sm90_debug"):
                 got = fp8_gemm_cuda(a, sa, w, s32, entry=entry).float()
                 err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()   # normwise
                 r[f"{entry}_max_rel_diff"] = err
@@ -233,6 +234,8 @@ def cuda_rows(ms, peaks: dict, deepgemm_ms=(8192,)) -> list[dict]:
             if m >= 512:
                 r["fp8_us"] = time_calls([lambda: fp8_prefill_gemm(a, sa, w, s32)]) * 1e6
             r["cuda_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry="fp8_gemm_sm90_bn128")]) * 1e6
+            if m <= 128:                        # one consumer warpgroup: what form() picks at M <= 64
+                r["cuda_bm64_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry="fp8_gemm_sm90_bm64")]) * 1e6
             r["cuda_debug_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry="fp8_gemm_sm90_debug")]) * 1e6
             r["bf16_us"] = time_calls([lambda: x @ wb.T]) * 1e6
             if pair is not None and m in deepgemm_ms:
@@ -240,7 +243,7 @@ def cuda_rows(ms, peaks: dict, deepgemm_ms=(8192,)) -> list[dict]:
                     r["deepgemm_us"] = time_calls([lambda: deepgemm.linear(x, *pair)]) * 1e6
                 except Exception as e:  # noqa: BLE001 (DeepGEMM refusing an M: the row goes on without it)
                     print(f"  {name} m {m} deepgemm: {type(e).__name__} {str(e)[:160]}", flush=True)
-            for key in ("w8a16", "fp8_bk32", "fp8", "cuda", "cuda_debug", "bf16", "deepgemm"):
+            for key in ("w8a16", "fp8_bk32", "fp8", "cuda", "cuda_bm64", "cuda_debug", "bf16", "deepgemm"):
                 if f"{key}_us" in r:
                     r[f"{key}_tflops"] = flops / r[f"{key}_us"] / 1e6
             r["cuda_of_fp8_peak"] = r["cuda_tflops"] * 1e12 / peaks["fp8_flops"]
@@ -254,7 +257,8 @@ def cuda_rows(ms, peaks: dict, deepgemm_ms=(8192,)) -> list[dict]:
                   f"{r['cuda_vs_overlap_off']:.2f}x its no-overlap form) | w8a16 {r['w8a16_tflops']:6.0f}  "
                   f"triton fp8 bk32 {r['fp8_bk32_tflops']:6.0f}  per-32 {r.get('fp8_tflops', nan):6.0f}  "
                   f"deepgemm {r.get('deepgemm_tflops', nan):6.0f}  bf16 {r['bf16_tflops']:6.0f}  "
-                  f"cuda no-overlap {r['cuda_debug_tflops']:6.0f}  (rel diff {r['fp8_gemm_sm90_bn128_max_rel_diff']:.1e})",
+                  f"cuda no-overlap {r['cuda_debug_tflops']:6.0f}  cuda bm64 {r.get('cuda_bm64_tflops', nan):6.0f}  "
+                  f"(rel diff {r['fp8_gemm_sm90_bn128_max_rel_diff']:.1e})",
                   flush=True)
             rows.append(r)
             del x, xq, a, sa, want

@@ -127,8 +127,14 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
 __device__ __forceinline__ void setmaxnreg_producer() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
 }
+// 232 with two consumers (128 x 40 + 256 x 232 <= 64K registers); 248 with one (as DeepGEMM does).
+template <int NCONS>
 __device__ __forceinline__ void setmaxnreg_consumer() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    if constexpr (NCONS == 1) {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 248;\n" ::: "memory");
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    }
 }
 
 __device__ __forceinline__ void prefetch_l1(const void* p) {
@@ -233,7 +239,7 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
         }
     } else {
         // consumer warpgroup wg: rows m0 + 64 wg + [0, 64)
-        setmaxnreg_consumer();
+        setmaxnreg_consumer<NCONS>();
         const int warp = tid / 32, lane = tid % 32;
         const int r0 = m0 + 64 * wg + 16 * warp + lane / 4, r1 = r0 + 8;
         const float* sa_r0 = r0 < m_end ? sa + static_cast<int64_t>(r0) * ks : nullptr;
@@ -340,4 +346,5 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
     }
 
 FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128, 128, 5, 2, true)       // the fast form
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64, 128, 6, 1, true)        // one consumer (BM 64): M <= 64, half the idle rows
 FP8_GEMM_ENTRY(fp8_gemm_sm90_debug, 128, 4, 1, false)      // one consumer, no overlap (bisecting aid)

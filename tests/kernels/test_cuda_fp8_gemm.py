@@ -80,12 +80,15 @@ def test_sass_has_fp8_gmma_overlapped(compiled):
     sass = {}
     for chunk in r.stdout.split("Function : ")[1:]:
         sass[chunk.split()[0]] = chunk
-    fast, debug = sass["fp8_gemm_sm90_bn128"], sass["fp8_gemm_sm90_debug"]
-    # FP8 wgmma (QGMMA: the e4m3 form of HGMMA), 4 slices per stage
-    assert fast.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4 and debug.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in fast           # one slice in flight during a promotion
+    debug = sass["fp8_gemm_sm90_debug"]
+    for name in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64"):
+        fast = sass[name]
+        # FP8 wgmma (QGMMA: the e4m3 form of HGMMA), 4 slices per stage
+        assert fast.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4, name
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in fast, name     # one slice in flight during a promotion
+        assert "UTMALDG.2D" in fast and "USETMAXREG" in fast, name
+    assert debug.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in debug      # the debugging form waits on each
-    assert "UTMALDG.2D" in fast and "USETMAXREG" in fast
 
 
 def test_grouped_tiles_split_at_experts():
