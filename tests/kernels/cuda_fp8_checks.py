@@ -217,9 +217,13 @@ def check_select_decline(device="cuda"):
         before = {d for d in select.declined() if d[0] == "fp8_linear_cuda"}
         assert not select._cuda_fp8_ok(x, qr, sr)                 # a second call: no new rule, no new line
         assert {d for d in select.declined() if d[0] == "fp8_linear_cuda"} == before
-        # K % 32 != 0 has no FP8 linear in the model (act_quant needs K % 32); the rule itself:
+        # K % 32 != 0: declined (logged once); no FP8 linear of the model has one (act_quant needs K % 32)
         from deepinfer.kernels.cuda_fp8_gemm import decline_reason
-        assert decline_reason(64, 192, 240, torch.zeros(6, 7), x.device) == "K a multiple of 32"
+        assert decline_reason(64, 192, 240, torch.zeros(6, 8), x.device) == "K a multiple of 32"
+        x240 = torch.randn(64, 240, generator=gen).bfloat16().to(device)
+        q240 = torch.zeros(192, 240, dtype=torch.float8_e4m3fn, device=device)
+        assert not select._cuda_fp8_ok(x240, q240, torch.zeros(6, 8, dtype=torch.uint8, device=device))
+        assert ("fp8_linear_cuda", "K a multiple of 32") in select.declined()
     finally:
         select.PREFILL_GEMM = saved
     print("select: cuda pick and declines: ok")
