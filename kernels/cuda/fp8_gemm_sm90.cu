@@ -273,6 +273,7 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
 #pragma unroll
             for (int j = 0; j < SLICES; ++j) sc[j] = load_scales(sa_r0, sa_r1, sb_blk, ks, nblk, kb * SLICES + j);
             mbar_wait(full_bar(stage), phase);
+            __syncwarp();                                  // converged for the .aligned wgmma instructions
             const uint64_t da = sw128_desc(a_smem + stage * A_BYTES + wg * 64 * BK);
             const uint64_t db = sw128_desc(b_smem + stage * B_BYTES);
 #pragma unroll
