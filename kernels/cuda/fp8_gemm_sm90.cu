@@ -252,6 +252,9 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.f;
 
+        // One stage of one consumer (tensor cores above, CUDA cores below; t0 / t1 the temporaries):
+        //   wgmma s0->t0 | wgmma s1->t1      | wgmma s2->t0      | wgmma s3->t1      |
+        //                | wait<=1, prom t0  | wait<=1, prom t1  | wait<=1, prom t0  | wait 0, prom t1, release
         // Per stage: slice j's wgmma runs while slice j-1 is promoted; the stage's last slice is promoted
         // after a wait_group 0 (no wgmma is left in flight across the loop's back edge: ptxas cannot follow
         // one there and would serialize every wgmma of the kernel, C7514). The other consumer warpgroup's
