@@ -9,9 +9,12 @@ triton_gemm.fp8_gemm on 32x32-block weight scales.
     fp8_linear_cuda(x, w, w_scale)                 act_quant_fp8 + fp8_gemm_cuda (select.fp8_linear's form)
     supports(m, n, k, sb) / decline_reason(...)    the shape rules select checks before taking it
 
-DEEPINFER_CUDA_FP8_DEBUG=1: the same kernel with one consumer warpgroup (BM 64) waiting on every wgmma
-before its promotion (no overlap): a wrong result that this form fixes is in the overlap, one it keeps
-is in the pipeline (TMA, barriers, descriptors) or the promotion.
+Entry points (FORMS): fp8_gemm_sm90_bn128 (two consumer warpgroups, BM 128: M > 64), fp8_gemm_sm90_bm64
+(one consumer, BM 64: M <= 64), fp8_gemm_sm90_debug (one consumer waiting on every wgmma before its
+promotion: no overlap). DEEPINFER_CUDA_FP8_DEBUG=1 runs every call on the debugging form,
+DEEPINFER_CUDA_FP8_FORM=<entry> on that entry: a wrong result the debugging form fixes is in the overlap,
+one bm64 fixes is in the two-consumer split, one they all keep is in the pipeline (TMA, barriers,
+descriptors) or the promotion.
 """
 
 from __future__ import annotations
@@ -29,11 +32,16 @@ FORMS = {"fp8_gemm_sm90_bn128": (128, 128, 5, 384),
          "fp8_gemm_sm90_bm64": (64, 128, 6, 256),
          "fp8_gemm_sm90_debug": (64, 128, 4, 256)}
 DEBUG = os.environ.get("DEEPINFER_CUDA_FP8_DEBUG", "0") == "1"
+FORCE = os.environ.get("DEEPINFER_CUDA_FP8_FORM") or None
+if FORCE is not None and FORCE not in FORMS:
+    raise ValueError(f"DEEPINFER_CUDA_FP8_FORM must be one of {sorted(FORMS)}, got {FORCE!r}")
 
 
 def form(m: int | None = None) -> str:
     """The entry point for m rows: one consumer warpgroup (BM 64) up to 64 rows (decode), two above;
-    the debugging form whenever DEEPINFER_CUDA_FP8_DEBUG=1 (or DEBUG set)."""
+    FORCE's (DEEPINFER_CUDA_FP8_FORM) or the debugging form (DEEPINFER_CUDA_FP8_DEBUG=1) if set."""
+    if FORCE is not None:
+        return FORCE
     if DEBUG:
         return "fp8_gemm_sm90_debug"
     return "fp8_gemm_sm90_bm64" if m is not None and m <= 64 else "fp8_gemm_sm90_bn128"

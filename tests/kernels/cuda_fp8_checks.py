@@ -61,33 +61,31 @@ def diagnose(y, r, what="") -> str:
     return "\n".join(out)
 
 
-def smoke(device="cuda") -> int:
-    """A few ternary shapes, with a diagnosis of any difference (run in a child process by main: a hang or
-    a trap stays there)."""
-    from deepinfer.kernels import cuda_fp8_gemm
+def smoke(entry: str, device="cuda") -> int:
+    """A few ternary shapes on one entry point, with a diagnosis of any difference (main runs each entry
+    in a child process: a hang or a trap stays there)."""
     gen = torch.Generator().manual_seed(9)
     ok = True
     for m, n, k in ((128, 128, 128), (17, 128, 160), (300, 576, 1280), (64, 4128, 5120), (200, 4128, 5120)):
         a, sa, b, sb = ternary_case(m, n, k, gen, device)
-        y = fp8_gemm_cuda(a, sa, b, sb)
+        y = fp8_gemm_cuda(a, sa, b, sb, entry=entry)
         torch.cuda.synchronize()
         r = ref_gemm(a.float(), sa, b, sb)
         if not torch.equal(y, r):
             ok = False
-            print(diagnose(y, r, f"{cuda_fp8_gemm.form(m)} {m}x{n}x{k}"), flush=True)
+            print(diagnose(y, r, f"{entry} {m}x{n}x{k}"), flush=True)
             # the same operands with unit scales: a scale bug vs a data-path bug
             ones_a, ones_b = torch.ones_like(sa), torch.full_like(sb, 127)
-            y1 = fp8_gemm_cuda(a, ones_a, b, ones_b)
+            y1 = fp8_gemm_cuda(a, ones_a, b, ones_b, entry=entry)
             print(diagnose(y1, ref_gemm(a.float(), ones_a, b, ones_b), "  unit scales"), flush=True)
-    print(f"smoke {'debugging form' if cuda_fp8_gemm.DEBUG else 'fast forms'}: {'ok' if ok else 'WRONG'}", flush=True)
+    print(f"smoke {entry}: {'ok' if ok else 'WRONG'}", flush=True)
     return 0 if ok else 1
 
 
-def _smoke_in_child(debug: bool, timeout: int = 120) -> str:
+def _smoke_in_child(entry: str, timeout: int = 120) -> str:
     import subprocess
-    env = dict(os.environ, DEEPINFER_CUDA_FP8_DEBUG="1" if debug else "0")
     try:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "smoke"], env=env, capture_output=True,
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "smoke", entry], capture_output=True,
                            text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "HANG (killed after %d s)" % timeout
@@ -230,21 +228,25 @@ def check_select_decline(device="cuda"):
 
 
 def main(quick: bool = False):
-    """Smoke both forms in child processes first (a hang or trap costs a child, not the run), then every
-    check on the fast form (or, where only the debugging form passes its smoke, on that one, to test the
-    pipeline), each section reported whatever the others do."""
+    """Smoke each entry point in a child process first (a hang or trap costs a child, not the run), then
+    every check on the automatic choice (or, where a fast entry failed its smoke, forced onto the first
+    that passed, to test the pipeline), each section reported whatever the others do."""
     import traceback
     from deepinfer.kernels import cuda_driver, cuda_fp8_gemm
     t0 = time.time()
     log = cuda_driver.compile_cubin(cuda_fp8_gemm.SRC)[1]
     print("ptxas:", " | ".join(line.strip() for line in log.splitlines() if "spill" in line or "Used" in line), flush=True)
-    smoke_debug, smoke_fast = _smoke_in_child(True), _smoke_in_child(False)
-    print(f"smoke: debugging form (one consumer, no overlap) {smoke_debug}; fast form {smoke_fast}", flush=True)
-    if smoke_fast != "ok":
-        if smoke_debug != "ok":
+    smokes = {entry: _smoke_in_child(entry) for entry in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64")}
+    if "ok" != smokes["fp8_gemm_sm90_bn128"] or "ok" != smokes["fp8_gemm_sm90_bm64"]:
+        smokes["fp8_gemm_sm90_debug"] = _smoke_in_child("fp8_gemm_sm90_debug")     # bisect: the overlap?
+    print("smoke: " + "; ".join(f"{e} {v}" for e, v in smokes.items()), flush=True)
+    failed = [f"{e} smoke" for e, v in smokes.items() if v != "ok"]
+    if smokes["fp8_gemm_sm90_bn128"] != "ok" or smokes["fp8_gemm_sm90_bm64"] != "ok":
+        # the rest on the first entry that passed its smoke, forced for every M: does the pipeline hold?
+        ok = [e for e in ("fp8_gemm_sm90_bm64", "fp8_gemm_sm90_debug") if smokes.get(e) == "ok"]
+        if not ok:
             return 1
-        cuda_fp8_gemm.DEBUG = True                  # the rest on the debugging form: does the pipeline hold?
-    failed = [] if smoke_fast == "ok" else ["fast form smoke"]
+        cuda_fp8_gemm.FORCE = ok[0]
     sections = [("exact grid", lambda: check_exact_grid(ms=(1, 17, 300) if quick else GRID_M)),
                 ("graph capture", check_graph_capture), ("grouped contiguous", check_grouped),
                 ("select", check_select_decline),
@@ -256,12 +258,12 @@ def main(quick: bool = False):
             fn()
         except Exception:  # noqa: BLE001 (report every section; the exit code says it failed)
             failed.append(name)
-            print(f"{name}: FAILED (debugging form: {cuda_fp8_gemm.DEBUG})\n{traceback.format_exc()[-3000:]}", flush=True)
-    print(f"{'all ok' if not failed else 'FAILED: ' + ', '.join(failed)} (debugging form: {cuda_fp8_gemm.DEBUG}, "
+            print(f"{name}: FAILED (forced entry: {cuda_fp8_gemm.FORCE})\n{traceback.format_exc()[-3000:]}", flush=True)
+    print(f"{'all ok' if not failed else 'FAILED: ' + ', '.join(failed)} (forced entry: {cuda_fp8_gemm.FORCE}, "
           f"{time.time() - t0:.1f} s)")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
     arg = sys.argv[1:]
-    sys.exit(smoke() if arg == ["smoke"] else main(arg == ["quick"]))
+    sys.exit(smoke(arg[1]) if arg[:1] == ["smoke"] else main(arg == ["quick"]))
