@@ -142,3 +142,11 @@ def test_select_cuda_mode_on_cpu():
     env = dict(os.environ, DEEPINFER_PREFILL_GEMM="cuda")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_forms_match_the_entry_points():
+    """cuda_fp8_gemm.FORMS (the launch: BM, BN, stages, threads) against FP8_GEMM_ENTRY in the .cu."""
+    src = Path(SRC).read_text()
+    entries = re.findall(r"^FP8_GEMM_ENTRY\((\w+), (\d+), (\d+), (\d+), (true|false)\)", src, re.M)
+    got = {name: (64 * int(ncons), int(bn), int(stages), 128 * (int(ncons) + 1)) for name, bn, stages, ncons, _ in entries}
+    assert got == FORMS
