@@ -26,6 +26,11 @@ Knobs (environment, read once):
     DEEPINFER_PREFILL_GEMM=<variant>  that FP8 x FP8 variant (e.g. lag_blocks) for every FP8 linear of >=
                                  DEEPINFER_FP8_VARIANT_MIN_M rows (32), and the MoE's large steps in the
                                  grouped contiguous form on it
+    DEEPINFER_PREFILL_GEMM=cuda  FP8 linears of >= DEEPINFER_FP8_VARIANT_MIN_M rows (32) with 32x32-block
+                                 weight scales on the warp-specialized CUDA kernel (cuda_fp8_gemm: SM90,
+                                 nvcc; the promotion of one K=32 slice overlapped with the next slice's
+                                 wgmma), and the MoE's grouped contiguous form on it where its weights have
+                                 32x32-block scales; a call it declines takes the W8A16 path (logged once)
     DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
                                  on the first FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and
                                  the MoE's large steps in the grouped contiguous form on it
@@ -69,8 +74,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8_VARIANTS = ("seq", "blocks", "blocks_bm64", "blocks_bn256", "lag_blocks", "lag_blocks_bm64", "lag2_blocks_bn64", "tma_blocks",
                 "tma_lag_blocks")
 PREFILL_GEMM = os.environ.get("DEEPINFER_PREFILL_GEMM", "auto")
-if PREFILL_GEMM not in ("auto", "fp8", "w8a16") + FP8_VARIANTS:
-    raise ValueError(f"DEEPINFER_PREFILL_GEMM must be auto, w8a16, fp8 or one of {FP8_VARIANTS}, got {PREFILL_GEMM!r}")
+if PREFILL_GEMM not in ("auto", "fp8", "w8a16", "cuda") + FP8_VARIANTS:
+    raise ValueError(f"DEEPINFER_PREFILL_GEMM must be auto, w8a16, fp8, cuda or one of {FP8_VARIANTS}, got {PREFILL_GEMM!r}")
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 FP8_TABLE_PATH = os.environ.get("DEEPINFER_FP8_TABLE", os.path.join(os.path.dirname(__file__), "fp8_select_table.json"))
@@ -222,6 +227,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         pair = _dg.cached_tile128(w, w_scale)
         if pair is not None:
             return _dg.linear(x, *pair)
+    if _cuda_fp8_ok(x, w, w_scale):
+        from .cuda_fp8_gemm import fp8_linear_cuda
+        return fp8_linear_cuda(x, w, w_scale)
     if _prefill_fp8_ok(x, w, w_scale):
         from .triton_fp8_prefill import fp8_prefill_linear
         return fp8_prefill_linear(x, w, w_scale)
@@ -236,6 +244,20 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         from .triton_gemm import fp8_linear as fast
         return fast(x, w, w_scale, batch_invariant=_batch_invariant())
     return _ref_fp8_linear(x, dequant_fp8(w, w_scale))
+
+
+def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """The CUDA FP8 x FP8 kernel takes this call: DEEPINFER_PREFILL_GEMM=cuda, at least FP8_VARIANT_MIN_M
+    rows, not batch-invariant mode, and its rules (cuda_fp8_gemm.decline_reason: SM90, nvcc, K % 32, 32x32
+    weight blocks); a call breaking them takes the W8A16 path, logged once per rule."""
+    if PREFILL_GEMM != "cuda" or _batch_invariant() or not use_fast(x) or not x.is_cuda or w.dim() != 2:
+        return False
+    n, k = w.shape
+    if x.numel() < FP8_VARIANT_MIN_M * max(k, 1):
+        return False
+    from .cuda_fp8_gemm import decline_reason
+    reason = decline_reason(x.numel() // k, n, k, w_scale, x.device)
+    return _fast_for(x, "fp8_linear_cuda", reason is None, reason or "", then="the W8A16 path")
 
 
 def _prefill_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
@@ -290,7 +312,7 @@ def _fp8_variant_for(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) ->
     >= FP8_VARIANT_MIN_M rows), or auto and the measured table picks one for this shape; never in
     batch-invariant mode. A call whose shape breaks the variant's rules (K a multiple of 64 for the
     lagged loops, 32 otherwise; the W8A16 scale layouts) declines to W8A16 and logs it once."""
-    if PREFILL_GEMM in ("w8a16", "fp8") or _batch_invariant() or not use_fast(x):
+    if PREFILL_GEMM in ("w8a16", "fp8", "cuda") or _batch_invariant() or not use_fast(x):
         return None
     n, k = w.shape
     m = x.numel() // k if k else 0
@@ -359,6 +381,10 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
             from .triton_fp8_variants import fp8_variant_grouped_contiguous
             from .triton_quant import act_quant_fp8
             return fp8_variant_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts, kernel)
+        if kernel == "w8a16" and _cuda_grouped_ok(x, w, w_scale):
+            from .cuda_fp8_gemm import fp8_grouped_contiguous_cuda
+            from .triton_quant import act_quant_fp8
+            return fp8_grouped_contiguous_cuda(*act_quant_fp8(x), w, w_scale, counts)
         from .triton_moe_contiguous import w8a16_grouped_contiguous
         return w8a16_grouped_contiguous(x, w, w_scale, counts)
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
@@ -368,6 +394,16 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
             out[start:start + c] = _ref_fp8_linear(x[start:start + c], dequant_fp8(w[e], w_scale[e]))
         start += c
     return out
+
+
+def _cuda_grouped_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """DEEPINFER_PREFILL_GEMM=cuda and the CUDA kernel's rules hold for the expert stack (32x32-block
+    scales: per-row expert scales, the MXFP4 experts' form, stay on W8A16, logged once)."""
+    if PREFILL_GEMM != "cuda" or not x.is_cuda or w.dim() != 3 or w_scale.dim() != 3:
+        return False
+    from .cuda_fp8_gemm import decline_reason
+    reason = decline_reason(x.shape[0], w.shape[1], w.shape[2], w_scale[0], x.device)
+    return _fast_for(x, "grouped_fp8_contiguous_cuda", reason is None, reason or "", then="the W8A16 path")
 
 
 def _ref_fp8_linear(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,10 @@ release numbers, a speed reference), torch's bf16 matmul, and the FP8 / bf16 pea
         kernels/fp8_select_table.json to make select take the winners. ~2-3 min on the H200)
     python perf/bench_fp8_prefill.py --variants --splits       (+ split-K counts per variant at M <= 128;
         a winning count goes into the table row as split_k)
+    python perf/bench_fp8_prefill.py --cuda [--m 8192 128 64 32] [--deepgemm-m 8192]  (the CUDA kernel,
+        kernels/cuda_fp8_gemm.py, and its one-consumer no-overlap debugging form, against W8A16, the
+        Triton FP8 forms, DeepGEMM and the peaks at the six linears; each CUDA result is checked against
+        triton_gemm.fp8_gemm's first. bench_fp8_cuda.json in $OUT. ~1-2 min on the H200)
 
 Shapes: the full-width layer's dense FP8 linears at M tokens (wq_a+wkv fused 1280+512 x 5120, wq_b
 32768 x 1280, wo_b 5120 x 8192, the shared expert 4608 x 5120 and 5120 x 2304, the indexer's wq_b
@@ -73,12 +77,15 @@ def dense_rows(m: int, sweep: bool, peaks: dict) -> list[dict]:
                 best = (t, cfg)
         r["fp8_us"], r["fp8_cfg"] = best
         r["act_quant_us"] = time_calls([lambda: act_quant_fp8(x)]) * 1e6
+        if _cuda_ok(n, k, s):
+            from deepinfer.kernels.cuda_fp8_gemm import fp8_gemm_cuda
+            r["cuda_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32)]) * 1e6
         wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         r["bf16_us"] = time_calls([lambda: x @ wb.T]) * 1e6
         if dg is not None and n % 128 == 0 and k % 128 == 0:
             pair = deepgemm.cached_tile128(w, s)
             r["deepgemm_us"] = time_calls([lambda: deepgemm.linear(x, *pair)]) * 1e6
-        for key in ("w8a16", "fp8", "fp8_bk32", "bf16", "deepgemm"):
+        for key in ("w8a16", "fp8", "fp8_bk32", "bf16", "deepgemm", "cuda"):
             if f"{key}_us" in r:
                 r[f"{key}_tflops"] = flops / r[f"{key}_us"] / 1e6
         r["fp8_of_fp8_peak"] = r["fp8_tflops"] * 1e12 / peaks["fp8_flops"]
@@ -87,6 +94,7 @@ def dense_rows(m: int, sweep: bool, peaks: dict) -> list[dict]:
         print(f"{name:10s} {m}x{n}x{k}: w8a16 {r['w8a16_tflops']:6.0f} TF  fp8 {r['fp8_tflops']:6.0f} TF "
               f"({r['fp8_of_fp8_peak']:.2f} of FP8 peak, {r['fp8_vs_w8a16']:.2f}x w8a16, cfg {r['fp8_cfg']})  "
               f"fp8 BK32 walk {r['fp8_bk32_tflops']:6.0f}  bf16 {r['bf16_tflops']:6.0f}  deepgemm {r.get('deepgemm_tflops', float('nan')):6.0f}  "
+              f"cuda {r.get('cuda_tflops', float('nan')):6.0f}  "
               f"act_quant {r['act_quant_us']:.0f} us", flush=True)
         del x, w, s, s32, xq, a, sa, wb
     return rows
@@ -172,6 +180,121 @@ def moe_rows(m: int, peaks: dict, E: int = 48, topk: int = 6, d: int = 5120, int
           f"per-expert FP8 loop {r['loop_fp8_tflops']:.0f} TF, grouped W8A16 {r['grouped_w8a16_tflops']:.0f} TF: "
           f"grouped W8A16 {r['loop_w8a16_us'] / r['grouped_w8a16_us']:.2f}x the W8A16 loop", flush=True)
     return r
+
+
+def _cuda_ok(n: int, k: int, s: torch.Tensor) -> bool:
+    """The CUDA kernel can run here (SM90, nvcc, its shape rules); else say why once per shape."""
+    from deepinfer.kernels.cuda_fp8_gemm import decline_reason
+    why = decline_reason(1, n, k, s, torch.device("cuda"))
+    if why is not None:
+        print(f"  cuda kernel skipped at {n}x{k}: needs {why}", flush=True)
+    return why is None
+
+
+CUDA_MS = (8192, 128, 64, 32)      # prefill first: the numbers that matter most if the run is cut short
+
+
+def _warm_deepgemm_job(n: int, k: int, ms: tuple) -> str:
+    """DeepGEMM's JIT compile of one linear at each M (a worker process; its cache is on disk)."""
+    from deepinfer.kernels import deepgemm
+    w, s = weight(n, k)
+    pair = deepgemm.cached_tile128(w, s)
+    for m in ms:
+        deepgemm.linear(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), *pair)
+    torch.cuda.synchronize()
+    return f"deepgemm {n}x{k}"
+
+
+def warm_deepgemm(ms: tuple, jobs: int = 6) -> None:
+    """Compile DeepGEMM's kernels for the six linears in parallel before timing (a fresh machine's JIT
+    takes seconds per shape, in series minutes)."""
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+    from deepinfer.kernels import deepgemm
+    if deepgemm.load() is None or not ms or jobs <= 0:
+        return
+    t0 = time.time()
+    todo = [(n, k) for n, k in DENSE.values() if n % 128 == 0 and k % 128 == 0]
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as ex:
+        for f in [ex.submit(_warm_deepgemm_job, n, k, tuple(ms)) for n, k in todo]:
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 (the timed run meets it again and reports it)
+                print(f"  deepgemm warm-up failed: {type(e).__name__} {str(e)[:200]}", flush=True)
+    print(f"DeepGEMM compiled in parallel: {time.time() - t0:.0f} s", flush=True)
+
+
+def cuda_rows(ms, peaks: dict, deepgemm_ms=(8192,)) -> list[dict]:
+    """The CUDA kernel (the two-consumer form, at M <= 128 also the one-consumer BM 64 form, and the
+    one-consumer no-overlap debugging form) against W8A16, the Triton
+    FP8 x FP8 forms (the BK 32 walk of triton_gemm.fp8_gemm; the per-32 prefill kernel at M >= 512),
+    DeepGEMM (at deepgemm_ms only: its JIT compiles each shape, minutes on a fresh machine) and bf16 at
+    each dense linear and M, with ratios to W8A16, DeepGEMM and the FP8 peak. Each
+    row first checks the CUDA kernel's values against triton_gemm.fp8_gemm's (the same exact products:
+    they may differ by the FP8 MMA's in-slice rounding only), so a fast wrong kernel cannot post a number."""
+    from deepinfer.kernels import deepgemm
+    from deepinfer.kernels.cuda_fp8_gemm import fp8_gemm_cuda
+    from deepinfer.kernels.triton_fp8_prefill import as_f32_scale, fp8_prefill_gemm
+    from deepinfer.kernels.triton_gemm import fp8_gemm, w8a16_gemm
+    from deepinfer.kernels.triton_quant import act_quant, act_quant_fp8
+    dg = deepgemm.load()
+    rows = []
+    for name, (n, k) in DENSE.items():
+        w, s = weight(n, k)
+        s32 = as_f32_scale(s)
+        if not _cuda_ok(n, k, s):
+            continue
+        pair = deepgemm.cached_tile128(w, s) if dg is not None and n % 128 == 0 and k % 128 == 0 else None
+        wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq = act_quant(x)
+            a, sa = act_quant_fp8(x)
+            flops = 2.0 * m * n * k
+            r = {"name": name, "m": m, "n": n, "k": k}
+            want = fp8_gemm(a, sa, w, s32).float()
+            for entry in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64", "fp8_gemm_sm90_debug"):
+                got = fp8_gemm_cuda(a, sa, w, s32, entry=entry).float()
+                err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()   # normwise
+                r[f"{entry}_max_rel_diff"] = err
+                if not err <= 2 ** -6:
+                    print(f"  {name} m {m} {entry}: WRONG (max difference to Triton {err:.3g} of max |y|)", flush=True)
+            r["w8a16_us"] = time_calls([lambda: w8a16_gemm(xq, w, s)]) * 1e6
+            r["fp8_bk32_us"] = time_calls([lambda: fp8_gemm(a, sa, w, s32)]) * 1e6
+            if m >= 512:
+                r["fp8_us"] = time_calls([lambda: fp8_prefill_gemm(a, sa, w, s32)]) * 1e6
+            r["cuda_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry="fp8_gemm_sm90_bn128")]) * 1e6
+            if m <= 128:                        # one consumer warpgroup: what form() picks at M <= 64
+                r["cuda_bm64_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry="fp8_gemm_sm90_bm64")]) * 1e6
+            r["cuda_debug_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry="fp8_gemm_sm90_debug")]) * 1e6
+            r["bf16_us"] = time_calls([lambda: x @ wb.T]) * 1e6
+            if pair is not None and m in deepgemm_ms:
+                try:
+                    r["deepgemm_us"] = time_calls([lambda: deepgemm.linear(x, *pair)]) * 1e6
+                except Exception as e:  # noqa: BLE001 (DeepGEMM refusing an M: the row goes on without it)
+                    print(f"  {name} m {m} deepgemm: {type(e).__name__} {str(e)[:160]}", flush=True)
+            for key in ("w8a16", "fp8_bk32", "fp8", "cuda", "cuda_bm64", "cuda_debug", "bf16", "deepgemm"):
+                if f"{key}_us" in r:
+                    r[f"{key}_tflops"] = flops / r[f"{key}_us"] / 1e6
+            r["cuda_of_fp8_peak"] = r["cuda_tflops"] * 1e12 / peaks["fp8_flops"]
+            r["cuda_vs_w8a16"] = r["w8a16_us"] / r["cuda_us"]
+            r["cuda_vs_overlap_off"] = r["cuda_debug_us"] / r["cuda_us"]
+            if "deepgemm_us" in r:
+                r["cuda_vs_deepgemm"] = r["deepgemm_us"] / r["cuda_us"]
+            nan = float("nan")
+            print(f"{name:10s} m {m:5d}: cuda {r['cuda_tflops']:6.0f} TF ({r['cuda_of_fp8_peak']:.2f} of FP8 peak, "
+                  f"{r['cuda_vs_w8a16']:.2f}x w8a16, {r.get('cuda_vs_deepgemm', nan):.2f}x deepgemm, "
+                  f"{r['cuda_vs_overlap_off']:.2f}x its no-overlap form) | w8a16 {r['w8a16_tflops']:6.0f}  "
+                  f"triton fp8 bk32 {r['fp8_bk32_tflops']:6.0f}  per-32 {r.get('fp8_tflops', nan):6.0f}  "
+                  f"deepgemm {r.get('deepgemm_tflops', nan):6.0f}  bf16 {r['bf16_tflops']:6.0f}  "
+                  f"cuda no-overlap {r['cuda_debug_tflops']:6.0f}  cuda bm64 {r.get('cuda_bm64_tflops', nan):6.0f}  "
+                  f"(rel diff {r['fp8_gemm_sm90_bn128_max_rel_diff']:.1e})",
+                  flush=True)
+            rows.append(r)
+            del x, xq, a, sa, want
+        del w, s, s32, pair, wb
+    return rows
 
 
 VARIANT_MS = (32, 64, 128, 8192)
@@ -318,16 +441,24 @@ def variant_rows(ms, names, peaks: dict, splits: bool = False) -> tuple[list[dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--m", type=int, nargs="+", default=[8192])
+    p.add_argument("--m", type=int, nargs="+", default=None, help="M rows (default 8192; --cuda: 32 64 128 8192)")
     p.add_argument("--sweep", action="store_true", help="try every SWEEP tile config, keep the fastest")
     p.add_argument("--variants", nargs="?", const="all", default=None,
                    help="the FP8 x FP8 variants (comma-separated names, default all) at M 32/64/128/8192 + the MoE")
     p.add_argument("--splits", action="store_true", help="--variants: also sweep split-K counts at M <= 128")
-    p.add_argument("--jobs", type=int, default=8, help="--variants: compile in this many worker processes first (0: no)")
+    p.add_argument("--cuda", action="store_true", help="the CUDA kernel against the others at --m (default 8192/128/64/32)")
+    p.add_argument("--deepgemm-m", type=int, nargs="*", default=[8192], help="--cuda: the Ms that also time DeepGEMM")
+    p.add_argument("--jobs", type=int, default=8, help="--variants / --cuda: compile in this many worker processes first (0: no)")
     a = p.parse_args()
     peaks = measure_ceilings()
     print(f"peaks (same run): FP8 {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s, bf16 {peaks['bf16_flops'] / 1e12:.0f}, "
           f"copy {peaks['copy_bw'] / 1e12:.2f} TB/s", flush=True)
+    if a.cuda:
+        ms = a.m or CUDA_MS
+        warm_deepgemm(tuple(m for m in ms if m in a.deepgemm_m), a.jobs)
+        rows = cuda_rows(ms, peaks, tuple(a.deepgemm_m))
+        print("saved", save_json("bench_fp8_cuda.json", {"peaks": peaks, "dense": rows}))
+        return
     if a.variants:
         import time
         from deepinfer.kernels.triton_fp8_variants import VARIANTS
@@ -344,7 +475,7 @@ def main() -> None:
               save_json("fp8_select_table.json", doc), f"({time.time() - t0:.0f} s)")
         return
     out = {"peaks": peaks, "dense": [], "moe": []}
-    for m in a.m:
+    for m in a.m or [8192]:
         out["dense"] += dense_rows(m, a.sweep, peaks)
         out["moe"].append(moe_rows(m, peaks))
     print("saved", save_json("bench_fp8_prefill.json", out))

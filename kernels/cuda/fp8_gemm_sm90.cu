@@ -1,0 +1,354 @@
+// Exact FP8 x FP8 GEMM with per-32 promotion for SM90 (H100 / H200), issue 15.
+//
+//   C[M, N] bf16 = sum over K/32 slices s of (fp32 sum of the slice's e4m3 x e4m3 products)
+//                  * sa[m, s] * sb[n / 32, s]
+//
+// A [M, K] e4m3 (K-major), B [N, K] e4m3 (K-major; or [E * N, K] for the grouped contiguous form),
+// sa [M, K/32] f32, sb [ceil(N/32), K/32] f32 (32x32 weight blocks; [E, ceil(N/32), K/32] grouped).
+//
+// CTA: one producer warpgroup (one thread issues the TMA loads of 128-K stages into a ring of shared
+// memory buffers guarded by full/empty mbarriers) and NCONS consumer warpgroups, each owning 64 rows of
+// the tile. Each consumer issues one m64nBNk32 wgmma per K=32 slice into one of two temporaries (scale-d
+// 0: no clearing), and while the tensor cores run slice s it promotes slice s-1 on the CUDA cores:
+// acc += tmp * (sa * sb). That overlap is what the Triton kernel cannot express (it waits on every
+// wgmma before the promotion). OVERLAP=false (the debugging form) waits on each wgmma instead.
+//
+// Shared memory per stage: A BM x 128 bytes, B BN x 128 bytes, both written by TMA with the 128-byte
+// swizzle, which is the wgmma K-major SW128 canonical layout (8 rows x 128 bytes per 1024-byte atom,
+// SBO 1024); slice j of a stage starts 32 * j bytes into the atom (the descriptor start address + 2 * j).
+// Tails: TMA zero-fills out-of-bounds rows and K columns; slices past K/32 and scale blocks past N get
+// scale 0 (never read out of bounds); stores are masked.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace fp8sm90 {
+
+constexpr int BK = 128;          // K per stage: one 128-byte swizzle row
+constexpr int SLICES = BK / 32;  // K=32 slices (wgmmas, promotions) per stage
+constexpr int GROUP_M = 8;       // M tiles per rasterization group (B tiles stay hot in L2)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarriers -------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// FP8_GEMM_HANG_CYCLES: a wait longer than this many clocks (~10 s) traps (a launch error the host sees)
+// instead of hanging the GPU: a pipeline bug then costs one failed call, not the machine's time limit.
+#ifndef FP8_GEMM_HANG_CYCLES
+#define FP8_GEMM_HANG_CYCLES 20000000000ll
+#endif
+__device__ __forceinline__ uint32_t mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done;
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+// The producer's waits (a trap in the consumers' loop makes ptxas spill their accumulators). Any stall
+// of the pipeline reaches one: the producer waits on every stage's release, also after its last load.
+__device__ __forceinline__ void mbar_wait_or_trap(uint32_t bar, uint32_t parity) {
+    if (mbar_try_wait(bar, parity)) return;
+    const long long start = clock64();
+    while (!mbar_try_wait(bar, parity)) {
+        if (clock64() - start > FP8_GEMM_HANG_CYCLES) __trap();
+    }
+}
+
+// ---- TMA -------------------------------------------------------------------------------------------
+__device__ __forceinline__ void tma_prefetch(const CUtensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+// Box at (c0 = K column, c1 = row) into dst; completes `bar`'s transaction count by the box's bytes.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
+
+// ---- wgmma -----------------------------------------------------------------------------------------
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving reads / writes of an accumulator across the async wgmma.
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// K-major, 128-byte swizzle: start address >> 4 in bits 0-13, LBO unused (0), SBO 1024 >> 4 in bits
+// 32-45, layout type 1 (SW128) in bits 62-63.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr) {
+    return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// The producer keeps 40 registers so that the consumers can hold acc + two temporaries (3 x 64).
+__device__ __forceinline__ void setmaxnreg_producer() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+}
+// 232 with two consumers (128 x 40 + 256 x 232 <= 64K registers); 248 with one (as DeepGEMM does).
+template <int NCONS>
+__device__ __forceinline__ void setmaxnreg_consumer() {
+    if constexpr (NCONS == 1) {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 248;\n" ::: "memory");
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    }
+}
+
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+}
+
+// One slice's scales for this thread: its two rows' activation scales and the tile's four 32-column
+// weight blocks. Zero where the slice lies past K/32, the row past M or the block past N.
+struct SliceScales {
+    float a0, a1, b[4];
+};
+
+__device__ __forceinline__ SliceScales load_scales(const float* __restrict__ sa_r0, const float* __restrict__ sa_r1,
+                                                   const float* __restrict__ sb_blk, int ks, int nblk, int g) {
+    SliceScales s;
+    const bool k_ok = g < ks;
+    s.a0 = (k_ok && sa_r0 != nullptr) ? __ldg(sa_r0 + g) : 0.f;
+    s.a1 = (k_ok && sa_r1 != nullptr) ? __ldg(sa_r1 + g) : 0.f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s.b[c] = (k_ok && c < nblk) ? __ldg(sb_blk + static_cast<int64_t>(c) * ks + g) : 0.f;
+    return s;
+}
+
+// acc += tmp * (sa * sb) in the m64n128 fragment layout: tmp[4j + 0/1] is row r0, columns 8j + 2q + 0/1;
+// tmp[4j + 2/3] is row r0 + 8; 32-column block j / 4.
+__device__ __forceinline__ void promote(float (&acc)[64], const float (&tmp)[64], const SliceScales& s) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const float s0 = s.a0 * s.b[c], s1 = s.a1 * s.b[c];
+#pragma unroll
+        for (int j = 4 * c; j < 4 * c + 4; ++j) {
+            acc[4 * j + 0] = fmaf(tmp[4 * j + 0], s0, acc[4 * j + 0]);
+            acc[4 * j + 1] = fmaf(tmp[4 * j + 1], s0, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(tmp[4 * j + 2], s1, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(tmp[4 * j + 3], s1, acc[4 * j + 3]);
+        }
+    }
+}
+
+template <int BN, int STAGES, int NCONS, bool OVERLAP>
+__device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
+                                          const float* __restrict__ sa, const float* __restrict__ sb,
+                                          __nv_bfloat16* __restrict__ c, const int* __restrict__ tiles,
+                                          int M, int N, int K, int tiles_m) {
+    static_assert(BN == 128, "the m64n128 wgmma only, for now");
+    constexpr int BM = 64 * NCONS;
+    constexpr uint32_t A_BYTES = BM * BK, B_BYTES = BN * BK;
+
+    extern __shared__ uint8_t smem_raw[];
+    // 1024-byte aligned base (the SW128 atom): the launch asks for 1024 bytes of slack.
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t base = (raw + 1023u) & ~1023u;
+    const uint32_t a_smem = base, b_smem = base + STAGES * A_BYTES;
+    const uint32_t bars = b_smem + STAGES * B_BYTES;  // full[STAGES], then empty[STAGES]
+    auto full_bar = [&](int s) { return bars + 8u * s; };
+    auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+
+    // Tile: GROUP_M M tiles share each N tile in launch order.
+    const int tiles_n = (N + BN - 1) / BN;
+    const int pid = blockIdx.x, per_group = GROUP_M * tiles_n;
+    const int first_m = (pid / per_group) * GROUP_M;
+    const int group_rows = min(tiles_m - first_m, GROUP_M);
+    const int pm = first_m + (pid % per_group) % group_rows, pn = (pid % per_group) / group_rows;
+    const int n0 = pn * BN;
+    const int ks = K / 32, nkb = (K + BK - 1) / BK, nblk32 = (N + 31) / 32;
+    int m0 = pm * BM, m_end = M, expert = 0;
+    if (tiles != nullptr) {  // grouped contiguous: (first row, row end, expert) of this M tile
+        m0 = tiles[3 * pm];
+        m_end = tiles[3 * pm + 1];
+        expert = tiles[3 * pm + 2];
+        if (expert < 0) return;  // an unused tile: the whole CTA, before any barrier is used
+    }
+
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar(s), 1);
+            mbar_init(empty_bar(s), 4 * NCONS);       // one arrival per consumer warp
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    if (wg == NCONS) {  // producer warpgroup (the last one)
+        setmaxnreg_producer();
+        if (tid == 0) {
+            tma_prefetch(tmap_a);
+            tma_prefetch(tmap_b);
+            const int b_row = expert * N + n0;
+            int stage = 0;
+            uint32_t phase = 0;
+            for (int kb = 0; kb < nkb; ++kb) {
+                mbar_wait_or_trap(empty_bar(stage), phase ^ 1);
+                mbar_arrive_expect_tx(full_bar(stage), A_BYTES + B_BYTES);
+                tma_load_2d(a_smem + stage * A_BYTES, tmap_a, full_bar(stage), kb * BK, m0);
+                tma_load_2d(b_smem + stage * B_BYTES, tmap_b, full_bar(stage), kb * BK, b_row);
+                if (++stage == STAGES) stage = 0, phase ^= 1;
+            }
+            // the consumers' releases of the last loads (the hang check; nothing is loaded after them):
+            // load j's release completes phase j / STAGES of its stage's empty barrier
+            for (int j = max(0, nkb - STAGES); j < nkb; ++j) mbar_wait_or_trap(empty_bar(j % STAGES), (j / STAGES) & 1);
+        }
+    } else {
+        // consumer warpgroup wg: rows m0 + 64 wg + [0, 64)
+        setmaxnreg_consumer<NCONS>();
+        const int warp = tid / 32, lane = tid % 32;
+        const int r0 = m0 + 64 * wg + 16 * warp + lane / 4, r1 = r0 + 8;
+        const float* sa_r0 = r0 < m_end ? sa + static_cast<int64_t>(r0) * ks : nullptr;
+        const float* sa_r1 = r1 < m_end ? sa + static_cast<int64_t>(r1) * ks : nullptr;
+        const int blk0 = n0 / 32;
+        const float* sb_blk = sb + (static_cast<int64_t>(expert) * nblk32 + blk0) * ks;
+        const int nblk = min(4, nblk32 - blk0);
+
+        float acc[64], t0[64], t1[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+
+        // One stage of one consumer (tensor cores above, CUDA cores below; t0 / t1 the temporaries):
+        //   wgmma s0->t0 | wgmma s1->t1      | wgmma s2->t0      | wgmma s3->t1      |
+        //                | wait<=1, prom t0  | wait<=1, prom t1  | wait<=1, prom t0  | wait 0, prom t1, release
+        // Per stage: slice j's wgmma runs while slice j-1 is promoted; the stage's last slice is promoted
+        // after a wait_group 0 (no wgmma is left in flight across the loop's back edge: ptxas cannot follow
+        // one there and would serialize every wgmma of the kernel, C7514). The other consumer warpgroup's
+        // wgmmas keep the tensor cores busy meanwhile.
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int kb = 0; kb < nkb; ++kb) {
+            // the scale rows' cache lines two stages ahead into L1 (a line holds 8 stages of one row's
+            // scales: without this, every 8th stage's first promotion waits on L2)
+            const int gp = (kb + 2) * SLICES;
+            if (gp < ks) {
+                if (sa_r0 != nullptr) prefetch_l1(sa_r0 + gp);
+                if (sa_r1 != nullptr) prefetch_l1(sa_r1 + gp);
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    if (c < nblk) prefetch_l1(sb_blk + static_cast<int64_t>(c) * ks + gp);
+            }
+            SliceScales sc[SLICES];
+#pragma unroll
+            for (int j = 0; j < SLICES; ++j) sc[j] = load_scales(sa_r0, sa_r1, sb_blk, ks, nblk, kb * SLICES + j);
+            mbar_wait(full_bar(stage), phase);
+            __syncwarp();                                  // converged for the .aligned wgmma instructions
+            const uint64_t da = sw128_desc(a_smem + stage * A_BYTES + wg * 64 * BK);
+            const uint64_t db = sw128_desc(b_smem + stage * B_BYTES);
+#pragma unroll
+            for (int j = 0; j < SLICES; ++j) {
+                float(&t)[64] = (OVERLAP && j % 2 == 1) ? t1 : t0;   // the debugging form: t0 only
+                float(&other)[64] = (j % 2 == 0) ? t1 : t0;
+                wgmma_fence();
+                fence_regs(t);
+                wgmma_m64n128k32_e4m3(t, da + 2 * j, db + 2 * j, 0);   // + 32 bytes per slice (>> 4)
+                wgmma_commit();
+                if constexpr (OVERLAP) {
+                    if (j > 0) {
+                        wgmma_wait<1>();              // slice j-1 is done; slice j runs on the tensor cores
+                        fence_regs(other);
+                        promote(acc, other, sc[j - 1]);
+                    }
+                } else {
+                    wgmma_wait<0>();
+                    fence_regs(t);
+                    promote(acc, t, sc[j]);
+                }
+            }
+            if constexpr (OVERLAP) {
+                float(&last)[64] = (SLICES % 2 == 0) ? t1 : t0;
+                wgmma_wait<0>();
+                fence_regs(last);
+                promote(acc, last, sc[SLICES - 1]);
+            }
+            // every wgmma reading this stage has completed: hand the buffers back to the producer
+            if (lane == 0) mbar_arrive(empty_bar(stage));
+            if (++stage == STAGES) stage = 0, phase ^= 1;
+        }
+
+        // epilogue: bf16 (round to nearest even), masked
+        const int q = lane % 4;
+        const bool pairs = (N % 2) == 0;              // 4-byte aligned bf16 pairs
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = h == 0 ? r0 : r1;
+            if (row >= m_end) continue;
+            __nv_bfloat16* crow = c + static_cast<int64_t>(row) * N;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const int col = n0 + 8 * j + 2 * q;
+                const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+                if (pairs) {
+                    if (col < N) *reinterpret_cast<__nv_bfloat162*>(crow + col) = __floats2bfloat162_rn(v0, v1);
+                } else {
+                    if (col < N) crow[col] = __float2bfloat16_rn(v0);
+                    if (col + 1 < N) crow[col + 1] = __float2bfloat16_rn(v1);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace fp8sm90
+
+// Entry points (C names for cuModuleGetFunction). Launch: grid ceil(M/BM) * ceil(N/BN), block
+// 128 * (NCONS + 1), dynamic shared memory 1024 + STAGES * (BM + BN) * 128 + 16 * STAGES.
+// tiles: nullptr (dense: tiles_m = ceil(M / BM)) or int32 [tiles_m, 3], each M tile's (first row, row end,
+// expert; -1: unused) with B [E * N, K] and sb [E, ceil(N/32), K/32] (grouped contiguous: rows sorted by
+// expert, tiles split at expert boundaries; an A tile may read the next expert's rows, whose outputs are
+// not stored).
+#define FP8_GEMM_ENTRY(NAME, BN, STAGES, NCONS, OVERLAP)                                                      \
+    extern "C" __global__ void __launch_bounds__(128 * (NCONS + 1), 1)                                      \
+        NAME(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,        \
+             const float* __restrict__ sa, const float* __restrict__ sb, __nv_bfloat16* __restrict__ c,      \
+             const int* __restrict__ tiles, int M, int N, int K, int tiles_m) {                             \
+        fp8sm90::gemm_body<BN, STAGES, NCONS, OVERLAP>(&tmap_a, &tmap_b, sa, sb, c, tiles, M, N, K, tiles_m); \
+    }
+
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128, 128, 5, 2, true)       // the fast form
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64, 128, 6, 1, true)        // one consumer (BM 64): M <= 64, half the idle rows
+FP8_GEMM_ENTRY(fp8_gemm_sm90_debug, 128, 4, 1, false)      // one consumer, no overlap (bisecting aid)

@@ -1,0 +1,152 @@
+"""The CUDA FP8 x FP8 GEMM (kernels/cuda/fp8_gemm_sm90.cu, kernels/cuda_fp8_gemm.py).
+
+CPU (CI): the kernel compiles for sm_90a with no spills and no serialized wgmma (ptxas -v), its SASS has
+the FP8 GMMA with one group left in flight during the promotion (cuobjdump, where installed), the grouped
+tile table and the decline rules. GPU (-m gpu, an SM90): cuda_fp8_checks.main (bit-exact on ternary data,
+within the FP8 MMA bound on random data, graph capture, grouped contiguous, select's pick and declines)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.kernels import cuda_driver
+from deepinfer.kernels.cuda_fp8_gemm import FORMS, SRC, decline_reason, grouped_tiles, smem_bytes
+
+needs_nvcc = pytest.mark.skipif(cuda_driver.find_nvcc() is None, reason="no nvcc")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """A fresh compile (not the user's cache): (cubin path, ptxas log)."""
+    saved = cuda_driver.CACHE_DIR
+    cuda_driver.CACHE_DIR = str(tmp_path_factory.mktemp("cubin"))
+    try:
+        yield cuda_driver.compile_cubin(SRC, "sm_90a")
+    finally:
+        cuda_driver.CACHE_DIR = saved
+
+
+def _functions(log: str) -> dict[str, str]:
+    """ptxas -v's per-entry-function properties: name -> its lines."""
+    out, name = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Function properties for (\w+)", line)
+        if m:
+            name = m.group(1)
+            out[name] = ""
+        elif name is not None:
+            out[name] += line + "\n"
+    return out
+
+
+@needs_nvcc
+def test_compiles_without_spills_or_serialized_wgmma(compiled):
+    cubin, log = compiled
+    assert os.path.getsize(cubin) > 0
+    funcs = _functions(log)
+    assert set(FORMS) <= set(funcs), (sorted(funcs), log[-2000:])
+    for name in FORMS:
+        assert "0 bytes spill stores, 0 bytes spill loads" in funcs[name], (name, funcs[name])
+    # C7514: ptxas serializes every wgmma of a kernel it cannot prove safe (the whole point lost)
+    assert "C7514" not in log and "serialized" not in log, log
+    assert "C7508" not in log, log              # setmaxnreg ignored: the consumers could not hold 3 x 64 floats
+    assert all(smem_bytes(name) <= 227 * 1024 for name in FORMS)
+
+
+def _cuobjdump() -> str | None:
+    nvcc = cuda_driver.find_nvcc()
+    cand = [os.path.join(os.path.dirname(nvcc), "cuobjdump")] if nvcc else []
+    cand.append(shutil.which("cuobjdump") or "")
+    return next((c for c in cand if c and os.access(c, os.X_OK)), None)
+
+
+@needs_nvcc
+def test_sass_has_fp8_gmma_overlapped(compiled):
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump next to nvcc or on PATH")
+    r = subprocess.run([tool, "-sass", compiled[0]], capture_output=True, text=True)
+    if r.returncode != 0 and "nvdisasm" in r.stderr:
+        pytest.skip("cuobjdump without nvdisasm")
+    assert r.returncode == 0, r.stderr
+    sass = {}
+    for chunk in r.stdout.split("Function : ")[1:]:
+        sass[chunk.split()[0]] = chunk
+    debug = sass["fp8_gemm_sm90_debug"]
+    for name in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64"):
+        fast = sass[name]
+        # FP8 wgmma (QGMMA: the e4m3 form of HGMMA), 4 slices per stage
+        assert fast.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4, name
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in fast, name     # one slice in flight during a promotion
+        assert "UTMALDG.2D" in fast and "USETMAXREG" in fast, name
+    assert debug.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in debug      # the debugging form waits on each
+
+
+def test_grouped_tiles_split_at_experts():
+    counts = torch.tensor([3, 0, 140, 9, 0, 128])
+    tiles, t = grouped_tiles(counts, 64, int(counts.sum()))
+    want, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        for r in range(start, start + c, 64):
+            want.append([r, start + c, e])
+        start += c
+    assert t == -(-int(counts.sum()) // 64) + len(counts) and t >= len(want)
+    got = tiles.tolist()
+    assert got[:len(want)] == want and all(row[2] == -1 for row in got[len(want):])
+
+
+def test_decline_rules():
+    if cuda_driver.find_nvcc() is None:
+        assert decline_reason(64, 128, 256, torch.zeros(4, 8)) == "nvcc to compile it (CUDA_HOME or PATH)"
+        return
+    assert decline_reason(64, 128, 256, torch.zeros(4, 8)) is None
+    assert decline_reason(64, 100, 256, torch.zeros(4, 8)) is None              # ceil(100 / 32) blocks
+    assert decline_reason(64, 128, 240, torch.zeros(4, 7)) == "K a multiple of 32"
+    assert "32x32" in decline_reason(64, 128, 256, torch.zeros(128, 8))          # per-row scales
+    assert "32x32" in decline_reason(64, 128, 256, torch.zeros(128, 1))          # one scale per row
+    if not torch.cuda.is_available():
+        return
+    if torch.cuda.get_device_capability() != (9, 0):
+        assert decline_reason(64, 128, 256, torch.zeros(4, 8), torch.device("cuda")) is not None
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_gemm_on_gpu():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import cuda_fp8_checks
+    assert cuda_fp8_checks.main() == 0
+
+
+def test_select_cuda_mode_on_cpu():
+    """DEEPINFER_PREFILL_GEMM=cuda is a valid mode; CPU tensors still take the reference (same bits)."""
+    code = ("import torch\n"
+            "from deepinfer.kernels import select\n"
+            "from deepinfer.checkpoint.generator import quant_fp8\n"
+            "assert select.PREFILL_GEMM == 'cuda'\n"
+            "x = torch.randn(40, 256).bfloat16()\n"
+            "q, s = quant_fp8(torch.randn(96, 256) * 0.06)\n"
+            "assert not select._cuda_fp8_ok(x, q, s)\n"
+            "assert select._fp8_variant_for(x, q, s) is None\n"
+            "assert torch.equal(select.fp8_linear(x, q, s), select._ref_fp8_linear(x, select.dequant_fp8(q, s)))\n")
+    env = dict(os.environ, DEEPINFER_PREFILL_GEMM="cuda")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_forms_match_the_entry_points():
+    """cuda_fp8_gemm.FORMS (the launch: BM, BN, stages, threads) against FP8_GEMM_ENTRY in the .cu."""
+    src = Path(SRC).read_text()
+    entries = re.findall(r"^FP8_GEMM_ENTRY\((\w+), (\d+), (\d+), (\d+), (true|false)\)", src, re.M)
+    got = {name: (64 * int(ncons), int(bn), int(stages), 128 * (int(ncons) + 1)) for name, bn, stages, ncons, _ in entries}
+    assert got == FORMS
