@@ -13,9 +13,9 @@ final output, the decode side pulls the blocks those params name (a one-sided RE
                    start_load / poll on the decode side; holds, deadlines, verification, freeing)
     process.py     EngineProcess: an AsyncEngine in a child process (tests, benchmarks)
 
-What moves (MODEL.md "the caches"): the window ring rows of the last min(n, RING) positions of
-every layer (backbone and DSpark blocks), the fp32 compressor carry rows of the same positions, the
-compressed-KV and index-key blocks of positions 0..n-1. Engram history is the token ids (sent in
+What moves (MODEL.md "the caches"): the window ring rows of the last WINDOW positions of every
+layer (backbone and DSpark blocks), the fp32 compressor carry rows of each unfinished group (n % ratio
+positions), the compressed-KV and index-key blocks of positions 0..n-1 (layout.py). Engram history is the token ids (sent in
 the request), so nothing of it moves. With kv_transfer_window=False (decode side) only the blocks
 below H = n rounded down to a block move, and the decode rebuilds the window by the prefix cache's
 bounded replay of positions [H - swa_replay_tokens, n] (outputs.ReplayParams through the scheduler).

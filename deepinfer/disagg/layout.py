@@ -6,11 +6,17 @@ Two kinds of region (model_caches.py):
                     [slots, RING, row] -> the rows of positions p live at [slot, p % RING]
     per block       compressed_kv[src], index_k[src]: [blocks, entries, row] -> block b is contiguous
 
-A request with positions 0..n-1 in the caches needs the ring rows of positions max(0, n-RING)..n-1
-(earlier ones were overwritten anyway) and its blocks. The ring rows are one run per slot region:
+A request with positions 0..n-1 in the caches needs, to go on from position n, only the ring rows a
+later step reads, and its blocks:
 
-    RING = 8, n = 5:  positions 0..4  -> ring rows 0..4
-    RING = 8, n = 11: positions 3..10 -> every ring row (row r holds position 8 + r for r < 3, else r)
+    window_kv       the last WINDOW = RING / 2 positions (a query at p >= n reads p - WINDOW + 1 .. p)
+    carry (ratio r) the positions of the unfinished group, n - n % r .. n - 1 (the group's later
+                    members arrive fresh; every finished group is already an entry in the pool)
+
+The positions kept are at most two runs of ring rows (position p lives at row p % RING):
+
+    RING = 8, keep 4, n = 5:  positions 1..4  -> rows 1..4
+    RING = 8, keep 4, n = 10: positions 6..9  -> rows 6..7 and 0..1
 
 The runs of the same request on two instances pair up one to one (same layout, same order), so a
 transfer is a list of (address, length) pairs on each side.
@@ -30,6 +36,7 @@ class Region:
     name: str
     tensor: torch.Tensor            # [slots | blocks, rows, row_width]
     per_slot: bool                  # True: indexed by ring slot; False: by block id
+    ratio: int = 0                  # a compressor carry's ratio (keeps n % ratio rows); 0: a window ring
 
     @property
     def row_bytes(self) -> int:
@@ -40,19 +47,29 @@ class Region:
         return self.tensor.shape[1] * self.row_bytes
 
 
-def ring_runs(num_tokens: int, ring_len: int) -> list[tuple[int, int]]:
-    """(first ring row, number of rows) runs holding positions max(0, n-RING)..n-1: rows 0..n-1
-    while n < RING, else the whole ring (its rows are then exactly the last RING positions)."""
-    n = min(num_tokens, ring_len)
-    return [(0, n)] if n else []
+def ring_runs(num_tokens: int, ring_len: int, keep: int | None = None) -> list[tuple[int, int]]:
+    """(first ring row, number of rows) runs holding positions max(0, n - keep)..n-1 (keep defaults
+    to the whole ring, at most RING): one run, or two where the positions wrap past the ring's end."""
+    keep = ring_len if keep is None else min(keep, ring_len)
+    start = max(0, num_tokens - keep)
+    count = num_tokens - start
+    if count <= 0:
+        return []
+    if count == ring_len:            # every row, as one run
+        return [(0, ring_len)]
+    first = start % ring_len
+    if first + count <= ring_len:
+        return [(first, count)]
+    return [(first, ring_len - first), (0, first + count - ring_len)]
 
 
 class CacheLayout:
     def __init__(self, caches) -> None:
         self.ring_len, self.block_tokens = caches.ring_len, caches.block_tokens
         regions = [Region(f"window.{i}", t, True) for i, t in enumerate(caches.window_kv)]
-        regions += [Region(f"carry_kv.{s}", t, True) for s, t in sorted(caches.carry_kv.items())]
-        regions += [Region(f"carry_score.{s}", t, True) for s, t in sorted(caches.carry_score.items())]
+        regions += [Region(f"carry_kv.{s}", t, True, caches.ratios[s]) for s, t in sorted(caches.carry_kv.items())]
+        regions += [Region(f"carry_score.{s}", t, True, caches.ratios[s])
+                    for s, t in sorted(caches.carry_score.items())]
         regions += [Region(f"compressed_kv.{s}", t, False) for s, t in sorted(caches.compressed_kv.items())]
         regions += [Region(f"index_k.{s}", t, False) for s, t in sorted(caches.index_k.items())]
         self.regions = regions
@@ -75,25 +92,32 @@ class CacheLayout:
         return [(r.tensor.data_ptr(), r.tensor.numel() * r.tensor.element_size(), self.dev_id, "")
                 for r in self.regions]
 
+    def kept_rows(self, region: Region, num_tokens: int) -> list[tuple[int, int]]:
+        """The ring runs of a per-slot region that a request of n positions needs (module docstring)."""
+        keep = num_tokens % region.ratio if region.ratio else self.ring_len // 2
+        return ring_runs(num_tokens, self.ring_len, keep)
+
     def runs(self, num_tokens: int, ring_slot: int, block_ids, base_addrs=None,
              window: bool = True) -> list[tuple[int, int, int]]:
         """(address, bytes, device id) of every run of one request; base_addrs: another instance's
         region addresses (the same layout), default this one's; window=False: the blocks only."""
         bases = base_addrs if base_addrs is not None else self.base_addrs()
-        rings = ring_runs(num_tokens, self.ring_len) if window else []
         num_blocks = -(-num_tokens // self.block_tokens)
         out = []
         for r, base in zip(self.regions, bases):
             if r.per_slot:
+                if not window:
+                    continue
                 slot = base + ring_slot * r.item_bytes
-                out += [(slot + first * r.row_bytes, count * r.row_bytes, self.dev_id) for first, count in rings]
+                out += [(slot + first * r.row_bytes, count * r.row_bytes, self.dev_id)
+                        for first, count in self.kept_rows(r, num_tokens)]
             else:
                 out += [(base + int(b) * r.item_bytes, r.item_bytes, self.dev_id) for b in block_ids[:num_blocks]]
         return out
 
     def num_bytes(self, num_tokens: int, window: bool = True) -> tuple[int, int]:
         """(window ring + carry bytes, compressed-KV + index-key bytes) one request of n tokens moves."""
-        rows = sum(c for _, c in ring_runs(num_tokens, self.ring_len)) if window else 0
         num_blocks = -(-num_tokens // self.block_tokens)
-        ring = sum(rows * r.row_bytes for r in self.regions if r.per_slot)
+        ring = sum(count * r.row_bytes for r in self.regions if r.per_slot and window
+                   for _, count in self.kept_rows(r, num_tokens))
         return ring, sum(num_blocks * r.item_bytes for r in self.regions if not r.per_slot)

@@ -1,6 +1,7 @@
-"""CacheLayout: the runs of one request cover exactly its state. Copying the runs byte for byte
-(what a NIXL READ does) from one ModelCaches to another, at other slot and block ids, gives the
-second the same ring rows (last min(n, RING) positions), carry rows and compressed blocks."""
+"""CacheLayout: the runs of one request cover exactly the state a later step reads. Copying the runs
+byte for byte (what a NIXL READ does) from one ModelCaches to another, at other slot and block ids,
+gives the second the same window rows (the last WINDOW positions), carry rows (each unfinished
+compressor group) and compressed blocks, and writes nothing else."""
 
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ from deepinfer.model.args import ModelArgs
 def test_ring_runs(n, ring, runs):
     assert ring_runs(n, ring) == runs
     assert sum(c for _, c in runs) == min(n, ring)
+
+
+@pytest.mark.parametrize("n, keep, runs", [
+    (0, 4, []), (3, 4, [(0, 3)]), (5, 4, [(1, 4)]), (8, 4, [(4, 4)]), (10, 4, [(6, 2), (0, 2)]),
+    (13, 3, [(2, 3)]), (17, 0, []), (17, 7, [(2, 6), (0, 1)]), (17, 8, [(0, 8)]),
+])
+def test_ring_runs_keep_the_last_positions(n, keep, runs):
+    """keep < RING: the last `keep` positions, two runs where they wrap past the ring's end."""
+    ring = 8
+    assert ring_runs(n, ring, keep) == runs
+    rows = [r for first, count in runs for r in range(first, first + count)]
+    assert sorted(rows) == sorted(p % ring for p in range(max(0, n - keep), n))
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +59,12 @@ def test_copying_the_runs_moves_exactly_the_request_state(model_args, n):
     for (ra, ln, _), (la, _, _) in zip(remote, local):
         ctypes.memmove(la, ra, ln)
     ring = src.ring_len
-    pos = torch.arange(max(0, n - ring), n)
-    for s_t, d_t in zip([*src.window_kv, *src.carry_kv.values(), *src.carry_score.values()],
-                        [*dst.window_kv, *dst.carry_kv.values(), *dst.carry_score.values()]):
+    window = [(s, d, ring // 2) for s, d in zip(src.window_kv, dst.window_kv)]
+    carry = [(src.carry_kv[L], dst.carry_kv[L], n % src.ratios[L]) for L in src.carry_kv]
+    carry += [(src.carry_score[L], dst.carry_score[L], n % src.ratios[L]) for L in src.carry_score]
+    assert window and carry
+    for s_t, d_t, keep in window + carry:        # the window's last positions, each carry's unfinished group
+        pos = torch.arange(max(0, n - keep), n)
         assert torch.equal(d_t[1, pos % ring], s_t[2, pos % ring])
         untouched = torch.ones(ring, dtype=torch.bool)
         untouched[pos % ring] = False
