@@ -42,10 +42,11 @@ def gemm_mode(mode: str) -> tuple[str, bool]:
     """--gemms entry -> (select.PREFILL_GEMM, select.MOE_CONTIGUOUS): w8a16, w8a16+moe, fp8 (the first FP8
     kernel, MoE contiguous on it), auto / auto+moe (the measured table kernels/fp8_select_table.json or
     DEEPINFER_FP8_TABLE picks per shape), or an FP8 variant name (triton_fp8_variants: every FP8 linear of
-    >= 32 rows and the MoE's contiguous form on it)."""
+    >= 32 rows and the MoE's contiguous form on it), cuda (the warp-specialized CUDA FP8 GEMM,
+    kernels/cuda_fp8_gemm.py, for the dense FP8 linears; cuda+moe: the MoE's contiguous form too)."""
     from deepinfer.kernels import select
     base, _, moe = mode.partition("+")
-    if base not in ("w8a16", "fp8", "auto") + select.FP8_VARIANTS or moe not in ("", "moe"):
+    if base not in ("w8a16", "fp8", "cuda", "auto") + select.FP8_VARIANTS or moe not in ("", "moe"):
         raise SystemExit(f"--gemms: unknown mode {mode!r}")
     return base, moe == "moe"
 FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
