@@ -78,6 +78,10 @@ if PREFILL_GEMM not in ("auto", "fp8", "w8a16", "cuda") + FP8_VARIANTS:
     raise ValueError(f"DEEPINFER_PREFILL_GEMM must be auto, w8a16, fp8, cuda or one of {FP8_VARIANTS}, got {PREFILL_GEMM!r}")
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
+# auto: the CUDA FP8 x FP8 kernel takes dense FP8 linears from this many rows (H200, 2026-12-02,
+# bench_fp8_prefill.py --cuda: 1.12-1.25x W8A16 on the six release linears at M = 8,192; 0.2-1.05x at
+# M <= 128, where it has no split-K; M in between not measured yet)
+CUDA_AUTO_MIN_M = int(os.environ.get("DEEPINFER_CUDA_AUTO_MIN_M", "4096"))
 FP8_TABLE_PATH = os.environ.get("DEEPINFER_FP8_TABLE", os.path.join(os.path.dirname(__file__), "fp8_select_table.json"))
 
 log = logging.getLogger(__name__)
@@ -247,13 +251,16 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
 
 
 def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
-    """The CUDA FP8 x FP8 kernel takes this call: DEEPINFER_PREFILL_GEMM=cuda, at least FP8_VARIANT_MIN_M
-    rows, not batch-invariant mode, and its rules (cuda_fp8_gemm.decline_reason: SM90, nvcc, K % 32, 32x32
-    weight blocks); a call breaking them takes the W8A16 path, logged once per rule."""
-    if PREFILL_GEMM != "cuda" or _batch_invariant() or not use_fast(x) or not x.is_cuda or w.dim() != 2:
+    """The CUDA FP8 x FP8 kernel takes this call: DEEPINFER_PREFILL_GEMM=cuda and at least FP8_VARIANT_MIN_M
+    rows, or auto (the default) and at least CUDA_AUTO_MIN_M rows; not batch-invariant mode, and its rules
+    (cuda_fp8_gemm.decline_reason: SM90, nvcc, K % 32, 32x32 weight blocks); a call breaking them takes
+    the W8A16 path, logged once per rule."""
+    if PREFILL_GEMM not in ("cuda", "auto") or _batch_invariant() or not use_fast(x) or not x.is_cuda \
+            or w.dim() != 2:
         return False
     n, k = w.shape
-    if x.numel() < FP8_VARIANT_MIN_M * max(k, 1):
+    min_m = FP8_VARIANT_MIN_M if PREFILL_GEMM == "cuda" else CUDA_AUTO_MIN_M
+    if x.numel() < min_m * max(k, 1):
         return False
     from .cuda_fp8_gemm import decline_reason
     reason = decline_reason(x.numel() // k, n, k, w_scale, x.device)
