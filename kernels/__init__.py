@@ -1,6 +1,20 @@
 """Hot ops behind one interface. Each op has a plain-torch reference (`<op>_ref` in reference.py);
-fast device paths plug in here later and are chosen by device. The model binds these names only
-through deepinfer/model/ops.py."""
+select.py picks the fast path per call (device, shape rules, batch-invariant mode) and falls back to
+the reference with one log line. The model binds these names only through deepinfer/model/ops.py.
+
+    reference.py            plain-torch references (the release's kernel semantics): what a CPU runs
+    select.py               per-call dispatch, shape rules, declines, the measured FP8 pick table
+    batch_invariant.py      row-by-row torch GEMMs and padded CPU transcendentals (batch_invariant=True)
+    triton_*.py             Triton kernels for SM90: GEMMs (triton_gemm W8A16 / FP8, triton_fp8_prefill,
+                            triton_fp8_variants, triton_moe_contiguous, triton_linear_fp32), attention
+                            (triton_sparse_attn, triton_indexer, triton_topk, triton_lists), mHC, norm,
+                            RoPE, quantization, the MoE glue and router, the Engram gate
+    cuda/*.cu               CUDA C++ kernels (fp8_gemm_sm90.cu: the exact FP8 GEMM, warp-specialized)
+    cuda_driver.py          nvcc at first use (cached cubins) + the driver API through ctypes
+    cuda_fp8_gemm.py        the CUDA FP8 GEMM's Python side: shape rules, TMA maps, launch
+    deepgemm.py, flashmla.py, optional.py
+                            DeepSeek's SM90 libraries (bundled in the vllm wheel) behind our formats
+"""
 
 from .reference import (  # noqa: F401
     act_quant_ref,
@@ -20,7 +34,7 @@ from .reference import (  # noqa: F401
     topk_ids_ref,
 )
 
-# The dispatched names: today every device gets the torch reference.
+# The package-level names are the references; select.py holds the dispatched ones.
 act_quant = act_quant_ref
 fp4_quant = fp4_quant_ref
 sparse_attn = sparse_attn_ref
