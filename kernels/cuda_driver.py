@@ -6,7 +6,8 @@ captured by a CUDA graph like any torch op.
     compile_cubin(src, arch)        -> (cubin path, ptxas log)   nvcc -gencode ...<arch> -cubin -O3 -std=c++17
     kernel(src, name, smem)         -> Kernel for torch's current device (module loaded once per device)
     tensor_map_2d(t, box, swizzle)  -> TensorMap of a 2-D row-major uint8-sized tensor (e4m3)
-    Kernel.launch(grid, block, smem, args)   args: TensorMap, torch tensors (pointers), ints (int32)
+    Kernel.launch(grid, block, smem, args)   grid x or (x, y); args: TensorMap, torch tensors (pointers),
+                                             ints (int32)
 """
 
 from __future__ import annotations
@@ -178,9 +179,10 @@ class Kernel:
     def __init__(self, func: ctypes.c_void_p, device: int):
         self.func, self.device = func, device
 
-    def launch(self, grid: int, block: int, smem: int, args) -> None:
-        """Launch on torch's current stream of the kernel's device. args in the kernel's order: TensorMap
-        (by value), torch.Tensor or None (a pointer), int (int32)."""
+    def launch(self, grid: int | tuple[int, int], block: int, smem: int, args) -> None:
+        """Launch on torch's current stream of the kernel's device. grid: x or (x, y). args in the kernel's
+        order: TensorMap (by value), torch.Tensor or None (a pointer), int (int32)."""
+        gx, gy = (grid, 1) if isinstance(grid, int) else grid
         lib = _libcuda()
         _make_current(self.device)
         keep, ptrs = [], []
@@ -198,7 +200,7 @@ class Kernel:
             ptrs.append(ctypes.addressof(v))
         params = (ctypes.c_void_p * len(ptrs))(*ptrs)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        _check(lib, lib.cuLaunchKernel(self.func, grid, 1, 1, block, 1, 1, smem, ctypes.c_void_p(stream), params, None),
+        _check(lib, lib.cuLaunchKernel(self.func, gx, gy, 1, block, 1, 1, smem, ctypes.c_void_p(stream), params, None),
                "cuLaunchKernel")
 
 
