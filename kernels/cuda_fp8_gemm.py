@@ -18,7 +18,9 @@ Entry points (FORMS; FORM_KIND gives each one's weight-scale layout and split-K)
     promotion: no overlap), fp8_gemm_sm90_bn192 (128 x 192 tiles, one temporary per consumer: the other
     consumer's wgmmas fill the tensor cores during a promotion; the bench decides, not the default),
     fp8_gemm_sm90_bn128_splitk / fp8_gemm_sm90_bm64_splitk (M <= 128 where the tiles leave SMs idle: K
-    split over gridDim.y into an fp32 workspace, fp8_splitk_reduce sums it in split order)
+    split over gridDim.y into an fp32 workspace, fp8_splitk_reduce sums it in split order),
+    fp8_gemm_sm90_bn128_mc2 / fp8_gemm_sm90_bn192_mc2 (2-CTA clusters: two adjacent M tiles share one B
+    tile, each CTA loading half and multicasting it: half the B traffic from L2; entry= / FORCE only)
   per-row [N, 1] (the MoE's row-scaled expert stacks): fp8_gemm_sm90_bn128_row, fp8_gemm_sm90_bm64_row
   per-(row, 32) [N, K/32] (wo_a's groups): fp8_gemm_sm90_bn128_rowk, fp8_gemm_sm90_bm64_rowk
 DEEPINFER_CUDA_FP8_DEBUG=1 runs every 32x32-block call on the debugging form, DEEPINFER_CUDA_FP8_FORM=<entry>
@@ -45,6 +47,8 @@ FORMS = {"fp8_gemm_sm90_bn128": (128, 128, 5, 384),
          "fp8_gemm_sm90_bn192": (128, 192, 5, 384),
          "fp8_gemm_sm90_bn128_splitk": (128, 128, 5, 384),
          "fp8_gemm_sm90_bm64_splitk": (64, 128, 6, 256),
+         "fp8_gemm_sm90_bn128_mc2": (128, 128, 5, 384),
+         "fp8_gemm_sm90_bn192_mc2": (128, 192, 5, 384),
          "fp8_gemm_sm90_bn128_row": (128, 128, 5, 384),
          "fp8_gemm_sm90_bm64_row": (64, 128, 6, 256),
          "fp8_gemm_sm90_bn128_rowk": (128, 128, 5, 384),
@@ -52,6 +56,9 @@ FORMS = {"fp8_gemm_sm90_bn128": (128, 128, 5, 384),
 # entry point -> (weight-scale layout, split-K); must match FP8_GEMM_ENTRY's SBMODE and SPLITK
 FORM_KIND = {name: ("row" if name.endswith("_row") else "rowk" if name.endswith("_rowk") else "block",
                     name.endswith("_splitk")) for name in FORMS}
+# entry point -> CTAs per cluster (FP8_GEMM_ENTRY's CLUSTER): 2 shares each B tile between the CTAs of two
+# adjacent M tiles (TMA multicast, half each); the launch pads the M tiles to even and boxes B by BN / 2
+CLUSTER = {name: 2 if name.endswith("_mc2") else 1 for name in FORMS}
 REDUCE = "fp8_splitk_reduce"
 DEBUG = os.environ.get("DEEPINFER_CUDA_FP8_DEBUG", "0") == "1"
 FORCE = os.environ.get("DEEPINFER_CUDA_FP8_FORM") or None
@@ -207,8 +214,10 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     smem = smem_bytes(name)
     kern = cuda_driver.kernel(SRC, name, smem, dev)
     ta = cuda_driver.tensor_map_2d(a, BK, bm)
-    tb = cuda_driver.tensor_map_2d(b, BK, bn)
+    cluster = CLUSTER[name]
+    tb = cuda_driver.tensor_map_2d(b, BK, bn // cluster)
     tiles_m = -(-m // bm)
+    tiles_m += -tiles_m % cluster            # whole clusters: a padding tile reads zeros, stores nothing
     grid = tiles_m * -(-n // bn)
     scales, sb_ld = _kernel_scales(sb, kind, n, bn)
     if not FORM_KIND[name][1]:
@@ -262,7 +271,8 @@ def fp8_grouped_contiguous_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tens
     out = torch.empty(p, n, dtype=torch.bfloat16, device=a.device)
     if p == 0 or n == 0:
         return out
-    name = form(None, kind).replace("_splitk", "")     # a forced split-K form: its whole-K twin (no grouped split-K)
+    # a forced split-K or cluster form: its plain twin (grouped tiles have neither: each tile its expert)
+    name = form(None, kind).replace("_splitk", "").replace("_mc2", "")
     bm, bn, _, threads = FORMS[name]
     smem = smem_bytes(name)
     tiles, t = grouped_tiles(counts, bm, p)

@@ -11,8 +11,8 @@ release numbers, a speed reference), torch's bf16 matmul, and the FP8 / bf16 pea
     python perf/bench_fp8_prefill.py --variants --splits       (+ split-K counts per variant at M <= 128;
         a winning count goes into the table row as split_k)
     python perf/bench_fp8_prefill.py --cuda [--m 8192 2048 128 64 32] [--deepgemm-m 8192]  (the CUDA
-        kernel's forms, kernels/cuda_fp8_gemm.py: the default, BN 192, split-K, BM 64, the no-overlap
-        debugging form, per-row and per-(row, 32) weight scales; against W8A16, the Triton FP8 forms,
+        kernel's forms, kernels/cuda_fp8_gemm.py: the default, BN 192, 2-CTA multicast, split-K, BM 64,
+        the no-overlap debugging form, per-row and per-(row, 32) weight scales; against W8A16, the Triton FP8 forms,
         DeepGEMM and the peaks at the six linears; each CUDA result is checked first. bench_fp8_cuda.json in
         $OUT. ~1.5 min on the H200 per two Ms: run --m 8192 2048 and --m 128 64 32 as two commands)
 
@@ -229,12 +229,14 @@ def warm_deepgemm(ms: tuple, jobs: int = 6) -> None:
 def _cuda_forms(m: int) -> dict[str, str]:
     """The CUDA forms timed at m rows (column key -> entry; "auto" = what fp8_gemm_cuda picks, split-K at
     decode sizes): the default two-consumer form, the BN 192 one-temporary form, split-K and BM 64 at
-    M <= 128, the no-overlap debugging form at M >= 2048."""
+    M <= 128; the 2-CTA multicast forms (BN 128 and 192) and the no-overlap debugging form at M >= 2048."""
     forms = {"cuda": "fp8_gemm_sm90_bn128", "cuda_bn192": "fp8_gemm_sm90_bn192", "cuda_auto": None}
     if m <= 128:
         forms["cuda_bm64"] = "fp8_gemm_sm90_bm64"
         forms["cuda_splitk"] = "fp8_gemm_sm90_bm64_splitk" if m <= 64 else "fp8_gemm_sm90_bn128_splitk"
     if m >= 2048:
+        forms["cuda_mc2"] = "fp8_gemm_sm90_bn128_mc2"
+        forms["cuda_bn192_mc2"] = "fp8_gemm_sm90_bn192_mc2"
         forms["cuda_debug"] = "fp8_gemm_sm90_debug"
     return forms
 
@@ -326,6 +328,7 @@ def cuda_rows(ms, peaks: dict, deepgemm_ms=(8192,)) -> list[dict]:
                   f"{r['cuda_vs_w8a16']:.2f}x w8a16, {r.get('cuda_vs_deepgemm', nan):.2f}x deepgemm) "
                   f"bn192 {r['cuda_bn192_tflops']:6.0f}  auto {r['cuda_auto_tflops']:6.0f}  "
                   f"splitk {r.get('cuda_splitk_tflops', nan):6.0f}  bm64 {r.get('cuda_bm64_tflops', nan):6.0f}  "
+                  f"mc2 {r.get('cuda_mc2_tflops', nan):6.0f}  bn192 mc2 {r.get('cuda_bn192_mc2_tflops', nan):6.0f}  "
                   f"no-overlap {r.get('cuda_debug_tflops', nan):6.0f}  row {r['cuda_row_tflops']:6.0f}  "
                   f"rowk {r['cuda_rowk_tflops']:6.0f} | best {best} {r[f'{best}_vs_w8a16']:.2f}x w8a16 | "
                   f"w8a16 {r['w8a16_tflops']:6.0f}  triton fp8 bk32 {r['fp8_bk32_tflops']:6.0f}  "

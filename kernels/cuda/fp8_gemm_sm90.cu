@@ -95,6 +95,36 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
         : "memory");
 }
 
+// ---- 2-CTA clusters (the MC forms) ---------------------------------------------------------------
+// The box lands at the same shared-memory offset in every CTA of cta_mask and completes the mbarrier at
+// the same offset in each of them.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
+                                                      uint16_t cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%3, %4}], [%2], %5;\n"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
+        : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// The shared::cluster address of the same variable in CTA `rank` of this cluster.
+__device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+}
+// Every thread of both CTAs (not .aligned: the producer warpgroup arrives from diverged paths).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 // ---- wgmma -----------------------------------------------------------------------------------------
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -233,8 +263,11 @@ __device__ __forceinline__ void promote_cols(float (&acc)[R], const float (&tmp)
 // s-1 promoted while slice s runs (BN 128 only); else one temporary waited on per slice, the other
 // consumer warpgroup's wgmmas filling the tensor cores meanwhile. SPLITK: blockIdx.y of gridDim.y splits
 // takes an equal run of the K stages and stores fp32 partials to ws [splits, M, N] (fp8_splitk_reduce
-// sums them in split order).
-template <int BN, int STAGES, int NCONS, bool OVERLAP, int SBMODE, bool SPLITK>
+// sums them in split order). CLUSTER 2: the two CTAs of a cluster (launch order 2c, 2c + 1: adjacent M
+// tiles of one N tile; the host pads tiles_m to even) share the B tile: each loads its half (BN / 2 rows,
+// tmap_b's box) and multicasts it to both, and a stage is refilled only when the consumers of BOTH CTAs
+// have released it (each consumer warp arrives on its own CTA's empty barrier and on the peer's).
+template <int BN, int STAGES, int NCONS, bool OVERLAP, int SBMODE, bool SPLITK, int CLUSTER>
 __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                                           const float* __restrict__ sa, const float* __restrict__ sb,
                                           __nv_bfloat16* __restrict__ c, const int* __restrict__ tiles,
@@ -242,6 +275,8 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
     static_assert(BN == 128 || BN == 192, "the m64n128 and m64n192 wgmma");
     static_assert(!OVERLAP || BN == 128, "two temporaries of BN / 2 floats fit at BN = 128 only");
     static_assert(SBMODE != SB_ROWK || !OVERLAP, "per-column scales take the one-temporary form");
+    static_assert(CLUSTER == 1 || (CLUSTER == 2 && !SPLITK), "2-CTA clusters: dense, whole K");
+    static_assert((BN / CLUSTER) * BK % 1024 == 0, "each CTA's share of B starts on a swizzle atom");
     constexpr int BM = 64 * NCONS;
     constexpr int R = BN / 2;                 // accumulator floats per thread
     constexpr int NB = SBMODE == SB_ROWK ? 1 : BN / 32;   // SB_ROW: constant 1s (folded away)
@@ -283,11 +318,13 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full_bar(s), 1);
-            mbar_init(empty_bar(s), 4 * NCONS);       // one arrival per consumer warp
+            mbar_init(empty_bar(s), 4 * NCONS * CLUSTER);   // one arrival per consumer warp (of both CTAs)
         }
         mbar_fence_init();
     }
-    __syncthreads();
+    if constexpr (CLUSTER > 1) cluster_sync();   // the peer's barriers exist before any remote arrive / multicast
+    else __syncthreads();
+    const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;
 
     if (wg == NCONS) {  // producer warpgroup (the last one)
         setmaxnreg_producer();
@@ -301,7 +338,13 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
                 mbar_wait_or_trap(empty_bar(stage), phase ^ 1);
                 mbar_arrive_expect_tx(full_bar(stage), A_BYTES + B_BYTES);
                 tma_load_2d(a_smem + stage * A_BYTES, tmap_a, full_bar(stage), kb * BK, m0);
-                tma_load_2d(b_smem + stage * B_BYTES, tmap_b, full_bar(stage), kb * BK, b_row);
+                if constexpr (CLUSTER == 1) {
+                    tma_load_2d(b_smem + stage * B_BYTES, tmap_b, full_bar(stage), kb * BK, b_row);
+                } else {   // this CTA's half of B, into both CTAs (the full barrier expects both halves)
+                    constexpr uint32_t HALF = B_BYTES / CLUSTER;
+                    tma_load_2d_multicast(b_smem + stage * B_BYTES + rank * HALF, tmap_b, full_bar(stage), kb * BK,
+                                          b_row + static_cast<int>(rank) * (BN / CLUSTER), (1u << CLUSTER) - 1);
+                }
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             // the consumers' releases of the last loads (the hang check; nothing is loaded after them):
@@ -393,7 +436,10 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
                 promote(acc, last, sc[SLICES - 1]);
             }
             // every wgmma reading this stage has completed: hand the buffers back to the producer
-            if (lane == 0) mbar_arrive(empty_bar(stage));
+            if (lane == 0) {
+                mbar_arrive(empty_bar(stage));
+                if constexpr (CLUSTER == 2) mbar_arrive_cluster(mapa_shared(empty_bar(stage), rank ^ 1));
+            }
             if (++stage == STAGES) stage = 0, phase ^= 1;
         }
 
@@ -432,38 +478,46 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
             }
         }
     }
+    // neither CTA exits while the peer may still arrive on its barriers (its last releases)
+    if constexpr (CLUSTER > 1) cluster_sync();
 }
 
 }  // namespace fp8sm90
 
-// Entry points (C names for cuModuleGetFunction). Launch: grid (ceil(M/BM) * ceil(N/BN), splits), block
+// Entry points (C names for cuModuleGetFunction). Launch: grid (ceil(M/BM) * ceil(N/BN), splits; CLUSTER 2:
+// tiles_m rounded up to even, tmap_b's box BN / 2 rows; __cluster_dims__ makes cuLaunchKernel launch clusters), block
 // 128 * (NCONS + 1), dynamic shared memory 1024 + STAGES * (BM + BN) * 128 + 16 * STAGES.
 // tiles: nullptr (dense: tiles_m = ceil(M / BM)) or int32 [tiles_m, 3], each M tile's (first row, row end,
 // expert; -1: unused) with B [E * N, K] and sb [E, ceil(N/32), K/32] / [E * N] (grouped contiguous: rows
 // sorted by expert, tiles split at expert boundaries; an A tile may read the next expert's rows, whose
 // outputs are not stored). ws: the split-K forms' fp32 [splits, M, N] (else unused); sb_ld: SB_ROWK's
 // row length of sbT (else unused).
-#define FP8_GEMM_ENTRY(NAME, BN, STAGES, NCONS, OVERLAP, SBMODE, SPLITK)                                      \
-    extern "C" __global__ void __launch_bounds__(128 * (NCONS + 1), 1)                                      \
+// (only the CLUSTER 2 forms carry __cluster_dims__: the others stay plain launches)
+#define FP8_CLUSTER_ATTR_1
+#define FP8_CLUSTER_ATTR_2 __cluster_dims__(2, 1, 1)
+#define FP8_GEMM_ENTRY(NAME, BN, STAGES, NCONS, OVERLAP, SBMODE, SPLITK, CLUSTER)                             \
+    extern "C" __global__ void FP8_CLUSTER_ATTR_##CLUSTER __launch_bounds__(128 * (NCONS + 1), 1)          \
         NAME(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,        \
              const float* __restrict__ sa, const float* __restrict__ sb, __nv_bfloat16* __restrict__ c,      \
              const int* __restrict__ tiles, float* __restrict__ ws, int M, int N, int K, int tiles_m,       \
              int sb_ld) {                                                                                   \
-        fp8sm90::gemm_body<BN, STAGES, NCONS, OVERLAP, fp8sm90::SBMODE, SPLITK>(                            \
+        fp8sm90::gemm_body<BN, STAGES, NCONS, OVERLAP, fp8sm90::SBMODE, SPLITK, CLUSTER>(                   \
             &tmap_a, &tmap_b, sa, sb, c, tiles, ws, M, N, K, tiles_m, sb_ld);                               \
     }
 
-FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128, 128, 5, 2, true, SB_BLOCK, false)       // the fast form
-FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64, 128, 6, 1, true, SB_BLOCK, false)        // one consumer (BM 64): M <= 64
-FP8_GEMM_ENTRY(fp8_gemm_sm90_debug, 128, 4, 1, false, SB_BLOCK, false)      // one consumer, no overlap (bisecting aid)
-FP8_GEMM_ENTRY(fp8_gemm_sm90_bn192, 192, 5, 2, false, SB_BLOCK, false)      // wide tile, one temporary per consumer
-FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_splitk, 128, 5, 2, true, SB_BLOCK, true) // decode sizes: 64 < M <= 128
-FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64_splitk, 128, 6, 1, false, SB_BLOCK, true) // decode sizes: M <= 64 (one temporary:
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128, 128, 5, 2, true, SB_BLOCK, false, 1)       // the fast form
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64, 128, 6, 1, true, SB_BLOCK, false, 1)        // one consumer (BM 64): M <= 64
+FP8_GEMM_ENTRY(fp8_gemm_sm90_debug, 128, 4, 1, false, SB_BLOCK, false, 1)      // one consumer, no overlap (bisecting aid)
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn192, 192, 5, 2, false, SB_BLOCK, false, 1)      // wide tile, one temporary per consumer
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_splitk, 128, 5, 2, true, SB_BLOCK, true, 1) // decode sizes: 64 < M <= 128
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64_splitk, 128, 6, 1, false, SB_BLOCK, true, 1) // decode sizes: M <= 64 (one temporary:
                                                                             // two spill with split-K)
-FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_row, 128, 5, 2, true, SB_ROW, false)     // [N, 1] row scales (MoE stacks)
-FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64_row, 128, 6, 1, true, SB_ROW, false)
-FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_rowk, 128, 5, 2, false, SB_ROWK, false)  // [N, K/32] per-(row, 32) scales
-FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64_rowk, 128, 6, 1, false, SB_ROWK, false)
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_mc2, 128, 5, 2, true, SB_BLOCK, false, 2)  // 2-CTA clusters sharing B
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn192_mc2, 192, 5, 2, false, SB_BLOCK, false, 2)
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_row, 128, 5, 2, true, SB_ROW, false, 1)     // [N, 1] row scales (MoE stacks)
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64_row, 128, 6, 1, true, SB_ROW, false, 1)
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_rowk, 128, 5, 2, false, SB_ROWK, false, 1)  // [N, K/32] per-(row, 32) scales
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64_rowk, 128, 6, 1, false, SB_ROWK, false, 1)
 
 // c [total] bf16 = sum over s of ws [s, total], summed in split order (deterministic; the split-K forms'
 // second launch, triton_gemm.splitk_reduce_kernel's contract).

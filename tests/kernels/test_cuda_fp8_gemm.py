@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import cuda_driver
-from deepinfer.kernels.cuda_fp8_gemm import (FORM_KIND, FORMS, REDUCE, SRC, decline_reason, grouped_tiles, scale_kind,
+from deepinfer.kernels.cuda_fp8_gemm import (CLUSTER, FORM_KIND, FORMS, REDUCE, SRC, decline_reason, grouped_tiles, scale_kind,
                                              smem_bytes, splitk_count)
 
 needs_nvcc = pytest.mark.skipif(cuda_driver.find_nvcc() is None, reason="no nvcc")
@@ -90,8 +90,11 @@ def test_sass_has_fp8_gmma_overlapped(compiled):
         # the two-temporary forms keep one slice in flight during a promotion (3 of the 4 waits); the
         # one-temporary forms (debug, bn192, bm64 split-K, per-(row, 32)) wait on each
         overlapped = name in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64", "fp8_gemm_sm90_bn128_splitk",
-                              "fp8_gemm_sm90_bn128_row", "fp8_gemm_sm90_bm64_row")
+                              "fp8_gemm_sm90_bn128_row", "fp8_gemm_sm90_bm64_row", "fp8_gemm_sm90_bn128_mc2")
         assert code.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == (3 if overlapped else 0), name
+        # the cluster forms: B multicast (UTMALDG's .MULTICAST form), the peer's empty barrier released
+        # remotely, no multicast elsewhere
+        assert ("MULTICAST" in code) == (CLUSTER[name] == 2), name
 
 
 def test_grouped_tiles_split_at_experts():
@@ -153,12 +156,13 @@ def test_forms_match_the_entry_points():
     """cuda_fp8_gemm.FORMS (the launch: BM, BN, stages, threads) and FORM_KIND (scale layout, split-K)
     against FP8_GEMM_ENTRY in the .cu."""
     src = Path(SRC).read_text()
-    entries = re.findall(r"^FP8_GEMM_ENTRY\((\w+), (\d+), (\d+), (\d+), (true|false), (SB_\w+), (true|false)\)",
+    entries = re.findall(r"^FP8_GEMM_ENTRY\((\w+), (\d+), (\d+), (\d+), (true|false), (SB_\w+), (true|false), (\d)\)",
                          src, re.M)
     got = {name: (64 * int(ncons), int(bn), int(stages), 128 * (int(ncons) + 1)) for name, bn, stages, ncons, *_ in entries}
     assert got == FORMS
     layout = {"SB_BLOCK": "block", "SB_ROW": "row", "SB_ROWK": "rowk"}
-    assert {name: (layout[sb], sk == "true") for name, *_, sb, sk in entries} == FORM_KIND
+    assert {name: (layout[sb], sk == "true") for name, *_, sb, sk, _ in entries} == FORM_KIND
+    assert {name: int(cl) for name, *_, cl in entries} == CLUSTER
 
 
 def test_scale_kind():
