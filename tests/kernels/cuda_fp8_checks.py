@@ -106,15 +106,28 @@ def smoke(entry: str, device="cuda") -> int:
     return 0 if ok else 1
 
 
-def _smoke_in_child(entry: str, timeout: int = 120) -> str:
+def _smoke_in_child(entry: str, timeout: int = 90) -> tuple[str, str]:
+    """(verdict, the child's output) of smoke(entry) in a child process (a pipeline stall traps in ~10 s:
+    FP8_GEMM_HANG_CYCLES; the timeout is the backstop)."""
     import subprocess
     try:
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "smoke", entry], capture_output=True,
                            text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "HANG (killed after %d s)" % timeout
-    print(r.stdout[-6000:], r.stderr[-3000:] if r.returncode else "", flush=True)
-    return "ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})"
+        return "HANG (killed after %d s)" % timeout, ""
+    return ("ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})",
+            r.stdout[-6000:] + (r.stderr[-3000:] if r.returncode else ""))
+
+
+def _smoke_all(entries, parallel: int = 6) -> dict[str, str]:
+    """Every entry's smoke in its own child, `parallel` at a time (the cubin is compiled before), outputs
+    printed in entry order."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(parallel) as pool:
+        results = dict(zip(entries, pool.map(_smoke_in_child, entries)))
+    for entry, (_, out) in results.items():
+        print(out, flush=True)
+    return {entry: verdict for entry, (verdict, _) in results.items()}
 
 
 def check_exact_grid(device="cuda", ms=GRID_M, ns=GRID_N, ks=GRID_K):
@@ -216,13 +229,16 @@ def check_grouped(device="cuda"):
     print("grouped contiguous: ok")
 
 
-def check_forms_exact(device="cuda", ms=(1, 17, 64, 128, 300), ns=(128, 576, 4128), ks=(128, 160, 1280, 5120)):
+def check_forms_exact(device="cuda", ms=(1, 17, 64, 128, 300), ns=(128, 576, 4128), ks=(128, 160, 1280, 5120),
+                      entries=tuple(FORMS)):
     """Every entry point forced (its own weight-scale layout) bit-exact on ternary data over a grid with
     tails in every tile dimension; the split-K forms at every M (one split where K has < 4 stages). Each
     weight is drawn once per (layout, N, K) and shared by the M and the entries."""
     gen = torch.Generator().manual_seed(6)
     for kind in ("block", "row", "rowk"):
-        entries = [e for e in FORMS if FORM_KIND[e][0] == kind]
+        of_kind = [e for e in entries if FORM_KIND[e][0] == kind]
+        if not of_kind:
+            continue
         for n in ns:
             for k in ks:
                 b = ternary((n, k), gen, device).to(torch.float8_e4m3fn)
@@ -231,13 +247,13 @@ def check_forms_exact(device="cuda", ms=(1, 17, 64, 128, 300), ns=(128, 576, 412
                     a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
                     sa = pow2((m, k // 32), -3, 3, gen, device)
                     r = ref_gemm(a.float(), sa, b, sb)
-                    for entry in entries:
+                    for entry in of_kind:
                         y = fp8_gemm_cuda(a, sa, b, sb, entry=entry)
                         assert torch.equal(y, r), (entry, m, n, k, diagnose(y, r))
-    print(f"forms exact ({len(FORMS)} entries x {len(ms) * len(ns) * len(ks)} shapes): ok")
+    print(f"forms exact ({len(entries)} entries x {len(ms) * len(ns) * len(ks)} shapes): ok")
 
 
-def check_forms_random(device="cuda"):
+def check_forms_random(device="cuda", entries=tuple(FORMS)):
     """Every entry point forced on random data (quant_fp8 / quant_fp8_rows / row-scaled weights) within
     the FP8 MMA bound."""
     from deepinfer.kernels.triton_quant import act_quant_fp8
@@ -248,11 +264,11 @@ def check_forms_random(device="cuda"):
             q, s = random_weight(kind, n, k, gen, device)
             a, sa = act_quant_fp8(x)
             r = fp8_prefill_linear_ref(x, q, s).float()
-            for entry in (e for e in FORMS if FORM_KIND[e][0] == kind):
+            for entry in (e for e in entries if FORM_KIND[e][0] == kind):
                 y = fp8_gemm_cuda(a, sa, q, s, entry=entry).float()
                 bad = outside_fp8_mma_bound(y, r, x, q, s)
                 assert not bad.any(), (entry, m, n, k, (y - r).abs().max().item(), int(bad.sum()))
-    print(f"forms random ({len(FORMS)} entries): ok")
+    print(f"forms random ({len(entries)} entries): ok")
 
 
 def check_splitk_decode(device="cuda"):
@@ -346,26 +362,28 @@ def main(quick: bool = False):
     t0 = time.time()
     log = cuda_driver.compile_cubin(cuda_fp8_gemm.SRC)[1]
     print("ptxas:", " | ".join(line.strip() for line in log.splitlines() if "spill" in line or "Used" in line), flush=True)
-    smokes = {entry: _smoke_in_child(entry) for entry in FORMS}                  # every form, the debug one too
+    smokes = _smoke_all(list(FORMS))                                       # every form, the debug one too
     print("smoke: " + "; ".join(f"{e} {v}" for e, v in smokes.items()), flush=True)
     failed = [f"{e} smoke" for e, v in smokes.items() if v != "ok"]
-    auto = ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64", "fp8_gemm_sm90_bn128_splitk", "fp8_gemm_sm90_bm64_splitk")
-    if any(smokes[e] != "ok" for e in auto):
+    if smokes["fp8_gemm_sm90_bn128"] != "ok" or smokes["fp8_gemm_sm90_bm64"] != "ok":
         # the rest on the first block-scale entry that passed its smoke, forced for every M: does the
-        # pipeline hold? (a failed split-K form alone: DEEPINFER_CUDA_FP8_SPLITK=0 is the other way out)
+        # pipeline hold?
         ok = [e for e in ("fp8_gemm_sm90_bm64", "fp8_gemm_sm90_debug") if smokes.get(e) == "ok"]
         if not ok:
             return 1
         cuda_fp8_gemm.FORCE = ok[0]
-    healthy = not failed                     # the per-form sections force entries: only when all smoke ok
+    elif smokes["fp8_gemm_sm90_bn128_splitk"] != "ok" or smokes["fp8_gemm_sm90_bm64_splitk"] != "ok":
+        cuda_fp8_gemm.SPLITK = False         # the automatic sections without split-K (DEEPINFER_CUDA_FP8_SPLITK=0)
+    good = [e for e in FORMS if smokes[e] == "ok"]          # the per-form sections: the forms that smoked ok
+    rows_ok = all(smokes[f"fp8_gemm_sm90_bn128_{kind}"] == "ok" for kind in ("row", "rowk"))
     sections = [("exact grid", lambda: check_exact_grid(ms=(1, 17, 300) if quick else GRID_M)),
                 ("graph capture", check_graph_capture), ("grouped contiguous", check_grouped),
-                ("select", check_select_decline),
-                ("random grid", lambda: check_random_grid(ms=(17,) if quick else (17, 300, 2048)))]
-    if healthy:
-        sections += [("forms exact", lambda: check_forms_exact(ms=(17, 300) if quick else (1, 17, 64, 128, 300))),
-                     ("forms random", check_forms_random), ("grouped row scales", check_grouped_row_scales),
-                     ("split-K decode", check_splitk_decode)]
+                ("random grid", lambda: check_random_grid(ms=(17,) if quick else (17, 300, 2048))),
+                ("forms exact", lambda: check_forms_exact(ms=(17, 300) if quick else (1, 17, 64, 128, 300), entries=good)),
+                ("forms random", lambda: check_forms_random(entries=good)),
+                ("split-K decode", check_splitk_decode)]
+    if rows_ok:                              # (select's check takes per-(row, 32) scales on the CUDA kernel)
+        sections += [("grouped row scales", check_grouped_row_scales), ("select", check_select_decline)]
     if not quick:
         sections.append(("release shapes", check_release_shapes))
     for name, fn in sections:
