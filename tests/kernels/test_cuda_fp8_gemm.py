@@ -191,3 +191,28 @@ def test_splitk_count_covers_the_sms_without_empty_splits():
         assert s == 1 or per >= 2, (m, n, k, s)
     assert splitk_count(1, 5120, 8192, "fp8_gemm_sm90_bm64_splitk", 132) == 3   # 40 tiles: 3 x 40 <= 132
     assert splitk_count(1, 1792, 5120, "fp8_gemm_sm90_bm64_splitk", 132) == 8   # 14 tiles: 9 wanted, 5 stages each: 8
+
+
+def _raster(pid: int, tiles_m: int, tiles_n: int, group_m: int = 8) -> tuple[int, int]:
+    """gemm_body's launch order -> (M tile, N tile) (GROUP_M M tiles share each N tile)."""
+    per_group = group_m * tiles_n
+    first_m = pid // per_group * group_m
+    rows = min(tiles_m - first_m, group_m)
+    return first_m + pid % per_group % rows, pid % per_group // rows
+
+
+def test_cluster_pairs_share_b_tiles():
+    """The 2-CTA forms' premise: with the M tiles padded to even (fp8_gemm_cuda), launch pair (2c, 2c + 1)
+    is two adjacent M tiles of one N tile, and the pairs cover every tile once."""
+    src = Path(SRC).read_text()
+    assert "const int pm = first_m + (pid % per_group) % group_rows, pn = (pid % per_group) / group_rows;" in src
+    assert "GROUP_M = 8;" in src
+    for m, n in ((1, 128), (200, 576), (8192, 1792), (8192 + 64, 5120), (300, 32768), (2048 + 128, 4608)):
+        tiles_m, tiles_n = -(-m // 128), -(-n // 128)
+        tiles_m += tiles_m % 2
+        seen = set()
+        for c in range(tiles_m * tiles_n // 2):
+            (m0, n0), (m1, n1) = _raster(2 * c, tiles_m, tiles_n), _raster(2 * c + 1, tiles_m, tiles_n)
+            assert n0 == n1 and m1 == m0 + 1 and m0 % 2 == 0, (m, n, c)
+            seen |= {(m0, n0), (m1, n1)}
+        assert seen == {(i, j) for i in range(tiles_m) for j in range(tiles_n)}
