@@ -221,7 +221,7 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     grid = tiles_m * -(-n // bn)
     scales, sb_ld = _kernel_scales(sb, kind, n, bn)
     if not FORM_KIND[name][1]:
-        kern.launch(grid, threads, smem, [ta, tb, sa, scales, out, None, None, m, n, k, tiles_m, sb_ld])
+        kern.launch(grid, threads, smem, [ta, tb, sa, scales, out, None, None, m, n, k, tiles_m, sb_ld], cluster=cluster)
         return out
     splits = splitk_count(m, n, k, name, _num_sms(dev))
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)

@@ -216,3 +216,13 @@ def test_cluster_pairs_share_b_tiles():
             assert n0 == n1 and m1 == m0 + 1 and m0 % 2 == 0, (m, n, c)
             seen |= {(m0, n0), (m1, n1)}
         assert seen == {(i, j) for i in range(tiles_m) for j in range(tiles_n)}
+
+
+def test_launch_ex_structs_match_cuda_h():
+    """cuLaunchKernelEx's structs as cuda.h lays them out on x86-64 (the cluster launch's fallback)."""
+    import ctypes
+    from deepinfer.kernels.cuda_driver import _LaunchAttribute, _LaunchConfig
+    assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_LaunchConfig) == 56
+    assert (_LaunchConfig.sharedMemBytes.offset, _LaunchConfig.hStream.offset, _LaunchConfig.attrs.offset,
+            _LaunchConfig.numAttrs.offset) == (24, 32, 40, 48)
