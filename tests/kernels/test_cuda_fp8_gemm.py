@@ -95,6 +95,15 @@ def test_sass_has_fp8_gmma_overlapped(compiled):
         # the cluster forms: B multicast (UTMALDG's .MULTICAST form), the peer's empty barrier released
         # remotely, no multicast elsewhere
         assert ("MULTICAST" in code) == (CLUSTER[name] == 2), name
+    # the cluster forms carry their (2, 1, 1) cluster in the cubin (what cuLaunchKernel launches by)
+    r = subprocess.run([tool, "-elf", compiled[0]], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    info = {}
+    for chunk in re.split(r"^\.nv\.info\.", r.stdout, flags=re.M)[1:]:
+        info[chunk.split()[0]] = chunk.split("\n.")[0]
+    for name in FORMS:
+        has = re.search(r"EIATTR_CTA_PER_CLUSTER\s+Format:\s+EIFMT_SVAL\s+Value:\s+0x2 0x1 0x1", info[name]) is not None
+        assert has == (CLUSTER[name] == 2) and ("EIATTR_CTA_PER_CLUSTER" in info[name]) == has, name
 
 
 def test_grouped_tiles_split_at_experts():
