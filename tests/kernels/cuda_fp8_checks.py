@@ -1,5 +1,6 @@
 """The CUDA FP8 x FP8 GEMM (kernels/cuda_fp8_gemm.py) against plain torch on an SM90 GPU. Run by
-test_cuda_fp8_gemm.py (pytest -m gpu), or directly: python tests/kernels/cuda_fp8_checks.py [quick].
+test_cuda_fp8_gemm.py (pytest -m gpu), or directly: python tests/kernels/cuda_fp8_checks.py
+[quick | auto | forms] (auto and forms: the two halves of the full run, each under 3 minutes).
 
 Ternary data ({-1, 0, 1} operands, power-of-two scales): every product and partial sum is exact in fp32,
 so the kernel must give the float64 reference's bits whatever its summation order. Random data: within
@@ -353,10 +354,14 @@ def check_select_decline(device="cuda"):
     print("select: cuda pick and declines: ok")
 
 
-def main(quick: bool = False):
+def main(mode: str = "all"):
     """Smoke each entry point in a child process first (a hang or trap costs a child, not the run), then
     every check on the automatic choice (or, where a fast entry failed its smoke, forced onto the first
-    that passed, to test the pipeline), each section reported whatever the others do."""
+    that passed, to test the pipeline), each section reported whatever the others do. mode: "all"; "quick"
+    (smaller grids, no release shapes); "auto" (the automatic choice's sections only) or "forms" (the
+    per-form sections only): two device commands of under 3 minutes each."""
+    assert mode in ("all", "quick", "auto", "forms"), mode
+    quick = mode == "quick"
     import traceback
     from deepinfer.kernels import cuda_driver, cuda_fp8_gemm
     t0 = time.time()
@@ -376,16 +381,18 @@ def main(quick: bool = False):
         cuda_fp8_gemm.SPLITK = False         # the automatic sections without split-K (DEEPINFER_CUDA_FP8_SPLITK=0)
     good = [e for e in FORMS if smokes[e] == "ok"]          # the per-form sections: the forms that smoked ok
     rows_ok = all(smokes[f"fp8_gemm_sm90_bn128_{kind}"] == "ok" for kind in ("row", "rowk"))
-    sections = [("exact grid", lambda: check_exact_grid(ms=(1, 17, 300) if quick else GRID_M)),
-                ("graph capture", check_graph_capture), ("grouped contiguous", check_grouped),
-                ("random grid", lambda: check_random_grid(ms=(17,) if quick else (17, 300, 2048))),
-                ("forms exact", lambda: check_forms_exact(ms=(17, 300) if quick else (1, 17, 64, 128, 300), entries=good)),
-                ("forms random", lambda: check_forms_random(entries=good)),
-                ("split-K decode", check_splitk_decode)]
-    if rows_ok:                              # (select's check takes per-(row, 32) scales on the CUDA kernel)
-        sections += [("grouped row scales", check_grouped_row_scales), ("select", check_select_decline)]
+    auto_sections = [("exact grid", lambda: check_exact_grid(ms=(1, 17, 300) if quick else GRID_M)),
+                     ("graph capture", check_graph_capture), ("grouped contiguous", check_grouped),
+                     ("random grid", lambda: check_random_grid(ms=(17,) if quick else (17, 300, 2048)))]
     if not quick:
-        sections.append(("release shapes", check_release_shapes))
+        auto_sections.append(("release shapes", check_release_shapes))
+    form_sections = [("forms exact", lambda: check_forms_exact(ms=(17, 300) if quick else (1, 17, 64, 128, 300),
+                                                               entries=good)),
+                     ("forms random", lambda: check_forms_random(entries=good)),
+                     ("split-K decode", check_splitk_decode)]
+    if rows_ok:                              # (select's check takes per-(row, 32) scales on the CUDA kernel)
+        form_sections += [("grouped row scales", check_grouped_row_scales), ("select", check_select_decline)]
+    sections = (auto_sections if mode != "forms" else []) + (form_sections if mode != "auto" else [])
     for name, fn in sections:
         try:
             fn()
@@ -399,4 +406,4 @@ def main(quick: bool = False):
 
 if __name__ == "__main__":
     arg = sys.argv[1:]
-    sys.exit(smoke(arg[1]) if arg[:1] == ["smoke"] else main(arg == ["quick"]))
+    sys.exit(smoke(arg[1]) if arg[:1] == ["smoke"] else main(arg[0] if arg else "all"))
