@@ -221,7 +221,8 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     grid = tiles_m * -(-n // bn)
     scales, sb_ld = _kernel_scales(sb, kind, n, bn)
     if not FORM_KIND[name][1]:
-        kern.launch(grid, threads, smem, [ta, tb, sa, scales, out, None, None, m, n, k, tiles_m, sb_ld], cluster=cluster)
+        kern.launch(grid, threads, smem, [ta, tb, sa, scales, out, None, None, m, n, k, tiles_m, sb_ld],
+                    cluster=cluster)
         return out
     splits = splitk_count(m, n, k, name, _num_sms(dev))
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
@@ -285,8 +286,8 @@ def fp8_grouped_contiguous_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tens
 
 
 def fp8_linear_cuda(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16, w [N, K] e4m3, w_scale [ceil(N/32), K/32] / [N, K/32] / [N, 1] -> [..., N] bf16: act_quant per 32
-    (pow2 scales) + fp8_gemm_cuda (triton_fp8_prefill.fp8_prefill_linear's values)."""
+    """x [..., K] bf16, w [N, K] e4m3, w_scale [ceil(N/32), K/32] / [N, K/32] / [N, 1] -> [..., N] bf16:
+    act_quant per 32 (pow2 scales) + fp8_gemm_cuda (triton_fp8_prefill.fp8_prefill_linear's values)."""
     from .triton_quant import act_quant_fp8
     a, sa = act_quant_fp8(x.reshape(-1, x.shape[-1]))
     return fp8_gemm_cuda(a, sa, w, w_scale).view(*x.shape[:-1], w.shape[0])

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from deepinfer.kernels import cuda_driver
-from deepinfer.kernels.cuda_fp8_gemm import (CLUSTER, FORM_KIND, FORMS, REDUCE, SRC, decline_reason, grouped_tiles, scale_kind,
-                                             smem_bytes, splitk_count)
+from deepinfer.kernels.cuda_fp8_gemm import (CLUSTER, FORM_KIND, FORMS, REDUCE, SRC, decline_reason, grouped_tiles,
+                                             scale_kind, smem_bytes, splitk_count)
 
 needs_nvcc = pytest.mark.skipif(cuda_driver.find_nvcc() is None, reason="no nvcc")
 
@@ -167,7 +167,8 @@ def test_forms_match_the_entry_points():
     src = Path(SRC).read_text()
     entries = re.findall(r"^FP8_GEMM_ENTRY\((\w+), (\d+), (\d+), (\d+), (true|false), (SB_\w+), (true|false), (\d)\)",
                          src, re.M)
-    got = {name: (64 * int(ncons), int(bn), int(stages), 128 * (int(ncons) + 1)) for name, bn, stages, ncons, *_ in entries}
+    got = {name: (64 * int(ncons), int(bn), int(stages), 128 * (int(ncons) + 1))
+           for name, bn, stages, ncons, *_ in entries}
     assert got == FORMS
     layout = {"SB_BLOCK": "block", "SB_ROW": "row", "SB_ROWK": "rowk"}
     assert {name: (layout[sb], sk == "true") for name, *_, sb, sk, _ in entries} == FORM_KIND
