@@ -26,7 +26,9 @@ Entry points (FORMS; FORM_KIND gives each one's weight-scale layout and split-K)
 DEEPINFER_CUDA_FP8_DEBUG=1 runs every 32x32-block call on the debugging form, DEEPINFER_CUDA_FP8_FORM=<entry>
 every call whose scales have that entry's layout on that entry: a wrong result the debugging form fixes
 is in the overlap, one bm64 fixes is in the two-consumer split, one they all keep is in the pipeline
-(TMA, barriers, descriptors) or the promotion. DEEPINFER_CUDA_FP8_SPLITK=0 turns split-K off.
+(TMA, barriers, descriptors) or the promotion. DEEPINFER_CUDA_FP8_SPLITK=0 turns split-K off. Split-K's
+count follows M (the tiles), so its fp32 sum order does too: deterministic per shape, not batch-invariant
+(select never sends batch-invariant mode here).
 """
 
 from __future__ import annotations
