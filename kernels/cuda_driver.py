@@ -6,7 +6,8 @@ captured by a CUDA graph like any torch op.
     compile_cubin(src, arch)        -> (cubin path, ptxas log)   nvcc -gencode ...<arch> -cubin -O3 -std=c++17
     kernel(src, name, smem)         -> Kernel for torch's current device (module loaded once per device)
     tensor_map_2d(t, box, swizzle)  -> TensorMap of a 2-D row-major uint8-sized tensor (e4m3)
-    Kernel.launch(grid, block, smem, args)   args: TensorMap, torch tensors (pointers), ints (int32)
+    Kernel.launch(grid, block, smem, args)   grid x or (x, y); args: TensorMap, torch tensors (pointers),
+                                             ints (int32)
 """
 
 from __future__ import annotations
@@ -172,15 +173,46 @@ def tensor_map_2d(t: torch.Tensor, box_inner: int, box_outer: int, swizzle: int 
     return m
 
 
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union (clusterDim: 3 x uint32)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint32 * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuLaunchKernelEx)."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+def _launch_ex(lib, func, grid: tuple[int, int], block: int, smem: int, stream, params, cluster: int) -> int:
+    """cuLaunchKernelEx with a (cluster, 1, 1) cluster-dimension attribute; its CUresult."""
+    fn = lib.cuLaunchKernelEx
+    fn.argtypes, fn.restype = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                               ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int
+    attr = _LaunchAttribute()
+    attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1
+    cfg = _LaunchConfig(grid[0], grid[1], 1, block, 1, 1, smem, stream, ctypes.pointer(attr), 1)
+    return fn(ctypes.byref(cfg), func, params, None)
+
+
 class Kernel:
     """One __global__ function of a loaded cubin (on one device)."""
 
     def __init__(self, func: ctypes.c_void_p, device: int):
         self.func, self.device = func, device
 
-    def launch(self, grid: int, block: int, smem: int, args) -> None:
-        """Launch on torch's current stream of the kernel's device. args in the kernel's order: TensorMap
-        (by value), torch.Tensor or None (a pointer), int (int32)."""
+    def launch(self, grid: int | tuple[int, int], block: int, smem: int, args, cluster: int = 1) -> None:
+        """Launch on torch's current stream of the kernel's device. grid: x or (x, y). args in the kernel's
+        order: TensorMap (by value), torch.Tensor or None (a pointer), int (int32). cluster > 1: a kernel
+        compiled with __cluster_dims__(cluster, 1, 1) (cuLaunchKernel launches its clusters; where a driver
+        refuses that, cuLaunchKernelEx with the cluster-dimension attribute)."""
+        gx, gy = (grid, 1) if isinstance(grid, int) else grid
         lib = _libcuda()
         _make_current(self.device)
         keep, ptrs = [], []
@@ -198,8 +230,12 @@ class Kernel:
             ptrs.append(ctypes.addressof(v))
         params = (ctypes.c_void_p * len(ptrs))(*ptrs)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        _check(lib, lib.cuLaunchKernel(self.func, grid, 1, 1, block, 1, 1, smem, ctypes.c_void_p(stream), params, None),
-               "cuLaunchKernel")
+        res = lib.cuLaunchKernel(self.func, gx, gy, 1, block, 1, 1, smem, ctypes.c_void_p(stream), params, None)
+        if res != 0 and cluster > 1:
+            res_ex = _launch_ex(lib, self.func, (gx, gy), block, smem, stream, params, cluster)
+            _check(lib, res_ex, f"cuLaunchKernelEx (cluster {cluster}, after cuLaunchKernel's error {res})")
+            return
+        _check(lib, res, "cuLaunchKernel")
 
 
 @functools.lru_cache(maxsize=None)

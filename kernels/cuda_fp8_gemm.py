@@ -1,24 +1,39 @@
 """The exact FP8 x FP8 GEMM with per-32 promotion as a warp-specialized CUDA kernel for SM90
 (kernels/cuda/fp8_gemm_sm90.cu: TMA producer warpgroup, two wgmma consumer warpgroups, the promotion of
 slice s on the CUDA cores while the tensor cores run slice s+1). Same contract and values as
-triton_gemm.fp8_gemm on 32x32-block weight scales.
+triton_gemm.fp8_gemm on 32x32-block, per-(row, 32) or per-row weight scales.
 
     fp8_gemm_cuda(a, sa, b, sb, out=None)          a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3,
-                                                   sb [ceil(N/32), K/32] f32 (or E8M0 bytes) -> [M, N] bf16
+                                                   sb [ceil(N/32), K/32] / [N, K/32] / [N, 1] f32 or
+                                                   E8M0 -> [M, N] bf16
     fp8_grouped_contiguous_cuda(a, sa, b, sb, counts)   MoE prefill: rows sorted by expert, b [E, N, K]
     fp8_linear_cuda(x, w, w_scale)                 act_quant_fp8 + fp8_gemm_cuda (select.fp8_linear's form)
     supports(m, n, k, sb) / decline_reason(...)    the shape rules select checks before taking it
+    scale_kind(n, k, sb)                           "block" / "rowk" / "row" / None: sb's layout
+    splitk_count(m, n, k, name, sms)               K splits for decode sizes (1: none)
 
-Entry points (FORMS): fp8_gemm_sm90_bn128 (two consumer warpgroups, BM 128: M > 64), fp8_gemm_sm90_bm64
-(one consumer, BM 64: M <= 64), fp8_gemm_sm90_debug (one consumer waiting on every wgmma before its
-promotion: no overlap). DEEPINFER_CUDA_FP8_DEBUG=1 runs every call on the debugging form,
-DEEPINFER_CUDA_FP8_FORM=<entry> on that entry: a wrong result the debugging form fixes is in the overlap,
-one bm64 fixes is in the two-consumer split, one they all keep is in the pipeline (TMA, barriers,
-descriptors) or the promotion.
+Entry points (FORMS; FORM_KIND gives each one's weight-scale layout and split-K):
+  32x32 blocks: fp8_gemm_sm90_bn128 (two consumer warpgroups, BM 128: M > 64), fp8_gemm_sm90_bm64 (one
+    consumer, BM 64: M <= 64), fp8_gemm_sm90_debug (one consumer waiting on every wgmma before its
+    promotion: no overlap), fp8_gemm_sm90_bn192 (128 x 192 tiles, one temporary per consumer: the other
+    consumer's wgmmas fill the tensor cores during a promotion; the bench decides, not the default),
+    fp8_gemm_sm90_bn128_splitk / fp8_gemm_sm90_bm64_splitk (M <= 128 where the tiles leave SMs idle: K
+    split over gridDim.y into an fp32 workspace, fp8_splitk_reduce sums it in split order),
+    fp8_gemm_sm90_bn128_mc2 / fp8_gemm_sm90_bn192_mc2 (2-CTA clusters: two adjacent M tiles share one B
+    tile, each CTA loading half and multicasting it: half the B traffic from L2; entry= / FORCE only)
+  per-row [N, 1] (the MoE's row-scaled expert stacks): fp8_gemm_sm90_bn128_row, fp8_gemm_sm90_bm64_row
+  per-(row, 32) [N, K/32] (wo_a's groups): fp8_gemm_sm90_bn128_rowk, fp8_gemm_sm90_bm64_rowk
+DEEPINFER_CUDA_FP8_DEBUG=1 runs every 32x32-block call on the debugging form, DEEPINFER_CUDA_FP8_FORM=<entry>
+every call whose scales have that entry's layout on that entry: a wrong result the debugging form fixes
+is in the overlap, one bm64 fixes is in the two-consumer split, one they all keep is in the pipeline
+(TMA, barriers, descriptors) or the promotion. DEEPINFER_CUDA_FP8_SPLITK=0 turns split-K off. Split-K's
+count follows M (the tiles), so its fp32 sum order does too: deterministic per shape, not batch-invariant
+(select never sends batch-invariant mode here).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,21 +45,72 @@ BK = 128
 # entry point -> (BM, BN, stages, threads); must match FP8_GEMM_ENTRY in the .cu
 FORMS = {"fp8_gemm_sm90_bn128": (128, 128, 5, 384),
          "fp8_gemm_sm90_bm64": (64, 128, 6, 256),
-         "fp8_gemm_sm90_debug": (64, 128, 4, 256)}
+         "fp8_gemm_sm90_debug": (64, 128, 4, 256),
+         "fp8_gemm_sm90_bn192": (128, 192, 5, 384),
+         "fp8_gemm_sm90_bn128_splitk": (128, 128, 5, 384),
+         "fp8_gemm_sm90_bm64_splitk": (64, 128, 6, 256),
+         "fp8_gemm_sm90_bn128_mc2": (128, 128, 5, 384),
+         "fp8_gemm_sm90_bn192_mc2": (128, 192, 5, 384),
+         "fp8_gemm_sm90_bn128_row": (128, 128, 5, 384),
+         "fp8_gemm_sm90_bm64_row": (64, 128, 6, 256),
+         "fp8_gemm_sm90_bn128_rowk": (128, 128, 5, 384),
+         "fp8_gemm_sm90_bm64_rowk": (64, 128, 6, 256)}
+# entry point -> (weight-scale layout, split-K); must match FP8_GEMM_ENTRY's SBMODE and SPLITK
+FORM_KIND = {name: ("row" if name.endswith("_row") else "rowk" if name.endswith("_rowk") else "block",
+                    name.endswith("_splitk")) for name in FORMS}
+# entry point -> CTAs per cluster (FP8_GEMM_ENTRY's CLUSTER): 2 shares each B tile between the CTAs of two
+# adjacent M tiles (TMA multicast, half each); the launch pads the M tiles to even and boxes B by BN / 2
+CLUSTER = {name: 2 if name.endswith("_mc2") else 1 for name in FORMS}
+REDUCE = "fp8_splitk_reduce"
 DEBUG = os.environ.get("DEEPINFER_CUDA_FP8_DEBUG", "0") == "1"
 FORCE = os.environ.get("DEEPINFER_CUDA_FP8_FORM") or None
 if FORCE is not None and FORCE not in FORMS:
     raise ValueError(f"DEEPINFER_CUDA_FP8_FORM must be one of {sorted(FORMS)}, got {FORCE!r}")
+SPLITK = os.environ.get("DEEPINFER_CUDA_FP8_SPLITK", "1") != "0"
+SPLITK_MAX_M = 128      # decode sizes: above this the M tiles fill the SMs
+SPLITK_MAX = 16
 
 
-def form(m: int | None = None) -> str:
-    """The entry point for m rows: one consumer warpgroup (BM 64) up to 64 rows (decode), two above;
-    FORCE's (DEEPINFER_CUDA_FP8_FORM) or the debugging form (DEEPINFER_CUDA_FP8_DEBUG=1) if set."""
-    if FORCE is not None:
+def scale_kind(n: int, k: int, sb: torch.Tensor) -> str | None:
+    """The layout of weight scales sb for an [n, k] weight: "block" ([ceil(N/32), K/32], one per 32x32
+    block), "rowk" ([N, K/32], one per row and 32 columns), "row" ([N, 1], one per row), else None. N = 1
+    reads as "block" (the same scales)."""
+    if sb.dim() != 2 or k <= 0 or k % 32:
+        return None
+    if sb.shape == (-(-n // 32), k // 32) and (n == 1 or sb.shape[0] != n):
+        return "block"
+    if sb.shape == (n, 1):
+        return "row"
+    if sb.shape == (n, k // 32):
+        return "rowk"
+    return None
+
+
+def splitk_count(m: int, n: int, k: int, name: str, sms: int) -> int:
+    """K splits for a split-K entry: enough CTAs to cover the SMs once (tiles x splits <= sms), each split
+    at least 2 stages of K = 128, at most SPLITK_MAX; the count with no empty split."""
+    bm, bn, _, _ = FORMS[name]
+    tiles = -(-m // bm) * -(-n // bn)
+    nkb = -(-k // BK)
+    s = max(1, min(sms // max(tiles, 1), nkb // 2, SPLITK_MAX))
+    return -(-nkb // -(-nkb // s))
+
+
+def form(m: int | None = None, kind: str = "block", splitk: bool = False) -> str:
+    """The entry point for m rows with `kind` weight scales: one consumer warpgroup (BM 64) up to 64 rows
+    (decode), two above; the split-K form where `splitk` (32x32 blocks); FORCE's
+    (DEEPINFER_CUDA_FP8_FORM) where its layout is `kind`, or the debugging form (DEEPINFER_CUDA_FP8_DEBUG=1)
+    for blocks."""
+    if FORCE is not None and FORM_KIND[FORCE][0] == kind:
         return FORCE
-    if DEBUG:
-        return "fp8_gemm_sm90_debug"
-    return "fp8_gemm_sm90_bm64" if m is not None and m <= 64 else "fp8_gemm_sm90_bn128"
+    small = m is not None and m <= 64
+    if kind == "block":
+        if DEBUG:
+            return "fp8_gemm_sm90_debug"
+        if splitk:
+            return "fp8_gemm_sm90_bm64_splitk" if small else "fp8_gemm_sm90_bn128_splitk"
+        return "fp8_gemm_sm90_bm64" if small else "fp8_gemm_sm90_bn128"
+    return f"fp8_gemm_sm90_{'bm64' if small else 'bn128'}_{kind}"
 
 
 def smem_bytes(name: str) -> int:
@@ -57,18 +123,23 @@ def _sm90(device) -> bool:
     return torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability(device) == (9, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def decline_reason(m: int, n: int, k: int, sb: torch.Tensor, device=None) -> str | None:
     """None where the CUDA kernel takes an [m, k] x [n, k]^T call with weight scales sb, else the rule it
-    breaks: an SM90 GPU and nvcc, K a multiple of 32 (which keeps TMA's rows 16-byte aligned), one f32 /
-    E8M0 scale per 32x32 weight block (per-row scales are not implemented)."""
+    breaks: an SM90 GPU and nvcc, K a multiple of 32 (which keeps TMA's rows 16-byte aligned), weight
+    scales per 32x32 block, per (row, 32) or per row (scale_kind), f32 or E8M0."""
     if device is not None and not _sm90(device):
         return "an SM90 GPU (sm_90a wgmma and TMA)"
     if cuda_driver.find_nvcc() is None:
         return "nvcc to compile it (CUDA_HOME or PATH)"
     if k <= 0 or k % 32:
         return "K a multiple of 32"
-    if sb.dim() != 2 or sb.shape != (-(-n // 32), k // 32) or (n > 1 and sb.shape[0] == n):
-        return "one weight scale per 32x32 block ([ceil(N/32), K/32])"
+    if scale_kind(n, k, sb) is None:
+        return "weight scales per 32x32 block [ceil(N/32), K/32], per (row, 32) [N, K/32] or per row [N, 1]"
     if sb.dtype not in (torch.float32, torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)):
         return "f32 or E8M0 weight scales"
     return None
@@ -85,6 +156,21 @@ def _f32_scale(s: torch.Tensor) -> torch.Tensor:
     return (s.view(torch.uint8).to(torch.int32) << 23).view(torch.float32).contiguous()
 
 
+def _kernel_scales(sb: torch.Tensor, kind: str, n: int, bn: int) -> tuple[torch.Tensor, int]:
+    """(the scales as the kernel reads them, sb_ld) from sb [..., rows, cols]: blocks as f32; row scales
+    flat [E * N]; per-(row, 32) scales transposed to [..., K/32, sb_ld] with sb_ld = N rounded up to BN,
+    zero-padded (a float2 load per column pair, never out of bounds)."""
+    s = _f32_scale(sb)
+    if kind == "block":
+        return s, 0
+    if kind == "row":
+        return s.reshape(-1).contiguous(), 0
+    ld = -(-n // bn) * bn
+    t = torch.zeros(*s.shape[:-2], s.shape[-1], ld, dtype=torch.float32, device=s.device)
+    t[..., :n] = s.transpose(-1, -2)
+    return t, ld
+
+
 def _check_operands(a, sa, b, k):
     assert a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn, (a.dtype, b.dtype)
     assert a.is_cuda and a.device == b.device, (a.device, b.device)
@@ -93,17 +179,28 @@ def _check_operands(a, sa, b, k):
         assert t.data_ptr() % 16 == 0, "TMA needs 16-byte aligned operands"
 
 
+def _splitk_wanted(m: int, n: int, k: int, device_index: int) -> bool:
+    """Split-K for decode sizes where the output tiles alone leave at least half the SMs idle."""
+    if not SPLITK or m > SPLITK_MAX_M:
+        return False
+    bm = 64 if m <= 64 else 128
+    return 2 * -(-m // bm) * -(-n // 128) <= _num_sms(device_index) and -(-k // BK) >= 4
+
+
 def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                   out: torch.Tensor | None = None, *, entry: str | None = None) -> torch.Tensor:
-    """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [ceil(N/32), K/32] f32 or E8M0 -> [M, N] bf16:
-    per output, the sum over K/32 slices of (fp32 slice sum of the e4m3 products) * sa * sb. entry: one
-    of FORMS (the benchmark times them side by side), else form(M)."""
+    """a [M, K] e4m3, sa [M, K/32] f32, b [N, K] e4m3, sb [ceil(N/32), K/32] / [N, K/32] / [N, 1] f32 or
+    E8M0 -> [M, N] bf16: per output, the sum over K/32 slices of (fp32 slice sum of the e4m3 products) *
+    sa * sb. entry: one of FORMS with sb's layout (the benchmark times them side by side), else form(M)."""
     m, k = a.shape
     n = b.shape[0]
     assert b.shape[1] == k, (a.shape, b.shape)
     reason = decline_reason(m, n, k, sb)
     if reason is not None:
         raise ValueError(f"fp8_gemm_cuda needs {reason}: a {tuple(a.shape)}, b {tuple(b.shape)}, sb {tuple(sb.shape)}")
+    kind = scale_kind(n, k, sb)
+    if entry is not None and FORM_KIND[entry][0] != kind:
+        raise ValueError(f"entry {entry} takes {FORM_KIND[entry][0]} weight scales, sb {tuple(sb.shape)} is {kind}")
     a, b = a.contiguous(), b.contiguous()
     sa = sa.contiguous()
     _check_operands(a, sa, b, k)
@@ -113,14 +210,28 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     assert out.data_ptr() % 4 == 0, "out must be 4-byte aligned (bf16 pair stores)"
     if m == 0 or n == 0:
         return out
-    name = entry or form(m)
+    dev = a.device.index
+    name = entry or form(m, kind, kind == "block" and _splitk_wanted(m, n, k, dev))
     bm, bn, _, threads = FORMS[name]
     smem = smem_bytes(name)
-    kern = cuda_driver.kernel(SRC, name, smem, a.device.index)
+    kern = cuda_driver.kernel(SRC, name, smem, dev)
     ta = cuda_driver.tensor_map_2d(a, BK, bm)
-    tb = cuda_driver.tensor_map_2d(b, BK, bn)
+    cluster = CLUSTER[name]
+    tb = cuda_driver.tensor_map_2d(b, BK, bn // cluster)
     tiles_m = -(-m // bm)
-    kern.launch(tiles_m * -(-n // bn), threads, smem, [ta, tb, sa, _f32_scale(sb), out, None, m, n, k, tiles_m])
+    tiles_m += -tiles_m % cluster            # whole clusters: a padding tile reads zeros, stores nothing
+    grid = tiles_m * -(-n // bn)
+    scales, sb_ld = _kernel_scales(sb, kind, n, bn)
+    if not FORM_KIND[name][1]:
+        kern.launch(grid, threads, smem, [ta, tb, sa, scales, out, None, None, m, n, k, tiles_m, sb_ld],
+                    cluster=cluster)
+        return out
+    splits = splitk_count(m, n, k, name, _num_sms(dev))
+    ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
+    kern.launch((grid, splits), threads, smem, [ta, tb, sa, scales, out, None, ws, m, n, k, tiles_m, sb_ld])
+    total = m * n
+    red = cuda_driver.kernel(SRC, REDUCE, 0, dev)
+    red.launch(min(-(-total // 256), 8 * _num_sms(dev)), 256, 0, [ws, out, splits, total])
     return out
 
 
@@ -148,33 +259,37 @@ def grouped_tiles(counts: torch.Tensor, bm: int, rows: int) -> tuple[torch.Tenso
 def fp8_grouped_contiguous_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                                 counts: torch.Tensor) -> torch.Tensor:
     """a [P, K] e4m3 with rows sorted by expert (counts[e] rows of expert e, in order), sa [P, K/32] f32,
-    b [E, N, K] e4m3, sb [E, ceil(N/32), K/32] f32 or E8M0 -> [P, N] bf16 (each row against its expert)."""
+    b [E, N, K] e4m3, sb [E, ceil(N/32), K/32] / [E, N, K/32] / [E, N, 1] f32 or E8M0 -> [P, N] bf16 (each
+    row against its expert)."""
     p, k = a.shape
     E, n, _ = b.shape
     assert b.shape[2] == k and counts.shape == (E,), (a.shape, b.shape, counts.shape)
     reason = decline_reason(p, n, k, sb[0] if sb.dim() == 3 else sb)
     if reason is not None or sb.dim() != 3 or sb.shape[0] != E:
-        raise ValueError(f"fp8_grouped_contiguous_cuda needs {reason or 'sb [E, ceil(N/32), K/32]'}")
+        raise ValueError(f"fp8_grouped_contiguous_cuda needs {reason or 'sb [E, rows, cols]'}")
+    kind = scale_kind(n, k, sb[0])
     a, b2 = a.contiguous(), b.contiguous().view(E * n, k)
     sa = sa.contiguous()
     _check_operands(a, sa, b2, k)
     out = torch.empty(p, n, dtype=torch.bfloat16, device=a.device)
     if p == 0 or n == 0:
         return out
-    name = form()
+    # a forced split-K or cluster form: its plain twin (grouped tiles have neither: each tile its expert)
+    name = form(None, kind).replace("_splitk", "").replace("_mc2", "")
     bm, bn, _, threads = FORMS[name]
     smem = smem_bytes(name)
     tiles, t = grouped_tiles(counts, bm, p)
     kern = cuda_driver.kernel(SRC, name, smem, a.device.index)
     ta = cuda_driver.tensor_map_2d(a, BK, bm)
     tb = cuda_driver.tensor_map_2d(b2, BK, bn)
-    kern.launch(t * -(-n // bn), threads, smem, [ta, tb, sa, _f32_scale(sb), out, tiles, p, n, k, t])
+    scales, sb_ld = _kernel_scales(sb, kind, n, bn)
+    kern.launch(t * -(-n // bn), threads, smem, [ta, tb, sa, scales, out, tiles, None, p, n, k, t, sb_ld])
     return out
 
 
 def fp8_linear_cuda(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16, w [N, K] e4m3, w_scale [ceil(N/32), K/32] -> [..., N] bf16: act_quant per 32
-    (pow2 scales) + fp8_gemm_cuda (triton_fp8_prefill.fp8_prefill_linear's values)."""
+    """x [..., K] bf16, w [N, K] e4m3, w_scale [ceil(N/32), K/32] / [N, K/32] / [N, 1] -> [..., N] bf16:
+    act_quant per 32 (pow2 scales) + fp8_gemm_cuda (triton_fp8_prefill.fp8_prefill_linear's values)."""
     from .triton_quant import act_quant_fp8
     a, sa = act_quant_fp8(x.reshape(-1, x.shape[-1]))
     return fp8_gemm_cuda(a, sa, w, w_scale).view(*x.shape[:-1], w.shape[0])

@@ -26,11 +26,13 @@ Knobs (environment, read once):
     DEEPINFER_PREFILL_GEMM=<variant>  that FP8 x FP8 variant (e.g. lag_blocks) for every FP8 linear of >=
                                  DEEPINFER_FP8_VARIANT_MIN_M rows (32), and the MoE's large steps in the
                                  grouped contiguous form on it
-    DEEPINFER_PREFILL_GEMM=cuda  FP8 linears of >= DEEPINFER_FP8_VARIANT_MIN_M rows (32) with 32x32-block
-                                 weight scales on the warp-specialized CUDA kernel (cuda_fp8_gemm: SM90,
-                                 nvcc; the promotion of one K=32 slice overlapped with the next slice's
-                                 wgmma), and the MoE's grouped contiguous form on it where its weights have
-                                 32x32-block scales; a call it declines takes the W8A16 path (logged once)
+    DEEPINFER_PREFILL_GEMM=cuda  FP8 linears of >= DEEPINFER_FP8_VARIANT_MIN_M rows (32) with 32x32-block,
+                                 per-(row, 32) or per-row weight scales on the warp-specialized CUDA kernel
+                                 (cuda_fp8_gemm: SM90, nvcc; the promotion of one K=32 slice overlapped with
+                                 the next slice's wgmma; split-K at decode sizes), and the MoE's grouped
+                                 contiguous form on it (the row-scaled expert stacks included); a call it
+                                 declines takes the W8A16 path (logged once). auto takes the CUDA kernel
+                                 for 32x32-block scales only (the other forms are not measured yet)
     DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
                                  on the first FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and
                                  the MoE's large steps in the grouped contiguous form on it
@@ -252,9 +254,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
 
 def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
     """The CUDA FP8 x FP8 kernel takes this call: DEEPINFER_PREFILL_GEMM=cuda and at least FP8_VARIANT_MIN_M
-    rows, or auto (the default) and at least CUDA_AUTO_MIN_M rows; not batch-invariant mode, and its rules
-    (cuda_fp8_gemm.decline_reason: SM90, nvcc, K % 32, 32x32 weight blocks); a call breaking them takes
-    the W8A16 path, logged once per rule."""
+    rows, or auto (the default) and at least CUDA_AUTO_MIN_M rows with 32x32-block weight scales; not
+    batch-invariant mode, and its rules (cuda_fp8_gemm.decline_reason: SM90, nvcc, K % 32, block / per-(row,
+    32) / per-row weight scales); a call breaking them takes the W8A16 path, logged once per rule."""
     if PREFILL_GEMM not in ("cuda", "auto") or _batch_invariant() or not use_fast(x) or not x.is_cuda \
             or w.dim() != 2:
         return False
@@ -262,7 +264,9 @@ def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> boo
     min_m = FP8_VARIANT_MIN_M if PREFILL_GEMM == "cuda" else CUDA_AUTO_MIN_M
     if x.numel() < min_m * max(k, 1):
         return False
-    from .cuda_fp8_gemm import decline_reason
+    from .cuda_fp8_gemm import decline_reason, scale_kind
+    if PREFILL_GEMM == "auto" and scale_kind(n, k, w_scale) != "block":
+        return False          # auto: the measured form only (per-row scales stay on W8A16 until measured)
     reason = decline_reason(x.numel() // k, n, k, w_scale, x.device)
     return _fast_for(x, "fp8_linear_cuda", reason is None, reason or "", then="the W8A16 path")
 
@@ -404,8 +408,9 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
 
 
 def _cuda_grouped_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
-    """DEEPINFER_PREFILL_GEMM=cuda and the CUDA kernel's rules hold for the expert stack (32x32-block
-    scales: per-row expert scales, the MXFP4 experts' form, stay on W8A16, logged once)."""
+    """DEEPINFER_PREFILL_GEMM=cuda and the CUDA kernel's rules hold for the expert stack (32x32-block,
+    per-(row, 32) or per-row scales: the MXFP4 experts' row-scaled [E, N, 1] stacks included); a stack
+    breaking them stays on W8A16, logged once."""
     if PREFILL_GEMM != "cuda" or not x.is_cuda or w.dim() != 3 or w_scale.dim() != 3:
         return False
     from .cuda_fp8_gemm import decline_reason

@@ -10,10 +10,11 @@ release numbers, a speed reference), torch's bf16 matmul, and the FP8 / bf16 pea
         kernels/fp8_select_table.json to make select take the winners. ~2-3 min on the H200)
     python perf/bench_fp8_prefill.py --variants --splits       (+ split-K counts per variant at M <= 128;
         a winning count goes into the table row as split_k)
-    python perf/bench_fp8_prefill.py --cuda [--m 8192 128 64 32] [--deepgemm-m 8192]  (the CUDA kernel,
-        kernels/cuda_fp8_gemm.py, and its one-consumer no-overlap debugging form, against W8A16, the
-        Triton FP8 forms, DeepGEMM and the peaks at the six linears; each CUDA result is checked against
-        triton_gemm.fp8_gemm's first. bench_fp8_cuda.json in $OUT. ~1-2 min on the H200)
+    python perf/bench_fp8_prefill.py --cuda [--m 8192 2048 128 64 32] [--deepgemm-m 8192]  (the CUDA
+        kernel's forms, kernels/cuda_fp8_gemm.py: the default, BN 192, 2-CTA multicast, split-K, BM 64,
+        the no-overlap debugging form, per-row and per-(row, 32) weight scales; against W8A16, the Triton FP8 forms,
+        DeepGEMM and the peaks at the six linears; each CUDA result is checked first. bench_fp8_cuda.json in
+        $OUT. ~1.5 min on the H200 per two Ms: run --m 8192 2048 and --m 128 64 32 as two commands)
 
 Shapes: the full-width layer's dense FP8 linears at M tokens (wq_a+wkv fused 1280+512 x 5120, wq_b
 32768 x 1280, wo_b 5120 x 8192, the shared expert 4608 x 5120 and 5120 x 2304, the indexer's wq_b
@@ -191,7 +192,7 @@ def _cuda_ok(n: int, k: int, s: torch.Tensor) -> bool:
     return why is None
 
 
-CUDA_MS = (8192, 128, 64, 32)      # prefill first: the numbers that matter most if the run is cut short
+CUDA_MS = (8192, 2048, 128, 64, 32)      # prefill first: the numbers that matter most if the run is cut short
 
 
 def _warm_deepgemm_job(n: int, k: int, ms: tuple) -> str:
@@ -225,26 +226,60 @@ def warm_deepgemm(ms: tuple, jobs: int = 6) -> None:
     print(f"DeepGEMM compiled in parallel: {time.time() - t0:.0f} s", flush=True)
 
 
+def _cuda_forms(m: int) -> dict[str, str]:
+    """The CUDA forms timed at m rows (column key -> entry; "auto" = what fp8_gemm_cuda picks, split-K at
+    decode sizes): the default two-consumer form, the BN 192 one-temporary form, split-K and BM 64 at
+    M <= 128; the 2-CTA multicast forms (BN 128 and 192) and the no-overlap debugging form at M >= 2048."""
+    forms = {"cuda": "fp8_gemm_sm90_bn128", "cuda_bn192": "fp8_gemm_sm90_bn192", "cuda_auto": None}
+    if m <= 128:
+        forms["cuda_bm64"] = "fp8_gemm_sm90_bm64"
+        forms["cuda_splitk"] = "fp8_gemm_sm90_bm64_splitk" if m <= 64 else "fp8_gemm_sm90_bn128_splitk"
+    if m >= 2048:
+        forms["cuda_mc2"] = "fp8_gemm_sm90_bn128_mc2"
+        forms["cuda_bn192_mc2"] = "fp8_gemm_sm90_bn192_mc2"
+        forms["cuda_debug"] = "fp8_gemm_sm90_debug"
+    return forms
+
+
+def _row_scale_forms(m: int) -> dict[str, tuple[str, str]]:
+    """Column key -> (scale layout, entry) of the per-row weight-scale forms at m rows."""
+    small = "bm64" if m <= 64 else "bn128"
+    return {"cuda_row": ("row", f"fp8_gemm_sm90_{small}_row"), "cuda_rowk": ("rowk", f"fp8_gemm_sm90_{small}_rowk")}
+
+
 def cuda_rows(ms, peaks: dict, deepgemm_ms=(8192,)) -> list[dict]:
-    """The CUDA kernel (the two-consumer form, at M <= 128 also the one-consumer BM 64 form, and the
-    one-consumer no-overlap debugging form) against W8A16, the Triton
-    FP8 x FP8 forms (the BK 32 walk of triton_gemm.fp8_gemm; the per-32 prefill kernel at M >= 512),
-    DeepGEMM (at deepgemm_ms only: its JIT compiles each shape, minutes on a fresh machine) and bf16 at
-    each dense linear and M, with ratios to W8A16, DeepGEMM and the FP8 peak. Each
-    row first checks the CUDA kernel's values against triton_gemm.fp8_gemm's (the same exact products:
-    they may differ by the FP8 MMA's in-slice rounding only), so a fast wrong kernel cannot post a number."""
+    """The CUDA kernel's forms (_cuda_forms: the default two-consumer form, BN 192, split-K and BM 64 at
+    M <= 128, the no-overlap debugging form; _row_scale_forms: per-row [N, 1] and per-(row, 32) [N, K/32]
+    weight scales on the same weight bytes) against W8A16, the Triton FP8 x FP8 forms (the BK 32 walk of
+    triton_gemm.fp8_gemm; the per-32 prefill kernel at M >= 512), DeepGEMM (at deepgemm_ms only: its JIT
+    compiles each shape, minutes on a fresh machine) and bf16 at each dense linear and M, with ratios to
+    W8A16, DeepGEMM and the FP8 peak. Each row first checks every CUDA form's values against
+    triton_gemm.fp8_gemm's (block scales) or an fp32 torch product of the dequantized operands (row
+    scales): the same exact products, so they may differ by the FP8 MMA's in-slice rounding only, and a
+    fast wrong form cannot post a number unflagged."""
     from deepinfer.kernels import deepgemm
     from deepinfer.kernels.cuda_fp8_gemm import fp8_gemm_cuda
+    from deepinfer.kernels.select import dequant_fp8
     from deepinfer.kernels.triton_fp8_prefill import as_f32_scale, fp8_prefill_gemm
     from deepinfer.kernels.triton_gemm import fp8_gemm, w8a16_gemm
     from deepinfer.kernels.triton_quant import act_quant, act_quant_fp8
     dg = deepgemm.load()
     rows = []
+    nan = float("nan")
+
+    def check(r, key, got, want):
+        err = ((got.float() - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()   # normwise
+        r[f"{key}_max_rel_diff"] = err
+        if not err <= 2 ** -6:
+            print(f"  {r['name']} m {r['m']} {key}: WRONG (max difference to the reference {err:.3g} of max |y|)", flush=True)
+
     for name, (n, k) in DENSE.items():
         w, s = weight(n, k)
         s32 = as_f32_scale(s)
         if not _cuda_ok(n, k, s):
             continue
+        row_scales = {"row": torch.exp2(torch.randint(-9, -5, (n, 1), device="cuda").float()),
+                      "rowk": torch.randint(118, 124, (n, k // 32), dtype=torch.uint8, device="cuda")}
         pair = deepgemm.cached_tile128(w, s) if dg is not None and n % 128 == 0 and k % 128 == 0 else None
         wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in ms:
@@ -254,46 +289,55 @@ def cuda_rows(ms, peaks: dict, deepgemm_ms=(8192,)) -> list[dict]:
             flops = 2.0 * m * n * k
             r = {"name": name, "m": m, "n": n, "k": k}
             want = fp8_gemm(a, sa, w, s32).float()
-            for entry in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64", "fp8_gemm_sm90_debug"):
-                got = fp8_gemm_cuda(a, sa, w, s32, entry=entry).float()
-                err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()   # normwise
-                r[f"{entry}_max_rel_diff"] = err
-                if not err <= 2 ** -6:
-                    print(f"  {name} m {m} {entry}: WRONG (max difference to Triton {err:.3g} of max |y|)", flush=True)
+            forms = _cuda_forms(m)
+            for key, entry in forms.items():
+                check(r, key, fp8_gemm_cuda(a, sa, w, s32, entry=entry), want)
+            ad = a.float() * sa.repeat_interleave(32, 1)
+            for key, (kind, entry) in _row_scale_forms(m).items():
+                check(r, key, fp8_gemm_cuda(a, sa, w, row_scales[kind], entry=entry), ad @ dequant_fp8(w, row_scales[kind]).T)
+            del ad
             r["w8a16_us"] = time_calls([lambda: w8a16_gemm(xq, w, s)]) * 1e6
             r["fp8_bk32_us"] = time_calls([lambda: fp8_gemm(a, sa, w, s32)]) * 1e6
             if m >= 512:
                 r["fp8_us"] = time_calls([lambda: fp8_prefill_gemm(a, sa, w, s32)]) * 1e6
-            r["cuda_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry="fp8_gemm_sm90_bn128")]) * 1e6
-            if m <= 128:                        # one consumer warpgroup: what form() picks at M <= 64
-                r["cuda_bm64_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry="fp8_gemm_sm90_bm64")]) * 1e6
-            r["cuda_debug_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry="fp8_gemm_sm90_debug")]) * 1e6
+            for key, entry in forms.items():
+                r[f"{key}_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s32, entry=entry)]) * 1e6
+            for key, (kind, entry) in _row_scale_forms(m).items():
+                r[f"{key}_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, row_scales[kind], entry=entry)]) * 1e6
             r["bf16_us"] = time_calls([lambda: x @ wb.T]) * 1e6
             if pair is not None and m in deepgemm_ms:
                 try:
                     r["deepgemm_us"] = time_calls([lambda: deepgemm.linear(x, *pair)]) * 1e6
                 except Exception as e:  # noqa: BLE001 (DeepGEMM refusing an M: the row goes on without it)
                     print(f"  {name} m {m} deepgemm: {type(e).__name__} {str(e)[:160]}", flush=True)
-            for key in ("w8a16", "fp8_bk32", "fp8", "cuda", "cuda_bm64", "cuda_debug", "bf16", "deepgemm"):
+            for key in ("w8a16", "fp8_bk32", "fp8", "bf16", "deepgemm", *forms, *_row_scale_forms(m)):
                 if f"{key}_us" in r:
                     r[f"{key}_tflops"] = flops / r[f"{key}_us"] / 1e6
             r["cuda_of_fp8_peak"] = r["cuda_tflops"] * 1e12 / peaks["fp8_flops"]
             r["cuda_vs_w8a16"] = r["w8a16_us"] / r["cuda_us"]
-            r["cuda_vs_overlap_off"] = r["cuda_debug_us"] / r["cuda_us"]
+            for key in forms:                     # each form against W8A16 and the default form
+                r[f"{key}_vs_w8a16"] = r["w8a16_us"] / r[f"{key}_us"]
+                r[f"{key}_vs_default"] = r["cuda_us"] / r[f"{key}_us"]
+            if "cuda_debug_us" in r:
+                r["cuda_vs_overlap_off"] = r["cuda_debug_us"] / r["cuda_us"]
             if "deepgemm_us" in r:
                 r["cuda_vs_deepgemm"] = r["deepgemm_us"] / r["cuda_us"]
-            nan = float("nan")
+                r["cuda_bn192_vs_deepgemm"] = r["deepgemm_us"] / r["cuda_bn192_us"]
+            best = max(forms, key=lambda f: r[f"{f}_tflops"])
             print(f"{name:10s} m {m:5d}: cuda {r['cuda_tflops']:6.0f} TF ({r['cuda_of_fp8_peak']:.2f} of FP8 peak, "
-                  f"{r['cuda_vs_w8a16']:.2f}x w8a16, {r.get('cuda_vs_deepgemm', nan):.2f}x deepgemm, "
-                  f"{r['cuda_vs_overlap_off']:.2f}x its no-overlap form) | w8a16 {r['w8a16_tflops']:6.0f}  "
-                  f"triton fp8 bk32 {r['fp8_bk32_tflops']:6.0f}  per-32 {r.get('fp8_tflops', nan):6.0f}  "
-                  f"deepgemm {r.get('deepgemm_tflops', nan):6.0f}  bf16 {r['bf16_tflops']:6.0f}  "
-                  f"cuda no-overlap {r['cuda_debug_tflops']:6.0f}  cuda bm64 {r.get('cuda_bm64_tflops', nan):6.0f}  "
-                  f"(rel diff {r['fp8_gemm_sm90_bn128_max_rel_diff']:.1e})",
-                  flush=True)
+                  f"{r['cuda_vs_w8a16']:.2f}x w8a16, {r.get('cuda_vs_deepgemm', nan):.2f}x deepgemm) "
+                  f"bn192 {r['cuda_bn192_tflops']:6.0f}  auto {r['cuda_auto_tflops']:6.0f}  "
+                  f"splitk {r.get('cuda_splitk_tflops', nan):6.0f}  bm64 {r.get('cuda_bm64_tflops', nan):6.0f}  "
+                  f"mc2 {r.get('cuda_mc2_tflops', nan):6.0f}  bn192 mc2 {r.get('cuda_bn192_mc2_tflops', nan):6.0f}  "
+                  f"no-overlap {r.get('cuda_debug_tflops', nan):6.0f}  row {r['cuda_row_tflops']:6.0f}  "
+                  f"rowk {r['cuda_rowk_tflops']:6.0f} | best {best} {r[f'{best}_vs_w8a16']:.2f}x w8a16 | "
+                  f"w8a16 {r['w8a16_tflops']:6.0f}  triton fp8 bk32 {r['fp8_bk32_tflops']:6.0f}  "
+                  f"per-32 {r.get('fp8_tflops', nan):6.0f}  deepgemm {r.get('deepgemm_tflops', nan):6.0f}  "
+                  f"bf16 {r['bf16_tflops']:6.0f}  (worst rel diff "
+                  f"{max(v for kk, v in r.items() if kk.endswith('_max_rel_diff')):.1e})", flush=True)
             rows.append(r)
             del x, xq, a, sa, want
-        del w, s, s32, pair, wb
+        del w, s, s32, pair, wb, row_scales
     return rows
 
 
@@ -441,12 +485,12 @@ def variant_rows(ms, names, peaks: dict, splits: bool = False) -> tuple[list[dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--m", type=int, nargs="+", default=None, help="M rows (default 8192; --cuda: 32 64 128 8192)")
+    p.add_argument("--m", type=int, nargs="+", default=None, help="M rows (default 8192; --cuda: 8192 2048 128 64 32)")
     p.add_argument("--sweep", action="store_true", help="try every SWEEP tile config, keep the fastest")
     p.add_argument("--variants", nargs="?", const="all", default=None,
                    help="the FP8 x FP8 variants (comma-separated names, default all) at M 32/64/128/8192 + the MoE")
     p.add_argument("--splits", action="store_true", help="--variants: also sweep split-K counts at M <= 128")
-    p.add_argument("--cuda", action="store_true", help="the CUDA kernel against the others at --m (default 8192/128/64/32)")
+    p.add_argument("--cuda", action="store_true", help="the CUDA kernel's forms against the others at --m (default 8192/2048/128/64/32)")
     p.add_argument("--deepgemm-m", type=int, nargs="*", default=[8192], help="--cuda: the Ms that also time DeepGEMM")
     p.add_argument("--jobs", type=int, default=8, help="--variants / --cuda: compile in this many worker processes first (0: no)")
     a = p.parse_args()

@@ -4,7 +4,8 @@
 //                  * sa[m, s] * sb[n / 32, s]
 //
 // A [M, K] e4m3 (K-major), B [N, K] e4m3 (K-major; or [E * N, K] for the grouped contiguous form),
-// sa [M, K/32] f32, sb [ceil(N/32), K/32] f32 (32x32 weight blocks; [E, ceil(N/32), K/32] grouped).
+// sa [M, K/32] f32, sb [ceil(N/32), K/32] f32 (32x32 weight blocks; [E, ceil(N/32), K/32] grouped), or
+// per-(row, 32) / per-row weight scales (SB_ROWK / SB_ROW below: sb[n, s] in place of sb[n / 32, s]).
 //
 // CTA: one producer warpgroup (one thread issues the TMA loads of 128-K stages into a ring of shared
 // memory buffers guarded by full/empty mbarriers) and NCONS consumer warpgroups, each owning 64 rows of
@@ -16,6 +17,10 @@
 // Shared memory per stage: A BM x 128 bytes, B BN x 128 bytes, both written by TMA with the 128-byte
 // swizzle, which is the wgmma K-major SW128 canonical layout (8 rows x 128 bytes per 1024-byte atom,
 // SBO 1024); slice j of a stage starts 32 * j bytes into the atom (the descriptor start address + 2 * j).
+// Forms (FP8_GEMM_ENTRY at the end): BN 128 with two temporaries (the overlap above) or BN 192 with one
+// (acc + tmp = 192 floats; the other consumer's wgmmas overlap a promotion), split-K over gridDim.y for
+// decode sizes (fp32 partials + fp8_splitk_reduce), and the three weight-scale layouts.
+//
 // Tails: TMA zero-fills out-of-bounds rows and K columns; slices past K/32 and scale blocks past N get
 // scale 0 (never read out of bounds); stores are masked.
 
@@ -90,6 +95,36 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
         : "memory");
 }
 
+// ---- 2-CTA clusters (the MC forms) ---------------------------------------------------------------
+// The box lands at the same shared-memory offset in every CTA of cta_mask and completes the mbarrier at
+// the same offset in each of them.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
+                                                      uint16_t cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%3, %4}], [%2], %5;\n"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
+        : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// The shared::cluster address of the same variable in CTA `rank` of this cluster.
+__device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+}
+// Every thread of both CTAs (not .aligned: the producer warpgroup arrives from diverged paths).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 // ---- wgmma -----------------------------------------------------------------------------------------
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -123,6 +158,18 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+__device__ __forceinline__ void wgmma_m64n192k32_e4m3(float (&d)[96], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
 // The producer keeps 40 registers so that the consumers can hold acc + two temporaries (3 x 64).
 __device__ __forceinline__ void setmaxnreg_producer() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -141,28 +188,52 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
     asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
 }
 
-// One slice's scales for this thread: its two rows' activation scales and the tile's four 32-column
-// weight blocks. Zero where the slice lies past K/32, the row past M or the block past N.
+// Weight-scale layouts (the SBMODE template flag):
+//   SB_BLOCK  sb [ceil(N/32), K/32]: one scale per 32x32 block (E8M0 checkpoints), 4 (BN/32) per slice
+//   SB_ROWK   sbT [K/32, sb_ld] (the host's transpose of [N, K/32], sb_ld >= N a multiple of BN, zero
+//             padded; [E, K/32, sb_ld] grouped): one scale per (row, 32); the promotion multiplies each column pair by its own
+//             scale pair (a float2 load per 8-column fragment group), one temporary (registers)
+//   SB_ROW    sb [N] (of [N, 1]): one scale per weight row over all of K; the promotion uses the
+//             activation scale only and the epilogue multiplies each column by its row's scale
+constexpr int SB_BLOCK = 0, SB_ROWK = 1, SB_ROW = 2;
+
+template <int WN>
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[WN / 2], uint64_t desc_a, uint64_t desc_b) {
+    static_assert(WN == 128 || WN == 192, "m64n128 / m64n192 only");
+    if constexpr (WN == 128) wgmma_m64n128k32_e4m3(d, desc_a, desc_b, 0);
+    else wgmma_m64n192k32_e4m3(d, desc_a, desc_b, 0);
+}
+
+// One slice's scales for this thread: its two rows' activation scales and the tile's BN/32 32-column
+// weight blocks (SB_BLOCK; 1 for SB_ROW, unused for SB_ROWK). Zero where the slice lies past K/32, the
+// row past M or the block past N.
+template <int NB>
 struct SliceScales {
-    float a0, a1, b[4];
+    float a0, a1, b[NB];
 };
 
-__device__ __forceinline__ SliceScales load_scales(const float* __restrict__ sa_r0, const float* __restrict__ sa_r1,
-                                                   const float* __restrict__ sb_blk, int ks, int nblk, int g) {
-    SliceScales s;
+template <int NB, int SBMODE>
+__device__ __forceinline__ SliceScales<NB> load_scales(const float* __restrict__ sa_r0, const float* __restrict__ sa_r1,
+                                                       const float* __restrict__ sb_blk, int ks, int nblk, int g) {
+    SliceScales<NB> s;
     const bool k_ok = g < ks;
     s.a0 = (k_ok && sa_r0 != nullptr) ? __ldg(sa_r0 + g) : 0.f;
     s.a1 = (k_ok && sa_r1 != nullptr) ? __ldg(sa_r1 + g) : 0.f;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) s.b[c] = (k_ok && c < nblk) ? __ldg(sb_blk + static_cast<int64_t>(c) * ks + g) : 0.f;
+    for (int c = 0; c < NB; ++c) {
+        if constexpr (SBMODE == SB_BLOCK) s.b[c] = (k_ok && c < nblk) ? __ldg(sb_blk + static_cast<int64_t>(c) * ks + g) : 0.f;
+        else s.b[c] = 1.f;
+    }
     return s;
 }
 
-// acc += tmp * (sa * sb) in the m64n128 fragment layout: tmp[4j + 0/1] is row r0, columns 8j + 2q + 0/1;
+// acc += tmp * (sa * sb) in the m64nBN fragment layout: tmp[4j + 0/1] is row r0, columns 8j + 2q + 0/1;
 // tmp[4j + 2/3] is row r0 + 8; 32-column block j / 4.
-__device__ __forceinline__ void promote(float (&acc)[64], const float (&tmp)[64], const SliceScales& s) {
+template <int R, int NB>
+__device__ __forceinline__ void promote(float (&acc)[R], const float (&tmp)[R], const SliceScales<NB>& s) {
+    static_assert(R == 16 * NB, "4 fragment groups of 8 columns per 32-column block");
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < NB; ++c) {
         const float s0 = s.a0 * s.b[c], s1 = s.a1 * s.b[c];
 #pragma unroll
         for (int j = 4 * c; j < 4 * c + 4; ++j) {
@@ -174,13 +245,41 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&tmp)[64]
     }
 }
 
-template <int BN, int STAGES, int NCONS, bool OVERLAP>
+// SB_ROWK: each 8-column fragment group's column pair has its own weight scales bc[j] (x: column 2q,
+// y: 2q + 1).
+template <int R>
+__device__ __forceinline__ void promote_cols(float (&acc)[R], const float (&tmp)[R], float a0, float a1,
+                                             const float2 (&bc)[R / 4]) {
+#pragma unroll
+    for (int j = 0; j < R / 4; ++j) {
+        acc[4 * j + 0] = fmaf(tmp[4 * j + 0], a0 * bc[j].x, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(tmp[4 * j + 1], a0 * bc[j].y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(tmp[4 * j + 2], a1 * bc[j].x, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(tmp[4 * j + 3], a1 * bc[j].y, acc[4 * j + 3]);
+    }
+}
+
+// BN: 128 or 192 (the wide tile: one temporary, acc + tmp = 192 floats). OVERLAP: two temporaries, slice
+// s-1 promoted while slice s runs (BN 128 only); else one temporary waited on per slice, the other
+// consumer warpgroup's wgmmas filling the tensor cores meanwhile. SPLITK: blockIdx.y of gridDim.y splits
+// takes an equal run of the K stages and stores fp32 partials to ws [splits, M, N] (fp8_splitk_reduce
+// sums them in split order). CLUSTER 2: the two CTAs of a cluster (launch order 2c, 2c + 1: adjacent M
+// tiles of one N tile; the host pads tiles_m to even) share the B tile: each loads its half (BN / 2 rows,
+// tmap_b's box) and multicasts it to both, and a stage is refilled only when the consumers of BOTH CTAs
+// have released it (each consumer warp arrives on its own CTA's empty barrier and on the peer's).
+template <int BN, int STAGES, int NCONS, bool OVERLAP, int SBMODE, bool SPLITK, int CLUSTER>
 __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                                           const float* __restrict__ sa, const float* __restrict__ sb,
                                           __nv_bfloat16* __restrict__ c, const int* __restrict__ tiles,
-                                          int M, int N, int K, int tiles_m) {
-    static_assert(BN == 128, "the m64n128 wgmma only, for now");
+                                          float* __restrict__ ws, int M, int N, int K, int tiles_m, int sb_ld) {
+    static_assert(BN == 128 || BN == 192, "the m64n128 and m64n192 wgmma");
+    static_assert(!OVERLAP || BN == 128, "two temporaries of BN / 2 floats fit at BN = 128 only");
+    static_assert(SBMODE != SB_ROWK || !OVERLAP, "per-column scales take the one-temporary form");
+    static_assert(CLUSTER == 1 || (CLUSTER == 2 && !SPLITK), "2-CTA clusters: dense, whole K");
+    static_assert((BN / CLUSTER) * BK % 1024 == 0, "each CTA's share of B starts on a swizzle atom");
     constexpr int BM = 64 * NCONS;
+    constexpr int R = BN / 2;                 // accumulator floats per thread
+    constexpr int NB = SBMODE == SB_ROWK ? 1 : BN / 32;   // SB_ROW: constant 1s (folded away)
     constexpr uint32_t A_BYTES = BM * BK, B_BYTES = BN * BK;
 
     extern __shared__ uint8_t smem_raw[];
@@ -200,6 +299,13 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
     const int pm = first_m + (pid % per_group) % group_rows, pn = (pid % per_group) / group_rows;
     const int n0 = pn * BN;
     const int ks = K / 32, nkb = (K + BK - 1) / BK, nblk32 = (N + 31) / 32;
+    // this CTA's K stages [kb0, kb1): all of them, or split blockIdx.y's equal run
+    int kb0 = 0, kb1 = nkb;
+    if constexpr (SPLITK) {
+        const int per = (nkb + gridDim.y - 1) / gridDim.y;
+        kb0 = min(nkb, static_cast<int>(blockIdx.y) * per);
+        kb1 = min(nkb, kb0 + per);
+    }
     int m0 = pm * BM, m_end = M, expert = 0;
     if (tiles != nullptr) {  // grouped contiguous: (first row, row end, expert) of this M tile
         m0 = tiles[3 * pm];
@@ -212,11 +318,13 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full_bar(s), 1);
-            mbar_init(empty_bar(s), 4 * NCONS);       // one arrival per consumer warp
+            mbar_init(empty_bar(s), 4 * NCONS * CLUSTER);   // one arrival per consumer warp (of both CTAs)
         }
         mbar_fence_init();
     }
-    __syncthreads();
+    if constexpr (CLUSTER > 1) cluster_sync();   // the peer's barriers exist before any remote arrive / multicast
+    else __syncthreads();
+    const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;
 
     if (wg == NCONS) {  // producer warpgroup (the last one)
         setmaxnreg_producer();
@@ -226,66 +334,87 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
             const int b_row = expert * N + n0;
             int stage = 0;
             uint32_t phase = 0;
-            for (int kb = 0; kb < nkb; ++kb) {
+            for (int kb = kb0; kb < kb1; ++kb) {
                 mbar_wait_or_trap(empty_bar(stage), phase ^ 1);
                 mbar_arrive_expect_tx(full_bar(stage), A_BYTES + B_BYTES);
                 tma_load_2d(a_smem + stage * A_BYTES, tmap_a, full_bar(stage), kb * BK, m0);
-                tma_load_2d(b_smem + stage * B_BYTES, tmap_b, full_bar(stage), kb * BK, b_row);
+                if constexpr (CLUSTER == 1) {
+                    tma_load_2d(b_smem + stage * B_BYTES, tmap_b, full_bar(stage), kb * BK, b_row);
+                } else {   // this CTA's half of B, into both CTAs (the full barrier expects both halves)
+                    constexpr uint32_t HALF = B_BYTES / CLUSTER;
+                    tma_load_2d_multicast(b_smem + stage * B_BYTES + rank * HALF, tmap_b, full_bar(stage), kb * BK,
+                                          b_row + static_cast<int>(rank) * (BN / CLUSTER), (1u << CLUSTER) - 1);
+                }
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             // the consumers' releases of the last loads (the hang check; nothing is loaded after them):
             // load j's release completes phase j / STAGES of its stage's empty barrier
-            for (int j = max(0, nkb - STAGES); j < nkb; ++j) mbar_wait_or_trap(empty_bar(j % STAGES), (j / STAGES) & 1);
+            const int nloads = kb1 - kb0;
+            for (int j = max(0, nloads - STAGES); j < nloads; ++j)
+                mbar_wait_or_trap(empty_bar(j % STAGES), (j / STAGES) & 1);
         }
     } else {
         // consumer warpgroup wg: rows m0 + 64 wg + [0, 64)
         setmaxnreg_consumer<NCONS>();
         const int warp = tid / 32, lane = tid % 32;
+        const int q = lane % 4;
         const int r0 = m0 + 64 * wg + 16 * warp + lane / 4, r1 = r0 + 8;
         const float* sa_r0 = r0 < m_end ? sa + static_cast<int64_t>(r0) * ks : nullptr;
         const float* sa_r1 = r1 < m_end ? sa + static_cast<int64_t>(r1) * ks : nullptr;
         const int blk0 = n0 / 32;
-        const float* sb_blk = sb + (static_cast<int64_t>(expert) * nblk32 + blk0) * ks;
-        const int nblk = min(4, nblk32 - blk0);
+        const float* sb_blk = sb + (static_cast<int64_t>(expert) * nblk32 + blk0) * ks;   // SB_BLOCK
+        const int nblk = min(BN / 32, nblk32 - blk0);
 
-        float acc[64], t0[64], t1[64];
+        float acc[R], t0[R], t1[R];
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+        for (int i = 0; i < R; ++i) acc[i] = 0.f;
 
-        // One stage of one consumer (tensor cores above, CUDA cores below; t0 / t1 the temporaries):
+        // One stage of one consumer, OVERLAP (tensor cores above, CUDA cores below; t0 / t1 the temporaries):
         //   wgmma s0->t0 | wgmma s1->t1      | wgmma s2->t0      | wgmma s3->t1      |
         //                | wait<=1, prom t0  | wait<=1, prom t1  | wait<=1, prom t0  | wait 0, prom t1, release
         // Per stage: slice j's wgmma runs while slice j-1 is promoted; the stage's last slice is promoted
         // after a wait_group 0 (no wgmma is left in flight across the loop's back edge: ptxas cannot follow
         // one there and would serialize every wgmma of the kernel, C7514). The other consumer warpgroup's
-        // wgmmas keep the tensor cores busy meanwhile.
+        // wgmmas keep the tensor cores busy meanwhile. Without OVERLAP each slice waits (wait 0) and is
+        // promoted from t0: the other consumer's wgmmas are what overlaps.
         int stage = 0;
         uint32_t phase = 0;
-        for (int kb = 0; kb < nkb; ++kb) {
+        for (int kb = kb0; kb < kb1; ++kb) {
             // the scale rows' cache lines two stages ahead into L1 (a line holds 8 stages of one row's
             // scales: without this, every 8th stage's first promotion waits on L2)
             const int gp = (kb + 2) * SLICES;
             if (gp < ks) {
                 if (sa_r0 != nullptr) prefetch_l1(sa_r0 + gp);
                 if (sa_r1 != nullptr) prefetch_l1(sa_r1 + gp);
+                if constexpr (SBMODE == SB_BLOCK) {
 #pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    if (c < nblk) prefetch_l1(sb_blk + static_cast<int64_t>(c) * ks + gp);
+                    for (int cb = 0; cb < NB; ++cb)
+                        if (cb < nblk) prefetch_l1(sb_blk + static_cast<int64_t>(cb) * ks + gp);
+                }
             }
-            SliceScales sc[SLICES];
+            SliceScales<NB> sc[SLICES];
 #pragma unroll
-            for (int j = 0; j < SLICES; ++j) sc[j] = load_scales(sa_r0, sa_r1, sb_blk, ks, nblk, kb * SLICES + j);
+            for (int j = 0; j < SLICES; ++j)
+                sc[j] = load_scales<NB, SBMODE>(sa_r0, sa_r1, sb_blk, ks, nblk, kb * SLICES + j);
             mbar_wait(full_bar(stage), phase);
             __syncwarp();                                  // converged for the .aligned wgmma instructions
             const uint64_t da = sw128_desc(a_smem + stage * A_BYTES + wg * 64 * BK);
             const uint64_t db = sw128_desc(b_smem + stage * B_BYTES);
 #pragma unroll
             for (int j = 0; j < SLICES; ++j) {
-                float(&t)[64] = (OVERLAP && j % 2 == 1) ? t1 : t0;   // the debugging form: t0 only
-                float(&other)[64] = (j % 2 == 0) ? t1 : t0;
+                float(&t)[R] = (OVERLAP && j % 2 == 1) ? t1 : t0;   // one temporary without OVERLAP
+                float(&other)[R] = (j % 2 == 0) ? t1 : t0;
+                float2 bc[SBMODE == SB_ROWK ? R / 4 : 1];
+                if constexpr (SBMODE == SB_ROWK) {   // this slice's column scales, loaded under its wgmma
+                    const int g = kb * SLICES + j;
+                    const float* row = sb + (static_cast<int64_t>(expert) * ks + (g < ks ? g : 0)) * sb_ld + n0 + 2 * q;
+#pragma unroll
+                    for (int jj = 0; jj < R / 4; ++jj)
+                        bc[jj] = g < ks ? __ldg(reinterpret_cast<const float2*>(row + 8 * jj)) : make_float2(0.f, 0.f);
+                }
                 wgmma_fence();
                 fence_regs(t);
-                wgmma_m64n128k32_e4m3(t, da + 2 * j, db + 2 * j, 0);   // + 32 bytes per slice (>> 4)
+                wgmma_e4m3<BN>(t, da + 2 * j, db + 2 * j);   // + 32 bytes per slice (>> 4)
                 wgmma_commit();
                 if constexpr (OVERLAP) {
                     if (j > 0) {
@@ -296,59 +425,107 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
                 } else {
                     wgmma_wait<0>();
                     fence_regs(t);
-                    promote(acc, t, sc[j]);
+                    if constexpr (SBMODE == SB_ROWK) promote_cols(acc, t, sc[j].a0, sc[j].a1, bc);
+                    else promote(acc, t, sc[j]);
                 }
             }
             if constexpr (OVERLAP) {
-                float(&last)[64] = (SLICES % 2 == 0) ? t1 : t0;
+                float(&last)[R] = (SLICES % 2 == 0) ? t1 : t0;
                 wgmma_wait<0>();
                 fence_regs(last);
                 promote(acc, last, sc[SLICES - 1]);
             }
             // every wgmma reading this stage has completed: hand the buffers back to the producer
-            if (lane == 0) mbar_arrive(empty_bar(stage));
+            if (lane == 0) {
+                mbar_arrive(empty_bar(stage));
+                if constexpr (CLUSTER == 2) mbar_arrive_cluster(mapa_shared(empty_bar(stage), rank ^ 1));
+            }
             if (++stage == STAGES) stage = 0, phase ^= 1;
         }
 
-        // epilogue: bf16 (round to nearest even), masked
-        const int q = lane % 4;
-        const bool pairs = (N % 2) == 0;              // 4-byte aligned bf16 pairs
+        // epilogue, masked: bf16 (round to nearest even), or fp32 partials for split-K
+        const bool pairs = (N % 2) == 0;              // 4 / 8-byte aligned pairs
+        const float* sb_row = sb + static_cast<int64_t>(expert) * N;   // SB_ROW: [E * N]
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = h == 0 ? r0 : r1;
             if (row >= m_end) continue;
-            __nv_bfloat16* crow = c + static_cast<int64_t>(row) * N;
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
+            for (int j = 0; j < R / 4; ++j) {
                 const int col = n0 + 8 * j + 2 * q;
-                const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-                if (pairs) {
-                    if (col < N) *reinterpret_cast<__nv_bfloat162*>(crow + col) = __floats2bfloat162_rn(v0, v1);
+                float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+                if constexpr (SBMODE == SB_ROW) {
+                    v0 *= col < N ? __ldg(sb_row + col) : 0.f;
+                    v1 *= col + 1 < N ? __ldg(sb_row + col + 1) : 0.f;
+                }
+                if constexpr (SPLITK) {
+                    float* wrow = ws + (static_cast<int64_t>(blockIdx.y) * M + row) * N;
+                    if (pairs) {
+                        if (col < N) *reinterpret_cast<float2*>(wrow + col) = make_float2(v0, v1);
+                    } else {
+                        if (col < N) wrow[col] = v0;
+                        if (col + 1 < N) wrow[col + 1] = v1;
+                    }
                 } else {
-                    if (col < N) crow[col] = __float2bfloat16_rn(v0);
-                    if (col + 1 < N) crow[col + 1] = __float2bfloat16_rn(v1);
+                    __nv_bfloat16* crow = c + static_cast<int64_t>(row) * N;
+                    if (pairs) {
+                        if (col < N) *reinterpret_cast<__nv_bfloat162*>(crow + col) = __floats2bfloat162_rn(v0, v1);
+                    } else {
+                        if (col < N) crow[col] = __float2bfloat16_rn(v0);
+                        if (col + 1 < N) crow[col + 1] = __float2bfloat16_rn(v1);
+                    }
                 }
             }
         }
     }
+    // neither CTA exits while the peer may still arrive on its barriers (its last releases)
+    if constexpr (CLUSTER > 1) cluster_sync();
 }
 
 }  // namespace fp8sm90
 
-// Entry points (C names for cuModuleGetFunction). Launch: grid ceil(M/BM) * ceil(N/BN), block
+// Entry points (C names for cuModuleGetFunction). Launch: grid (ceil(M/BM) * ceil(N/BN), splits; CLUSTER 2:
+// tiles_m rounded up to even, tmap_b's box BN / 2 rows; __cluster_dims__ makes cuLaunchKernel launch clusters), block
 // 128 * (NCONS + 1), dynamic shared memory 1024 + STAGES * (BM + BN) * 128 + 16 * STAGES.
 // tiles: nullptr (dense: tiles_m = ceil(M / BM)) or int32 [tiles_m, 3], each M tile's (first row, row end,
-// expert; -1: unused) with B [E * N, K] and sb [E, ceil(N/32), K/32] (grouped contiguous: rows sorted by
-// expert, tiles split at expert boundaries; an A tile may read the next expert's rows, whose outputs are
-// not stored).
-#define FP8_GEMM_ENTRY(NAME, BN, STAGES, NCONS, OVERLAP)                                                      \
-    extern "C" __global__ void __launch_bounds__(128 * (NCONS + 1), 1)                                      \
+// expert; -1: unused) with B [E * N, K] and sb [E, ceil(N/32), K/32] / [E * N] (grouped contiguous: rows
+// sorted by expert, tiles split at expert boundaries; an A tile may read the next expert's rows, whose
+// outputs are not stored). ws: the split-K forms' fp32 [splits, M, N] (else unused); sb_ld: SB_ROWK's
+// row length of sbT (else unused).
+// (only the CLUSTER 2 forms carry __cluster_dims__: the others stay plain launches)
+#define FP8_CLUSTER_ATTR_1
+#define FP8_CLUSTER_ATTR_2 __cluster_dims__(2, 1, 1)
+#define FP8_GEMM_ENTRY(NAME, BN, STAGES, NCONS, OVERLAP, SBMODE, SPLITK, CLUSTER)                             \
+    extern "C" __global__ void FP8_CLUSTER_ATTR_##CLUSTER __launch_bounds__(128 * (NCONS + 1), 1)          \
         NAME(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,        \
              const float* __restrict__ sa, const float* __restrict__ sb, __nv_bfloat16* __restrict__ c,      \
-             const int* __restrict__ tiles, int M, int N, int K, int tiles_m) {                             \
-        fp8sm90::gemm_body<BN, STAGES, NCONS, OVERLAP>(&tmap_a, &tmap_b, sa, sb, c, tiles, M, N, K, tiles_m); \
+             const int* __restrict__ tiles, float* __restrict__ ws, int M, int N, int K, int tiles_m,       \
+             int sb_ld) {                                                                                   \
+        fp8sm90::gemm_body<BN, STAGES, NCONS, OVERLAP, fp8sm90::SBMODE, SPLITK, CLUSTER>(                   \
+            &tmap_a, &tmap_b, sa, sb, c, tiles, ws, M, N, K, tiles_m, sb_ld);                               \
     }
 
-FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128, 128, 5, 2, true)       // the fast form
-FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64, 128, 6, 1, true)        // one consumer (BM 64): M <= 64, half the idle rows
-FP8_GEMM_ENTRY(fp8_gemm_sm90_debug, 128, 4, 1, false)      // one consumer, no overlap (bisecting aid)
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128, 128, 5, 2, true, SB_BLOCK, false, 1)       // the fast form
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64, 128, 6, 1, true, SB_BLOCK, false, 1)        // one consumer (BM 64): M <= 64
+FP8_GEMM_ENTRY(fp8_gemm_sm90_debug, 128, 4, 1, false, SB_BLOCK, false, 1)      // one consumer, no overlap (bisecting aid)
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn192, 192, 5, 2, false, SB_BLOCK, false, 1)      // wide tile, one temporary per consumer
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_splitk, 128, 5, 2, true, SB_BLOCK, true, 1) // decode sizes: 64 < M <= 128
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64_splitk, 128, 6, 1, false, SB_BLOCK, true, 1) // decode sizes: M <= 64 (one temporary:
+                                                                            // two spill with split-K)
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_mc2, 128, 5, 2, true, SB_BLOCK, false, 2)  // 2-CTA clusters sharing B
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn192_mc2, 192, 5, 2, false, SB_BLOCK, false, 2)
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_row, 128, 5, 2, true, SB_ROW, false, 1)     // [N, 1] row scales (MoE stacks)
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64_row, 128, 6, 1, true, SB_ROW, false, 1)
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_rowk, 128, 5, 2, false, SB_ROWK, false, 1)  // [N, K/32] per-(row, 32) scales
+FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64_rowk, 128, 6, 1, false, SB_ROWK, false, 1)
+
+// c [total] bf16 = sum over s of ws [s, total], summed in split order (deterministic; the split-K forms'
+// second launch, triton_gemm.splitk_reduce_kernel's contract).
+extern "C" __global__ void __launch_bounds__(256) fp8_splitk_reduce(const float* __restrict__ ws, __nv_bfloat16* __restrict__ c,
+                                                                    int splits, int total) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < splits; ++s) acc += ws[static_cast<int64_t>(s) * total + i];
+        c[i] = __float2bfloat16_rn(acc);
+    }
+}

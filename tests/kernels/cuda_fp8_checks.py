@@ -1,10 +1,13 @@
 """The CUDA FP8 x FP8 GEMM (kernels/cuda_fp8_gemm.py) against plain torch on an SM90 GPU. Run by
-test_cuda_fp8_gemm.py (pytest -m gpu), or directly: python tests/kernels/cuda_fp8_checks.py [quick].
+test_cuda_fp8_gemm.py (pytest -m gpu), or directly: python tests/kernels/cuda_fp8_checks.py
+[quick | auto | forms] (auto and forms: the two halves of the full run, each under 3 minutes).
 
 Ternary data ({-1, 0, 1} operands, power-of-two scales): every product and partial sum is exact in fp32,
 so the kernel must give the float64 reference's bits whatever its summation order. Random data: within
 fp8_prefill_checks.outside_fp8_mma_bound (one bf16 ulp + what the FP8 wgmma's adder drops in a slice).
-DEEPINFER_CUDA_FP8_DEBUG=1 runs the same checks on the one-consumer, no-overlap form."""
+Every entry point (FORMS: the BN 192 form, split-K, the per-row scale layouts) is smoke-tested in a child
+process first, then forced over its own grid. DEEPINFER_CUDA_FP8_DEBUG=1 runs the automatic checks on the
+one-consumer, no-overlap form."""
 
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fp8_prefill_checks import e8m0, outside_fp8_mma_bound, pow2, ref_gemm, ternary  # noqa: E402
 
-from deepinfer.kernels.cuda_fp8_gemm import (fp8_gemm_cuda, fp8_grouped_contiguous_cuda,  # noqa: E402
-                                             fp8_linear_cuda)
+from deepinfer.kernels.cuda_fp8_gemm import (FORM_KIND, FORMS, fp8_gemm_cuda,  # noqa: E402
+                                             fp8_grouped_contiguous_cuda, fp8_linear_cuda)
 from deepinfer.kernels.triton_fp8_prefill import fp8_prefill_linear_ref  # noqa: E402
 
 GRID_M = (1, 17, 64, 128, 300, 2048)
@@ -29,12 +32,31 @@ GRID_K = (128, 160, 1280, 5120)
 RELEASE = ((1792, 5120), (32768, 1280), (5120, 8192), (4608, 5120), (5120, 2304), (4096, 1280))
 
 
-def ternary_case(m, n, k, gen, device="cuda"):
+def weight_scales(kind, n, k, gen, device="cuda", lead=()):
+    """Ternary-exact weight scales of layout kind: E8M0 per 32x32 block or per (row, 32), f32 pow2 per row."""
+    if kind == "row":
+        return pow2((*lead, n, 1), -3, 3, gen, device)
+    return e8m0((*lead, -(-n // 32) if kind == "block" else n, k // 32), gen, device)
+
+
+def ternary_case(m, n, k, gen, device="cuda", kind="block"):
     a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
     sa = pow2((m, k // 32), -3, 3, gen, device)
     b = ternary((n, k), gen, device).to(torch.float8_e4m3fn)
-    sb = e8m0((-(-n // 32), k // 32), gen, device)
-    return a, sa, b, sb
+    return a, sa, b, weight_scales(kind, n, k, gen, device)
+
+
+def random_weight(kind, n, k, gen, device="cuda"):
+    """quant_fp8 (32x32 blocks) / quant_fp8_rows (per (row, 32)) / one pow2 f32 scale per row ([N, 1], the
+    row-scaled expert stacks' form: the row's largest element at e4m3's top binade) of a random [n, k]
+    weight."""
+    from deepinfer.checkpoint.generator import quant_fp8, quant_fp8_rows
+    w = torch.randn(n, k, generator=gen) * k ** -0.5
+    if kind == "row":
+        s = torch.exp2(torch.ceil(torch.log2(w.abs().amax(1, keepdim=True) / 448.0)))
+        return (w / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(device), s.to(device)
+    q, s = quant_fp8(w) if kind == "block" else quant_fp8_rows(w)
+    return q.to(device), s.view(torch.uint8).to(device)
 
 
 def diagnose(y, r, what="") -> str:
@@ -66,8 +88,10 @@ def smoke(entry: str, device="cuda") -> int:
     in a child process: a hang or a trap stays there)."""
     gen = torch.Generator().manual_seed(9)
     ok = True
-    for m, n, k in ((128, 128, 128), (17, 128, 160), (300, 576, 1280), (64, 4128, 5120), (200, 4128, 5120)):
-        a, sa, b, sb = ternary_case(m, n, k, gen, device)
+    kind = FORM_KIND[entry][0]
+    for m, n, k in ((128, 128, 128), (17, 128, 160), (300, 576, 1280), (64, 4128, 5120), (200, 4128, 5120),
+                    (1, 1792, 5120)):
+        a, sa, b, sb = ternary_case(m, n, k, gen, device, kind)
         y = fp8_gemm_cuda(a, sa, b, sb, entry=entry)
         torch.cuda.synchronize()
         r = ref_gemm(a.float(), sa, b, sb)
@@ -75,22 +99,36 @@ def smoke(entry: str, device="cuda") -> int:
             ok = False
             print(diagnose(y, r, f"{entry} {m}x{n}x{k}"), flush=True)
             # the same operands with unit scales: a scale bug vs a data-path bug
-            ones_a, ones_b = torch.ones_like(sa), torch.full_like(sb, 127)
+            ones_a = torch.ones_like(sa)
+            ones_b = torch.ones_like(sb) if sb.dtype == torch.float32 else torch.full_like(sb, 127)
             y1 = fp8_gemm_cuda(a, ones_a, b, ones_b, entry=entry)
             print(diagnose(y1, ref_gemm(a.float(), ones_a, b, ones_b), "  unit scales"), flush=True)
     print(f"smoke {entry}: {'ok' if ok else 'WRONG'}", flush=True)
     return 0 if ok else 1
 
 
-def _smoke_in_child(entry: str, timeout: int = 120) -> str:
+def _smoke_in_child(entry: str, timeout: int = 90) -> tuple[str, str]:
+    """(verdict, the child's output) of smoke(entry) in a child process (a pipeline stall traps in ~10 s:
+    FP8_GEMM_HANG_CYCLES; the timeout is the backstop)."""
     import subprocess
     try:
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "smoke", entry], capture_output=True,
                            text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "HANG (killed after %d s)" % timeout
-    print(r.stdout[-6000:], r.stderr[-3000:] if r.returncode else "", flush=True)
-    return "ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})"
+        return "HANG (killed after %d s)" % timeout, ""
+    return ("ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})",
+            r.stdout[-6000:] + (r.stderr[-3000:] if r.returncode else ""))
+
+
+def _smoke_all(entries, parallel: int = 6) -> dict[str, str]:
+    """Every entry's smoke in its own child, `parallel` at a time (the cubin is compiled before), outputs
+    printed in entry order."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(parallel) as pool:
+        results = dict(zip(entries, pool.map(_smoke_in_child, entries)))
+    for entry, (_, out) in results.items():
+        print(out, flush=True)
+    return {entry: verdict for entry, (verdict, _) in results.items()}
 
 
 def check_exact_grid(device="cuda", ms=GRID_M, ns=GRID_N, ks=GRID_K):
@@ -147,26 +185,28 @@ def check_release_shapes(device="cuda", m=8192):
 
 
 def check_graph_capture(device="cuda"):
-    """A CUDA graph of the GEMM replays to the eager values on new inputs."""
+    """A CUDA graph of the GEMM replays to the eager values on new inputs (300 rows: one launch; 17 rows of
+    a 1792 x 5120 linear: split-K, its workspace and the reduce launch inside the graph)."""
     gen = torch.Generator().manual_seed(3)
-    a, sa, b, sb = ternary_case(300, 576, 1280, gen, device)
-    fp8_gemm_cuda(a, sa, b, sb)                                   # compile, load, warm up outside capture
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fp8_gemm_cuda(a, sa, b, sb)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fp8_gemm_cuda(a, sa, b, sb)
-    a2, sa2, _, _ = ternary_case(300, 576, 1280, gen, device)
-    a.copy_(a2)
-    sa.copy_(sa2)
-    g.replay()
-    torch.cuda.synchronize()
-    want = fp8_gemm_cuda(a, sa, b, sb)
-    assert torch.equal(out, want) and torch.equal(out, ref_gemm(a.float(), sa, b, sb))
+    for m, n, k in ((300, 576, 1280), (17, 1792, 5120)):
+        a, sa, b, sb = ternary_case(m, n, k, gen, device)
+        fp8_gemm_cuda(a, sa, b, sb)                               # compile, load, warm up outside capture
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fp8_gemm_cuda(a, sa, b, sb)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fp8_gemm_cuda(a, sa, b, sb)
+        a2, sa2, _, _ = ternary_case(m, n, k, gen, device)
+        a.copy_(a2)
+        sa.copy_(sa2)
+        g.replay()
+        torch.cuda.synchronize()
+        want = fp8_gemm_cuda(a, sa, b, sb)
+        assert torch.equal(out, want) and torch.equal(out, ref_gemm(a.float(), sa, b, sb)), (m, n, k)
     print("graph capture: ok")
 
 
@@ -190,9 +230,95 @@ def check_grouped(device="cuda"):
     print("grouped contiguous: ok")
 
 
+def check_forms_exact(device="cuda", ms=(1, 17, 64, 128, 300), ns=(128, 576, 4128), ks=(128, 160, 1280, 5120),
+                      entries=tuple(FORMS)):
+    """Every entry point forced (its own weight-scale layout) bit-exact on ternary data over a grid with
+    tails in every tile dimension; the split-K forms at every M (one split where K has < 4 stages). Each
+    weight is drawn once per (layout, N, K) and shared by the M and the entries."""
+    gen = torch.Generator().manual_seed(6)
+    for kind in ("block", "row", "rowk"):
+        of_kind = [e for e in entries if FORM_KIND[e][0] == kind]
+        if not of_kind:
+            continue
+        for n in ns:
+            for k in ks:
+                b = ternary((n, k), gen, device).to(torch.float8_e4m3fn)
+                sb = weight_scales(kind, n, k, gen, device)
+                for m in ms:
+                    a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
+                    sa = pow2((m, k // 32), -3, 3, gen, device)
+                    r = ref_gemm(a.float(), sa, b, sb)
+                    for entry in of_kind:
+                        y = fp8_gemm_cuda(a, sa, b, sb, entry=entry)
+                        assert torch.equal(y, r), (entry, m, n, k, diagnose(y, r))
+    print(f"forms exact ({len(entries)} entries x {len(ms) * len(ns) * len(ks)} shapes): ok")
+
+
+def check_forms_random(device="cuda", entries=tuple(FORMS)):
+    """Every entry point forced on random data (quant_fp8 / quant_fp8_rows / row-scaled weights) within
+    the FP8 MMA bound."""
+    from deepinfer.kernels.triton_quant import act_quant_fp8
+    gen = torch.Generator().manual_seed(7)
+    for kind in ("block", "row", "rowk"):
+        for m, n, k in ((17, 576, 1280), (300, 4128, 5120), (128, 1792, 512)):
+            x = torch.randn(m, k, generator=gen).bfloat16().to(device)
+            q, s = random_weight(kind, n, k, gen, device)
+            a, sa = act_quant_fp8(x)
+            r = fp8_prefill_linear_ref(x, q, s).float()
+            for entry in (e for e in entries if FORM_KIND[e][0] == kind):
+                y = fp8_gemm_cuda(a, sa, q, s, entry=entry).float()
+                bad = outside_fp8_mma_bound(y, r, x, q, s)
+                assert not bad.any(), (entry, m, n, k, (y - r).abs().max().item(), int(bad.sum()))
+    print(f"forms random ({len(entries)} entries): ok")
+
+
+def check_splitk_decode(device="cuda"):
+    """The automatic choice at decode sizes (split-K where the tiles leave SMs idle) on the release linears:
+    exact on ternary data, within the bound on random data, the same bits on a second call (fixed order)."""
+    from deepinfer.kernels import cuda_fp8_gemm
+    gen = torch.Generator().manual_seed(8)
+    for n, k in RELEASE:
+        b = ternary((n, k), gen, device).to(torch.float8_e4m3fn)
+        sb = weight_scales("block", n, k, gen, device)
+        q, s = random_weight("block", n, k, gen, device)
+        for m in (1, 32, 64, 100, 128):
+            a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
+            sa = pow2((m, k // 32), -3, 3, gen, device)
+            y = fp8_gemm_cuda(a, sa, b, sb)
+            assert torch.equal(y, ref_gemm(a.float(), sa, b, sb)), (m, n, k, cuda_fp8_gemm.form(m, "block", True))
+            x = torch.randn(m, k, generator=gen).bfloat16().to(device)
+            y1, y2 = fp8_linear_cuda(x, q, s), fp8_linear_cuda(x, q, s)
+            assert torch.equal(y1, y2), (m, n, k, "split-K sums in a fixed order")
+            r = fp8_prefill_linear_ref(x, q, s).float()
+            bad = outside_fp8_mma_bound(y1.float(), r, x, q, s)
+            assert not bad.any(), (m, n, k, (y1.float() - r).abs().max().item(), int(bad.sum()))
+    print("split-K at decode sizes: ok")
+
+
+def check_grouped_row_scales(device="cuda"):
+    """The grouped contiguous form on per-row [E, N, 1] f32 (the MoE's row-scaled expert stacks) and per
+    (row, 32) [E, N, K/32] weight scales, exact on ternary data."""
+    gen = torch.Generator().manual_seed(10)
+    for kind in ("row", "rowk"):
+        for E, n, k, counts in ((4, 200, 256, [3, 0, 140, 9]), (6, 576, 1280, [0, 200, 1, 129, 0, 300]),
+                                (2, 4128, 512, [128, 256])):
+            P = sum(counts)
+            a = ternary((P, k), gen, device).to(torch.float8_e4m3fn)
+            sa = pow2((P, k // 32), -2, 3, gen, device)
+            b = ternary((E, n, k), gen, device).to(torch.float8_e4m3fn)
+            sb = weight_scales(kind, n, k, gen, device, lead=(E,))
+            y = fp8_grouped_contiguous_cuda(a, sa, b, sb, torch.tensor(counts, device=device))
+            start = 0
+            for e, c in enumerate(counts):
+                r = ref_gemm(a[start:start + c].float(), sa[start:start + c], b[e], sb[e])
+                assert torch.equal(y[start:start + c], r), (kind, E, n, k, counts, e)
+                start += c
+    print("grouped contiguous, row scales: ok")
+
+
 def check_select_decline(device="cuda"):
-    """select.fp8_linear with PREFILL_GEMM=cuda: the CUDA kernel at M >= 32 on 32x32-block scales; per-row
-    weight scales and K % 32 != 0 decline to the W8A16 path with one log line each (same values)."""
+    """select.fp8_linear with PREFILL_GEMM=cuda: the CUDA kernel at M >= 32 on 32x32-block and per-(row, 32)
+    weight scales (auto: blocks only); K % 32 != 0 declines to the W8A16 path with one log line."""
     from deepinfer.checkpoint.generator import quant_fp8, quant_fp8_rows
     from deepinfer.kernels import select
     gen = torch.Generator().manual_seed(5)
@@ -207,14 +333,15 @@ def check_select_decline(device="cuda"):
         assert torch.equal(y, fp8_linear_cuda(x, q, s))
         qr, sr = quant_fp8_rows(torch.randn(192, 256, generator=gen) * 256 ** -0.5)
         qr, sr = qr.to(device), sr.view(torch.uint8).to(device)
-        assert not select._cuda_fp8_ok(x, qr, sr)
-        y = select.fp8_linear(x, qr, sr).float()
+        assert select._cuda_fp8_ok(x, qr, sr)                     # per-(row, 32): the rowk form
+        y = select.fp8_linear(x, qr, sr)
+        assert torch.equal(y, fp8_linear_cuda(x, qr, sr))
         r = fp8_prefill_linear_ref(x, qr, sr).float()
-        assert not outside_fp8_mma_bound(y, r, x, qr, sr).any()
-        assert any(op == "fp8_linear_cuda" and "32x32" in rule for op, rule in select.declined()), select.declined()
-        before = {d for d in select.declined() if d[0] == "fp8_linear_cuda"}
-        assert not select._cuda_fp8_ok(x, qr, sr)                 # a second call: no new rule, no new line
-        assert {d for d in select.declined() if d[0] == "fp8_linear_cuda"} == before
+        assert not outside_fp8_mma_bound(y.float(), r, x, qr, sr).any()
+        select.PREFILL_GEMM = "auto"                              # auto: 32x32 blocks only (measured)
+        x_big = torch.randn(select.CUDA_AUTO_MIN_M, 256, generator=gen).bfloat16().to(device)
+        assert select._cuda_fp8_ok(x_big, q, s) and not select._cuda_fp8_ok(x_big, qr, sr)
+        select.PREFILL_GEMM = "cuda"
         # K % 32 != 0: declined (logged once); no FP8 linear of the model has one (act_quant needs K % 32)
         from deepinfer.kernels.cuda_fp8_gemm import decline_reason
         assert decline_reason(64, 192, 240, torch.zeros(6, 8), x.device) == "K a multiple of 32"
@@ -227,32 +354,45 @@ def check_select_decline(device="cuda"):
     print("select: cuda pick and declines: ok")
 
 
-def main(quick: bool = False):
+def main(mode: str = "all"):
     """Smoke each entry point in a child process first (a hang or trap costs a child, not the run), then
     every check on the automatic choice (or, where a fast entry failed its smoke, forced onto the first
-    that passed, to test the pipeline), each section reported whatever the others do."""
+    that passed, to test the pipeline), each section reported whatever the others do. mode: "all"; "quick"
+    (smaller grids, no release shapes); "auto" (the automatic choice's sections only) or "forms" (the
+    per-form sections only): two device commands of under 3 minutes each."""
+    assert mode in ("all", "quick", "auto", "forms"), mode
+    quick = mode == "quick"
     import traceback
     from deepinfer.kernels import cuda_driver, cuda_fp8_gemm
     t0 = time.time()
     log = cuda_driver.compile_cubin(cuda_fp8_gemm.SRC)[1]
     print("ptxas:", " | ".join(line.strip() for line in log.splitlines() if "spill" in line or "Used" in line), flush=True)
-    smokes = {entry: _smoke_in_child(entry) for entry in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64")}
-    if "ok" != smokes["fp8_gemm_sm90_bn128"] or "ok" != smokes["fp8_gemm_sm90_bm64"]:
-        smokes["fp8_gemm_sm90_debug"] = _smoke_in_child("fp8_gemm_sm90_debug")     # bisect: the overlap?
+    smokes = _smoke_all(list(FORMS))                                       # every form, the debug one too
     print("smoke: " + "; ".join(f"{e} {v}" for e, v in smokes.items()), flush=True)
     failed = [f"{e} smoke" for e, v in smokes.items() if v != "ok"]
     if smokes["fp8_gemm_sm90_bn128"] != "ok" or smokes["fp8_gemm_sm90_bm64"] != "ok":
-        # the rest on the first entry that passed its smoke, forced for every M: does the pipeline hold?
+        # the rest on the first block-scale entry that passed its smoke, forced for every M: does the
+        # pipeline hold?
         ok = [e for e in ("fp8_gemm_sm90_bm64", "fp8_gemm_sm90_debug") if smokes.get(e) == "ok"]
         if not ok:
             return 1
         cuda_fp8_gemm.FORCE = ok[0]
-    sections = [("exact grid", lambda: check_exact_grid(ms=(1, 17, 300) if quick else GRID_M)),
-                ("graph capture", check_graph_capture), ("grouped contiguous", check_grouped),
-                ("select", check_select_decline),
-                ("random grid", lambda: check_random_grid(ms=(17,) if quick else (17, 300, 2048)))]
+    elif smokes["fp8_gemm_sm90_bn128_splitk"] != "ok" or smokes["fp8_gemm_sm90_bm64_splitk"] != "ok":
+        cuda_fp8_gemm.SPLITK = False         # the automatic sections without split-K (DEEPINFER_CUDA_FP8_SPLITK=0)
+    good = [e for e in FORMS if smokes[e] == "ok"]          # the per-form sections: the forms that smoked ok
+    rows_ok = all(smokes[f"fp8_gemm_sm90_bn128_{kind}"] == "ok" for kind in ("row", "rowk"))
+    auto_sections = [("exact grid", lambda: check_exact_grid(ms=(1, 17, 300) if quick else GRID_M)),
+                     ("graph capture", check_graph_capture), ("grouped contiguous", check_grouped),
+                     ("random grid", lambda: check_random_grid(ms=(17,) if quick else (17, 300, 2048)))]
     if not quick:
-        sections.append(("release shapes", check_release_shapes))
+        auto_sections.append(("release shapes", check_release_shapes))
+    form_sections = [("forms exact", lambda: check_forms_exact(ms=(17, 300) if quick else (1, 17, 64, 128, 300),
+                                                               entries=good)),
+                     ("forms random", lambda: check_forms_random(entries=good)),
+                     ("split-K decode", check_splitk_decode)]
+    if rows_ok:                              # (select's check takes per-(row, 32) scales on the CUDA kernel)
+        form_sections += [("grouped row scales", check_grouped_row_scales), ("select", check_select_decline)]
+    sections = (auto_sections if mode != "forms" else []) + (form_sections if mode != "auto" else [])
     for name, fn in sections:
         try:
             fn()
@@ -266,4 +406,4 @@ def main(quick: bool = False):
 
 if __name__ == "__main__":
     arg = sys.argv[1:]
-    sys.exit(smoke(arg[1]) if arg[:1] == ["smoke"] else main(arg == ["quick"]))
+    sys.exit(smoke(arg[1]) if arg[:1] == ["smoke"] else main(arg[0] if arg else "all"))

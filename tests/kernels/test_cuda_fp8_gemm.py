@@ -1,8 +1,9 @@
 """The CUDA FP8 x FP8 GEMM (kernels/cuda/fp8_gemm_sm90.cu, kernels/cuda_fp8_gemm.py).
 
-CPU (CI): the kernel compiles for sm_90a with no spills and no serialized wgmma (ptxas -v), its SASS has
-the FP8 GMMA with one group left in flight during the promotion (cuobjdump, where installed), the grouped
-tile table and the decline rules. GPU (-m gpu, an SM90): cuda_fp8_checks.main (bit-exact on ternary data,
+CPU (CI): every form compiles for sm_90a with no spills and no serialized wgmma (ptxas -v), its SASS has
+the FP8 GMMA of its width with one group left in flight during the promotion where it has two
+temporaries (cuobjdump, where installed), the grouped tile table, the scale layouts, the split-K counts
+and the decline rules. GPU (-m gpu, an SM90): cuda_fp8_checks.main (bit-exact on ternary data,
 within the FP8 MMA bound on random data, graph capture, grouped contiguous, select's pick and declines)."""
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import pytest
 import torch
 
 from deepinfer.kernels import cuda_driver
-from deepinfer.kernels.cuda_fp8_gemm import FORMS, SRC, decline_reason, grouped_tiles, smem_bytes
+from deepinfer.kernels.cuda_fp8_gemm import (CLUSTER, FORM_KIND, FORMS, REDUCE, SRC, decline_reason, grouped_tiles,
+                                             scale_kind, smem_bytes, splitk_count)
 
 needs_nvcc = pytest.mark.skipif(cuda_driver.find_nvcc() is None, reason="no nvcc")
 
@@ -52,8 +54,8 @@ def test_compiles_without_spills_or_serialized_wgmma(compiled):
     cubin, log = compiled
     assert os.path.getsize(cubin) > 0
     funcs = _functions(log)
-    assert set(FORMS) <= set(funcs), (sorted(funcs), log[-2000:])
-    for name in FORMS:
+    assert set(FORMS) | {REDUCE} <= set(funcs), (sorted(funcs), log[-2000:])
+    for name in (*FORMS, REDUCE):
         assert "0 bytes spill stores, 0 bytes spill loads" in funcs[name], (name, funcs[name])
     # C7514: ptxas serializes every wgmma of a kernel it cannot prove safe (the whole point lost)
     assert "C7514" not in log and "serialized" not in log, log
@@ -80,15 +82,28 @@ def test_sass_has_fp8_gmma_overlapped(compiled):
     sass = {}
     for chunk in r.stdout.split("Function : ")[1:]:
         sass[chunk.split()[0]] = chunk
-    debug = sass["fp8_gemm_sm90_debug"]
-    for name in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64"):
-        fast = sass[name]
-        # FP8 wgmma (QGMMA: the e4m3 form of HGMMA), 4 slices per stage
-        assert fast.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4, name
-        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in fast, name     # one slice in flight during a promotion
-        assert "UTMALDG.2D" in fast and "USETMAXREG" in fast, name
-    assert debug.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in debug      # the debugging form waits on each
+    for name in FORMS:
+        code = sass[name]
+        # FP8 wgmma (QGMMA: the e4m3 form of HGMMA) of the form's width, 4 slices per stage
+        assert code.count(f"QGMMA.64x{FORMS[name][1]}x32.F32.E4M3.E4M3") == 4, name
+        assert "UTMALDG.2D" in code and "USETMAXREG" in code, name
+        # the two-temporary forms keep one slice in flight during a promotion (3 of the 4 waits); the
+        # one-temporary forms (debug, bn192, bm64 split-K, per-(row, 32)) wait on each
+        overlapped = name in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64", "fp8_gemm_sm90_bn128_splitk",
+                              "fp8_gemm_sm90_bn128_row", "fp8_gemm_sm90_bm64_row", "fp8_gemm_sm90_bn128_mc2")
+        assert code.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == (3 if overlapped else 0), name
+        # the cluster forms: B multicast (UTMALDG's .MULTICAST form), the peer's empty barrier released
+        # remotely, no multicast elsewhere
+        assert ("MULTICAST" in code) == (CLUSTER[name] == 2), name
+    # the cluster forms carry their (2, 1, 1) cluster in the cubin (what cuLaunchKernel launches by)
+    r = subprocess.run([tool, "-elf", compiled[0]], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    info = {}
+    for chunk in re.split(r"^\.nv\.info\.", r.stdout, flags=re.M)[1:]:
+        info[chunk.split()[0]] = chunk.split("\n.")[0]
+    for name in FORMS:
+        has = re.search(r"EIATTR_CTA_PER_CLUSTER\s+Format:\s+EIFMT_SVAL\s+Value:\s+0x2 0x1 0x1", info[name]) is not None
+        assert has == (CLUSTER[name] == 2) and ("EIATTR_CTA_PER_CLUSTER" in info[name]) == has, name
 
 
 def test_grouped_tiles_split_at_experts():
@@ -111,8 +126,10 @@ def test_decline_rules():
     assert decline_reason(64, 128, 256, torch.zeros(4, 8)) is None
     assert decline_reason(64, 100, 256, torch.zeros(4, 8)) is None              # ceil(100 / 32) blocks
     assert decline_reason(64, 128, 240, torch.zeros(4, 7)) == "K a multiple of 32"
-    assert "32x32" in decline_reason(64, 128, 256, torch.zeros(128, 8))          # per-row scales
-    assert "32x32" in decline_reason(64, 128, 256, torch.zeros(128, 1))          # one scale per row
+    assert decline_reason(64, 128, 256, torch.zeros(128, 8)) is None            # per-(row, 32) scales
+    assert decline_reason(64, 128, 256, torch.zeros(128, 1)) is None            # one scale per row
+    assert "32x32" in decline_reason(64, 128, 256, torch.zeros(64, 8))           # none of the layouts
+    assert "f32 or E8M0" in decline_reason(64, 128, 256, torch.zeros(4, 8, dtype=torch.float16))
     if not torch.cuda.is_available():
         return
     if torch.cuda.get_device_capability() != (9, 0):
@@ -145,8 +162,77 @@ def test_select_cuda_mode_on_cpu():
 
 
 def test_forms_match_the_entry_points():
-    """cuda_fp8_gemm.FORMS (the launch: BM, BN, stages, threads) against FP8_GEMM_ENTRY in the .cu."""
+    """cuda_fp8_gemm.FORMS (the launch: BM, BN, stages, threads) and FORM_KIND (scale layout, split-K)
+    against FP8_GEMM_ENTRY in the .cu."""
     src = Path(SRC).read_text()
-    entries = re.findall(r"^FP8_GEMM_ENTRY\((\w+), (\d+), (\d+), (\d+), (true|false)\)", src, re.M)
-    got = {name: (64 * int(ncons), int(bn), int(stages), 128 * (int(ncons) + 1)) for name, bn, stages, ncons, _ in entries}
+    entries = re.findall(r"^FP8_GEMM_ENTRY\((\w+), (\d+), (\d+), (\d+), (true|false), (SB_\w+), (true|false), (\d)\)",
+                         src, re.M)
+    got = {name: (64 * int(ncons), int(bn), int(stages), 128 * (int(ncons) + 1))
+           for name, bn, stages, ncons, *_ in entries}
     assert got == FORMS
+    layout = {"SB_BLOCK": "block", "SB_ROW": "row", "SB_ROWK": "rowk"}
+    assert {name: (layout[sb], sk == "true") for name, *_, sb, sk, _ in entries} == FORM_KIND
+    assert {name: int(cl) for name, *_, cl in entries} == CLUSTER
+
+
+def test_scale_kind():
+    assert scale_kind(128, 256, torch.zeros(4, 8)) == "block"
+    assert scale_kind(100, 256, torch.zeros(4, 8)) == "block"
+    assert scale_kind(1, 256, torch.zeros(1, 8)) == "block"                      # N = 1: the same scales
+    assert scale_kind(128, 256, torch.zeros(128, 8)) == "rowk"
+    assert scale_kind(128, 256, torch.zeros(128, 1)) == "row"
+    assert scale_kind(32, 32, torch.zeros(32, 1)) == "row"                       # K = 32: the same scales
+    assert scale_kind(128, 256, torch.zeros(64, 8)) is None
+    assert scale_kind(128, 256, torch.zeros(4, 8, 1)) is None
+    assert scale_kind(128, 240, torch.zeros(4, 7)) is None
+
+
+def test_splitk_count_covers_the_sms_without_empty_splits():
+    for m, n, k, name in ((1, 5120, 8192, "fp8_gemm_sm90_bm64_splitk"), (64, 1792, 5120, "fp8_gemm_sm90_bm64_splitk"),
+                          (128, 4096, 1280, "fp8_gemm_sm90_bn128_splitk"), (32, 576, 512, "fp8_gemm_sm90_bm64_splitk"),
+                          (100, 32768, 1280, "fp8_gemm_sm90_bn128_splitk"), (17, 128, 160, "fp8_gemm_sm90_bm64_splitk")):
+        bm, bn = FORMS[name][:2]
+        tiles = -(-m // bm) * -(-n // bn)
+        nkb = -(-k // 128)
+        s = splitk_count(m, n, k, name, 132)
+        assert 1 <= s <= 16 and (s == 1 or tiles * s <= 132), (m, n, k, s)
+        per = -(-nkb // s)                                       # the kernel's run of stages per split
+        assert (s - 1) * per < nkb, (m, n, k, s)                 # the last split has a stage
+        assert s == 1 or per >= 2, (m, n, k, s)
+    assert splitk_count(1, 5120, 8192, "fp8_gemm_sm90_bm64_splitk", 132) == 3   # 40 tiles: 3 x 40 <= 132
+    assert splitk_count(1, 1792, 5120, "fp8_gemm_sm90_bm64_splitk", 132) == 8   # 14 tiles: 9 wanted, 5 stages each: 8
+
+
+def _raster(pid: int, tiles_m: int, tiles_n: int, group_m: int = 8) -> tuple[int, int]:
+    """gemm_body's launch order -> (M tile, N tile) (GROUP_M M tiles share each N tile)."""
+    per_group = group_m * tiles_n
+    first_m = pid // per_group * group_m
+    rows = min(tiles_m - first_m, group_m)
+    return first_m + pid % per_group % rows, pid % per_group // rows
+
+
+def test_cluster_pairs_share_b_tiles():
+    """The 2-CTA forms' premise: with the M tiles padded to even (fp8_gemm_cuda), launch pair (2c, 2c + 1)
+    is two adjacent M tiles of one N tile, and the pairs cover every tile once."""
+    src = Path(SRC).read_text()
+    assert "const int pm = first_m + (pid % per_group) % group_rows, pn = (pid % per_group) / group_rows;" in src
+    assert "GROUP_M = 8;" in src
+    for m, n in ((1, 128), (200, 576), (8192, 1792), (8192 + 64, 5120), (300, 32768), (2048 + 128, 4608)):
+        tiles_m, tiles_n = -(-m // 128), -(-n // 128)
+        tiles_m += tiles_m % 2
+        seen = set()
+        for c in range(tiles_m * tiles_n // 2):
+            (m0, n0), (m1, n1) = _raster(2 * c, tiles_m, tiles_n), _raster(2 * c + 1, tiles_m, tiles_n)
+            assert n0 == n1 and m1 == m0 + 1 and m0 % 2 == 0, (m, n, c)
+            seen |= {(m0, n0), (m1, n1)}
+        assert seen == {(i, j) for i in range(tiles_m) for j in range(tiles_n)}
+
+
+def test_launch_ex_structs_match_cuda_h():
+    """cuLaunchKernelEx's structs as cuda.h lays them out on x86-64 (the cluster launch's fallback)."""
+    import ctypes
+    from deepinfer.kernels.cuda_driver import _LaunchAttribute, _LaunchConfig
+    assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_LaunchConfig) == 56
+    assert (_LaunchConfig.sharedMemBytes.offset, _LaunchConfig.hStream.offset, _LaunchConfig.attrs.offset,
+            _LaunchConfig.numAttrs.offset) == (24, 32, 40, 48)
