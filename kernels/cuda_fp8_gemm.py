@@ -39,6 +39,7 @@ import os
 import torch
 
 from . import cuda_driver
+from .reference import e8m0_to_float
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "fp8_gemm_sm90.cu")
 BK = 128
@@ -151,9 +152,7 @@ def supports(m: int, n: int, k: int, sb: torch.Tensor, device=None) -> bool:
 
 def _f32_scale(s: torch.Tensor) -> torch.Tensor:
     """E8M0 bytes -> f32 powers of two (exact); f32 as is."""
-    if s.dtype == torch.float32:
-        return s.contiguous()
-    return (s.view(torch.uint8).to(torch.int32) << 23).view(torch.float32).contiguous()
+    return (s if s.dtype == torch.float32 else e8m0_to_float(s)).contiguous()
 
 
 def _kernel_scales(sb: torch.Tensor, kind: str, n: int, bn: int) -> tuple[torch.Tensor, int]:
