@@ -388,7 +388,9 @@ class Engine:
             return self._die(e)
         except Exception as e:  # noqa: BLE001
             outputs += self._fail_step(sched_out, e)
-        if self._in_flight is not None and sched_out.spec_tokens and _samples(self._in_flight[1]):
+        if getattr(sched_out, "overlapped", False):
+            # counted by the launch, not by its drafts: an overlapped step may verify none (every
+            # request at its last token) and still runs from the unresolved step's device state
             self.num_verify_steps_overlapped += 1
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
@@ -463,8 +465,3 @@ class Engine:
             self.stats.set_gauges(spec_mean_accepted_length=1 + accepted / steps if steps else 0.0,
                                   spec_acceptance_rate=accepted / verified if verified else 0.0)
 
-
-def _samples(launched) -> bool:
-    """A launched step in which some request samples (its tokens are still unknown on the host)."""
-    n = getattr(launched, "num_logits", None)
-    return n is not None and bool((n > 0).any())

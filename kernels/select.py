@@ -32,7 +32,9 @@ Knobs (environment, read once):
                                  the next slice's wgmma; split-K at decode sizes), and the MoE's grouped
                                  contiguous form on it (the row-scaled expert stacks included); a call it
                                  declines takes the W8A16 path (logged once). auto takes the CUDA kernel
-                                 for 32x32-block scales only (the other forms are not measured yet)
+                                 for dense linears of >= CUDA_AUTO_MIN_M rows with 32x32-block scales and
+                                 for the MoE's grouped contiguous steps with block or per-row scales
+                                 (per-(row, 32) scales measured slower than W8A16)
     DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
                                  on the first FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and
                                  the MoE's large steps in the grouped contiguous form on it
@@ -408,12 +410,17 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
 
 
 def _cuda_grouped_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
-    """DEEPINFER_PREFILL_GEMM=cuda and the CUDA kernel's rules hold for the expert stack (32x32-block,
-    per-(row, 32) or per-row scales: the MXFP4 experts' row-scaled [E, N, 1] stacks included); a stack
-    breaking them stays on W8A16, logged once."""
-    if PREFILL_GEMM != "cuda" or not x.is_cuda or w.dim() != 3 or w_scale.dim() != 3:
+    """The MoE's grouped contiguous step takes the CUDA kernel: DEEPINFER_PREFILL_GEMM=cuda (32x32-block,
+    per-(row, 32) or per-row scales), or auto (the default) with 32x32-block or per-row scales (the MXFP4
+    experts' row-scaled [E, N, 1] stacks: H200, 2026-12-02, the whole 1 x 8192 prefill 1.20x with it, the
+    per-row form 460-605 TFLOP/s against W8A16's 252-330; per-(row, 32) scales ran 160-200, so they stay
+    on W8A16); not batch-invariant mode; a stack breaking the kernel's rules stays on W8A16, logged once."""
+    if PREFILL_GEMM not in ("cuda", "auto") or _batch_invariant() or not x.is_cuda or w.dim() != 3 \
+            or w_scale.dim() != 3 or not use_fast(x):
         return False
-    from .cuda_fp8_gemm import decline_reason
+    from .cuda_fp8_gemm import decline_reason, scale_kind
+    if PREFILL_GEMM == "auto" and scale_kind(w.shape[1], w.shape[2], w_scale[0]) not in ("block", "row"):
+        return False
     reason = decline_reason(x.shape[0], w.shape[1], w.shape[2], w_scale[0], x.device)
     return _fast_for(x, "grouped_fp8_contiguous_cuda", reason is None, reason or "", then="the W8A16 path")
 

@@ -318,7 +318,7 @@ def check_grouped_row_scales(device="cuda"):
 
 def check_select_decline(device="cuda"):
     """select.fp8_linear with PREFILL_GEMM=cuda: the CUDA kernel at M >= 32 on 32x32-block and per-(row, 32)
-    weight scales (auto: blocks only); K % 32 != 0 declines to the W8A16 path with one log line."""
+    weight scales (auto: blocks only; the MoE's grouped steps: blocks and per-row); K % 32 != 0 declines to the W8A16 path with one log line."""
     from deepinfer.checkpoint.generator import quant_fp8, quant_fp8_rows
     from deepinfer.kernels import select
     gen = torch.Generator().manual_seed(5)
@@ -341,6 +341,16 @@ def check_select_decline(device="cuda"):
         select.PREFILL_GEMM = "auto"                              # auto: 32x32 blocks only (measured)
         x_big = torch.randn(select.CUDA_AUTO_MIN_M, 256, generator=gen).bfloat16().to(device)
         assert select._cuda_fp8_ok(x_big, q, s) and not select._cuda_fp8_ok(x_big, qr, sr)
+        # auto, the MoE's grouped contiguous step: per-row (the MXFP4 experts) and block scales on the
+        # CUDA kernel, per-(row, 32) on W8A16; the same output as the kernel called directly
+        w3 = torch.stack([q, q])
+        row3 = torch.rand(2, 192, 1, generator=gen).add(0.5).to(device)
+        assert select._cuda_grouped_ok(x, w3, row3) and select._cuda_grouped_ok(x, w3, torch.stack([s, s]))
+        assert not select._cuda_grouped_ok(x, w3, torch.stack([sr, sr]))
+        counts = torch.tensor([40, 24], dtype=torch.int32, device=device)
+        from deepinfer.kernels.triton_quant import act_quant_fp8
+        y = select.grouped_fp8_linear_contiguous(x, w3, row3, counts)
+        assert torch.equal(y, fp8_grouped_contiguous_cuda(*act_quant_fp8(x), w3, row3, counts))
         select.PREFILL_GEMM = "cuda"
         # K % 32 != 0: declined (logged once); no FP8 linear of the model has one (act_quant needs K % 32)
         from deepinfer.kernels.cuda_fp8_gemm import decline_reason
