@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from deepinfer.host_copy import to_device
+
 from . import ops
 from .attention import Attention
 from .block import Block
@@ -40,7 +42,7 @@ class DSparkAttention(Attention):
         positions max(0, p-window+1)..p in ring-slot order (the reference's), then its block's rows."""
         dev, W, B = x.device, self.window, len(anchors_pos)
         p = np.asarray(anchors_pos, dtype=np.int64)
-        pos = torch.from_numpy(np.repeat(p, block) + np.tile(np.arange(1, block + 1), B)).to(dev)
+        pos = to_device(np.repeat(p, block) + np.tile(np.arange(1, block + 1), B), dev)
         cis = rope_tables[self.rope_kind](pos, int(p.max(initial=0)) + block)
         qr, q, kv = self.qkv(x, cis)
         r = np.arange(W)
@@ -49,13 +51,13 @@ class DSparkAttention(Attention):
         slots = np.asarray(ring_slots, dtype=np.int64)
         flat = slots[:, None] * caches.ring_len + np.maximum(ring_pos, 0) % caches.ring_len
         ring = caches.window_kv[self.layer_id].flatten(0, 1)
-        buf = torch.cat([ring[torch.from_numpy(flat.ravel()).to(dev)].to(kv.dtype), kv])
+        buf = torch.cat([ring[to_device(flat.ravel(), dev)].to(kv.dtype), kv])
         j = np.arange(W + block)
         ring_idx = np.arange(B)[:, None] * W + j
         draft_idx = B * W + np.arange(B)[:, None] * block + j - nv[:, None]
         lists = np.where(j < nv[:, None], ring_idx, np.where(j < (nv + block)[:, None], draft_idx, -1))
         width = int((nv + block).max(initial=0))
-        idx = torch.from_numpy(np.repeat(lists[:, :width], block, axis=0)).to(dev)     # [B*block, width]
+        idx = to_device(np.repeat(lists[:, :width], block, axis=0), dev)     # [B*block, width]
         o = ops.sparse_attn(q, buf, self.attn_sink, idx, self.scale)
         return self.out(o, cis)
 
@@ -192,13 +194,6 @@ class DraftStepBuffers:
         lists = torch.where(seqs[:, None] < n, lists, -1)
         v["lists"].copy_(lists.repeat_interleave(blk, dim=0))
 
-def _to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
-    """Host indices onto the device without a host sync (pinned, non-blocking on CUDA): absorbing at
-    launch (spec/overlap.py) must not wait for the step in flight."""
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
-
-
 def _main_x(model, main_hidden: torch.Tensor) -> torch.Tensor:
     m0 = model.mtp[0]
     return m0.main_norm(m0.main_proj(main_hidden))
@@ -214,8 +209,8 @@ def dspark_absorb(model, main_hidden: torch.Tensor, positions: torch.Tensor, rin
     counts = cu[1:] - cu[:-1]
     ring_len = caches.ring_len
     keep = np.arange(int(cu[-1])) >= np.repeat(cu[1:], counts) - ring_len      # only the last RING rows
-    rows = _to_device(np.nonzero(keep)[0], positions.device)
-    slots = _to_device(np.repeat(np.asarray(ring_slots, dtype=np.int64), counts)[keep], positions.device)
+    rows = to_device(np.nonzero(keep)[0], positions.device)
+    slots = to_device(np.repeat(np.asarray(ring_slots, dtype=np.int64), counts)[keep], positions.device)
     dst = slots * ring_len + positions[rows] % ring_len
     for m in model.mtp:
         kv = m.attn.main_kv(main_x, positions, model.rope, max_pos)

@@ -30,6 +30,8 @@ from math import prod
 import numpy as np
 import torch
 
+from deepinfer.host_copy import host_tensor
+
 from .batch import ForwardBatch
 
 
@@ -110,8 +112,8 @@ class StepMetadata:
         win_idx, win_len = _window_lists(pos, seq, starts, q, cu, window, wr, canonical_layout, floor)
         write_from = None if batch.write_from is None else batch.write_from.numpy().astype(np.int64)
         ring_pos = starts[:, None] - wr + np.arange(wr)                      # [B, Wr]
-        slots = batch.ring_slots.to(dev)
-        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)   # noqa: E731
+        slots = host_tensor(batch.ring_slots, None, dev)
+        to = lambda a: host_tensor(a, None, dev)   # noqa: E731 (non-blocking)
         ring_read = (slots[:, None] * ring_len + to(np.maximum(ring_pos, 0) % ring_len)).flatten()
         keep = pos >= np.repeat(ends, q) - ring_len                          # only the last RING rows
         write_rows = None if keep.all() else to(np.nonzero(keep)[0])
@@ -142,7 +144,7 @@ class StepMetadata:
         e*ratio .. e*ratio+ratio-1; those before start[i] come from the compressor carry ring.
         A replaying sequence completes no entry below write_from[i] (cached, shared: not rewritten)."""
         dev = self.positions.device
-        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)   # noqa: E731
+        to = lambda a: host_tensor(a, None, dev)   # noqa: E731 (non-blocking)
         first, last = self.starts // ratio, self.ends // ratio               # [B] entries [first, last)
         if self.write_from is not None:
             first = np.maximum(first, -(-self.write_from // ratio))

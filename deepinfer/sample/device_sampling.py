@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.host_copy import host_tensor  # noqa: F401 (re-exported: callers import it from here)
 from deepinfer.sample.random import ACCEPT, RESIDUAL, SAMPLE, _MASK64, purpose_seed, splitmix64
 from deepinfer.sampling_params import SamplingParams
 
@@ -43,15 +44,6 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     x = (x ^ _srl(x, 30)) * _C1
     x = (x ^ _srl(x, 27)) * _C2
     return x ^ _srl(x, 31)
-
-
-def host_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values (a list or a numpy array) onto the device without waiting for the stream (pinned,
-    non-blocking on CUDA)."""
-    t = torch.as_tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def uniforms_on_device(seeds: list[int], positions: torch.Tensor, purpose: int = SAMPLE) -> torch.Tensor:

@@ -229,7 +229,7 @@ class Sampler:
         from deepinfer.sample.rejection import speculative_rows
         seeds, positions = [r.state.seed for r in rows], [r.position for r in rows]
         probs = filtered_probs(logits, [r.state.params for r in rows])
-        drafts = torch.tensor([r.draft_id for r in rows], dtype=torch.int64, device=logits.device)
+        drafts = host_tensor([r.draft_id for r in rows], torch.int64, logits.device)
         q = torch.stack([r.draft_probs for r in rows]).to(logits.device)
         return speculative_rows(probs, drafts, q, uniforms(seeds, positions, ACCEPT),
                                 uniforms(seeds, positions, RESIDUAL))

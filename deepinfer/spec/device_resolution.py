@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deepinfer.host_copy import to_device
+
 
 @dataclass
 class DeviceResolution:
@@ -59,9 +61,9 @@ def resolve_on_device(sampled: torch.Tensor, fed: torch.Tensor | None, num_logit
     mode), -1 = compare."""
     dev = sampled.device
     B = len(num_logits)
-    n, k = _to(num_logits, dev), _to(num_spec, dev)
+    n, k = to_device(num_logits, dev), to_device(num_spec, dev)
     L = max(int(np.max(num_logits)) if B else 1, 1)
-    off = _to(np.concatenate([[0], np.cumsum(num_logits)[:-1]]), dev)
+    off = to_device(np.concatenate([[0], np.cumsum(num_logits)[:-1]]), dev)
     j = torch.arange(L, device=dev)
     valid = j[None, :] < n[:, None]                                          # [B, L] real logits rows
     idx = torch.where(valid, off[:, None] + j, torch.zeros_like(valid, dtype=torch.int64))
@@ -77,7 +79,7 @@ def resolve_on_device(sampled: torch.Tensor, fed: torch.Tensor | None, num_logit
         match = (drafts == g) & has_draft
         a = torch.cumprod(match.to(torch.int64), dim=1).sum(dim=1)
         if replayed is not None:
-            r = _to(replayed, dev)
+            r = to_device(replayed, dev)
             a = torch.where(r >= 0, torch.minimum(r, k), a)
     a = torch.where(n > 0, a, torch.zeros_like(a))
     num_tokens = torch.where(n > 0, a + 1, torch.zeros_like(a))
@@ -85,17 +87,7 @@ def resolve_on_device(sampled: torch.Tensor, fed: torch.Tensor | None, num_logit
     tokens = torch.where(j[None, :] < a[:, None], drafts, g_a.expand(B, L))  # d_1..d_a then g_a
     tokens = torch.where(j[None, :] < num_tokens[:, None], tokens, torch.full_like(tokens, -1))
     anchor = torch.where(n > 0, g_a[:, 0], torch.full_like(a, -1))
-    st, q = _to(start, dev), _to(q_lens, dev)
+    st, q = to_device(start, dev), to_device(q_lens, dev)
     next_pos = torch.where(n > 0, st + q - k + a, st + q)
     return DeviceResolution(a, num_tokens, tokens, anchor, next_pos)
 
-
-def _to(a, dev: torch.device) -> torch.Tensor:
-    """A host array onto the device without waiting for the stream (pinned, non-blocking on CUDA:
-    a plain copy would block the host until the step in flight finishes); a device tensor as is."""
-    if isinstance(a, torch.Tensor):     # already on the device (an overlapped step's start positions)
-        return a.to(dev)
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-    if dev.type != "cuda":
-        return t.to(dev)
-    return t.pin_memory().to(dev, non_blocking=True)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deepinfer.sample.device_sampling import host_tensor
+from deepinfer.host_copy import host_tensor, to_device  # noqa: F401 (to_device: imported from here by the runner)
 from deepinfer.spec.device_resolution import DeviceResolution
 
 
@@ -55,14 +55,6 @@ def can_draft_on_device(input_batch, rows: np.ndarray, num_logits: np.ndarray) -
             and not ib.has_images[rows].any()
             and not (row_set & set(ib.forced)) and not (row_set & ib.return_logits)
             and not ib._replaying(rows, ib.num_computed[rows]).any())
-
-
-def to_device(a, dev: torch.device) -> torch.Tensor:
-    """A host int64 array onto the device without waiting for the stream (pinned, non-blocking on
-    CUDA); a tensor already there passes through."""
-    if isinstance(a, torch.Tensor):
-        return a.to(dev, non_blocking=True)
-    return host_tensor(np.ascontiguousarray(a, dtype=np.int64), torch.int64, dev)
 
 
 def step_inputs(input_batch, rows: np.ndarray, q_lens: np.ndarray, res: DeviceResolution,

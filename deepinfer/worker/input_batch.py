@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deepinfer.host_copy import host_tensor
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.outputs import CachedRequestData, NewRequestData
 from deepinfer.sampling_params import SamplingParams
@@ -141,7 +142,7 @@ class InputBatch:
         ends = cu[1:]
         logits_indices = np.repeat(ends - num_logits, num_logits) + _ragged_arange(num_logits)
         max_nb = max(int(self.num_blocks[rows].max()), 1)
-        to = lambda a: torch.from_numpy(a).to(device, non_blocking=True)   # noqa: E731
+        to = lambda a: host_tensor(a, None, device)   # noqa: E731 (pinned, non-blocking)
         replaying = self._replaying(rows, start).any()
         batch = ForwardBatch(
             input_ids=to(input_ids), positions=to(positions),

@@ -305,7 +305,7 @@ class ModelRunner:
         pos = np.repeat(sp.start, keep) + _ragged_arange(keep)
         dev = sp.main_hidden.device
         cu_keep = np.concatenate([[0], np.cumsum(keep)]).tolist()
-        self.proposer.absorb(sp.main_hidden[torch.from_numpy(idx).to(dev)], torch.from_numpy(pos).to(dev),
+        self.proposer.absorb(sp.main_hidden[to_device(idx, dev)], to_device(pos, dev),
                              sp.ring_slots.tolist(), cu_keep)
         which = [i for i, (req_id, row, toks) in enumerate(zip(step.req_ids, step.rows.tolist(), per_req))
                  if toks and ib.row_of.get(req_id) == row and self._can_generate(row)]
@@ -408,7 +408,8 @@ class ModelRunner:
         from deepinfer.model.batch import ForwardBatch
         ib, L = self.input_batch, key[1]
         fb, logits, hidden = self.graphs.step(ib.decode_inputs(rows, q_lens, L), self._prev_sampled, key)
-        idx = torch.from_numpy(np.repeat(np.arange(len(rows)) * L, q_lens) + _ragged_arange(q_lens)).to(self.device)
+        # non-blocking: a plain copy here held the host for the whole replay (H200, 2026-12-02)
+        idx = to_device(np.repeat(np.arange(len(rows)) * L, q_lens) + _ragged_arange(q_lens), self.device)
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         batch = ForwardBatch(input_ids=fb.input_ids[idx], positions=fb.positions[idx],
@@ -529,7 +530,7 @@ class ModelRunner:
                         vals.append(forced[k + j])
             off += n
         if idx:
-            sampled[torch.tensor(idx, device=sampled.device)] = torch.tensor(vals, device=sampled.device)
+            sampled[to_device(idx, sampled.device)] = to_device(vals, sampled.device).to(sampled.dtype)
 
     @staticmethod
     def _accept(sampled: np.ndarray, num_logits: np.ndarray, num_spec: np.ndarray,
