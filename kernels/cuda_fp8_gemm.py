@@ -97,9 +97,11 @@ def splitk_count(m: int, n: int, k: int, name: str, sms: int) -> int:
     return -(-nkb // -(-nkb // s))
 
 
-def form(m: int | None = None, kind: str = "block", splitk: bool = False) -> str:
+def form(m: int | None = None, kind: str = "block", splitk: bool = False, n: int | None = None,
+         sms: int | None = None) -> str:
     """The entry point for m rows with `kind` weight scales: one consumer warpgroup (BM 64) up to 64 rows
-    (decode), two above; the split-K form where `splitk` (32x32 blocks); FORCE's
+    (decode), two above; the split-K form where `splitk` (32x32 blocks); for blocks above 64 rows, BN 192
+    where it takes fewer waves of CTAs (wide_tile_pays, given n and the SM count); FORCE's
     (DEEPINFER_CUDA_FP8_FORM) where its layout is `kind`, or the debugging form (DEEPINFER_CUDA_FP8_DEBUG=1)
     for blocks."""
     if FORCE is not None and FORM_KIND[FORCE][0] == kind:
@@ -110,8 +112,23 @@ def form(m: int | None = None, kind: str = "block", splitk: bool = False) -> str
             return "fp8_gemm_sm90_debug"
         if splitk:
             return "fp8_gemm_sm90_bm64_splitk" if small else "fp8_gemm_sm90_bn128_splitk"
+        if not small and m is not None and n is not None and sms and wide_tile_pays(m, n, sms):
+            return "fp8_gemm_sm90_bn192"
         return "fp8_gemm_sm90_bm64" if small else "fp8_gemm_sm90_bn128"
     return f"fp8_gemm_sm90_{'bm64' if small else 'bn128'}_{kind}"
+
+
+def wide_tile_pays(m: int, n: int, sms: int) -> bool:
+    """The grid is one CTA per 128-row output tile, so a GEMM takes ceil(tiles / SMs) waves, each as long
+    as one tile: BN 192 (a 1.5x longer tile) is faster where it needs fewer waves by more than that,
+    cost ceil(t192 / sms) * 1.5 < ceil(t128 / sms). This predicted the faster of the two forms at 29 of
+    the 30 (linear, M) points measured on the H200 (2026-12-02, perf/bench_fp8_prefill.py --cuda, M 256
+    to 8192; the miss a 0.7% tie; e.g. wo_b at M 512: 160 tiles = 2 waves against 108 = 1, 308 vs 240
+    TFLOP/s)."""
+    tiles_m = -(-m // 128)
+    waves128 = -(-(tiles_m * -(-n // 128)) // sms)
+    waves192 = -(-(tiles_m * -(-n // 192)) // sms)
+    return 2 * waves192 * 3 < 2 * waves128 * 2
 
 
 def smem_bytes(name: str) -> int:
@@ -127,6 +144,10 @@ def _sm90(device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def decline_reason(m: int, n: int, k: int, sb: torch.Tensor, device=None) -> str | None:
@@ -210,7 +231,7 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     if m == 0 or n == 0:
         return out
     dev = a.device.index
-    name = entry or form(m, kind, kind == "block" and _splitk_wanted(m, n, k, dev))
+    name = entry or form(m, kind, kind == "block" and _splitk_wanted(m, n, k, dev), n, _num_sms(dev))
     bm, bn, _, threads = FORMS[name]
     smem = smem_bytes(name)
     kern = cuda_driver.kernel(SRC, name, smem, dev)

@@ -18,10 +18,21 @@ def set_verification_policy(engine) -> None:
     else:
         model = _profile(engine)
         policy = VerifyAllPolicy() if model is None else VerifyBudgetPolicy(
-            model, early_stop=a.spec_early_stop, budget_confidences=a.spec_budget_confidences)
+            model, early_stop=a.spec_early_stop, budget_confidences=a.spec_budget_confidences,
+            padded=_padded_steps(engine))
     engine.step_time_model = getattr(policy, "step_time", None)
     for book in _draft_books(engine):
         book.policy = policy
+
+
+def _padded_steps(engine):
+    """(n, length) -> whether a verify step of n requests up to `length` tokens runs padded (the
+    runner's captured (batch, length) graphs, worker/graph_step.py VerifyKeys); None without graphs."""
+    graphs = getattr(engine.runner, "graphs", None)
+    keys = getattr(graphs, "keys", None)
+    if keys is None:
+        return None
+    return lambda n, length: keys.key(n, length) is not None
 
 
 def _profile(engine):

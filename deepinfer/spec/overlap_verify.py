@@ -5,7 +5,9 @@ production scheduler (mtp_varlen): what needs only what the host knows is decide
 what needs the newest confidences is computed where they are, on the device.
 
     host   (schedule_overlapped)   plan_overlapped: K'_i (the worst case) per request, and
-                                   VerifyBudgetPolicy: B = best_budget over the OLDER confidences
+                                   VerifyBudgetPolicy on padded steps (CUDA graphs, budget.py): the
+                                   cap L from the OLDER confidences, K'_i capped at L on the host;
+                                   else B = best_budget over the OLDER confidences
                                    (the previous proposal's, two steps old: the newest the host has);
                                    FixedDraftsPolicy: K'_i capped at n on the host
     device (the overlapped build)  device_verify.verified_counts: k_i <= K'_i from the NEWEST confidences:
@@ -53,7 +55,10 @@ def plan_overlapped(policy, num_drafts: list[int],
         if not entries:
             return list(num_drafts), None
         older_policy = policy if policy.budget_confidences == "older" else VerifyBudgetPolicy(
-            policy.step_time, policy.early_stop, "older")
+            policy.step_time, policy.early_stop, "older", policy.padded)
+        cap = older_policy.best_cap([e.num_drafts for e in entries], [older_policy._budget_survival(e) for e in entries])
+        if cap is not None:     # padded steps: a cap on the host shortens the step itself (budget.py)
+            return [min(k, cap) for k in num_drafts], None
         survival = sorted((a for e in entries for a in older_policy._budget_survival(e)), reverse=True)
         return list(num_drafts), OverlapVerify(budget=policy.best_budget(len(entries), survival))
     return list(num_drafts), None          # VerifyAllPolicy, or a policy without a device form

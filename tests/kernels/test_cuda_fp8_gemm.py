@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from deepinfer.kernels import cuda_driver
-from deepinfer.kernels.cuda_fp8_gemm import (CLUSTER, FORM_KIND, FORMS, REDUCE, SRC, decline_reason, grouped_tiles,
-                                             scale_kind, smem_bytes, splitk_count)
+from deepinfer.kernels.cuda_fp8_gemm import (CLUSTER, FORM_KIND, FORMS, REDUCE, SRC, decline_reason, form, grouped_tiles,
+                                             scale_kind, smem_bytes, splitk_count, wide_tile_pays)
 
 needs_nvcc = pytest.mark.skipif(cuda_driver.find_nvcc() is None, reason="no nvcc")
 
@@ -236,3 +236,28 @@ def test_launch_ex_structs_match_cuda_h():
     assert ctypes.sizeof(_LaunchConfig) == 56
     assert (_LaunchConfig.sharedMemBytes.offset, _LaunchConfig.hStream.offset, _LaunchConfig.attrs.offset,
             _LaunchConfig.numAttrs.offset) == (24, 32, 40, 48)
+
+
+# (linear, M, N, BN 192 faster) measured on the H200, 2026-12-02 (perf/bench_fp8_prefill.py --cuda, 132 SMs)
+MEASURED_WIDE = [("wqkv_a", 8192, 1792, False), ("wq_b", 8192, 32768, True), ("wo_b", 8192, 5120, False),
+                 ("shared_w13", 8192, 4608, False), ("shared_w13", 2048, 4608, True), ("wo_b", 2048, 5120, False),
+                 ("wqkv_a", 2048, 1792, False), ("index_wq_b", 2048, 4096, False), ("wo_b", 512, 5120, True),
+                 ("shared_w13", 512, 4608, True), ("shared_w2", 512, 5120, True), ("wq_b", 512, 32768, False),
+                 ("index_wq_b", 512, 4096, False), ("wqkv_a", 512, 1792, False), ("wo_b", 1024, 5120, False),
+                 ("index_wq_b", 1024, 4096, False), ("wqkv_a", 1024, 1792, False), ("wo_b", 256, 5120, False)]
+
+
+@pytest.mark.parametrize("name,m,n,wide", MEASURED_WIDE)
+def test_wave_rule_picks_the_measured_faster_tile(name, m, n, wide):
+    """form() takes BN 192 where it needs fewer waves of CTAs by more than its 1.5x longer tile."""
+    assert wide_tile_pays(m, n, 132) == wide
+    assert form(m, "block", False, n, 132) == ("fp8_gemm_sm90_bn192" if wide else "fp8_gemm_sm90_bn128")
+
+
+def test_wave_rule_never_widens_small_or_split_or_other_layouts():
+    assert form(64, "block", False, 5120, 132) == "fp8_gemm_sm90_bm64"          # one consumer warpgroup
+    assert form(512, "block", True, 5120, 132) == "fp8_gemm_sm90_bn128_splitk"
+    assert form(512, "row", False, 5120, 132) == "fp8_gemm_sm90_bn128_row"
+    assert form(512, "block") == "fp8_gemm_sm90_bn128"                          # no shape given
+    # one wave either way: the shorter tile
+    assert not any(wide_tile_pays(m, n, 132) for m in (128, 256) for n in (128, 1024, 4096))

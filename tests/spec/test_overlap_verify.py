@@ -98,3 +98,18 @@ def test_host_half_of_the_other_policies():
     assert verified_counts(None, conf, torch.tensor([5, 2])).tolist() == [5, 2]
     assert verified_counts(OverlapVerify(threshold=0.4), conf, torch.tensor([5, 2])).tolist() == [1, 1]
     assert verified_counts(OverlapVerify(budget=3), conf, torch.tensor([5, 2])).tolist() == [2, 1]
+
+
+def test_host_half_caps_padded_steps_on_the_host():
+    """Padded overlapped steps (CUDA graphs): the cap from the older confidences shortens K'_i on the
+    host (the step's layout, so its graph), and nothing is left for the device to split."""
+    step_time = _step_time()
+    policy = VerifyBudgetPolicy(step_time, padded=lambda n, length: True)
+    num = [5, 3, 0, 5]
+    older = [[2.0, 1.0, 0.0, -1.0, -2.0], None, [1.0] * 5, [3.0, 3.0]]
+    entries = [DraftEntry(5, [], older[0]), DraftEntry(3, [], None), DraftEntry(5, [], older[3])]
+    cap = policy.best_cap([e.num_drafts for e in entries], [policy._budget_survival(e) for e in entries])
+    assert cap is not None and 0 <= cap <= 5
+    assert plan_overlapped(policy, num, older) == ([min(k, cap) for k in num], None)
+    unpadded = VerifyBudgetPolicy(step_time, padded=lambda n, length: False)
+    assert plan_overlapped(unpadded, num, older)[1].budget is not None

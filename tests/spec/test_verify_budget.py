@@ -142,3 +142,45 @@ def test_scheduler_plans_the_batch_from_the_draft_book():
     assert sched.draft_book.pending("0") == []
 
 
+
+
+def brute_force_cap(entries: list[DraftEntry], t, survival) -> int:
+    n, k = len(entries), max(e.num_drafts for e in entries)
+    a = [survival(e) for e in entries]
+    scores = [(n + sum(sum(ar[:min(cap, e.num_drafts)]) for ar, e in zip(a, entries))) / t(n, n * cap)
+              for cap in range(k + 1)]
+    return max(range(k + 1), key=lambda c: (scores[c], -c))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_padded_steps_take_the_cap_that_pays_on_the_padded_cost(seed):
+    """Steps padded to the longest request (CUDA graphs): every request verifies min(L, k_r) for the L
+    maximizing expected tokens / t(n, n L); the ragged split is not used there."""
+    rng = random.Random(seed)
+    entries = [entry([rng.random() * 0.98 + 0.01 for _ in range(rng.randint(1, 5))]) for _ in range(rng.randint(2, 40))]
+    model = linear_model(t0=0.02, per_draft=rng.choice([0.0001, 0.0005, 0.002]))
+    pol = VerifyBudgetPolicy(model, budget_confidences="newest", padded=lambda n, length: True)
+    want = brute_force_cap(entries, model.time, lambda e: prefix_survival(e.newest))
+    got = pol.assign(entries)
+    assert got == [min(want, e.num_drafts) for e in entries]
+    # the same policy on unpadded steps splits the budget (ragged), as before
+    ragged = VerifyBudgetPolicy(model, budget_confidences="newest", padded=lambda n, length: False).assign(entries)
+    assert sum(ragged) == brute_force_budget(len(entries), [a for e in entries for a in prefix_survival(e.newest)],
+                                             model.time)
+
+
+def test_padded_cap_keeps_drafts_a_ragged_split_would_drop_for_nothing():
+    """One confident request and one unsure one: the ragged split verifies 5 + 0 drafts, and padded
+    that step costs 2 x 6 tokens anyway; the cap verifies 5 + 5 for the same step time."""
+    model = linear_model(t0=0.01, per_draft=0.0005, sizes=(1, 2, 8))
+    sure, unsure = entry([0.99] * 5), entry([0.3, 0.2, 0.2, 0.2, 0.2])
+    ragged = VerifyBudgetPolicy(model, budget_confidences="newest").assign([sure, unsure])
+    padded = VerifyBudgetPolicy(model, budget_confidences="newest", padded=lambda n, length: True).assign([sure, unsure])
+    assert ragged[0] == 5 and ragged[1] < 5
+    assert padded == [5, 5]
+
+
+def test_steep_padded_cost_caps_everyone_short():
+    model = linear_model(t0=0.001, per_draft=0.01)
+    pol = VerifyBudgetPolicy(model, budget_confidences="newest", padded=lambda n, length: True)
+    assert pol.assign([entry([0.6] * 5), entry([0.9] * 3)]) == [0, 0]
