@@ -86,10 +86,13 @@ FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # bench_fp8_prefill.py --cuda: 1.12-1.25x W8A16 on the six release linears at M = 8,192; 0.2-1.05x at
 # M <= 128, where it has no split-K; M in between not measured yet)
 CUDA_AUTO_MIN_M = int(os.environ.get("DEEPINFER_CUDA_AUTO_MIN_M", "4096"))
-# ... and from CUDA_AUTO_WIDE_MIN_M rows where the 128 x 128 output tiles cover at least 3/4 of the SMs
-# (H200, 2026-12-02, M 256 / 512 / 1024: 1.08-1.63x W8A16 wherever that holds; where it does not, the CTAs
-# leave SMs idle and W8A16 won 5 of the 7 points, e.g. wqkv_a at M 512, 56 tiles: 0.83x)
-CUDA_AUTO_WIDE_MIN_M = int(os.environ.get("DEEPINFER_CUDA_AUTO_WIDE_MIN_M", "256"))
+# Opt-in (DEEPINFER_CUDA_AUTO_WIDE_MIN_M=256): also from this many rows where the 128 x 128 output tiles
+# cover at least 3/4 of the SMs. Per linear it pays (H200, 2026-12-02, M 256 / 512 / 1024: 1.08-1.63x
+# W8A16 wherever that holds; where it does not, W8A16 won 5 of 7 points, e.g. wqkv_a at M 512: 0.83x), but
+# the whole chunked prefill (2,048-token chunks) measured with it was 264 ms against 218 ms without it in
+# an earlier run, unexplained and not re-measured: off until a same-run A/B says otherwise
+_WIDE = os.environ.get("DEEPINFER_CUDA_AUTO_WIDE_MIN_M")
+CUDA_AUTO_WIDE_MIN_M = int(_WIDE) if _WIDE else None
 FP8_TABLE_PATH = os.environ.get("DEEPINFER_FP8_TABLE", os.path.join(os.path.dirname(__file__), "fp8_select_table.json"))
 
 log = logging.getLogger(__name__)
@@ -260,8 +263,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
 
 def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
     """The CUDA FP8 x FP8 kernel takes this call: DEEPINFER_PREFILL_GEMM=cuda and at least FP8_VARIANT_MIN_M
-    rows, or auto (the default) with 32x32-block weight scales and at least CUDA_AUTO_MIN_M rows, or
-    CUDA_AUTO_WIDE_MIN_M rows whose 128 x 128 tiles cover 3/4 of the SMs; not
+    rows, or auto (the default) with 32x32-block weight scales and at least CUDA_AUTO_MIN_M rows (or, opted
+    in, CUDA_AUTO_WIDE_MIN_M rows whose 128 x 128 tiles cover 3/4 of the SMs); not
     batch-invariant mode, and its rules (cuda_fp8_gemm.decline_reason: SM90, nvcc, K % 32, block / per-(row,
     32) / per-row weight scales); a call breaking them takes the W8A16 path, logged once per rule."""
     if PREFILL_GEMM not in ("cuda", "auto") or _batch_invariant() or not use_fast(x) or not x.is_cuda \
@@ -273,7 +276,8 @@ def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> boo
         return False
     from .cuda_fp8_gemm import decline_reason, num_sms, scale_kind
     if PREFILL_GEMM == "auto" and m < CUDA_AUTO_MIN_M and not (
-            m >= CUDA_AUTO_WIDE_MIN_M and 4 * -(-m // 128) * -(-n // 128) >= 3 * num_sms(x.device)):
+            CUDA_AUTO_WIDE_MIN_M is not None and m >= CUDA_AUTO_WIDE_MIN_M
+            and 4 * -(-m // 128) * -(-n // 128) >= 3 * num_sms(x.device)):
         return False
     if PREFILL_GEMM == "auto" and scale_kind(n, k, w_scale) != "block":
         return False          # auto: the measured form only (per-row scales stay on W8A16 until measured)
