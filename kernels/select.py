@@ -285,6 +285,35 @@ def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> boo
     return _fast_for(x, "fp8_linear_cuda", reason is None, reason or "", then="the W8A16 path")
 
 
+def precompile_cuda_kernels(device):
+    """Start nvcc on the CUDA FP8 GEMM (cuda_fp8_gemm) in a background thread where this process may pick
+    it (auto or cuda, the fast kernels, an SM90 GPU, nvcc found); -> the thread to join, else None.
+    Called at model load: a cold cubin cache otherwise costs its first large prefill the whole compile
+    (about a minute on a fresh H200 machine, 2026-12-02), in the middle of serving."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or KERNELS != "fast" or PREFILL_GEMM not in ("auto", "cuda"):
+        return None
+    import threading
+    import time
+
+    from . import cuda_driver, cuda_fp8_gemm
+    if not cuda_fp8_gemm._sm90(dev) or cuda_driver.find_nvcc() is None:
+        return None
+
+    def build() -> None:
+        t0 = time.perf_counter()
+        try:
+            cuda_driver.compile_cubin(cuda_fp8_gemm.SRC)
+        except Exception as e:  # noqa: BLE001 (the first call declines or raises with the reason, as before)
+            log.warning("kernels: precompiling the CUDA FP8 GEMM failed: %s", str(e)[:300])
+            return
+        log.info("kernels: CUDA FP8 GEMM ready in %.1f s", time.perf_counter() - t0)
+
+    thread = threading.Thread(target=build, name="cuda-fp8-nvcc", daemon=True)
+    thread.start()
+    return thread
+
+
 def _prefill_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
     """The FP8 x FP8 prefill GEMM takes this call: DEEPINFER_PREFILL_GEMM=fp8, at least
     FP8_PREFILL_MIN_M rows, K a multiple of 128, per-32 scales (tile or row) or one f32 per row, not
@@ -425,7 +454,7 @@ def _cuda_grouped_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) ->
     """The MoE's grouped contiguous step takes the CUDA kernel: DEEPINFER_PREFILL_GEMM=cuda (32x32-block,
     per-(row, 32) or per-row scales), or auto (the default) with 32x32-block or per-row scales (the MXFP4
     experts' row-scaled [E, N, 1] stacks: H200, 2026-12-02, the whole 1 x 8192 prefill 1.20x with it, the
-    per-row form 460-605 TFLOP/s against W8A16's 252-330; per-(row, 32) scales ran 160-200, so they stay
+    per-row form 361-605 TFLOP/s at M 2,048-8,192 against W8A16's 252-330; per-(row, 32) scales ran 160-200, so they stay
     on W8A16); not batch-invariant mode; a stack breaking the kernel's rules stays on W8A16, logged once."""
     if PREFILL_GEMM not in ("cuda", "auto") or _batch_invariant() or not x.is_cuda or w.dim() != 3 \
             or w_scale.dim() != 3 or not use_fast(x):

@@ -64,6 +64,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     from deepinfer.cache.disk_tier import num_disk_blocks
     from deepinfer.cache.host_tier import num_host_slots
     from deepinfer.cache.snapshot_store import check_replay_tokens, num_snapshot_slots
+    from deepinfer.kernels.select import precompile_cuda_kernels
     from deepinfer.model.loader import load_model
     from deepinfer.worker.graph_step import graph_sizes
     from deepinfer.worker.loading import allocate_caches, cache_bytes_per_block, torch_dtype
@@ -75,10 +76,13 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
         check_yoco(facts.model_args, args.yoco_prefill_keep_tokens,
                    args.num_speculative_tokens + 1 if args.speculative else 0)
     disk_blocks = num_disk_blocks(args, facts.model_args)      # refuses a bad disk tier before loading
+    nvcc = precompile_cuda_kernels(device)       # compiled beside the weight load, not in the first prefill
     model = load_model(args.checkpoint, device=device, progress=parallel is not None and parallel.rank == 0,
                        parallel=parallel, load_format=args.load_format,
                        # EPLB moves experts between ranks' stacks: keep one scale form in all of them
                        **({"expert_row_scales": False} if args.enable_eplb else {}), **model_overrides(args))
+    if nvcc is not None:
+        nvcc.join()
     model_args = model.args
     sizes = graph_sizes(args, model_args, device) if parallel is None or not parallel.is_parallel else ()
     num_blocks = args.num_cache_blocks

@@ -163,6 +163,42 @@ def test_scheduler_policy_profiles_at_start_and_keeps_tokens(spec_args, plain):
     assert engine.stats.snapshot()["counters"]["spec_draft_tokens_proposed_total"] > 0
 
 
+def test_scheduler_prices_padded_steps_on_the_graph_path(spec_args):
+    """With captured (batch, L) steps (cuda_graph_sizes; on a CPU the same padded buffers run eagerly)
+    the scheduler knows a verify step runs padded to its longest request, so every plan is one cap L
+    (each request min(L, its drafts)); without graphs it splits a budget (ragged)."""
+    from deepinfer.spec.budget import VerifyBudgetPolicy
+    from deepinfer.spec.step_time import StepTimeModel
+    args = {**spec_args, "speculative": "dspark", "spec_policy": "scheduler", "cuda_graph_sizes": (1, 2, 4, 8)}
+    engine = Engine(EngineArgs(**args))
+    pol = engine.scheduler.draft_book.policy
+    assert isinstance(pol, VerifyBudgetPolicy) and pol.padded is not None and pol.padded(4, 6)
+    # a step time that grows with the drafts, so caps short of 5 pay for low survivals
+    sizes = [1, 4]
+    steep = StepTimeModel(sizes, list(range(6)), [[1.0 + 0.1 * n * x for x in range(6)] for n in sizes])
+    seen = []
+
+    class Recorded(VerifyBudgetPolicy):
+        def assign(self, entries):
+            counts = super().assign(entries)
+            seen.append(([e.num_drafts for e in entries], counts))
+            return counts
+
+    engine.scheduler.draft_book.policy = Recorded(steep, budget_confidences="newest", padded=pol.padded)
+    got, _ = run(engine, PROMPTS, [params(n) for n in MAX_TOKENS])
+    assert all(len(t) == n for t, n in zip(got.values(), MAX_TOKENS))
+    multi = [(k, c) for k, c in seen if len(k) > 1]
+    assert multi and all(c == [min(max(c), kr) for kr in k] for k, c in multi)     # one cap per step
+    assert any(max(c) < max(k) for k, c in multi)                                   # the cap did cut
+    # the same policy unpadded splits by confidence: requests with the same drafts get different counts
+    ragged_pol = VerifyBudgetPolicy(steep, budget_confidences="newest")
+    from deepinfer.spec.policy import DraftEntry
+    entries = [DraftEntry(5, [3.0] * 5), DraftEntry(5, [-1.0] * 5)]
+    assert ragged_pol.assign(entries) != Recorded(steep, budget_confidences="newest", padded=pol.padded).assign(entries)
+    ragged = Engine(EngineArgs(**{**args, "cuda_graph_sizes": None}))
+    assert ragged.scheduler.draft_book.policy.padded is None
+
+
 def test_sampled_acceptance_is_seeded_and_leaves_greedy_requests_alone(spec_args):
     """spec_acceptance="sampled": requests at temperature > 0 draft by sampling and verify with
     min(1, p/q) + residual, which draws other streams than plain decoding (other tokens, same

@@ -261,3 +261,19 @@ def test_wave_rule_never_widens_small_or_split_or_other_layouts():
     assert form(512, "block") == "fp8_gemm_sm90_bn128"                          # no shape given
     # one wave either way: the shorter tile
     assert not any(wide_tile_pays(m, n, 132) for m in (128, 256) for n in (128, 1024, 4096))
+
+
+def test_precompile_only_where_the_kernel_can_run():
+    """Model load starts nvcc only for a CUDA device that can run the kernel (SM90, nvcc); elsewhere
+    nothing starts. On an SM90 GPU the thread leaves the cubin in the cache (a second compile is a hit)."""
+    from deepinfer.kernels import select
+    assert select.precompile_cuda_kernels("cpu") is None
+    sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    if not sm90 or cuda_driver.find_nvcc() is None:
+        assert select.precompile_cuda_kernels("cuda") is None
+        return
+    thread = select.precompile_cuda_kernels("cuda")
+    assert thread is not None
+    thread.join()
+    cubin, _ = cuda_driver.compile_cubin(SRC)
+    assert os.path.exists(cubin)
