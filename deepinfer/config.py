@@ -20,8 +20,8 @@ class EngineArgs:
     seed: int = 0
     batch_invariant: bool = False           # a request's logits do not depend on the batch (deepinfer/sample/BATCH_INVARIANCE.md)
     model_overrides: dict = field(default_factory=dict)  # ModelArgs runtime switches, e.g. {"emulate_index_k_alias": True}
-    # speculative decoding (deepinfer/spec/): "dspark" drafts with the checkpoint's DSpark blocks; async
-    # scheduling is then off unless async_scheduling=True (a verify step is resolved before the next one)
+    # speculative decoding (deepinfer/spec/): "dspark" drafts with the checkpoint's DSpark blocks; with
+    # async scheduling (CUDA's default) verify steps overlap where they can (spec_async_overlap)
     speculative: str | None = None          # None (off) or "dspark"
     num_speculative_tokens: int = 5         # drafts proposed per request and step (at most the DSpark block, 5)
     # which drafts to verify: "scheduler" (batch budget maximizing expected accepted tokens per profiled
@@ -37,7 +37,7 @@ class EngineArgs:
     # benchmark mode (spec/replay.py): replay acceptance outcomes and calibrated confidences drawn with
     # this mean accepted length (verify-all, tokens per step, e.g. 3.5 of 5 drafts); None = real drafts
     spec_replay_accepted_length: float | None = None
-    # with async_scheduling=True: verify steps overlap (spec/overlap.py): the next one is scheduled with
+    # with async scheduling: verify steps overlap (spec/overlap.py): the next one is scheduled with
     # the worst-case reservation and launched from the device-side resolution before this one's
     # accepted counts reach the host (greedy or seeded temperature > 0 requests without logprobs,
     # penalties or grammar; anything else is resolved first); False = every

@@ -19,8 +19,8 @@ A request that stops at step N has one wasted token in N+1 (dropped). On CPU the
 to overlap (torch CPU ops are synchronous), so the plain step is used.
 Speculative decoding (EngineArgs.speculative "dspark", deepinfer/spec/): its verification policy is
 built after the scheduler (the default, "scheduler", first profiles step times through this
-engine's own steps). Async scheduling stays off with it unless asked for (async_scheduling=True,
-CPU included: the tests). Then a step in flight that samples (it verifies drafts or proposes them)
+engine's own steps). Async scheduling is on with it as without it (CUDA by default; on a CPU when
+async_scheduling=True: the tests). Then a step in flight that samples (it verifies drafts or proposes them)
 and drafted on the device is followed by an overlapped verify step (spec/overlap.py,
 spec_async_overlap): scheduled with the worst-case reservation (Scheduler.schedule_overlapped) and
 built from the device-side resolution (ModelRunner.launch_overlapped) before its counts reach the

@@ -24,6 +24,8 @@ length --accepted-length of 5 under verify-all: 3.5 is V4.1-Flash DSpark-5 with 
 while the engine runs every verify step for real (the verified lengths the policy picks, rollback,
 proposals). The scheduler's step-time model is profiled at engine start on this device.
 Engines are built one at a time (one set of caches in memory); the ratios are taken at the end.
+The policies run with the engine's defaults: on CUDA that is async scheduling with overlapped verify
+steps (before 2026-12-02, late, the synchronous engine: the README's first full-width table).
 --async-overlap replaces the policies by verify-all three ways: synchronous, async scheduling with
 every verify step resolved before the next schedule, and async with verify steps that overlap
 (spec/overlap.py: the next one launched before the counts reach the host), and prints their ratios,
@@ -167,7 +169,7 @@ def config_only_checkpoint(tmp: Path, preset: str) -> str:
 def configs(a) -> dict[str, dict]:
     spec = dict(speculative="dspark", spec_replay_accepted_length=a.accepted_length, spec_acceptance=a.acceptance)
     if a.async_overlap:     # verify-all synchronous, async with every verify step resolved first, overlapped
-        return {"off": {}, "verify-all": {**spec, "spec_policy": "all"},
+        return {"off": {}, "verify-all": {**spec, "spec_policy": "all", "async_scheduling": False},
                 "all async": {**spec, "spec_policy": "all", "async_scheduling": True, "spec_async_overlap": False},
                 "all overlap": {**spec, "spec_policy": "all", "async_scheduling": True},
                 "sched overlap": {**spec, "spec_policy": "scheduler", "async_scheduling": True}}

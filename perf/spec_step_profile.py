@@ -25,7 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_decode import config_only_checkpoint  # noqa: E402
 
-POLICIES = {"off": {}, "all": {"spec_policy": "all"}, "scheduler": {"spec_policy": "scheduler"},
+# "all" / "scheduler": the synchronous engine (every verify step resolved before the next schedule);
+# "all-async": overlapped verify steps (CUDA's default with speculation since 2026-12-02, late)
+POLICIES = {"off": {}, "all": {"spec_policy": "all", "async_scheduling": False},
+            "scheduler": {"spec_policy": "scheduler", "async_scheduling": False},
             "all-async": {"spec_policy": "all", "async_scheduling": True}}
 
 

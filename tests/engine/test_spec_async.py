@@ -80,7 +80,7 @@ def sync_runs(args):
 @pytest.mark.parametrize("rule", ["identical", "sampled"])
 def test_async_speculation_equals_sync(args, sync_runs, rule):
     want, sync_engine = sync_runs(rule)
-    assert not sync_engine.async_scheduling               # speculation: sync unless asked (CPU: sync anyway)
+    assert not sync_engine.async_scheduling               # a CPU engine is synchronous unless asked
     a = engine(args, spec_acceptance=rule, async_scheduling=True)
     assert a.async_scheduling
     got, _, overlapped, _ = run(a, PLIST[rule]())

@@ -197,7 +197,8 @@ def test_verify_cuda_graphs_match_eager_gpu(tiny_checkpoint, monkeypatch):
     (CudaGraphRunner with enabled=False: capture, replay, static refill, draft rows and the DSpark
     taps are what differ)."""
     from deepinfer.worker import graph_step
-    llm, got = _spec_engine_run(tiny_checkpoint, device="cuda", cuda_graph_sizes=(1, 2, 4))
+    # the synchronous verify path (CUDA's default overlaps verify steps: tests/engine/test_spec_overlap.py)
+    llm, got = _spec_engine_run(tiny_checkpoint, device="cuda", cuda_graph_sizes=(1, 2, 4), async_scheduling=False)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.num_replays > 0 and graphs.num_verify_steps > 0, \
         "no verify CUDA graph replayed (capture failed? see the log)"
@@ -210,7 +211,7 @@ def test_verify_cuda_graphs_match_eager_gpu(tiny_checkpoint, monkeypatch):
             super().__init__(fn, sizes, enabled=False, **kw)
     with monkeypatch.context() as m:
         m.setattr(graph_step, "CudaGraphRunner", EagerPadded)
-        llm2, same = _spec_engine_run(tiny_checkpoint, device="cuda", cuda_graph_sizes=(1, 2, 4))
+        llm2, same = _spec_engine_run(tiny_checkpoint, device="cuda", cuda_graph_sizes=(1, 2, 4), async_scheduling=False)
     assert llm2.engine.runner.graphs.num_replays == 0 and llm2.engine.runner.graphs.num_verify_steps > 0
     for g, s in zip(got, same):
         assert g.token_ids == s.token_ids
