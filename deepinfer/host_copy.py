@@ -9,8 +9,15 @@ pinned allocator keeps the staging buffer alive until its copy has run.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
+
+# DEEPINFER_HOST_COPY=blocking: plain copies (the behaviour before this module), for A/B runs: a later
+# chunked-prefill run with these copies and another change was slower and the two were not separated
+# (perf/H200_NOTES.md, 2026-12-02, late night)
+PINNED = os.environ.get("DEEPINFER_HOST_COPY", "pinned") != "blocking"
 
 
 def host_tensor(values, dtype: torch.dtype | None, device) -> torch.Tensor:
@@ -21,7 +28,7 @@ def host_tensor(values, dtype: torch.dtype | None, device) -> torch.Tensor:
     if isinstance(values, np.ndarray):
         values = np.ascontiguousarray(values)
     t = torch.as_tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or not PINNED:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
