@@ -38,6 +38,4 @@ def to_device(a, device) -> torch.Tensor:
     its dtype."""
     if isinstance(a, torch.Tensor) and a.device.type != "cpu":
         return a.to(device, non_blocking=True)
-    if isinstance(a, np.ndarray):
-        a = np.ascontiguousarray(a, dtype=np.int64)
     return host_tensor(a, torch.int64, device)

@@ -128,7 +128,7 @@ def wide_tile_pays(m: int, n: int, sms: int) -> bool:
     tiles_m = -(-m // 128)
     waves128 = -(-(tiles_m * -(-n // 128)) // sms)
     waves192 = -(-(tiles_m * -(-n // 192)) // sms)
-    return 2 * waves192 * 3 < 2 * waves128 * 2
+    return 3 * waves192 < 2 * waves128
 
 
 def smem_bytes(name: str) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.host_copy import host_tensor  # noqa: F401 (re-exported: callers import it from here)
+from deepinfer.host_copy import host_tensor
 from deepinfer.sample.random import ACCEPT, RESIDUAL, SAMPLE, _MASK64, purpose_seed, splitmix64
 from deepinfer.sampling_params import SamplingParams
 

@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from deepinfer.sample.device_sampling import host_tensor
+from deepinfer.host_copy import host_tensor
 from deepinfer.sample.grammar import GrammarState, InvalidConstraintError, StructuredOutput
 from deepinfer.sample.random import ACCEPT, RESIDUAL, resolve_seed, uniforms
 from deepinfer.sampling_params import SamplingParams

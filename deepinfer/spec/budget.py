@@ -56,11 +56,11 @@ class VerifyBudgetPolicy:
     def assign(self, entries: list[DraftEntry]) -> list[int]:
         if not entries:
             return []
-        cap = self.best_cap([e.num_drafts for e in entries], [self._budget_survival(e) for e in entries])
+        survivals = [self._budget_survival(e) for e in entries]
+        cap = self.best_cap([e.num_drafts for e in entries], survivals)
         if cap is not None:
             return [min(e.num_drafts, cap) for e in entries]
-        budget = self.best_budget(len(entries), sorted(
-            (a for e in entries for a in self._budget_survival(e)), reverse=True))
+        budget = self.best_budget(len(entries), sorted((a for s in survivals for a in s), reverse=True))
         return split_budget(entries, budget)
 
     def best_cap(self, num_drafts: list[int], survival: list[list[float]]) -> int | None:

@@ -97,7 +97,7 @@ class _DraftSampler:
         self.params = [sampling[b][0] for b in self.idx]
         self.seeds = [sampling[b][1] for b in self.idx]
         if isinstance(positions, torch.Tensor):
-            from deepinfer.sample.device_sampling import host_tensor
+            from deepinfer.host_copy import host_tensor
             self.positions = positions[host_tensor(self.idx, torch.int64, positions.device)]
         else:
             self.positions = [positions[b] for b in self.idx]
@@ -105,7 +105,8 @@ class _DraftSampler:
         self.q: list[torch.Tensor] = []              # per draft i: [len(idx), V] normalized
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:          # [B, V] -> [B]
-        from deepinfer.sample.device_sampling import host_tensor, uniforms_on_device
+        from deepinfer.host_copy import host_tensor
+        from deepinfer.sample.device_sampling import uniforms_on_device
         from deepinfer.sample.random import DRAFT, uniforms
         from deepinfer.sample.sampler import filtered_probs, inverse_cdf, row_totals
         i = len(self.q)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deepinfer.host_copy import host_tensor, to_device  # noqa: F401 (to_device: imported from here by the runner)
+from deepinfer.host_copy import to_device
 from deepinfer.spec.device_resolution import DeviceResolution
 
 

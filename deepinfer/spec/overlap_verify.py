@@ -56,9 +56,10 @@ def plan_overlapped(policy, num_drafts: list[int],
             return list(num_drafts), None
         older_policy = policy if policy.budget_confidences == "older" else VerifyBudgetPolicy(
             policy.step_time, policy.early_stop, "older", policy.padded)
-        cap = older_policy.best_cap([e.num_drafts for e in entries], [older_policy._budget_survival(e) for e in entries])
+        survivals = [older_policy._budget_survival(e) for e in entries]
+        cap = older_policy.best_cap([e.num_drafts for e in entries], survivals)
         if cap is not None:     # padded steps: a cap on the host shortens the step itself (budget.py)
             return [min(k, cap) for k in num_drafts], None
-        survival = sorted((a for e in entries for a in older_policy._budget_survival(e)), reverse=True)
+        survival = sorted((a for s in survivals for a in s), reverse=True)
         return list(num_drafts), OverlapVerify(budget=policy.best_budget(len(entries), survival))
     return list(num_drafts), None          # VerifyAllPolicy, or a policy without a device form

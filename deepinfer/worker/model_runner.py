@@ -53,7 +53,8 @@ from dataclasses import dataclass
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.spec.device_resolution import resolve_on_device
-from deepinfer.spec.overlap import can_draft_on_device, to_device
+from deepinfer.host_copy import to_device
+from deepinfer.spec.overlap import can_draft_on_device
 from deepinfer.worker.input_batch import InputBatch, _ragged_arange
 
 

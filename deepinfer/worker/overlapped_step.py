@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
-from deepinfer.spec.overlap import step_inputs, to_device
+from deepinfer.host_copy import to_device
+from deepinfer.spec.overlap import step_inputs
 from deepinfer.spec.device_verify import verified_counts
 from deepinfer.worker.input_batch import _ragged_arange
 
