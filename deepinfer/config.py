@@ -37,6 +37,8 @@ class EngineArgs:
     # benchmark mode (spec/replay.py): replay acceptance outcomes and calibrated confidences drawn with
     # this mean accepted length (verify-all, tokens per step, e.g. 3.5 of 5 drafts); None = real drafts
     spec_replay_accepted_length: float | None = None
+    # ... and this Beta concentration kappa of the confidences (small: sharp, near 0 or 1; large: alike)
+    spec_replay_concentration: float = 2.0
     # with async scheduling: verify steps overlap (spec/overlap.py): the next one is scheduled with
     # the worst-case reservation and launched from the device-side resolution before this one's
     # accepted counts reach the host (greedy or seeded temperature > 0 requests without logprobs,
@@ -197,6 +199,8 @@ class EngineArgs:
         r = self.spec_replay_accepted_length
         if r is not None and not 1.0 <= r < 1 + self.num_speculative_tokens:
             raise ValueError(f"spec_replay_accepted_length must be in [1, {1 + self.num_speculative_tokens}), got {r}")
+        if not self.spec_replay_concentration > 0:
+            raise ValueError(f"spec_replay_concentration must be > 0, got {self.spec_replay_concentration}")
 
     @classmethod
     def from_kwargs(cls, checkpoint: str, **kwargs) -> "EngineArgs":

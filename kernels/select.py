@@ -32,7 +32,8 @@ Knobs (environment, read once):
                                  the next slice's wgmma; split-K at decode sizes), and the MoE's grouped
                                  contiguous form on it (the row-scaled expert stacks included); a call it
                                  declines takes the W8A16 path (logged once). auto takes the CUDA kernel
-                                 for dense linears of >= CUDA_AUTO_MIN_M rows with 32x32-block scales and
+                                 for dense linears of >= CUDA_AUTO_MIN_M rows with 32x32-block scales (from
+                                 CUDA_AUTO_WIDE_MIN_M rows where its tiles cover 3/4 of the SMs) and
                                  for the MoE's grouped contiguous steps with block or per-row scales
                                  (per-(row, 32) scales measured slower than W8A16)
     DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
@@ -86,13 +87,15 @@ FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # bench_fp8_prefill.py --cuda: 1.12-1.25x W8A16 on the six release linears at M = 8,192; 0.2-1.05x at
 # M <= 128, where it has no split-K; M in between not measured yet)
 CUDA_AUTO_MIN_M = int(os.environ.get("DEEPINFER_CUDA_AUTO_MIN_M", "4096"))
-# Opt-in (DEEPINFER_CUDA_AUTO_WIDE_MIN_M=256): also from this many rows where the 128 x 128 output tiles
-# cover at least 3/4 of the SMs. Per linear it pays (H200, 2026-12-02, M 256 / 512 / 1024: 1.08-1.63x
-# W8A16 wherever that holds; where it does not, W8A16 won 5 of 7 points, e.g. wqkv_a at M 512: 0.83x), but
-# the whole chunked prefill (2,048-token chunks) measured with it was 264 ms against 218 ms without it in
-# an earlier run, unexplained and not re-measured: off until a same-run A/B says otherwise
-_WIDE = os.environ.get("DEEPINFER_CUDA_AUTO_WIDE_MIN_M")
-CUDA_AUTO_WIDE_MIN_M = int(_WIDE) if _WIDE else None
+# auto also takes the CUDA kernel from this many rows where the 128 x 128 output tiles cover at least
+# 3/4 of the SMs (DEEPINFER_CUDA_AUTO_WIDE_MIN_M; empty or 0: off). Per linear it pays (H200,
+# 2026-12-02, M 256 / 512 / 1024: 1.08-1.63x W8A16 wherever that holds; where it does not, W8A16 won 5
+# of 7 points, e.g. wqkv_a at M 512: 0.83x). Whole prefill, same-run A/B (H200, 2026-12-03,
+# bench_model_prefill.py --cases chunked 1x8192 --iters 2, pinned host copies): chunked (2,048-token
+# chunks) 196.2 ms with it against 208.3 without, 1 x 8192 192.5 / 194.3. (The 264 ms of an earlier
+# run was not the rule: with blocking host copies both sides were slower, 243 / 216.)
+_WIDE = os.environ.get("DEEPINFER_CUDA_AUTO_WIDE_MIN_M", "256")
+CUDA_AUTO_WIDE_MIN_M = int(_WIDE) if _WIDE and int(_WIDE) > 0 else None
 FP8_TABLE_PATH = os.environ.get("DEEPINFER_FP8_TABLE", os.path.join(os.path.dirname(__file__), "fp8_select_table.json"))
 
 log = logging.getLogger(__name__)
@@ -263,8 +266,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
 
 def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
     """The CUDA FP8 x FP8 kernel takes this call: DEEPINFER_PREFILL_GEMM=cuda and at least FP8_VARIANT_MIN_M
-    rows, or auto (the default) with 32x32-block weight scales and at least CUDA_AUTO_MIN_M rows (or, opted
-    in, CUDA_AUTO_WIDE_MIN_M rows whose 128 x 128 tiles cover 3/4 of the SMs); not
+    rows, or auto (the default) with 32x32-block weight scales and at least CUDA_AUTO_MIN_M rows (or
+    CUDA_AUTO_WIDE_MIN_M rows whose 128 x 128 tiles cover 3/4 of the SMs); not
     batch-invariant mode, and its rules (cuda_fp8_gemm.decline_reason: SM90, nvcc, K % 32, block / per-(row,
     32) / per-row weight scales); a call breaking them takes the W8A16 path, logged once per rule."""
     if PREFILL_GEMM not in ("cuda", "auto") or _batch_invariant() or not use_fast(x) or not x.is_cuda \

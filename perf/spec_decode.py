@@ -167,7 +167,8 @@ def config_only_checkpoint(tmp: Path, preset: str) -> str:
 
 
 def configs(a) -> dict[str, dict]:
-    spec = dict(speculative="dspark", spec_replay_accepted_length=a.accepted_length, spec_acceptance=a.acceptance)
+    spec = dict(speculative="dspark", spec_replay_accepted_length=a.accepted_length, spec_acceptance=a.acceptance,
+                spec_replay_concentration=a.concentration)
     if a.async_overlap:     # verify-all synchronous, async with every verify step resolved first, overlapped
         return {"off": {}, "verify-all": {**spec, "spec_policy": "all", "async_scheduling": False},
                 "all async": {**spec, "spec_policy": "all", "async_scheduling": True, "spec_async_overlap": False},
@@ -252,7 +253,7 @@ def save_json(a, res: dict) -> None:
     Path(a.json).write_text(json.dumps({"args": vars(a), "results": res}, indent=1))
 
 
-def report(res: dict, batches: list[int], gpus: int) -> None:
+def report(res: dict, batches: list[int], gpus: int, a=None) -> None:
     names = list(res)
     if "off" not in res or "verify-all" not in res:
         print("no table: the run did not reach both no speculation and verify-all")
@@ -291,6 +292,7 @@ def report(res: dict, batches: list[int], gpus: int) -> None:
     if "scheduler" not in res or not th:
         return
     th = th[0]
+    bound = oracle_bounds(a) if a is not None else None
     for b in batches:
         s, va, t = res["scheduler"][b], res["verify-all"][b], res[th][b]
         fewer = 1 - s["verified_per_step"] / va["verified_per_step"] if va["verified"] else float("nan")
@@ -298,6 +300,18 @@ def report(res: dict, batches: list[int], gpus: int) -> None:
               f"(goal >= 25%) at {s['mean_acc_len'] / va['mean_acc_len']:.2f} of its accepted length (goal >= 0.98); "
               f"verified per accepted {verified_per_accepted(s) / verified_per_accepted(va):.2f}x verify-all's; "
               f"tok/s vs threshold {s['total'] / t['total']:.2f}x (goal > 1 at batch 64)")
+        if bound is not None:
+            print(f"    the best any policy deciding from the confidences keeps (spec/replay.py, kappa "
+                  f"{a.concentration}): {bound(max(fewer, 0.0)):.3f} of verify-all's accepted length at "
+                  f"{max(fewer, 0.0):.0%} fewer drafts, {bound(0.25):.3f} at 25% fewer")
+
+
+def oracle_bounds(a):
+    """fewer -> the oracle's kept fraction of accepted length under the run's replayed distribution."""
+    from deepinfer.spec.replay import ReplayedAcceptance
+    from deepinfer.config import EngineArgs
+    r = ReplayedAcceptance(a.accepted_length, EngineArgs.num_speculative_tokens, a.concentration)
+    return lambda fewer: r.best_accepted_length_ratio(min(fewer, 1.0))
 
 
 def verified_per_accepted(r: dict) -> float:
@@ -334,6 +348,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--accepted-length", type=float, default=3.5)
+    ap.add_argument("--concentration", type=float, default=2.0,
+                    help="the replayed confidences' Beta concentration kappa (spec/replay.py): 2 spreads them "
+                         "widely, smaller is sharper (near 0 or 1)")
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
@@ -368,7 +385,7 @@ def main() -> None:
               f"replayed mean accepted length {a.accepted_length} of 5 (verify-all), temperature {a.temperature}, "
               f"acceptance {a.acceptance}", flush=True)
         res = measure_all(ckpt, a)
-    report(res, a.batches, gpus=1)
+    report(res, a.batches, gpus=1, a=a)
     print(f"total {time.perf_counter() - T_START:.0f} s")
     if a.json:
         save_json(a, res)

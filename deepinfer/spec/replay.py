@@ -66,6 +66,20 @@ class ReplayedAcceptance:
         logits = np.log(c) - np.log1p(-c)
         return logits.tolist(), lengths.tolist()
 
+    def best_accepted_length_ratio(self, fewer: float, samples: int = 200_000) -> float:
+        """The most accepted length, as a fraction of verify-all's, that any policy deciding from the
+        confidences can keep while verifying `fewer` (a fraction) fewer drafts than verify-all, under
+        this distribution. Verifying draft j gains its survival a_j in expectation (calibration), so
+        the best cut drops the lowest survivals of all proposals pooled (a prefix of each, since a_j
+        falls with j); pooling over every step bounds any per-step budget. Monte Carlo, fixed seed."""
+        if not 0.0 <= fewer <= 1.0:
+            raise ValueError(f"fewer must be in [0, 1], got {fewer}")
+        rng = np.random.default_rng(self.seed)
+        c = rng.beta(self.m * self.concentration, (1 - self.m) * self.concentration, size=(samples, self.num_drafts))
+        a = np.sort(np.cumprod(c.clip(1e-6, 1 - 1e-6), axis=1).ravel())
+        full = samples + a.sum()
+        return float((full - a[:int(round(fewer * a.size))].sum()) / full)
+
     def __repr__(self) -> str:
         return (f"ReplayedAcceptance(mean accepted length {self.mean_accepted_length} of {self.num_drafts} "
                 f"drafts: m = {self.m:.3f}, kappa = {self.concentration})")

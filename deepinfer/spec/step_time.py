@@ -6,6 +6,11 @@ decode graphs the same way: model_runner.py profile_decode_perf, 1 warm-up + tim
     grid:   batch sizes n_1 < n_2 < ...  x  drafts per request x_1 < x_2 < ... (0 .. k)
     t(n, B) = bilinear interpolation at (n, B / n) of the median step seconds; clamped to the grid
 
+A step cannot get cheaper by verifying more, so each batch size's row of medians is made
+non-decreasing in x by pooling adjacent violators (the least-squares monotone fit): on the H200
+(2026-12-03, async scheduling) single points came out 50% above their neighbours (n = 2: 6.4, 9.7,
+9.2, 9.3, 9.8, 6.6 ms), which made the scheduler's budget follow the noise.
+
 Profiling: n greedy requests with short prompts are prefilled, then every step verifies exactly x
 drafts per request (FixedDraftsPolicy), 1 warm-up + `repeats` timed steps per point; the requests
 are aborted at the end and the engine's counters reset. A CPU grid is small (batch sizes 1, 4 and max_num_seqs,
@@ -87,7 +92,19 @@ def profile_step_times(engine, repeats: int | None = None) -> StepTimeModel | No
     seconds = [[_time_point(engine, n, x, repeats, max_tokens) for x in xs] for n in sizes]
     logger.info("profiled DSpark verify step times for batch sizes %s x drafts %s in %.1f s",
                 sizes, xs, time.perf_counter() - t0)
-    return StepTimeModel(sizes, xs, seconds)
+    return StepTimeModel(sizes, xs, [non_decreasing(row) for row in seconds])
+
+
+def non_decreasing(ys: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ys (pool adjacent violators, equal weights)."""
+    blocks: list[list[float]] = []        # [sum, count] per pooled block
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [s / c for s, c in blocks for _ in range(int(c))]
 
 
 def _time_point(engine, n: int, x: int, repeats: int, max_tokens: int) -> float:

@@ -40,3 +40,30 @@ def test_bad_lengths_are_refused():
         with pytest.raises(ValueError, match="mean accepted length"):
             survival_mean_for(bad, 5)
     assert survival_mean_for(1.0, 5) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_best_accepted_length_ratio_is_the_oracle_cut():
+    """The bound a scheduler is judged against: cutting nothing keeps everything, cutting more keeps
+    less, and sharper confidences (small kappa) keep more at the same cut; at kappa = 2 no policy
+    keeps 0.98 of the accepted length with 25% fewer drafts, at kappa = 0.5 one can."""
+    r = ReplayedAcceptance(3.5, 5, seed=1)
+    assert r.best_accepted_length_ratio(0.0, samples=20000) == pytest.approx(1.0)
+    cuts = [r.best_accepted_length_ratio(f, samples=20000) for f in (0.1, 0.25, 0.5)]
+    assert cuts[0] > cuts[1] > cuts[2]
+    assert 0.94 < cuts[1] < 0.97
+    sharp = ReplayedAcceptance(3.5, 5, concentration=0.5, seed=1).best_accepted_length_ratio(0.25, samples=20000)
+    assert sharp > 0.99
+    # a direct check on the same draws: dropping the pooled lowest survivals of a small sample by hand
+    small = ReplayedAcceptance(2.5, 3, seed=3)
+    c = np.random.default_rng(3).beta(small.m * 2, (1 - small.m) * 2, size=(50, 3)).clip(1e-6, 1 - 1e-6)
+    a = np.cumprod(c, axis=1)
+    kept = 50 + a.sum() - np.sort(a.ravel())[:15].sum()
+    assert small.best_accepted_length_ratio(0.1, samples=50) == pytest.approx(kept / (50 + a.sum()))
+    with pytest.raises(ValueError, match="fewer"):
+        r.best_accepted_length_ratio(1.5)
+
+
+def test_replay_concentration_is_an_engine_arg():
+    from deepinfer.config import EngineArgs
+    with pytest.raises(ValueError, match="spec_replay_concentration"):
+        EngineArgs("unused", spec_replay_concentration=0.0)._check_spec_args()

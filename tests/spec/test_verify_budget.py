@@ -16,7 +16,7 @@ from deepinfer.sched.scheduler import Scheduler
 from deepinfer.spec.budget import VerifyBudgetPolicy, split_budget
 from deepinfer.spec.policy import (DraftEntry, FixedDraftsPolicy, StaticThresholdPolicy, VerifyAllPolicy,
                                    prefix_survival)
-from deepinfer.spec.step_time import StepTimeModel
+from deepinfer.spec.step_time import StepTimeModel, non_decreasing
 
 
 def logit(c: float) -> float:
@@ -45,6 +45,30 @@ def test_step_time_model_interpolates_and_clamps():
     assert m.time(2, 0) == pytest.approx(1 + 2 / 3)                 # between the batch sizes
     assert m.time(4, 10) == pytest.approx(5.5)                      # 2.5 drafts each
     assert m.time(64, 0) == 3.0 and m.time(1, 50) == 2.0            # clamped to the grid
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_profiled_rows_are_fit_non_decreasing(seed):
+    """The least-squares monotone fit, against brute force over the fits that pool runs of equal
+    values: non-decreasing, same mean, and no other non-decreasing fit of pooled runs is closer."""
+    import itertools
+    rng = random.Random(seed)
+    ys = [rng.uniform(5, 10) for _ in range(rng.randint(1, 6))]
+    fit = non_decreasing(ys)
+    assert len(fit) == len(ys) and all(a <= b + 1e-12 for a, b in zip(fit, fit[1:]))
+    assert sum(fit) == pytest.approx(sum(ys))
+    err = sum((a - b) ** 2 for a, b in zip(fit, ys))
+    for cuts in itertools.product([0, 1], repeat=len(ys) - 1):   # every partition into runs
+        cand, start = [], 0
+        for i, cut in enumerate(list(cuts) + [1]):
+            if cut:
+                run = ys[start:i + 1]
+                cand += [sum(run) / len(run)] * len(run)
+                start = i + 1
+        if all(a <= b for a, b in zip(cand, cand[1:])):
+            assert err <= sum((a - b) ** 2 for a, b in zip(cand, ys)) + 1e-9
+    assert non_decreasing([6.4, 9.7, 9.2, 9.3, 9.8, 6.6]) == pytest.approx([6.4] + [(9.7 + 9.2 + 9.3 + 9.8 + 6.6) / 5] * 5)
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
 
 
 @pytest.mark.parametrize("seed", range(5))
