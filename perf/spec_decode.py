@@ -72,6 +72,7 @@ import argparse
 import gc
 import random
 import sys
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -148,7 +149,24 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
             "total": (total - len(done)) / (wall - last_first),
             "per_user_e2e": sum(tokens[r] / done[r] for r in done) / len(done), "total_e2e": total / wall,
             "verified": verified, "accepted": acc, "steps": d["steps_total"],
-            "mean_acc_len": total / req_steps, "verified_per_step": verified / req_steps}
+            "mean_acc_len": total / req_steps, "verified_per_step": verified / req_steps,
+            "tokens": total, "req_steps": req_steps}
+
+
+RATES = ("per_user", "total", "per_user_e2e", "total_e2e")
+COUNTS = ("verified", "accepted", "steps", "tokens", "req_steps")
+
+
+def combine_repeats(runs: list[dict]) -> dict:
+    """Several timed runs of one (policy, batch) -> one: the median of each rate (a run's wall time moves
+    by tens of percent on a short GPU run: H200, 2026-12-03, verify-all at batch 1 299 and 478 tok/s in two
+    calls with the same draws), counts summed and the per-step ratios taken over the sums."""
+    out = {k: statistics.median(r[k] for r in runs) for k in RATES}
+    out.update({k: sum(r[k] for r in runs) for k in COUNTS})
+    out["mean_acc_len"] = out["tokens"] / out["req_steps"]
+    out["verified_per_step"] = out["verified"] / out["req_steps"]
+    out["runs"] = [{k: r[k] for k in RATES} for r in runs]
+    return out
 
 
 def config_only_checkpoint(tmp: Path, preset: str) -> str:
@@ -212,8 +230,9 @@ def measure_all(ckpt: str, a) -> dict:
                       temperature=a.temperature)
         res[name] = {}
         for b in a.batches:
-            r = res[name][b] = run_batch(eng, b, a.prompt_len, a.output_len, vocab, label=f"{name} batch {b}",
-                                         temperature=a.temperature)
+            r = res[name][b] = combine_repeats([
+                run_batch(eng, b, a.prompt_len, a.output_len, vocab, seed=rep, label=f"{name} batch {b}",
+                          temperature=a.temperature) for rep in range(a.repeats)])
             print(f"[{name}] batch {b}: {r['per_user']:.1f} tok/s/user, {r['total']:.1f} tok/s, {r['steps']} steps, "
                   f"verified {r['verified']}, accepted {r['accepted']}, acc len {r['mean_acc_len']:.2f}", flush=True)
         if a.json:         # after every policy: a run cut short by `timeout` still leaves its data
@@ -348,6 +367,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--accepted-length", type=float, default=3.5)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per (policy, batch), each with its own requests and draws (the same "
+                         "for every policy): the median rates, the counts summed")
     ap.add_argument("--concentration", type=float, default=2.0,
                     help="the replayed confidences' Beta concentration kappa (spec/replay.py): 2 spreads them "
                          "widely, smaller is sharper (near 0 or 1)")
@@ -373,7 +395,7 @@ def main() -> None:
     ap.add_argument("--plot")
     a = ap.parse_args()
     if a.quick:
-        a.prompt_len, a.output_len = min(a.prompt_len, 32), min(a.output_len, 32)
+        a.prompt_len, a.output_len, a.repeats = min(a.prompt_len, 32), min(a.output_len, 32), 1
     with tempfile.TemporaryDirectory() as tmp:
         if a.checkpoint:
             ckpt = a.checkpoint
