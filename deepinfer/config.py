@@ -30,6 +30,9 @@ class EngineArgs:
     spec_confidence_threshold: float = 0.5  # "threshold": verify drafts 1..j while prod_{i<=j} sigmoid(c_i) >= this
     spec_early_stop: bool = False           # "scheduler": stop at the first budget that does not pay (the paper's variant)
     spec_budget_confidences: str = "older"  # "scheduler": budget from the previous proposal's confidences, or "newest"
+    # "scheduler" with older confidences: calibrate them online against the newest (spec/older_calibration.py);
+    # False = take them as they are (DeepInfer)
+    spec_calibrate_older: bool = True
     # acceptance (deepinfer/sample/rejection.py): "identical" = greedy drafts accepted where they equal the
     # seeded sample (tokens identical to no speculation); "sampled" = requests at temperature > 0 sample
     # their drafts and accept with min(1, p/q), residual resample (same distribution, more accepted)

@@ -8,6 +8,8 @@ sampler (deepinfer/sample/rejection.py).
     policy.py           DraftEntry, prefix survival, VerifyAllPolicy, StaticThresholdPolicy, FixedDraftsPolicy
     budget.py           VerifyBudgetPolicy: the batch-wide budget maximizing expected accepted tokens
                         per profiled step second, split by the newest confidences (DSpark Algorithm 1)
+    older_calibration.py  OlderCalibration: what a request's previous proposal predicts about its
+                        current one, measured online (the budget's "older" confidences)
     step_time.py        StepTimeModel and its profile through the engine's own steps at start
     engine_policy.py    EngineArgs.spec_policy -> the policy in every scheduler's DraftBook
     replay.py           ReplayedAcceptance: the benchmark mode's stated acceptance distribution

@@ -16,7 +16,9 @@ t(n, B) is the profiled step time (spec/step_time.py) of n requests verifying B 
 budget_confidences="older" takes the budget from the previous proposal's confidences (two steps
 old: what DeepInfer's asynchronous production scheduler has when it picks B) and "newest" from
 the current ones; a request without older confidences counts each draft as 1.0 (DeepInfer's
-padding for requests that have drafts).
+padding for requests that have drafts). With `calibration` (spec/older_calibration.py, the engine's
+default) the older survivals are replaced by the newest ones they predict, as measured online, and a
+request without older confidences gets the mean survival.
 
 Padded steps (`padded`): DeepInfer's varlen kernels make a step cost what it verifies in all; our
 verify steps through CUDA graphs run every request padded to the longest one's length (the graph
@@ -30,9 +32,10 @@ length).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
+from deepinfer.spec.older_calibration import OlderCalibration
 from deepinfer.spec.policy import DraftEntry, prefix_survival
 from deepinfer.spec.step_time import StepTimeModel
 
@@ -47,6 +50,8 @@ class VerifyBudgetPolicy:
     # padded(n, length): a verify step of n requests up to `length` tokens each runs padded to it (a
     # CUDA graph); None: steps cost what they verify (eager, varlen)
     padded: Callable[[int, int], bool] | None = None
+    # the older confidences calibrated online against the newest (None: taken as they are)
+    calibration: OlderCalibration | None = None
 
     def __post_init__(self) -> None:
         if self.budget_confidences not in BUDGET_CONFIDENCES:
@@ -93,13 +98,25 @@ class VerifyBudgetPolicy:
                 break
         return best_b
 
+    def with_older_confidences(self) -> "VerifyBudgetPolicy":
+        """This policy taking its budget from the older confidences (an overlapped step's host half)."""
+        return self if self.budget_confidences == "older" else replace(self, budget_confidences="older")
+
+    def observe(self, older: list[float], newest: list[float]) -> None:
+        """A request's previous and new proposal's confidence logits (DraftBook): calibration data."""
+        if self.calibration is not None and older and newest:
+            self.calibration.observe(prefix_survival(older), prefix_survival(newest))
+
     def _budget_survival(self, e: DraftEntry) -> list[float]:
         if self.budget_confidences == "newest":
             return prefix_survival(e.newest[:e.num_drafts])
+        cal = self.calibration
         if not e.older:
-            return [1.0] * e.num_drafts
+            mean = cal.mean(e.num_drafts) if cal is not None else None
+            return mean if mean is not None else [1.0] * e.num_drafts
         a = prefix_survival(e.older[:e.num_drafts])
-        return a + [a[-1]] * (e.num_drafts - len(a))     # an older proposal that was shorter
+        a = a + [a[-1]] * (e.num_drafts - len(a))     # an older proposal that was shorter
+        return cal.predict(a) if cal is not None else a
 
 
 def split_budget(entries: list[DraftEntry], budget: int) -> list[int]:

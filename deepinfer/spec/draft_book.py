@@ -24,7 +24,10 @@ class DraftBook:
         """drafts of one request (room: how many max_tokens still leaves room for)."""
         n = max(0, min(len(drafts), room))
         confs = list(confidences) if confidences else [math.inf] * len(drafts)   # none: certain
-        self._pending[req_id] = (list(drafts[:n]), confs[:n], self._last_confidences.get(req_id))
+        older = self._last_confidences.get(req_id)
+        self._pending[req_id] = (list(drafts[:n]), confs[:n], older)
+        if confidences:
+            self._observe(older, confs)
         self._last_confidences[req_id] = confs
 
     def plan(self, req_ids: list[str]) -> dict[str, list[int]]:
@@ -39,7 +42,14 @@ class DraftBook:
     def remember(self, req_id: str, confidences: list[float]) -> None:
         """A proposal an overlapped step verifies without a plan (spec/overlap_verify.py): only its
         confidences are kept, the `older` of the next budget."""
+        self._observe(self._last_confidences.get(req_id), confidences)
         self._last_confidences[req_id] = list(confidences)
+
+    def _observe(self, older: list[float] | None, newest: list[float]) -> None:
+        """A policy that learns from consecutive proposals (VerifyBudgetPolicy.observe) sees this pair."""
+        observe = getattr(self.policy, "observe", None)
+        if observe is not None and older and all(math.isfinite(c) for c in older):
+            observe(older, newest)
 
     def last_confidences(self, req_id: str) -> list[float] | None:
         """req_id's latest proposal's confidence logits the host has (None: none yet)."""

@@ -5,6 +5,7 @@ scheduler exists, since "scheduler" profiles step times through the engine's own
 from __future__ import annotations
 
 from deepinfer.spec.budget import VerifyBudgetPolicy
+from deepinfer.spec.older_calibration import OlderCalibration
 from deepinfer.spec.policy import StaticThresholdPolicy, VerifyAllPolicy
 from deepinfer.spec.step_time import profile_step_times
 
@@ -19,7 +20,8 @@ def set_verification_policy(engine) -> None:
         model = _profile(engine)
         policy = VerifyAllPolicy() if model is None else VerifyBudgetPolicy(
             model, early_stop=a.spec_early_stop, budget_confidences=a.spec_budget_confidences,
-            padded=_padded_steps(engine))
+            padded=_padded_steps(engine),
+            calibration=OlderCalibration(a.num_speculative_tokens) if a.spec_calibrate_older else None)
     engine.step_time_model = getattr(policy, "step_time", None)
     for book in _draft_books(engine):
         book.policy = policy

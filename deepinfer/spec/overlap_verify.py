@@ -54,8 +54,7 @@ def plan_overlapped(policy, num_drafts: list[int],
         entries = [DraftEntry(k, [], o) for k, o in zip(num_drafts, older) if k > 0]
         if not entries:
             return list(num_drafts), None
-        older_policy = policy if policy.budget_confidences == "older" else VerifyBudgetPolicy(
-            policy.step_time, policy.early_stop, "older", policy.padded)
+        older_policy = policy.with_older_confidences()
         survivals = [older_policy._budget_survival(e) for e in entries]
         cap = older_policy.best_cap([e.num_drafts for e in entries], survivals)
         if cap is not None:     # padded steps: a cap on the host shortens the step itself (budget.py)
