@@ -197,7 +197,8 @@ def configs(a) -> dict[str, dict]:
             "scheduler": {**spec, "spec_policy": "scheduler"},
             f"threshold {a.threshold}": {**spec, "spec_policy": "threshold", "spec_confidence_threshold": a.threshold},
             **({"sched newest": {**spec, "spec_policy": "scheduler", "spec_budget_confidences": "newest"},
-                "sched early-stop": {**spec, "spec_policy": "scheduler", "spec_early_stop": True}}
+                "sched early-stop": {**spec, "spec_policy": "scheduler", "spec_early_stop": True},
+                "sched face value": {**spec, "spec_policy": "scheduler", "spec_calibrate_older": False}}
                if a.variants else {})}
 
 
@@ -379,7 +380,8 @@ def main() -> None:
     ap.add_argument("--num-cache-blocks", type=int,
                     help="cache blocks per engine (default on CUDA: the workload's, 64-token blocks; CPU: the engine's sizing)")
     ap.add_argument("--variants", action="store_true",
-                    help="also the scheduler with the newest confidences for the budget, and with early stop")
+                    help="also the scheduler with the newest confidences for the budget, with early stop, and with "
+                         "the older confidences at face value (spec_calibrate_older=False)")
     ap.add_argument("--quick", action="store_true", help="prompt 32, output 32, a short warm-up")
     ap.add_argument("--async-overlap", action="store_true",
                     help="instead of the policies: verify-all synchronous, async (verify steps resolved "
