@@ -8,5 +8,5 @@
     cuda_graph.py      capture once per padded batch size, replay with the step's buffers
     overlapped_step.py verify steps built on the device from the step still in flight (spec/overlap.py)
     image_embeds.py    image span embeddings, encoded once per request, read by the steps that need them
-    loading.py         the seam to the model package: load weights, size and allocate caches
+    loading.py         the seam to the model package: dtypes, cache sizes, cache allocation
 """

@@ -1,4 +1,5 @@
-"""The seam between the engine and the model package: load weights, size and allocate caches."""
+"""The seam between the engine and the model package: dtypes, cache sizes, cache allocation (the weights
+are loaded by model/loader.py, called from worker/rank.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,6 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
-
-
-def load_model(checkpoint: str, device: str, dtype: str, overrides: dict | None = None):
-    """(Transformer, ModelArgs) from a release-format checkpoint folder."""
-    from deepinfer.model.loader import load_model as _load
-    torch_dtype(dtype)  # validate early
-    model = _load(checkpoint, device=device, progress=False, **(overrides or {}))
-    return model, model.args
 
 
 def cache_bytes_per_block(model_args, block_tokens: int, dtype: str) -> int:
