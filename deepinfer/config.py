@@ -42,6 +42,8 @@ class EngineArgs:
     spec_replay_accepted_length: float | None = None
     # ... and this Beta concentration kappa of the confidences (small: sharp, near 0 or 1; large: alike)
     spec_replay_concentration: float = 2.0
+    # ... persisting over regimes of this many positions (0: drawn independently per proposal)
+    spec_replay_regime_tokens: int = 0
     # with async scheduling: verify steps overlap (spec/overlap.py): the next one is scheduled with
     # the worst-case reservation and launched from the device-side resolution before this one's
     # accepted counts reach the host (greedy or seeded temperature > 0 requests without logprobs,
@@ -204,6 +206,8 @@ class EngineArgs:
             raise ValueError(f"spec_replay_accepted_length must be in [1, {1 + self.num_speculative_tokens}), got {r}")
         if not self.spec_replay_concentration > 0:
             raise ValueError(f"spec_replay_concentration must be > 0, got {self.spec_replay_concentration}")
+        if self.spec_replay_regime_tokens < 0:
+            raise ValueError(f"spec_replay_regime_tokens must be >= 0, got {self.spec_replay_regime_tokens}")
 
     @classmethod
     def from_kwargs(cls, checkpoint: str, **kwargs) -> "EngineArgs":

@@ -186,7 +186,7 @@ def config_only_checkpoint(tmp: Path, preset: str) -> str:
 
 def configs(a) -> dict[str, dict]:
     spec = dict(speculative="dspark", spec_replay_accepted_length=a.accepted_length, spec_acceptance=a.acceptance,
-                spec_replay_concentration=a.concentration)
+                spec_replay_concentration=a.concentration, spec_replay_regime_tokens=a.regime_tokens)
     if a.async_overlap:     # verify-all synchronous, async with every verify step resolved first, overlapped
         return {"off": {}, "verify-all": {**spec, "spec_policy": "all", "async_scheduling": False},
                 "all async": {**spec, "spec_policy": "all", "async_scheduling": True, "spec_async_overlap": False},
@@ -374,6 +374,9 @@ def main() -> None:
     ap.add_argument("--concentration", type=float, default=2.0,
                     help="the replayed confidences' Beta concentration kappa (spec/replay.py): 2 spreads them "
                          "widely, smaller is sharper (near 0 or 1)")
+    ap.add_argument("--regime-tokens", type=int, default=0,
+                    help="the replayed confidences persist over regimes of this many positions (spec/replay.py); "
+                         "0: drawn independently per proposal")
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])

@@ -45,7 +45,7 @@ class DraftProposals:
 class DSparkProposer:
     def __init__(self, model, caches, num_speculative_tokens: int = 5, acceptance: str = "identical",
                  replay_accepted_length: float | None = None, seed: int = 0,
-                 replay_concentration: float = 2.0) -> None:
+                 replay_concentration: float = 2.0, replay_regime_tokens: int = 0) -> None:
         block = model.args.dspark_block_size
         if not block or not len(model.mtp):
             raise ValueError("speculative='dspark' needs a checkpoint with DSpark draft blocks "
@@ -62,7 +62,7 @@ class DSparkProposer:
         if replay_accepted_length is not None:
             from deepinfer.spec.replay import ReplayedAcceptance
             self.replay = ReplayedAcceptance(replay_accepted_length, num_speculative_tokens, replay_concentration,
-                                             seed=seed)
+                                             seed=seed, regime_tokens=replay_regime_tokens)
 
     def absorb(self, main_hidden: torch.Tensor, positions: torch.Tensor, ring_slots: list[int],
                cu_seqlens: list[int], max_pos: int | None = None) -> None:

@@ -9,6 +9,14 @@ proposal's confidences and its acceptance outcome are drawn from a stated distri
     draft k is accepted, given drafts 1..k-1 were, with probability c_k  (the confidences are calibrated)
     L = the number of leading drafts accepted; a step verifying v drafts accepts min(L, v) of them
 
+With regime_tokens = S > 0 a request's confidences persist: positions fall into regimes of S tokens (a
+per-request offset staggers them), one confidence vector is drawn per regime and every proposal
+anchored in it reuses it, with fresh acceptance draws (the text's local difficulty lasting S tokens).
+Each proposal's confidences keep the same distribution, so the mean accepted length and the bound
+below are unchanged; consecutive proposals (a few positions apart) then mostly share their
+confidences, the case DeepInfer's budget from the previous proposal's confidences is built for.
+S = 0 (the default): independent per proposal.
+
 m solves 1 + sum_{j=1..K} m^j = the mean accepted length of verify-all (tokens per verify step):
 3.5 of K = 5 is V4.1-Flash DSpark-5 with thinking on (0.776). kappa = 2 spreads the confidences
 widely (a request-step with c = 0.95 next to one with 0.3), which is what the scheduler exploits;
@@ -44,22 +52,29 @@ def survival_mean_for(mean_accepted_length: float, num_drafts: int) -> float:
 
 class ReplayedAcceptance:
     def __init__(self, mean_accepted_length: float, num_drafts: int, concentration: float = 2.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, regime_tokens: int = 0) -> None:
+        if regime_tokens < 0:
+            raise ValueError(f"regime_tokens must be >= 0, got {regime_tokens}")
         self.mean_accepted_length = mean_accepted_length
         self.num_drafts = num_drafts
         self.m = survival_mean_for(mean_accepted_length, num_drafts)
         self.concentration = concentration
         self.seed = seed
+        self.regime_tokens = regime_tokens
 
     def draw(self, keys: list[tuple[str, int]]) -> tuple[list[list[float]], list[int]]:
         """(request id, anchor position) per proposal -> (confidence logits [n][K], accepted-if-verified
         lengths L [n])."""
         k, kappa = self.num_drafts, self.concentration
         c, u = np.empty((len(keys), k)), np.empty((len(keys), k))
+        a, b, S = self.m * kappa, (1 - self.m) * kappa, self.regime_tokens
         for i, (req_id, pos) in enumerate(keys):
-            rng = np.random.default_rng([self.seed, zlib.crc32(req_id.encode()), pos])
-            c[i] = rng.beta(self.m * kappa, (1 - self.m) * kappa, size=k)
+            key = zlib.crc32(req_id.encode())
+            rng = np.random.default_rng([self.seed, key, pos])
+            c[i] = rng.beta(a, b, size=k)
             u[i] = rng.random(k)
+            if S:       # the regime's confidences in place of the proposal's own (same distribution)
+                c[i] = np.random.default_rng([self.seed, key, (pos + key % S) // S, S]).beta(a, b, size=k)
         c = c.clip(1e-6, 1 - 1e-6)
         accepted = u < c                                                     # draft j given 1..j-1
         lengths = np.cumprod(accepted, axis=1).sum(axis=1)
@@ -82,7 +97,7 @@ class ReplayedAcceptance:
 
     def __repr__(self) -> str:
         return (f"ReplayedAcceptance(mean accepted length {self.mean_accepted_length} of {self.num_drafts} "
-                f"drafts: m = {self.m:.3f}, kappa = {self.concentration})")
+                f"drafts: m = {self.m:.3f}, kappa = {self.concentration}, regimes of {self.regime_tokens} tokens)")
 
 
 def expected_accepted_length(m: float, num_drafts: int, verified: int | None = None) -> float:

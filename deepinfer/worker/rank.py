@@ -109,7 +109,8 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
         from deepinfer.spec.dspark_proposer import DSparkProposer
         proposer = DSparkProposer(model, caches, args.num_speculative_tokens, acceptance=args.spec_acceptance,
                                   replay_accepted_length=args.spec_replay_accepted_length, seed=args.seed,
-                                  replay_concentration=args.spec_replay_concentration)
+                                  replay_concentration=args.spec_replay_concentration,
+                                  replay_regime_tokens=args.spec_replay_regime_tokens)
         # never across data-parallel ranks (the executor holds no launched step to ask about)
         async_scheduling = spec_async and args.data_parallel_size == 1
     from deepinfer.worker.model_runner import ModelRunner

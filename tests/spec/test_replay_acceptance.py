@@ -67,3 +67,69 @@ def test_replay_concentration_is_an_engine_arg():
     from deepinfer.config import EngineArgs
     with pytest.raises(ValueError, match="spec_replay_concentration"):
         EngineArgs("unused", spec_replay_concentration=0.0)._check_spec_args()
+
+
+def _walk(n, seed=0):
+    """Anchor positions of one request's consecutive proposals (1 to 6 positions apart)."""
+    rng, pos, out = np.random.default_rng(seed), 0, []
+    for _ in range(n):
+        out.append(pos)
+        pos += 1 + int(rng.integers(0, 6))
+    return out
+
+
+def test_regimes_keep_the_distribution_and_make_consecutive_proposals_alike():
+    positions = _walk(6000)
+    plain = ReplayedAcceptance(3.5, 5, seed=2)
+    regimes = ReplayedAcceptance(3.5, 5, seed=2, regime_tokens=32)
+    (lp, np_), (lr, nr) = plain.draw([("q", p) for p in positions]), regimes.draw([("q", p) for p in positions])
+    lr, lp = np.array(lr), np.array(lp)
+    assert 1 + np.mean(nr) == pytest.approx(3.5, abs=0.08)                 # same mean accepted length
+    c = 1 / (1 + np.exp(-lr))
+    assert c.mean() == pytest.approx(regimes.m, abs=0.03)
+    same_regime = [(a + zlib_key("q") % 32) // 32 == (b + zlib_key("q") % 32) // 32
+                   for a, b in zip(positions, positions[1:])]
+    shared = [np.array_equal(x, y) for x, y in zip(lr, lr[1:])]
+    assert shared == same_regime and 0.8 < np.mean(shared) < 0.95        # ~1 - 3.5 / 32
+    assert not any(np.array_equal(x, y) for x, y in zip(lp, lp[1:]))      # S = 0: independent
+    # still a pure function of (seed, request, position): another instance, other order, same draws
+    again = ReplayedAcceptance(3.5, 5, seed=2, regime_tokens=32).draw([("q", p) for p in positions[::-1][:50]])
+    assert again[0] == [x.tolist() for x in lr[::-1][:50]] and again[1] == list(nr[::-1][:50])
+    with pytest.raises(ValueError, match="regime_tokens"):
+        ReplayedAcceptance(3.5, 5, regime_tokens=-1)
+
+
+def zlib_key(req_id: str) -> int:
+    import zlib
+    return zlib.crc32(req_id.encode())
+
+
+def test_calibration_follows_what_the_replay_makes_of_older_confidences():
+    """Regimes: the calibrated budget learns the older confidences are informative (slope near 1) and
+    does as well as taking them at face value, both above verify-all; independent proposals: it learns
+    they are not (slope near 0) and beats the face value (tests/spec/test_older_calibration.py)."""
+    from deepinfer.spec.budget import VerifyBudgetPolicy
+    from deepinfer.spec.older_calibration import OlderCalibration
+    from deepinfer.spec.policy import DraftEntry, prefix_survival
+    from deepinfer.spec.step_time import StepTimeModel
+    step = StepTimeModel([1], [0, 5], [[1.0, 1.6]])
+    for regime_tokens, slope_range in ((32, (0.7, 1.0)), (0, (0.0, 0.1))):
+        logits, _ = ReplayedAcceptance(3.5, 5, concentration=0.5, seed=4, regime_tokens=regime_tokens).draw(
+            [("r", p) for p in _walk(3000)])
+        score = {}
+        for name in ("face value", "calibrated", "all"):
+            cal = OlderCalibration(5) if name == "calibrated" else None
+            policy = VerifyBudgetPolicy(step, calibration=cal)
+            tokens = seconds = 0.0
+            for older, newest in zip(logits, logits[1:]):
+                policy.observe(older, newest)
+                v = 5 if name == "all" else policy.assign([DraftEntry(5, newest, older)])[0]
+                tokens += 1 + sum(prefix_survival(newest)[:v])
+                seconds += step.time(1, v)
+            score[name] = tokens / seconds
+            if cal is not None:
+                assert slope_range[0] <= cal.slope(0) <= slope_range[1]
+        if regime_tokens:
+            assert score["calibrated"] > 0.98 * score["face value"] and score["calibrated"] > 1.05 * score["all"]
+        else:
+            assert score["calibrated"] > 1.05 * score["face value"]
