@@ -22,7 +22,10 @@ Random weights accept nothing, so every speculative engine runs in the replay mo
 acceptance outcome are drawn from a stated distribution (calibrated Beta confidences, mean accepted
 length --accepted-length of 5 under verify-all: 3.5 is V4.1-Flash DSpark-5 with thinking on),
 while the engine runs every verify step for real (the verified lengths the policy picks, rollback,
-proposals). The scheduler's step-time model is profiled at engine start on this device.
+proposals). --concentration sets how sharp the confidences are (kappa, 2 by default), --regime-tokens S
+makes them persist over regimes of S positions (0: independent per proposal); the goal lines print
+the best accepted length any policy deciding from the confidences could keep at the same cut.
+The scheduler's step-time model is profiled at engine start on this device.
 Engines are built one at a time (one set of caches in memory); the ratios are taken at the end.
 The policies run with the engine's defaults: on CUDA that is async scheduling with overlapped verify
 steps (before 2026-12-02, late, the synchronous engine: the README's first full-width table).
