@@ -7,7 +7,7 @@ does. Taken at face value that assumes the two proposals are alike. Where they a
 difficulty changes from step to step), a request whose last proposal was hopeless is budgeted as
 hopeless again, and at batch 1 the whole step follows one old draw (H200, 2026-12-03, replayed
 confidences drawn independently per proposal with kappa 0.5: the scheduler verified 39% fewer drafts
-at 0.73 of verify-all's accepted length, 0.60x the tok/s of no speculation).
+at 0.73 of verify-all's accepted length).
 
 So the engine measures the relation as it runs: for each draft index j, every time a request makes a
 new proposal while its previous one is known, the pair (older survival x_j, newest survival y_j)
@@ -82,4 +82,6 @@ class OlderCalibration:
 
     def _fit(self, j: int, x: float) -> float:
         w, sx, sy = self._sums[j][:3]
+        if w <= 0:              # no pair reached this draft index yet (proposals cut short by max_tokens)
+            return x
         return sy / w + self.slope(j) * (x - sx / w)

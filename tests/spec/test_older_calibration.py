@@ -87,3 +87,12 @@ def test_calibrated_budget_beats_face_value_on_independent_proposals():
             seconds += step.time(1, v)
         scores[name] = tokens / seconds
     assert scores["calibrated"] > 1.05 * scores["face value"]
+
+
+def test_a_draft_index_no_pair_reached_keeps_the_older_survival():
+    """Proposals cut short (max_tokens room) never pair their later indices: those stay as they are."""
+    cal = OlderCalibration(5, min_pairs=4)
+    for _ in range(10):
+        cal.observe([0.9, 0.5], [0.8, 0.4])
+    p = cal.predict([0.9, 0.5, 0.3, 0.2, 0.1])
+    assert p[:2] == pytest.approx([0.8, 0.4]) and p[2:] == pytest.approx([0.3, 0.2, 0.1])
