@@ -200,16 +200,24 @@ class DecodeStepBuffers:
 
     Indexer scores over the padded entries are masked by lens (as in the dynamic form), and the
     lists only grow by trailing -1s, so the step computes the dynamic form's numbers.
+
+    Packed (num_rows = T < B * L, a varlen verify step): sequence i owns rows cu_i .. cu_i + r_i - 1,
+    its q_i real rows first, then e_i padding rows (r_i = q_i + e_i <= L). The T - sum q_i padding rows
+    go to the tails of the sequences from the last one backwards (padding sequences first), so the
+    layout is always a contiguous ragged batch (cu_seqlens) and num_rows = B * L is the padded layout
+    above. A step then costs T rows, not B * L: what it verifies, rounded up to the captured T.
     """
 
     def __init__(self, num_seqs: int, *, window: int, ring_len: int, max_model_len: int, block_tokens: int,
                  max_blocks: int, ngram_width: int, ratios, scratch_slot: int, scratch_block: int,
-                 extra: tuple[str, ...] = (), device="cpu", tokens_per_seq: int = 1):
+                 extra: tuple[str, ...] = (), device="cpu", tokens_per_seq: int = 1, num_rows: int | None = None):
         B = self.num_seqs = num_seqs
         L = self.tokens_per_seq = tokens_per_seq
         if not 1 <= L <= ring_len:
             raise ValueError(f"tokens_per_seq must be in [1, {ring_len}], got {L}")
-        T = self.num_tokens = B * L
+        T = self.num_tokens = B * L if num_rows is None else num_rows
+        if not 0 < T <= B * L:
+            raise ValueError(f"num_rows must be in [1, {B * L}] (batch x tokens_per_seq), got {T}")
         self.window, self.ring_len, self.block_tokens = window, ring_len, block_tokens
         self.ratios = tuple(sorted(set(ratios)))
         self.num_entries = {r: max_model_len // r for r in self.ratios}
@@ -219,7 +227,7 @@ class DecodeStepBuffers:
                   "ring_slots": (B,), "block_tables": (B, max_blocks), "ring_read": (B * (window - 1),),
                   "win_idx": (T, window), "ring_write": (T,)}
         for r in self.ratios:
-            G = B * self.groups[r]
+            G = T if r == 1 else B * self.groups[r]          # ratio 1: one entry per row
             shapes.update({f"lens{r}": (T,), f"gseq{r}": (G,), f"entry{r}": (G,), f"rows{r}": (G,)})
             if r > 1:
                 shapes.update({f"member_rows{r}": (G, r), f"member_carry{r}": (G, r)})
@@ -249,21 +257,27 @@ class DecodeStepBuffers:
         v = self.views(host[:self.numel])
         B, L, W, RL, n = self.num_seqs, self.tokens_per_seq, self.window, self.ring_len, len(positions)
         assert n <= B, (n, B)
-        T, wr = B * L, W - 1
+        T, wr = self.num_tokens, W - 1
         start = np.asarray(positions, dtype=np.int64)
         slots = np.asarray(ring_slots, dtype=np.int64)
         q = np.full(n, L, dtype=np.int64) if num_tokens is None else np.asarray(num_tokens, dtype=np.int64)
         assert ((q >= 1) & (q <= L)).all(), (q, L)
-        # rows: sequence i owns rows i*L .. i*L+L-1 at positions start_i .. start_i+L-1; real while j < q_i
-        row_seq, row_j = np.repeat(np.arange(B), L), np.tile(np.arange(L), B)
-        s_rows = np.zeros(T, dtype=np.int64)
-        s_rows[:n * L] = np.repeat(start, L)
-        real = np.zeros(T, dtype=bool)
-        real[:n * L] = row_j[:n * L] < np.repeat(q, L)
+        assert q.sum() <= T, (q.sum(), T)
+        qq = np.zeros(B, dtype=np.int64)
+        qq[:n] = q
+        # rows: sequence i owns rows cu_i .. cu_i + r_i - 1 at positions start_i ..; real while j < q_i
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(qq + padding_rows(qq, L, T), out=cu[1:])
+        row_seq = np.repeat(np.arange(B), np.diff(cu))
+        row_j = np.arange(T) - cu[row_seq]
+        st = np.zeros(B, dtype=np.int64)
+        st[:n] = start
+        s_rows = st[row_seq]
+        real = row_j < qq[row_seq]
         pos = np.where(row_seq < n, s_rows + row_j, 0)
         ids = np.zeros((B, L), dtype=np.int64)
         ids[:n] = np.asarray(input_ids, dtype=np.int64).reshape(n, -1)[:, :L] if n else 0
-        v["input_ids"][:] = ids.reshape(-1)
+        v["input_ids"][:] = ids[row_seq, row_j]
         v["positions"][:] = pos
         _put(v["starts"], start, 0)
         _put(v["ngram_history"], ngram_history, -1)
@@ -277,17 +291,17 @@ class DecodeStepBuffers:
         rr[:n] = slots[:, None] * RL + np.maximum(start[:, None] - wr + np.arange(wr), 0) % RL
         rr[n:] = self.scratch_slot * RL
         # window list of row t: key k is position pos_t - Wr + k; below start: ring row seq*Wr + (key - start + Wr),
-        # else the fresh row seq*L + (key - start) after the B*Wr ring rows
+        # else the fresh row cu_seq + (key - start) after the B*Wr ring rows
         kpos = pos[:, None] - wr + np.arange(W)                                # [T, W]
         idx = np.where(kpos < s_rows[:, None], row_seq[:, None] * wr + kpos - s_rows[:, None] + wr,
-                       B * wr + row_seq[:, None] * L + kpos - s_rows[:, None])
+                       B * wr + cu[row_seq][:, None] + kpos - s_rows[:, None])
         v["win_idx"][:] = np.where(real[:, None] & (kpos >= 0), idx, -1)
-        slot_rows = np.full(T, self.scratch_slot, dtype=np.int64)
-        slot_rows[:n * L] = np.repeat(slots, L)
-        v["ring_write"][:] = np.where(real, slot_rows * RL + pos % RL, self.scratch_slot * RL + np.arange(T) % RL)
+        slot_pad = np.full(B, self.scratch_slot, dtype=np.int64)
+        slot_pad[:n] = slots
+        v["ring_write"][:] = np.where(real, slot_pad[row_seq] * RL + pos % RL, self.scratch_slot * RL + np.arange(T) % RL)
         for r in self.ratios:
-            self._fill_plan(v, r, start, q, pos, real, n)
-        v["cu_seqlens"][:] = np.arange(B + 1) * L
+            self._fill_plan(v, r, start, q, pos, real, n, cu, row_seq, row_j)
+        v["cu_seqlens"][:] = cu
         v["seq"][:] = row_seq
         v["row_in_seq"][:] = row_j
         v["win_len"][:] = W
@@ -304,7 +318,7 @@ class DecodeStepBuffers:
         v, dev = self.v, self.flat.device
         B, L, W, RL, n = self.num_seqs, self.tokens_per_seq, self.window, self.ring_len, int(start.shape[0])
         assert n <= B, (n, B)
-        T, wr = B * L, W - 1
+        T, wr = self.num_tokens, W - 1
         i64 = dict(dtype=torch.int64, device=dev)
         seqs = torch.arange(B, **i64)
         st = torch.zeros(B, **i64)
@@ -313,14 +327,17 @@ class DecodeStepBuffers:
         q[:n] = num_tokens
         slots = torch.full((B,), self.scratch_slot, **i64)
         slots[:n] = ring_slots
-        row_seq, row_j = seqs.repeat_interleave(L), torch.arange(L, **i64).repeat(B)
+        cu = torch.zeros(B + 1, **i64)
+        torch.cumsum(q + padding_rows(q, L, T), 0, out=cu[1:])
+        row_seq = seqs.repeat_interleave(cu[1:] - cu[:-1], output_size=T)     # no host read
+        row_j = torch.arange(T, **i64) - cu[row_seq]
         real = (row_seq < n) & (row_j < q[row_seq])
         s_rows = st[row_seq]
         pos = torch.where(row_seq < n, s_rows + row_j, 0)
         ids = torch.zeros((B, L), **i64)
         w = min(L, input_ids.shape[1])          # narrower ids (a captured L above the step's): 0 past them
         ids[:n, :w] = input_ids[:, :w]
-        v["input_ids"].copy_(ids.reshape(-1))
+        v["input_ids"].copy_(ids[row_seq, row_j])
         v["positions"].copy_(pos)
         v["starts"].copy_(st)
         v["ngram_history"].fill_(-1)
@@ -334,13 +351,13 @@ class DecodeStepBuffers:
         v["ring_read"].copy_(torch.where(seqs[:, None] < n, rr, self.scratch_slot * RL).reshape(-1))
         kpos = pos[:, None] - wr + torch.arange(W, **i64)                      # [T, W]
         rs, sr = row_seq[:, None], s_rows[:, None]
-        idx = torch.where(kpos < sr, rs * wr + kpos - sr + wr, B * wr + rs * L + kpos - sr)
+        idx = torch.where(kpos < sr, rs * wr + kpos - sr + wr, B * wr + cu[row_seq][:, None] + kpos - sr)
         v["win_idx"].copy_(torch.where(real[:, None] & (kpos >= 0), idx, -1))
         tr = torch.arange(T, **i64)
         v["ring_write"].copy_(torch.where(real, slots[row_seq] * RL + pos % RL, self.scratch_slot * RL + tr % RL))
         for r in self.ratios:
-            self._fill_plan_on_device(v, r, st, q, pos, real, n)
-        v["cu_seqlens"].copy_(torch.arange(B + 1, **i64) * L)
+            self._fill_plan_on_device(v, r, st, q, pos, real, n, cu, row_seq, row_j)
+        v["cu_seqlens"].copy_(cu)
         v["seq"].copy_(row_seq)
         v["row_in_seq"].copy_(row_j)
         v["win_len"].fill_(W)
@@ -349,37 +366,45 @@ class DecodeStepBuffers:
             v[name].fill_(-1)
 
     def _fill_plan_on_device(self, v: dict, r: int, st: torch.Tensor, q: torch.Tensor, pos: torch.Tensor,
-                             real: torch.Tensor, n: int) -> None:
+                             real: torch.Tensor, n: int, cu: torch.Tensor, row_seq: torch.Tensor,
+                             row_j: torch.Tensor) -> None:
         """_fill_plan with st / q [B] (padded with 0) as device tensors."""
         B, L, G, epb = self.num_seqs, self.tokens_per_seq, self.groups[r], self.block_tokens // r
         i64 = dict(dtype=torch.int64, device=st.device)
         v[f"lens{r}"].copy_(torch.where(real, (pos + 1) // r, 0))
-        gseq = torch.arange(B, **i64).repeat_interleave(G)
-        g = torch.arange(G, **i64).repeat(B)
+        if r == 1:
+            gseq, g = row_seq, row_j
+        else:
+            gseq = torch.arange(B, **i64).repeat_interleave(G)
+            g = torch.arange(G, **i64).repeat(B)
         entry = torch.where(gseq < n, st[gseq] // r + g, 0)
         closed = (gseq < n) & (entry * r + r - 1 < st[gseq] + q[gseq])
         v[f"gseq{r}"].copy_(gseq)
         v[f"entry{r}"].copy_(entry)
         bt = v["block_tables"]
         blocks = bt[gseq, (entry // epb).clamp_max(bt.shape[1] - 1)]
-        scratch = self.scratch_block * epb + torch.arange(B * G, **i64) % epb
+        scratch = self.scratch_block * epb + torch.arange(gseq.shape[0], **i64) % epb
         v[f"rows{r}"].copy_(torch.where(closed, blocks.clamp_min(0) * epb + entry % epb, scratch))
         if r > 1:
             mpos = entry[:, None] * r + torch.arange(r, **i64)
             s = st[gseq][:, None]
             fresh = mpos >= s
-            rows = torch.where(fresh, gseq[:, None] * L + mpos - s, -1)
+            rows = torch.where(fresh, cu[gseq][:, None] + mpos - s, -1)
             v[f"member_rows{r}"].copy_(torch.where(closed[:, None], rows, -1))
             v[f"member_carry{r}"].copy_(torch.where(closed[:, None], torch.where(fresh, -1, mpos % self.ring_len), 0))
 
     def _fill_plan(self, v: dict, r: int, start: np.ndarray, q: np.ndarray, pos: np.ndarray, real: np.ndarray,
-                   n: int) -> None:
+                   n: int, cu: np.ndarray, row_seq: np.ndarray, row_j: np.ndarray) -> None:
         """Group slot g of sequence i: entry start_i // r + g, closed when its last member position is
-        one of the sequence's real rows; an open or padding group pools garbage into a scratch row."""
+        one of the sequence's real rows; an open or padding group pools garbage into a scratch row.
+        Ratio 1: a group slot per row (the row's own entry)."""
         B, L, G, epb = self.num_seqs, self.tokens_per_seq, self.groups[r], self.block_tokens // r
         v[f"lens{r}"][:] = np.where(real, (pos + 1) // r, 0)
-        gseq = np.repeat(np.arange(B), G)                                    # [B*G]
-        g = np.tile(np.arange(G), B)
+        if r == 1:
+            gseq, g = row_seq, row_j
+        else:
+            gseq = np.repeat(np.arange(B), G)                                # [B*G]
+            g = np.tile(np.arange(G), B)
         st = np.zeros(B, dtype=np.int64)
         st[:n] = start
         qq = np.zeros(B, dtype=np.int64)
@@ -390,20 +415,24 @@ class DecodeStepBuffers:
         v[f"entry{r}"][:] = entry
         bt = v["block_tables"]
         blocks = bt[gseq, np.minimum(entry // epb, bt.shape[1] - 1)]
-        scratch = self.scratch_block * epb + np.arange(B * G) % epb
+        scratch = self.scratch_block * epb + np.arange(len(gseq)) % epb
         v[f"rows{r}"][:] = np.where(closed, np.maximum(blocks, 0) * epb + entry % epb, scratch)
         if r > 1:
             mpos = entry[:, None] * r + np.arange(r)                          # [B*G, r] member positions
             s = st[gseq][:, None]
             fresh = mpos >= s                                                 # rows of this step, else the carry ring
-            v[f"member_rows{r}"][:] = np.where(closed[:, None], np.where(fresh, gseq[:, None] * L + mpos - s, -1), -1)
+            v[f"member_rows{r}"][:] = np.where(closed[:, None], np.where(fresh, cu[gseq][:, None] + mpos - s, -1), -1)
             v[f"member_carry{r}"][:] = np.where(closed[:, None], np.where(fresh, -1, mpos % self.ring_len), 0)
 
-    def forward_batch(self, n: int | None = None) -> ForwardBatch:
+    def forward_batch(self, n: int | None = None, rows: int | None = None) -> ForwardBatch:
         """The ForwardBatch over the buffers (cu_seqlens and start_pos on the device here); n: its
-        first n sequences only (what a caller reads back after the step, e.g. positions)."""
+        first n sequences only (what a caller reads back after the step, e.g. positions), which own
+        the first `rows` rows (packed: the caller's cu_n; padded: n * L)."""
         v, n = self.v, self.num_seqs if n is None else n
-        t = n * self.tokens_per_seq
+        packed = self.num_tokens != self.num_seqs * self.tokens_per_seq
+        if rows is None and packed and n != self.num_seqs:
+            raise ValueError("a packed step's first n sequences need their row count (rows=)")
+        t = self.num_tokens if n == self.num_seqs else rows if rows is not None else n * self.tokens_per_seq
         return ForwardBatch(input_ids=v["input_ids"][:t], positions=v["positions"][:t],
                             cu_seqlens=v["cu_seqlens"][:n + 1], start_pos=v["starts"][:n],
                             ngram_history=v["ngram_history"][:n], ring_slots=v["ring_slots"][:n],
@@ -423,6 +452,19 @@ class DecodeStepBuffers:
                             ring_read=v["ring_read"], win_idx=v["win_idx"], win_len=v["win_len"],
                             ring_write_rows=None, ring_write=v["ring_write"], last_pos=max_pos, plans=plans,
                             index_k_owner=np.full(B, -1, dtype=np.int64))
+
+
+def padding_rows(q, L: int, T: int):
+    """[B] padding rows e_i of each sequence in a step of T rows whose sequences run q_i real rows
+    (numpy or torch, q [B] with 0 for padding sequences): the T - sum q spare rows fill the tails
+    (L - q_i each) from the last sequence backwards. T = B * L gives every sequence L rows."""
+    cap = L - q
+    if isinstance(q, torch.Tensor):
+        after = cap.flip(0).cumsum(0).flip(0) - cap            # spare room of the sequences after i
+        spare = T - q.sum()
+        return torch.minimum((spare - after).clamp_min(0), cap)
+    after = np.cumsum(cap[::-1])[::-1] - cap
+    return np.minimum(np.maximum(T - q.sum() - after, 0), cap)
 
 
 def _put(dst: np.ndarray, src, pad: int) -> None:

@@ -16,13 +16,15 @@ LAYOUT = dict(window=16, ring_len=32, max_model_len=96, block_tokens=8, max_bloc
               ratios=[1, 2, 4], scratch_slot=7, scratch_block=40, extra=("pending_src",))
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 def test_decode_step_fill_on_device_equals_host_fill(seed):
     rng = np.random.default_rng(seed)
     B, L = int(rng.integers(1, 6)), int(rng.integers(1, 7))
     n = int(rng.integers(1, B + 1))
-    bufs = DecodeStepBuffers(B, **LAYOUT, tokens_per_seq=L)
     q = rng.integers(1, L + 1, size=n)
+    packed = seed % 2 == 1          # odd seeds: the varlen form, T between the real rows and B * L
+    rows = int(rng.integers(q.sum(), B * L + 1)) if packed else None
+    bufs = DecodeStepBuffers(B, **LAYOUT, tokens_per_seq=L, num_rows=rows)
     start = rng.integers(1, LAYOUT["max_model_len"] - L, size=n)
     ids = rng.integers(0, 1000, size=(n, L))
     hist = rng.integers(-1, 1000, size=(n, 3))

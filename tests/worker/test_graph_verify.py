@@ -50,7 +50,7 @@ def _plan(steps: int, n_seqs: int, vocab: int):
     return out
 
 
-def _run(model, prompts, plan, static_batch: int | None):
+def _run(model, prompts, plan, static_batch: int | None, packed: bool = False):
     args = model.args
     ngram = args.engram_max_ngram_size
     per_seq = -(-(MAX_LEN + 16) // BT)
@@ -62,12 +62,11 @@ def _run(model, prompts, plan, static_batch: int | None):
     for s in seqs:
         s.append(5)                          # each prompt's first sampled token: known, not yet in the caches
     bufs = None
+    layout = dict(window=args.window_size, ring_len=caches.ring_len, max_model_len=MAX_LEN, block_tokens=BT,
+                  max_blocks=per_seq + 2, ngram_width=ngram - 1, ratios=caches.ratios.values(),
+                  scratch_slot=caches.scratch_slot, scratch_block=caches.scratch_block, tokens_per_seq=L)
     if static_batch is not None:
-        bufs = DecodeStepBuffers(static_batch, window=args.window_size, ring_len=caches.ring_len,
-                                 max_model_len=MAX_LEN, block_tokens=BT, max_blocks=per_seq + 2,
-                                 ngram_width=ngram - 1, ratios=caches.ratios.values(),
-                                 scratch_slot=caches.scratch_slot, scratch_block=caches.scratch_block,
-                                 tokens_per_seq=L)
+        bufs = DecodeStepBuffers(static_batch, **layout)
     logits = []
     with batch_invariant_mode(True):     # row-by-row GEMMs: padding rows cannot move the real rows' bits
         for step in plan:
@@ -78,14 +77,20 @@ def _run(model, prompts, plan, static_batch: int | None):
                                    torch.from_numpy(tables), ngram, "cpu", logits="all")
                 out = model(batch, caches).logits
             else:
+                q = np.array([len(f) for f in feeds])
+                if packed:       # the rows it verifies rounded up to a multiple of the batch (a varlen key)
+                    rows = min(-(-int(q.sum()) // static_batch) * static_batch, static_batch * L)
+                    bufs = DecodeStepBuffers(static_batch, **layout, num_rows=rows)
                 ids = np.zeros((len(seqs), L), dtype=np.int64)
                 for i, f in enumerate(feeds):
                     ids[i, :len(f)] = f
                 bufs.fill(bufs.flat.numpy(), positions=[len(s) - 1 for s in seqs], input_ids=ids,
                           ngram_history=np.array([_hist(s[:-1], ngram) for s in seqs]), ring_slots=slots,
-                          block_tables=tables, num_tokens=[len(f) for f in feeds])
+                          block_tables=tables, num_tokens=q)
                 full = model(bufs.forward_batch(), caches, meta=bufs.metadata(MAX_LEN + 63)).logits
-                idx = np.concatenate([i * L + np.arange(len(f)) for i, f in enumerate(feeds)])
+                cu = bufs.v["cu_seqlens"].numpy()
+                idx = np.concatenate([cu[i] + np.arange(len(f)) for i, f in enumerate(feeds)])
+                assert packed or (cu[:len(feeds)] == np.arange(len(feeds)) * L).all()
                 out = full[torch.from_numpy(idx)]
             logits.append(out.clone())
             for s, f, (_, _, a) in zip(seqs, feeds, step):
@@ -104,6 +109,38 @@ def test_static_verify_metadata_matches_dynamic(tiny_model):
         assert torch.equal(a, b), (step, (a - b).abs().max().item())
     for (name, a), (_, b) in zip(owned_cache_tensors(dyn_caches), owned_cache_tensors(sta_caches)):
         assert torch.equal(a, b), name
+
+
+def test_packed_verify_step_matches_dynamic(tiny_model):
+    """The varlen form (num_rows < B * L: each sequence's real rows packed, the spare rows at the
+    tails) computes what the dynamic step computes: logits of the real rows and caches bitwise."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, tiny_model.args.vocab_size, size=n).tolist() for n in (5, 130, 260)]
+    plan = _plan(16, len(prompts), tiny_model.args.vocab_size)
+    dyn, dyn_caches = _run(tiny_model, prompts, plan, None)
+    sta, sta_caches = _run(tiny_model, prompts, plan, 4, packed=True)
+    for step, (a, b) in enumerate(zip(dyn, sta)):
+        assert torch.equal(a, b), (step, (a - b).abs().max().item())
+    for (name, a), (_, b) in zip(owned_cache_tensors(dyn_caches), owned_cache_tensors(sta_caches)):
+        assert torch.equal(a, b), name
+
+
+def test_padding_rows_fill_the_tails_from_the_back():
+    from deepinfer.model.step_metadata import padding_rows
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        B, L = int(rng.integers(1, 9)), int(rng.integers(1, 7))
+        q = np.zeros(B, dtype=np.int64)
+        n = int(rng.integers(0, B + 1))
+        q[:n] = rng.integers(1, L + 1, size=n)
+        T = int(rng.integers(max(int(q.sum()), 1), B * L + 1))
+        e = padding_rows(q, L, T)
+        assert (e >= 0).all() and (q + e <= L).all() and q.sum() + e.sum() == T
+        full = np.nonzero(q + e == L)[0]           # the tails filled are the last ones
+        partial = np.nonzero((e > 0) & (q + e < L))[0]
+        assert len(partial) <= 1 and all(i > partial[0] for i in full if len(partial) and e[i] > 0)
+        assert (padding_rows(q, L, B * L) == L - q).all()
+        assert torch.equal(padding_rows(torch.from_numpy(q), L, T), torch.from_numpy(e))
 
 
 def test_verify_buffers_padding_rows_are_inert():
