@@ -33,6 +33,10 @@ class EngineArgs:
     # "scheduler" with older confidences: calibrate them online against the newest (spec/older_calibration.py);
     # False = take them as they are (DeepInfer)
     spec_calibrate_older: bool = True
+    # verify steps through CUDA graphs keyed by the rows they verify (packed, varlen: worker/graph_step.py
+    # VerifyKeys), so a request verifying fewer drafts shortens the step; False = every request padded
+    # to the longest one's length
+    spec_packed_verify: bool = True
     # acceptance (deepinfer/sample/rejection.py): "identical" = greedy drafts accepted where they equal the
     # seeded sample (tokens identical to no speculation); "sampled" = requests at temperature > 0 sample
     # their drafts and accept with min(1, p/q), residual resample (same distribution, more accepted)

@@ -266,8 +266,7 @@ class DecodeStepBuffers:
         qq = np.zeros(B, dtype=np.int64)
         qq[:n] = q
         # rows: sequence i owns rows cu_i .. cu_i + r_i - 1 at positions start_i ..; real while j < q_i
-        cu = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(qq + padding_rows(qq, L, T), out=cu[1:])
+        cu = self.row_offsets(q)
         row_seq = np.repeat(np.arange(B), np.diff(cu))
         row_j = np.arange(T) - cu[row_seq]
         st = np.zeros(B, dtype=np.int64)
@@ -276,7 +275,9 @@ class DecodeStepBuffers:
         real = row_j < qq[row_seq]
         pos = np.where(row_seq < n, s_rows + row_j, 0)
         ids = np.zeros((B, L), dtype=np.int64)
-        ids[:n] = np.asarray(input_ids, dtype=np.int64).reshape(n, -1)[:, :L] if n else 0
+        if n:               # narrower ids (a step shorter than the buffer's L): 0 past them
+            given = np.asarray(input_ids, dtype=np.int64).reshape(n, -1)[:, :L]
+            ids[:n, :given.shape[1]] = given
         v["input_ids"][:] = ids[row_seq, row_j]
         v["positions"][:] = pos
         _put(v["starts"], start, 0)
@@ -310,11 +311,14 @@ class DecodeStepBuffers:
             _put(v[name], a, -1)
 
     def fill_on_device(self, start: torch.Tensor, input_ids: torch.Tensor, ngram_history: torch.Tensor,
-                       ring_slots: torch.Tensor, block_tables: torch.Tensor, num_tokens: torch.Tensor) -> None:
+                       ring_slots: torch.Tensor, block_tables: torch.Tensor, num_tokens: torch.Tensor,
+                       layout_tokens: np.ndarray | None = None) -> None:
         """fill() into the buffers themselves, from tensors on their device: start [n], input_ids [n, <= L] (0 past),
         ngram_history [n, h], ring_slots [n], block_tables [n, w], num_tokens [n]. The same values as
         fill(), by tensor ops only (no host read): the positions of an overlapped verify step are only
-        on the device (the previous step's resolution, spec/overlap.py). Extra fields get -1."""
+        on the device (the previous step's resolution, spec/overlap.py). Extra fields get -1.
+        layout_tokens [n] (host, >= num_tokens): the rows each sequence owns before the spare rows are
+        added (row_offsets), so the host knows where every row is; default num_tokens."""
         v, dev = self.v, self.flat.device
         B, L, W, RL, n = self.num_seqs, self.tokens_per_seq, self.window, self.ring_len, int(start.shape[0])
         assert n <= B, (n, B)
@@ -327,8 +331,12 @@ class DecodeStepBuffers:
         q[:n] = num_tokens
         slots = torch.full((B,), self.scratch_slot, **i64)
         slots[:n] = ring_slots
-        cu = torch.zeros(B + 1, **i64)
-        torch.cumsum(q + padding_rows(q, L, T), 0, out=cu[1:])
+        if layout_tokens is None:
+            cu = torch.zeros(B + 1, **i64)
+            torch.cumsum(q + padding_rows(q, L, T), 0, out=cu[1:])
+        else:
+            from deepinfer.host_copy import to_device
+            cu = to_device(self.row_offsets(layout_tokens), dev)
         row_seq = seqs.repeat_interleave(cu[1:] - cu[:-1], output_size=T)     # no host read
         row_j = torch.arange(T, **i64) - cu[row_seq]
         real = (row_seq < n) & (row_j < q[row_seq])
@@ -364,6 +372,16 @@ class DecodeStepBuffers:
         v["logits_idx"].copy_(tr)
         for name in self.extra:
             v[name].fill_(-1)
+
+    def row_offsets(self, num_tokens) -> np.ndarray:
+        """[B + 1] cu_seqlens of a step whose n sequences run num_tokens [n] tokens (host): sequence i's
+        rows are cu_i .. cu_i + num_tokens_i - 1 (padded layout: cu_i = i * L)."""
+        B, L, T = self.num_seqs, self.tokens_per_seq, self.num_tokens
+        qq = np.zeros(B, dtype=np.int64)
+        qq[:len(num_tokens)] = num_tokens
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(qq + padding_rows(qq, L, T), out=cu[1:])
+        return cu
 
     def _fill_plan_on_device(self, v: dict, r: int, st: torch.Tensor, q: torch.Tensor, pos: torch.Tensor,
                              real: torch.Tensor, n: int, cu: torch.Tensor, row_seq: torch.Tensor,

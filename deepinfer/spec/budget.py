@@ -121,9 +121,14 @@ class VerifyBudgetPolicy:
 
 def split_budget(entries: list[DraftEntry], budget: int) -> list[int]:
     """The `budget` largest newest survivals; ties go to the earlier request (DeepInfer's order)."""
-    ranked = sorted(((a, r) for r, e in enumerate(entries) for a in prefix_survival(e.newest[:e.num_drafts])),
-                    key=lambda t: (-t[0], t[1]))
-    counts = [0] * len(entries)
+    return split_by_survival([prefix_survival(e.newest[:e.num_drafts]) for e in entries], budget)
+
+
+def split_by_survival(survivals: list[list[float]], budget: int) -> list[int]:
+    """Drafts per request: the `budget` largest of the survivals [request][draft] (a prefix of each,
+    survivals fall with the draft index); ties go to the earlier request."""
+    ranked = sorted(((a, r) for r, s in enumerate(survivals) for a in s), key=lambda t: (-t[0], t[1]))
+    counts = [0] * len(survivals)
     for _, r in ranked[:budget]:
         counts[r] += 1
     return counts

@@ -29,10 +29,11 @@ def set_verification_policy(engine) -> None:
 
 def _padded_steps(engine):
     """(n, length) -> whether a verify step of n requests up to `length` tokens runs padded (the
-    runner's captured (batch, length) graphs, worker/graph_step.py VerifyKeys); None without graphs."""
+    runner's captured (batch, length) graphs, worker/graph_step.py VerifyKeys); None without graphs
+    or with packed (varlen) verify graphs."""
     graphs = getattr(engine.runner, "graphs", None)
     keys = getattr(graphs, "keys", None)
-    if keys is None:
+    if keys is None or keys.packed:       # packed verify graphs cost the rows verified: not padded
         return None
     return lambda n, length: keys.key(n, length) is not None
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepinfer.spec.budget import VerifyBudgetPolicy
+from deepinfer.spec.budget import VerifyBudgetPolicy, split_by_survival
 from deepinfer.spec.policy import DraftEntry, FixedDraftsPolicy, StaticThresholdPolicy
 
 
@@ -60,5 +60,9 @@ def plan_overlapped(policy, num_drafts: list[int],
         if cap is not None:     # padded steps: a cap on the host shortens the step itself (budget.py)
             return [min(k, cap) for k in num_drafts], None
         survival = sorted((a for s in survivals for a in s), reverse=True)
-        return list(num_drafts), OverlapVerify(budget=policy.best_budget(len(entries), survival))
+        budget = policy.best_budget(len(entries), survival)
+        # packed (varlen) steps cost the rows laid out on the host: K'_i from the host's split of B (by
+        # the calibrated older survivals), then the device trims within them by the newest
+        split = iter(split_by_survival(survivals, budget))
+        return [min(k, next(split)) if k > 0 else k for k in num_drafts], OverlapVerify(budget=budget)
     return list(num_drafts), None          # VerifyAllPolicy, or a policy without a device form

@@ -3,10 +3,13 @@
 A step in which every request runs exactly its last known token and its drafts (q_i = 1 + k_i
 tokens at a start > 0; k_i = 0: a pure decode step) and that fits a captured (batch size, verified
 length L) is padded to that key (VerifyKeys: the smallest batch >= n, the smallest L >= max q_i;
-rows past a request's q_i are padding) and replayed:
+rows past a request's q_i are padding) and replayed. With DSpark the verify keys are packed by
+default (EngineArgs.spec_packed_verify): key (b, q) is b requests of up to 1 + K tokens each in
+b * q rows, each request's rows contiguous, so a step costs the rows it verifies (sum q_i, rounded
+up to a captured b * q), not b x its longest request:
 
     rows = input_batch.decode_rows(...)                 # None: not a decode / verify step -> eager
-    key = graphs.serves(n, max_position, max q_i)       # None: no captured key holds it -> eager
+    key = graphs.serves(n, max_position, max q_i, sum q_i)   # None: no captured key holds it -> eager
     host = input_batch.decode_inputs(rows, q, L)        # numpy: positions, ids, history, slots, tables
     DecodeStepBuffers.fill(pinned, **host)              # padded metadata, one int64 buffer (model side)
     static.copy_(pinned, non_blocking=True)             # one H2D copy
@@ -74,20 +77,31 @@ class VerifyKeys:
     with batch >= n and length >= the step's longest q_i, the fewest rows (then the shorter length).
     max_tokens: verify pairs (L > 1) of more rows are not captured (the MoE's masked grouped form,
     the one a graph can hold, stops at MASKED_MAX_PAIRS token-expert pairs); decode (L = 1) keeps
-    every size, as before."""
+    every size, as before.
 
-    def __init__(self, batch_sizes, lengths, max_tokens: int | None = None) -> None:
+    Packed verify graphs (`packed`, the default with DSpark): a verify pair (b, q) is the varlen
+    step of b requests in b * q rows, each request up to the longest captured length (DecodeStepBuffers
+    num_rows), so it holds any verify step of n <= b requests with sum q_i <= b * q: a step whose
+    requests verify different numbers of drafts costs the rows it verifies, rounded up to a multiple
+    of b, not b x its longest request."""
+
+    def __init__(self, batch_sizes, lengths, max_tokens: int | None = None, packed: bool = False) -> None:
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.lengths = tuple(sorted(set(lengths)))
+        self.packed = packed
         self.pairs = [(b, q) for q in self.lengths for b in self.batch_sizes
                       if q == 1 or max_tokens is None or b * q <= max_tokens]
 
-    def key(self, n: int, length: int) -> tuple[int, int] | None:
-        fits = [(b * q, q, b) for b, q in self.pairs if b >= n and q >= length]
-        if not fits:
-            return None
-        _, q, b = min(fits)
-        return b, q
+    def key(self, n: int, length: int, rows: int | None = None) -> tuple[int, int] | None:
+        """rows: the step's sum of q_i (packed verify pairs hold it in b * q rows); None: n * length."""
+        if self.packed and length > 1:
+            rows = n * length if rows is None else rows
+            fits = [(b * q, b, q) for b, q in self.pairs if q > 1 and b >= n and b * q >= rows
+                    and length <= self.lengths[-1]]            # ties: the fewer requests
+            _, b, q = min(fits, default=(0, None, None))
+        else:
+            _, q, b = min([(b * q, q, b) for b, q in self.pairs if b >= n and q >= length], default=(0, None, None))
+        return None if b is None else (b, q)
 
     def sizes(self, length: int) -> list[int]:
         return [b for b, q in self.pairs if q == length]
@@ -104,7 +118,8 @@ class DecodeGraphs:
     entries per sequence: the indexer's work per step grows with it); longer sequences run eagerly."""
 
     def __init__(self, model, caches, input_batch, sizes, max_model_len: int, block_tokens: int, device,
-                 enabled: bool | None = None, max_len: int | None = None, lengths: tuple[int, ...] = (1,)):
+                 enabled: bool | None = None, max_len: int | None = None, lengths: tuple[int, ...] = (1,),
+                 packed: bool = False):
         self.model, self.caches, self.device = model, caches, torch.device(device)
         if caches.scratch_slot < 0:
             raise ValueError("CUDA-graph decode needs caches allocated with scratch=True")
@@ -121,7 +136,9 @@ class DecodeGraphs:
         cuda = self.device.type == "cuda"
         on = cuda if enabled is None else enabled and cuda
         from deepinfer.model.moe import MASKED_MAX_PAIRS
-        self.keys = VerifyKeys(sizes, lengths, max_tokens=MASKED_MAX_PAIRS // max(args.n_activated_experts, 1))
+        self.keys = VerifyKeys(sizes, lengths, max_tokens=MASKED_MAX_PAIRS // max(args.n_activated_experts, 1),
+                               packed=packed)
+        self.max_q = max(self.keys.lengths)           # a packed verify graph's longest request
         # one runner per verified length (the static buffers differ), one memory pool for all
         self.runners = {q: CudaGraphRunner(self._forward, self.keys.sizes(q), enabled=on)
                         for q in self.keys.lengths if self.keys.sizes(q)}
@@ -154,13 +171,20 @@ class DecodeGraphs:
 
     def _inputs(self, bs: int, q: int = 1) -> tuple[DecodeStepBuffers]:
         """Static buffers of size bs x q holding an all-padding step (what warm-up and capture run)."""
-        bufs = DecodeStepBuffers(bs, **self._layout, tokens_per_seq=q)
+        bufs = self.new_buffers(bs, q)
         host = np.zeros(bufs.numel, dtype=np.int64)
         h = self._layout["ngram_width"]
         bufs.fill(host, positions=[], input_ids=[], ngram_history=np.zeros((0, h), dtype=np.int64),
                   ring_slots=[], block_tables=np.zeros((0, 0), dtype=np.int64), pending_src=[])
         bufs.flat.copy_(torch.from_numpy(host))
         return (bufs,)
+
+    def new_buffers(self, bs: int, q: int) -> DecodeStepBuffers:
+        """The static buffers of key (bs, q): bs x q padded, or (packed verify) bs requests of up to
+        max_q tokens in bs * q rows."""
+        if self.keys.packed and q > 1:
+            return DecodeStepBuffers(bs, **self._layout, tokens_per_seq=self.max_q, num_rows=bs * q)
+        return DecodeStepBuffers(bs, **self._layout, tokens_per_seq=q)
 
     def _host_buffers(self, cuda: bool):
         """Two pinned host buffers used in turn, each with the event of its last H2D copy: with async
@@ -184,13 +208,13 @@ class DecodeGraphs:
         return {k: t.table.data_ptr() if t.table is not None else 0 for k, t in self.model.rope.items()}
 
     # the step ----------------------------------------------------------------------------------
-    def serves(self, n: int, max_position: int, length: int = 1) -> tuple[int, int] | None:
+    def serves(self, n: int, max_position: int, length: int = 1, rows: int | None = None) -> tuple[int, int] | None:
         """The (batch size, tokens per request) key that holds n requests of up to `length` tokens
-        each whose last ones sit at positions up to max_position; None (eager) when none does or the
-        graphs are no longer valid."""
+        each (`rows` in all) whose last ones sit at positions up to max_position; None (eager) when
+        none does or the graphs are no longer valid."""
         if self.graphs is None or max_position >= self.max_len:
             return None
-        key = self.keys.key(n, length)
+        key = self.keys.key(n, length, rows)
         if key is None:
             return None
         if self.graphs.enabled and self._rope_table_ptrs() != self._rope_ptrs:
@@ -201,14 +225,15 @@ class DecodeGraphs:
 
     def step(self, host_inputs: dict[str, np.ndarray], prev_sampled: torch.Tensor | None,
              key: tuple[int, int] | None = None):
-        """-> (ForwardBatch views of the n real sequences' padded rows, logits [n * L, V] fp32,
-        main_hidden [n * L, .] | None): views of the graph's static outputs, which the next step
-        overwrites. Row i * L + j is request i's token j (padding past its q_i)."""
+        """-> (ForwardBatch views of the n real sequences' rows, logits [rows, V] fp32, main_hidden
+        [rows, .] | None, cu [n + 1]): views of the graph's static outputs, which the next step
+        overwrites. Row cu_i + j is request i's token j (padding past its q_i; padded keys: cu_i = i * L)."""
         n = len(host_inputs["positions"])
         bs, q = key if key is not None else (self.graphs.padded(n), 1)
         runner = self.runners[q]
         bufs: DecodeStepBuffers = runner.static_in[bs][0]
         self._load(bufs, host_inputs)
+        cu = bufs.row_offsets(host_inputs.get("num_tokens", np.ones(n, dtype=np.int64)))[:n + 1]
         if prev_sampled is not None and (host_inputs["pending_src"] >= 0).any():
             v = bufs.v                        # async decode (q = 1): the input token is the last step's sample
             src = v["pending_src"]
@@ -216,8 +241,8 @@ class DecodeGraphs:
         logits, hidden = runner.run(bs)
         self.num_steps += 1
         self.num_verify_steps += q > 1
-        t = n * q
-        return bufs.forward_batch(n), logits[:t], None if hidden is None else hidden[:t]
+        t = int(cu[n])
+        return bufs.forward_batch(n, rows=t), logits[:t], None if hidden is None else hidden[:t], cu
 
     def step_on_device(self, inputs: dict, key: tuple[int, int]):
         """step() of an overlapped verify step (spec/overlap.py): the static buffers filled on the device

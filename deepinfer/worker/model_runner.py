@@ -103,7 +103,7 @@ class ModelRunner:
                  block_tokens: int, ngram_width: int = 3, sampler=None, batch_invariant: bool = False,
                  proposer=None, graph_sizes: tuple[int, ...] = (), graph_max_len: int = 8192,
                  num_snapshot_slots: int = 0, num_host_slots: int = 0, yoco_keep_tokens: int = 0,
-                 disk_cache_dir: str | None = None) -> None:
+                 disk_cache_dir: str | None = None, packed_verify: bool = True) -> None:
         self.model = model
         self.proposer = proposer      # deepinfer.spec.DSparkProposer; None = no drafts
         self.batch_invariant = batch_invariant   # torch path: row-by-row GEMMs (kernels/batch_invariant.py)
@@ -143,7 +143,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, caches, self.input_batch, graph_sizes, max_model_len,
                                        block_tokens, self.device, max_len=graph_max_len,
                                        lengths=(1,) if proposer is None else
-                                       tuple(range(1, proposer.num_speculative_tokens + 2)))
+                                       tuple(range(1, proposer.num_speculative_tokens + 2)),
+                                       packed=packed_verify)
             if proposer is not None and self.graphs.graphs is not None:
                 from deepinfer.worker.graph_step import DraftGraphs
                 proposer.graphs = DraftGraphs(model, caches, graph_sizes, self.graphs.max_pos, self.device)
@@ -387,9 +388,10 @@ class ModelRunner:
         rows = ib.decode_rows(req_ids, q_lens, num_spec) if self.graphs is not None else None
         if rows is not None:
             length = int(q_lens.max())
-            key = self.graphs.serves(len(rows), int((ib.num_computed[rows] + q_lens).max()) - 1, length)
+            key = self.graphs.serves(len(rows), int((ib.num_computed[rows] + q_lens).max()) - 1, length,
+                                     rows=int(q_lens.sum()))
             if key is not None and key[1] == 1 and self.proposer is None:
-                batch, logits, _ = self.graphs.step(ib.decode_inputs(rows), self._prev_sampled, key)
+                batch, logits, _, _ = self.graphs.step(ib.decode_inputs(rows), self._prev_sampled, key)
                 if ib.return_logits:      # kept until resolve(): the next replay overwrites the static output
                     logits = logits.clone()
                 return batch, rows, np.ones(len(rows), dtype=np.int64), logits, None
@@ -407,10 +409,11 @@ class ModelRunner:
         rows gathered out of the padded outputs into the eager step's layout (logits row per token,
         main_hidden row per token, a host start_pos), copies the next replay cannot overwrite."""
         from deepinfer.model.batch import ForwardBatch
-        ib, L = self.input_batch, key[1]
-        fb, logits, hidden = self.graphs.step(ib.decode_inputs(rows, q_lens, L), self._prev_sampled, key)
+        ib = self.input_batch
+        fb, logits, hidden, cu_rows = self.graphs.step(ib.decode_inputs(rows, q_lens, int(q_lens.max())),
+                                                       self._prev_sampled, key)
         # non-blocking: a plain copy here held the host for the whole replay (H200, 2026-12-02)
-        idx = to_device(np.repeat(np.arange(len(rows)) * L, q_lens) + _ragged_arange(q_lens), self.device)
+        idx = to_device(np.repeat(cu_rows[:-1], q_lens) + _ragged_arange(q_lens), self.device)
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         batch = ForwardBatch(input_ids=fb.input_ids[idx], positions=fb.positions[idx],

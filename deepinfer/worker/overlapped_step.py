@@ -192,9 +192,10 @@ class OverlappedSteps:
         conf = prev.device_drafts[1][to_device(prev_index, r.device)]
         k = verified_counts(sched_out.overlap_verify, conf, to_device(q_lens - 1, r.device))
         inputs = step_inputs(ib, rows, q_lens, prev.resolution, prev.device_drafts[0], prev_index, k)
+        inputs["layout_tokens"] = q_lens      # rows laid out by K'_i (host), real ones by k_i (device)
         n, L = len(rows), int(q_lens.max())
         end = int((ib.num_computed[rows] + q_lens).max())   # scheduled positions: the worst case, an upper bound
-        key = r.graphs.serves(n, end - 1, L) if r.graphs is not None else None
+        key = r.graphs.serves(n, end - 1, L, rows=int(q_lens.sum())) if r.graphs is not None else None
         if key is not None:
             bufs, logits, hidden = r.graphs.step_on_device(inputs, key)
         else:
@@ -203,8 +204,8 @@ class OverlappedSteps:
             with torch.inference_mode(), batch_invariant_mode(r.batch_invariant):
                 out = r.model(bufs.forward_batch(), r.caches, meta=bufs.metadata(self.max_pos()))
             logits, hidden = out.logits, out.main_hidden
-        width = bufs.tokens_per_seq
-        idx = to_device(np.repeat(np.arange(n) * width, q_lens) + _ragged_arange(q_lens), r.device)
+        cu = bufs.row_offsets(q_lens)
+        idx = to_device(np.repeat(cu[:n], q_lens) + _ragged_arange(q_lens), r.device)
         return OverlappedForward(req_ids, rows, q_lens, k, prev_index, inputs["start"], logits[idx],
                                  bufs.v["input_ids"][idx], bufs.v["positions"][idx],
                                  None if hidden is None else hidden[idx])

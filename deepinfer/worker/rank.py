@@ -122,7 +122,8 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                          num_snapshot_slots=num_snapshot_slots(args, model_args),
                          num_host_slots=num_host_slots(args, model_args),
                          yoco_keep_tokens=args.yoco_prefill_keep_tokens,
-                         disk_cache_dir=args.disk_cache_dir if disk_blocks else None)
+                         disk_cache_dir=args.disk_cache_dir if disk_blocks else None,
+                         packed_verify=args.spec_packed_verify)
     if overlap:
         from deepinfer.spec.overlap import ring_fits
         if ring_fits(model, caches, args.num_speculative_tokens):

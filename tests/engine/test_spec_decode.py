@@ -164,12 +164,17 @@ def test_scheduler_policy_profiles_at_start_and_keeps_tokens(spec_args, plain):
 
 
 def test_scheduler_prices_padded_steps_on_the_graph_path(spec_args):
-    """With captured (batch, L) steps (cuda_graph_sizes; on a CPU the same padded buffers run eagerly)
-    the scheduler knows a verify step runs padded to its longest request, so every plan is one cap L
-    (each request min(L, its drafts)); without graphs it splits a budget (ragged)."""
+    """With captured (batch, L) steps padded to the longest request (cuda_graph_sizes with
+    spec_packed_verify=False; on a CPU the same padded buffers run eagerly) the scheduler knows a
+    verify step runs padded, so every plan is one cap L (each request min(L, its drafts)); without
+    graphs, or with packed (varlen) verify graphs (the default), it splits a budget (ragged)."""
     from deepinfer.spec.budget import VerifyBudgetPolicy
     from deepinfer.spec.step_time import StepTimeModel
     args = {**spec_args, "speculative": "dspark", "spec_policy": "scheduler", "cuda_graph_sizes": (1, 2, 4, 8)}
+    packed = Engine(EngineArgs(**args))
+    assert packed.runner.graphs.keys.packed and packed.scheduler.draft_book.policy.padded is None
+    packed.shutdown()
+    args["spec_packed_verify"] = False
     engine = Engine(EngineArgs(**args))
     pol = engine.scheduler.draft_book.policy
     assert isinstance(pol, VerifyBudgetPolicy) and pol.padded is not None and pol.padded(4, 6)

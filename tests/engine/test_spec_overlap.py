@@ -362,8 +362,9 @@ def test_overlapped_steps_through_the_graph_path_on_cpu(args, ref, kind):
 @pytest.mark.parametrize("policy", ["scheduler", "threshold"])
 def test_overlapped_steps_honour_the_verification_policy(args, ref, policy, monkeypatch):
     """Overlapped verify steps verify k_i <= K' drafts picked by the policy (spec/overlap_verify.py:
-    the budget B from the older confidences on the host, split on the device by the newest; the
-    threshold on the device): the tokens stay the synchronous engine's (greedy rule: the policy
+    the budget B from the older confidences on the host, K' capped by its split there (packed steps
+    cost the rows laid out), split on the device by the newest within them; the threshold on the
+    device): the tokens stay the synchronous engine's (greedy rule: the policy
     changes how many drafts are verified, never which tokens come out), fewer drafts are verified
     than by overlapped verify-all, and each device split equals split_budget on the host."""
     from deepinfer.spec.budget import split_budget
@@ -379,8 +380,9 @@ def test_overlapped_steps_honour_the_verification_policy(args, ref, policy, monk
 
     monkeypatch.setattr(overlapped_step, "verified_counts", recorded)
     from deepinfer.sched import scheduler as scheduler_module
-    host_half, olders = scheduler_module.plan_overlapped, []
-    monkeypatch.setattr(scheduler_module, "plan_overlapped", lambda p, n, o: olders.append(o) or host_half(p, n, o))
+    host_half, olders, worst = scheduler_module.plan_overlapped, [], []
+    monkeypatch.setattr(scheduler_module, "plan_overlapped",
+                        lambda p, n, o: olders.append(o) or worst.append(sum(n)) or host_half(p, n, o))
     kw = dict(args, async_scheduling=True)
     if policy == "threshold":
         kw["spec_confidence_threshold"] = 0.3
@@ -396,7 +398,7 @@ def test_overlapped_steps_honour_the_verification_policy(args, ref, policy, monk
     plans = [p for p, *_ in seen if p is not None]
     assert plans and all((p.budget is not None) == (policy == "scheduler") for p in plans)
     verified = sum(sum(k) for *_, k in seen)
-    assert 0 < verified < sum(sum(n) for _, _, n, _ in seen)        # some drafts were not verified
+    assert 0 < verified < sum(worst)          # some drafts were not verified (packed steps: cut on the host)
     for plan, conf, num, k in seen:
         assert all(0 <= ki <= ni for ki, ni in zip(k, num))
         if plan is not None and plan.budget is not None:
@@ -409,3 +411,37 @@ def test_overlapped_steps_honour_the_verification_policy(args, ref, policy, monk
     assert run(b, [greedy(N_OUT) for _ in PROMPTS])[0] == ref
     ca, cb = a.stats.snapshot()["counters"], b.stats.snapshot()["counters"]
     assert ca["spec_draft_tokens_verified_total"] < cb["spec_draft_tokens_verified_total"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_packed_verify_graphs_cost_the_rows_verified(args, ref, overlap, monkeypatch):
+    """cuda_graph_sizes on a CPU runs the captured steps' code eagerly: with the budget scheduler the
+    verify steps take packed keys holding fewer rows than batch x longest request, and the tokens
+    are those of the same engine with padded verify graphs (not batch-invariant: graphs are off
+    with it; the packed step itself is bitwise the dynamic one, tests/worker/test_graph_verify.py)."""
+    from deepinfer.worker.graph_step import DecodeGraphs
+    keys_used = []
+    serves = DecodeGraphs.serves
+
+    def recorded(self, n, max_position, length=1, rows=None):
+        key = serves(self, n, max_position, length, rows)
+        if key is not None and length > 1:
+            keys_used.append((n, length, rows, key))
+        return key
+
+    g = {**args, "batch_invariant": False, "cuda_graph_sizes": (1, 2, 4, 8), "async_scheduling": overlap,
+         "spec_async_overlap": overlap}
+    padded = Engine(EngineArgs(**g, spec_packed_verify=False))
+    padded.scheduler.draft_book.policy = _budget_policy()       # the same plans: a budget split, no cap
+    oracle_drafts(padded, ref)
+    want = run(padded, [greedy(N_OUT) for _ in PROMPTS])[0]
+    keys_used.clear()
+    monkeypatch.setattr(DecodeGraphs, "serves", recorded)
+    e = Engine(EngineArgs(**g))
+    assert e.runner.graphs.keys.packed
+    e.scheduler.draft_book.policy = _budget_policy()
+    oracle_drafts(e, ref)
+    assert run(e, [greedy(N_OUT) for _ in PROMPTS])[0] == want
+    assert keys_used and all(b >= n and b * q >= rows for n, _, rows, (b, q) in keys_used)
+    assert any(b * q < n * length for n, length, _, (b, q) in keys_used)   # a step shorter than padded
+    assert e.runner.graphs.num_verify_steps > 0

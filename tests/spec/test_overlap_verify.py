@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.spec.budget import VerifyBudgetPolicy, split_budget
+from deepinfer.spec.budget import VerifyBudgetPolicy, split_budget, split_by_survival
 from deepinfer.spec.device_verify import (prefix_survival_on_device, split_budget_on_device,
                                           threshold_counts_on_device, verified_counts)
 from deepinfer.spec.overlap_verify import OverlapVerify, plan_overlapped
@@ -82,12 +82,17 @@ def test_host_half_picks_b_from_the_older_confidences():
     older = [[2.0, 1.0, 0.0, -1.0, -2.0], None, [1.0] * 5, [3.0, 3.0]]
     ks, plan = plan_overlapped(policy, num, older)
     entries = [DraftEntry(5, [], older[0]), DraftEntry(3, [], None), DraftEntry(5, [], older[3])]
-    survival = sorted((a for e in entries for a in policy._budget_survival(e)), reverse=True)
-    assert ks == num and plan == OverlapVerify(budget=policy.best_budget(3, survival))
+    survivals = [policy._budget_survival(e) for e in entries]
+    survival = sorted((a for s in survivals for a in s), reverse=True)
+    assert plan == OverlapVerify(budget=policy.best_budget(3, survival))
     assert 0 < plan.budget < sum(num)          # the step-time model makes some drafts not pay
+    # the rows laid out (K'_i) are the host's split of B by the same survivals: a step costs B + n rows
+    caps = split_by_survival(survivals, plan.budget)
+    assert ks == [caps[0], caps[1], 0, caps[2]] and sum(ks) == plan.budget
+    assert all(k <= m for k, m in zip(ks, num))
     # budget_confidences="newest" has no newest on the host: the older ones, the same B
     newest = VerifyBudgetPolicy(policy.step_time, budget_confidences="newest")
-    assert plan_overlapped(newest, num, older) == (num, plan)
+    assert plan_overlapped(newest, num, older) == (ks, plan)
 
 
 def test_host_half_of_the_other_policies():

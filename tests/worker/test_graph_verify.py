@@ -185,6 +185,20 @@ def test_verify_keys_pick_the_smallest_captured_shape():
     assert capped.key(5, 1) == (8, 1)
 
 
+def test_packed_verify_keys_go_by_rows():
+    """Packed: a verify pair (b, q) holds n <= b requests of any length up to the longest captured
+    one in b * q rows; decode (length 1) keys are as before."""
+    from deepinfer.worker.graph_step import VerifyKeys
+    keys = VerifyKeys(batch_sizes=(1, 2, 4, 8), lengths=(1, 2, 3, 4, 5, 6), packed=True)
+    assert keys.key(3, 1) == (4, 1)
+    assert keys.key(4, 6, rows=4 * 6) == (4, 6)
+    assert keys.key(4, 6, rows=9) == (4, 3)           # one request of 6 rows and three of 1: 12 rows, not 24
+    assert keys.key(8, 6, rows=17) == (8, 3) and keys.key(8, 2, rows=16) == (8, 2)
+    assert keys.key(1, 6) == (1, 6) and keys.key(2, 7, rows=8) is None and keys.key(9, 2, rows=18) is None
+    capped = VerifyKeys(batch_sizes=(1, 2, 4, 8), lengths=(1, 2, 3, 4, 5, 6), max_tokens=16, packed=True)
+    assert capped.key(8, 6, rows=16) == (8, 2) and capped.key(8, 6, rows=17) is None
+
+
 def test_verify_lengths_from_args():
     from types import SimpleNamespace
 
