@@ -8,7 +8,9 @@ what needs the newest confidences is computed where they are, on the device.
                                    VerifyBudgetPolicy on padded steps (CUDA graphs, budget.py): the
                                    cap L from the OLDER confidences, K'_i capped at L on the host;
                                    else B = best_budget over the OLDER confidences
-                                   (the previous proposal's, two steps old: the newest the host has);
+                                   (the previous proposal's, two steps old: the newest the host has,
+                                   calibrated: older_calibration.py) and K'_i capped by B's split
+                                   over the requests by them (packed steps cost the rows laid out);
                                    FixedDraftsPolicy: K'_i capped at n on the host
     device (the overlapped build)  device_verify.verified_counts: k_i <= K'_i from the NEWEST confidences:
                                    budget    the top-B prod-cumulative survivals (split_budget's
@@ -17,8 +19,8 @@ what needs the newest confidences is computed where they are, on the device.
                                              the newest confidences, so it runs here whole)
 
 The device half is spec/device_verify.py (tensors; this module stays plain: the scheduler imports it).
-k_i feeds the build (q_i = 1 + k_i on the device; the static graph keeps its padded L, rows past
-q_i are padding) and the device-side resolution; the host learns k_i with the step's resolution
+k_i feeds the build (q_i = 1 + k_i on the device; the static layout keeps 1 + K'_i rows per
+request, rows past q_i are padding) and the device-side resolution; the host learns k_i with the step's resolution
 (ModelRunnerOutput.num_verified) for its counters. The worst-case reservation (K'_i) and its trim
 (K'_i - a_i positions: the positions run are start .. start + a_i either way) are unchanged.
 
