@@ -201,7 +201,9 @@ def configs(a) -> dict[str, dict]:
             f"threshold {a.threshold}": {**spec, "spec_policy": "threshold", "spec_confidence_threshold": a.threshold},
             **({"sched newest": {**spec, "spec_policy": "scheduler", "spec_budget_confidences": "newest"},
                 "sched early-stop": {**spec, "spec_policy": "scheduler", "spec_early_stop": True},
-                "sched face value": {**spec, "spec_policy": "scheduler", "spec_calibrate_older": False}}
+                "sched face value": {**spec, "spec_policy": "scheduler", "spec_calibrate_older": False},
+                # padded verify graphs (one cap L for the batch): what the packed keys replaced
+                "sched padded": {**spec, "spec_policy": "scheduler", "spec_packed_verify": False}}
                if a.variants else {})}
 
 
@@ -218,7 +220,14 @@ def measure_all(ckpt: str, a) -> dict:
         per_request = -(-(a.prompt_len + a.output_len + 16) // 64) + 1
         base["num_cache_blocks"] = max(a.batches) * per_request + 64
     res = {}
-    for name, extra in configs(a).items():
+    chosen = configs(a)
+    if a.policies:
+        unknown = set(a.policies) - set(chosen)
+        if unknown:
+            raise SystemExit(f"unknown policies {sorted(unknown)}: of {', '.join(chosen)}")
+        # the table's ratios are to these two
+        chosen = {k: v for k, v in chosen.items() if k in {"off", "verify-all", *a.policies}}
+    for name, extra in chosen.items():
         t0 = time.perf_counter()
         llm = LLM(ckpt, **base, **extra)
         eng = llm.engine
@@ -311,6 +320,12 @@ def report(res: dict, batches: list[int], gpus: int, a=None) -> None:
                   f"verify-all ({vs / vo:.2f}x), "
                   f"drafts verified per step {s['verified_per_step'] / o['verified_per_step']:.2f}x, accepted length "
                   f"{s['mean_acc_len'] / o['mean_acc_len']:.2f}x, tok/s per GPU {s['total'] / o['total']:.2f}x")
+    if "scheduler" in res and "sched padded" in res:
+        for b in batches:
+            s, p = res["scheduler"][b], res["sched padded"][b]
+            print(f"packed verify graphs @ batch {b}: scheduler tok/s per GPU {s['total'] / p['total']:.2f}x the padded "
+                  f"graphs', drafts verified per step {s['verified_per_step']:.1f} vs {p['verified_per_step']:.1f}, "
+                  f"accepted length {s['mean_acc_len']:.2f} vs {p['mean_acc_len']:.2f}")
     th = [n for n in names if n.startswith("threshold")]
     if "scheduler" not in res or not th:
         return
@@ -388,6 +403,7 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="also the scheduler with the newest confidences for the budget, with early stop, and with "
                          "the older confidences at face value (spec_calibrate_older=False)")
+    ap.add_argument("--policies", nargs="+", help="run only these policies (names as printed)")
     ap.add_argument("--quick", action="store_true", help="prompt 32, output 32, a short warm-up")
     ap.add_argument("--async-overlap", action="store_true",
                     help="instead of the policies: verify-all synchronous, async (verify steps resolved "
