@@ -36,6 +36,11 @@ Knobs (environment, read once):
                                  CUDA_AUTO_WIDE_MIN_M rows where its tiles cover 3/4 of the SMs) and
                                  for the MoE's grouped contiguous steps with block or per-row scales
                                  (per-(row, 32) scales measured slower than W8A16)
+    DEEPINFER_PREFILL_GEMM=bf16  every dense FP8 linear of a CUDA call (outside graph capture) dequantizes its
+                                 weight exactly to bf16 (triton_dequant: e4m3 times a power of two fits bf16)
+                                 and runs act_quant + cuBLAS's bf16 GEMM: the release GEMM's products summed
+                                 in fp32, at cuBLAS's rate. auto takes it from DEEPINFER_BF16_AUTO_MIN_M rows
+                                 (1024; 0: never), ahead of the CUDA kernel
     DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
                                  on the first FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and
                                  the MoE's large steps in the grouped contiguous form on it
@@ -79,8 +84,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FP8_VARIANTS = ("seq", "blocks", "blocks_bm64", "blocks_bn256", "lag_blocks", "lag_blocks_bm64", "lag2_blocks_bn64", "tma_blocks",
                 "tma_lag_blocks")
 PREFILL_GEMM = os.environ.get("DEEPINFER_PREFILL_GEMM", "auto")
-if PREFILL_GEMM not in ("auto", "fp8", "w8a16", "cuda") + FP8_VARIANTS:
-    raise ValueError(f"DEEPINFER_PREFILL_GEMM must be auto, w8a16, fp8, cuda or one of {FP8_VARIANTS}, got {PREFILL_GEMM!r}")
+if PREFILL_GEMM not in ("auto", "fp8", "w8a16", "cuda", "bf16") + FP8_VARIANTS:
+    raise ValueError(f"DEEPINFER_PREFILL_GEMM must be auto, w8a16, fp8, cuda, bf16 or one of {FP8_VARIANTS}, "
+                     f"got {PREFILL_GEMM!r}")
+# auto: dense FP8 linears of at least this many rows dequantize the weight to bf16 (exact) and run
+# cuBLAS's bf16 GEMM (kernels/triton_dequant.py says why that is the release's arithmetic); 0: never
+BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "1024"))
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # auto: the CUDA FP8 x FP8 kernel takes dense FP8 linears from this many rows (H200, 2026-12-02,
@@ -245,6 +254,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         pair = _dg.cached_tile128(w, w_scale)
         if pair is not None:
             return _dg.linear(x, *pair)
+    if _bf16_gemm_ok(x, w, w_scale):
+        return _bf16_gemm_linear(x, w, w_scale)
     if _cuda_fp8_ok(x, w, w_scale):
         from .cuda_fp8_gemm import fp8_linear_cuda
         return fp8_linear_cuda(x, w, w_scale)
@@ -262,6 +273,45 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         from .triton_gemm import fp8_linear as fast
         return fast(x, w, w_scale, batch_invariant=_batch_invariant())
     return _ref_fp8_linear(x, dequant_fp8(w, w_scale))
+
+
+_BF16_EXACT: dict[int, tuple] = {}         # id(w_scale) -> (weakref to it, verdict)
+_BF16_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _bf16_gemm_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """The dense bf16 path takes this call: DEEPINFER_PREFILL_GEMM=bf16 (any M) or auto from BF16_AUTO_MIN_M
+    rows; a CUDA tensor on the fast path, not batch-invariant mode (W8A16 keeps one formulation for every
+    M there), not inside a graph capture (the scratch buffer), a 2-D weight in a layout the W8A16 kernel
+    takes, and every w * scale a bf16 value (checked once per weight; logged once where it is not)."""
+    if PREFILL_GEMM not in ("bf16", "auto") or _batch_invariant() or not x.is_cuda or not use_fast(x) \
+            or w.dim() != 2 or x.dtype != torch.bfloat16 or torch.cuda.is_current_stream_capturing():
+        return False
+    m = x.numel() // max(w.shape[1], 1)
+    if PREFILL_GEMM == "auto" and (BF16_AUTO_MIN_M <= 0 or m < BF16_AUTO_MIN_M):
+        return False
+    if not _fast_gemm_ok(w, w_scale):
+        return _fast_for(x, "bf16_gemm", False, _GEMM_RULE, then="the FP8 paths")
+    import weakref
+    hit = _BF16_EXACT.get(id(w_scale))
+    if hit is None or hit[0]() is not w_scale:
+        from .triton_dequant import bf16_exact
+        hit = _BF16_EXACT[id(w_scale)] = (weakref.ref(w_scale), bf16_exact(w_scale))
+    return _fast_for(x, "bf16_gemm", hit[1], "weight scales within 2^-117..2^118 (w * scale a normal bf16 value)",
+                     then="the FP8 paths")
+
+
+def _bf16_gemm_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """act_quant (e4m3 values times powers of two, in bf16) times the weight dequantized into this
+    stream's scratch buffer, on cuBLAS: the release GEMM's products, summed in fp32."""
+    from .triton_dequant import dequant_fp8_bf16
+    n, k = w.shape
+    key = (x.device, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
+    buf = _BF16_SCRATCH.get(key)
+    if buf is None or buf.numel() < n * k:
+        buf = _BF16_SCRATCH[key] = torch.empty(n * k, dtype=torch.bfloat16, device=x.device)
+    wd = dequant_fp8_bf16(w, w_scale, out=buf[:n * k].view(n, k))
+    return torch.nn.functional.linear(act_quant(x), wd)
 
 
 def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:

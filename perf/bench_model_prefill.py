@@ -43,12 +43,17 @@ def gemm_mode(mode: str) -> tuple[str, bool]:
     kernel, MoE contiguous on it), auto / auto+moe (the measured table kernels/fp8_select_table.json or
     DEEPINFER_FP8_TABLE picks per shape), or an FP8 variant name (triton_fp8_variants: every FP8 linear of
     >= 32 rows and the MoE's contiguous form on it), cuda (the warp-specialized CUDA FP8 GEMM,
-    kernels/cuda_fp8_gemm.py, for the dense FP8 linears; cuda+moe: the MoE's contiguous form too)."""
+    kernels/cuda_fp8_gemm.py, for the dense FP8 linears; cuda+moe: the MoE's contiguous form too), bf16
+    (every dense FP8 linear dequantized to bf16 and on cuBLAS, kernels/triton_dequant.py), auto_fp8
+    (auto without that bf16 path: the default before 2026-12-03). Sets select.BF16_AUTO_MIN_M too."""
     from deepinfer.kernels import select
     base, _, moe = mode.partition("+")
-    if base not in ("w8a16", "fp8", "cuda", "auto") + select.FP8_VARIANTS or moe not in ("", "moe"):
+    if base not in ("w8a16", "fp8", "cuda", "auto", "auto_fp8", "bf16") + select.FP8_VARIANTS or moe not in ("", "moe"):
         raise SystemExit(f"--gemms: unknown mode {mode!r}")
-    return base, moe == "moe"
+    select.BF16_AUTO_MIN_M = 0 if base == "auto_fp8" else _BF16_DEFAULT
+    return ("auto" if base == "auto_fp8" else base), moe == "moe"
+
+_BF16_DEFAULT = 1024            # select.BF16_AUTO_MIN_M as the process started (main sets it)
 FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
 
@@ -154,6 +159,8 @@ def main() -> None:
     caches = ModelCaches.allocate(model.args, 16, 16 * nb, 64, "cuda")
     rows = []
     print(f"{'case':>8} {'gemm':>6} {'ms':>8} {'tok/s':>8} {'lin TF/s':>9} {'/FP8':>6} {'/bf16':>6} {'40L tok/s/GPU':>14}")
+    global _BF16_DEFAULT
+    _BF16_DEFAULT = select.BF16_AUTO_MIN_M
     defaults = select.PREFILL_GEMM, select.MOE_CONTIGUOUS
     for case in a.cases:
         for gemm in a.gemms:
@@ -177,6 +184,7 @@ def main() -> None:
             print(f"{case:>8}  speed vs w8a16: " + ", ".join(f"{g} {mine['w8a16']['ms'] / r['ms']:.2f}x"
                                                            for g, r in mine.items() if g != "w8a16"), flush=True)
     select.PREFILL_GEMM, select.MOE_CONTIGUOUS = defaults
+    select.BF16_AUTO_MIN_M = _BF16_DEFAULT
     top = []
     if a.profile:
         try:

@@ -1,0 +1,87 @@
+"""FP8 weights dequantized to bf16, exactly, for the prefill's dense linears on cuBLAS.
+
+    dequant_fp8_bf16(w, w_scale, out)   [N, K] e4m3 + E8M0 bytes per 32x32 tile [N/32, K/32] or per
+                                        (row, 32) [N, K/32], or f32 pow2 per row [N, 1] -> bf16 [N, K]
+    bf16_exact(w_scale)                 whether every w * scale of this weight is a bf16 value
+
+Why: an e4m3 value has 4 significant bits and an E8M0 scale is a power of two, so w * scale fits
+bf16's 8 bits whenever its exponent is in bf16's range; act_quant's activations are e4m3 values times
+powers of two as well (its scale is at least 2^-22). A bf16 tensor-core GEMM of those exact values
+multiplies the same products as the release's FP8 GEMM (each exact in fp32) and adds them in fp32:
+the per-32 promotion has nothing left to do, only the order of the additions differs (as it does
+between any two GEMM tilings). On SM90 cuBLAS's bf16 GEMM runs at ~0.5 of the FP8 peak (743-800
+TFLOP/s at M 8192, H200, 2026-12-02), where an FP8 kernel promoting every 32 K reached 330-605: the
+promotion FMAs on the CUDA cores, not the tensor cores, set its pace. The weight is dequantized per
+call into a scratch buffer (3 bytes of traffic per weight element: small next to an M >= 1024 GEMM).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# w * 2^(e - 127) for every e4m3 w (|w| <= 448 < 2^9, smallest step 2^-9) is a normal bf16 value
+# (smallest 2^-126, largest finite just under 2^128) when 2^(e - 127) is in [2^-117, 2^118]; subnormal
+# results are left out on purpose (a GPU may flush them). Real scales sit near 2^-8..2^-14.
+E8M0_MIN, E8M0_MAX = 10, 245
+
+
+@triton.jit
+def dequant_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, s_stride_n, s_stride_k,
+                       S_ROWS: tl.constexpr, S_COLS: tl.constexpr, F32_SCALE: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr):
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    ok = (rn[:, None] < N) & (rk[None, :] < K)
+    b = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=ok, other=0).to(tl.int32) & 0xFF
+    # e4m3 = I * 2^(E' - 10) with the integer significand I (implicit bit included, 0..15) and E' the
+    # exponent field (1 for subnormals): built from integers so no intermediate is an fp32 subnormal
+    # (which a GPU may flush to zero)
+    ex = (b >> 3) & 0xF
+    sig = ((b & 7) + tl.where(ex > 0, 8, 0)).to(tl.float32)
+    sig = tl.where((b & 0x80) != 0, -sig, sig)
+    ex = tl.maximum(ex, 1)
+    s_off = (rn[:, None] // S_ROWS) * s_stride_n + (rk[None, :] // S_COLS) * s_stride_k
+    if F32_SCALE:
+        s = tl.load(s_ptr + s_off, mask=ok, other=1.0)
+        v = sig * ((ex - 10 + 127) << 23).to(tl.float32, bitcast=True) * s
+    else:
+        e = tl.load(s_ptr + s_off, mask=ok, other=127).to(tl.int32) & 0xFF
+        v = sig * ((ex - 10 + e) << 23).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + rn[:, None] * K + rk[None, :], v.to(tl.bfloat16), mask=ok)
+
+
+
+def _layout(n: int, k: int, w_scale: torch.Tensor) -> tuple[int, int]:
+    """(rows, columns) of the weight that share one scale."""
+    if w_scale.shape[-1] == 1 and k > 32:
+        return 1, k
+    return n // w_scale.shape[0], 32
+
+
+def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    n, k = w.shape
+    rows, cols = _layout(n, k, w_scale)
+    f32 = w_scale.dtype == torch.float32
+    s = w_scale if f32 else w_scale.view(torch.uint8)
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device) if out is None else out
+    bn, bk = 32, 128
+    dequant_fp8_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        w.view(torch.uint8), s, out, n, k, s.stride(0), s.stride(1) if s.shape[1] > 1 else 0,
+        S_ROWS=rows, S_COLS=cols, F32_SCALE=f32, BN=bn, BK=bk)
+    return out
+
+
+def bf16_exact(w_scale: torch.Tensor) -> bool:
+    """Every w * scale of a weight with these scales is a bf16 value (one reduction and a host read:
+    callers cache the verdict per weight)."""
+    if w_scale.dtype == torch.float32:
+        m, e = torch.frexp(w_scale)
+        return bool(((m.abs() == 0.5) & (e - 1 >= E8M0_MIN - 127) & (e - 1 <= E8M0_MAX - 127)).all())
+    b = w_scale.view(torch.uint8)
+    return bool(((b >= E8M0_MIN) & (b <= E8M0_MAX)).all())
