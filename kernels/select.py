@@ -40,7 +40,7 @@ Knobs (environment, read once):
                                  weight exactly to bf16 (triton_dequant: e4m3 times a power of two fits bf16)
                                  and runs act_quant + cuBLAS's bf16 GEMM: the release GEMM's products summed
                                  in fp32, at cuBLAS's rate. auto takes it from DEEPINFER_BF16_AUTO_MIN_M rows
-                                 (1024; 0: never), ahead of the CUDA kernel
+                                 (256; 0: never), ahead of the CUDA kernel; wo_a's grouped GEMM too
     DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
                                  on the first FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and
                                  the MoE's large steps in the grouped contiguous form on it
@@ -89,7 +89,7 @@ if PREFILL_GEMM not in ("auto", "fp8", "w8a16", "cuda", "bf16") + FP8_VARIANTS:
                      f"got {PREFILL_GEMM!r}")
 # auto: dense FP8 linears of at least this many rows dequantize the weight to bf16 (exact) and run
 # cuBLAS's bf16 GEMM (kernels/triton_dequant.py says why that is the release's arithmetic); 0: never
-BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "1024"))
+BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "256"))
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # auto: the CUDA FP8 x FP8 kernel takes dense FP8 linears from this many rows (H200, 2026-12-02,
@@ -279,39 +279,62 @@ _BF16_EXACT: dict[int, tuple] = {}         # id(w_scale) -> (weakref to it, verd
 _BF16_SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
-def _bf16_gemm_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
-    """The dense bf16 path takes this call: DEEPINFER_PREFILL_GEMM=bf16 (any M) or auto from BF16_AUTO_MIN_M
-    rows; a CUDA tensor on the fast path, not batch-invariant mode (W8A16 keeps one formulation for every
-    M there), not inside a graph capture (the scratch buffer), a 2-D weight in a layout the W8A16 kernel
-    takes, and every w * scale a bf16 value (checked once per weight; logged once where it is not)."""
+def _bf16_gemm_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, m: int | None = None,
+                  exact_of: torch.Tensor | None = None) -> bool:
+    """The dense bf16 path takes this call (of m rows; default: x's rows; exact_of: the whole grouped weight's
+    scales, when w is one group of it): DEEPINFER_PREFILL_GEMM=bf16 (any M)
+    or auto from BF16_AUTO_MIN_M rows; a CUDA tensor on the fast path, not batch-invariant mode (W8A16
+    keeps one formulation for every M there), not inside a graph capture (the scratch buffer), a 2-D
+    weight in a layout the W8A16 kernel takes, and every w * scale a bf16 value (checked once per weight;
+    logged once where it is not)."""
     if PREFILL_GEMM not in ("bf16", "auto") or _batch_invariant() or not x.is_cuda or not use_fast(x) \
             or w.dim() != 2 or x.dtype != torch.bfloat16 or torch.cuda.is_current_stream_capturing():
         return False
-    m = x.numel() // max(w.shape[1], 1)
+    m = x.numel() // max(w.shape[1], 1) if m is None else m
     if PREFILL_GEMM == "auto" and (BF16_AUTO_MIN_M <= 0 or m < BF16_AUTO_MIN_M):
         return False
     if not _fast_gemm_ok(w, w_scale):
         return _fast_for(x, "bf16_gemm", False, _GEMM_RULE, then="the FP8 paths")
+    return _bf16_exact_weight(w_scale if exact_of is None else exact_of, x)
+
+
+def _bf16_exact_weight(w_scale: torch.Tensor, x: torch.Tensor | None = None) -> bool:
+    """triton_dequant.bf16_exact of these scales, computed once per weight (a host read)."""
     import weakref
     hit = _BF16_EXACT.get(id(w_scale))
     if hit is None or hit[0]() is not w_scale:
         from .triton_dequant import bf16_exact
         hit = _BF16_EXACT[id(w_scale)] = (weakref.ref(w_scale), bf16_exact(w_scale))
+    if x is None:
+        return hit[1]
     return _fast_for(x, "bf16_gemm", hit[1], "weight scales within 2^-117..2^118 (w * scale a normal bf16 value)",
                      then="the FP8 paths")
 
 
-def _bf16_gemm_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """act_quant (e4m3 values times powers of two, in bf16) times the weight dequantized into this
-    stream's scratch buffer, on cuBLAS: the release GEMM's products, summed in fp32."""
+def _bf16_dequant_scratch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """w dequantized to bf16 in the scratch buffer of x's device and current stream (reused by the next call
+    on that stream, which the stream orders after this one's GEMM)."""
     from .triton_dequant import dequant_fp8_bf16
     n, k = w.shape
     key = (x.device, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
     buf = _BF16_SCRATCH.get(key)
     if buf is None or buf.numel() < n * k:
         buf = _BF16_SCRATCH[key] = torch.empty(n * k, dtype=torch.bfloat16, device=x.device)
-    wd = dequant_fp8_bf16(w, w_scale, out=buf[:n * k].view(n, k))
-    return torch.nn.functional.linear(act_quant(x), wd)
+    return dequant_fp8_bf16(w, w_scale, out=buf[:n * k].view(n, k))
+
+
+def _bf16_gemm_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """act_quant (e4m3 values times powers of two, in bf16) times the weight dequantized into this
+    stream's scratch buffer, on cuBLAS: the release GEMM's products, summed in fp32."""
+    return torch.nn.functional.linear(act_quant(x), _bf16_dequant_scratch(x, w, w_scale))
+
+
+def _bf16_grouped(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """grouped_w8a16 on the bf16 path: every group's weight dequantized into the scratch buffer at once,
+    then [G, M, K] x [G, K, N] on cuBLAS, token-major in and out."""
+    g, n, k = w.shape
+    wd = _bf16_dequant_scratch(x, w.view(g * n, k), w_scale.flatten(0, 1)).view(g, n, k)
+    return torch.bmm(x.transpose(0, 1), wd.transpose(1, 2)).transpose(0, 1).contiguous()
 
 
 def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
@@ -664,6 +687,8 @@ def grouped_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> to
     bf16 (token-major: each token's G head groups), w [G, N, K] e4m3, w_scale [G, N/32, K/32] E8M0 ->
     [M, G, N] bf16, the same exact products as the einsum of the dequantized weight, fp32 accumulated.
     Triton W8A16 reading and writing the token-major layout in place on a GPU; else that einsum."""
+    if x.shape[0] > 0 and _bf16_gemm_ok(x.flatten(0, 1), w[0], w_scale[0], x.shape[0], exact_of=w_scale):
+        return _bf16_grouped(x, w, w_scale)
     if x.shape[0] > 0 and _fast_for(x, "grouped_w8a16", _fast_gemm_ok(w[0], w_scale[0]), _GEMM_RULE):
         from .triton_gemm import w8a16_grouped_gemm as fast
         return fast(x, w, w_scale, batch_invariant=_batch_invariant(), token_major=True)

@@ -90,6 +90,32 @@ def check_linear_random(device, shapes):
     print(f"bf16 path random ({len(shapes)} shapes): ok")
 
 
+def check_grouped(device):
+    """wo_a's grouped GEMM (no activation rounding) on the bf16 path against the float64 einsum of the
+    exact weight: 32x32-tile and per-row-of-32 scales, group sizes off the tiles."""
+    gen = torch.Generator().manual_seed(3)
+    for m, g, n, k, per_row in ((7, 4, 64, 96, False), (300 if not INTERPRET else 9, 8, 48, 160, True)):
+        x = torch.randn(m, g, k, generator=gen).bfloat16().to(device)
+        w = (torch.randn(g, n, k, generator=gen) * k ** -0.5).to(torch.float8_e4m3fn).to(device)
+        s = torch.randint(118, 124, (g, n if per_row else n // 32, k // 32), generator=gen, dtype=torch.uint8).to(device)
+        if x.is_cuda:
+            saved = select.PREFILL_GEMM
+            select.PREFILL_GEMM = "bf16"
+            try:
+                assert select._bf16_gemm_ok(x.flatten(0, 1), w[0], s[0], m, exact_of=s)
+                y = select.grouped_w8a16(x, w, s)
+            finally:
+                select.PREFILL_GEMM = saved
+        else:
+            y = select._bf16_grouped(x, w, s)
+        xd, wd = x.double(), dequant_fp8(w, s).double()
+        r, mag = torch.einsum("tgd,grd->tgr", xd, wd), torch.einsum("tgd,grd->tgr", xd.abs(), wd.abs())
+        assert y.shape == (m, g, n) and y.is_contiguous()
+        bad = (y.double() - r).abs() > torch.maximum(r.abs(), y.double().abs()) * 2 ** -7 + mag * 2 ** -20 + 1e-30
+        assert not bad.any(), (m, g, n, k, per_row, int(bad.sum()))
+    print("grouped (wo_a) bf16 path: ok")
+
+
 def linear(x, w, s):
     """select.fp8_linear on the bf16 path (asserted taken on a GPU); the path's function itself on a CPU,
     where select keeps CPU tensors off it."""
@@ -109,6 +135,7 @@ def main():
     check_dequant_exact(device)
     check_rule(device)
     check_linear_exact(device)
+    check_grouped(device)
     check_linear_random(device, [(40, 96, 256)] if INTERPRET else
                         [(1024, 1792, 5120), (1500, 4096, 1280), (2048, 5120, 8192), (1100, 4608, 5120), (4096, 5120, 2304)])
     return 0

@@ -1,6 +1,6 @@
 """The whole model on CUDA on the shared fixtures, teacher-forced through deepinfer-score and judged
 by check-parity with the fixture's own rule: with the torch references, and with every fast op
-kernels/select.py dispatches to (DEEPINFER_KERNELS=fast)."""
+kernels/select.py dispatches to (DEEPINFER_KERNELS=fast), and with the dense linears on the bf16 path."""
 
 import os
 import subprocess
@@ -16,7 +16,7 @@ SHARED = Path(os.environ.get("DEEPINFER_SHARED", REPO / ".." / "shared")).resolv
 
 
 @pytest.mark.parametrize("name", ["v41-tiny-bf16", "v41-tiny"])
-@pytest.mark.parametrize("kernels", ["ref", "fast"])
+@pytest.mark.parametrize("kernels", ["ref", "fast", "fast-bf16"])
 def test_fixture_parity_on_cuda(name, kernels, tmp_path, monkeypatch):
     """The fixture's whole rule, the layer-by-layer hidden-state check included (--require-hidden).
     H200, 2026-11-30, torch path: v41-tiny-bf16 PASS max_err 2.32 median 0.175 top-1 68/68; v41-tiny
@@ -25,7 +25,11 @@ def test_fixture_parity_on_cuda(name, kernels, tmp_path, monkeypatch):
         pytest.skip(f"shared fixtures not found at {SHARED}")
     from deepinfer.cli.score import main
     from deepinfer.kernels import select
-    monkeypatch.setattr(select, "KERNELS", kernels)
+    # fast-bf16: every dense FP8 linear (and wo_a) on the exact bf16 dequant + cuBLAS path at any M,
+    # which auto takes from BF16_AUTO_MIN_M rows only (more than these prompts have)
+    monkeypatch.setattr(select, "KERNELS", kernels.split("-")[0])
+    if kernels == "fast-bf16":
+        monkeypatch.setattr(select, "PREFILL_GEMM", "bf16")
     select._fast_ok.cache_clear()
     fx = tmp_path / name
     subprocess.run([sys.executable, str(SHARED / "tools" / "make-fixture"), "--from-fixture",
