@@ -79,3 +79,26 @@ def sparse_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, s
                                         is_fp8_kvcache=True, indices=indices.to(torch.int32).unsqueeze(1),
                                         attn_sink=sink.float())
     return out.squeeze(1), sched
+
+
+SPARSE_PREFILL_HEADS = (64, 128)       # the SM90 sparse prefill kernel's q heads (d_qk 512)
+SPARSE_PREFILL_TOPK_ALIGN = 64         # its index lists are walked in blocks of 64
+
+
+def sparse_prefill(q: torch.Tensor, kv, sink: torch.Tensor, idxs: torch.Tensor, scale: float) -> torch.Tensor:
+    """Sink attention of each query over its own rows of bf16 kv (K = V), sparse_attn_ref's contract, on
+    FlashMLA's sparse prefill kernel (flash_mla_sparse_fwd): q [n, H, 512] bf16 with H 64 or 128, kv
+    [M, 512] bf16 or a tuple of such tensors that idxs counts across in order (concatenated here: the
+    kernel reads one), sink [H] fp32, idxs [n, L] (-1 = nothing; lists padded to a multiple of 64 with
+    -1). Its sink term multiplies the output by exp(lse) / (exp(lse) + exp(sink)): the reference's
+    denominator."""
+    if isinstance(kv, (tuple, list)):
+        kv = kv[0] if len(kv) == 1 else torch.cat(kv)
+    n, L = idxs.shape
+    pad = -L % SPARSE_PREFILL_TOPK_ALIGN
+    idx = idxs.to(torch.int32)
+    if pad:
+        idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
+    out = load().flash_mla_sparse_fwd(q.contiguous(), kv.contiguous().unsqueeze(1), idx.contiguous().unsqueeze(1),
+                                      scale, 512, attn_sink=sink.float().contiguous())
+    return out[0] if isinstance(out, (tuple, list)) else out

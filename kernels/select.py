@@ -104,6 +104,13 @@ CUDA_AUTO_MIN_M = int(os.environ.get("DEEPINFER_CUDA_AUTO_MIN_M", "4096"))
 # chunks) 196.2 ms with it against 208.3 without, 1 x 8192 192.5 / 194.3. (The 264 ms of an earlier
 # run was not the rule: with blocking host copies both sides were slower, 243 / 216.)
 _WIDE = os.environ.get("DEEPINFER_CUDA_AUTO_WIDE_MIN_M", "256")
+# sparse attention of at least SPARSE_PREFILL_MIN_ROWS queries on FlashMLA's sparse prefill kernel
+# (DEEPINFER_SPARSE_PREFILL=flashmla) or on ours (triton)
+SPARSE_PREFILL = os.environ.get("DEEPINFER_SPARSE_PREFILL", "flashmla")
+if SPARSE_PREFILL not in ("flashmla", "triton"):
+    raise ValueError(f"DEEPINFER_SPARSE_PREFILL must be flashmla or triton, got {SPARSE_PREFILL!r}")
+SPARSE_PREFILL_MIN_ROWS = int(os.environ.get("DEEPINFER_SPARSE_PREFILL_MIN_ROWS", "256"))
+SPARSE_PREFILL_MAX_CONCAT = 1 << 18
 CUDA_AUTO_WIDE_MIN_M = int(_WIDE) if _WIDE and int(_WIDE) > 0 else None
 FP8_TABLE_PATH = os.environ.get("DEEPINFER_FP8_TABLE", os.path.join(os.path.dirname(__file__), "fp8_select_table.json"))
 
@@ -206,7 +213,11 @@ def fp4_quant(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def sparse_attn(q, kv, sink, idxs, scale, block: int = 64):
     """kv [M, D], or a tuple of up to three such tensors that idxs counts across in order (read in
-    place by the Triton kernel; the reference concatenates them)."""
+    place by the Triton kernel; the reference concatenates them). Prefill-sized calls take FlashMLA's
+    sparse prefill kernel where it runs (_flashmla_prefill_ok)."""
+    if _flashmla_prefill_ok(q, kv, block):
+        from .flashmla import sparse_prefill
+        return sparse_prefill(q, kv, sink, idxs, scale)
     if _fast_for(q, "sparse_attn", sparse_attn_shape_ok(q, block),
                  "block 64, a power-of-two head_dim >= 16, heads < 16 or a multiple of min(64, heads)"):
         from .triton_sparse_attn import DEFAULT_BLOCKS_PER_SPLIT, sparse_attn as fast
@@ -216,6 +227,42 @@ def sparse_attn(q, kv, sink, idxs, scale, block: int = 64):
     if isinstance(kv, (tuple, list)):
         kv = torch.cat([t.to(q.dtype) for t in kv])
     return _ref.sparse_attn_ref(q, kv, sink, idxs, scale, block)
+
+
+def _flashmla_prefill_ok(q, kv, block: int = 64) -> bool:
+    """FlashMLA's SM90 sparse prefill takes this call: DEEPINFER_SPARSE_PREFILL=flashmla (the default), at
+    least SPARSE_PREFILL_MIN_ROWS queries, a CUDA bf16 q with 64 or 128 heads of 512 and bf16 kv (None: the
+    caller has not built it yet), block 64, not batch-invariant mode (its splits are its own), not inside a
+    graph capture (decode steps keep the Triton kernel: one path for every captured size), FlashMLA
+    importable on an SM90 GPU. It reads one kv tensor: a tuple is concatenated, so one of more than
+    SPARSE_PREFILL_MAX_CONCAT rows (a whole pool) declines; the attention layer gathers the rows for it
+    (sparse_prefill_gathers)."""
+    if SPARSE_PREFILL != "flashmla" or block != 64 or not q.is_cuda or q.dtype != torch.bfloat16 \
+            or q.shape[0] < SPARSE_PREFILL_MIN_ROWS or _batch_invariant() or not use_fast(q) \
+            or torch.cuda.is_current_stream_capturing():
+        return False
+    if isinstance(kv, (tuple, list)) and sum(t.shape[0] for t in kv) > SPARSE_PREFILL_MAX_CONCAT:
+        return False
+    from . import flashmla
+    srcs = () if kv is None else kv if isinstance(kv, (tuple, list)) else (kv,)
+    ok = q.shape[1] in flashmla.SPARSE_PREFILL_HEADS and q.shape[2] == 512 \
+        and all(t.dtype == torch.bfloat16 for t in srcs) and _flashmla_ok(q.device.index or 0)
+    return _fast_for(q, "sparse_prefill_flashmla", ok,
+                     "64 or 128 heads of 512, bf16 kv, FlashMLA importable on SM90", then="the Triton kernel")
+
+
+def sparse_prefill_gathers(q) -> bool:
+    """The attention layer should gather this call's kv rows into one tensor (FlashMLA's sparse prefill
+    reads one) rather than hand over the pools in place."""
+    return _flashmla_prefill_ok(q, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _flashmla_ok(device_index: int) -> bool:
+    from . import flashmla
+    mod = flashmla.load()
+    return mod is not None and hasattr(mod, "flash_mla_sparse_fwd") \
+        and torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def sparse_attn_shape_ok(q: torch.Tensor, block: int = 64) -> bool:

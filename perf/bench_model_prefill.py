@@ -94,20 +94,30 @@ def run_case(model, caches, name: str, nb: int):
 
 
 def profile(fn, top: int = 20) -> list[dict]:
+    """Top kernels of one call, then where the host waited on the device inside it (device-to-host reads:
+    each one drains the queue, so the GPU idles while the host launches what follows), by Python stack."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     fn()
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         fn()
         torch.cuda.synchronize()
     rows = [dict(name=e.key[:90], us=e.device_time_total, calls=e.count) for e in prof.key_averages()
-            if e.device_time_total > 0]
+            if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     rows.sort(key=lambda r: -r["us"])
     total = sum(r["us"] for r in rows)
     print(f"profile 1x8192 (default path): {total / 1e3:.1f} ms of kernel time; top {top}:")
     for r in rows[:top]:
         print(f"  {r['us'] / 1e3:8.2f} ms {100 * r['us'] / total:5.1f}%  {r['calls']:5d}x  {r['name']}")
+    waits = [e for e in prof.key_averages(group_by_stack_n=6)
+             if e.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")]
+    waits.sort(key=lambda e: -e.cpu_time_total)
+    print(f"host waits inside the call: {sum(e.count for e in waits)} "
+          f"({sum(e.cpu_time_total for e in waits) / 1e3:.1f} ms of host time in them); by stack:")
+    for e in waits[:12]:
+        stack = " < ".join(f.split("/")[-1] for f in (e.stack or [])[:6] if "deepinfer" in f or "kernels" in f)
+        print(f"  {e.count:4d}x {e.cpu_time_total / 1e3:7.2f} ms  {e.key}  {stack}")
     return rows[:top]
 
 

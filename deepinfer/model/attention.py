@@ -206,7 +206,7 @@ class Attention(nn.Module):
         idx [T, L] counting rows across them. A kernel that reads several tensors in place
         (select.sparse_attn_in_place) gets the pools and idx mapped to pool rows: the gathered
         copy and its concatenation (at batch 64 and 8k context ~33k rows a layer) are never written."""
-        if not ops.sparse_attn_in_place(q):
+        if not ops.sparse_attn_in_place(q) or ops.sparse_prefill_gathers(q):
             rows = [t if r is None else t[r] for t, r in sources]
             return ops.sparse_attn(q, torch.cat([r.to(q.dtype) for r in rows]), self.attn_sink, idx, self.scale)
         table, base = [], 0

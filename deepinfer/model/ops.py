@@ -41,6 +41,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     row_scaled_fp8_weight,
     sparse_attn,
     sparse_attn_in_place,
+    sparse_prefill_gathers,
     swiglu_quant,
     topk_block_mask,
 )
