@@ -82,7 +82,7 @@ def sparse_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, s
 
 
 SPARSE_PREFILL_HEADS = (64, 128)       # the SM90 sparse prefill kernel's q heads (d_qk 512)
-SPARSE_PREFILL_TOPK_ALIGN = 64         # its index lists are walked in blocks of 64
+SPARSE_PREFILL_TOPK_ALIGN = 128        # its lists are walked two blocks of 64 at a time (topk % (2 * B_TOPK) == 0)
 
 
 def sparse_prefill(q: torch.Tensor, kv, sink: torch.Tensor, idxs: torch.Tensor, scale: float) -> torch.Tensor:

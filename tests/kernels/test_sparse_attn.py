@@ -71,10 +71,10 @@ def test_flashmla_v4_fits_window_kv():
     assert err < 1e-2
 
 
-@pytest.mark.parametrize("n,H,L,pieces", [(300, 64, 640, 3), (512, 128, 70, 1), (257, 64, 1000, 2)])
+@pytest.mark.parametrize("n,H,L,pieces", [(300, 64, 640, 3), (512, 128, 70, 1), (257, 64, 1000, 2), (256, 64, 192, 2)])
 def test_flashmla_sparse_prefill(n, H, L, pieces, monkeypatch):
-    """Prefill-sized sparse attention through select on FlashMLA's sparse prefill kernel (lists padded to
-    64, kv given in pieces, a query with nothing to see) against the reference, as the Triton kernel is."""
+    """Prefill-sized sparse attention through select on FlashMLA's sparse prefill kernel (lists padded to 128,
+    192 among them: a multiple of 64 the kernel refuses; kv given in pieces, a query with nothing to see) against the reference, as the Triton kernel is."""
     from deepinfer.kernels import select
     if not select._flashmla_ok(0):
         pytest.skip("FlashMLA sparse prefill not importable on this GPU")
