@@ -89,7 +89,7 @@ def sparse_prefill(q: torch.Tensor, kv, sink: torch.Tensor, idxs: torch.Tensor, 
     """Sink attention of each query over its own rows of bf16 kv (K = V), sparse_attn_ref's contract, on
     FlashMLA's sparse prefill kernel (flash_mla_sparse_fwd): q [n, H, 512] bf16 with H 64 or 128, kv
     [M, 512] bf16 or a tuple of such tensors that idxs counts across in order (concatenated here: the
-    kernel reads one), sink [H] fp32, idxs [n, L] (-1 = nothing; lists padded to a multiple of 64 with
+    kernel reads one), sink [H] fp32, idxs [n, L] (-1 = nothing; lists padded to a multiple of 128 with
     -1). Its sink term multiplies the output by exp(lse) / (exp(lse) + exp(sink)): the reference's
     denominator."""
     if isinstance(kv, (tuple, list)):
