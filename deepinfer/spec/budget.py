@@ -87,11 +87,12 @@ class VerifyBudgetPolicy:
 
     def best_budget(self, num_seqs: int, survival_desc: list[float]) -> int:
         """B in [0, len(survival_desc)] maximizing (num_seqs + sum of the B largest) / t(num_seqs, B)."""
+        times = self.step_time.times(num_seqs, len(survival_desc))
         expected = float(num_seqs)
-        best_b, best = 0, expected / self.step_time.time(num_seqs, 0)
+        best_b, best = 0, expected / times[0]
         for b, a in enumerate(survival_desc, start=1):
             expected += a
-            score = expected / self.step_time.time(num_seqs, b)
+            score = expected / times[b]
             if score > best:
                 best_b, best = b, score
             elif self.early_stop:

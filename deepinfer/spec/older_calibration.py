@@ -34,16 +34,19 @@ class OlderCalibration:
         # per draft index: [weight, sum x, sum y, sum xx, sum xy]
         self._sums = [[0.0] * 5 for _ in range(num_drafts)]
         self.num_pairs = 0
+        self._fits: list[tuple[float, float, float] | None] | None = None   # per j (mean x, mean y, beta)
 
     def observe(self, older: list[float], newest: list[float]) -> None:
         """One request's previous and current prefix survivals (as many indices as both have)."""
-        for j, (x, y) in enumerate(zip(older, newest)):
-            if j >= len(self._sums):
-                break
-            s = self._sums[j]
-            for i, v in enumerate((1.0, x, y, x * x, x * y)):
-                s[i] = s[i] * self.decay + v
+        d = self.decay
+        for s, x, y in zip(self._sums, older, newest):
+            s[0] = s[0] * d + 1.0
+            s[1] = s[1] * d + x
+            s[2] = s[2] * d + y
+            s[3] = s[3] * d + x * x
+            s[4] = s[4] * d + x * y
         self.num_pairs += 1
+        self._fits = None
 
     @property
     def ready(self) -> bool:
@@ -81,7 +84,11 @@ class OlderCalibration:
         return max(0.0, min(1.0, cov / var)) if var > 1e-12 else 0.0
 
     def _fit(self, j: int, x: float) -> float:
-        w, sx, sy = self._sums[j][:3]
-        if w <= 0:              # no pair reached this draft index yet (proposals cut short by max_tokens)
+        if self._fits is None:          # once per batch of observations, not per request and draft
+            self._fits = [(s[1] / s[0], s[2] / s[0], self.slope(j)) if s[0] > 0 else None
+                          for j, s in enumerate(self._sums)]
+        fit = self._fits[j]
+        if fit is None:         # no pair reached this draft index yet (proposals cut short by max_tokens)
             return x
-        return sy / w + self.slope(j) * (x - sx / w)
+        mx, my, beta = fit
+        return my + beta * (x - mx)

@@ -24,7 +24,7 @@ import bisect
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,17 @@ class StepTimeModel:
     batch_sizes: list[int]            # profiled n, ascending
     drafts_per_seq: list[int]         # profiled x, ascending
     seconds: list[list[float]]        # [len(batch_sizes)][len(drafts_per_seq)] median step seconds
+    # times() per (num_seqs, max_drafts): the budget reads a whole row every step (host time on the
+    # critical path of an overlapped step)
+    _rows: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def times(self, num_seqs: int, max_drafts: int) -> list[float]:
+        """[time(num_seqs, B) for B in 0 .. max_drafts], computed once per (num_seqs, max_drafts)."""
+        key = (num_seqs, max_drafts)
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = [self.time(num_seqs, b) for b in range(max_drafts + 1)]
+        return row
 
     def time(self, num_seqs: int, num_drafts: int) -> float:
         """Seconds of a step of num_seqs requests verifying num_drafts drafts in all."""
