@@ -121,6 +121,28 @@ def profile(fn, top: int = 20) -> list[dict]:
     return rows[:top]
 
 
+def host_profile(fn, top: int = 25) -> None:
+    """Where the host spends one call (cProfile, self time): the ~29 ms by which a 1 x 8192 prefill's wall
+    time exceeded its kernel time (H200, 2026-12-03) is the host issuing launches behind the GPU."""
+    import cProfile
+    import pstats
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    fn()
+    prof.disable()
+    issued = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    print(f"host: one call issued in {issued * 1e3:.1f} ms (under cProfile), done {(time.perf_counter() - t0) * 1e3:.1f} ms "
+          f"after it started; top {top} by self time:")
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    for (path, line, name), (_cc, calls, self_t, cum_t, _callers) in rows:
+        print(f"  {self_t * 1e3:8.2f} ms self {cum_t * 1e3:8.2f} ms cum {calls:6d}x  {path.split('/')[-1]}:{line} {name}")
+
+
 def plot(rows, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -201,6 +223,7 @@ def main() -> None:
             with torch.inference_mode():
                 fn, _ = run_case(model, caches, "1x8192", nb)
                 top = profile(fn)
+                host_profile(fn)
         except Exception as e:  # noqa: BLE001
             print(f"profile FAILED: {type(e).__name__}: {str(e)[:400]}")
     print("declined fast paths:", sorted(select.declined()))
