@@ -8,17 +8,24 @@ from kernel_utils import rel_err
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("n,H,L", [(1, 64, 640), (64, 64, 640), (5, 64, 70), (3, 16, 1000), (2, 64, 64)])
-def test_sparse_attn(n, H, L):
-    from deepinfer.kernels.triton_sparse_attn import sparse_attn
-    D, M = 512, 4096
+def _case(n, H, L, D=512, M=4096):
+    """Random queries over FP8-rounded kv rows, a fifth of the list entries empty (-1) and query 1 with
+    nothing to see."""
     q = torch.randn(n, H, D, device="cuda").bfloat16()
     kv = act_quant_ref(torch.randn(M, D, device="cuda").bfloat16())
     sink = torch.randn(H, device="cuda")
     idx = torch.randint(0, M, (n, L), device="cuda", dtype=torch.int32)
     idx[torch.rand(n, L, device="cuda") < 0.2] = -1
     if n > 1:
-        idx[1] = -1                                             # a query with nothing to see
+        idx[1] = -1
+    return q, kv, sink, idx
+
+
+@pytest.mark.parametrize("n,H,L", [(1, 64, 640), (64, 64, 640), (5, 64, 70), (3, 16, 1000), (2, 64, 64)])
+def test_sparse_attn(n, H, L):
+    from deepinfer.kernels.triton_sparse_attn import sparse_attn
+    D = 512
+    q, kv, sink, idx = _case(n, H, L, D)
     out = sparse_attn(q, kv, sink, idx, D ** -0.5)
     ref = sparse_attn_ref(q, kv, sink, idx, D ** -0.5)
     assert not torch.isnan(out).any()
@@ -73,19 +80,15 @@ def test_flashmla_v4_fits_window_kv():
 
 @pytest.mark.parametrize("n,H,L,pieces", [(300, 64, 640, 3), (512, 128, 70, 1), (257, 64, 1000, 2), (256, 64, 192, 2)])
 def test_flashmla_sparse_prefill(n, H, L, pieces, monkeypatch):
-    """Prefill-sized sparse attention through select on FlashMLA's sparse prefill kernel (lists padded to 128,
-    192 among them: a multiple of 64 the kernel refuses; kv given in pieces, a query with nothing to see) against the reference, as the Triton kernel is."""
+    """Prefill-sized sparse attention through select on FlashMLA's sparse prefill kernel (lists padded to
+    128, 192 among them: a multiple of 64 the kernel refuses; kv given in pieces, a query with nothing to
+    see) against the reference, as the Triton kernel is."""
     from deepinfer.kernels import select
     if not select._flashmla_ok(0):
         pytest.skip("FlashMLA sparse prefill not importable on this GPU")
     monkeypatch.setattr(select, "SPARSE_PREFILL", "flashmla")
     D, M = 512, 4096
-    q = torch.randn(n, H, D, device="cuda").bfloat16()
-    kv = act_quant_ref(torch.randn(M, D, device="cuda").bfloat16())
-    sink = torch.randn(H, device="cuda")
-    idx = torch.randint(0, M, (n, L), device="cuda", dtype=torch.int32)
-    idx[torch.rand(n, L, device="cuda") < 0.2] = -1
-    idx[1] = -1
+    q, kv, sink, idx = _case(n, H, L, D, M)
     cuts = [0, 1000, 3000, M][:pieces] + [M]
     src = tuple(kv[a:b] for a, b in zip(cuts, cuts[1:])) if pieces > 1 else kv
     assert select._flashmla_prefill_ok(q, src)
