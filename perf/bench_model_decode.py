@@ -61,15 +61,26 @@ def tensor_bytes(obj) -> int:
 
 
 def module_bytes(mod, skip=()) -> int:
-    """Buffers plus the FP8 (weight, scale) pairs Linear keeps outside its buffers."""
+    """Buffers plus the FP8 (weight, scale) pairs Linear keeps outside its buffers. A quantized Linear
+    held dequantized (--dense-weights bf16) counts its release bytes (1 per element + its scales), so
+    the ratio to copy bandwidth stays the same yardstick as the FP8 form's: time, not bytes, moves.
+    wo_a's FP8 blocks count too (before 2026-12-03 they were left out: ~235 MB of a full-width-ep8 step,
+    so earlier ratios understate the bytes a step reads)."""
     from deepinfer.model.layers import Linear
     total = 0
     for name, m in mod.named_modules():
         if any(name.startswith(s) for s in skip):
             continue
+        # wo_a is FP8 in the release and may run dense
+        release_fp8 = isinstance(m, Linear) and (m.quantized or name.endswith("wo_a"))
+        if release_fp8 and m.fp8 is None and m.packed is None and m.weight.numel() \
+                and m.weight.element_size() > 1:
+            total += m.weight.numel() + m.weight.numel() // 1024
+            total += sum(tensor_bytes(b) for n, b in m.named_buffers(recurse=False) if n != "weight")
+            continue
         total += sum(tensor_bytes(b) for b in m.buffers(recurse=False))
         if isinstance(m, Linear):
-            total += tensor_bytes(m.fp8) + tensor_bytes(m.packed)
+            total += tensor_bytes(m.fp8) + tensor_bytes(m.packed) + tensor_bytes(m.fp8_blocks)
     return total
 
 
@@ -152,6 +163,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint")
     p.add_argument("--preset", default="full-width-ep8")
+    p.add_argument("--dense-weights", default="fp8", choices=["fp8", "bf16"],
+                    help="bf16: the dense FP8 linears dequantized at load (EngineArgs.dense_weights)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--profile", type=int, default=0, help="also profile one eager step at this batch size")
@@ -166,7 +179,7 @@ def main() -> None:
     t0 = time.time()
     if a.load_format == "dummy":
         ckpt = f"{a.preset} (dummy weights)"
-        model = dummy_model(a.preset)
+        model = dummy_model(a.preset, dense_weights=a.dense_weights)
     else:
         ckpt = a.checkpoint or build_checkpoint(a.preset)
         model = load_model(ckpt, "cuda")

@@ -18,6 +18,10 @@ Weight formats on the device (`load_model(weight_format=...)`):
              (tests/model/test_weight_formats.py).
     Either way wo_a stays dense: attention runs it as a block-diagonal bf16 einsum on `.weight`
     (no activation rounding, as convert.py dequantizes it), so there is nothing for an FP8 GEMM.
+    dense_bf16 (with "fp8"): the dense FP8 linears (attention, shared experts, indexer, DSpark; not the
+    routed experts) dequantized once at load into the compute dtype, exactly (e4m3 times a power of
+    two is a bf16 value): act_quant + cuBLAS in every step, decode graphs included, for one more byte
+    per dense weight element on the device (EngineArgs.dense_weights="bf16").
 """
 
 from __future__ import annotations
@@ -341,7 +345,7 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
                tokenizer_json: str | Path | None = None, pack_experts: bool | None = None,
                weight_format: str | None = None, moe_masked: bool | None = None, fuse_linears: bool | None = None,
                expert_row_scales: bool | None = None, wo_a_fp8: bool | None = None, parallel=None,
-               load_format: str = "safetensors", **arg_overrides):
+               load_format: str = "safetensors", dense_bf16: bool = False, **arg_overrides):
     """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input.
 
     weight_format: "dense" or "fp8" (the module docstring); default "fp8" on CUDA, "dense" elsewhere.
@@ -358,7 +362,8 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     parallel: a deepinfer.parallel.ParallelState with an expert placement: this rank builds and reads
     only its own routed experts (local slots; a redundant replica is read once per slot holding it).
     load_format: "safetensors" (the release shards) or "dummy" (random weights of the config, made
-    on the device: model/dummy_weights.py; the folder then needs only config.json)."""
+    on the device: model/dummy_weights.py; the folder then needs only config.json).
+    dense_bf16 ("fp8" only): the dense FP8 linears as exact compute-dtype weights (the module docstring)."""
     from .engram import NgramHasher, compressed_token_map
     from .layers import compute_dtype
     from .moe import MoE
@@ -384,9 +389,12 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     with torch.device("meta"):
         model = Transformer(args, hasher=None, parallel=parallel)
     model.hasher = hasher.to(device) if hasher is not None else None
+    if dense_bf16 and weight_format != "fp8":
+        raise ValueError("dense_bf16 applies to weight_format='fp8' (the 'dense' format is dense throughout)")
     fmt = _Format(device, compute_dtype(device), weight_format,
                   cuda if pack_experts is None else pack_experts,
-                  weight_format == "fp8" and (cuda if wo_a_fp8 is None else wo_a_fp8))
+                  weight_format == "fp8" and not dense_bf16 and (cuda if wo_a_fp8 is None else wo_a_fp8),
+                  dense_bf16)
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(infos[name].file, []).append(name)
@@ -437,6 +445,7 @@ class _Format:
     weight_format: str             # "dense" | "fp8"
     pack_experts: bool             # "dense": FP4 experts stay packed
     wo_a_fp8: bool = False         # "fp8": wo_a keeps its FP8 blocks (Linear.fp8_blocks)
+    dense_bf16: bool = False       # "fp8": dense FP8 linears dequantized at load (experts stay FP8)
 
 
 def _materialize_rest(model, device) -> None:
@@ -515,7 +524,7 @@ def _load_one(model, name, kind, infos, mm, fmt: _Format, target: str | None = N
     wo_a = name.endswith("attn.wo_a.weight")
     if kind == "fp8" and info.dtype == "F8_E4M3":
         scale = _read(scale_info, mm, sname).view(torch.uint8)
-        if fmt.weight_format == "fp8" and not wo_a:
+        if fmt.weight_format == "fp8" and not wo_a and not fmt.dense_bf16:
             mod.fp8 = (t.to(device), scale.to(device))
             mod.weight = torch.empty(0, device=device)
             mod.quantized = True
@@ -525,6 +534,8 @@ def _load_one(model, name, kind, infos, mm, fmt: _Format, target: str | None = N
             mod.fp8_blocks = tuple(b.to(device) for b in blocks)
             mod.weight = torch.empty(0, device=device)
             return
+        if fmt.dense_bf16:                      # on the device: a CPU fp32 pass over every dense weight is slow
+            t, scale = t.to(device), scale.to(device)
         t = ops.dequant_fp8(t, scale)
         quantized = True
     elif kind == "fp4" and info.dtype == "I8":

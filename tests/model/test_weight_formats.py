@@ -28,6 +28,9 @@ def models(tiny_checkpoint):
         "fp8-masked": load_model(tiny_checkpoint, progress=False, weight_format="fp8", moe_masked=True),
         "fp8-fused": load_model(tiny_checkpoint, progress=False, weight_format="fp8", moe_masked=True,
                                 fuse_linears=True),
+        # EngineArgs.dense_weights="bf16": dense linears dequantized at load, experts in FP8 stacks
+        "fp8-dense-linears": load_model(tiny_checkpoint, progress=False, weight_format="fp8", dense_bf16=True,
+                                        moe_masked=True),
     }
 
 
@@ -51,7 +54,7 @@ def _run(model) -> list[torch.Tensor]:
 
 def test_fp8_format_equals_dense(models):
     ref = _run(models["dense"])
-    for fmt in ("fp8", "fp8-masked", "fp8-fused"):
+    for fmt in ("fp8", "fp8-masked", "fp8-fused", "fp8-dense-linears"):
         got = _run(models[fmt])
         assert len(got) == len(ref)
         for i, (g, r) in enumerate(zip(got, ref)):
@@ -157,3 +160,18 @@ def test_fused_input_linears_share_one_weight(models):
         assert att.wkv.fp8[0].data_ptr() == w[att.wq_a.out_features:].data_ptr()
         assert w.shape[0] == att.wq_a.out_features + att.wkv.out_features
         assert att.wkv.fp8[1].data_ptr() == s[s.shape[0] - att.wkv.fp8[1].shape[0]:].data_ptr()
+
+
+def test_dense_linears_form(models, tiny_checkpoint):
+    """dense_bf16: no dense Linear keeps FP8 bytes (wo_a included), the routed experts keep their FP8
+    stacks; and it only goes with the fp8 format."""
+    m = models["fp8-dense-linears"]
+    linears = [mod for name, mod in m.named_modules() if isinstance(mod, Linear) and ".experts." not in name]
+    assert linears and all(mod.fp8 is None and mod.fp8_blocks is None for mod in linears)
+    assert any(mod.quantized and mod.weight.numel() for mod in linears)
+    assert all(mod.stacks is not None for mod in m.modules() if isinstance(mod, MoE))
+    with pytest.raises(ValueError, match="dense_bf16"):
+        load_model(tiny_checkpoint, progress=False, weight_format="dense", dense_bf16=True)
+    from deepinfer.config import EngineArgs
+    with pytest.raises(ValueError, match="dense_weights"):
+        EngineArgs("unused", dense_weights="fp16")
