@@ -187,3 +187,24 @@ def test_draft_verification_and_rollback_on_the_real_model(tiny_engine_args):
     assert got == plain, (got, plain)
     assert step < len(plain), "drafts were not accepted (no fewer steps than tokens)"
     assert engine.kv_cache.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+def test_dense_weights_bf16_matches_fp8_on_cuda(tiny_engine_args):
+    """EngineArgs.dense_weights="bf16" (dense FP8 linears held dequantized, act_quant + cuBLAS, decode graphs
+    included) against the FP8 kernels: the same products summed in another order, so teacher-forced
+    logits agree to rounding noise, prefill (300 tokens: the bf16 prefill path too) and decode alike."""
+    import numpy as np
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    prompts = [list(range(100, 400)), [7, 8, 9]]
+    forced = [[21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36]]
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    res = {}
+    for w in ("fp8", "bf16"):
+        llm = LLM(**{**tiny_engine_args, "device": "cuda", "dense_weights": w})
+        res[w] = llm.generate(prompts, params, forced_token_ids=forced, return_logits=True)
+    for a, b in zip(res["fp8"], res["bf16"]):
+        assert a.token_ids[:6] == b.token_ids[:6]
+        np.testing.assert_allclose(b.logits, a.logits, atol=0.05 * float(a.logits.std()))
