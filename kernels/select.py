@@ -110,7 +110,9 @@ SPARSE_PREFILL = os.environ.get("DEEPINFER_SPARSE_PREFILL", "flashmla")
 if SPARSE_PREFILL not in ("flashmla", "triton"):
     raise ValueError(f"DEEPINFER_SPARSE_PREFILL must be flashmla or triton, got {SPARSE_PREFILL!r}")
 SPARSE_PREFILL_MIN_ROWS = int(os.environ.get("DEEPINFER_SPARSE_PREFILL_MIN_ROWS", "256"))
-SPARSE_PREFILL_MAX_CONCAT = 1 << 18
+# a tuple of kv pieces is concatenated for FlashMLA: only where that copy is small next to the attention
+# (a window ring beside a prefill chunk), not a whole compressed pool handed over for a few hundred queries
+SPARSE_PREFILL_CONCAT_SLACK = 1 << 16
 CUDA_AUTO_WIDE_MIN_M = int(_WIDE) if _WIDE and int(_WIDE) > 0 else None
 FP8_TABLE_PATH = os.environ.get("DEEPINFER_FP8_TABLE", os.path.join(os.path.dirname(__file__), "fp8_select_table.json"))
 
@@ -235,13 +237,13 @@ def _flashmla_prefill_ok(q, kv, block: int = 64) -> bool:
     caller has not built it yet), block 64, not batch-invariant mode (its splits are its own), not inside a
     graph capture (decode steps keep the Triton kernel: one path for every captured size), FlashMLA
     importable on an SM90 GPU. It reads one kv tensor: a tuple is concatenated, so one of more than
-    SPARSE_PREFILL_MAX_CONCAT rows (a whole pool) declines; the attention layer gathers the rows for it
-    (sparse_prefill_gathers)."""
+    4 rows per query + SPARSE_PREFILL_CONCAT_SLACK (a whole pool) declines; the attention layer gathers the
+    rows for it (sparse_prefill_gathers)."""
     if SPARSE_PREFILL != "flashmla" or block != 64 or not q.is_cuda or q.dtype != torch.bfloat16 \
             or q.shape[0] < SPARSE_PREFILL_MIN_ROWS or _batch_invariant() or not use_fast(q) \
             or torch.cuda.is_current_stream_capturing():
         return False
-    if isinstance(kv, (tuple, list)) and sum(t.shape[0] for t in kv) > SPARSE_PREFILL_MAX_CONCAT:
+    if isinstance(kv, (tuple, list)) and sum(t.shape[0] for t in kv) > 4 * q.shape[0] + SPARSE_PREFILL_CONCAT_SLACK:
         return False
     from . import flashmla
     srcs = () if kv is None else kv if isinstance(kv, (tuple, list)) else (kv,)
