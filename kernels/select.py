@@ -907,10 +907,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _ref.rms_norm_ref(x, weight, eps)
 
 
-def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: bool = False) -> torch.Tensor:
+    """inplace: the caller hands over x (a fresh tensor nothing else reads): the fast path rotates its rope
+    dims where they are and returns x; the reference returns a new tensor (same values either way)."""
     half = cis.shape[-1]
     if _fast_for(x, "rope", cis.dim() == 2 and cis.shape[0] == x.shape[0] and half & (half - 1) == 0
                  and 2 * half <= x.shape[-1], "a power-of-two rope_head_dim / 2 and one table row per token"):
         from .triton_rope import rope as fast
-        return fast(x, cis, inverse)
+        return fast(x, cis, inverse, inplace=inplace)
     return _ref.rope_ref(x, cis, inverse)

@@ -84,7 +84,7 @@ class Indexer(nn.Module):
     def queries(self, x, qr, cis):
         """fp4-rounded RoPE'd index queries [T, IH, ID] and head weights [T, IH] (bf16)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = ops.fp4_quant(ops.rope(q, cis), 32)
+        q = ops.fp4_quant(ops.rope(q, cis, inplace=True), 32)
         w = self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, w
 
@@ -140,13 +140,14 @@ class Attention(nn.Module):
         else:
             qa, kv = self.wq_a(x), self.wkv(x)
         qr = self.q_norm(qa)
-        q = ops.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cis)
-        kv = ops.act_quant(ops.rope(self.kv_norm(kv), cis))
+        # in place: both are fresh outputs; only their rope dims are read and written
+        q = ops.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cis, inplace=True)
+        kv = ops.act_quant(ops.rope(self.kv_norm(kv), cis, inplace=True))
         return qr, q, kv
 
     def out(self, o: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
         """o [T, H, D] -> RoPE removed, grouped wo_a (block-diagonal, bf16, no act rounding), wo_b."""
-        o = ops.rope(o, cis, inverse=True).flatten(1).unflatten(-1, (self.n_groups, -1))
+        o = ops.rope(o, cis, inverse=True, inplace=True).flatten(1).unflatten(-1, (self.n_groups, -1))
         if self.wo_a.fp8_blocks is not None:                # FP8 blocks: half the bytes, same products
             o = ops.grouped_w8a16(o, *self.wo_a.fp8_blocks)
         else:

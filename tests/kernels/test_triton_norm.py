@@ -73,6 +73,11 @@ def check_interpreted():
                     assert torch.equal(y, ref), (shape, inverse)
                 else:
                     assert _within_bf16_ulp(y, ref), (shape, inverse)
+    for shape, rd in ROPE_SHAPES:                                              # in place: the same values in x
+        x, cis = _rope_case(shape, rd, torch.bfloat16, "cpu", seed=7)
+        want, nope = rope(x, cis, True), x[..., :-rd].clone()
+        got = rope(x, cis, True, inplace=True)
+        assert got.data_ptr() == x.data_ptr() and torch.equal(got, want) and torch.equal(x[..., :-rd], nope)
     q = torch.randn(4, 8, 2, 128)[:, :, 0]                                     # strided heads [4, 8, 128]
     _, cis = _rope_case((4, 128), 64, torch.float32, "cpu", seed=3)
     assert torch.equal(rope(q, cis, True), rope_ref(q, cis, True))
@@ -118,7 +123,10 @@ def test_rms_norm_gpu(d, dtype, strided):
 def test_rope_gpu_bit_exact(shape, rd, dtype, inverse):
     from deepinfer.kernels.triton_rope import rope
     x, cis = _rope_case(shape, rd, dtype, "cuda", seed=shape[0])
-    assert torch.equal(rope(x, cis, inverse), rope_ref(x, cis, inverse))
+    ref = rope_ref(x, cis, inverse)
+    assert torch.equal(rope(x, cis, inverse), ref)
+    got = rope(x, cis, inverse, inplace=True)                                  # only the rope dims touched
+    assert got.data_ptr() == x.data_ptr() and torch.equal(got, ref)
 
 
 if __name__ == "__main__":
