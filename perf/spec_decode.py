@@ -337,7 +337,8 @@ def report(res: dict, batches: list[int], gpus: int, a=None) -> None:
         print(f"goal @ batch {b}: scheduler verifies {fewer:.0%} fewer drafts than verify-all "
               f"(goal >= 25%) at {s['mean_acc_len'] / va['mean_acc_len']:.2f} of its accepted length (goal >= 0.98); "
               f"verified per accepted {verified_per_accepted(s) / verified_per_accepted(va):.2f}x verify-all's; "
-              f"tok/s vs threshold {s['total'] / t['total']:.2f}x (goal > 1 at batch 64)")
+              f"tok/s vs threshold {s['total'] / t['total']:.2f}x (goal > 1 at batch 64); vs verify-all "
+              f"{s['total'] / va['total']:.2f}x per GPU, {s['per_user'] / va['per_user']:.2f}x per user")
         if bound is not None:
             print(f"    the best any policy deciding from the confidences keeps (spec/replay.py, kappa "
                   f"{a.concentration}): {bound(max(fewer, 0.0)):.3f} of verify-all's accepted length at "
