@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 
 import torch
 
@@ -104,6 +105,7 @@ CUDA_AUTO_MIN_M = int(os.environ.get("DEEPINFER_CUDA_AUTO_MIN_M", "4096"))
 # chunks) 196.2 ms with it against 208.3 without, 1 x 8192 192.5 / 194.3. (The 264 ms of an earlier
 # run was not the rule: with blocking host copies both sides were slower, 243 / 216.)
 _WIDE = os.environ.get("DEEPINFER_CUDA_AUTO_WIDE_MIN_M", "256")
+CUDA_AUTO_WIDE_MIN_M = int(_WIDE) if _WIDE and int(_WIDE) > 0 else None
 # sparse attention of at least SPARSE_PREFILL_MIN_ROWS queries on FlashMLA's sparse prefill kernel
 # (DEEPINFER_SPARSE_PREFILL=flashmla) or on ours (triton)
 SPARSE_PREFILL = os.environ.get("DEEPINFER_SPARSE_PREFILL", "flashmla")
@@ -113,7 +115,6 @@ SPARSE_PREFILL_MIN_ROWS = int(os.environ.get("DEEPINFER_SPARSE_PREFILL_MIN_ROWS"
 # a tuple of kv pieces is concatenated for FlashMLA: only where that copy is small next to the attention
 # (a window ring beside a prefill chunk), not a whole compressed pool handed over for a few hundred queries
 SPARSE_PREFILL_CONCAT_SLACK = 1 << 16
-CUDA_AUTO_WIDE_MIN_M = int(_WIDE) if _WIDE and int(_WIDE) > 0 else None
 FP8_TABLE_PATH = os.environ.get("DEEPINFER_FP8_TABLE", os.path.join(os.path.dirname(__file__), "fp8_select_table.json"))
 
 log = logging.getLogger(__name__)
@@ -347,15 +348,12 @@ def _bf16_gemm_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, m: in
     return _bf16_exact_weight(w_scale if exact_of is None else exact_of, x)
 
 
-def _bf16_exact_weight(w_scale: torch.Tensor, x: torch.Tensor | None = None) -> bool:
+def _bf16_exact_weight(w_scale: torch.Tensor, x: torch.Tensor) -> bool:
     """triton_dequant.bf16_exact of these scales, computed once per weight (a host read)."""
-    import weakref
     hit = _BF16_EXACT.get(id(w_scale))
     if hit is None or hit[0]() is not w_scale:
         from .triton_dequant import bf16_exact
         hit = _BF16_EXACT[id(w_scale)] = (weakref.ref(w_scale), bf16_exact(w_scale))
-    if x is None:
-        return hit[1]
     return _fast_for(x, "bf16_gemm", hit[1], "weight scales within 2^-117..2^118 (w * scale a normal bf16 value)",
                      then="the FP8 paths")
 
