@@ -30,7 +30,7 @@ from math import prod
 import numpy as np
 import torch
 
-from deepinfer.host_copy import host_tensor
+from deepinfer.host_copy import host_tensor, to_device
 
 from .batch import ForwardBatch
 
@@ -109,7 +109,7 @@ class StepMetadata:
         pos = np.repeat(starts - cu[:-1], q) + np.arange(T)                  # [T] (== batch.positions)
         wr = int(min(window - 1, starts.max(initial=0)))
         floor = None if batch.window_start is None else batch.window_start.numpy().astype(np.int64)
-        win_idx, win_len = _window_lists(pos, seq, starts, q, cu, window, wr, canonical_layout, floor)
+        win_idx, win_len = _window_lists(pos, seq, starts, q, cu, window, wr, canonical_layout, floor, dev)
         write_from = None if batch.write_from is None else batch.write_from.numpy().astype(np.int64)
         ring_pos = starts[:, None] - wr + np.arange(wr)                      # [B, Wr]
         slots = host_tensor(batch.ring_slots, None, dev)
@@ -121,7 +121,7 @@ class StepMetadata:
         return cls(num_seqs=B, num_tokens=T, max_q=int(q.max(initial=0)), window=window, ring_len=ring_len,
                    starts=starts, ends=ends, cu=cu, positions=batch.positions, positions_host=pos, seq_of=to(seq),
                    row_in_seq=to(np.arange(T) - cu[seq]), ring_slots=slots, block_tables=batch.block_tables,
-                   ring_width=wr, ring_read=ring_read, win_idx=to(win_idx), win_len=to(win_len),
+                   ring_width=wr, ring_read=ring_read, win_idx=win_idx, win_len=win_len,
                    ring_write_rows=write_rows, ring_write=ring_write, last_pos=int(ends.max(initial=1)) - 1,
                    index_k_owner=np.full(B, index_k_owner, dtype=np.int64), write_from=write_from)
 
@@ -492,23 +492,29 @@ def _put(dst: np.ndarray, src, pad: int) -> None:
     dst[n:] = pad
 
 
-def _window_lists(pos, seq, starts, q, cu, window: int, wr: int, canonical: bool = False, floor=None):
-    """[T, Lw] window lists in buffer coords (ring region first, then fresh rows) and their widths.
-    floor [B] (replay): keys below floor[seq] are not listed."""
+def _window_lists(pos, seq, starts, q, cu, window: int, wr: int, canonical: bool = False, floor=None,
+                  device="cpu"):
+    """[T, Lw] window lists in buffer coords (ring region first, then fresh rows) and their widths [T],
+    as tensors on `device`. floor [B] (replay): keys below floor[seq] are not listed.
+    The per-row bounds are [T] host arrays; the [T, Lw] lists (1M entries at 8k x 128) are broadcast on
+    the device: built on the host they cost ~30 ms of numpy and an 8 MB copy per prefill."""
     s, n = starts[seq], q[seq]
     prefill = (s == 0) & (not canonical)
     w = np.where(prefill, np.minimum(n, window), window)
     lw = int(w.max(initial=0))
-    j = np.arange(lw)
     base = np.where(prefill, np.maximum(0, pos - window + 1), pos - window + 1)
-    kpos = base[:, None] + j                                                 # [T, Lw] key positions
-    ok = (j < w[:, None]) & np.where(prefill[:, None], kpos <= pos[:, None], kpos >= 0)
+    # key kpos = base + j is listed iff lo <= kpos <= hi (j < w; prefill: causal; decode: kpos >= 0)
+    lo = np.where(prefill, base, np.maximum(base, 0))
     if floor is not None:
-        ok &= kpos >= floor[seq][:, None]
-    ring = seq[:, None] * wr + kpos - (s[:, None] - wr)
-    fresh = len(starts) * wr + cu[seq][:, None] + kpos - s[:, None]
-    idx = np.where(ok, np.where(kpos < s[:, None], ring, fresh), -1)
-    return idx, w
+        lo = np.maximum(lo, floor[seq])
+    hi = np.where(prefill, np.minimum(pos, base + w - 1), base + w - 1)
+    ring_off = seq * wr - (s - wr)                                           # kpos < start: the ring
+    fresh_off = len(starts) * wr + cu[seq] - s                              # else the step's rows
+    rows = to_device(np.stack([base, lo, hi, s, ring_off, fresh_off]), device)
+    base_d, lo_d, hi_d, s_d, ring_d, fresh_d = (r[:, None] for r in rows)
+    kpos = base_d + torch.arange(lw, device=rows.device)                     # [T, Lw] key positions
+    idx = torch.where((kpos >= lo_d) & (kpos <= hi_d), kpos + torch.where(kpos < s_d, ring_d, fresh_d), -1)
+    return idx, to_device(w, device)
 
 
 def _ragged_arange(counts: np.ndarray) -> np.ndarray:

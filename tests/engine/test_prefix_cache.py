@@ -88,7 +88,7 @@ def test_replay_never_reads_window_keys_before_its_start(tiny_checkpoint, turns,
     assert np.array_equal(run(True), clean)
     import deepinfer.model.step_metadata as sm
     lists = sm._window_lists
-    monkeypatch.setattr(sm, "_window_lists", lambda *a: lists(*a[:8]))   # drops the floor
+    monkeypatch.setattr(sm, "_window_lists", lambda *a: lists(*a[:8], device=a[9]))   # drops the floor
     assert not np.allclose(run(True), clean, atol=1e-2)
 
 
