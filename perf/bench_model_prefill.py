@@ -15,7 +15,7 @@ and the bf16 matmul at 8192^3), and the 40-layer per-GPU estimate: the step time
 work = every FP8 linear (fused or not), wo_a, the routed experts (T x top-6 pairs on the 48 local experts:
 at EP8 each GPU's experts see as many pairs as its own tokens pick) and the shared expert; attention,
 indexers, compressors, norms, mHC and the head are not counted. --profile: the top kernels of one
-1 x 8192 prefill on the default path (torch.profiler).
+1 x 8192 prefill (or --profile-case) on the default path (torch.profiler), and the host's time in it.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def run_case(model, caches, name: str, nb: int):
     return (lambda: model(b, caches)), seqs * tokens
 
 
-def profile(fn, top: int = 20) -> list[dict]:
+def profile(fn, top: int = 20, case: str = "1x8192") -> list[dict]:
     """Top kernels of one call, then where the host waited on the device inside it (device-to-host reads:
     each one drains the queue, so the GPU idles while the host launches what follows), by Python stack."""
     from torch.profiler import ProfilerActivity
@@ -107,7 +107,7 @@ def profile(fn, top: int = 20) -> list[dict]:
             if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     rows.sort(key=lambda r: -r["us"])
     total = sum(r["us"] for r in rows)
-    print(f"profile 1x8192 (default path): {total / 1e3:.1f} ms of kernel time; top {top}:")
+    print(f"profile {case} (default path): {total / 1e3:.1f} ms of kernel time; top {top}:")
     for r in rows[:top]:
         print(f"  {r['us'] / 1e3:8.2f} ms {100 * r['us'] / total:5.1f}%  {r['calls']:5d}x  {r['name']}")
     waits = [e for e in prof.key_averages(group_by_stack_n=6)
@@ -176,6 +176,7 @@ def main() -> None:
     p.add_argument("--cases", nargs="+", default=["1x8192", "4x2048", "16x512", "chunked"])
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-case", default="1x8192", help="the case --profile looks into (e.g. chunked)")
     p.add_argument("--gemms", nargs="+", default=list(GEMM_MODES),
                    help="GEMM paths to compare (gemm_mode): w8a16, w8a16+moe, fp8, auto[+moe], an FP8 variant name")
     a = p.parse_args()
@@ -223,8 +224,8 @@ def main() -> None:
     if a.profile:
         try:
             with torch.inference_mode():
-                fn, _ = run_case(model, caches, "1x8192", nb)
-                top = profile(fn)
+                fn, _ = run_case(model, caches, a.profile_case, nb)
+                top = profile(fn, case=a.profile_case)
                 host_profile(fn)
         except Exception as e:  # noqa: BLE001
             print(f"profile FAILED: {type(e).__name__}: {str(e)[:400]}")

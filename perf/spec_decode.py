@@ -211,7 +211,7 @@ def measure_all(ckpt: str, a) -> dict:
     import torch
     from deepinfer import LLM
     base = dict(device=a.device, max_num_seqs=max(a.batches), max_num_batched_tokens=max(2048, 6 * max(a.batches)),
-                load_format=a.load_format, seed=0, enforce_eager=a.enforce_eager)
+                load_format=a.load_format, seed=0, enforce_eager=a.enforce_eager, dense_weights=a.dense_weights)
     if a.num_cache_blocks:
         base["num_cache_blocks"] = a.num_cache_blocks
     elif a.device.startswith("cuda"):
@@ -414,6 +414,8 @@ def main() -> None:
                          "sampled requests overlap too")
     ap.add_argument("--acceptance", default="identical", choices=["identical", "sampled"],
                     help="spec_acceptance (sampled: drafts sampled at temperature > 0, min(1, p/q))")
+    ap.add_argument("--dense-weights", default="fp8", choices=["fp8", "bf16"],
+                    help="EngineArgs.dense_weights: bf16 holds the dense FP8 linears dequantized (cuBLAS at verify widths)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for no speculation either")
     ap.add_argument("--json", help="write the measurements here (rewritten after every policy)")
     ap.add_argument("--budget-s", type=float, help="start no further policy once this many seconds have passed")

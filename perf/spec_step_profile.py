@@ -47,7 +47,8 @@ def profile_policy(ckpt: str, name: str, a, out: Path) -> dict:
     extra = POLICIES[name]
     spec = dict(speculative="dspark", spec_replay_accepted_length=a.accepted_length) if name != "off" else {}
     llm = LLM(ckpt, device=a.device, max_num_seqs=max(a.batch, 8), max_num_batched_tokens=2048,
-              load_format=a.load_format, seed=0, num_cache_blocks=a.num_cache_blocks, **spec, **extra)
+              load_format=a.load_format, seed=0, num_cache_blocks=a.num_cache_blocks,
+              dense_weights=a.dense_weights, **spec, **extra)
     eng = llm.engine
     start_batch(eng, a.batch, a.prompt_len, eng.vocab_size, name)
     for _ in range(a.warm_steps):          # prefill, then steady decode (graphs warm)
@@ -103,6 +104,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--load-format", default="dummy", choices=["safetensors", "dummy"])
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dense-weights", default="fp8", choices=["fp8", "bf16"], help="EngineArgs.dense_weights")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warm-steps", type=int, default=8)
