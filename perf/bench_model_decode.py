@@ -163,8 +163,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint")
     p.add_argument("--preset", default="full-width-ep8")
-    p.add_argument("--dense-weights", default="fp8", choices=["fp8", "bf16"],
-                    help="bf16: the dense FP8 linears dequantized at load (EngineArgs.dense_weights)")
+    p.add_argument("--dense-weights", default="bf16", choices=["fp8", "bf16"],
+                    help="bf16 (the engine's CUDA default, EngineArgs.dense_weights=\"auto\"): the dense FP8 linears dequantized at load")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--profile", type=int, default=0, help="also profile one eager step at this batch size")

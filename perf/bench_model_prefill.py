@@ -171,8 +171,8 @@ def plot(rows, path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="full-width-ep8")
-    p.add_argument("--dense-weights", default="fp8", choices=["fp8", "bf16"],
-                    help="bf16: the dense FP8 linears dequantized at load (EngineArgs.dense_weights)")
+    p.add_argument("--dense-weights", default="bf16", choices=["fp8", "bf16"],
+                    help="bf16 (the engine's CUDA default, EngineArgs.dense_weights=\"auto\"): the dense FP8 linears dequantized at load")
     p.add_argument("--cases", nargs="+", default=["1x8192", "4x2048", "16x512", "chunked"])
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--profile", action="store_true")

@@ -414,7 +414,7 @@ def main() -> None:
                          "sampled requests overlap too")
     ap.add_argument("--acceptance", default="identical", choices=["identical", "sampled"],
                     help="spec_acceptance (sampled: drafts sampled at temperature > 0, min(1, p/q))")
-    ap.add_argument("--dense-weights", default="fp8", choices=["fp8", "bf16"],
+    ap.add_argument("--dense-weights", default="auto", choices=["auto", "fp8", "bf16"],
                     help="EngineArgs.dense_weights: bf16 holds the dense FP8 linears dequantized (cuBLAS at verify widths)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for no speculation either")
     ap.add_argument("--json", help="write the measurements here (rewritten after every policy)")

@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--load-format", default="dummy", choices=["safetensors", "dummy"])
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--dense-weights", default="fp8", choices=["fp8", "bf16"], help="EngineArgs.dense_weights")
+    ap.add_argument("--dense-weights", default="auto", choices=["auto", "fp8", "bf16"], help="EngineArgs.dense_weights")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warm-steps", type=int, default=8)

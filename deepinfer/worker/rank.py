@@ -79,7 +79,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     nvcc = precompile_cuda_kernels(device)       # compiled beside the weight load, not in the first prefill
     model = load_model(args.checkpoint, device=device, progress=parallel is not None and parallel.rank == 0,
                        parallel=parallel, load_format=args.load_format,
-                       **({"dense_bf16": True} if args.dense_weights == "bf16" and device.startswith("cuda") else {}),
+                       **({"dense_bf16": True} if args.dense_weights in ("auto", "bf16") and device.startswith("cuda") else {}),
                        # EPLB moves experts between ranks' stacks: keep one scale form in all of them
                        **({"expert_row_scales": False} if args.enable_eplb else {}), **model_overrides(args))
     if nvcc is not None:
