@@ -5,6 +5,7 @@ w2; one shared expert added to the fp32 sum of the routed outputs."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,10 @@ GROUPED_MAX_PAIRS = 192
 # and the grid grows with E * T / BM tiles, most of which exit at once; larger steps (prefill
 # chunks) loop over the experts in use, where one host read per layer is noise next to the GEMMs.
 MASKED_MAX_PAIRS = 4096
+# steps of at least this many pairs take the grouped contiguous form (graph-safe too) instead of the
+# masked one where it is on (DEEPINFER_MOE_CONTIGUOUS_FROM_PAIRS; unset: the masked form up to
+# MASKED_MAX_PAIRS). perf/bench_moe_forms.py measures the two side by side at verify-step sizes.
+CONTIGUOUS_FROM_PAIRS = int(os.environ.get("DEEPINFER_MOE_CONTIGUOUS_FROM_PAIRS", "0")) or None
 
 
 @dataclass
@@ -185,10 +190,15 @@ class MoE(nn.Module):
 
     def _use_masked(self, x, indices) -> bool:
         """The masked form: FP8 stacks, and forced (self.masked) or a CUDA step of at most
-        MASKED_MAX_PAIRS pairs."""
+        MASKED_MAX_PAIRS pairs (and below CONTIGUOUS_FROM_PAIRS where the contiguous form takes it)."""
         if self.stacks is None or self.masked is False:
             return False
-        return bool(self.masked) or (self.grouped_ok and x.is_cuda and indices.numel() <= MASKED_MAX_PAIRS)
+        if self.masked:
+            return True
+        pairs = indices.numel()
+        if CONTIGUOUS_FROM_PAIRS is not None and pairs >= CONTIGUOUS_FROM_PAIRS and self._use_contiguous(x):
+            return False
+        return self.grouped_ok and x.is_cuda and pairs <= MASKED_MAX_PAIRS
 
     def _use_contiguous(self, x) -> bool:
         """The grouped contiguous form (prefill-sized steps past the masked form): FP8 stacks, and a
