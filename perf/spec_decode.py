@@ -123,9 +123,11 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
                                 **(dict(top_p=0.95, seed=1000 * seed + i) if temperature > 0 else {}))
         engine.add_request(f"b{batch}-{seed}-{i}", [rng.randrange(3, vocab - 300) for _ in range(prompt_len)], params)
     done, first, tokens, req_steps = {}, {}, {}, 0
+    timeline = []                 # (seconds, output tokens so far, all first tokens out, any request done)
     bar = Progress(label, batch * output_len) if label else None
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        outs = engine.step()
+        for out in outs:
             tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
             if out.new_token_ids and out.request_id not in first:
                 first[out.request_id] = time.perf_counter() - t0
@@ -134,6 +136,7 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
                 bar.update(len(out.new_token_ids))
             if out.finished:
                 done[out.request_id] = time.perf_counter() - t0
+        timeline.append((time.perf_counter() - t0, sum(tokens.values()), len(first) == batch, bool(done)))
     wall = time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -149,14 +152,28 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
     # per request; and for the batch, from the last first token to the end
     last_first = max(first.values())
     return {"per_user": sum((tokens[r] - 1) / (done[r] - first[r]) for r in done) / len(done),
-            "total": (total - len(done)) / (wall - last_first),
+            "total": (total - len(done)) / (wall - last_first), "steady": steady_rate(timeline),
             "per_user_e2e": sum(tokens[r] / done[r] for r in done) / len(done), "total_e2e": total / wall,
             "verified": verified, "accepted": acc, "steps": d["steps_total"],
             "mean_acc_len": total / req_steps, "verified_per_step": verified / req_steps,
             "tokens": total, "req_steps": req_steps}
 
 
-RATES = ("per_user", "total", "per_user_e2e", "total_e2e")
+def steady_rate(timeline: list[tuple]) -> float:
+    """Output tokens/s while the whole batch decodes: from the step after which every request has its
+    first token to the step in which the first one finishes. What a server holding this many requests
+    sees with continuous batching; "total" also counts the drain at the end, where the requests left
+    in slow acceptance regimes run at a smaller batch (a fixed batch with variable acceptance ends
+    ragged; without speculation every request ends in the same step)."""
+    start = next((i for i, e in enumerate(timeline) if e[2]), None)
+    end = next((i for i, e in enumerate(timeline) if e[3]), None)
+    if start is None or end is None or end <= start:
+        t, n = timeline[-1][0], timeline[-1][1]
+        return n / t if t > 0 else float("nan")
+    return (timeline[end][1] - timeline[start][1]) / (timeline[end][0] - timeline[start][0])
+
+
+RATES = ("per_user", "total", "steady", "per_user_e2e", "total_e2e")
 COUNTS = ("verified", "accepted", "steps", "tokens", "req_steps")
 
 
@@ -291,7 +308,7 @@ def report(res: dict, batches: list[int], gpus: int, a=None) -> None:
         print("no table: the run did not reach both no speculation and verify-all")
         return
     print(f"\n{'batch':>5} {'policy':>16} {'tok/s/user':>10} {'x off':>6} {'tok/s/GPU':>10} {'x off':>6} "
-          f"{'e2e x off':>9} {'verif/acc':>9} {'x all':>6} {'acc len':>7} {'verif x all':>11} {'acc len x all':>13}")
+          f"{'steady/GPU':>10} {'x off':>6} {'e2e x off':>9} {'verif/acc':>9} {'x all':>6} {'acc len':>7} {'verif x all':>11} {'acc len x all':>13}")
     for b in batches:
         off, va = res["off"][b], res["verify-all"][b]
         for n in names:
@@ -302,6 +319,7 @@ def report(res: dict, batches: list[int], gpus: int, a=None) -> None:
             lx = r["mean_acc_len"] / va["mean_acc_len"] if n != "off" else float("nan")
             print(f"{b:>5} {n:>16} {r['per_user']:>10.1f} {r['per_user'] / off['per_user']:>6.2f} "
                   f"{r['total'] / gpus:>10.1f} {r['total'] / off['total']:>6.2f} "
+                  f"{r['steady'] / gpus:>10.1f} {r['steady'] / off['steady']:>6.2f} "
                   f"{r.get('total_e2e', r['total']) / off.get('total_e2e', off['total']):>9.2f} {vpa:>9.2f} {vpa_x:>6.2f} "
                   f"{r['mean_acc_len']:>7.2f} {vx:>11.2f} {lx:>13.2f}")
     if "all overlap" in res:
@@ -338,7 +356,9 @@ def report(res: dict, batches: list[int], gpus: int, a=None) -> None:
               f"(goal >= 25%) at {s['mean_acc_len'] / va['mean_acc_len']:.2f} of its accepted length (goal >= 0.98); "
               f"verified per accepted {verified_per_accepted(s) / verified_per_accepted(va):.2f}x verify-all's; "
               f"tok/s vs threshold {s['total'] / t['total']:.2f}x (goal > 1 at batch 64); vs verify-all "
-              f"{s['total'] / va['total']:.2f}x per GPU, {s['per_user'] / va['per_user']:.2f}x per user")
+              f"{s['total'] / va['total']:.2f}x per GPU, {s['per_user'] / va['per_user']:.2f}x per user; "
+              f"steady (whole batch decoding): {s['steady'] / va['steady']:.2f}x verify-all, "
+              f"{s['steady'] / t['steady']:.2f}x the threshold, {s['steady'] / res['off'][b]['steady']:.2f}x no speculation")
         if bound is not None:
             print(f"    the best any policy deciding from the confidences keeps (spec/replay.py, kappa "
                   f"{a.concentration}): {bound(max(fewer, 0.0)):.3f} of verify-all's accepted length at "
