@@ -1,0 +1,46 @@
+"""The MoE's grouped contiguous form taking verify-sized steps (moe.CONTIGUOUS_FROM_PAIRS) on the GPU:
+the step takes that form once it has enough pairs, equals the masked form to summation order, and
+replays inside a CUDA graph with new routing (no host read; perf/bench_moe_forms.py times the two)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepinfer.model.moe as moe_mod
+from deepinfer.model.loader import load_model
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    return load_model(tiny_checkpoint, device="cuda", progress=False)
+
+
+@pytest.mark.parametrize("T", [24, 100, 300])
+def test_contiguous_from_pairs_matches_masked_in_a_graph(model, monkeypatch, T):
+    moe = next(b.ffn for b in model.layers if b.ffn.stacks is not None)
+    x = torch.randn(T, model.args.dim, device="cuda").bfloat16()
+    with torch.inference_mode():
+        w, idx = moe.gate(x, None)
+        masked_ok = moe._use_masked(x, idx)
+        want = moe(x).float()
+        monkeypatch.setattr(moe_mod, "CONTIGUOUS_FROM_PAIRS", idx.numel())
+        if not moe._use_contiguous(x):
+            pytest.skip("the contiguous form declines this config")
+        assert masked_ok and not moe._use_masked(x, idx)
+        got = moe(x).float()
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+        static = x.clone()
+        moe(static)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = moe(static)
+        static.copy_(torch.randn_like(x))                      # other tokens, other routing
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe(static))
