@@ -34,7 +34,6 @@ count follows M (the tiles), so its fp32 sum order does too: deterministic per s
 from __future__ import annotations
 
 import functools
-import weakref
 import os
 
 import torch
@@ -256,24 +255,10 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     return out
 
 
-# the last grouped_tiles result: a MoE layer's two projections tile the same counts (~10 small launches
-# each, host time that a chunked prefill waits on); keyed on the very tensor object and its version
-_last_tiles: list = [None]
-
-
 def grouped_tiles(counts: torch.Tensor, bm: int, rows: int) -> tuple[torch.Tensor, int]:
     """(int32 [T, 3] of (first row, row end, expert), T) for `rows` rows sorted by expert, counts[e] rows
     each: the M tiles split at expert boundaries, built on the device with no host sync (CUDA graphs): T
     is the bound ceil(rows / bm) + E, and the tiles past the last used one carry expert -1."""
-    last = _last_tiles[0]
-    if last is not None and last[0]() is counts and last[1:4] == (counts._version, bm, rows):
-        return last[4]
-    out = _grouped_tiles(counts, bm, rows)
-    _last_tiles[0] = (weakref.ref(counts), counts._version, bm, rows, out)
-    return out
-
-
-def _grouped_tiles(counts: torch.Tensor, bm: int, rows: int) -> tuple[torch.Tensor, int]:
     counts = counts.to(torch.int64)
     e = counts.numel()
     dev = counts.device

@@ -119,20 +119,6 @@ def test_grouped_tiles_split_at_experts():
     assert got[:len(want)] == want and all(row[2] == -1 for row in got[len(want):])
 
 
-def test_grouped_tiles_reused_only_for_the_same_unchanged_counts():
-    """A layer's second projection reuses the first's tiles; new counts, or the same tensor written in
-    place, or another tile height, are tiled afresh."""
-    counts = torch.tensor([5, 70, 0])
-    first = grouped_tiles(counts, 64, 75)
-    assert grouped_tiles(counts, 64, 75)[0] is first[0]
-    assert grouped_tiles(counts, 128, 75)[0] is not first[0]
-    same_values = counts.clone()
-    assert grouped_tiles(same_values, 64, 75)[0] is not first[0]
-    counts[0], counts[1] = 70, 5                              # in place: the version moves
-    again, _ = grouped_tiles(counts, 64, 75)
-    assert again.tolist()[:3] == [[0, 70, 0], [64, 70, 0], [70, 75, 1]]
-
-
 def test_decline_rules():
     if cuda_driver.find_nvcc() is None:
         assert decline_reason(64, 128, 256, torch.zeros(4, 8)) == "nvcc to compile it (CUDA_HOME or PATH)"
