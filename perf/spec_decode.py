@@ -51,7 +51,11 @@ time from the batch's last first token to its end / GPUs), "e2e x off" (all outp
 prefill included, against no speculation), the ratio of each to no speculation,
 verified drafts per accepted draft, accepted length (output tokens per request-step that sampled,
 steps that verified no draft included) and drafts verified per request-step and accepted length as
-fractions of verify-all's. The issue's goal: the
+fractions of verify-all's. "steady/GPU": tok/s while the whole batch decodes (before its first request
+finishes: what a server holding that many requests sees; the drained "tok/s/GPU" also counts the ragged
+end, where requests stuck in slow regimes run at a smaller batch). After the table, the steady figures
+projected to the 40-layer backbone (project_layers): a checkpoint of 7 layers makes the drafting pass,
+which does not grow with the backbone, look ~6x dearer than beside the real model. The issue's goal: the
 scheduler verifies >= 25% fewer drafts than verify-all at >= 0.98 of its accepted length, and
 beats the static threshold in tok/s at batch 64.
 
@@ -152,28 +156,45 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
     # per request; and for the batch, from the last first token to the end
     last_first = max(first.values())
     return {"per_user": sum((tokens[r] - 1) / (done[r] - first[r]) for r in done) / len(done),
-            "total": (total - len(done)) / (wall - last_first), "steady": steady_rate(timeline),
+            "total": (total - len(done)) / (wall - last_first), **steady_rates(timeline),
             "per_user_e2e": sum(tokens[r] / done[r] for r in done) / len(done), "total_e2e": total / wall,
             "verified": verified, "accepted": acc, "steps": d["steps_total"],
             "mean_acc_len": total / req_steps, "verified_per_step": verified / req_steps,
             "tokens": total, "req_steps": req_steps}
 
 
-def steady_rate(timeline: list[tuple]) -> float:
-    """Output tokens/s while the whole batch decodes: from the step after which every request has its
-    first token to the step in which the first one finishes. What a server holding this many requests
-    sees with continuous batching; "total" also counts the drain at the end, where the requests left
-    in slow acceptance regimes run at a smaller batch (a fixed batch with variable acceptance ends
-    ragged; without speculation every request ends in the same step)."""
+def steady_window(timeline: list[tuple]) -> tuple[float, float, int]:
+    """(output tokens, seconds, steps) while the whole batch decodes: from the step after which every
+    request has its first token to the step in which the first one finishes. What a server holding this
+    many requests sees with continuous batching; "total" also counts the drain at the end, where the
+    requests left in slow acceptance regimes run at a smaller batch (a fixed batch with variable
+    acceptance ends ragged; without speculation every request ends in the same step). A run with no
+    such window (one request, one step): the whole run."""
     start = next((i for i, e in enumerate(timeline) if e[2]), None)
     end = next((i for i, e in enumerate(timeline) if e[3]), None)
     if start is None or end is None or end <= start:
-        t, n = timeline[-1][0], timeline[-1][1]
-        return n / t if t > 0 else float("nan")
-    return (timeline[end][1] - timeline[start][1]) / (timeline[end][0] - timeline[start][0])
+        return timeline[-1][1], timeline[-1][0], len(timeline)
+    return timeline[end][1] - timeline[start][1], timeline[end][0] - timeline[start][0], end - start
 
 
-RATES = ("per_user", "total", "steady", "per_user_e2e", "total_e2e")
+def steady_rates(timeline: list[tuple]) -> dict:
+    tokens, seconds, steps = steady_window(timeline)
+    return {"steady": tokens / seconds if seconds > 0 else float("nan"),
+            "steady_step_s": seconds / steps, "steady_tokens_per_step": tokens / steps}
+
+
+def project_layers(step_s: float, draft_s: float, layers: int, target_layers: int) -> float:
+    """A step's seconds at `target_layers` layers from one measured at `layers`: the drafting pass and
+    the speculative bookkeeping (draft_s: the step-time model's zero-draft step minus the plain decode
+    step at the same batch) do not grow with the backbone; the rest is taken as proportional to the
+    layer count (the head and sampling are counted with it, so this overstates the deep step a
+    little, as bench_model_prefill's 40-layer estimate does)."""
+    draft_s = min(max(draft_s, 0.0), step_s)
+    return draft_s + (step_s - draft_s) * target_layers / layers
+
+
+RATES = ("per_user", "total", "steady", "steady_step_s", "steady_tokens_per_step", "per_user_e2e", "total_e2e")
+FULL_LAYERS = 40                  # V4.1-Flash's backbone: the projection's target (project_layers)
 COUNTS = ("verified", "accepted", "steps", "tokens", "req_steps")
 
 
@@ -224,7 +245,8 @@ def configs(a) -> dict[str, dict]:
                if a.variants else {})}
 
 
-def measure_all(ckpt: str, a) -> dict:
+def measure_all(ckpt: str, a, meta: dict) -> dict:
+    """Every policy's runs; meta gets the scheduler's zero-draft step seconds per batch (the projection)."""
     import torch
     from deepinfer import LLM
     base = dict(device=a.device, max_num_seqs=max(a.batches), max_num_batched_tokens=max(2048, 6 * max(a.batches)),
@@ -278,6 +300,7 @@ def measure_all(ckpt: str, a) -> dict:
                   + (f", {drafts.num_steps} drafting passes" if drafts is not None else ""), flush=True)
         model = getattr(eng, "step_time_model", None)
         if model is not None:
+            meta.setdefault("zero_draft_step_s", {b: model.time(b, 0) for b in a.batches})
             print(f"[{name}] step-time model (s): batch sizes {model.batch_sizes} x drafts/request "
                   f"{model.drafts_per_seq}: " + "; ".join(
                       f"n={n}: " + " ".join(f"{t * 1e3:.1f}" for t in row) + " ms"
@@ -363,6 +386,34 @@ def report(res: dict, batches: list[int], gpus: int, a=None) -> None:
             print(f"    the best any policy deciding from the confidences keeps (spec/replay.py, kappa "
                   f"{a.concentration}): {bound(max(fewer, 0.0)):.3f} of verify-all's accepted length at "
                   f"{max(fewer, 0.0):.0%} fewer drafts, {bound(0.25):.3f} at 25% fewer")
+
+
+def checkpoint_layers(ckpt: str) -> int:
+    from deepinfer.model.args import ModelArgs
+    return ModelArgs.from_checkpoint(Path(ckpt)).n_layers
+
+
+def report_projection(res: dict, batches: list[int], meta: dict, target: int = FULL_LAYERS) -> None:
+    """Steady tok/s per GPU at `target` layers (project_layers): the checkpoint's few layers make the
+    drafting pass look several times dearer than it is beside a whole backbone."""
+    layers, zero = meta.get("layers"), meta.get("zero_draft_step_s")
+    if "off" not in res or not zero or not layers or layers >= target:
+        return
+    print(f"\nprojected to {target} layers (the checkpoint has {layers}; drafting + bookkeeping = the "
+          f"scheduler's zero-draft step minus the plain step, held fixed):")
+    print(f"{'batch':>5} {'policy':>16} {'step ms':>8} {'draft ms':>8} {'step ms @' + str(target):>11} "
+          f"{'tok/s/GPU @' + str(target):>14} {'x off':>6}")
+    for b in batches:
+        off = res["off"][b]
+        draft = zero[b] - off["steady_step_s"]
+        off_rate = off["steady_tokens_per_step"] / project_layers(off["steady_step_s"], 0.0, layers, target)
+        for n in res:
+            r = res[n][b]
+            d = 0.0 if n == "off" else draft
+            t = project_layers(r["steady_step_s"], d, layers, target)
+            rate = r["steady_tokens_per_step"] / t
+            print(f"{b:>5} {n:>16} {r['steady_step_s'] * 1e3:>8.2f} {d * 1e3:>8.2f} {t * 1e3:>11.2f} "
+                  f"{rate:>14.1f} {rate / off_rate:>6.2f}")
 
 
 def oracle_bounds(a):
@@ -453,8 +504,10 @@ def main() -> None:
         print(f"checkpoint {ckpt} ({a.load_format}), device {a.device}, prompt {a.prompt_len}, output {a.output_len}, "
               f"replayed mean accepted length {a.accepted_length} of 5 (verify-all), temperature {a.temperature}, "
               f"acceptance {a.acceptance}", flush=True)
-        res = measure_all(ckpt, a)
+        meta = {"layers": checkpoint_layers(ckpt)}
+        res = measure_all(ckpt, a, meta)
     report(res, a.batches, gpus=1, a=a)
+    report_projection(res, a.batches, meta)
     print(f"total {time.perf_counter() - T_START:.0f} s")
     if a.json:
         save_json(a, res)
