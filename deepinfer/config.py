@@ -68,9 +68,10 @@ class EngineArgs:
     load_format: str = "safetensors"
     # "fp8" (the release format on the device: FP8 kernels) or "bf16": the dense FP8 linears (not the
     # routed experts) dequantized exactly at load and run by act_quant + cuBLAS in every step, decode
-    # graphs included; one more byte per dense weight element (~7 GB per GPU for the full model).
-    # "auto": bf16 on CUDA (H200, 2026-12-03: batch-64 verify steps 1.37x, batch-128 decode 1.08x, the
-    # per-call dequant of prefill gone), fp8 elsewhere (a CPU run computes the same values either way)
+    # graphs included; one more byte per dense weight element (~7.5 GB per GPU for the full model).
+    # "auto": bf16 on CUDA where that fits 8% of the device's memory (worker/loading.py hold_dense_bf16;
+    # H200, 2026-12-03: batch-64 verify steps 1.37x, batch-128 decode 1.08x, the per-call dequant of
+    # prefill gone), fp8 elsewhere (a CPU run computes the same values either way)
     dense_weights: str = "auto"
     # multi-GPU (deepinfer/parallel/): attention data parallel over data_parallel_size ranks (one per
     # GPU; CPU processes with gloo on a CPU run), the backbone's routed experts split over them

@@ -3,7 +3,17 @@ are loaded by model/loader.py, called from worker/rank.py)."""
 
 from __future__ import annotations
 
+import logging
+from math import prod
+
 import torch
+
+logger = logging.getLogger(__name__)
+
+# dense_weights="auto" holds the dense FP8 linears in bf16 on CUDA while their extra byte per element
+# stays within this share of the device's memory (the bytes come out of the KV cache): the full model
+# (~7.5G dense elements) fits it on a 141 GB H200, not on an 80 GB GPU
+DENSE_BF16_MAX_SHARE = 0.08
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -31,3 +41,29 @@ def allocate_caches(model_args, num_ring_slots: int, num_blocks: int, block_toke
     from deepinfer.cache.model_caches import ModelCaches
     return ModelCaches.allocate(model_args, num_ring_slots, num_blocks, block_tokens, device, torch_dtype(dtype),
                                 scratch=scratch)
+
+
+def dense_fp8_elements(model_args) -> int:
+    """Elements of the dense FP8 linears that dense_weights="bf16" holds dequantized (every "fp8" tensor
+    but wo_a, which stays as it is either way; routed experts are "fp4")."""
+    from deepinfer.model.loader import expected_tensors
+    return sum(prod(shape) for name, (kind, shape) in expected_tensors(model_args).items()
+               if kind == "fp8" and not name.endswith("attn.wo_a.weight"))
+
+
+def hold_dense_bf16(dense_weights: str, device: str, model_args, total_memory: int | None = None) -> bool:
+    """EngineArgs.dense_weights on this device: "bf16" and "fp8" as asked (bf16 on CUDA only: a CPU
+    computes the same values either way); "auto": bf16 on CUDA when the extra byte per dense element is
+    at most DENSE_BF16_MAX_SHARE of the device's memory, else fp8, said once in the log."""
+    if not device.startswith("cuda") or dense_weights == "fp8":
+        return False
+    if dense_weights == "bf16":
+        return True
+    if total_memory is None:
+        total_memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    extra = dense_fp8_elements(model_args)
+    if extra > DENSE_BF16_MAX_SHARE * total_memory:
+        logger.info("dense_weights='auto': dense FP8 linears kept in FP8 (bf16 would take %.1f GB more, over "
+                    "%.0f%% of the device's %.0f GB)", extra / 1e9, 100 * DENSE_BF16_MAX_SHARE, total_memory / 1e9)
+        return False
+    return True

@@ -67,7 +67,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     from deepinfer.kernels.select import precompile_cuda_kernels
     from deepinfer.model.loader import load_model
     from deepinfer.worker.graph_step import graph_sizes
-    from deepinfer.worker.loading import allocate_caches, cache_bytes_per_block, torch_dtype
+    from deepinfer.worker.loading import allocate_caches, cache_bytes_per_block, hold_dense_bf16, torch_dtype
     device = device or args.resolved_device()
     torch_dtype(args.dtype)
     check_replay_tokens(args, facts.model_args)
@@ -79,7 +79,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     nvcc = precompile_cuda_kernels(device)       # compiled beside the weight load, not in the first prefill
     model = load_model(args.checkpoint, device=device, progress=parallel is not None and parallel.rank == 0,
                        parallel=parallel, load_format=args.load_format,
-                       **({"dense_bf16": True} if args.dense_weights in ("auto", "bf16") and device.startswith("cuda") else {}),
+                       **({"dense_bf16": True} if hold_dense_bf16(args.dense_weights, device, facts.model_args) else {}),
                        # EPLB moves experts between ranks' stacks: keep one scale form in all of them
                        **({"expert_row_scales": False} if args.enable_eplb else {}), **model_overrides(args))
     if nvcc is not None:

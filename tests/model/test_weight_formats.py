@@ -175,3 +175,20 @@ def test_dense_linears_form(models, tiny_checkpoint):
     from deepinfer.config import EngineArgs
     with pytest.raises(ValueError, match="dense_weights"):
         EngineArgs("unused", dense_weights="fp16")
+
+
+def test_auto_dense_weights_fit_the_device(tiny_checkpoint):
+    """dense_weights="auto" holds the dense linears in bf16 on CUDA only while the extra byte per element
+    fits DENSE_BF16_MAX_SHARE of the device; "bf16" / "fp8" are taken as asked; never on a CPU."""
+    from deepinfer.model.args import ModelArgs
+    from deepinfer.worker.loading import DENSE_BF16_MAX_SHARE, dense_fp8_elements, hold_dense_bf16
+    args = ModelArgs.from_checkpoint(tiny_checkpoint)
+    extra = dense_fp8_elements(args)
+    wq_a = args.q_lora_rank * args.dim
+    assert extra > args.n_layers * wq_a                          # every layer's linears counted
+    roomy, tight = int(extra / DENSE_BF16_MAX_SHARE) + 1, int(extra / DENSE_BF16_MAX_SHARE) - 1
+    assert hold_dense_bf16("auto", "cuda", args, total_memory=roomy)
+    assert not hold_dense_bf16("auto", "cuda:1", args, total_memory=tight)
+    assert hold_dense_bf16("bf16", "cuda", args, total_memory=tight)
+    assert not hold_dense_bf16("fp8", "cuda", args, total_memory=roomy)
+    assert not hold_dense_bf16("auto", "cpu", args) and not hold_dense_bf16("bf16", "cpu", args)
