@@ -108,7 +108,8 @@ def test_sass_has_fp8_gmma_overlapped(compiled):
 
 def test_grouped_tiles_split_at_experts():
     counts = torch.tensor([3, 0, 140, 9, 0, 128])
-    tiles, t = grouped_tiles(counts, 64, int(counts.sum()))
+    with torch.inference_mode():          # as the engine calls it (a reuse keyed on tensor versions broke here)
+        tiles, t = grouped_tiles(counts, 64, int(counts.sum()))
     want, start = [], 0
     for e, c in enumerate(counts.tolist()):
         for r in range(start, start + c, 64):
