@@ -33,6 +33,10 @@ class EngineArgs:
     # "scheduler" with older confidences: calibrate them online against the newest (spec/older_calibration.py);
     # False = take them as they are (DeepInfer)
     spec_calibrate_older: bool = True
+    # "scheduler": pause drafting where plain decode steps are faster (spec/pause.py; the profile then also
+    # times plain steps); a paused batch drafts again every spec_pause_probe_every-th step to re-measure
+    spec_pause: bool = False
+    spec_pause_probe_every: int = 16
     # verify steps through CUDA graphs keyed by the rows they verify (packed, varlen: worker/graph_step.py
     # VerifyKeys), so a request verifying fewer drafts shortens the step; False = every request padded
     # to the longest one's length
@@ -219,6 +223,11 @@ class EngineArgs:
             raise ValueError(f"spec_replay_accepted_length must be in [1, {1 + self.num_speculative_tokens}), got {r}")
         if not self.spec_replay_concentration > 0:
             raise ValueError(f"spec_replay_concentration must be > 0, got {self.spec_replay_concentration}")
+        if self.spec_pause and self.spec_policy != "scheduler":
+            raise ValueError(f"spec_pause needs spec_policy='scheduler' (its step-time model decides), "
+                             f"got {self.spec_policy!r}")
+        if self.spec_pause_probe_every < 1:
+            raise ValueError(f"spec_pause_probe_every must be >= 1, got {self.spec_pause_probe_every}")
         if self.spec_replay_regime_tokens < 0:
             raise ValueError(f"spec_replay_regime_tokens must be >= 0, got {self.spec_replay_regime_tokens}")
 

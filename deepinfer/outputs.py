@@ -98,6 +98,9 @@ class SchedulerOutput:
     overlapped: bool = False
     # an overlapped step's verification policy, device half (spec/device_verify.py); None: verify all
     overlap_verify: Any = None
+    # speculation: the step drafts after it (False: speculation paused, spec/pause.py; the accepted rows
+    # still go into the DSpark rings)
+    draft_after: bool = True
 
     @property
     def is_empty(self) -> bool:

@@ -241,7 +241,9 @@ def configs(a) -> dict[str, dict]:
                 "sched early-stop": {**spec, "spec_policy": "scheduler", "spec_early_stop": True},
                 "sched face value": {**spec, "spec_policy": "scheduler", "spec_calibrate_older": False},
                 # padded verify graphs (one cap L for the batch): what the packed keys replaced
-                "sched padded": {**spec, "spec_policy": "scheduler", "spec_packed_verify": False}}
+                "sched padded": {**spec, "spec_policy": "scheduler", "spec_packed_verify": False},
+                # drafting paused where a plain step is faster (spec/pause.py)
+                "sched pause": {**spec, "spec_policy": "scheduler", "spec_pause": True}}
                if a.variants else {})}
 
 

@@ -117,6 +117,7 @@ class Scheduler:
         out = SchedulerOutput([], [], {}, 0, finished_req_ids=self._finished_for_runner)
         self._finished_for_runner = set()
         self._plan_drafts()
+        out.draft_after = self.draft_book.draft_after(len(self.running))
         if self.prefix is not None:
             out.snapshot_saves = self.prefix.take_saves()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
@@ -157,7 +158,7 @@ class Scheduler:
         if need > self.kv_cache.num_free_blocks or total > self.max_num_batched_tokens:
             return None
         out = SchedulerOutput([], [], {}, total, finished_req_ids=self._finished_for_runner, overlapped=True,
-                              overlap_verify=verify)
+                              overlap_verify=verify, draft_after=book.draft_after(len(self.running)))
         self._finished_for_runner = set()
         for req, k in plan:
             rid = req.request_id

@@ -11,6 +11,8 @@ sampler (deepinfer/sample/rejection.py).
     older_calibration.py  OlderCalibration: what a request's previous proposal predicts about its
                         current one, measured online (the budget's "older" confidences)
     step_time.py        StepTimeModel and its profile through the engine's own steps at start
+    pause.py            DraftingGate: no drafting after a step where plain decode steps are faster
+                        (EngineArgs.spec_pause; SchedulerOutput.draft_after)
     engine_policy.py    EngineArgs.spec_policy -> the policy in every scheduler's DraftBook
     replay.py           ReplayedAcceptance: the benchmark mode's stated acceptance distribution
     device_resolution.py  a verify step resolved on the device: accepted counts, new tokens, the next

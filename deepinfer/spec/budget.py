@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from deepinfer.spec.older_calibration import OlderCalibration
+from deepinfer.spec.pause import DraftingGate
 from deepinfer.spec.policy import DraftEntry, prefix_survival
 from deepinfer.spec.step_time import StepTimeModel
 
@@ -52,6 +53,8 @@ class VerifyBudgetPolicy:
     padded: Callable[[int, int], bool] | None = None
     # the older confidences calibrated online against the newest (None: taken as they are)
     calibration: OlderCalibration | None = None
+    # pause speculation where a plain step is faster (spec/pause.py; needs step_time.plain_seconds)
+    pause: DraftingGate | None = None
 
     def __post_init__(self) -> None:
         if self.budget_confidences not in BUDGET_CONFIDENCES:
@@ -83,6 +86,8 @@ class VerifyBudgetPolicy:
                 best_l, best = cap, score
             elif self.early_stop:
                 break
+        if self.pause is not None:
+            self.pause.record(n, best)
         return best_l
 
     def best_budget(self, num_seqs: int, survival_desc: list[float]) -> int:
@@ -97,7 +102,13 @@ class VerifyBudgetPolicy:
                 best_b, best = b, score
             elif self.early_stop:
                 break
+        if self.pause is not None:
+            self.pause.record(num_seqs, best)
         return best_b
+
+    def draft_after(self, num_seqs: int) -> bool:
+        """Whether the step just planned drafts after it (spec/pause.py; without a gate: always)."""
+        return True if self.pause is None else self.pause.draft_after(self.step_time.plain_time)
 
     def with_older_confidences(self) -> "VerifyBudgetPolicy":
         """This policy taking its budget from the older confidences (an overlapped step's host half)."""

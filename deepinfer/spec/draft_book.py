@@ -4,6 +4,7 @@ once (spec/policy.py, spec/budget.py). Plain lists, no torch; keyed by request i
 
     update_from_output(step N):  book.propose(req, drafts, confidences, room)   (previous ones kept as `older`)
     schedule(step N+1):          book.plan(running ids) -> {req id: drafts to verify}
+                                 book.draft_after(n) -> whether step N+1 drafts (spec/pause.py)
     preempt / finish:            book.drop(req id)
 """
 
@@ -38,6 +39,12 @@ class DraftBook:
         plan = {r: self._pending[r][0][:n] for r, n in zip(ids, counts)}
         self._pending.clear()
         return plan
+
+    def draft_after(self, num_seqs: int) -> bool:
+        """Whether the step just planned drafts after it (a policy that can pause speculation decides,
+        spec/pause.py; the others always draft)."""
+        decide = getattr(self.policy, "draft_after", None)
+        return True if decide is None else decide(num_seqs)
 
     def remember(self, req_id: str, confidences: list[float]) -> None:
         """A proposal an overlapped step verifies without a plan (spec/overlap_verify.py): only its

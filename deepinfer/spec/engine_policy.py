@@ -4,8 +4,11 @@ scheduler exists, since "scheduler" profiles step times through the engine's own
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from deepinfer.spec.budget import VerifyBudgetPolicy
 from deepinfer.spec.older_calibration import OlderCalibration
+from deepinfer.spec.pause import DraftingGate
 from deepinfer.spec.policy import StaticThresholdPolicy, VerifyAllPolicy
 from deepinfer.spec.step_time import profile_step_times
 
@@ -17,14 +20,17 @@ def set_verification_policy(engine) -> None:
     elif a.spec_policy == "all":
         policy = VerifyAllPolicy()
     else:
-        model = _profile(engine)
+        model = _profile(engine, plain=a.spec_pause)
         policy = VerifyAllPolicy() if model is None else VerifyBudgetPolicy(
             model, early_stop=a.spec_early_stop, budget_confidences=a.spec_budget_confidences,
             padded=_padded_steps(engine),
-            calibration=OlderCalibration(a.num_speculative_tokens) if a.spec_calibrate_older else None)
+            calibration=OlderCalibration(a.num_speculative_tokens) if a.spec_calibrate_older else None,
+            pause=DraftingGate(a.spec_pause_probe_every) if a.spec_pause else None)
     engine.step_time_model = getattr(policy, "step_time", None)
     for book in _draft_books(engine):
-        book.policy = policy
+        # each data-parallel rank's batch pauses on its own (the gate holds that batch's state)
+        book.policy = policy if getattr(policy, "pause", None) is None else \
+            replace(policy, pause=DraftingGate(a.spec_pause_probe_every))
 
 
 def _padded_steps(engine):
@@ -38,7 +44,7 @@ def _padded_steps(engine):
     return lambda n, length: keys.key(n, length) is not None
 
 
-def _profile(engine):
+def _profile(engine, plain: bool = False):
     """Profile with scratch statistics, so the engine's counters start at zero."""
     from deepinfer.stats import EngineStats
     real, scratch = engine.stats, EngineStats()
@@ -47,7 +53,7 @@ def _profile(engine):
     for s in scheds:
         s.stats = scratch
     try:
-        return profile_step_times(engine)
+        return profile_step_times(engine, plain=plain)
     finally:
         engine.stats = real
         for s in scheds:

@@ -68,11 +68,16 @@ class StaticThresholdPolicy:
 
 @dataclass(frozen=True)
 class FixedDraftsPolicy:
-    """Exactly n drafts each (or all it has): the step-time profile's fixed verify lengths."""
+    """Exactly n drafts each (or all it has): the step-time profile's fixed verify lengths. draft=False:
+    no drafting after any step either (the profile's plain steps, spec/pause.py)."""
     n: int
+    draft: bool = True
 
     def assign(self, entries: list[DraftEntry]) -> list[int]:
         return [min(e.num_drafts, self.n) for e in entries]
+
+    def draft_after(self, num_seqs: int) -> bool:
+        return self.draft
 
 
 def _sigmoid(x: float) -> float:

@@ -36,6 +36,8 @@ class StepTimeModel:
     batch_sizes: list[int]            # profiled n, ascending
     drafts_per_seq: list[int]         # profiled x, ascending
     seconds: list[list[float]]        # [len(batch_sizes)][len(drafts_per_seq)] median step seconds
+    # [len(batch_sizes)] plain steps (no drafts, no drafting pass; spec/pause.py), None: not profiled
+    plain_seconds: list[float] | None = None
     # times() per (num_seqs, max_drafts): the budget reads a whole row every step (host time on the
     # critical path of an overlapped step)
     _rows: dict = field(default_factory=dict, compare=False, repr=False)
@@ -54,6 +56,14 @@ class StepTimeModel:
         i, wi = _bracket(self.batch_sizes, num_seqs)
         row = lambda r: _interp(self.drafts_per_seq, self.seconds[r], x)   # noqa: E731
         return row(i) if wi == 0.0 else (1 - wi) * row(i) + wi * row(i + 1)
+
+    def plain_time(self, num_seqs: int) -> float | None:
+        """Seconds of a plain step of num_seqs requests (interpolated over the batch sizes), or None."""
+        if self.plain_seconds is None:
+            return None
+        i, w = _bracket(self.batch_sizes, num_seqs)
+        ys = self.plain_seconds
+        return ys[i] if w == 0.0 else (1 - w) * ys[i] + w * ys[i + 1]
 
     @classmethod
     def flat(cls, seconds: float = 1.0) -> "StepTimeModel":
@@ -83,8 +93,9 @@ def profile_grid(device: str, max_num_seqs: int, num_drafts: int) -> tuple[list[
     return sorted({1, min(max_num_seqs, 4), max_num_seqs}), sorted({0, num_drafts})
 
 
-def profile_step_times(engine, repeats: int | None = None) -> StepTimeModel | None:
-    """Measure the grid through engine.step(); None when no size fits (the caller verifies all)."""
+def profile_step_times(engine, repeats: int | None = None, plain: bool = False) -> StepTimeModel | None:
+    """Measure the grid through engine.step(); None when no size fits (the caller verifies all).
+    plain: also each batch size's plain step (no drafts, no drafting pass: spec/pause.py)."""
     a = engine.args
     cuda = engine.device.startswith("cuda")
     repeats = repeats or (5 if cuda else 2)
@@ -101,9 +112,10 @@ def profile_step_times(engine, repeats: int | None = None) -> StepTimeModel | No
         return None
     t0 = time.perf_counter()
     seconds = [[_time_point(engine, n, x, repeats, max_tokens) for x in xs] for n in sizes]
-    logger.info("profiled DSpark verify step times for batch sizes %s x drafts %s in %.1f s",
-                sizes, xs, time.perf_counter() - t0)
-    return StepTimeModel(sizes, xs, [non_decreasing(row) for row in seconds])
+    plain_row = [_time_point(engine, n, 0, repeats, max_tokens, draft=False) for n in sizes] if plain else None
+    logger.info("profiled DSpark verify step times for batch sizes %s x drafts %s%s in %.1f s",
+                sizes, xs, " and plain steps" if plain else "", time.perf_counter() - t0)
+    return StepTimeModel(sizes, xs, [non_decreasing(row) for row in seconds], plain_row)
 
 
 def non_decreasing(ys: list[float]) -> list[float]:
@@ -118,7 +130,7 @@ def non_decreasing(ys: list[float]) -> list[float]:
     return [s / c for s, c in blocks for _ in range(int(c))]
 
 
-def _time_point(engine, n: int, x: int, repeats: int, max_tokens: int) -> float:
+def _time_point(engine, n: int, x: int, repeats: int, max_tokens: int, draft: bool = True) -> float:
     from deepinfer.request import RequestStatus
     from deepinfer.sampling_params import SamplingParams
     from deepinfer.spec.policy import FixedDraftsPolicy
@@ -126,7 +138,7 @@ def _time_point(engine, n: int, x: int, repeats: int, max_tokens: int) -> float:
     books = _draft_books(engine)
     saved = [b.policy for b in books]
     for b in books:
-        b.policy = FixedDraftsPolicy(x)
+        b.policy = FixedDraftsPolicy(x, draft=draft)
     ids = [f"__step_time_profile_{n}_{x}_{i}" for i in range(n)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     try:

@@ -88,6 +88,7 @@ class _InFlight:
     replay_dev: torch.Tensor | None = None   # [B] replayed lengths of those drafts (benchmark mode), device
     verified_host: torch.Tensor | None = None  # [B] an overlapped step: drafts the device's policy verified
     draft_probs_dev: torch.Tensor | None = None  # [B, K, V] q of device-made sampled drafts ("sampled")
+    draft_after: bool = True                 # False: speculation paused (absorb only, spec/pause.py)
 
 
 @dataclass
@@ -198,16 +199,20 @@ class ModelRunner:
         start = batch.start_pos.numpy() if self.proposer is not None else None
         return self._finish_launch(req_ids, rows, num_logits, num_spec, q_lens, start,
                                    batch.positions, sampled, fed, keep_logits, logprobs, main_hidden,
-                                   self._replayed_for(req_ids, num_spec))
+                                   self._replayed_for(req_ids, num_spec), draft_after=sched_out.draft_after)
 
     def _finish_launch(self, req_ids, rows, num_logits, num_spec, q_lens, start, positions, sampled, fed,
-                       keep_logits, logprobs, main_hidden, replayed, verified=None) -> _InFlight:
+                       keep_logits, logprobs, main_hidden, replayed, verified=None, draft_after=True) -> _InFlight:
         """The launch's last part: the device-side resolution (speculation), drafting on the device when
         the next step may overlap this one, and the host copies resolve() reads. start: [B] host array,
         or (an overlapped step) a device tensor; replayed: benchmark mode's lengths (host or device).
         verified [B] (an overlapped step, device): the drafts each request verified, <= num_spec (the
-        layout's; q_lens and num_logits stay the layout, rows past 1 + verified are padding)."""
+        layout's; q_lens and num_logits stay the layout, rows past 1 + verified are padding).
+        draft_after False (speculation paused, spec/pause.py): nothing is drafted; the rows go into the
+        DSpark rings at resolve (the accepted ones), or at launch where the step could draft on the device
+        (all of them, as draft() does)."""
         res = res_host = drafts = drafts_host = replay_dev = verified_host = draft_probs = None
+        absorbed = False
         if self.proposer is not None:   # resolved on the device: the host reads one copy, at resolve()
             if verified is None:
                 res = resolve_on_device(sampled, fed, num_logits, num_spec, start, q_lens, replayed)
@@ -217,21 +222,26 @@ class ModelRunner:
             res_host, _ = self._to_host(torch.cat([res.num_tokens[:, None], res.tokens], dim=1))
             if self.overlapped is not None and main_hidden is not None and can_draft_on_device(
                     self.input_batch, rows, num_logits):
-                ids, conf, draft_probs = self.overlapped.draft(main_hidden, positions, q_lens, rows, res)
-                drafts = (ids, conf)
-                drafts_host = (self._to_host(drafts[0])[0], self._to_host(drafts[1])[0])
-                replay_dev = self.overlapped.replayed(rows, res)   # benchmark mode: the proposals' outcomes
+                if draft_after:
+                    ids, conf, draft_probs = self.overlapped.draft(main_hidden, positions, q_lens, rows, res)
+                    drafts = (ids, conf)
+                    drafts_host = (self._to_host(drafts[0])[0], self._to_host(drafts[1])[0])
+                    replay_dev = self.overlapped.replayed(rows, res)   # benchmark mode: the proposals' outcomes
+                else:                         # paused: the rows into the rings, no proposal
+                    self.overlapped.absorb(main_hidden, positions, q_lens, rows)
+                    absorbed = True
         host, done = self._to_host(sampled)   # its event also covers the copies above (same stream)
         self._launch_seq += 1
         spec = None
-        if self.proposer is not None and main_hidden is not None and drafts is None:
+        if self.proposer is not None and main_hidden is not None and drafts is None and not absorbed:
             if isinstance(start, torch.Tensor):
                 raise RuntimeError("an overlapped verify step must draft on the device")
             spec = _SpecInputs(main_hidden, q_lens, start, self.input_batch.ring_slot[rows].copy())
         return _InFlight(req_ids, rows, num_logits, num_spec, host, done, fed, keep_logits,
                          logprobs=logprobs, seq=self._launch_seq, spec=spec, resolution=res,
                          resolution_host=res_host, device_drafts=drafts, drafts_host=drafts_host,
-                         replay_dev=replay_dev, verified_host=verified_host, draft_probs_dev=draft_probs)
+                         replay_dev=replay_dev, verified_host=verified_host, draft_probs_dev=draft_probs,
+                         draft_after=draft_after)
 
     # verify steps that overlap (spec/overlap.py, worker/overlapped_step.py) ----------------------
     def enable_overlap(self) -> None:
@@ -261,7 +271,7 @@ class ModelRunner:
             to_device(f.q_lens, self.device) > 1, prev.replay_dev[to_device(f.prev_index, self.device)], -1)
         return self._finish_launch(f.req_ids, f.rows, f.q_lens.copy(), f.q_lens - 1, f.q_lens, f.start,
                                    f.positions, sampled, f.fed, None, None, f.main_hidden, replayed,
-                                   verified=f.num_verified)
+                                   verified=f.num_verified, draft_after=sched_out.draft_after)
 
     def must_resolve_before_next(self, step: _InFlight | None) -> bool:
         """Speculation: a launched step in which a request samples verifies or proposes drafts, and
@@ -309,6 +319,8 @@ class ModelRunner:
         cu_keep = np.concatenate([[0], np.cumsum(keep)]).tolist()
         self.proposer.absorb(sp.main_hidden[to_device(idx, dev)], to_device(pos, dev),
                              sp.ring_slots.tolist(), cu_keep)
+        if not step.draft_after:          # speculation paused: the rings are whole, nothing proposed
+            return [[] for _ in per_req], [[] for _ in per_req]
         which = [i for i, (req_id, row, toks) in enumerate(zip(step.req_ids, step.rows.tolist(), per_req))
                  if toks and ib.row_of.get(req_id) == row and self._can_generate(row)]
         props = self.proposer.propose([per_req[i][-1] for i in which],

@@ -60,9 +60,7 @@ class OverlappedSteps:
         from deepinfer.model.dspark import dspark_propose
         r = self.runner
         ib, dev, proposer = r.input_batch, r.device, r.proposer
-        slots = ib.ring_slot[rows]
-        cu = np.concatenate([[0], np.cumsum(q_lens)])
-        proposer.absorb(main_hidden, positions, slots.tolist(), cu.tolist(), max_pos=self.max_pos())
+        slots = self.absorb(main_hidden, positions, q_lens, rows)
         n, dg = len(rows), proposer.graphs
         sampler = self._draft_sampler(rows, res.next_pos - 1)
         graph = sampler is None and dg is not None and dg.serves(n)
@@ -85,6 +83,14 @@ class OverlappedSteps:
             q = torch.zeros((n, K, stacked.shape[-1]), dtype=torch.float32, device=dev)
             q[to_device(np.asarray(sampler.idx), dev)] = stacked
         return ids[:n, :K].clone(), conf[:n, :K].float().clone(), q
+
+    def absorb(self, main_hidden, positions, q_lens, rows) -> np.ndarray:
+        """Every row of the step into the DSpark rings, on the device (a paused step stops here:
+        spec/pause.py). -> the requests' ring slots."""
+        slots = self.runner.input_batch.ring_slot[rows]
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        self.runner.proposer.absorb(main_hidden, positions, slots.tolist(), cu.tolist(), max_pos=self.max_pos())
+        return slots
 
     def _draft_sampler(self, rows: np.ndarray, positions: torch.Tensor):
         """The DSpark sample callback of the requests that sample their drafts ("sampled" rule, T > 0;
