@@ -61,6 +61,7 @@ class EngineStats:
             "spec_draft_tokens_verified_total": 0,
             "spec_draft_tokens_accepted_total": 0,
             "spec_verify_steps_total": 0,
+            "spec_paused_steps_total": 0,    # steps that drafted nothing after them (spec/pause.py)
             # prefix caching (sched/prefix_admission.py): tokens of admitted requests looked up, of
             # them served from the cache, recomputed by bounded replay; hits that landed on a window
             # snapshot; snapshots saved; cached blocks taken back for new allocations

@@ -159,6 +159,7 @@ def run_batch(engine, batch: int, prompt_len: int, output_len: int, vocab: int, 
             "total": (total - len(done)) / (wall - last_first), **steady_rates(timeline),
             "per_user_e2e": sum(tokens[r] / done[r] for r in done) / len(done), "total_e2e": total / wall,
             "verified": verified, "accepted": acc, "steps": d["steps_total"],
+            "paused_steps": d.get("spec_paused_steps_total", 0),
             "mean_acc_len": total / req_steps, "verified_per_step": verified / req_steps,
             "tokens": total, "req_steps": req_steps}
 
@@ -195,7 +196,7 @@ def project_layers(step_s: float, draft_s: float, layers: int, target_layers: in
 
 RATES = ("per_user", "total", "steady", "steady_step_s", "steady_tokens_per_step", "per_user_e2e", "total_e2e")
 FULL_LAYERS = 40                  # V4.1-Flash's backbone: the projection's target (project_layers)
-COUNTS = ("verified", "accepted", "steps", "tokens", "req_steps")
+COUNTS = ("verified", "accepted", "steps", "tokens", "req_steps", "paused_steps")
 
 
 def combine_repeats(runs: list[dict]) -> dict:
@@ -402,7 +403,8 @@ def report_projection(res: dict, batches: list[int], meta: dict, target: int = F
     if "off" not in res or not zero or not layers or layers >= target:
         return
     print(f"\nprojected to {target} layers (the checkpoint has {layers}; drafting + bookkeeping = the "
-          f"scheduler's zero-draft step minus the plain step, held fixed):")
+          f"scheduler's zero-draft step minus the plain step, held fixed, times the share of steps that "
+          f"drafted):")
     print(f"{'batch':>5} {'policy':>16} {'step ms':>8} {'draft ms':>8} {'step ms @' + str(target):>11} "
           f"{'tok/s/GPU @' + str(target):>14} {'x off':>6}")
     for b in batches:
@@ -411,7 +413,8 @@ def report_projection(res: dict, batches: list[int], meta: dict, target: int = F
         off_rate = off["steady_tokens_per_step"] / project_layers(off["steady_step_s"], 0.0, layers, target)
         for n in res:
             r = res[n][b]
-            d = 0.0 if n == "off" else draft
+            drafted = 0.0 if n == "off" else 1.0 - r.get("paused_steps", 0) / max(r["steps"], 1)
+            d = draft * drafted          # paused steps (spec_pause) draft nothing
             t = project_layers(r["steady_step_s"], d, layers, target)
             rate = r["steady_tokens_per_step"] / t
             print(f"{b:>5} {n:>16} {r['steady_step_s'] * 1e3:>8.2f} {d * 1e3:>8.2f} {t * 1e3:>11.2f} "

@@ -117,7 +117,7 @@ class Scheduler:
         out = SchedulerOutput([], [], {}, 0, finished_req_ids=self._finished_for_runner)
         self._finished_for_runner = set()
         self._plan_drafts()
-        out.draft_after = self.draft_book.draft_after(len(self.running))
+        out.draft_after = self._draft_after()
         if self.prefix is not None:
             out.snapshot_saves = self.prefix.take_saves()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
@@ -158,7 +158,7 @@ class Scheduler:
         if need > self.kv_cache.num_free_blocks or total > self.max_num_batched_tokens:
             return None
         out = SchedulerOutput([], [], {}, total, finished_req_ids=self._finished_for_runner, overlapped=True,
-                              overlap_verify=verify, draft_after=book.draft_after(len(self.running)))
+                              overlap_verify=verify, draft_after=self._draft_after())
         self._finished_for_runner = set()
         for req, k in plan:
             rid = req.request_id
@@ -177,6 +177,13 @@ class Scheduler:
             out.block_copies = self.kv_cache.take_block_copies()
         self.stats.inc("computed_tokens_total", total)
         return out
+
+    def _draft_after(self) -> bool:
+        """Whether this step drafts after it (spec/pause.py); a paused step is counted."""
+        d = self.draft_book.draft_after(len(self.running))
+        if not d:
+            self.stats.inc("spec_paused_steps_total")
+        return d
 
     def _plan_drafts(self) -> None:
         """The verification policy's batch-wide choice of drafts (for requests with a new proposal)."""

@@ -59,6 +59,8 @@ def test_pauses_and_resumes_keep_the_tokens(args, ref, async_scheduling):
     # paused steps proposed nothing: fewer drafts made, more (plain) steps taken
     assert c["spec_draft_tokens_proposed_total"] < counters(full)["spec_draft_tokens_proposed_total"]
     assert c["steps_total"] > counters(full)["steps_total"]
+    assert c["spec_paused_steps_total"] == policy.calls.count(False) > 0
+    assert counters(full)["spec_paused_steps_total"] == 0
     if async_scheduling:
         assert e.num_verify_steps_overlapped > 0
 
