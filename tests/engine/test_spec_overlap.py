@@ -257,6 +257,21 @@ def _strict(fn, calls: list):
     return wrapped
 
 
+class _ScriptedPauses:
+    """Verify every draft; draft after a step as the script says (cycled)."""
+
+    def __init__(self, script):
+        self.script = script
+        self.i = 0
+
+    def assign(self, entries):
+        return [e.num_drafts for e in entries]
+
+    def draft_after(self, num_seqs: int) -> bool:
+        self.i += 1
+        return self.script[(self.i - 1) % len(self.script)]
+
+
 def _counting_replays(runner, launch, replays: list, on_call=lambda sched_out: None):
     """launch_overlapped wrapped: each call's number of graph replays appended to replays."""
     def counted(sched_out, prev):
@@ -290,29 +305,39 @@ def test_overlapped_build_does_not_sync_on_cuda(tiny_engine_args, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("policy", ["all", "scheduler"])
+@pytest.mark.parametrize("policy", ["all", "scheduler", "pause"])
 def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     """The whole launch of an overlapped verify step on the GPU (the build, the captured verify
     graph's replay, the greedy sample, the device-side resolution, the DSpark absorb of every row
     and the drafting graph's replay, the host copies) without the host waiting for the stream:
     launch_overlapped under sync debug mode "error"; every overlapped step replays its graph.
-    "scheduler": the budget's split over the requests by the newest confidences runs in it too."""
+    "scheduler": the host's split of its budget lays out fewer drafts than the block (packed steps:
+    the device verifies every draft laid out). "pause": steps scheduled with draft_after=False
+    (spec/pause.py) absorb on the device and propose nothing, inside the same strict launch."""
     args = _cuda_args(tiny_engine_args)
     e = Engine(EngineArgs(**args))
+    K = e.args.num_speculative_tokens
     if policy == "scheduler":
         e.scheduler.draft_book.policy = _budget_policy()
+    if policy == "pause":
+        e.scheduler.draft_book.policy = _ScriptedPauses([True, True, True, False])
     runner = e.runner
     assert runner.overlapped is not None and runner.graphs is not None and runner.graphs.graphs is not None
-    calls, replays, budgets = [], [], []
+    calls, replays, cuts = [], [], []
     strict = _strict(runner.launch_overlapped, calls)
 
-    runner.launch_overlapped = _counting_replays(runner, strict, replays, lambda sched_out: budgets.append(
-        sched_out.overlap_verify is not None and sched_out.overlap_verify.budget is not None))
+    def cut(sched_out):            # the share of requests laid out with fewer drafts than the block
+        ks = [len(v) for v in sched_out.spec_tokens.values()]
+        cuts.append(sum(k < K for k in ks) / max(len(ks), 1))
+
+    runner.launch_overlapped = _counting_replays(runner, strict, replays, cut)
     ref = run(Engine(EngineArgs(**{**args, "async_scheduling": False})), [greedy(N_OUT) for _ in PROMPTS])[0]
     got = run(e, [greedy(N_OUT) for _ in PROMPTS])[0]
     assert e.num_verify_steps_overlapped > 0 and len(replays) == e.num_verify_steps_overlapped
     assert all(r == 1 for r in replays), replays          # every overlapped step replayed its graph
-    assert any(budgets) == (policy == "scheduler")
+    assert (sum(cuts) / len(cuts) > 0.5) == (policy == "scheduler"), cuts
+    if policy == "pause":
+        assert e.stats.snapshot()["counters"]["spec_paused_steps_total"] > 0
     assert all(len(t) == N_OUT for t in got.values())
     # not batch-invariant on the GPU: the batches differ, so only the first tokens must agree
     assert all(got[r][:2] == ref[r][:2] for r in ref)
