@@ -437,10 +437,11 @@ def plot(path: str, res: dict, batches: list[int], title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     names = list(res)
     w = 0.8 / len(names)
-    for k, (key, label) in enumerate((("per_user", "tok/s per user"), ("total", "tok/s (all requests)"))):
+    for k, (key, label) in enumerate((("per_user", "tok/s per user"), ("total", "tok/s (all requests)"),
+                                      ("steady", "tok/s, whole batch decoding"))):
         ax = axes[k]
         for i, n in enumerate(names):
             ys = [res[n][b][key] / res["off"][b][key] for b in batches]
