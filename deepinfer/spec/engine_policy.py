@@ -24,13 +24,12 @@ def set_verification_policy(engine) -> None:
         policy = VerifyAllPolicy() if model is None else VerifyBudgetPolicy(
             model, early_stop=a.spec_early_stop, budget_confidences=a.spec_budget_confidences,
             padded=_padded_steps(engine),
-            calibration=OlderCalibration(a.num_speculative_tokens) if a.spec_calibrate_older else None,
-            pause=DraftingGate(a.spec_pause_probe_every) if a.spec_pause else None)
+            calibration=OlderCalibration(a.num_speculative_tokens) if a.spec_calibrate_older else None)
     engine.step_time_model = getattr(policy, "step_time", None)
+    pause = a.spec_pause and isinstance(policy, VerifyBudgetPolicy)
     for book in _draft_books(engine):
         # each data-parallel rank's batch pauses on its own (the gate holds that batch's state)
-        book.policy = policy if getattr(policy, "pause", None) is None else \
-            replace(policy, pause=DraftingGate(a.spec_pause_probe_every))
+        book.policy = replace(policy, pause=DraftingGate(a.spec_pause_probe_every)) if pause else policy
 
 
 def _padded_steps(engine):

@@ -59,11 +59,7 @@ class StepTimeModel:
 
     def plain_time(self, num_seqs: int) -> float | None:
         """Seconds of a plain step of num_seqs requests (interpolated over the batch sizes), or None."""
-        if self.plain_seconds is None:
-            return None
-        i, w = _bracket(self.batch_sizes, num_seqs)
-        ys = self.plain_seconds
-        return ys[i] if w == 0.0 else (1 - w) * ys[i] + w * ys[i + 1]
+        return None if self.plain_seconds is None else _interp(self.batch_sizes, self.plain_seconds, num_seqs)
 
     @classmethod
     def flat(cls, seconds: float = 1.0) -> "StepTimeModel":
