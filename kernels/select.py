@@ -91,6 +91,11 @@ if PREFILL_GEMM not in ("auto", "fp8", "w8a16", "cuda", "bf16") + FP8_VARIANTS:
 # auto: dense FP8 linears of at least this many rows dequantize the weight to bf16 (exact) and run
 # cuBLAS's bf16 GEMM (kernels/triton_dequant.py says why that is the release's arithmetic); 0: never
 BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "256"))
+# auto: the MoE's grouped contiguous GEMMs of at least this many token-expert rows dequantize the whole
+# expert stack to bf16 (exact, as the dense linears) and run one bf16 grouped GEMM (torch._grouped_mm)
+# instead of the CUDA FP8 x FP8 kernel; the dequant (3 bytes of traffic per stack element) pays only on
+# long steps. 0: never. perf/bench_moe_forms.py --prefill measures the two side by side.
+BF16_MOE_MIN_ROWS = int(os.environ.get("DEEPINFER_BF16_MOE_MIN_ROWS", "32768"))
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # auto: the CUDA FP8 x FP8 kernel takes dense FP8 linears from this many rows (H200, 2026-12-02,
@@ -384,6 +389,32 @@ def _bf16_grouped(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> to
     return torch.bmm(x.transpose(0, 1), wd.transpose(1, 2)).transpose(0, 1).contiguous()
 
 
+def _bf16_grouped_contiguous_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """The MoE's grouped contiguous step takes the bf16 grouped GEMM: auto (or bf16) with at least
+    BF16_MOE_MIN_ROWS rows, a CUDA tensor of an SM90+ device outside graph capture (the scratch buffer),
+    not batch-invariant mode, N and K multiples of 8 (the grouped GEMM's 16-byte rows), and every
+    w * scale of the stack a bf16 value."""
+    if PREFILL_GEMM not in ("bf16", "auto") or BF16_MOE_MIN_ROWS <= 0 or x.shape[0] < BF16_MOE_MIN_ROWS \
+            or _batch_invariant() or not x.is_cuda or not use_fast(x) or x.dtype != torch.bfloat16 \
+            or w.dim() != 3 or torch.cuda.is_current_stream_capturing():
+        return False
+    if not _fast_for(x, "bf16_grouped_mm", hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)
+                     >= (9, 0) and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0,
+                     "torch._grouped_mm on an SM90+ device, N and K multiples of 8", then="the FP8 paths"):
+        return False
+    return _bf16_exact_weight(w_scale, x)
+
+
+def _bf16_grouped_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                             counts: torch.Tensor) -> torch.Tensor:
+    """grouped_fp8_linear_contiguous on the bf16 path: the whole stack dequantized into this stream's
+    scratch buffer, then one grouped GEMM over the experts' row ranges (no host read of counts)."""
+    from .grouped_bf16 import bf16_grouped_contiguous
+    e, n, k = w.shape
+    wd = _bf16_dequant_scratch(x, w.view(e * n, k), w_scale.flatten(0, 1)).view(e, n, k)
+    return bf16_grouped_contiguous(x, wd, counts)
+
+
 def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
     """The CUDA FP8 x FP8 kernel takes this call: DEEPINFER_PREFILL_GEMM=cuda and at least FP8_VARIANT_MIN_M
     rows, or auto (the default) with 32x32-block weight scales and at least CUDA_AUTO_MIN_M rows (or
@@ -558,6 +589,8 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
             from .triton_fp8_variants import fp8_variant_grouped_contiguous
             from .triton_quant import act_quant_fp8
             return fp8_variant_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts, kernel)
+        if kernel == "w8a16" and _bf16_grouped_contiguous_ok(x, w, w_scale):
+            return _bf16_grouped_contiguous(x, w, w_scale, counts)
         if kernel == "w8a16" and _cuda_grouped_ok(x, w, w_scale):
             from .cuda_fp8_gemm import fp8_grouped_contiguous_cuda
             from .triton_quant import act_quant_fp8

@@ -11,7 +11,8 @@ FP8 per-32-promotion kernels (DEEPINFER_PREFILL_GEMM=fp8, kernels/triton_fp8_pre
 Printed per case and GEMM path: milliseconds, tokens/s, the linear work's TFLOP/s and its share of the
 FP8 and bf16 peaks measured in the same run (benchutil.measure_ceilings: torch._scaled_mm per-tensor FP8
 and the bf16 matmul at 8192^3), and the 40-layer per-GPU estimate: the step time scaled by 40 / 7 layers
-(the head and embedding are in the 7-layer time, so this slightly overstates the 40-layer time). Linear
+(the head and embedding are in the 7-layer time, so this slightly overstates the 40-layer time; with
+--preset release-ep8, the release's 40 layers at one GPU's EP8 share of experts, it is measured). Linear
 work = every FP8 linear (fused or not), wo_a, the routed experts (T x top-6 pairs on the 48 local experts:
 at EP8 each GPU's experts see as many pairs as its own tokens pick) and the shared expert; attention,
 indexers, compressors, norms, mHC and the head are not counted. --profile: the top kernels of one
@@ -143,7 +144,7 @@ def host_profile(fn, top: int = 25) -> None:
         print(f"  {self_t * 1e3:8.2f} ms self {cum_t * 1e3:8.2f} ms cum {calls:6d}x  {path.split('/')[-1]}:{line} {name}")
 
 
-def plot(rows, path: str) -> None:
+def plot(rows, path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -157,13 +158,13 @@ def plot(rows, path: str) -> None:
         xs = [j + w * i for j in range(len(cases))]
         ax[0].bar(xs, [r["est40_tok_s"] / 1e3 for r in sel], w, label=gemm)
         ax[1].bar(xs, [r["of_fp8_peak"] for r in sel], w, label=gemm)
-    for a_, t in zip(ax, ("40-layer estimate, k prompt tokens/s per GPU", "linear TFLOP/s / FP8 peak (same run)")):
+    for a_, t in zip(ax, ("40 layers, k prompt tokens/s per GPU", "linear TFLOP/s / FP8 peak (same run)")):
         a_.set_xticks([j + 0.4 - w / 2 for j in range(len(cases))], cases)
         a_.set_title(t, fontsize=10)
         a_.legend()
     ax[0].axhline(15, color="gray", ls="--", lw=0.8)
     ax[1].axhline(0.5, color="gray", ls="--", lw=0.8)
-    fig.suptitle("H200 prefill, full-width-ep8 (7 layers, 48 local experts)", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -234,7 +235,9 @@ def main() -> None:
     os.makedirs(FIGURES, exist_ok=True)
     for path in (os.path.join(out_dir(), "model_prefill.png"), os.path.join(FIGURES, "model_prefill_h200.png")):
         try:
-            plot(rows, path)
+            plot(rows, path, f"H200 prefill, {a.preset} ({model.args.n_layers} layers, "
+                             f"{model.args.n_routed_experts} local experts"
+                             + (", 40-layer time scaled)" if model.args.n_layers != FULL_LAYERS else ")"))
         except OSError:
             pass
 

@@ -6,6 +6,11 @@ replays in one run. A batch-64 DSpark verify step is 384 tokens (2,304 pairs): H
 masked form was 35% of that step's kernel time.
 
     python perf/bench_moe_forms.py [--tokens 64 128 256 384 512 682]
+    python perf/bench_moe_forms.py --prefill [--tokens 2048 4096 8192]
+
+--prefill: the grouped contiguous form at prefill sizes on its two GEMM paths, timed eagerly (the bf16
+path declines inside a graph capture): the CUDA FP8 x FP8 kernel against the whole stack dequantized to
+bf16 and one bf16 grouped GEMM (select.BF16_MOE_MIN_ROWS picks between them by token-expert rows).
 
 Prints per token count: ms of each form, contiguous / masked speed, and the largest difference of
 the two outputs relative to their scale (both compute the release's products; they sum in other
@@ -23,18 +28,50 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import dummy_model, save_json, time_calls  # noqa: E402
+from benchutil import dummy_model, save_json, time_calls, time_eager  # noqa: E402
+
+
+def prefill_paths(model, moe, tokens) -> list:
+    """The grouped contiguous MoE layer per token count: FP8 kernel vs bf16 grouped GEMM, side by side."""
+    from deepinfer.kernels import select
+    rows = []
+    print(f"{'tokens':>6} {'pairs':>6} {'fp8 ms':>8} {'bf16 ms':>8} {'speed':>6} {'max diff':>9}")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    saved = select.BF16_MOE_MIN_ROWS
+    for t in tokens:
+        x = torch.randn(t, model.args.dim, device="cuda", generator=g).bfloat16()
+        outs, ms = {}, {}
+        for path, min_rows in (("fp8", 0), ("bf16", 1)):
+            select.BF16_MOE_MIN_ROWS = min_rows
+            with torch.inference_mode():
+                outs[path] = moe(x).float()
+                ms[path] = time_eager(lambda: moe(x), iters=10) * 1e3
+        select.BF16_MOE_MIN_ROWS = saved
+        diff = float((outs["fp8"] - outs["bf16"]).abs().max() / outs["fp8"].abs().max())
+        pairs = t * model.args.n_activated_experts
+        rows.append(dict(tokens=t, pairs=pairs, fp8_ms=ms["fp8"], bf16_ms=ms["bf16"], max_rel_diff=diff))
+        print(f"{t:6d} {pairs:6d} {ms['fp8']:8.3f} {ms['bf16']:8.3f} {ms['fp8'] / ms['bf16']:5.2f}x {diff:9.2e}",
+              flush=True)
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="full-width-ep8")
-    p.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 384, 512, 682])
+    p.add_argument("--tokens", type=int, nargs="+")
+    p.add_argument("--prefill", action="store_true", help="the two GEMM paths of the contiguous form")
     a = p.parse_args()
     from deepinfer.kernels import select
     model = dummy_model(a.preset)
     moe = next(b.ffn for b in model.layers if getattr(b.ffn, "stacks", None) is not None)
     select.MOE_CONTIGUOUS = True
+    if a.prefill:
+        moe.masked = False
+        rows = prefill_paths(model, moe, a.tokens or [2048, 4096, 8192, 16384])
+        print("declined fast paths:", sorted(select.declined()))
+        save_json("moe_prefill_paths.json", dict(preset=a.preset, rows=rows))
+        return
+    a.tokens = a.tokens or [64, 128, 256, 384, 512, 682]
     rows = []
     print(f"{'tokens':>6} {'pairs':>6} {'masked ms':>10} {'contig ms':>10} {'speed':>6} {'max diff':>9}")
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -77,6 +77,13 @@ PRESETS = {
 # one GPU's share at EP8 (48 of the 384 routed experts, 16 of DSpark's 128), the rest full width: the
 # GPU decode benchmark (perf/bench_model_decode.py) loads it where the whole preset (~75 GB) does not fit
 PRESETS["full-width-ep8"] = dict(PRESETS["full-width-layers"], n_routed_experts=48, dspark_n_routed_experts=16)
+# the release's whole layer stack (MODEL.md 2.1: 40 layers and their roles, 3 DSpark blocks) at one GPU's
+# EP8 share of the experts (~85 GB with dummy weights): one H200 then runs a real 40-layer step, where
+# the 7-layer presets only support an estimate
+PRESETS["release-ep8"] = dict(
+    PRESETS["full-width-ep8"], compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+    kv_source_layer_ids=[2, 8, 14, 20], index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36],
+    candidate_source_layer_id=20, engram_layer_ids=[1, 14], dspark_target_layer_ids=[37, 38, 39])
 
 # vision_config per preset (HF keys); presets without one write text-only checkpoints. tiny: a small
 # tower with small spans (fast CPU tests); full width: the release tower (MODEL.md section 2.1)
@@ -88,6 +95,7 @@ VISION = {
                  max_image_tokens=64, min_pixels=84 * 84),
     "full-width-layers": RELEASE_VISION,
     "full-width-ep8": RELEASE_VISION,
+    "release-ep8": RELEASE_VISION,
 }
 
 INIT = dict(post_base=-2.0, comb_diag=1.0, expert_spread=0.3, gate_bias_std=1.0, head_std=7.0, head_norm_sigma=0.8)

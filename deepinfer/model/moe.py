@@ -31,7 +31,7 @@ MASKED_MAX_PAIRS = 4096
 # steps of at least this many pairs take the grouped contiguous form (graph-safe too) instead of the
 # masked one where it is on (DEEPINFER_MOE_CONTIGUOUS_FROM_PAIRS; unset: the masked form up to
 # MASKED_MAX_PAIRS). perf/bench_moe_forms.py measures the two side by side at verify-step sizes.
-CONTIGUOUS_FROM_PAIRS = int(os.environ.get("DEEPINFER_MOE_CONTIGUOUS_FROM_PAIRS", "0")) or None
+CONTIGUOUS_FROM_PAIRS = int(os.environ.get("DEEPINFER_MOE_CONTIGUOUS_FROM_PAIRS") or 0) or None
 
 
 @dataclass

@@ -116,6 +116,41 @@ def check_grouped(device):
     print("grouped (wo_a) bf16 path: ok")
 
 
+def check_moe_contiguous(device):
+    """The MoE's grouped contiguous step on the bf16 path (the whole stack dequantized, one grouped GEMM)
+    against the float64 per-expert product of the exact operands: empty experts, group sizes off every
+    tile, row-scaled (f32 [E, N, 1]) and 32x32-block stacks."""
+    gen = torch.Generator().manual_seed(4)
+    from deepinfer.kernels.reference import act_quant_ref
+    for counts, n, k, per_row in (([5, 0, 70, 1, 0, 33], 48, 160, True), ([0, 129, 0, 2], 96, 256, False),
+                                  ([300 if not INTERPRET else 12, 0, 0], 40, 96, True)):
+        e, p = len(counts), sum(counts)
+        x = act_quant_ref(torch.randn(p, k, generator=gen).bfloat16()).to(device)
+        w = (torch.randn(e, n, k, generator=gen) * k ** -0.5).to(torch.float8_e4m3fn).to(device)
+        s = (torch.exp2(torch.randint(-12, -4, (e, n, 1), generator=gen).float()) if per_row else
+             torch.randint(118, 124, (e, n // 32, k // 32), generator=gen, dtype=torch.uint8)).to(device)
+        c = torch.tensor(counts, dtype=torch.int32, device=device)
+        if x.is_cuda:
+            saved = select.BF16_MOE_MIN_ROWS
+            select.BF16_MOE_MIN_ROWS = 1
+            try:
+                assert select._bf16_grouped_contiguous_ok(x, w, s)
+                y = select.grouped_fp8_linear_contiguous(x, w, s, c)
+            finally:
+                select.BF16_MOE_MIN_ROWS = saved
+        else:
+            y = select._bf16_grouped_contiguous(x, w, s, c)
+        wd = torch.stack([dequant_fp8(w[i], s[i]) for i in range(e)]).double()
+        expert = torch.repeat_interleave(torch.arange(e, device=device), c.long())
+        xd = x.double()
+        r = torch.einsum("pk,pnk->pn", xd, wd[expert])
+        mag = torch.einsum("pk,pnk->pn", xd.abs(), wd[expert].abs())
+        assert y.shape == (p, n) and y.dtype == torch.bfloat16
+        bad = (y.double() - r).abs() > torch.maximum(r.abs(), y.double().abs()) * 2 ** -7 + mag * 2 ** -20 + 1e-30
+        assert not bad.any(), (counts, n, k, per_row, int(bad.sum()))
+    print("MoE grouped contiguous bf16 path: ok")
+
+
 def linear(x, w, s):
     """select.fp8_linear on the bf16 path (asserted taken on a GPU); the path's function itself on a CPU,
     where select keeps CPU tensors off it."""
@@ -136,6 +171,7 @@ def main():
     check_rule(device)
     check_linear_exact(device)
     check_grouped(device)
+    check_moe_contiguous(device)
     check_linear_random(device, [(40, 96, 256)] if INTERPRET else
                         [(1024, 1792, 5120), (1500, 4096, 1280), (2048, 5120, 8192), (1100, 4608, 5120), (4096, 5120, 2304)])
     return 0
