@@ -38,7 +38,8 @@ def dequant_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, s_stride_n, s_stride_k,
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     ok = (rn[:, None] < N) & (rk[None, :] < K)
-    b = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=ok, other=0).to(tl.int32) & 0xFF
+    off = rn.to(tl.int64)[:, None] * K + rk[None, :]      # int64: a whole expert stack passes 2^31 elements
+    b = tl.load(w_ptr + off, mask=ok, other=0).to(tl.int32) & 0xFF
     # e4m3 = I * 2^(E' - 10) with the integer significand I (implicit bit included, 0..15) and E' the
     # exponent field (1 for subnormals): built from integers so no intermediate is an fp32 subnormal
     # (which a GPU may flush to zero)
@@ -53,7 +54,7 @@ def dequant_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, s_stride_n, s_stride_k,
     else:
         e = tl.load(s_ptr + s_off, mask=ok, other=127).to(tl.int32) & 0xFF
         v = sig * ((ex - 10 + e) << 23).to(tl.float32, bitcast=True)
-    tl.store(out_ptr + rn[:, None] * K + rk[None, :], v.to(tl.bfloat16), mask=ok)
+    tl.store(out_ptr + off, v.to(tl.bfloat16), mask=ok)
 
 
 
@@ -64,16 +65,22 @@ def _layout(n: int, k: int, w_scale: torch.Tensor) -> tuple[int, int]:
     return n // w_scale.shape[0], 32
 
 
-def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+# (BN, BK, num_warps) of the dequant's tiles; perf/bench_dequant.py sweeps them on the H200 (the MoE's
+# whole-stack dequant: 1.0 ms per 48-expert w13 stack at (32, 128, 4), H200, 2026-12-03)
+TILE = (32, 128, 4)
+
+
+def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None,
+                     tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     n, k = w.shape
     rows, cols = _layout(n, k, w_scale)
     f32 = w_scale.dtype == torch.float32
     s = w_scale if f32 else w_scale.view(torch.uint8)
     out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device) if out is None else out
-    bn, bk = 32, 128
+    bn, bk, warps = tile or TILE
     dequant_fp8_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         w.view(torch.uint8), s, out, n, k, s.stride(0), s.stride(1) if s.shape[1] > 1 else 0,
-        S_ROWS=rows, S_COLS=cols, F32_SCALE=f32, BN=bn, BK=bk)
+        S_ROWS=rows, S_COLS=cols, F32_SCALE=f32, BN=bn, BK=bk, num_warps=warps)
     return out
 
 

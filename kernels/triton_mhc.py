@@ -7,16 +7,19 @@
     hc_post(y, res, post, comb)  out[j] = post[j] * y + sum_i comb[i, j] * res[i]
     hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)  same contract as the reference.
 
-Dataflow of the mixes kernel: a program owns BT tokens and walks the d columns in chunks of BK;
-for each chunk it loads the hc streams once, adds their squares to the norm, their product with
-fn's matching columns (fp32 dot, IEEE) to the 24 mixes, and pre_prev-weighted sums to y. A second
-tiny kernel sums each token's column-chunk partials (one tree, fixed by d) and applies the norm; the
-Sinkhorn pass is a third on [T, 24] (pre / post / comb live in registers as 16 [BT] vectors).
+Dataflow of the mixes kernel: a program owns BT tokens and walks chunks_per_program column chunks
+of BK; for each chunk it loads the hc streams once, adds their squares to the norm, their product with
+fn's matching columns (fp32-accurate dot: tf32x3, or bf16x3 on fn split into three exact bf16 parts)
+to the 24 mixes, and pre_prev-weighted sums to y. A second tiny kernel sums each token's column-range
+partials (one tree, fixed by d and the launch constants) and applies the norm; the Sinkhorn pass is a
+third on [T, 24] (pre / post / comb live in registers as 16 [BT] vectors). mix_variant picks the
+launch constants (PREFILL_VARIANT for prefill sizes; perf/bench_mhc_variants.py sweeps them).
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -30,12 +33,36 @@ MIX_PAD = 32
 
 
 @triton.jit
+def _mix_dot(acc, xs, xb, fn_ptr, f_off, f_ok, part, PREC: tl.constexpr, SPLIT3: tl.constexpr,
+             UPCAST: tl.constexpr):
+    """acc + one stream's chunk of x @ fn^T. SPLIT3: fn_ptr holds three bf16 parts (hi, mid, lo, `part`
+    apart) summing to fn exactly; bf16 x bf16 products are exact in fp32, so three bf16 MMAs on the raw
+    x tile give an fp32 dot's accuracy without converting x. UPCAST: the same sums on fp32 operands
+    (the interpreter's matmul reads bf16 as raw uint16). Else PREC is the fp32 dot's input_precision."""
+    if SPLIT3:
+        t = tl.zeros(acc.shape, tl.float32)
+        for p in tl.static_range(2, -1, -1):         # lo, mid, hi: the small parts first
+            f = tl.load(fn_ptr + p * part + f_off, mask=f_ok, other=0.0)
+            if UPCAST:
+                t = tl.dot(xs, tl.trans(f.to(tl.float32)), t, input_precision="ieee")
+            else:
+                t = tl.dot(xb, tl.trans(f), t)
+        acc += t
+    else:
+        f = tl.load(fn_ptr + f_off, mask=f_ok, other=0.0)
+        acc += tl.dot(xs, tl.trans(f), input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_ptr, T, d,
                         HC: tl.constexpr, MIX: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                         CH: tl.constexpr, MIXP: tl.constexpr, PREC: tl.constexpr = "tf32x3",
-                        MEAN: tl.constexpr = False):
-    """Grid (T/BT, d/CH). The fp32 product uses 3-pass tf32 (error ~ fp32's) on the tensor cores. x [T, HC, d] bf16, fn [MIX, HC*d] f32, pre [T, HC] f32 -> partial mixes
-    mixp [d/CH, T, MIXP] and partial squares sqp [d/CH, T] of this column chunk, y [T, d] bf16; MEAN:
+                        MEAN: tl.constexpr = False, SPLIT3: tl.constexpr = False, UPCAST: tl.constexpr = False):
+    """Grid (T/BT, d/CH): a program walks CH / BK column chunks of BK (a loop Triton can pipeline when
+    num_stages > 1). The fp32 product: 3-pass tf32 (error ~ fp32's), or SPLIT3 (see _mix_dot). x [T, HC, d]
+    bf16, fn [MIX, HC*d] f32 (SPLIT3: [3, MIX, HC*d] bf16), pre [T, HC] f32 -> partial mixes
+    mixp [d/CH, T, MIXP] and partial squares sqp [d/CH, T] of this column range, y [T, d] bf16; MEAN:
     also mean [T, d] bf16 = x averaged over the HC copies (fp32 sum in copy order, then / HC)."""
     pid = tl.program_id(0)
     pc = tl.program_id(1)
@@ -52,11 +79,11 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
         macc = tl.zeros((BT, BK), tl.float32)
         for k in tl.static_range(HC):
             col = k * d + c + rk
-            xs = tl.load(x_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], mask=t_ok[:, None],
-                         other=0.0).to(tl.float32)
+            xb = tl.load(x_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], mask=t_ok[:, None], other=0.0)
+            xs = xb.to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
-            f = tl.load(fn_ptr + rj[:, None].to(tl.int64) * hd + col[None, :], mask=j_ok[:, None], other=0.0)
-            acc += tl.dot(xs, tl.trans(f), input_precision=PREC)
+            acc = _mix_dot(acc, xs, xb, fn_ptr, rj[:, None].to(tl.int64) * hd + col[None, :], j_ok[:, None],
+                           MIX * hd, PREC, SPLIT3, UPCAST)
             pk = tl.load(pre_ptr + rt * HC + k, mask=t_ok, other=0.0)
             yacc += pk[:, None] * xs
             if MEAN:
@@ -231,22 +258,92 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
+# Launch constants of hc_mixes_pre at T >= 1,024 (not batch_invariant), merged over today's defaults
+# (bt 64, bk 128, 4 warps, 1 stage, 1 chunk per program, tf32x3). Set from the H200 sweep
+# (perf/bench_mhc_variants.py prints "best: {...}" per T); empty = the measured-before behaviour.
+PREFILL_VARIANT: dict = {}
+
+MIX_DOTS = ("tf32x3", "bf16x3")
+
+
+def mix_variant(T: int, d: int, batch_invariant: bool = False, **kw) -> dict:
+    """The launch constants of one hc_mixes_pre call: the defaults, then PREFILL_VARIANT (T >= 1,024, not
+    batch invariant), then the caller's keywords (None = not given). bk falls back to the default where
+    it does not divide d, and chunks_per_program to the largest count that tiles d's chunks, so the
+    column split (the summation order) follows d and the constants alone, never T."""
+    big = T >= 1024 and not batch_invariant
+    v = {"bt": 64 if big else 16, "bk": 128 if d % 128 == 0 else 64, "num_warps": 4, "num_stages": 1,
+         "chunks_per_program": 1, "dot": "tf32x3"}
+    if big:
+        v.update(PREFILL_VARIANT)
+    v.update({k: val for k, val in kw.items() if val is not None})
+    unknown = set(v) - {"bt", "bk", "num_warps", "num_stages", "chunks_per_program", "dot"}
+    assert not unknown and v["dot"] in MIX_DOTS, (unknown, v["dot"])
+    if d % v["bk"]:
+        v["bk"] = 128 if d % 128 == 0 else 64
+    assert d % v["bk"] == 0, "d must be a multiple of 64"
+    nk = d // v["bk"]
+    v["chunks_per_program"] = max(c for c in range(1, min(v["chunks_per_program"], nk) + 1) if nk % c == 0)
+    return v
+
+
+def bf16_parts(fn: torch.Tensor) -> torch.Tensor:
+    """fn (fp32) -> [3, *fn.shape] bf16 hi, mid, lo with hi + mid + lo == fn exactly for 2^-110 <= |fn| <
+    bf16's max (each rounding's remainder is exact in fp32 and holds 8 fewer bits; below 2^-110 lo
+    lands in bf16's subnormals, off by at most 2^-134)."""
+    f = fn.float()
+    hi = f.bfloat16()
+    r = f - hi.float()
+    mid = r.bfloat16()
+    return torch.stack((hi, mid, (r - mid.float()).bfloat16())).contiguous()
+
+
+_PARTS: dict[int, tuple] = {}   # id(fn) -> (weakref to fn, its version, bf16_parts(fn))
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:    # an inference tensor keeps no version counter: taken as never written in place
+        return -1
+
+
+def _fn_parts(fn: torch.Tensor) -> torch.Tensor:
+    """bf16_parts(fn), cached per weight tensor (1.5x fn's bytes: ~3 MB per site at d 5,120) so the split
+    runs once per weight, not per call. Not cached while a CUDA graph is captured: the parts would live
+    in the graph's pool, so the graph recomputes them at each replay (warm the cache before capture)."""
+    key, ver = id(fn), _version(fn)
+    hit = _PARTS.get(key)
+    if hit is not None and hit[0]() is fn and hit[1] == ver:
+        return hit[2]
+    parts = bf16_parts(fn)
+    if not (fn.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _PARTS[key] = (weakref.ref(fn, lambda _, k=key: _PARTS.pop(k, None)), ver, parts)
+    return parts
+
+
 def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                  pre_prev: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, mean: bool = False,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, *, bt: int | None = None, bk: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 chunks_per_program: int | None = None, dot: str | None = None):
     """x [T, hc, d] bf16 -> (pre, post, comb) of this sublayer and y = hc_pre(x, pre_prev) [T, d]
     (mean: and x.mean(dim=1) [T, d] bf16, a DSpark tap, from the same read). Replaces Block.hc_mixes(x)
     followed by Block.hc_pre(x, pre_prev) with one read of x. The column chunks (and so the summation
-    order) depend on d only, not on T. batch_invariant: one token tile for every T (the tile's MMA shape
-    changes the tf32x3 products' last bits: measured on the H200, a prompt's pre-mix moved with what was
-    prefilled beside it when T crossed 1,024)."""
+    order) depend on d and the launch constants only, not on T. batch_invariant: one token tile for
+    every T (the tile's MMA shape changes the tf32x3 products' last bits: measured on the H200, a prompt's
+    pre-mix moved with what was prefilled beside it when T crossed 1,024), and no PREFILL_VARIANT.
+    The keywords pick a variant (mix_variant; None = the default): bt tokens and bk columns per tile,
+    chunks_per_program bk-chunks walked by one program, num_warps / num_stages, dot "tf32x3" or
+    "bf16x3" (fn split into three exact bf16 parts, bf16 MMAs on x as loaded)."""
     T, hc, d = x.shape
     mix = fn.shape[0]
     assert fn.shape[1] == hc * d and mix <= MIX_PAD and mix == (2 + hc) * hc
     x = x.contiguous()
-    bk = 128 if d % 128 == 0 else 64
-    ch = bk
-    assert d % ch == 0
+    v = mix_variant(T, d, batch_invariant, bt=bt, bk=bk, num_warps=num_warps, num_stages=num_stages,
+                    chunks_per_program=chunks_per_program, dot=dot)
+    bk = v["bk"]
+    ch = bk * v["chunks_per_program"]
     nc = d // ch
     mixp = torch.empty(nc, T, MIX_PAD, dtype=torch.float32, device=x.device)
     sqp = torch.empty(nc, T, dtype=torch.float32, device=x.device)
@@ -255,12 +352,15 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     if T == 0:
         z = torch.empty(0, hc, device=x.device)
         return (z, z.clone(), torch.empty(0, hc, hc, device=x.device), y) + ((avg,) if mean else ())
-    bt = 64 if T >= 1024 and not batch_invariant else 16
-    hc_mixes_pre_kernel[(triton.cdiv(T, bt), nc)](x, fn.float().contiguous(), pre_prev.float().contiguous(), mixp, sqp,
-                                                  y, avg, T, d, HC=hc, MIX=mix, BT=bt, BK=bk, CH=ch, MIXP=MIX_PAD,
-                                                  PREC="ieee" if INTERPRET else "tf32x3", MEAN=mean, num_warps=4,
-                                                  num_stages=1)   # one column chunk per program: nothing to pipeline, and
-                                                                  # 3 stages at BT=64 asked 288 KB of shared memory
+    split3 = v["dot"] == "bf16x3"
+    w = _fn_parts(fn) if split3 else fn.float().contiguous()
+    # num_stages 1 (default): one column chunk per program leaves nothing to pipeline, and 3 stages at
+    # BT=64 asked 288 KB of shared memory
+    hc_mixes_pre_kernel[(triton.cdiv(T, v["bt"]), nc)](x, w, pre_prev.float().contiguous(), mixp, sqp, y, avg, T, d,
+                                                       HC=hc, MIX=mix, BT=v["bt"], BK=bk, CH=ch, MIXP=MIX_PAD,
+                                                       PREC="ieee" if INTERPRET else "tf32x3", MEAN=mean,
+                                                       SPLIT3=split3, UPCAST=INTERPRET,
+                                                       num_warps=v["num_warps"], num_stages=v["num_stages"])
     mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
     hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=triton.next_power_of_2(nc),
                                MIXP=MIX_PAD, num_warps=4)

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -5,9 +9,8 @@ from deepinfer.kernels.reference import fp4_quant_ref, hc_split_sinkhorn_ref
 
 from kernel_utils import rel_err
 
-pytestmark = pytest.mark.gpu
 
-
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,d", [(1, 5120), (64, 5120), (300, 5120), (2048, 256)])
 def test_hc_mixes_pre(T, d):
     """T >= 1024 takes BT=64 (once out of shared memory on the H200: the small preset's prefill)."""
@@ -24,6 +27,7 @@ def test_hc_mixes_pre(T, d):
     assert rel_err(out[3], ref[3]) < 1e-3
 
 
+@pytest.mark.gpu
 def test_hc_mixes_pre_batch_invariant_rows():
     """batch_invariant: a token's outputs are the same bits in a 17-token call and a 1,317-token one
     (the default mode's taller tile at T >= 1,024 changes them)."""
@@ -39,6 +43,7 @@ def test_hc_mixes_pre_batch_invariant_rows():
         assert torch.equal(a[:17], b)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 1500])
 def test_hc_mixes_pre_mean_tap(T):
     """mean=True: the same four outputs, plus x.mean(dim=1) (the DSpark tap) bit for bit."""
@@ -55,6 +60,7 @@ def test_hc_mixes_pre_mean_tap(T):
     assert torch.equal(mean, x.mean(dim=1))
 
 
+@pytest.mark.gpu
 def test_sinkhorn_and_post():
     from deepinfer.kernels.triton_mhc import hc_post, hc_post_ref, hc_split_sinkhorn
     mixes = torch.randn(100, 24, device="cuda")
@@ -69,6 +75,7 @@ def test_sinkhorn_and_post():
     assert rel_err(hc_post(y, res, post, comb), hc_post_ref(y, res, post, comb)) < 1e-3
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,E", [(1, 4096), (64, 2048), (3, 333)])
 def test_index_scores(n, E):
     from deepinfer.kernels.triton_indexer import index_scores, index_scores_ref
@@ -87,6 +94,7 @@ def test_index_scores(n, E):
     assert rel_err(a[torch.isfinite(b)], b[torch.isfinite(b)]) < 5e-3
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("B,E", [(1, 4096), (64, 2048), (3, 333)])
 def test_index_scores_pool_reads_keys_in_place(B, E):
     """select.index_scores_pool: keys read through a row table (the model's decode path) give the
@@ -106,3 +114,152 @@ def test_index_scores_pool_reads_keys_in_place(B, E):
     fin = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(paged), fin)
     assert rel_err(paged[fin], ref[fin]) < 5e-3
+
+
+# ---- hc_mixes_pre launch variants (triton_mhc.mix_variant; perf/bench_mhc_variants.py times them) ----
+
+VARIANTS = [
+    {"dot": "bf16x3"},
+    {"chunks_per_program": 2, "dot": "tf32x3", "bt": 32},
+    {"bt": 32, "bk": 64, "chunks_per_program": 4, "num_stages": 2, "dot": "bf16x3"},
+    {"bt": 64, "bk": 64, "chunks_per_program": 4, "num_stages": 3, "dot": "tf32x3"},
+    {"bt": 128, "bk": 64, "num_warps": 8, "chunks_per_program": 2, "num_stages": 2, "dot": "bf16x3"},
+]
+
+
+def _mhc_case(T, d, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, 4, d, device=device, generator=g).bfloat16()
+    fn = torch.randn(24, 4 * d, device=device, generator=g) * 0.05 * (256 / d) ** 0.5
+    scale = torch.rand(3, device=device, generator=g) + 0.5
+    base = torch.randn(24, device=device, generator=g) * 0.3
+    return x, fn, scale, base, torch.rand(T, 4, device=device, generator=g)
+
+
+def test_bf16_parts_exact():
+    """fn's three bf16 parts sum to fn exactly (fp64 sum) over fp32's range down to 2^-110 and up to
+    bf16's max, and within half a bf16 subnormal step below that."""
+    from deepinfer.kernels.triton_mhc import bf16_parts
+    g = torch.Generator().manual_seed(0)
+    mant = 1 + torch.rand(200_000, generator=g, dtype=torch.float64)
+    expo = torch.randint(-110, 127, (200_000,), generator=g).double()
+    sign = torch.where(torch.rand(200_000, generator=g) < 0.5, -1.0, 1.0).double()
+    fn = (sign * mant * 2.0 ** expo).float()
+    fn = fn[fn.abs() < 3.38e38]                      # past bf16's max the hi part rounds to inf
+    fn = torch.cat([fn, torch.tensor([0.0, -0.0, 1.0, -1.5, 3.0e38, 2.0 ** -110, 1 + 2.0 ** -23, 0.1, -1 / 3])])
+    parts = bf16_parts(fn)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, fn.numel())
+    total = parts.double().sum(0)
+    assert torch.equal(total, fn.double()), (total - fn.double()).abs().max()
+    tiny = (torch.rand(10_000, generator=g, dtype=torch.float64) * 2.0 ** -110).float()
+    err = (bf16_parts(tiny).double().sum(0) - tiny.double()).abs().max().item()
+    assert err <= 2.0 ** -134
+
+
+def test_mix_variant_defaults_and_prefill_merge(monkeypatch):
+    """No keywords: today's launch (bt 16, or 64 from T 1,024 unless batch invariant; bk 128; one chunk;
+    tf32x3). PREFILL_VARIANT applies from T 1,024 in the default mode only; keywords win over it; the
+    chunk count falls to one that tiles d, set by d and the keywords alone."""
+    from deepinfer.kernels import triton_mhc
+    base = {"bk": 128, "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3"}
+    assert triton_mhc.mix_variant(64, 5120) == {"bt": 16, **base}
+    assert triton_mhc.mix_variant(1024, 5120) == {"bt": 64, **base}
+    assert triton_mhc.mix_variant(4096, 5120, batch_invariant=True) == {"bt": 16, **base}
+    assert triton_mhc.mix_variant(64, 192)["bk"] == 64
+    pick = {"bt": 32, "chunks_per_program": 4, "num_stages": 2, "dot": "bf16x3"}
+    monkeypatch.setattr(triton_mhc, "PREFILL_VARIANT", pick)
+    assert triton_mhc.mix_variant(1023, 5120) == {"bt": 16, **base}
+    assert triton_mhc.mix_variant(8192, 5120) == {**base, **pick}
+    assert triton_mhc.mix_variant(8192, 5120, batch_invariant=True) == {"bt": 16, **base}
+    assert triton_mhc.mix_variant(8192, 5120, dot="tf32x3")["dot"] == "tf32x3"
+    assert triton_mhc.mix_variant(8192, 1280)["chunks_per_program"] == 2          # 10 chunks of 128
+    assert triton_mhc.mix_variant(8192, 1280, bk=96)["bk"] == 128                 # 96 does not divide 1280
+    with pytest.raises(AssertionError):
+        triton_mhc.mix_variant(64, 5120, dot="fp16")
+
+
+def test_fn_parts_cached_per_weight():
+    """The bf16 split runs once per weight tensor, again after an in-place write, and leaves the cache
+    with the tensor."""
+    import gc
+    from deepinfer.kernels import triton_mhc
+    fn = torch.randn(24, 1024)
+    a = triton_mhc._fn_parts(fn)
+    assert triton_mhc._fn_parts(fn) is a and torch.equal(a.double().sum(0), fn.double())
+    fn.mul_(2)
+    b = triton_mhc._fn_parts(fn)
+    assert b is not a and torch.equal(b.double().sum(0), fn.double())
+    key = id(fn)
+    del fn
+    gc.collect()
+    assert key not in triton_mhc._PARTS
+
+
+def _interpret_variants():
+    """Under TRITON_INTERPRET=1 (CPU; run by the test below): every variant against the reference at tiny
+    shapes (d 1,280: ten chunks, so chunks_per_program 4 falls back to 2), the mean tap's extra output,
+    and a token's bits alike in a 3-token call and a 1-token one."""
+    from deepinfer.kernels import triton_mhc
+    for d in (256, 1280):
+        x, fn, scale, base, pre_prev = _mhc_case(3, d, "cpu")
+        ref = triton_mhc.hc_mixes_pre_ref(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
+        plain = triton_mhc.hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
+        for kw in VARIANTS:
+            got = triton_mhc.hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, **kw)
+            for a, b, c in zip(got[:3], ref[:3], plain[:3]):
+                assert (a - b).abs().max() < 1e-5 and (a - c).abs().max() < 1e-6, (d, kw)
+            assert rel_err(got[3], ref[3]) < 1e-2 and torch.equal(got[3], plain[3]), (d, kw)
+            *same, mean = triton_mhc.hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, mean=True, **kw)
+            assert all(torch.equal(a, b) for a, b in zip(same, got)) and rel_err(mean, x.mean(dim=1)) < 1e-2
+            one = triton_mhc.hc_mixes_pre(x[:1], fn, scale, base, pre_prev[:1], 20, 1e-6, 1e-20, **kw)
+            assert all(torch.equal(a[:1], b) for a, b in zip(got, one)), (d, kw)
+    print("ok")
+
+
+def test_hc_mixes_pre_variants_interpreted():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(__file__))
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+@pytest.mark.parametrize("T,d", [(1, 5120), (64, 5120), (300, 5120), (2048, 256), (1100, 1280)])
+def test_hc_mixes_pre_variant(T, d, kw):
+    """Each variant against the reference as tight as the default (bf16x3: exact products, so fp32-level
+    mixes), the mean tap from the same call, and its rows batch invariant under fixed keywords."""
+    from deepinfer.kernels.triton_mhc import hc_mixes_pre, hc_mixes_pre_ref
+    x, fn, scale, base, pre_prev = _mhc_case(T, d, "cuda")
+    out = hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, **kw)
+    ref = hc_mixes_pre_ref(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
+    for a, b in zip(out[:3], ref[:3]):
+        assert (a - b).abs().max().item() < 1e-4
+    assert rel_err(out[3], ref[3]) < 1e-3
+    *same, mean = hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, mean=True, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(same, out)) and torch.equal(mean, x.mean(dim=1))
+    part = hc_mixes_pre(x[:17], fn, scale, base, pre_prev[:17], 20, 1e-6, 1e-20, batch_invariant=True, **kw)
+    whole = hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, batch_invariant=True, **kw)
+    for a, b in zip(whole, part):
+        assert torch.equal(a[:17], b)
+
+
+@pytest.mark.gpu
+def test_hc_mixes_pre_bf16x3_accuracy():
+    """bf16x3 against the contract computed in fp64: at fp32 level, like tf32x3 (on the CPU: fp32 5e-7 off;
+    fn rounded to bf16 alone, 3e-3)."""
+    from deepinfer.kernels.triton_mhc import hc_mixes_pre
+    x, fn, scale, base, pre_prev = _mhc_case(256, 5120, "cuda")
+    xd = x.flatten(1).double()
+    mixes = (xd @ fn.double().T) * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-20)
+    exact = hc_split_sinkhorn_ref(mixes, scale.double(), base.double(), 4, 20, 1e-6)
+    errs = {}
+    for dot in ("tf32x3", "bf16x3"):
+        out = hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, dot=dot)
+        errs[dot] = max((a.double() - b).abs().max().item() for a, b in zip(out[:3], exact))
+    assert errs["bf16x3"] < 1e-5 and errs["bf16x3"] <= 2 * errs["tf32x3"] + 1e-6, errs
+
+
+if __name__ == "__main__":
+    _interpret_variants()
