@@ -65,9 +65,10 @@ def _layout(n: int, k: int, w_scale: torch.Tensor) -> tuple[int, int]:
     return n // w_scale.shape[0], 32
 
 
-# (BN, BK, num_warps) of the dequant's tiles; perf/bench_dequant.py sweeps them on the H200 (the MoE's
-# whole-stack dequant: 1.0 ms per 48-expert w13 stack at (32, 128, 4), H200, 2026-12-03)
-TILE = (32, 128, 4)
+# (BN, BK, num_warps) of the dequant's tiles: perf/bench_dequant.py on the H200, 2026-12-03, a 48-expert
+# w13 stack 1.338 -> 1.265 ms row-scaled (0.64 of copy bandwidth), 32x32 blocks 1.680 -> 1.676; w2 0.677 ->
+# 0.643 / 0.926 -> 0.841 (the best of 8 tiles for three of the four; 64x128x4 0.631 on w2 row-scaled)
+TILE = (32, 256, 4)
 
 
 def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None,

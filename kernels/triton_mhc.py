@@ -261,7 +261,11 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 # Launch constants of hc_mixes_pre at T >= 1,024 (not batch_invariant), merged over today's defaults
 # (bt 64, bk 128, 4 warps, 1 stage, 1 chunk per program, tf32x3). Set from the H200 sweep
 # (perf/bench_mhc_variants.py prints "best: {...}" per T); empty = the measured-before behaviour.
-PREFILL_VARIANT: dict = {}
+# H200, 2026-12-03 (perf/bench_mhc_variants.py, d 5120, whole wrapper): the bf16x3 dot on today's tiles
+# 0.553 -> 0.242 ms at T 8192 (2.28x), 0.156 -> 0.080 at T 2048 (1.95x; bt 128 / bk 64 / 8 warps / 2 stages /
+# 2 chunks 0.077). Decode sizes gain too (T 512 1.61x, T 64 1.20x at bt 64) but capture a graph: the fn
+# parts must be cached before capture there (not done yet).
+PREFILL_VARIANT: dict = {"dot": "bf16x3"}
 
 MIX_DOTS = ("tf32x3", "bf16x3")
 

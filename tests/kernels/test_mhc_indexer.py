@@ -161,6 +161,9 @@ def test_mix_variant_defaults_and_prefill_merge(monkeypatch):
     tf32x3). PREFILL_VARIANT applies from T 1,024 in the default mode only; keywords win over it; the
     chunk count falls to one that tiles d, set by d and the keywords alone."""
     from deepinfer.kernels import triton_mhc
+    assert triton_mhc.mix_variant(8192, 5120) == {**triton_mhc.mix_variant(8192, 5120, batch_invariant=True),
+                                                  "bt": 64, **triton_mhc.PREFILL_VARIANT}
+    monkeypatch.setattr(triton_mhc, "PREFILL_VARIANT", {})
     base = {"bk": 128, "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3"}
     assert triton_mhc.mix_variant(64, 5120) == {"bt": 16, **base}
     assert triton_mhc.mix_variant(1024, 5120) == {"bt": 64, **base}
