@@ -39,6 +39,7 @@ import os
 import torch
 
 from . import cuda_driver
+from .grouped_rows import GroupedRows
 from .reference import e8m0_to_float
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "fp8_gemm_sm90.cu")
@@ -255,32 +256,13 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     return out
 
 
-def grouped_tiles(counts: torch.Tensor, bm: int, rows: int) -> tuple[torch.Tensor, int]:
-    """(int32 [T, 3] of (first row, row end, expert), T) for `rows` rows sorted by expert, counts[e] rows
-    each: the M tiles split at expert boundaries, built on the device with no host sync (CUDA graphs): T
-    is the bound ceil(rows / bm) + E, and the tiles past the last used one carry expert -1."""
-    counts = counts.to(torch.int64)
-    e = counts.numel()
-    dev = counts.device
-    starts = torch.cumsum(counts, 0) - counts
-    per = (counts + bm - 1) // bm                                   # tiles per expert
-    first_tile = torch.cumsum(per, 0) - per
-    t = -(-rows // bm) + e
-    idx = torch.arange(t, device=dev)
-    ex = torch.searchsorted(first_tile + per, idx, right=True).clamp(max=e - 1)   # the expert of tile idx
-    local = idx - first_tile[ex]
-    row0 = starts[ex] + local * bm
-    end = starts[ex] + counts[ex]
-    used = local < per[ex]
-    tiles = torch.stack([row0, end, torch.where(used, ex, torch.full_like(ex, -1))], 1).to(torch.int32)
-    return tiles.contiguous(), t
-
-
 def fp8_grouped_contiguous_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-                                counts: torch.Tensor) -> torch.Tensor:
+                                counts: "torch.Tensor | GroupedRows") -> torch.Tensor:
     """a [P, K] e4m3 with rows sorted by expert (counts[e] rows of expert e, in order), sa [P, K/32] f32,
     b [E, N, K] e4m3, sb [E, ceil(N/32), K/32] / [E, N, K/32] / [E, N, 1] f32 or E8M0 -> [P, N] bf16 (each
-    row against its expert)."""
+    row against its expert). counts as GroupedRows: its tile map is built once for every GEMM given it."""
+    rows = counts if isinstance(counts, GroupedRows) else GroupedRows(counts)
+    counts = rows.counts
     p, k = a.shape
     E, n, _ = b.shape
     assert b.shape[2] == k and counts.shape == (E,), (a.shape, b.shape, counts.shape)
@@ -298,7 +280,7 @@ def fp8_grouped_contiguous_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tens
     name = form(None, kind).replace("_splitk", "").replace("_mc2", "")
     bm, bn, _, threads = FORMS[name]
     smem = smem_bytes(name)
-    tiles, t = grouped_tiles(counts, bm, p)
+    tiles, t = rows.tiles(bm, p)
     kern = cuda_driver.kernel(SRC, name, smem, a.device.index)
     ta = cuda_driver.tensor_map_2d(a, BK, bm)
     tb = cuda_driver.tensor_map_2d(b2, BK, bn)

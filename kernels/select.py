@@ -65,6 +65,7 @@ import torch
 from . import deepgemm as _dg
 from . import batch_invariant as _bi
 from . import reference as _ref
+from .grouped_rows import GroupedRows, counts_of  # noqa: F401  (GroupedRows: in the annotations)
 
 KERNELS = os.environ.get("DEEPINFER_KERNELS", "fast")
 if KERNELS not in ("ref", "fast"):
@@ -572,12 +573,14 @@ def _contiguous_kernel(x: torch.Tensor, k1: int, k2: int) -> str | None:
 
 
 def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                                  counts: torch.Tensor) -> torch.Tensor:
+                                  counts: "torch.Tensor | GroupedRows") -> torch.Tensor:
     """x [P, K] bf16 FP8-rounded rows sorted by expert (counts [E] rows each, device), w [E, N, K] e4m3,
     w_scale [E, N, K/32] / [E, N/32, K/32] E8M0 or [E, N, 1] f32 -> [P, N] bf16 (DeepGEMM's grouped
     contiguous layout, with no alignment padding). Fast: one launch over every expert (no
     host read; FP8 x FP8 with DEEPINFER_PREFILL_GEMM=fp8, else W8A16). Reference: expert by expert
-    (reads counts on the host)."""
+    (reads counts on the host). counts as grouped_rows.GroupedRows: the CUDA kernel's tile map is built
+    once for all the GEMMs given the same object (a MoE layer's two projections)."""
+    rows, counts = counts, counts_of(counts)
     k = w.shape[-1]
     kernel = _contiguous_kernel(x, k, k)
     if kernel is not None:
@@ -594,7 +597,7 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
         if kernel == "w8a16" and _cuda_grouped_ok(x, w, w_scale):
             from .cuda_fp8_gemm import fp8_grouped_contiguous_cuda
             from .triton_quant import act_quant_fp8
-            return fp8_grouped_contiguous_cuda(*act_quant_fp8(x), w, w_scale, counts)
+            return fp8_grouped_contiguous_cuda(*act_quant_fp8(x), w, w_scale, rows)
         from .triton_moe_contiguous import w8a16_grouped_contiguous
         return w8a16_grouped_contiguous(x, w, w_scale, counts)
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)

@@ -223,9 +223,10 @@ class MoE(nn.Module):
         slot = start[e_of] + slot - e_of * T                                    # [T*K] row in the slab
         xp = ops.moe_dispatch(x, slot, K, K).view(T * K, self.dim)              # act_quant(x) rows, sorted
         w13, s13, w2, s2 = st.masked_weights()
-        gu = ops.grouped_fp8_linear_contiguous(xp, w13, s13, counts)            # [T*K, 2 inter]
+        rows = ops.GroupedRows(counts)                                          # one tile map for both GEMMs
+        gu = ops.grouped_fp8_linear_contiguous(xp, w13, s13, rows)              # [T*K, 2 inter]
         hp = ops.moe_swiglu_quant(gu.view(K, T, 2 * inter), slot, weights, ex.limit, inter)
-        out = ops.grouped_fp8_linear_contiguous(hp.view(T * K, inter), w2, s2, counts)   # [T*K, d]
+        out = ops.grouped_fp8_linear_contiguous(hp.view(T * K, inter), w2, s2, rows)     # [T*K, d]
         return out.view(K, T, self.dim), slot
 
     def _routed(self, x, weights, indices) -> torch.Tensor:

@@ -12,6 +12,7 @@ from deepinfer.kernels import (  # noqa: F401
     rope_freqs_ref as rope_freqs,
     topk_ids_ref as topk_ids,
 )
+from deepinfer.kernels.grouped_rows import GroupedRows  # noqa: F401
 from deepinfer.kernels.select import (  # noqa: F401
     act_quant,
     dequant_fp8,

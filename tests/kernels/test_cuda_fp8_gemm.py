@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from deepinfer.kernels import cuda_driver
-from deepinfer.kernels.cuda_fp8_gemm import (CLUSTER, FORM_KIND, FORMS, REDUCE, SRC, decline_reason, form, grouped_tiles,
+from deepinfer.kernels.cuda_fp8_gemm import (CLUSTER, FORM_KIND, FORMS, REDUCE, SRC, decline_reason, form,
                                              scale_kind, smem_bytes, splitk_count, wide_tile_pays)
+from deepinfer.kernels.grouped_rows import grouped_tiles  # noqa: E402
 
 needs_nvcc = pytest.mark.skipif(cuda_driver.find_nvcc() is None, reason="no nvcc")
 
@@ -104,6 +105,22 @@ def test_sass_has_fp8_gmma_overlapped(compiled):
     for name in FORMS:
         has = re.search(r"EIATTR_CTA_PER_CLUSTER\s+Format:\s+EIFMT_SVAL\s+Value:\s+0x2 0x1 0x1", info[name]) is not None
         assert has == (CLUSTER[name] == 2) and ("EIATTR_CTA_PER_CLUSTER" in info[name]) == has, name
+
+
+def test_grouped_rows_build_one_map_per_tile_height(monkeypatch):
+    """A layer's two projections share one GroupedRows: the map is built once per (bm, rows)."""
+    from deepinfer.kernels import grouped_rows
+    built = []
+    real = grouped_rows.grouped_tiles
+    monkeypatch.setattr(grouped_rows, "grouped_tiles", lambda *a: built.append(a[1:]) or real(*a))
+    counts = torch.tensor([5, 0, 70, 1])
+    with torch.inference_mode():
+        rows = grouped_rows.GroupedRows(counts)
+        first = rows.tiles(128, 76)
+        assert rows.tiles(128, 76) is first and built == [(128, 76)]
+        assert rows.tiles(64, 76)[1] == -(-76 // 64) + 4 and built == [(128, 76), (64, 76)]
+    assert torch.equal(first[0], real(counts, 128, 76)[0])
+    assert grouped_rows.counts_of(rows) is counts and grouped_rows.counts_of(counts) is counts
 
 
 def test_grouped_tiles_split_at_experts():
