@@ -1,6 +1,6 @@
 """deepinfer-make-checkpoint: a random-weight V4.1 checkpoint in the release format.
 
-    deepinfer-make-checkpoint --preset tiny|small|full-width-layers|full-width-ep8 --seed N --out DIR
+    deepinfer-make-checkpoint --preset tiny|small|full-width-layers|full-width-ep8|release-ep8 --seed N --out DIR
 """
 
 from __future__ import annotations
