@@ -36,6 +36,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     moe_route,
     moe_swiglu_quant,
     pool_lists,
+    prefetch_grouped_contiguous,
     rms_norm,
     rope,
     router_topk,
