@@ -46,6 +46,7 @@ import torch
 
 from .optional import first_importable
 from .reference import act_quant_fp8_ref, act_quant_ref, e8m0_to_float
+from .tensor_version import tensor_version
 
 log = logging.getLogger(__name__)
 
@@ -186,13 +187,6 @@ def to_tile128(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return reblock_weight_128(w, sf)
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:          # inference tensors keep no version counter
-        return -1
-
-
 def _log_once(key: str, level: int, msg: str, *args) -> None:
     if key not in _logged:
         _logged.add(key)
@@ -204,7 +198,7 @@ def cached_tile128(w: torch.Tensor, s: torch.Tensor, lazy: bool = True) -> tuple
     and both version counters, so an in-place write rebuilds it). None while a CUDA graph is being
     captured and nothing is cached yet (the conversion reads counts on the host)."""
     ent = getattr(w, _CACHE_ATTR, None)
-    key = (_version(w), _version(s))
+    key = (tensor_version(w), tensor_version(s))
     if ent is not None and ent[0] is s and ent[1] == key:
         return ent[2], ent[3]
     if w.is_cuda and torch.cuda.is_current_stream_capturing():

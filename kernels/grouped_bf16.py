@@ -21,12 +21,3 @@ def bf16_grouped_contiguous(x: torch.Tensor, wd: torch.Tensor, counts: torch.Ten
     offs = torch.cumsum(counts, 0, dtype=torch.int32)              # group ends, as _grouped_mm wants them
     return torch._grouped_mm(x.contiguous(), wd.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
 
-
-def bf16_grouped_contiguous_ref(x: torch.Tensor, wd: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Expert by expert in fp32 (reads counts on the host)."""
-    out = torch.empty(x.shape[0], wd.shape[1], dtype=torch.bfloat16, device=x.device)
-    start = 0
-    for e, c in enumerate(counts.tolist()):
-        out[start:start + c] = (x[start:start + c].float() @ wd[e].float().T).bfloat16()
-        start += c
-    return out

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .reference import hc_split_sinkhorn_ref  # noqa: F401  (the reference this follows)
+from .tensor_version import tensor_version
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -305,18 +306,11 @@ def bf16_parts(fn: torch.Tensor) -> torch.Tensor:
 _PARTS: dict[int, tuple] = {}   # id(fn) -> (weakref to fn, its version, bf16_parts(fn))
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:    # an inference tensor keeps no version counter: taken as never written in place
-        return -1
-
-
 def _fn_parts(fn: torch.Tensor) -> torch.Tensor:
     """bf16_parts(fn), cached per weight tensor (1.5x fn's bytes: ~3 MB per site at d 5,120) so the split
     runs once per weight, not per call. Not cached while a CUDA graph is captured: the parts would live
     in the graph's pool, so the graph recomputes them at each replay (warm the cache before capture)."""
-    key, ver = id(fn), _version(fn)
+    key, ver = id(fn), tensor_version(fn)
     hit = _PARTS.get(key)
     if hit is not None and hit[0]() is fn and hit[1] == ver:
         return hit[2]
