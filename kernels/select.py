@@ -97,9 +97,6 @@ BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "256"))
 # instead of the CUDA FP8 x FP8 kernel; the dequant (3 bytes of traffic per stack element) pays only on
 # long steps. 0: never. perf/bench_moe_forms.py --prefill measures the two side by side.
 BF16_MOE_MIN_ROWS = int(os.environ.get("DEEPINFER_BF16_MOE_MIN_ROWS", "32768"))
-# DEEPINFER_MOE_PREFETCH=1: on that path each MoE layer dequantizes the next layer's stacks ahead, on a
-# side stream (kernels/stack_prefetch.py); opt-in until measured on the H200
-MOE_PREFETCH = os.environ.get("DEEPINFER_MOE_PREFETCH", "0") == "1"
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # auto: the CUDA FP8 x FP8 kernel takes dense FP8 linears from this many rows (H200, 2026-12-02,
@@ -415,30 +412,8 @@ def _bf16_grouped_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Te
     scratch buffer, then one grouped GEMM over the experts' row ranges (no host read of counts)."""
     from .grouped_bf16 import bf16_grouped_contiguous
     e, n, k = w.shape
-    wd = _stack_prefetcher().take(w) if MOE_PREFETCH else None
-    if wd is None:
-        wd = _bf16_dequant_scratch(x, w.view(e * n, k), w_scale.flatten(0, 1)).view(e, n, k)
+    wd = _bf16_dequant_scratch(x, w.view(e * n, k), w_scale.flatten(0, 1)).view(e, n, k)
     return bf16_grouped_contiguous(x, wd, counts)
-
-
-_PREFETCHER = None
-
-
-def _stack_prefetcher():
-    global _PREFETCHER
-    if _PREFETCHER is None:
-        from .stack_prefetch import StackPrefetcher
-        from .triton_dequant import dequant_fp8_bf16
-        _PREFETCHER = StackPrefetcher(lambda w, s, out: dequant_fp8_bf16(w, s, out=out))
-    return _PREFETCHER
-
-
-def prefetch_grouped_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> None:
-    """With DEEPINFER_MOE_PREFETCH=1: where a grouped contiguous GEMM of x's rows over this stack would take
-    the bf16 path, dequantize the stack now on a side stream (a later layer's GEMM takes it). Else nothing."""
-    if MOE_PREFETCH and _contiguous_kernel(x, w.shape[-1], w.shape[-1]) == "w8a16" \
-            and _bf16_grouped_contiguous_ok(x, w, w_scale):
-        _stack_prefetcher().prefetch(w, w_scale)
 
 
 def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:

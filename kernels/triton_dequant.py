@@ -33,29 +33,40 @@ E8M0_MIN, E8M0_MAX = 10, 245
 
 @triton.jit
 def dequant_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, s_stride_n, s_stride_k,
-                       S_ROWS: tl.constexpr, S_COLS: tl.constexpr, F32_SCALE: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr):
+                       S_ROWS: tl.constexpr, ROW_SCALE: tl.constexpr, F32_SCALE: tl.constexpr,
+                       EVEN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
     ok = (rn[:, None] < N) & (rk[None, :] < K)
     off = rn.to(tl.int64)[:, None] * K + rk[None, :]      # int64: a whole expert stack passes 2^31 elements
-    b = tl.load(w_ptr + off, mask=ok, other=0).to(tl.int32) & 0xFF
-    # e4m3 = I * 2^(E' - 10) with the integer significand I (implicit bit included, 0..15) and E' the
-    # exponent field (1 for subnormals): built from integers so no intermediate is an fp32 subnormal
-    # (which a GPU may flush to zero)
-    ex = (b >> 3) & 0xF
-    sig = ((b & 7) + tl.where(ex > 0, 8, 0)).to(tl.float32)
-    sig = tl.where((b & 0x80) != 0, -sig, sig)
-    ex = tl.maximum(ex, 1)
-    s_off = (rn[:, None] // S_ROWS) * s_stride_n + (rk[None, :] // S_COLS) * s_stride_k
-    if F32_SCALE:
-        s = tl.load(s_ptr + s_off, mask=ok, other=1.0)
-        v = sig * ((ex - 10 + 127) << 23).to(tl.float32, bitcast=True) * s
+    if EVEN:
+        b = tl.load(w_ptr + off)
     else:
-        e = tl.load(s_ptr + s_off, mask=ok, other=127).to(tl.int32) & 0xFF
-        v = sig * ((ex - 10 + e) << 23).to(tl.float32, bitcast=True)
-    tl.store(out_ptr + off, v.to(tl.bfloat16), mask=ok)
-
+        b = tl.load(w_ptr + off, mask=ok, other=0)
+    # the hardware conversion: every e4m3 value (subnormals included, >= 2^-9) is a normal fp32
+    v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    srow = (rn // S_ROWS) * s_stride_n
+    if ROW_SCALE:                                         # one scale per row: a [BN] vector
+        if F32_SCALE:
+            s = tl.load(s_ptr + srow, mask=rn < N, other=1.0)
+        else:
+            e = tl.load(s_ptr + srow, mask=rn < N, other=127).to(tl.int32) & 0xFF
+            s = (e << 23).to(tl.float32, bitcast=True)    # 2^(e - 127), normal for e in [1, 254]
+        v = v * s[:, None]
+    else:                                                 # one scale per (row group, 32 columns)
+        kb = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
+        s_off = srow[:, None] + kb[None, :] * s_stride_k
+        s_ok = (rn[:, None] < N) & (kb[None, :] * 32 < K)
+        if F32_SCALE:
+            s = tl.load(s_ptr + s_off, mask=s_ok, other=1.0)
+        else:
+            e = tl.load(s_ptr + s_off, mask=s_ok, other=127).to(tl.int32) & 0xFF
+            s = (e << 23).to(tl.float32, bitcast=True)
+        v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
+    if EVEN:
+        tl.store(out_ptr + off, v.to(tl.bfloat16))
+    else:
+        tl.store(out_ptr + off, v.to(tl.bfloat16), mask=ok)
 
 
 def _layout(n: int, k: int, w_scale: torch.Tensor) -> tuple[int, int]:
@@ -79,9 +90,11 @@ def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor |
     s = w_scale if f32 else w_scale.view(torch.uint8)
     out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device) if out is None else out
     bn, bk, warps = tile or TILE
+    assert bk % 32 == 0, "BK must hold whole 32-column scale blocks"
     dequant_fp8_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         w.view(torch.uint8), s, out, n, k, s.stride(0), s.stride(1) if s.shape[1] > 1 else 0,
-        S_ROWS=rows, S_COLS=cols, F32_SCALE=f32, BN=bn, BK=bk, num_warps=warps)
+        S_ROWS=rows, ROW_SCALE=cols >= k, F32_SCALE=f32, EVEN=n % bn == 0 and k % bk == 0,
+        BN=bn, BK=bk, num_warps=warps)
     return out
 
 

@@ -292,34 +292,43 @@ def measure_all(ckpt: str, a, meta: dict) -> dict:
                   f"verified {r['verified']}, accepted {r['accepted']}, acc len {r['mean_acc_len']:.2f}", flush=True)
         if a.json:         # after every policy: a run cut short by `timeout` still leaves its data
             save_json(a, res)
-        if eng.async_scheduling and eng.args.speculative:
-            print(f"[{name}] verify steps overlapped {eng.num_verify_steps_overlapped}, steps resolved before "
-                  f"the next schedule {eng.num_resolved_before_schedule}", flush=True)
-        graphs = getattr(eng.runner, "graphs", None)
-        if graphs is not None:
-            drafts = getattr(getattr(eng.runner, "proposer", None), "graphs", None)
-            print(f"[{name}] CUDA graphs: {graphs.num_replays} replays, {graphs.num_verify_steps} verify steps "
-                  f"of {graphs.num_steps} through the static form"
-                  + (f", {drafts.num_steps} drafting passes" if drafts is not None else ""), flush=True)
-        model = getattr(eng, "step_time_model", None)
-        if model is not None:
-            meta.setdefault("zero_draft_step_s", {b: model.time(b, 0) for b in a.batches})
-            print(f"[{name}] step-time model (s): batch sizes {model.batch_sizes} x drafts/request "
-                  f"{model.drafts_per_seq}: " + "; ".join(
-                      f"n={n}: " + " ".join(f"{t * 1e3:.1f}" for t in row) + " ms"
-                      for n, row in zip(model.batch_sizes, model.seconds)), flush=True)
+        report_engine(name, eng, meta, a)
         print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", flush=True)
         eng.shutdown()
         del llm, eng
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+            print(f"[{name}] after teardown: {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated",
+                  flush=True)
         if a.budget_s and time.perf_counter() - T_START > a.budget_s:
             left = [n for n in configs(a) if n not in res]
             if left:
                 print(f"--budget-s {a.budget_s:.0f} spent: not run {left}", flush=True)
             break
     return res
+
+
+def report_engine(name: str, eng, meta: dict, a) -> None:
+    """The engine's overlap, graph and step-time-model counters. A function of its own so nothing here
+    outlives the engine: a CUDA-graph handle left in a local kept a 40-layer engine's memory alive into
+    the next policy's build (OOM on the H200, 2026-12-03)."""
+    if eng.async_scheduling and eng.args.speculative:
+        print(f"[{name}] verify steps overlapped {eng.num_verify_steps_overlapped}, steps resolved before "
+              f"the next schedule {eng.num_resolved_before_schedule}", flush=True)
+    graphs = getattr(eng.runner, "graphs", None)
+    if graphs is not None:
+        drafts = getattr(getattr(eng.runner, "proposer", None), "graphs", None)
+        print(f"[{name}] CUDA graphs: {graphs.num_replays} replays, {graphs.num_verify_steps} verify steps "
+              f"of {graphs.num_steps} through the static form"
+              + (f", {drafts.num_steps} drafting passes" if drafts is not None else ""), flush=True)
+    model = getattr(eng, "step_time_model", None)
+    if model is not None:
+        meta.setdefault("zero_draft_step_s", {b: model.time(b, 0) for b in a.batches})
+        print(f"[{name}] step-time model (s): batch sizes {model.batch_sizes} x drafts/request "
+              f"{model.drafts_per_seq}: " + "; ".join(
+                  f"n={n}: " + " ".join(f"{t * 1e3:.1f}" for t in row) + " ms"
+                  for n, row in zip(model.batch_sizes, model.seconds)), flush=True)
 
 
 def save_json(a, res: dict) -> None:

@@ -429,8 +429,6 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     if weight_format == "fp8":                  # DEEPINFER_GEMM=deepgemm: 128-tile weights, once (else a no-op)
         from deepinfer.kernels.deepgemm import prepare_deepgemm
         prepare_deepgemm(model)
-        from .moe import link_next_moe
-        link_next_moe(model.layers)
     return model.eval()
 
 

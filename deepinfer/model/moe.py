@@ -6,7 +6,6 @@ w2; one shared expert added to the fp32 sum of the routed outputs."""
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -135,9 +134,6 @@ class MoE(nn.Module):
         # the masked form: None = on CUDA for steps up to MASKED_MAX_PAIRS; True = every step (a
         # CPU runs it too: tests); False = never
         self.masked: bool | None = None
-        # the backbone's next MoE layer (a weakref: not a submodule), whose stacks a long step's bf16 path
-        # may dequantize ahead (ops.prefetch_grouped_contiguous); set by link_next_moe at load
-        self.next_moe = None
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, d] bf16 -> [T, d] bf16. Routed outputs are summed per token in ascending expert id
@@ -228,11 +224,6 @@ class MoE(nn.Module):
         xp = ops.moe_dispatch(x, slot, K, K).view(T * K, self.dim)              # act_quant(x) rows, sorted
         w13, s13, w2, s2 = st.masked_weights()
         rows = ops.GroupedRows(counts)                                          # one tile map for both GEMMs
-        nxt = self.next_moe() if self.next_moe is not None else None
-        if nxt is not None and nxt.stacks is not None:                          # the next layer's stacks, ahead
-            nw13, ns13, nw2, ns2 = nxt.stacks.masked_weights()
-            ops.prefetch_grouped_contiguous(xp, nw13, ns13)
-            ops.prefetch_grouped_contiguous(xp, nw2, ns2)
         gu = ops.grouped_fp8_linear_contiguous(xp, w13, s13, rows)              # [T*K, 2 inter]
         hp = ops.moe_swiglu_quant(gu.view(K, T, 2 * inter), slot, weights, ex.limit, inter)
         out = ops.grouped_fp8_linear_contiguous(hp.view(T * K, inter), w2, s2, rows)     # [T*K, d]
@@ -404,13 +395,3 @@ class _ExpertParallel:
 
     def local_logical(self) -> list[int]:
         return self.parallel.placement.local_logical(self.layer_id, self.parallel.rank)
-
-
-def link_next_moe(layers) -> int:
-    """Each backbone MoE layer with FP8 stacks points (weakly) at the next one, for the stack prefetch;
-    returns how many links were made."""
-    moes = [b.ffn for b in layers if isinstance(getattr(b, "ffn", None), MoE) and b.ffn.stacks is not None]
-    for a, b in zip(moes, moes[1:]):
-        a.next_moe = weakref.ref(b)
-    return max(len(moes) - 1, 0)
-

@@ -36,7 +36,6 @@ from deepinfer.kernels.select import (  # noqa: F401
     moe_route,
     moe_swiglu_quant,
     pool_lists,
-    prefetch_grouped_contiguous,
     rms_norm,
     rope,
     router_topk,
