@@ -264,23 +264,25 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 # (perf/bench_mhc_variants.py prints "best: {...}" per T); empty = the measured-before behaviour.
 # H200, 2026-12-03 (perf/bench_mhc_variants.py, d 5120, whole wrapper): the bf16x3 dot on today's tiles
 # 0.553 -> 0.242 ms at T 8192 (2.28x), 0.156 -> 0.080 at T 2048 (1.95x; bt 128 / bk 64 / 8 warps / 2 stages /
-# 2 chunks 0.077). Decode sizes gain too (T 512 1.61x, T 64 1.20x at bt 64) but capture a graph: the fn
-# parts must be cached before capture there (not done yet).
+# 2 chunks 0.077). Decode sizes too: T 512 0.050 -> 0.031 (bt 64), T 64 0.016 -> 0.013. Their CUDA graphs
+# read the fn parts cached by the eager warm-up before capture (_fn_parts).
 PREFILL_VARIANT: dict = {"dot": "bf16x3"}
+DECODE_VARIANT: dict = {"dot": "bf16x3"}
 
 MIX_DOTS = ("tf32x3", "bf16x3")
 
 
 def mix_variant(T: int, d: int, batch_invariant: bool = False, **kw) -> dict:
-    """The launch constants of one hc_mixes_pre call: the defaults, then PREFILL_VARIANT (T >= 1,024, not
-    batch invariant), then the caller's keywords (None = not given). bk falls back to the default where
+    """The launch constants of one hc_mixes_pre call: the defaults, then PREFILL_VARIANT (T >= 1,024) or
+    DECODE_VARIANT (not in batch-invariant mode, which keeps one tile and dot for every T), then the
+    caller's keywords (None = not given). bk falls back to the default where
     it does not divide d, and chunks_per_program to the largest count that tiles d's chunks, so the
     column split (the summation order) follows d and the constants alone, never T."""
     big = T >= 1024 and not batch_invariant
-    v = {"bt": 64 if big else 16, "bk": 128 if d % 128 == 0 else 64, "num_warps": 4, "num_stages": 1,
-         "chunks_per_program": 1, "dot": "tf32x3"}
-    if big:
-        v.update(PREFILL_VARIANT)
+    v = {"bt": 64 if big or (T >= 64 and not batch_invariant) else 16, "bk": 128 if d % 128 == 0 else 64,
+         "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3"}
+    if not batch_invariant:
+        v.update(PREFILL_VARIANT if big else DECODE_VARIANT)
     v.update({k: val for k, val in kw.items() if val is not None})
     unknown = set(v) - {"bt", "bk", "num_warps", "num_stages", "chunks_per_program", "dot"}
     assert not unknown and v["dot"] in MIX_DOTS, (unknown, v["dot"])
@@ -309,10 +311,15 @@ _PARTS: dict[int, tuple] = {}   # id(fn) -> (weakref to fn, its version, bf16_pa
 def _fn_parts(fn: torch.Tensor) -> torch.Tensor:
     """bf16_parts(fn), cached per weight tensor (1.5x fn's bytes: ~3 MB per site at d 5,120) so the split
     runs once per weight, not per call. Not cached while a CUDA graph is captured: the parts would live
-    in the graph's pool, so the graph recomputes them at each replay (warm the cache before capture)."""
+    in the graph's pool, so the graph recomputes them at each replay (the graphs' eager warm-up fills the
+    cache first). A weight changed in place is split again into the same tensor, which captured graphs
+    read."""
     key, ver = id(fn), tensor_version(fn)
     hit = _PARTS.get(key)
-    if hit is not None and hit[0]() is fn and hit[1] == ver:
+    if hit is not None and hit[0]() is fn:
+        if hit[1] != ver:
+            hit[2].copy_(bf16_parts(fn))
+            _PARTS[key] = (hit[0], ver, hit[2])
         return hit[2]
     parts = bf16_parts(fn)
     if not (fn.is_cuda and torch.cuda.is_current_stream_capturing()):

@@ -157,21 +157,26 @@ def test_bf16_parts_exact():
 
 
 def test_mix_variant_defaults_and_prefill_merge(monkeypatch):
-    """No keywords: today's launch (bt 16, or 64 from T 1,024 unless batch invariant; bk 128; one chunk;
-    tf32x3). PREFILL_VARIANT applies from T 1,024 in the default mode only; keywords win over it; the
-    chunk count falls to one that tiles d, set by d and the keywords alone."""
+    """No keywords: bt 16 (64 from T 64 unless batch invariant; bk 128; one chunk; tf32x3), then
+    PREFILL_VARIANT from T 1,024 or DECODE_VARIANT below it, in the default mode only; keywords win over
+    them; the chunk count falls to one that tiles d, set by d and the keywords alone."""
     from deepinfer.kernels import triton_mhc
-    assert triton_mhc.mix_variant(8192, 5120) == {**triton_mhc.mix_variant(8192, 5120, batch_invariant=True),
-                                                  "bt": 64, **triton_mhc.PREFILL_VARIANT}
+    invariant = triton_mhc.mix_variant(8192, 5120, batch_invariant=True)
+    assert invariant["bt"] == 16 and invariant["dot"] == "tf32x3"
+    assert triton_mhc.mix_variant(8192, 5120) == {**invariant, "bt": 64, **triton_mhc.PREFILL_VARIANT}
+    assert triton_mhc.mix_variant(64, 5120) == {**invariant, "bt": 64, **triton_mhc.DECODE_VARIANT}
+    assert triton_mhc.mix_variant(64, 5120, batch_invariant=True) == invariant
     monkeypatch.setattr(triton_mhc, "PREFILL_VARIANT", {})
+    monkeypatch.setattr(triton_mhc, "DECODE_VARIANT", {})
     base = {"bk": 128, "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3"}
-    assert triton_mhc.mix_variant(64, 5120) == {"bt": 16, **base}
+    assert triton_mhc.mix_variant(16, 5120) == {"bt": 16, **base}
+    assert triton_mhc.mix_variant(64, 5120) == {"bt": 64, **base}
     assert triton_mhc.mix_variant(1024, 5120) == {"bt": 64, **base}
     assert triton_mhc.mix_variant(4096, 5120, batch_invariant=True) == {"bt": 16, **base}
     assert triton_mhc.mix_variant(64, 192)["bk"] == 64
     pick = {"bt": 32, "chunks_per_program": 4, "num_stages": 2, "dot": "bf16x3"}
     monkeypatch.setattr(triton_mhc, "PREFILL_VARIANT", pick)
-    assert triton_mhc.mix_variant(1023, 5120) == {"bt": 16, **base}
+    assert triton_mhc.mix_variant(1023, 5120) == {"bt": 64, **base}
     assert triton_mhc.mix_variant(8192, 5120) == {**base, **pick}
     assert triton_mhc.mix_variant(8192, 5120, batch_invariant=True) == {"bt": 16, **base}
     assert triton_mhc.mix_variant(8192, 5120, dot="tf32x3")["dot"] == "tf32x3"
@@ -182,8 +187,8 @@ def test_mix_variant_defaults_and_prefill_merge(monkeypatch):
 
 
 def test_fn_parts_cached_per_weight():
-    """The bf16 split runs once per weight tensor, again after an in-place write, and leaves the cache
-    with the tensor."""
+    """The bf16 split runs once per weight tensor, again after an in-place write (into the same parts
+    tensor: a captured graph reads it), and leaves the cache with the tensor."""
     import gc
     from deepinfer.kernels import triton_mhc
     fn = torch.randn(24, 1024)
@@ -191,7 +196,7 @@ def test_fn_parts_cached_per_weight():
     assert triton_mhc._fn_parts(fn) is a and torch.equal(a.double().sum(0), fn.double())
     fn.mul_(2)
     b = triton_mhc._fn_parts(fn)
-    assert b is not a and torch.equal(b.double().sum(0), fn.double())
+    assert b is a and torch.equal(b.double().sum(0), fn.double())
     key = id(fn)
     del fn
     gc.collect()
