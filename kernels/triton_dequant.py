@@ -76,10 +76,11 @@ def _layout(n: int, k: int, w_scale: torch.Tensor) -> tuple[int, int]:
     return n // w_scale.shape[0], 32
 
 
-# (BN, BK, num_warps) of the dequant's tiles: perf/bench_dequant.py on the H200, 2026-12-03, a 48-expert
-# w13 stack 1.338 -> 1.265 ms row-scaled (0.64 of copy bandwidth), 32x32 blocks 1.680 -> 1.676; w2 0.677 ->
-# 0.643 / 0.926 -> 0.841 (the best of 8 tiles for three of the four; 64x128x4 0.631 on w2 row-scaled)
-TILE = (32, 256, 4)
+# (BN, BK, num_warps) of the dequant's tiles: perf/bench_dequant.py on the H200, 2026-12-03 (afternoon), a
+# 48-expert w13 stack on the hardware e4m3 conversion: 0.916 ms row-scaled, 0.918 in 32x32 blocks (0.91 of
+# copy bandwidth; the integer-built kernel took 1.265 / 1.676), w2 0.503 / 0.501 (0.83; 64x256x8 0.486 on
+# blocks)
+TILE = (32, 512, 4)
 
 
 def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None,
