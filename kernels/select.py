@@ -95,8 +95,10 @@ BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "256"))
 # auto: the MoE's grouped contiguous GEMMs of at least this many token-expert rows dequantize the whole
 # expert stack to bf16 (exact, as the dense linears) and run one bf16 grouped GEMM (torch._grouped_mm)
 # instead of the CUDA FP8 x FP8 kernel; the dequant (3 bytes of traffic per stack element) pays only on
-# long steps. 0: never. perf/bench_moe_forms.py --prefill measures the two side by side.
-BF16_MOE_MIN_ROWS = int(os.environ.get("DEEPINFER_BF16_MOE_MIN_ROWS", "32768"))
+# long steps. 0: never. perf/bench_moe_forms.py --prefill measures the two side by side: with the dequant
+# at 0.91 of copy (H200, 2026-12-03, afternoon) bf16 / FP8 speed 0.91x at 12,288 rows, 1.01x at 18,432,
+# 1.09x at 24,576, 1.15x at 49,152
+BF16_MOE_MIN_ROWS = int(os.environ.get("DEEPINFER_BF16_MOE_MIN_ROWS", "16384"))
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # auto: the CUDA FP8 x FP8 kernel takes dense FP8 linears from this many rows (H200, 2026-12-02,
