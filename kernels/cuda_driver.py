@@ -12,6 +12,7 @@ captured by a CUDA graph like any torch op.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import hashlib
@@ -154,11 +155,35 @@ class TensorMap:
         self.addr = (ctypes.addressof(self._buf) + 63) & ~63
 
 
+# descriptors by everything cuTensorMapEncodeTiled reads (address, dims, stride, box, swizzle): a hit is
+# the descriptor the call would build, so the memo can never go stale; it saves the ctypes encode (~4 a
+# MoE layer in a prefill chunk, whose host time is what bounds it)
+_MAPS: "collections.OrderedDict[tuple, TensorMap]" = collections.OrderedDict()
+MAP_CACHE = 512
+_maps_lock = threading.Lock()
+
+
 def tensor_map_2d(t: torch.Tensor, box_inner: int, box_outer: int, swizzle: int = 128, rows: int | None = None) -> TensorMap:
     """TMA descriptor of a row-major 2-D tensor of 1-byte elements [rows, cols] with a (box_outer rows x
     box_inner cols) box; rows past the tensor read as zeros. The row stride must be a multiple of 16 bytes
-    and the base 16-byte aligned (cuTensorMapEncodeTiled's rules)."""
+    and the base 16-byte aligned (cuTensorMapEncodeTiled's rules). Memoized (_MAPS)."""
     assert t.dim() == 2 and t.element_size() == 1 and t.stride(1) == 1, (t.shape, t.stride())
+    key = (t.data_ptr(), t.shape[1], rows if rows is not None else t.shape[0], t.stride(0), box_inner, box_outer,
+           swizzle)
+    with _maps_lock:
+        m = _MAPS.get(key)
+        if m is not None:
+            _MAPS.move_to_end(key)
+            return m
+    m = _encode_map_2d(t, box_inner, box_outer, swizzle, rows)
+    with _maps_lock:
+        _MAPS[key] = m
+        if len(_MAPS) > MAP_CACHE:
+            _MAPS.popitem(last=False)
+    return m
+
+
+def _encode_map_2d(t: torch.Tensor, box_inner: int, box_outer: int, swizzle: int, rows: int | None) -> TensorMap:
     lib = _libcuda()
     m = TensorMap()
     dims = (ctypes.c_uint64 * 2)(t.shape[1], rows if rows is not None else t.shape[0])

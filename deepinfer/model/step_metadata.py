@@ -81,6 +81,7 @@ class StepMetadata:
     index_k_owner: np.ndarray | None = None         # [B] quirk emulation: last layer that published index keys
     write_from: np.ndarray | None = None            # [B] host: no compressed entry below it is written (replay)
     window_pools: dict = field(default_factory=dict)  # ring rows -> window lists in pool rows (window_pool)
+    entry_tables: dict = field(default_factory=dict)  # (entries per block, E) -> [B, E] pool rows (entry_rows)
     # balanced context parallelism (deepinfer/parallel/cp.py): the rows are this rank's share of one
     # prompt; the fresh region holds EVERY position's latent (gathered per layer), fresh_rows of them
     context_parallel: object | None = None
@@ -167,9 +168,18 @@ class StepMetadata:
     def entry_rows(self, entries_per_block: int, num_entries: int, seq: torch.Tensor | None = None,
                    entries: torch.Tensor | None = None) -> torch.Tensor:
         """Flat rows of a [num_blocks * entries_per_block, D] pool view: for every sequence its entries
-        0 .. num_entries-1 ([B, E]), or (seq, entries) pairs ([N]). Unallocated blocks read row 0."""
+        0 .. num_entries-1 ([B, E]), or (seq, entries) pairs ([N]). Unallocated blocks read row 0.
+        The [B, E] table is built once per forward (the same for every layer of a ratio; ~9 small ops a
+        layer of host time that a prefill chunk's host cannot spare)."""
         if entries is None:
-            entries = torch.arange(num_entries, device=self.positions.device).expand(self.num_seqs, -1)
+            key = (entries_per_block, num_entries)
+            if key not in self.entry_tables:
+                entries = torch.arange(num_entries, device=self.positions.device).expand(self.num_seqs, -1)
+                self.entry_tables[key] = self._entry_rows(entries_per_block, None, entries)
+            return self.entry_tables[key]
+        return self._entry_rows(entries_per_block, seq, entries)
+
+    def _entry_rows(self, entries_per_block: int, seq: torch.Tensor | None, entries: torch.Tensor) -> torch.Tensor:
         col = (entries // entries_per_block).clamp_max(self.block_tables.shape[1] - 1)
         blocks = self.block_tables.gather(-1, col) if seq is None else self.block_tables[seq, col]
         return blocks.clamp_min(0) * entries_per_block + entries % entries_per_block

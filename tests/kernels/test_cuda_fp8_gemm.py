@@ -295,3 +295,21 @@ def test_precompile_only_where_the_kernel_can_run():
     thread.join()
     cubin, _ = cuda_driver.compile_cubin(SRC)
     assert os.path.exists(cubin)
+
+
+def test_tensor_maps_memoized_on_what_the_encode_reads(monkeypatch):
+    """A TMA descriptor is built once per (address, dims, stride, box, swizzle): the same tensor again
+    is a hit, another box or a view at another address is a new encode, and the memo stays bounded."""
+    encoded = []
+    monkeypatch.setattr(cuda_driver, "_encode_map_2d", lambda t, *a: encoded.append((t.data_ptr(), *a)) or object())
+    monkeypatch.setattr(cuda_driver, "_MAPS", type(cuda_driver._MAPS)())
+    monkeypatch.setattr(cuda_driver, "MAP_CACHE", 3)
+    w = torch.zeros(64, 256, dtype=torch.uint8)
+    first = cuda_driver.tensor_map_2d(w, 128, 64)
+    assert cuda_driver.tensor_map_2d(w, 128, 64) is first and len(encoded) == 1
+    assert cuda_driver.tensor_map_2d(w, 128, 32) is not first and len(encoded) == 2          # another box
+    assert cuda_driver.tensor_map_2d(w[32:], 128, 64) is not first and len(encoded) == 3      # another address
+    assert cuda_driver.tensor_map_2d(w, 128, 64, rows=128) is not first and len(encoded) == 4  # other dims
+    assert len(cuda_driver._MAPS) == 3                                                          # bounded
+    cuda_driver.tensor_map_2d(w, 128, 64)                                                       # evicted: again
+    assert len(encoded) == 5
