@@ -86,7 +86,7 @@ class SchedulerOutput:
     new_reqs: list[NewRequestData]                  # first time scheduled (or resumed)
     cached_reqs: list[CachedRequestData]            # scheduled before; diffs only
     num_scheduled_tokens: dict[str, int]            # req_id -> tokens to run now (chunk, 1, or 1+k)
-    total_num_scheduled_tokens: int                 # sum of the above (<= max_num_batched_tokens)
+    total_num_scheduled_tokens: int                 # sum of the above (<= the step budget)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)   # req_id -> draft ids to verify (last k of its scheduled tokens)
     snapshot_saves: list[SnapshotCopy] = field(default_factory=list)  # ended requests' window state, copied
                                                                       # out before anything of this step runs

@@ -52,9 +52,11 @@ from deepinfer.stats import EngineStats
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  kv_cache: KVCacheManager, stats: EngineStats | None = None, spec_policy=None,
-                 prefix=None) -> None:
+                 prefix=None, max_prefill_only_tokens: int | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # a step in which no running request decodes may take this many (EngineArgs.max_prefill_only_tokens)
+        self.max_prefill_only_tokens = max(max_prefill_only_tokens or 0, max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.kv_cache = kv_cache
         self.stats = stats or EngineStats()
@@ -120,10 +122,11 @@ class Scheduler:
         out.draft_after = self._draft_after()
         if self.prefix is not None:
             out.snapshot_saves = self.prefix.take_saves()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        step_budget = self._step_budget()
+        budget = self._schedule_running(out, step_budget)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
-        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        out.total_num_scheduled_tokens = step_budget - budget
         if self.kv_cache.host is not None:
             out.block_copies = self.kv_cache.take_block_copies()
         self.stats.inc("computed_tokens_total", out.total_num_scheduled_tokens)
@@ -177,6 +180,14 @@ class Scheduler:
             out.block_copies = self.kv_cache.take_block_copies()
         self.stats.inc("computed_tokens_total", total)
         return out
+
+    def _step_budget(self) -> int:
+        """max_num_batched_tokens while any running request decodes (its inter-token latency is the step's
+        time), else the prefill-only budget: every row of the step is a prompt chunk."""
+        if self.max_prefill_only_tokens > self.max_num_batched_tokens and \
+                all(r.num_computed_tokens < r.num_prompt_tokens for r in self.running):
+            return self.max_prefill_only_tokens
+        return self.max_num_batched_tokens
 
     def _draft_after(self) -> bool:
         """Whether this step drafts after it (spec/pause.py); a paused step is counted."""

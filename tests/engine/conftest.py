@@ -12,9 +12,11 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.sched.scheduler import Scheduler
 
 
-def create_scheduler(num_blocks=64, block_tokens=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=None):
+def create_scheduler(num_blocks=64, block_tokens=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=None,
+                     max_prefill_only_tokens=None):
     kv = KVCacheManager(num_blocks, block_tokens, max_num_seqs)
-    return Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len or num_blocks * block_tokens, kv)
+    return Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len or num_blocks * block_tokens, kv,
+                     max_prefill_only_tokens=max_prefill_only_tokens)
 
 
 def make_request(req_id, prompt_len, max_tokens=4, **kw):

@@ -136,3 +136,34 @@ def test_abort_any_moment_frees_everything():
         sched.kv_cache.check()
     assert aborted | finished == {str(i) for i in range(40)} and not aborted & finished
     assert sched.kv_cache.num_used_blocks == 0
+
+
+def test_prefill_only_steps_take_the_larger_budget():
+    """No running request decodes: the step takes up to max_prefill_only_tokens of prompt chunks. Once one
+    decodes, steps go back to max_num_batched_tokens (its inter-token latency is the step's time)."""
+    sched = create_scheduler(max_num_batched_tokens=16, max_prefill_only_tokens=48, num_blocks=100)
+    sched.add_request(make_request("a", 30, max_tokens=5))
+    sched.add_request(make_request("b", 40, max_tokens=5))
+    out, res = run_step(sched)
+    assert out.num_scheduled_tokens == {"a": 30, "b": 18} and out.total_num_scheduled_tokens == 48
+    assert [r.request_id for r in res] == ["a"]                       # a's prompt is done: it decodes now
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 15}             # mixed: the plain budget
+    sched.add_request(make_request("c", 50))
+    out, _ = run_step(sched)
+    assert out.total_num_scheduled_tokens <= 16 and out.num_scheduled_tokens["a"] == 1
+
+
+def test_prefill_only_budget_defaults_and_rules():
+    import pytest
+
+    from deepinfer.config import PREFILL_ONLY_TOKENS_CUDA, EngineArgs
+    a = EngineArgs(max_num_batched_tokens=2048)
+    assert a.prefill_only_tokens("cuda") == PREFILL_ONLY_TOKENS_CUDA and a.prefill_only_tokens("cpu") == 2048
+    assert EngineArgs(max_num_batched_tokens=16384).prefill_only_tokens("cuda:0") == 16384    # never below
+    assert EngineArgs(max_prefill_only_tokens=4096).prefill_only_tokens("cpu") == 4096
+    with pytest.raises(ValueError, match="max_prefill_only_tokens"):
+        EngineArgs(max_num_batched_tokens=2048, max_prefill_only_tokens=1024)
+    sched = create_scheduler(max_num_batched_tokens=16)                # None: the plain budget
+    sched.add_request(make_request("a", 40))
+    assert sched.schedule().total_num_scheduled_tokens == 16
