@@ -94,12 +94,14 @@ class Engine:
     def _init_scheduler(self) -> None:
         a = self.args
 
+        prefill_only = a.prefill_only_tokens(str(self.device))
+
         def scheduler():
             kv = KVCacheManager(self.num_cache_blocks, a.block_tokens, a.max_num_seqs, a.enable_prefix_caching,
                                 *self._lower_tiers())
             return Scheduler(a.max_num_seqs, a.max_num_batched_tokens, self.max_model_len, kv, self.stats,
                              prefix=self._prefix_caching(kv),
-                             max_prefill_only_tokens=a.prefill_only_tokens(str(self.device)))
+                             max_prefill_only_tokens=prefill_only if prefill_only > a.max_num_batched_tokens else None)
         if a.data_parallel_size > 1:
             from deepinfer.parallel.dp_scheduler import DataParallelScheduler
             self.scheduler = DataParallelScheduler([scheduler() for _ in range(a.data_parallel_size)],

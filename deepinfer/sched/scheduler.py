@@ -55,8 +55,9 @@ class Scheduler:
                  prefix=None, max_prefill_only_tokens: int | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # a step in which no running request decodes may take this many (EngineArgs.max_prefill_only_tokens)
-        self.max_prefill_only_tokens = max(max_prefill_only_tokens or 0, max_num_batched_tokens)
+        # a step in which no running request decodes may take this many (EngineArgs.max_prefill_only_tokens);
+        # None: max_num_batched_tokens, whatever it is set to
+        self.max_prefill_only_tokens = max_prefill_only_tokens
         self.max_model_len = max_model_len
         self.kv_cache = kv_cache
         self.stats = stats or EngineStats()
@@ -184,9 +185,10 @@ class Scheduler:
     def _step_budget(self) -> int:
         """max_num_batched_tokens while any running request decodes (its inter-token latency is the step's
         time), else the prefill-only budget: every row of the step is a prompt chunk."""
-        if self.max_prefill_only_tokens > self.max_num_batched_tokens and \
+        p = self.max_prefill_only_tokens
+        if p is not None and p > self.max_num_batched_tokens and \
                 all(r.num_computed_tokens < r.num_prompt_tokens for r in self.running):
-            return self.max_prefill_only_tokens
+            return p
         return self.max_num_batched_tokens
 
     def _draft_after(self) -> bool:

@@ -167,3 +167,12 @@ def test_prefill_only_budget_defaults_and_rules():
     sched = create_scheduler(max_num_batched_tokens=16)                # None: the plain budget
     sched.add_request(make_request("a", 40))
     assert sched.schedule().total_num_scheduled_tokens == 16
+
+
+def test_prefill_only_budget_off_follows_the_plain_budget():
+    """Without a prefill-only budget a step takes max_num_batched_tokens as it is now (a caller lowering it
+    gets chunks of the new size)."""
+    sched = create_scheduler(max_num_batched_tokens=32)
+    sched.max_num_batched_tokens = 8
+    sched.add_request(make_request("a", 40))
+    assert sched.schedule().total_num_scheduled_tokens == 8
