@@ -115,3 +115,15 @@ def dummy_model(preset: str, device: str = "cuda", dense_weights: str = "fp8"):
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(hf_config(text_config(preset)), f)
     return load_model(d, device, load_format="dummy", progress=False, dense_bf16=dense_weights == "bf16")
+
+
+def release_engine_memory() -> float:
+    """After an engine's shutdown and the caller's `del` of its last references: collect the cycles and
+    return the freed blocks to the device, so the next engine builds in the memory; the GiB still
+    allocated (what a leaked reference keeps alive)."""
+    import gc
+    gc.collect()
+    if not torch.cuda.is_available():
+        return 0.0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated() / 2**30

@@ -16,7 +16,6 @@ baseline of the ratios.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import statistics
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchutil import release_engine_memory  # noqa: E402
 from engine_throughput import default_checkpoint  # noqa: E402
 from spec_decode import Progress, config_only_checkpoint  # noqa: E402
 
@@ -67,8 +67,6 @@ def main() -> None:
     ap.add_argument("--prefill-only", type=int, nargs="+", default=[2048, 8192], help="max_prefill_only_tokens values")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    import torch
-
     from deepinfer import LLM
     tmp = Path(tempfile.mkdtemp())
     preset = a.preset or ("full-width-ep8" if a.device.startswith("cuda") else "tiny")
@@ -87,9 +85,7 @@ def main() -> None:
               f"{r['ttft_p50_s'] * 1e3:9.1f} ms, {r['prefill_tok_s']:9.0f} prompt tok/s, {r['steps']} steps", flush=True)
         eng.shutdown()
         del llm, eng
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_engine_memory()
     base = res[a.prefill_only[0]]
     print(f"\n{a.prompts} x {a.prompt_len} prompt tokens, max_num_batched_tokens {a.budget} ({preset}, {a.device}):")
     print(f"{'prefill-only':>12} {'last TTFT ms':>12} {'x base':>7} {'p50 TTFT ms':>11} {'tok/s':>9} {'x base':>7} {'steps':>5}")

@@ -76,7 +76,6 @@ of the drafts. CPU timings move by 10-20% between runs on this shared machine:
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import sys
 import statistics
@@ -86,6 +85,7 @@ from pathlib import Path
 
 T_START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchutil import release_engine_memory  # noqa: E402
 from engine_throughput import default_checkpoint  # noqa: E402
 
 
@@ -250,7 +250,6 @@ def configs(a) -> dict[str, dict]:
 
 def measure_all(ckpt: str, a, meta: dict) -> dict:
     """Every policy's runs; meta gets the scheduler's zero-draft step seconds per batch (the projection)."""
-    import torch
     from deepinfer import LLM
     base = dict(device=a.device, max_num_seqs=max(a.batches), max_num_batched_tokens=max(2048, 6 * max(a.batches)),
                 load_format=a.load_format, seed=0, enforce_eager=a.enforce_eager, dense_weights=a.dense_weights)
@@ -296,11 +295,7 @@ def measure_all(ckpt: str, a, meta: dict) -> dict:
         print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", flush=True)
         eng.shutdown()
         del llm, eng
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-            print(f"[{name}] after teardown: {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated",
-                  flush=True)
+        print(f"[{name}] after teardown: {release_engine_memory():.1f} GiB still allocated", flush=True)
         if a.budget_s and time.perf_counter() - T_START > a.budget_s:
             left = [n for n in configs(a) if n not in res]
             if left:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import pstats
 import random
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchutil import release_engine_memory  # noqa: E402
 from spec_decode import config_only_checkpoint  # noqa: E402
 
 # "all" / "scheduler": the synchronous engine (every verify step resolved before the next schedule);
@@ -91,9 +91,7 @@ def profile_policy(ckpt: str, name: str, a, out: Path) -> dict:
           f"{n_kernels:.0f} kernels/step, {res['tokens_per_step']:.2f} tokens/step", flush=True)
     eng.shutdown()
     del llm, eng
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_engine_memory()
     return res
 
 
