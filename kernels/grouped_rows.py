@@ -6,10 +6,10 @@
                                CUDA one single-program Triton launch, else grouped_tiles_ref's torch ops
     counts_of(rows_or_counts)  the counts tensor of either form (paths that need no tile map)
 
-Why an object and not a cache: the map costs ~15 small torch ops of host time per build, which a
-2,048-token prefill chunk cannot hide (H200, 2026-12-03: chunked prefill host-bound); a layer builds the
-object once and hands it to both GEMMs, so nothing is keyed on tensor identity or version counters
-(inference tensors keep none).
+Why an object and not a cache: each build is host time (one launch on CUDA, ~15 small torch ops
+before) that a 2,048-token prefill chunk cannot hide (H200, 2026-12-03: chunked prefill host-bound); a
+layer builds the object once and hands it to both GEMMs, so nothing is keyed on tensor identity or
+version counters (inference tensors keep none).
 """
 
 from __future__ import annotations

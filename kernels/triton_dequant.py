@@ -17,13 +17,9 @@ call into a scratch buffer (3 bytes of traffic per weight element: small next to
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # w * 2^(e - 127) for every e4m3 w (|w| <= 448 < 2^9, smallest step 2^-9) is a normal bf16 value
 # (smallest 2^-126, largest finite just under 2^128) when 2^(e - 127) is in [2^-117, 2^118]; subnormal

@@ -279,7 +279,7 @@ def mix_variant(T: int, d: int, batch_invariant: bool = False, **kw) -> dict:
     it does not divide d, and chunks_per_program to the largest count that tiles d's chunks, so the
     column split (the summation order) follows d and the constants alone, never T."""
     big = T >= 1024 and not batch_invariant
-    v = {"bt": 64 if big or (T >= 64 and not batch_invariant) else 16, "bk": 128 if d % 128 == 0 else 64,
+    v = {"bt": 64 if T >= 64 and not batch_invariant else 16, "bk": 128 if d % 128 == 0 else 64,
          "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3"}
     if not batch_invariant:
         v.update(PREFILL_VARIANT if big else DECODE_VARIANT)
