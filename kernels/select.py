@@ -60,6 +60,7 @@ import logging
 import os
 import weakref
 
+import numpy as np
 import torch
 
 from . import deepgemm as _dg
@@ -870,24 +871,48 @@ def index_scores(q, w, keys, lens=None):
     return index_scores_ref(q, w, keys, lens)
 
 
-def index_scores_paged(q, w, keys, seq_of, row_in_seq, max_q, lens):
+_RUNS_MEMO: list = [None]    # (cu bytes, device) -> the last step's query runs: its indexer layers share them
+
+
+def _index_runs(cu, max_q: int, n: int, device):
+    """triton_indexer.query_runs of the step's host cu as device tensors, or None where no sequence has
+    a run of queries (decode, verify) or under batch invariance (the per-token kernel's head-sum order
+    must not depend on which other sequences share the step)."""
+    from . import triton_indexer as ti
+    if cu is None or max_q < ti.RUN_MIN or int(cu[-1]) != n or _batch_invariant():
+        return None
+    key = (np.asarray(cu).tobytes(), str(device))
+    memo = _RUNS_MEMO[0]
+    if memo is None or memo[0] != key:
+        arrays = ti.query_runs(cu)
+        pinned = device.type == "cuda"
+        runs = tuple((torch.from_numpy(a).pin_memory() if pinned else torch.from_numpy(a)).to(device, non_blocking=True)
+                     for a in arrays)
+        memo = _RUNS_MEMO[0] = (key, runs)
+    return memo[1]
+
+
+def index_scores_paged(q, w, keys, seq_of, row_in_seq, max_q, lens, cu=None):
     """Batch form: query t against its sequence's keys [B, E, ID] (reference.index_scores_paged_ref);
-    the Triton kernel reads each token's key range of the flattened pool (key_start)."""
+    the Triton kernel reads each token's key range of the flattened pool (key_start). cu [B+1] (host):
+    the step's query counts, so a prefill's queries go to the kernel in runs sharing their keys."""
     if _fast_for(q, "index_scores", _index_shape_ok(q), _INDEX_RULE):
         from .triton_indexer import index_scores as fast
         E = keys.shape[1]
-        return fast(q, w, keys.flatten(0, 1), lens, key_start=seq_of * E, num_keys=E)
+        return fast(q, w, keys.flatten(0, 1), lens, key_start=seq_of * E, num_keys=E,
+                    runs=_index_runs(cu, max_q, q.shape[0], q.device))
     return _ref.index_scores_paged_ref(q, w, keys, seq_of, row_in_seq, max_q, lens)
 
 
-def index_scores_pool(q, w, pool, rows, seq_of, row_in_seq, max_q, lens):
+def index_scores_pool(q, w, pool, rows, seq_of, row_in_seq, max_q, lens, cu=None):
     """index_scores_paged with the keys left in the cache pool: pool [R, ID], rows [B, E] the pool row
     of each sequence's entries. The Triton kernel reads them in place (no [B, E, ID] copy: at 8k
     context and batch 64 that copy was 9% of the H200 decode step)."""
     if _fast_for(q, "index_scores", _index_shape_ok(q), _INDEX_RULE):
         from .triton_indexer import index_scores as fast
         E = rows.shape[1]
-        return fast(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten())
+        return fast(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten(),
+                    runs=_index_runs(cu, max_q, q.shape[0], q.device))
     return _ref.index_scores_paged_ref(q, w, pool[rows], seq_of, row_in_seq, max_q, lens)
 
 

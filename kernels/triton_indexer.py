@@ -5,8 +5,17 @@
     with the reference's bf16 rounding after the product, after the weighting and after the head
     sum; with lens, entries e >= lens[t] are -inf (the causal mask of the caller).
 
+    index_scores(..., runs=query_runs(cu, ...))   the prefill form: queries of one sequence in runs of
+                            RUN_BT, each run's key tile loaded once and scored head by head
+
 Dataflow: a program owns BT queries x BE keys: q tile [BT*IH, ID] against keys [BE, ID] in one
 tensor-core dot (fp32), rounded, relu'd and weighted per head, summed over the IH heads in fp32.
+With per-token keys (a batch of sequences) BT is 1: every query reloads its key tile and the dot is
+IH rows tall. Prefill queries share their sequence's keys, so `runs` hands consecutive queries of one
+sequence to one program (index_scores_runs_kernel): the key tile is loaded once, each head is a
+[RUN_BT, ID] x [ID, BE] dot accumulated in fp32, and key blocks past every query's length only
+write -inf (half the causal square). Its head sum runs in another order than the per-token
+kernel's, so batch-invariant runs keep the per-token form (kernels/select.py).
 The top-k over these scores is kernels/triton_topk.py.
 """
 
@@ -14,6 +23,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -25,13 +35,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, o_ptr, n, E,
                         IH: tl.constexpr, ID: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                         HAS_LENS: tl.constexpr, UPCAST: tl.constexpr, PER_TOKEN_KEYS: tl.constexpr,
-                        PAGED: tl.constexpr = False):
+                        PAGED: tl.constexpr = False, tok_ptr=None, HAS_TOKENS: tl.constexpr = False):
     """PER_TOKEN_KEYS (BT == 1): query t reads keys rows ks[t] .. ks[t] + E of a shared pool (one
     sequence's keys per decode token), else all queries share keys[0:E]. PAGED: those are entries of
     a row table, key e of query t is pool row rows[ks[t] + e] (the cache pool read in place, no
     gathered copy). With PER_TOKEN_KEYS and lens, a key block wholly past lens[t] only writes -inf
-    (a CUDA-graph step sizes E for the longest context it serves)."""
+    (a CUDA-graph step sizes E for the longest context it serves). HAS_TOKENS (BT == 1): program i
+    scores query tok[i] (the queries left out of the prefill runs)."""
     pid_t = tl.program_id(0)
+    if HAS_TOKENS:
+        pid_t = tl.load(tok_ptr + pid_t)
     pid_e = tl.program_id(1)
     rq = pid_t * BT * IH + tl.arange(0, BT * IH)             # flattened (token, head) rows
     rd = tl.arange(0, ID)
@@ -69,12 +82,77 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, o_ptr, 
              mask=(rt < n)[:, None] & e_ok[None, :])
 
 
+@triton.jit
+def index_scores_runs_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, run_t0_ptr, run_n_ptr, o_ptr, E,
+                             IH: tl.constexpr, ID: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
+                             UPCAST: tl.constexpr, PAGED: tl.constexpr):
+    """Program (run r, key block): queries run_t0[r] .. + run_n[r] (<= BT, one sequence: they share
+    key_start) against keys pid_e * BE .. + BE, with lens."""
+    pid_r = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    t0 = tl.load(run_t0_ptr + pid_r).to(tl.int64)
+    cnt = tl.load(run_n_ptr + pid_r)
+    i = tl.arange(0, BT)
+    t_ok = i < cnt
+    rt = t0 + i
+    re = pid_e * BE + tl.arange(0, BE)
+    e_ok = re < E
+    ln = tl.load(lens_ptr + rt, mask=t_ok, other=0)
+    optr = o_ptr + rt[:, None] * E + re[None, :]
+    omask = t_ok[:, None] & e_ok[None, :]
+    if pid_e * BE >= tl.max(ln, axis=0):                     # past every query's causal length
+        tl.store(optr, tl.full((BT, BE), float("-inf"), tl.float32).to(tl.bfloat16), mask=omask)
+    else:
+        kbase = tl.load(ks_ptr + t0).to(tl.int64)
+        rd = tl.arange(0, ID)
+        if PAGED:
+            krow = tl.load(rows_ptr + kbase + re, mask=e_ok, other=0).to(tl.int64)
+        else:
+            krow = kbase + re.to(tl.int64)
+        k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
+        kt = tl.trans(k)
+        acc = tl.zeros((BT, BE), tl.float32)
+        for h in range(IH):
+            qh = tl.load(q_ptr + (rt[:, None] * IH + h) * ID + rd[None, :], mask=t_ok[:, None], other=0.0)
+            if UPCAST:
+                s = tl.dot(qh.to(tl.float32), kt.to(tl.float32))
+            else:
+                s = tl.dot(qh, kt)                             # [BT, BE] fp32
+            s = tl.maximum(s.to(tl.bfloat16).to(tl.float32), 0.0)
+            wh = tl.load(w_ptr + rt * IH + h, mask=t_ok, other=0.0).to(tl.float32)
+            acc += (s * wh[:, None]).to(tl.bfloat16).to(tl.float32)
+        tot = tl.where(re[None, :] < ln[:, None], acc, float("-inf"))
+        tl.store(optr, tot.to(tl.bfloat16), mask=omask)
+
+
+# queries per run program and the shortest sequence run worth one (shorter ones: per-token programs)
+RUN_BT = 64
+RUN_MIN = 16
+RUN_WARPS = 4
+
+
+def query_runs(cu: np.ndarray, bt: int = RUN_BT, min_len: int = RUN_MIN) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """cu [B+1] host cumulative query counts -> (run starts, run lengths) of the sequences with at least
+    min_len queries cut into runs of <= bt, and the other queries' ids (int32 arrays)."""
+    cu = np.asarray(cu, dtype=np.int64)
+    q = cu[1:] - cu[:-1]
+    long_ = q >= min_len
+    per = -(-q[long_] // bt)                                                  # runs per long sequence
+    first = np.repeat(cu[:-1][long_], per)
+    k = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)      # run index within its sequence
+    t0 = first + k * bt
+    ends = np.repeat(cu[1:][long_], per)
+    singles = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in np.nonzero(~long_)[0]] or [np.zeros(0, np.int64)])
+    return t0.astype(np.int32), np.minimum(ends - t0, bt).astype(np.int32), singles.astype(np.int32)
+
+
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor | None = None,
                  key_start: torch.Tensor | None = None, num_keys: int | None = None,
-                 rows: torch.Tensor | None = None) -> torch.Tensor:
+                 rows: torch.Tensor | None = None, runs: tuple | None = None) -> torch.Tensor:
     """key_start [n] (with num_keys): query t scores keys[key_start[t] : key_start[t] + num_keys]
     (a batch of decode tokens, each over its own sequence's keys); out [n, num_keys]. rows (with
-    key_start): a flat row table, query t's key e is keys[rows[key_start[t] + e]]."""
+    key_start): a flat row table, query t's key e is keys[rows[key_start[t] + e]]. runs (with
+    key_start and lens): query_runs(cu) as device tensors (run starts, run lengths, other queries)."""
     n, ih, idim = q.shape
     E = keys.shape[0] if key_start is None else num_keys
     out = torch.empty(n, E, dtype=torch.bfloat16, device=q.device)
@@ -86,10 +164,21 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
     ks = key_start.to(torch.int64).contiguous() if key_start is not None else out
     paged = rows is not None and key_start is not None
     rows_t = rows.to(torch.int64).contiguous() if paged else ks
-    index_scores_kernel[(triton.cdiv(n, bt), triton.cdiv(E, be))](
-        q.contiguous(), w.contiguous(), keys.contiguous(), lens_t, ks, rows_t, out, n, E, IH=ih, ID=idim, BT=bt,
-        BE=be, HAS_LENS=lens is not None, UPCAST=INTERPRET, PER_TOKEN_KEYS=key_start is not None, PAGED=paged,
-        num_warps=4)
+    q, w, keys = q.contiguous(), w.contiguous(), keys.contiguous()
+    grid_t, tokens = triton.cdiv(n, bt), None
+    if runs is not None:
+        assert key_start is not None and lens is not None, "runs score per-sequence keys under a causal length"
+        run_t0, run_n, tokens = runs
+        if run_t0.numel():
+            index_scores_runs_kernel[(run_t0.numel(), triton.cdiv(E, be))](
+                q, w, keys, lens_t, ks, rows_t, run_t0, run_n, out, E, IH=ih, ID=idim, BT=RUN_BT, BE=be,
+                UPCAST=INTERPRET, PAGED=paged, num_warps=RUN_WARPS)
+        grid_t = tokens.numel()
+    if grid_t:
+        index_scores_kernel[(grid_t, triton.cdiv(E, be))](
+            q, w, keys, lens_t, ks, rows_t, out, n, E, IH=ih, ID=idim, BT=bt,
+            BE=be, HAS_LENS=lens is not None, UPCAST=INTERPRET, PER_TOKEN_KEYS=key_start is not None, PAGED=paged,
+            tok_ptr=tokens, HAS_TOKENS=tokens is not None, num_warps=4)
     return out
 
 

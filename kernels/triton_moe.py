@@ -31,13 +31,13 @@ QBLOCK = 32          # act_quant block along the last dim
 
 
 @triton.jit
-def _fake_quant(v, BD: tl.constexpr, MANUAL: tl.constexpr):
-    """v [1, BD] fp32 -> FP8 e4m3 fake-quantized per 32 with pow2 scales (act_quant_kernel's steps)."""
-    g = tl.reshape(v, (1, BD // 32, 32))
+def _fake_quant(v, BD: tl.constexpr, MANUAL: tl.constexpr, BR: tl.constexpr = 1):
+    """v [BR, BD] fp32 -> FP8 e4m3 fake-quantized per 32 with pow2 scales (act_quant_kernel's steps)."""
+    g = tl.reshape(v, (BR, BD // 32, 32))
     amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
     s, inv = _pow2_ceil(amax * (1.0 / 448.0))
     q = _to_e4m3(tl.clamp(g * inv[:, :, None], -448.0, 448.0), MANUAL)
-    return tl.reshape(q.to(tl.float32) * s[:, :, None], (1, BD))
+    return tl.reshape(q.to(tl.float32) * s[:, :, None], (BR, BD))
 
 
 @triton.jit
@@ -87,22 +87,24 @@ def _slab_row(slot, T, stride_e, stride_row):
 
 
 @triton.jit
-def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, stride_e, stride_row,
+def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, P, stride_e, stride_row,
                             HAS_LIMIT: tl.constexpr, BI: tl.constexpr, MANUAL: tl.constexpr,
-                            DENSE: tl.constexpr = False):
-    """Program (pair p, column chunk) at row r = slot[p]: clamped SwiGLU in fp32, times the routing
-    weight, rounded to bf16, FP8 fake-quantized per 32 -> hp[r]. DENSE: r = p and weight 1 (the
-    shared expert: every row, no routing weight)."""
-    p = tl.program_id(0)
+                            DENSE: tl.constexpr = False, BR: tl.constexpr = 1):
+    """Program (BR pairs, column chunk): pair p at row r = slot[p]: clamped SwiGLU in fp32, times the
+    routing weight, rounded to bf16, FP8 fake-quantized per 32 -> hp[r]. DENSE: r = p and weight 1 (the
+    shared expert: every row, no routing weight). Several pairs a program and a chunk that divides
+    inter: a pair's 2,304 columns were 3 programs of 1,024 lanes, the last a quarter full."""
+    ps = tl.program_id(0) * BR + tl.arange(0, BR)
+    pm = ps < P
     cols = tl.program_id(1) * BI + tl.arange(0, BI)[None, :]
-    m = cols < inter
+    m = (cols < inter) & pm[:, None]
     if DENSE:
-        r = p.to(tl.int64)
-        w = 1.0
+        r = ps.to(tl.int64)
+        w = tl.full((BR,), 1.0, tl.float32)
     else:
-        r = tl.load(slot_ptr + p)
-        w = tl.load(w_ptr + p)
-    row = gu_ptr + _slab_row(r, T, stride_e, stride_row)
+        r = tl.load(slot_ptr + ps, mask=pm, other=0)
+        w = tl.load(w_ptr + ps, mask=pm, other=0.0)
+    row = gu_ptr + _slab_row(r, T, stride_e, stride_row)[:, None]
     gate = tl.load(row + cols, mask=m, other=0.0).to(tl.float32)
     up = tl.load(row + inter + cols, mask=m, other=0.0).to(tl.float32)
     if HAS_LIMIT:
@@ -113,9 +115,9 @@ def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, st
     else:
         e = libdevice.exp(-gate)
     silu = tl.math.div_rn(gate, 1.0 + e)
-    h = _round_bf16(w * (silu * up), MANUAL)
-    q = _fake_quant(h, BI, MANUAL)
-    tl.store(hp_ptr + r * inter + cols, q.to(hp_ptr.dtype.element_ty), mask=m)
+    h = _round_bf16(w[:, None] * (silu * up), MANUAL)
+    q = _fake_quant(h, BI, MANUAL, BR)
+    tl.store(hp_ptr + r[:, None] * inter + cols, q.to(hp_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -142,6 +144,15 @@ def moe_combine_kernel(out_ptr, slot_ptr, idx_ptr, shared_ptr, y_ptr, d, T, stri
 
 def _chunk(n: int, cap: int = 1024) -> int:
     return min(cap, max(QBLOCK, triton.next_power_of_2(n)))
+
+
+def _row_tile(n: int, lanes: int = 1024) -> tuple[int, int]:
+    """(rows, columns) of a program over rows of n columns (n a multiple of QBLOCK): the widest power of
+    two <= lanes that divides n (no masked tail), and as many rows as fill `lanes`."""
+    bi = QBLOCK
+    while bi * 2 <= lanes and n % (bi * 2) == 0:
+        bi *= 2
+    return lanes // bi, bi
 
 
 def moe_route(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,12 +185,12 @@ def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor
     hp = gu.new_empty(E, T, inter)
     P = slot.numel()
     if P:
-        bi = _chunk(inter)
+        br, bi = _row_tile(inter)
         w = weights.reshape(-1).float().contiguous()
         gu = gu if gu.stride(-1) == 1 else gu.contiguous()       # DeepGEMM's padded view: read in place
-        moe_swiglu_quant_kernel[(P, triton.cdiv(inter, bi))](gu, slot, w, hp, float(limit), inter, T, gu.stride(0),
-                                                             gu.stride(1), HAS_LIMIT=limit > 0, BI=bi,
-                                                             MANUAL=INTERPRET)
+        moe_swiglu_quant_kernel[(triton.cdiv(P, br), triton.cdiv(inter, bi))](
+            gu, slot, w, hp, float(limit), inter, T, P, gu.stride(0), gu.stride(1), HAS_LIMIT=limit > 0, BI=bi,
+            MANUAL=INTERPRET, BR=br)
     return hp
 
 
@@ -190,10 +201,11 @@ def swiglu_quant(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:
     assert two == 2 * inter and inter % QBLOCK == 0
     hp = gu.new_empty(T, inter)
     if T:
-        bi = _chunk(inter)
+        br, bi = _row_tile(inter)
         gu = gu if gu.stride(-1) == 1 else gu.contiguous()
-        moe_swiglu_quant_kernel[(T, triton.cdiv(inter, bi))](gu, gu, gu, hp, float(limit), inter, T, 0, gu.stride(0),
-                                                             HAS_LIMIT=limit > 0, BI=bi, MANUAL=INTERPRET, DENSE=True)
+        moe_swiglu_quant_kernel[(triton.cdiv(T, br), triton.cdiv(inter, bi))](
+            gu, gu, gu, hp, float(limit), inter, T, T, 0, gu.stride(0), HAS_LIMIT=limit > 0, BI=bi,
+            MANUAL=INTERPRET, DENSE=True, BR=br)
     return hp
 
 

@@ -178,6 +178,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-case", default="1x8192", help="the case --profile looks into (e.g. chunked)")
+    p.add_argument("--profile-top", type=int, default=20, help="how many kernels the profile lists")
     p.add_argument("--gemms", nargs="+", default=list(GEMM_MODES),
                    help="GEMM paths to compare (gemm_mode): w8a16, w8a16+moe, fp8, auto[+moe], an FP8 variant name")
     a = p.parse_args()
@@ -226,7 +227,7 @@ def main() -> None:
         try:
             with torch.inference_mode():
                 fn, _ = run_case(model, caches, a.profile_case, nb)
-                top = profile(fn, case=a.profile_case)
+                top = profile(fn, top=a.profile_top, case=a.profile_case)
                 host_profile(fn)
         except Exception as e:  # noqa: BLE001
             print(f"profile FAILED: {type(e).__name__}: {str(e)[:400]}")

@@ -76,6 +76,14 @@ def check_kernels(device) -> None:
             ones = torch.ones(T, device=device)
             rows = torch.arange(T, device=device)
             assert torch.equal(h, tm.moe_swiglu_quant(gu[:1], rows, ones, limit, INTER)[0]), (T, limit)
+        # widths whose program tile is narrower than a power-of-two row (576 = 9 x 64, like the release's
+        # 2,304 = 9 x 256): several pairs a program, no masked tail
+        for inter in (96, 576):
+            gw = torch.Generator().manual_seed(inter + T)
+            gu = (torch.randn(E, T, 2 * inter, generator=gw) * 4).bfloat16().to(device)
+            hp = tm.moe_swiglu_quant(gu, slot, w, 7.0, inter).view(E * T, inter)[valid]
+            _bf16_ulp_close(hp, ref.moe_swiglu_quant_ref(gu, slot, w, 7.0, inter).view(E * T, inter)[valid], 2e-3)
+            _bf16_ulp_close(tm.swiglu_quant(gu[0], 0.0, inter), ref.swiglu_quant_ref(gu[0], 0.0, inter), 2e-3)
         out = (torch.randn(E, T, DIM, generator=g) * 3).bfloat16().to(device)
         shared = torch.randn(T, DIM, generator=g).bfloat16().to(device)
         y = tm.moe_combine(out, slot, idx, shared)

@@ -19,7 +19,8 @@ from deepinfer.kernels.reference import rms_norm_ref, rope_ref
 NORM_DIMS = (512, 1024, 4096, 7168)
 NORM_ROWS = (1, 3, 70)
 # (x shape, rope_head_dim): attention q [T, H, D], kv / compressed latent [T, D], indexer q [T, IH, ID]
-ROPE_SHAPES = (((5, 64, 512), 64), ((5, 512), 64), ((3, 8, 128), 64), ((70, 512), 64))
+ROPE_SHAPES = (((5, 64, 512), 64), ((5, 512), 64), ((3, 8, 128), 64), ((70, 512), 64),
+               ((9, 3, 96), 32), ((33, 12, 128), 64))   # rows that straddle tokens, H not a power of two
 
 
 def _norm_case(rows, d, dtype, strided, device, seed):
