@@ -7,8 +7,8 @@
                             D - rd dims are neither read nor written (attention's q and output at 512
                             dims with 64 rotated: 1/8 of the copy's traffic)
 
-Dataflow: one program per BLOCK_R flat (token, head) rows copies the D - rd leading dims and loads the
-rope part as [BLOCK_R, rd/2, 2], splits it into (re, im), rotates by the token's cis row with the
+Dataflow: one program per (BLOCK_T tokens, BLOCK_H heads) copies the D - rd leading dims and loads the
+rope part as [BLOCK_T, BLOCK_H, rd/2, 2] (each token's cis row once), splits it into (re, im), rotates by the token's cis row with the
 reference's complex product, joins, casts and stores. Bit-exact against rope_ref on each device:
 NOTE: torch's complex64 multiply rounds differently per device. CUDA (nvcc contracts c10::complex's
 operator*): re = fma(a, c, -(b*d)), im = fma(a, d, b*c), measured on the H200. CPU (AVX mul + hsub):
@@ -18,6 +18,8 @@ is launched without FMA contraction so the unfused form stays unfused.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -26,39 +28,55 @@ from .reference import rope_ref  # noqa: F401  (the reference this follows)
 
 
 @triton.jit
-def rope_kernel(x_ptr, cis_ptr, y_ptr, H, R, sx_t, sx_h, sc_t,
+def rope_kernel(x_ptr, cis_ptr, y_ptr, T, H, sx_t, sx_h, sc_t,
                 D: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr, FMA: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_NOPE: tl.constexpr, COPY_NOPE: tl.constexpr = True):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)                   # flat (token, head) rows
-    rm = rows < R
-    t = (rows // H).to(tl.int64)
-    h = (rows % H).to(tl.int64)
-    src = x_ptr + (t * sx_t + h * sx_h)[:, None]                                # [BLOCK_R, 1]
-    dst = y_ptr + rows.to(tl.int64)[:, None] * D
-    hm = rm[:, None]
+                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+                COPY_NOPE: tl.constexpr = True):
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = (ts[:, None] < T) & (hs[None, :] < H)                                 # [BLOCK_T, BLOCK_H]
+    t64 = ts.to(tl.int64)[:, None]
+    h64 = hs.to(tl.int64)[None, :]
+    src = x_ptr + t64 * sx_t + h64 * sx_h                                       # [BLOCK_T, BLOCK_H]
+    dst = y_ptr + (t64 * H + h64) * D
     if NOPE > 0 and COPY_NOPE:                                                  # pass-through dims
-        cols = tl.arange(0, BLOCK_NOPE)[None, :]
-        m = hm & (cols < NOPE)
-        tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
+        cols = tl.arange(0, BLOCK_NOPE)[None, None, :]
+        m = ok[:, :, None] & (cols < NOPE)
+        tl.store(dst[:, :, None] + cols, tl.load(src[:, :, None] + cols, mask=m), mask=m)
     i = tl.arange(0, HALF)[None, :]
-    crow = cis_ptr + t[:, None] * sc_t
-    c = tl.load(crow + 2 * i, mask=hm, other=0.0)                               # [BLOCK_R, HALF] fp32
-    s = tl.load(crow + 2 * i + 1, mask=hm, other=0.0)
+    crow = cis_ptr + t64 * sc_t                                                 # [BLOCK_T, 1]: once per token
+    tm = ts[:, None] < T
+    c = tl.load(crow + 2 * i, mask=tm, other=0.0)[:, None, :]                   # [BLOCK_T, 1, HALF] fp32
+    s = tl.load(crow + 2 * i + 1, mask=tm, other=0.0)[:, None, :]
     if INVERSE:
         s = -s
     pair = tl.arange(0, HALF)[:, None] * 2 + tl.arange(0, 2)[None, :]            # [HALF, 2]
-    offs = NOPE + pair[None, :, :]                                               # [1, HALF, 2]
-    m3 = hm[:, :, None]
-    z = tl.load(src[:, :, None] + offs, mask=m3, other=0.0).to(tl.float32)       # [BLOCK_R, HALF, 2]
-    a, b = tl.split(z)                                                           # [BLOCK_R, HALF] each
+    offs = NOPE + pair[None, None, :, :]                                         # [1, 1, HALF, 2]
+    m4 = ok[:, :, None, None]
+    z = tl.load(src[:, :, None, None] + offs, mask=m4, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H, HALF, 2]
+    a, b = tl.split(z)                                                           # [BLOCK_T, BLOCK_H, HALF]
     if FMA:                                                                      # torch on CUDA
         re = tl.fma(a, c, -(b * s))
         im = tl.fma(a, s, b * c)
     else:                                                                        # torch on CPU
         re = a * c - b * s
         im = a * s + b * c
-    out = tl.join(re, im)                                                        # [BLOCK_R, HALF, 2]
-    tl.store(dst[:, :, None] + offs, out.to(y_ptr.dtype.element_ty), mask=m3)
+    out = tl.join(re, im)                                                        # [BLOCK_T, BLOCK_H, HALF, 2]
+    tl.store(dst[:, :, None, None] + offs, out.to(y_ptr.dtype.element_ty), mask=m4)
+
+
+# (tokens, heads) a program: up to HEADS heads of ROWS // heads tokens (one [T, 512] kv row a program
+# was 8,192 programs of 64 values). DEEPINFER_ROPE_TILE=4x16 pins one tile (perf/bench_rope.py sweeps them).
+ROWS, HEADS = 16, 16
+_TILE_ENV = os.environ.get("DEEPINFER_ROPE_TILE")
+TILE = tuple(int(v) for v in _TILE_ENV.split("x")) if _TILE_ENV else None
+
+
+def _tile(T: int, H: int) -> tuple[int, int]:
+    if TILE is not None:
+        return TILE[0], min(TILE[1], triton.next_power_of_2(H))
+    bh = min(triton.next_power_of_2(H), HEADS)
+    return max(1, ROWS // bh), bh
 
 
 def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: bool = False) -> torch.Tensor:
@@ -81,13 +99,9 @@ def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: boo
     if T == 0 or H == 0:
         return y
     nope = D - 2 * half
-    block_nope = triton.next_power_of_2(max(nope, 1))
-    # ~4k elements a program: one token's 16 heads (the old tile) left the copy latency-bound, 3x its bytes' time
-    width = 2 * half + (block_nope if nope and not inplace else 0)
-    block_r = 1 << (max(1, min(64, 4096 // width)).bit_length() - 1)        # a power of two (tl.arange)
-    R = T * H
-    rope_kernel[(triton.cdiv(R, block_r),)](x3, cr, y, H, R, x3.stride(0), x3.stride(1), cr.stride(0),
-                                            D=D, NOPE=nope, HALF=half, INVERSE=inverse, FMA=x.is_cuda, BLOCK_R=block_r,
-                                            COPY_NOPE=not inplace, BLOCK_NOPE=block_nope, num_warps=4,
-                                            enable_fp_fusion=False)
+    bt, bh = _tile(T, H)
+    rope_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
+        x3, cr, y, T, H, x3.stride(0), x3.stride(1), cr.stride(0), D=D, NOPE=nope, HALF=half, INVERSE=inverse,
+        FMA=x.is_cuda, BLOCK_T=bt, BLOCK_H=bh, COPY_NOPE=not inplace, BLOCK_NOPE=triton.next_power_of_2(max(nope, 1)),
+        num_warps=4, enable_fp_fusion=False)
     return y
