@@ -42,6 +42,10 @@ class EngineArgs:
     spec_confidence_threshold: float = 0.5  # "threshold": verify drafts 1..j while prod_{i<=j} sigmoid(c_i) >= this
     spec_early_stop: bool = False           # "scheduler": stop at the first budget that does not pay (the paper's variant)
     spec_budget_confidences: str = "older"  # "scheduler": budget from the previous proposal's confidences, or "newest"
+    # "scheduler": verify at least the drafts that keep the expected accepted tokens >= this fraction of
+    # verify-all's (a per-user latency floor under the throughput argmax, which at 40 layers cuts to ~0.92);
+    # None = the argmax alone (DeepInfer)
+    spec_acceptance_floor: float | None = None
     # "scheduler" with older confidences: calibrate them online against the newest (spec/older_calibration.py);
     # False = take them as they are (DeepInfer)
     spec_calibrate_older: bool = True
@@ -238,6 +242,12 @@ class EngineArgs:
             raise ValueError(f"spec_replay_accepted_length must be in [1, {1 + self.num_speculative_tokens}), got {r}")
         if not self.spec_replay_concentration > 0:
             raise ValueError(f"spec_replay_concentration must be > 0, got {self.spec_replay_concentration}")
+        f = self.spec_acceptance_floor
+        if f is not None and not 0.0 < f <= 1.0:
+            raise ValueError(f"spec_acceptance_floor must be in (0, 1] or None, got {f}")
+        if f is not None and self.spec_policy != "scheduler":
+            raise ValueError(f"spec_acceptance_floor needs spec_policy='scheduler' (the floor bounds its budget), "
+                             f"got {self.spec_policy!r}")
         if self.spec_pause and self.spec_policy != "scheduler":
             raise ValueError(f"spec_pause needs spec_policy='scheduler' (its step-time model decides), "
                              f"got {self.spec_policy!r}")

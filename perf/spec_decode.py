@@ -3,7 +3,7 @@ threshold and the confidence scheduler against no speculation, at several batch 
 
     python perf/spec_decode.py [--checkpoint DIR | --preset tiny|small|full-width-ep8] [--device cpu|cuda]
                                [--batches 1 16 64] [--prompt-len 64] [--output-len 64] [--quick]
-                               [--accepted-length 3.5] [--threshold 0.5] [--load-format dummy] [--variants]
+                               [--accepted-length 3.5] [--threshold 0.5] [--floor 0.98] [--load-format dummy] [--variants]
                                [--enforce-eager] [--async-overlap] [--json $OUT/spec_decode.json]
                                [--plot perf/figures/spec_decode_cpu.png]
 
@@ -238,6 +238,8 @@ def configs(a) -> dict[str, dict]:
             "verify-all": {**spec, "spec_policy": "all"},
             "scheduler": {**spec, "spec_policy": "scheduler"},
             f"threshold {a.threshold}": {**spec, "spec_policy": "threshold", "spec_confidence_threshold": a.threshold},
+            **({f"sched floor {a.floor}": {**spec, "spec_policy": "scheduler", "spec_acceptance_floor": a.floor}}
+               if a.floor else {}),
             **({"sched newest": {**spec, "spec_policy": "scheduler", "spec_budget_confidences": "newest"},
                 "sched early-stop": {**spec, "spec_policy": "scheduler", "spec_early_stop": True},
                 "sched face value": {**spec, "spec_policy": "scheduler", "spec_calibrate_older": False},
@@ -379,10 +381,11 @@ def report(res: dict, batches: list[int], gpus: int, a=None) -> None:
         return
     th = th[0]
     bound = oracle_bounds(a) if a is not None else None
-    for b in batches:
-        s, va, t = res["scheduler"][b], res["verify-all"][b], res[th][b]
+    for name, b in ((n, b) for n in ["scheduler"] + [n for n in names if n.startswith("sched floor") and n in res]
+                    for b in batches):
+        s, va, t = res[name][b], res["verify-all"][b], res[th][b]
         fewer = 1 - s["verified_per_step"] / va["verified_per_step"] if va["verified"] else float("nan")
-        print(f"goal @ batch {b}: scheduler verifies {fewer:.0%} fewer drafts than verify-all "
+        print(f"goal @ batch {b}: {name} verifies {fewer:.0%} fewer drafts than verify-all "
               f"(goal >= 25%) at {s['mean_acc_len'] / va['mean_acc_len']:.2f} of its accepted length (goal >= 0.98); "
               f"verified per accepted {verified_per_accepted(s) / verified_per_accepted(va):.2f}x verify-all's; "
               f"tok/s vs threshold {s['total'] / t['total']:.2f}x (goal > 1 at batch 64); vs verify-all "
@@ -478,6 +481,9 @@ def main() -> None:
                     help="the replayed confidences persist over regimes of this many positions (spec/replay.py); "
                          "0: drawn independently per proposal")
     ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--floor", type=float, default=None,
+                    help="also run the scheduler with this acceptance floor (EngineArgs.spec_acceptance_floor), "
+                         "as the policy 'sched floor F'")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
     ap.add_argument("--num-cache-blocks", type=int,

@@ -23,7 +23,7 @@ def set_verification_policy(engine) -> None:
         model = _profile(engine, plain=a.spec_pause)
         policy = VerifyAllPolicy() if model is None else VerifyBudgetPolicy(
             model, early_stop=a.spec_early_stop, budget_confidences=a.spec_budget_confidences,
-            padded=_padded_steps(engine),
+            padded=_padded_steps(engine), acceptance_floor=a.spec_acceptance_floor,
             calibration=OlderCalibration(a.num_speculative_tokens) if a.spec_calibrate_older else None)
     engine.step_time_model = getattr(policy, "step_time", None)
     pause = a.spec_pause and isinstance(policy, VerifyBudgetPolicy)

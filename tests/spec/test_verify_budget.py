@@ -96,6 +96,47 @@ def test_flat_step_time_verifies_everything_and_steep_verifies_little():
     assert mid.assign(entries) == [2, 1]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_acceptance_floor_keeps_the_expected_accepted_tokens(seed):
+    """With a floor f the budget is the argmax or, where that cuts deeper, the smallest B whose expected
+    accepted tokens n + sum of the B best survivals reach f x verify-all's (brute force over B)."""
+    rng = random.Random(seed)
+    entries = [entry([rng.random() * 0.98 + 0.01 for _ in range(5)]) for _ in range(rng.randint(1, 40))]
+    model = linear_model(t0=0.01, per_draft=rng.choice([0.001, 0.01]))       # steep: the argmax cuts deep
+    survivals = sorted((a for e in entries for a in prefix_survival(e.newest)), reverse=True)
+    n, full = len(entries), len(entries) + sum(survivals)
+    argmax = brute_force_budget(n, survivals, model.time)
+    for f in (0.5, 0.9, 0.98, 1.0):
+        got = sum(VerifyBudgetPolicy(model, budget_confidences="newest", acceptance_floor=f).assign(entries))
+        least = next(b for b in range(len(survivals) + 1) if n + sum(survivals[:b]) >= f * full * (1 - 1e-12))
+        assert got == max(argmax, least), (f, got, argmax, least)
+        assert n + sum(survivals[:got]) >= f * full * (1 - 1e-12)
+    assert sum(VerifyBudgetPolicy(model, budget_confidences="newest").assign(entries)) == argmax
+
+
+def test_acceptance_floor_bounds_the_padded_cap():
+    """Padded steps: the cap L is at least the smallest whose expected tokens reach the floor."""
+    entries = [entry([0.9, 0.8, 0.7, 0.6, 0.5]), entry([0.9, 0.9, 0.9, 0.9, 0.9])]
+    steep = linear_model(0.01, 0.01)
+    padded = lambda n, length: True  # noqa: E731 (every (n, length) has a padded graph)
+    assert VerifyBudgetPolicy(steep, budget_confidences="newest", padded=padded).assign(entries) == [0, 0]
+    # survivals .9 .72 .504 .3024 .1512 and .9 .81 .729 .6561 .59049: full = 2 + 6.2; 0.9 x 8.2 = 7.38 needs
+    # cap 4 (2 + 1.8 + 1.53 + 1.233 + .9585 = 7.52; cap 3 gives 6.56)
+    floored = VerifyBudgetPolicy(steep, budget_confidences="newest", padded=padded, acceptance_floor=0.9)
+    assert floored.assign(entries) == [4, 4]
+
+
+def test_acceptance_floor_is_checked():
+    from deepinfer.config import EngineArgs
+    with pytest.raises(ValueError, match="spec_acceptance_floor"):
+        VerifyBudgetPolicy(StepTimeModel.flat(), acceptance_floor=1.5)
+    with pytest.raises(ValueError, match="spec_acceptance_floor"):
+        EngineArgs(checkpoint="x", spec_acceptance_floor=0.0)._check_spec_args()
+    with pytest.raises(ValueError, match="needs spec_policy='scheduler'"):
+        EngineArgs(checkpoint="x", spec_policy="all", spec_acceptance_floor=0.98)._check_spec_args()
+    EngineArgs(checkpoint="x", spec_acceptance_floor=0.98)._check_spec_args()
+
+
 def test_split_goes_by_newest_confidence_as_prefixes():
     entries = [entry([0.6, 0.5, 0.5]), entry([0.95, 0.9, 0.9]), entry([0.7, 0.1, 0.9])]
     counts = split_budget(entries, 4)
