@@ -2,10 +2,10 @@
 32-row dot per query) against the runs kernel (kernels/triton_indexer.py `runs`: a sequence's queries
 in runs sharing the key tile, head by head, causally masked key blocks skipped), over run heights and
 warp counts. Keys in a shuffled pool read through a row table (the model's index_scores_pool), causal
-lengths of a ratio-4 compressed layer. Prints ms, the useful (unmasked) TFLOP/s against the bf16 peak
+lengths of a compressed layer (--ratio). Prints ms, the useful (unmasked) TFLOP/s against the bf16 peak
 measured in the same run, and the speed-up.
 
-    python perf/bench_indexer.py [--cases 1x8192 4x2048 16x512] [--configs 64x4 128x8 32x4]
+    python perf/bench_indexer.py [--cases 1x8192 4x2048 16x512] [--configs 64x4 128x8 32x4] [--ratio 2]
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchutil import measure_ceilings, save_json, time_eager  # noqa: E402
 
-IH, ID, RATIO = 32, 128, 4
+IH, ID = 32, 128
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cases", nargs="+", default=["1x8192", "4x2048", "16x512"])
     p.add_argument("--configs", nargs="+", default=["64x4", "64x8", "128x8", "32x4"], help="run height x warps")
+    p.add_argument("--ratio", type=int, default=2,
+                   help="compression ratio of the scored layer (the release's index layers: 2 and 1; 4 in the first run)")
     a = p.parse_args()
     from deepinfer.kernels import triton_indexer as ti
     peak = measure_ceilings()["bf16_flops"]
@@ -37,14 +39,14 @@ def main() -> None:
     rows_out = []
     for case in a.cases:
         B, S = (int(v) for v in case.split("x"))
-        T, E = B * S, S // RATIO
+        T, E = B * S, S // a.ratio
         cu = np.arange(B + 1, dtype=np.int64) * S
         q = torch.randn(T, IH, ID, device="cuda", generator=g).bfloat16()
         w = (torch.randn(T, IH, device="cuda", generator=g) * 0.02).bfloat16()
         pool = torch.randn(B * E + 7, ID, device="cuda", generator=g).bfloat16()
         rows = torch.randperm(B * E + 7, device="cuda", generator=g)[:B * E]
         pos = torch.arange(T, device="cuda") % S
-        lens = ((pos + 1) // RATIO).to(torch.int32)
+        lens = ((pos + 1) // a.ratio).to(torch.int32)
         ks = torch.arange(T, device="cuda") // S * E
         useful = 2 * IH * ID * float(lens.sum())
         args = (q, w, pool, lens)
