@@ -111,6 +111,15 @@ def profile(fn, top: int = 20, case: str = "1x8192") -> list[dict]:
     print(f"profile {case} (default path): {total / 1e3:.1f} ms of kernel time; top {top}:")
     for r in rows[:top]:
         print(f"  {r['us'] / 1e3:8.2f} ms {100 * r['us'] / total:5.1f}%  {r['calls']:5d}x  {r['name']}")
+    # where the device time comes from, by aten op and the model's Python line (kernels launched by
+    # torch ops carry no stack; their CPU op does): finds the glue kernels the top list names by template
+    ops_ = [e for e in prof.key_averages(group_by_stack_n=8)
+            if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    ops_.sort(key=lambda e: -e.self_device_time_total)
+    print("torch ops by device time and the model line that issued them (top 15):")
+    for e in ops_[:15]:
+        stack = " < ".join(f.split("/")[-1] for f in (e.stack or []) if "deepinfer" in f or "kernels" in f)[:150]
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:5d}x  {e.key}  {stack}")
     waits = [e for e in prof.key_averages(group_by_stack_n=6)
              if e.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")]
     waits.sort(key=lambda e: -e.cpu_time_total)
