@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import measure_ceilings, save_json, time_eager  # noqa: E402
 
 IH, ID = 32, 128
+FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
 
 def main() -> None:
@@ -73,7 +74,30 @@ def main() -> None:
                   f"  {t_tok / t:5.2f}x per-token  (rel. diff {err:.1e}{'' if same_mask else ', MASK DIFFERS'})", flush=True)
             rows_out.append(dict(case=case, form=f"runs {cfg}", ms=t * 1e3, of_bf16=useful / t / peak,
                                  speedup=t_tok / t))
-    save_json("indexer.json", dict(rows=rows_out, peak_bf16=peak))
+    save_json("indexer.json", dict(rows=rows_out, peak_bf16=peak, ratio=a.ratio))
+    plot(rows_out, os.path.join(FIGURES, f"indexer_runs_ratio{a.ratio}_h200.png"), a.ratio)
+
+
+def plot(rows: list[dict], path: str, ratio: int) -> None:
+    """ms per case and form, grouped bars (the per-token kernel first)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    forms = list(dict.fromkeys(r["form"] for r in rows))
+    w = 0.8 / len(forms)
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for i, form in enumerate(forms):
+        ms = [next((r["ms"] for r in rows if r["case"] == c and r["form"] == form), 0.0) for c in cases]
+        ax.bar([j + w * i for j in range(len(cases))], ms, w, label=form)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cases))], cases)
+    ax.set_ylabel("ms per call")
+    ax.set_title(f"H200 indexer scores at prefill (32 heads x 128, ratio {ratio}): per-token vs runs (height x warps)",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
