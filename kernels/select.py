@@ -881,7 +881,7 @@ def _index_runs(cu, max_q: int, n: int, device):
     from . import triton_indexer as ti
     if cu is None or max_q < ti.RUN_MIN or int(cu[-1]) != n or _batch_invariant():
         return None
-    key = (np.asarray(cu).tobytes(), str(device))
+    key = (np.asarray(cu).tobytes(), str(device), ti.RUN_BT)
     memo = _RUNS_MEMO[0]
     if memo is None or memo[0] != key:
         arrays = ti.query_runs(cu)

@@ -131,9 +131,11 @@ RUN_MIN = 16
 RUN_WARPS = 4
 
 
-def query_runs(cu: np.ndarray, bt: int = RUN_BT, min_len: int = RUN_MIN) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def query_runs(cu: np.ndarray, bt: int | None = None, min_len: int = RUN_MIN) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """cu [B+1] host cumulative query counts -> (run starts, run lengths) of the sequences with at least
-    min_len queries cut into runs of <= bt, and the other queries' ids (int32 arrays)."""
+    min_len queries cut into runs of <= bt (None: RUN_BT, the height index_scores launches), and the
+    other queries' ids (int32 arrays)."""
+    bt = RUN_BT if bt is None else bt
     cu = np.asarray(cu, dtype=np.int64)
     q = cu[1:] - cu[:-1]
     long_ = q >= min_len
@@ -142,7 +144,7 @@ def query_runs(cu: np.ndarray, bt: int = RUN_BT, min_len: int = RUN_MIN) -> tupl
     k = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)      # run index within its sequence
     t0 = first + k * bt
     ends = np.repeat(cu[1:][long_], per)
-    singles = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in np.nonzero(~long_)[0]] or [np.zeros(0, np.int64)])
+    singles = np.nonzero(np.repeat(~long_, q))[0]
     return t0.astype(np.int32), np.minimum(ends - t0, bt).astype(np.int32), singles.astype(np.int32)
 
 
