@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .fused_linears import fuse_fp8_linears
+from .fused_linears import fuse_linears
 from .layers import ACT, Linear, RMSNorm
 from .step_metadata import StepMetadata
 
@@ -129,8 +129,8 @@ class Attention(nn.Module):
 
     # ---- shared pieces -------------------------------------------------------------------------
     def fuse_input_linears(self) -> bool:
-        """wq_a and wkv (both read x) as one FP8 GEMM (model/fused_linears.py); True if fused."""
-        self.wqkv_a = fuse_fp8_linears([self.wq_a, self.wkv])
+        """wq_a and wkv (both read x) as one GEMM, FP8 or dense (model/fused_linears.py); True if fused."""
+        self.wqkv_a = fuse_linears([self.wq_a, self.wkv])
         return self.wqkv_a is not None
 
     def qkv(self, x: torch.Tensor, cis: torch.Tensor):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .fused_linears import fuse_fp8_linears
+from .fused_linears import fuse_linears
 from .layers import ACT, Linear, linear_fp32
 
 
@@ -242,9 +242,9 @@ class MoE(nn.Module):
         return self._routed_loop(x, weights, indices)
 
     def fuse_input_linears(self) -> bool:
-        """The shared expert's w1 and w3 (both read x) as one FP8 GEMM (model/fused_linears.py; the
-        loader calls this on CUDA); True if fused."""
-        self.shared_w13 = fuse_fp8_linears([self.shared_experts.w1, self.shared_experts.w3])
+        """The shared expert's w1 and w3 (both read x) as one GEMM, FP8 or dense (model/fused_linears.py;
+        the loader calls this on CUDA); True if fused."""
+        self.shared_w13 = fuse_linears([self.shared_experts.w1, self.shared_experts.w3])
         return self.shared_w13 is not None
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:

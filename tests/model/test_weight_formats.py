@@ -31,6 +31,9 @@ def models(tiny_checkpoint):
         # EngineArgs.dense_weights="bf16": dense linears dequantized at load, experts in FP8 stacks
         "fp8-dense-linears": load_model(tiny_checkpoint, progress=False, weight_format="fp8", dense_bf16=True,
                                         moe_masked=True),
+        # and fused as CUDA loads it: wq_a + wkv and the shared w1 + w3 as stacked dense weights
+        "fp8-dense-fused": load_model(tiny_checkpoint, progress=False, weight_format="fp8", dense_bf16=True,
+                                      moe_masked=True, fuse_linears=True),
     }
 
 
@@ -54,7 +57,7 @@ def _run(model) -> list[torch.Tensor]:
 
 def test_fp8_format_equals_dense(models):
     ref = _run(models["dense"])
-    for fmt in ("fp8", "fp8-masked", "fp8-fused", "fp8-dense-linears"):
+    for fmt in ("fp8", "fp8-masked", "fp8-fused", "fp8-dense-linears", "fp8-dense-fused"):
         got = _run(models[fmt])
         assert len(got) == len(ref)
         for i, (g, r) in enumerate(zip(got, ref)):
@@ -160,6 +163,45 @@ def test_fused_input_linears_share_one_weight(models):
         assert att.wkv.fp8[0].data_ptr() == w[att.wq_a.out_features:].data_ptr()
         assert w.shape[0] == att.wq_a.out_features + att.wkv.out_features
         assert att.wkv.fp8[1].data_ptr() == s[s.shape[0] - att.wkv.fp8[1].shape[0]:].data_ptr()
+
+
+def test_fused_dense_linears_share_one_weight(models):
+    """dense_bf16 + fuse_linears: wq_a / wkv and the shared expert's w1 / w3 become views of one stacked
+    dense weight, the stacked Linears are what qkv and the shared expert run (MoE._shared's fused
+    SwiGLU), and their act rounding is the originals'."""
+    m = models["fp8-dense-fused"]
+    atts = [mod for mod in m.modules() if getattr(mod, "wqkv_a", None) is not None]
+    moes = [mod for mod in m.modules() if isinstance(mod, MoE) and mod.shared_w13 is not None]
+    assert atts and moes and len(moes) == sum(isinstance(mod, MoE) for mod in m.modules())
+    pairs = [(a.wqkv_a, a.wq_a, a.wkv) for a in atts] + [(e.shared_w13, e.shared_experts.w1, e.shared_experts.w3)
+                                                          for e in moes]
+    for fused, first, second in pairs:
+        w = fused.weight
+        assert fused.fp8 is None and fused.quantized == first.quantized == second.quantized
+        assert first.weight.data_ptr() == w.data_ptr() and second.weight.data_ptr() == w[first.out_features:].data_ptr()
+        assert w.shape == (first.out_features + second.out_features, first.in_features)
+
+
+def test_fusing_needs_one_weight_form():
+    """fuse_linears declines Linears that cannot share a weight: mixed forms, different K or dtype."""
+    from deepinfer.model.fused_linears import fuse_dense_linears, fuse_linears
+    a, b, c = Linear(8, 4), Linear(8, 6), Linear(16, 4)
+    for lin in (a, b, c):
+        lin.weight = torch.randn(lin.out_features, lin.in_features)
+    assert fuse_dense_linears([a]) is None and fuse_dense_linears([a, c]) is None
+    b.quantized = True
+    assert fuse_dense_linears([a, b]) is None                          # act rounding differs
+    b.quantized = False
+    b.weight = b.weight.double()
+    assert fuse_dense_linears([a, b]) is None
+    b.weight = b.weight.float()
+    x = torch.randn(3, 8)
+    want = torch.cat([a(x), b(x)], dim=-1)
+    fused = fuse_linears([a, b])
+    assert fused is not None and torch.equal(fused(x), want)
+    e = Linear(8, 4)
+    e.fp8 = (torch.zeros(4, 8, dtype=torch.float8_e4m3fn), torch.zeros(4, 1, dtype=torch.uint8))
+    assert fuse_linears([a, e]) is None                               # an FP8 Linear beside a dense one
 
 
 def test_dense_linears_form(models, tiny_checkpoint):
