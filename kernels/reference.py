@@ -228,14 +228,15 @@ def index_scores_paged_ref(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
     return s.masked_fill(torch.arange(E, device=s.device) >= lens[:, None], -math.inf)
 
 
-def moe_route_ref(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_ref(indices: torch.Tensor, n_experts: int, contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """indices [T, K] -> (counts [E] int32, slot [T*K] int64): pair p = t*K + k goes to row
     slot[p] = e * T + rank of the [E, T, d] slab, rank = its place in a stable sort by expert:
 
         e_sorted   0  0  0 | 2 | 5  5 ...      order: the pair at each sorted position
         start      counts' exclusive cumsum: start[0] = 0, start[2] = 3, start[5] = 4
         rank       position - start[e_sorted] = 0 1 2 | 0 | 0 1
-    No host read (scatter_add, not bincount)."""
+    No host read (scatter_add, not bincount). contiguous: slot[p] = the pair's sorted position itself
+    (start[e] + rank: the row of a slab that holds the pairs sorted by expert, no padding)."""
     T = indices.shape[0]
     flat = indices.flatten()
     order = torch.argsort(flat, stable=True)
@@ -244,7 +245,7 @@ def moe_route_ref(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, 
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     rank = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[e_sorted]
     slot = torch.empty_like(flat)
-    slot[order] = e_sorted * T + rank
+    slot[order] = torch.arange(flat.numel(), device=flat.device) if contiguous else e_sorted * T + rank
     return counts, slot
 
 

@@ -711,12 +711,13 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, topk: int, temp: float
     return _ref.router_topk_ref(logits, bias, topk, temp, route_scale, norm, bias_alt, alt_mask)
 
 
-def moe_route(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The masked MoE's routing map (reference.moe_route_ref): (counts [E] int32, slot [T*K] int64)."""
+def moe_route(indices: torch.Tensor, n_experts: int, contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE's routing map (reference.moe_route_ref): (counts [E] int32, slot [T*K] int64), rows of the
+    masked [E, T] slab or (contiguous) of the pairs sorted by expert."""
     if use_fast(indices):
         from .triton_moe import moe_route as fast
-        return fast(indices, n_experts)
-    return _ref.moe_route_ref(indices, n_experts)
+        return fast(indices, n_experts, contiguous)
+    return _ref.moe_route_ref(indices, n_experts, contiguous)
 
 
 def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) -> torch.Tensor:

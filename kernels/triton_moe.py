@@ -2,6 +2,7 @@
 `moe_dispatch_ref`, `moe_swiglu_quant_ref`, `moe_combine_ref`; model/moe.py `MoE._masked_experts`).
 
     moe_route(indices, E)          -> counts [E] int32, slot [T*K] int64: pair p's row e*T + rank
+                                      (contiguous=True: its place in the stable sort by expert)
     moe_dispatch(x, slot, K, E)    -> xp [E, T, d]: act_quant(x)[p // K] at row slot[p]
     moe_swiglu_quant(gu, slot, ..) -> hp [E, T, inter]: act_quant(bf16(w_p * silu(gate) * up)) at row slot[p]
     moe_combine(out, slot, ..)     -> y [T, d]: fp32 sum of a token's picks in ascending expert id, + shared
@@ -51,10 +52,20 @@ def _round_bf16(v, MANUAL: tl.constexpr):
 
 
 @triton.jit
-def moe_route_kernel(idx_ptr, counts_ptr, slot_ptr, T, P, BLOCK: tl.constexpr):
+def moe_route_kernel(idx_ptr, counts_ptr, slot_ptr, T, P, BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
     """One program per expert e: a running inclusive cumsum of (idx == e) over the pairs in order
-    gives each of e's pairs its rank (token order inside the group)."""
+    gives each of e's pairs its rank (token order inside the group). CONTIGUOUS: the row is the pair's
+    place in the stable sort by expert, first = the pairs of smaller experts (one more pass over the
+    ids) + rank, instead of e * T + rank (the contiguous MoE's slab: no cumsum and gathers after)."""
     e = tl.program_id(0)
+    first = tl.zeros((), dtype=tl.int64)
+    if CONTIGUOUS:
+        for start in range(0, P, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            idx = tl.load(idx_ptr + offs, mask=offs < P, other=2147483647)
+            first += tl.sum((idx < e).to(tl.int64), 0)
+    else:
+        first = e.to(tl.int64) * T
     base = tl.zeros((), dtype=tl.int32)
     for start in range(0, P, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -62,7 +73,7 @@ def moe_route_kernel(idx_ptr, counts_ptr, slot_ptr, T, P, BLOCK: tl.constexpr):
         idx = tl.load(idx_ptr + offs, mask=inb, other=-1)
         hit = (idx == e).to(tl.int32)
         rank = base + tl.cumsum(hit, 0) - 1
-        tl.store(slot_ptr + offs, e.to(tl.int64) * T + rank.to(tl.int64), mask=inb & (hit != 0))
+        tl.store(slot_ptr + offs, first + rank.to(tl.int64), mask=inb & (hit != 0))
         base += tl.sum(hit, 0)
     tl.store(counts_ptr + e, base)
 
@@ -155,14 +166,15 @@ def _row_tile(n: int, lanes: int = 1024) -> tuple[int, int]:
     return lanes // bi, bi
 
 
-def moe_route(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """indices [T, K] int -> (counts [E] int32, slot [T*K] int64 = e * T + rank of the pair in e)."""
+def moe_route(indices: torch.Tensor, n_experts: int, contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [T, K] int -> (counts [E] int32, slot [T*K] int64 = e * T + rank of the pair in e, or
+    with contiguous the pair's place in the stable sort by expert)."""
     T, _ = indices.shape
     flat = indices.reshape(-1).contiguous()
     counts = torch.empty(n_experts, dtype=torch.int32, device=indices.device)
     slot = torch.empty(flat.numel(), dtype=torch.int64, device=indices.device)
     block = min(4096, triton.next_power_of_2(max(1, flat.numel())))
-    moe_route_kernel[(n_experts,)](flat, counts, slot, T, flat.numel(), BLOCK=block)
+    moe_route_kernel[(n_experts,)](flat, counts, slot, T, flat.numel(), BLOCK=block, CONTIGUOUS=contiguous)
     return counts, slot
 
 

@@ -217,10 +217,7 @@ class MoE(nn.Module):
         st, ex = self.stacks, self.experts[0]
         T, K = indices.shape
         E, inter = self.n_experts, st.w2.shape[2]
-        counts, slot = ops.moe_route(indices, E)                                # [E] int32, e*T + rank
-        e_of = indices.flatten()
-        start = torch.cumsum(counts, 0, dtype=torch.int64) - counts             # [E] first row of e
-        slot = start[e_of] + slot - e_of * T                                    # [T*K] row in the slab
+        counts, slot = ops.moe_route(indices, E, contiguous=True)               # [E] int32, [T*K] row in the slab
         xp = ops.moe_dispatch(x, slot, K, K).view(T * K, self.dim)              # act_quant(x) rows, sorted
         w13, s13, w2, s2 = st.masked_weights()
         rows = ops.GroupedRows(counts)                                          # one tile map for both GEMMs

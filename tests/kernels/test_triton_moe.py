@@ -56,6 +56,13 @@ def check_kernels(device) -> None:
         assert counts.dtype == torch.int32 and slot.dtype == torch.int64
         assert torch.equal(counts, rc) and torch.equal(slot, rs), (T, K, E)
         assert (counts == 0).any() or E == 8 and T > 1
+        # the contiguous slab's rows: the pair's place in the stable sort by expert = start[e] + rank
+        cc, cs = tm.moe_route(idx, E, contiguous=True)
+        e_of = idx.flatten()
+        start = torch.cumsum(rc, 0, dtype=torch.int64) - rc
+        assert torch.equal(cc, rc) and torch.equal(cs, start[e_of] + rs - e_of * T), (T, K, E)
+        assert torch.equal(cs, ref.moe_route_ref(idx, E, contiguous=True)[1])
+        assert torch.equal(torch.sort(cs).values, torch.arange(T * K, device=cs.device))
         valid = slot                                            # rows written; the rest are unset
         xp = tm.moe_dispatch(x, slot, K, E).view(E * T, DIM)[valid]
         assert torch.equal(xp, ref.moe_dispatch_ref(x, slot, K, E).view(E * T, DIM)[valid]), (T, K, E)
@@ -93,6 +100,7 @@ def check_kernels(device) -> None:
         assert torch.equal(tm.moe_combine(padded[:, :T], slot, idx, shared), y), (T, K, E)
     big = torch.randint(0, 48, (700, 6), generator=torch.Generator().manual_seed(3)).to(device)   # > 4096 pairs
     assert all(torch.equal(a, b) for a, b in zip(tm.moe_route(big, 48), ref.moe_route_ref(big, 48)))
+    assert all(torch.equal(a, b) for a, b in zip(tm.moe_route(big, 48, True), ref.moe_route_ref(big, 48, True)))
 
 
 def check_moe_forward(ckpt: str) -> None:
