@@ -8,8 +8,8 @@
                             dims with 64 rotated: 1/8 of the copy's traffic)
 
 Dataflow: one program per (BLOCK_T tokens, BLOCK_H heads) copies the D - rd leading dims and loads the
-rope part as [BLOCK_T, BLOCK_H, rd/2, 2] (each token's cis row once), splits it into (re, im), rotates by the token's cis row with the
-reference's complex product, joins, casts and stores. Bit-exact against rope_ref on each device:
+rope part as [BLOCK_T, BLOCK_H, rd/2, 2] (each token's cis row once), splits it into (re, im), rotates
+it with the reference's complex product, joins, casts and stores. Bit-exact against rope_ref on each device:
 NOTE: torch's complex64 multiply rounds differently per device. CUDA (nvcc contracts c10::complex's
 operator*): re = fma(a, c, -(b*d)), im = fma(a, d, b*c), measured on the H200. CPU (AVX mul + hsub):
 re = a*c - b*d, im = a*d + b*c, each product rounded. FMA picks the form (x.is_cuda); the kernel
@@ -17,8 +17,6 @@ is launched without FMA contraction so the unfused form stays unfused.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -67,13 +65,12 @@ def rope_kernel(x_ptr, cis_ptr, y_ptr, T, H, sx_t, sx_h, sc_t,
 
 
 # (tokens, heads) a program: up to HEADS heads of ROWS // heads tokens (one [T, 512] kv row a program
-# was 8,192 programs of 64 values). DEEPINFER_ROPE_TILE=4x16 pins one tile (perf/bench_rope.py sweeps them).
+# was 8,192 programs of 64 values). TILE pins one (perf/bench_rope.py sweeps them).
 ROWS, HEADS = 16, 16
-_TILE_ENV = os.environ.get("DEEPINFER_ROPE_TILE")
-TILE = tuple(int(v) for v in _TILE_ENV.split("x")) if _TILE_ENV else None
+TILE: tuple[int, int] | None = None
 
 
-def _tile(T: int, H: int) -> tuple[int, int]:
+def _tile(H: int) -> tuple[int, int]:
     if TILE is not None:
         return TILE[0], min(TILE[1], triton.next_power_of_2(H))
     bh = min(triton.next_power_of_2(H), HEADS)
@@ -100,7 +97,7 @@ def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: boo
     if T == 0 or H == 0:
         return y
     nope = D - 2 * half
-    bt, bh = _tile(T, H)
+    bt, bh = _tile(H)
     rope_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
         x3, cr, y, T, H, x3.stride(0), x3.stride(1), cr.stride(0), D=D, NOPE=nope, HALF=half, INVERSE=inverse,
         FMA=x.is_cuda, BLOCK_T=bt, BLOCK_H=bh, COPY_NOPE=not inplace, BLOCK_NOPE=triton.next_power_of_2(max(nope, 1)),

@@ -51,7 +51,7 @@ def main() -> None:
         best = None
         for t in a.tiles:
             tr.TILE = None if t == "default" else tuple(int(v) for v in t.split("x"))
-            label = "x".join(map(str, tr._tile(shape[0], heads))) if t == "default" else t
+            label = "x".join(map(str, tr._tile(heads))) if t == "default" else t
             xs = x.clone()
             ms = time_eager(lambda: tr.rope(xs, cis, inverse, inplace), iters=20) * 1e3   # in place: rotates on
             same = torch.equal(tr.rope(x.clone(), cis, inverse, inplace), want)

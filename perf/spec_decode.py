@@ -381,7 +381,7 @@ def report(res: dict, batches: list[int], gpus: int, a=None) -> None:
         return
     th = th[0]
     bound = oracle_bounds(a) if a is not None else None
-    for name, b in ((n, b) for n in ["scheduler"] + [n for n in names if n.startswith("sched floor") and n in res]
+    for name, b in ((n, b) for n in ["scheduler"] + [n for n in names if n.startswith("sched floor")]
                     for b in batches):
         s, va, t = res[name][b], res["verify-all"][b], res[th][b]
         fewer = 1 - s["verified_per_step"] / va["verified_per_step"] if va["verified"] else float("nan")
