@@ -104,14 +104,19 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.w1(x).float(), self.w3(x).float()
-        if self.limit > 0:
-            up = up.clamp(-self.limit, self.limit)
-            gate = gate.clamp(max=self.limit)
-        h = F.silu(gate) * up
+        h = swiglu(self.w1(x), self.w3(x), self.limit)
         if weights is not None:
             h = weights * h
         return self.w2(h.to(ACT))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The experts' clamped SwiGLU in fp32 (limit 0: no clamp)."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
 
 
 class MoE(nn.Module):
@@ -249,8 +254,12 @@ class MoE(nn.Module):
         se = self.shared_experts
         if self.shared_w13 is None:
             return se(x)
+        gu, inter = self.shared_w13(x), se.w1.out_features
+        if not se.w2.quantized:
+            # a dense w2 (a bf16 checkpoint) reads the SwiGLU unrounded: no act_quant to fuse
+            return se.w2(swiglu(gu[:, :inter], gu[:, inter:], se.limit).to(ACT))
         # SwiGLU, bf16 and act_quant in one pass; w2's own act_quant leaves those rows unchanged
-        return se.w2(ops.swiglu_quant(self.shared_w13(x), se.limit, se.w1.out_features))
+        return se.w2(ops.swiglu_quant(gu, se.limit, inter))
 
     def init_fp8_stacks(self, device) -> ExpertStacks:
         """Allocate the FP8 stacks and point every expert's Linear at its rows (views, no copies):

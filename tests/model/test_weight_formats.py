@@ -234,3 +234,16 @@ def test_auto_dense_weights_fit_the_device(tiny_checkpoint):
     assert hold_dense_bf16("bf16", "cuda", args, total_memory=tight)
     assert not hold_dense_bf16("fp8", "cuda", args, total_memory=roomy)
     assert not hold_dense_bf16("auto", "cpu", args) and not hold_dense_bf16("bf16", "cpu", args)
+
+
+def test_fused_linears_on_a_bf16_checkpoint(fixture_dir):
+    """A checkpoint with dense (bf16) weights: no act rounding anywhere, so the fused shared expert must
+    not act_quant its SwiGLU (it did: the H200 fast path's hidden states left the bf16 fixture's rule at
+    layer 0). Fused and unfused give the same bits on a CPU."""
+    ckpt = fixture_dir("v41-tiny-bf16")
+    plain = load_model(ckpt, progress=False, weight_format="fp8", fuse_linears=False)
+    fused = load_model(ckpt, progress=False, weight_format="fp8", fuse_linears=True)       # as CUDA loads it
+    moes = [m for m in fused.modules() if isinstance(m, MoE)]
+    assert moes and all(m.shared_w13 is not None and not m.shared_experts.w2.quantized for m in moes)
+    for i, (g, r) in enumerate(zip(_run(fused), _run(plain))):
+        assert torch.equal(g, r), f"output {i} differs by {(g.float() - r.float()).abs().max()}"
