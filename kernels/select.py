@@ -390,7 +390,11 @@ def _bf16_grouped(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> to
     then [G, M, K] x [G, K, N] on cuBLAS, token-major in and out."""
     g, n, k = w.shape
     wd = _bf16_dequant_scratch(x, w.view(g * n, k), w_scale.flatten(0, 1)).view(g, n, k)
-    return torch.bmm(x.transpose(0, 1), wd.transpose(1, 2)).transpose(0, 1).contiguous()
+    # cuBLAS writes the token-major output itself (row stride G * N): a contiguous [G, M, N] result
+    # and a transposing copy cost ~180 us a layer at 8k tokens (the 40-layer profile's strided copies)
+    out = x.new_empty(x.shape[0], g, n)
+    torch.bmm(x.transpose(0, 1), wd.transpose(1, 2), out=out.transpose(0, 1))
+    return out
 
 
 def _bf16_grouped_contiguous_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
@@ -960,6 +964,21 @@ def hc_post(y, res, post, comb):
         from .triton_mhc import hc_post as fast
         return fast(y, res, post, comb)
     return _ref.hc_post_ref(y, res, post, comb)
+
+
+def hc_post_mixes_pre(y, res, post, comb, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False):
+    """hc_post then hc_mixes_pre of its output (reference.hc_post_mixes_pre_ref). The fast path is one
+    pass with the two fast calls' bits: the mixes' rules, on bf16 streams (x is rounded to bf16 in
+    registers). Otherwise the two calls as dispatched apart (on a CPU: the references), so a declined
+    shape computes what it did before the fusion."""
+    if _fast_for(res, "hc_post_mixes_pre", res.shape[1] == 4 and res.shape[-1] % 64 == 0
+                 and res.dtype == y.dtype == torch.bfloat16, "hc_mult 4, dim a multiple of 64 and bf16 streams",
+                 then="hc_post and hc_mixes_pre apart"):
+        from .triton_mhc import hc_post_mixes_pre as fast
+        return fast(y, res, post, comb, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean,
+                    batch_invariant=_batch_invariant())
+    x = hc_post(y, res, post, comb)
+    return (x,) + hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
