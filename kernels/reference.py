@@ -317,13 +317,6 @@ def hc_post_ref(y, res, post, comb):
     return out.to(y.dtype)
 
 
-def hc_post_mixes_pre_ref(y, res, post, comb, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False):
-    """hc_post_ref, then hc_mixes_pre_ref of its output (the next sublayer's mixes and collapse):
-    -> (x [T, hc, d], pre, post, comb, y_next[, mean])."""
-    x = hc_post_ref(y, res, post, comb)
-    return (x,) + hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
-
-
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight [D] -> [..., D] in x's dtype: normalized in fp32, then the fp32 weight."""
     xf = x.float()

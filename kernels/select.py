@@ -968,9 +968,9 @@ def hc_post(y, res, post, comb):
 
 def hc_post_mixes_pre(y, res, post, comb, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False):
     """hc_post then hc_mixes_pre of its output (reference.hc_post_mixes_pre_ref). The fast path is one
-    kernel with the two fast calls' bits: the mixes' rules, on bf16 streams (the kernel rounds x to
-    bf16). Otherwise the two calls as dispatched apart (on a CPU: the references), so a declined shape
-    computes what it did before the fusion."""
+    pass with the two fast calls' bits: the mixes' rules, on bf16 streams (x is rounded to bf16 in
+    registers). Otherwise the two calls as dispatched apart (on a CPU: the references), so a declined
+    shape computes what it did before the fusion."""
     if _fast_for(res, "hc_post_mixes_pre", res.shape[1] == 4 and res.shape[-1] % 64 == 0
                  and res.dtype == y.dtype == torch.bfloat16, "hc_mult 4, dim a multiple of 64 and bf16 streams",
                  then="hc_post and hc_mixes_pre apart"):

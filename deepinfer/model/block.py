@@ -64,9 +64,9 @@ class Block(nn.Module):
         a = attn_fn(self.attn_norm(xa))
         if attn_out is not None:
             attn_out.append(a)
-        # the attention's expand and the FFN's mixes in one pass: x is not read back
-        x, f_pre, f_post, f_comb, xf = self.post_mixes_pre(a, res, a_post, a_comb, "ffn", a_pre)
+        x = ops.hc_post(a, res, a_post, a_comb)
         res = x
+        f_pre, f_post, f_comb, xf = self.mixes_pre(x, "ffn", a_pre)
         y = self.ffn(self.ffn_norm(xf), image_mask)
         return ops.hc_post(y, res, f_post, f_comb), f_pre
 
@@ -76,11 +76,3 @@ class Block(nn.Module):
         over the hc copies [T, d])."""
         return ops.hc_mixes_pre(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
                                 getattr(self, f"hc_{sub}_base"), pre_prev, self.iters, self.hc_eps, self.eps, mean)
-
-    def post_mixes_pre(self, y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, sub: str,
-                       pre_prev: torch.Tensor):
-        """x = hc_post(y, res, post, comb), then mixes_pre(x, sub, pre_prev), in one pass
-        (ops.hc_post_mixes_pre): x [T, hc, d] and mixes_pre's four outputs."""
-        return ops.hc_post_mixes_pre(y, res, post, comb, getattr(self, f"hc_{sub}_fn"),
-                                     getattr(self, f"hc_{sub}_scale"), getattr(self, f"hc_{sub}_base"), pre_prev,
-                                     self.iters, self.hc_eps, self.eps)
