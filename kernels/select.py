@@ -966,21 +966,6 @@ def hc_post(y, res, post, comb):
     return _ref.hc_post_ref(y, res, post, comb)
 
 
-def hc_post_mixes_pre(y, res, post, comb, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False):
-    """hc_post then hc_mixes_pre of its output (reference.hc_post_mixes_pre_ref). The fast path is one
-    pass with the two fast calls' bits: the mixes' rules, on bf16 streams (x is rounded to bf16 in
-    registers). Otherwise the two calls as dispatched apart (on a CPU: the references), so a declined
-    shape computes what it did before the fusion."""
-    if _fast_for(res, "hc_post_mixes_pre", res.shape[1] == 4 and res.shape[-1] % 64 == 0
-                 and res.dtype == y.dtype == torch.bfloat16, "hc_mult 4, dim a multiple of 64 and bf16 streams",
-                 then="hc_post and hc_mixes_pre apart"):
-        from .triton_mhc import hc_post_mixes_pre as fast
-        return fast(y, res, post, comb, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean,
-                    batch_invariant=_batch_invariant())
-    x = hc_post(y, res, post, comb)
-    return (x,) + hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _fast_for(x, "rms_norm", x.shape[-1] <= 16384 and weight.shape == x.shape[-1:], "width <= 16384"):
         from .triton_norm import rms_norm as fast
