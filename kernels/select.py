@@ -390,10 +390,19 @@ def _bf16_grouped(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> to
     then [G, M, K] x [G, K, N] on cuBLAS, token-major in and out."""
     g, n, k = w.shape
     wd = _bf16_dequant_scratch(x, w.view(g * n, k), w_scale.flatten(0, 1)).view(g, n, k)
-    # cuBLAS writes the token-major output itself (row stride G * N): a contiguous [G, M, N] result
-    # and a transposing copy cost ~180 us a layer at 8k tokens (the 40-layer profile's strided copies)
-    out = x.new_empty(x.shape[0], g, n)
-    torch.bmm(x.transpose(0, 1), wd.transpose(1, 2), out=out.transpose(0, 1))
+    return grouped_mm_token_major(x, wd)
+
+
+def grouped_mm_token_major(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, G, K] @ w [G, N, K]^T per group -> [M, G, N] contiguous (einsum "tgd,grd->tgr"). The GEMM
+    writes the token-major rows itself (bmm into a transposed view): the einsum's [G, M, N] result
+    needed a strided copy before wo_b (~180 us a layer at 8k tokens in the H200 profile, 2026-12-03).
+    A CPU keeps the einsum (a strided out moves CPU bmm's fp32 bits, and the fixtures' bits are the
+    einsum's), and so does batch-invariant mode (its dispatch mode computes the einsum token by token)."""
+    if not x.is_cuda or _batch_invariant():
+        return torch.einsum("tgd,grd->tgr", x, w).contiguous()
+    out = x.new_empty(x.shape[0], w.shape[0], w.shape[1])
+    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
     return out
 
 
@@ -784,7 +793,7 @@ def grouped_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> to
         from .triton_gemm import w8a16_grouped_gemm as fast
         return fast(x, w, w_scale, batch_invariant=_batch_invariant(), token_major=True)
     dt = _dense_dtype(x)
-    return torch.einsum("tgd,grd->tgr", x.to(dt), dequant_fp8(w, w_scale).to(dt)).to(torch.bfloat16)
+    return grouped_mm_token_major(x.to(dt), dequant_fp8(w, w_scale).to(dt)).to(torch.bfloat16)
 
 
 def dequant_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -152,7 +152,7 @@ class Attention(nn.Module):
             o = ops.grouped_w8a16(o, *self.wo_a.fp8_blocks)
         else:
             wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-            o = torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a).to(ACT)
+            o = ops.grouped_mm_token_major(o.to(wo_a.dtype), wo_a).to(ACT)
         return self.wo_b(o.flatten(1))
 
     # ---- the forward over a step --------------------------------------------------------------

@@ -111,9 +111,6 @@ def check_grouped(device):
         xd, wd = x.double(), dequant_fp8(w, s).double()
         r, mag = torch.einsum("tgd,grd->tgr", xd, wd), torch.einsum("tgd,grd->tgr", xd.abs(), wd.abs())
         assert y.shape == (m, g, n) and y.is_contiguous()
-        # written token-major by the GEMM itself: the same bits as a [G, M, N] result transposed after
-        wb = dequant_fp8(w, s).bfloat16()
-        assert torch.equal(y, torch.bmm(x.transpose(0, 1), wb.transpose(1, 2)).transpose(0, 1).contiguous())
         bad = (y.double() - r).abs() > torch.maximum(r.abs(), y.double().abs()) * 2 ** -7 + mag * 2 ** -20 + 1e-30
         assert not bad.any(), (m, g, n, k, per_row, int(bad.sum()))
     print("grouped (wo_a) bf16 path: ok")
