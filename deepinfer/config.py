@@ -53,6 +53,13 @@ class EngineArgs:
     # times plain steps); a paused batch drafts again every spec_pause_probe_every-th step to re-measure
     spec_pause: bool = False
     spec_pause_probe_every: int = 16
+    # "scheduler": a folder that keeps the step-time profile across starts (spec/step_time_cache.py): read
+    # back when the device, the code, the checkpoint's config and the engine arguments match; None = profile
+    # at every start
+    spec_step_time_cache: str | None = None
+    # "scheduler": correct the profiled step times from the verify steps the engine runs (growing contexts,
+    # other load; spec/step_time_online.py); off by default until measured on the H200
+    spec_step_time_online: bool = False
     # verify steps through CUDA graphs keyed by the rows they verify (packed, varlen: worker/graph_step.py
     # VerifyKeys), so a request verifying fewer drafts shortens the step; False = every request padded
     # to the longest one's length
@@ -251,6 +258,12 @@ class EngineArgs:
         if self.spec_pause and self.spec_policy != "scheduler":
             raise ValueError(f"spec_pause needs spec_policy='scheduler' (its step-time model decides), "
                              f"got {self.spec_policy!r}")
+        if self.spec_step_time_cache is not None and self.spec_policy != "scheduler":
+            raise ValueError(f"spec_step_time_cache needs spec_policy='scheduler' (the only policy that profiles), "
+                             f"got {self.spec_policy!r}")
+        if self.spec_step_time_online and self.spec_policy != "scheduler":
+            raise ValueError(f"spec_step_time_online needs spec_policy='scheduler' (the only policy with a step-time "
+                             f"model), got {self.spec_policy!r}")
         if self.spec_pause_probe_every < 1:
             raise ValueError(f"spec_pause_probe_every must be >= 1, got {self.spec_pause_probe_every}")
         if self.spec_replay_regime_tokens < 0:

@@ -120,6 +120,8 @@ class Engine:
         # they sampled; verify steps launched while a step that samples was still unresolved
         self.num_resolved_before_schedule = 0
         self.num_verify_steps_overlapped = 0
+        # the scheduler policy's step-time model corrected by finished verify steps (spec/step_time_online.py)
+        self.step_time_observer = None
 
     def _init_speculation(self) -> None:
         """DSpark's verification policy; last, since the scheduler policy profiles real engine steps."""
@@ -342,8 +344,13 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
             return handed + self._fail_step(sched_out, e)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        self._observe_step(sched_out, runner_out)
         self._update_gauges()
         return handed + self._with_handover(outputs)
+
+    def _observe_step(self, sched_out, runner_out) -> None:
+        if self.step_time_observer is not None:
+            self.step_time_observer.finished(sched_out, runner_out)
 
     # prefill/decode disaggregation (deepinfer/disagg/) ---------------------------------------------
     def _poll_connector(self) -> list[RequestOutput]:
@@ -420,7 +427,10 @@ class Engine:
         prev_out, prev = self._in_flight
         self._in_flight = None
         try:
-            return self.scheduler.update_from_output(prev_out, self.runner.resolve(prev))
+            runner_out = self.runner.resolve(prev)
+            outputs = self.scheduler.update_from_output(prev_out, runner_out)
+            self._observe_step(prev_out, runner_out)
+            return outputs
         except EngineDeadError as e:
             return self._die(e)
         except Exception as e:  # noqa: BLE001

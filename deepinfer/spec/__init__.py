@@ -11,6 +11,8 @@ sampler (deepinfer/sample/rejection.py).
     older_calibration.py  OlderCalibration: what a request's previous proposal predicts about its
                         current one, measured online (the budget's "older" confidences)
     step_time.py        StepTimeModel and its profile through the engine's own steps at start
+    step_time_cache.py  the profile kept across starts under a fingerprint (EngineArgs.spec_step_time_cache)
+    step_time_online.py StepTimeObserver: the model corrected by finished verify steps (spec_step_time_online)
     pause.py            DraftingGate: no drafting after a step where plain decode steps are faster
                         (EngineArgs.spec_pause; SchedulerOutput.draft_after)
     engine_policy.py    EngineArgs.spec_policy -> the policy in every scheduler's DraftBook

@@ -10,7 +10,9 @@ from deepinfer.spec.budget import VerifyBudgetPolicy
 from deepinfer.spec.older_calibration import OlderCalibration
 from deepinfer.spec.pause import DraftingGate
 from deepinfer.spec.policy import StaticThresholdPolicy, VerifyAllPolicy
+from deepinfer.spec import step_time_cache
 from deepinfer.spec.step_time import profile_step_times
+from deepinfer.spec.step_time_online import StepTimeObserver
 
 
 def set_verification_policy(engine) -> None:
@@ -26,6 +28,8 @@ def set_verification_policy(engine) -> None:
             padded=_padded_steps(engine), acceptance_floor=a.spec_acceptance_floor,
             calibration=OlderCalibration(a.num_speculative_tokens) if a.spec_calibrate_older else None)
     engine.step_time_model = getattr(policy, "step_time", None)
+    if a.spec_step_time_online and engine.step_time_model is not None:
+        engine.step_time_observer = StepTimeObserver(engine.step_time_model)
     pause = a.spec_pause and isinstance(policy, VerifyBudgetPolicy)
     for book in _draft_books(engine):
         # each data-parallel rank's batch pauses on its own (the gate holds that batch's state)
@@ -44,6 +48,21 @@ def _padded_steps(engine):
 
 
 def _profile(engine, plain: bool = False):
+    """The step-time model: read from EngineArgs.spec_step_time_cache when a start with the same
+    fingerprint saved one (spec/step_time_cache.py), else profiled (and saved there)."""
+    folder = engine.args.spec_step_time_cache
+    if folder is None:
+        return _measure(engine, plain)
+    fp = step_time_cache.fingerprint(engine, plain)
+    model = step_time_cache.load(folder, fp)
+    if model is None:
+        model = _measure(engine, plain)
+        if model is not None:
+            step_time_cache.save(folder, fp, model)
+    return model
+
+
+def _measure(engine, plain: bool):
     """Profile with scratch statistics, so the engine's counters start at zero."""
     from deepinfer.stats import EngineStats
     real, scratch = engine.stats, EngineStats()

@@ -33,6 +33,8 @@ PROFILE_PROMPT_LEN = 16
 
 @dataclass(frozen=True)
 class StepTimeModel:
+    """Frozen fields; `seconds` is corrected in place by observe() (the online correction), which
+    every policy holding this model then sees."""
     batch_sizes: list[int]            # profiled n, ascending
     drafts_per_seq: list[int]         # profiled x, ascending
     seconds: list[list[float]]        # [len(batch_sizes)][len(drafts_per_seq)] median step seconds
@@ -56,6 +58,25 @@ class StepTimeModel:
         i, wi = _bracket(self.batch_sizes, num_seqs)
         row = lambda r: _interp(self.drafts_per_seq, self.seconds[r], x)   # noqa: E731
         return row(i) if wi == 0.0 else (1 - wi) * row(i) + wi * row(i + 1)
+
+    def observe(self, num_seqs: int, num_drafts: int, seconds: float, alpha: float, max_ratio: float = 2.0) -> None:
+        """Move the model toward one measured step (spec/step_time_online.py): the grid points that
+        interpolate (num_seqs, num_drafts) take alpha x their interpolation weight of the error, the
+        measurement first clamped to [1 / max_ratio, max_ratio] x the prediction (a stall or a hiccup
+        is one step, not a new cost); each row touched stays non-decreasing in drafts."""
+        pred = self.time(num_seqs, num_drafts)
+        err = min(max(seconds, pred / max_ratio), pred * max_ratio) - pred
+        i, wi = _bracket(self.batch_sizes, num_seqs)
+        j, wj = _bracket(self.drafts_per_seq, num_drafts / max(num_seqs, 1))
+        rows = {}
+        for r, w_r in ((i, 1 - wi), (i + 1, wi)):
+            for c, w_c in ((j, 1 - wj), (j + 1, wj)):
+                if w_r * w_c > 0:
+                    self.seconds[r][c] += alpha * w_r * w_c * err
+                    rows[r] = True
+        for r in rows:
+            self.seconds[r][:] = non_decreasing(self.seconds[r])
+        self._rows.clear()
 
     def plain_time(self, num_seqs: int) -> float | None:
         """Seconds of a plain step of num_seqs requests (interpolated over the batch sizes), or None."""
