@@ -246,7 +246,9 @@ def configs(a) -> dict[str, dict]:
                 # padded verify graphs (one cap L for the batch): what the packed keys replaced
                 "sched padded": {**spec, "spec_policy": "scheduler", "spec_packed_verify": False},
                 # drafting paused where a plain step is faster (spec/pause.py)
-                "sched pause": {**spec, "spec_policy": "scheduler", "spec_pause": True}}
+                "sched pause": {**spec, "spec_policy": "scheduler", "spec_pause": True},
+                # the profiled step times corrected by the served verify steps (spec/step_time_online.py)
+                "sched online": {**spec, "spec_policy": "scheduler", "spec_step_time_online": True}}
                if a.variants else {})}
 
 
@@ -489,8 +491,9 @@ def main() -> None:
     ap.add_argument("--num-cache-blocks", type=int,
                     help="cache blocks per engine (default on CUDA: the workload's, 64-token blocks; CPU: the engine's sizing)")
     ap.add_argument("--variants", action="store_true",
-                    help="also the scheduler with the newest confidences for the budget, with early stop, and with "
-                         "the older confidences at face value (spec_calibrate_older=False)")
+                    help="also the scheduler with the newest confidences for the budget, with early stop, with "
+                         "the older confidences at face value (spec_calibrate_older=False), on padded verify graphs, "
+                         "with the pause, and with its step times corrected online (spec_step_time_online)")
     ap.add_argument("--policies", nargs="+", help="run only these policies (names as printed)")
     ap.add_argument("--quick", action="store_true", help="prompt 32, output 32, a short warm-up")
     ap.add_argument("--async-overlap", action="store_true",
