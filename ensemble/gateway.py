@@ -48,9 +48,10 @@ from aiohttp import web
 
 from . import contract as c
 from .client import _input_tensor, decode_result
+from .engine_watch import EngineDead, EngineWatch
 from .gateway_guard import (ROUTES, GuardConfig, error_body, json_protocol_errors, json_response, make_guard,
                             read_body)
-from .engine_watch import EngineDead, EngineWatch
+from .gateway_limits import RateLimits
 from .gateway_metrics import GatewayMetrics
 
 log = logging.getLogger("deepinfer.gateway")
@@ -406,10 +407,20 @@ def main(argv=None) -> int:
     ap.add_argument("--api-key-file", help="a file of accepted keys, one a line ('#' comments)")
     ap.add_argument("--max-request-bytes", type=int, default=GuardConfig.max_request_bytes)
     ap.add_argument("--max-json-depth", type=int, default=GuardConfig.max_json_depth)
+    ap.add_argument("--rate-limit-rpm", type=float,
+                    help="requests per minute per client (its API key, else its address); a burst of up to a "
+                         "minute's worth; over it: 429 with Retry-After (ensemble/gateway_limits.py)")
+    ap.add_argument("--max-in-flight-per-client", type=int,
+                    help="requests one client may have open at once (a stream counts until it ends); over it: 429")
     ap.add_argument("--probe-period", type=float, default=PROBE_PERIOD_S, help="engine liveness probe period (s)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    guard = GuardConfig.from_args(args.api_key, args.api_key_file, args.max_request_bytes, args.max_json_depth)
+    try:
+        limits = RateLimits(args.rate_limit_rpm, args.max_in_flight_per_client)
+    except ValueError as e:
+        ap.error(str(e))
+    guard = GuardConfig.from_args(args.api_key, args.api_key_file, args.max_request_bytes, args.max_json_depth,
+                                  limits)
     json_protocol_errors()
     # handler_cancellation: a client that disconnects cancels its handler at once, even while it
     # waits for the first token or a whole non-streaming answer, so the engine request is stopped.

@@ -1,11 +1,12 @@
 """The gateway's guard: one aiohttp middleware in front of every route.
 
-    request --> request id --> API key (401) --> handler --> any error as the API's own JSON
-                                                             + x-request-id header + one log line
+    request --> request id --> API key (401) --> rate limits (429, gateway_limits.py) --> handler
+            --> any error as the API's own JSON + x-request-id header + one log line
 
 Every failure the client can cause ends as that API's error body: an unknown route (404) or method
 (405), a body over max_request_bytes (413, read no further), a body that does not decompress or nests
-too deep (400), a missing or wrong key (401); anything unexpected is a 500 in the same format.
+too deep (400), a missing or wrong key (401), a client over its rate limits (429 + Retry-After);
+anything unexpected is a 500 in the same format.
 Errors aiohttp raises while parsing the HTTP message itself (a header over max_field_size) never
 reach a middleware: `json_protocol_errors` re-words those as JSON too.
 """
@@ -26,6 +27,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from .gateway_limits import RateLimiter, RateLimits, Refusal, retry_after_header
+
 log = logging.getLogger("deepinfer.gateway")
 
 ROUTES = {"/v1/chat/completions": "chat.completions", "/v1/responses": "responses", "/v1/messages": "messages"}
@@ -39,7 +42,7 @@ def error_body(api: str, status: int, message: str, code: str | None = None) -> 
     if api == "messages":
         return json.dumps({"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"),
                                                       "message": message}})
-    kind = "invalid_request_error" if status < 500 else "server_error"
+    kind = "requests" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
 
@@ -72,15 +75,16 @@ class GuardConfig:
     api_keys: frozenset = field(default_factory=frozenset)   # empty: no authentication
     max_request_bytes: int = 4 * 1024 * 1024
     max_json_depth: int = 64
+    limits: RateLimits = field(default_factory=RateLimits)   # per client: its key, else its address
 
     @classmethod
     def from_args(cls, keys: list[str] | None, key_file: str | None, max_request_bytes: int,
-                  max_json_depth: int) -> "GuardConfig":
+                  max_json_depth: int, limits: RateLimits | None = None) -> "GuardConfig":
         all_keys = set(keys or [])
         if key_file:
             all_keys |= {line.strip() for line in Path(key_file).read_text().splitlines()
                          if line.strip() and not line.startswith("#")}
-        return cls(frozenset(all_keys), max_request_bytes, max_json_depth)
+        return cls(frozenset(all_keys), max_request_bytes, max_json_depth, limits or RateLimits())
 
 
 def presented_key(request) -> str:
@@ -102,10 +106,38 @@ def unauthorized(api: str, key: str) -> web.Response:
     return json_response(401, error_body(api, 401, f"Incorrect API key provided: {shown}.", "invalid_api_key"))
 
 
+def rate_limited(api: str, refused: Refusal, limits: RateLimits) -> web.Response:
+    retry = retry_after_header(refused.retry_after)
+    if refused.in_flight:
+        message = (f"Too many requests in flight for this client (limit {limits.max_in_flight}); "
+                   f"retry when one of them has finished.")
+    else:
+        message = (f"Rate limit reached for requests per minute (RPM): limit {limits.requests_per_minute:g}. "
+                   f"Please try again in {retry}s.")
+    response = json_response(429, error_body(api, 429, message, "rate_limit_exceeded"))
+    response.headers["Retry-After"] = retry
+    return response
+
+
 OPEN_PATHS = ("/health", "/metrics")   # probes and Prometheus scrape without a key
 
 
 def make_guard(cfg: GuardConfig, metrics):
+    limiter = RateLimiter(cfg.limits) if cfg.limits.enabled else None
+
+    async def limited(request: web.Request, handler, api: str) -> web.StreamResponse:
+        """The handler within the client's limits (an API route only), else 429."""
+        if limiter is None or request.path not in ROUTES:
+            return await handler(request)
+        client = presented_key(request) if cfg.api_keys else (request.remote or "")
+        refused = limiter.admit(client)
+        if refused is not None:
+            return rate_limited(api, refused, cfg.limits)
+        try:
+            return await handler(request)         # a stream's handler returns after its last byte
+        finally:
+            limiter.release(client)
+
     @web.middleware
     async def guard(request: web.Request, handler):
         request_id = "req_" + uuid.uuid4().hex
@@ -115,7 +147,7 @@ def make_guard(cfg: GuardConfig, metrics):
             if cfg.api_keys and request.path not in OPEN_PATHS and not _authorized(cfg, presented_key(request)):
                 response = unauthorized(api, presented_key(request))
             else:
-                response = await handler(request)
+                response = await limited(request, handler, api)
         except web.HTTPException as e:   # aiohttp's own: unknown route, method, size (413)
             response = json_response(e.status, error_body(api, e.status, _reason(e, request)))
         except (HttpProcessingError, RequestPayloadError) as e:   # a body that does not decompress
