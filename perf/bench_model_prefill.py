@@ -131,6 +131,66 @@ def profile(fn, top: int = 20, case: str = "1x8192") -> list[dict]:
     return rows[:top]
 
 
+def idle_gaps(fn, top: int = 12) -> None:
+    """Where the GPU idles inside one call (no stacks recorded, so the host runs near its real speed): the
+    gaps between consecutive kernels, their sum against the call's span, and the largest with the kernels
+    on either side. A gap after a host read of a device value is the queue drained and refilled."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ks = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0),
+                key=lambda e: e.time_range.start)
+    if len(ks) < 2:
+        return
+    gaps, end = [], ks[0].time_range.end
+    for prev, k in zip(ks, ks[1:]):
+        if k.time_range.start > end:
+            gaps.append((k.time_range.start - end, prev.name[:40], k.name[:40]))
+        end = max(end, k.time_range.end)
+    span = ks[-1].time_range.end - ks[0].time_range.start
+    idle = sum(g for g, *_ in gaps)
+    big = [g for g in gaps if g[0] >= 50]
+    print(f"GPU idle inside the call: {idle / 1e3:.1f} ms of a {span / 1e3:.1f} ms span ({len(ks)} kernels); "
+          f"{len(big)} gaps >= 50 us hold {sum(g for g, *_ in big) / 1e3:.1f} ms; largest:")
+    for g, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {g / 1e3:7.2f} ms  after {before}  before {after}")
+
+
+def sync_points(fn, top: int = 12) -> None:
+    """The host reads of device values inside one call (torch.cuda.set_sync_debug_mode), by the model
+    line that made them: each drains the launch queue."""
+    import collections
+    import traceback
+    import warnings
+    fn()
+    torch.cuda.synchronize()
+    seen = collections.Counter()
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "deepinfer" in f.filename or "kernels" in f.filename]
+        seen[" < ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in frames[::-1][:4])] += 1
+    old = warnings.showwarning
+    warnings.showwarning = hook
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = hook
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = old
+    print(f"synchronizing calls inside the call: {sum(seen.values())}; by stack:")
+    for stack, n in seen.most_common(top):
+        print(f"  {n:4d}x  {stack or '(outside the model)'}")
+
+
 def host_profile(fn, top: int = 25) -> None:
     """Where the host spends one call (cProfile, self time): the ~29 ms by which a 1 x 8192 prefill's wall
     time exceeded its kernel time (H200, 2026-12-03) is the host issuing launches behind the GPU."""
@@ -237,6 +297,8 @@ def main() -> None:
             with torch.inference_mode():
                 fn, _ = run_case(model, caches, a.profile_case, nb)
                 top = profile(fn, top=a.profile_top, case=a.profile_case)
+                idle_gaps(fn)
+                sync_points(fn)
                 host_profile(fn)
         except Exception as e:  # noqa: BLE001
             print(f"profile FAILED: {type(e).__name__}: {str(e)[:400]}")
