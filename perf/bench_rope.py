@@ -2,9 +2,12 @@
 (tokens x heads): attention q and output [T, 64, 512] in place (64 rotated dims; the output inverse),
 kv [T, 512] in place, the indexer's q [T, 32, 128] in place, the compressor's latent [T/4, 512] and
 index key [T/4, 128] copied. Prints ms and the bytes moved against the copy bandwidth measured in the
-same run, the best tile per shape, and that every tile gives the default's bits.
+same run, the best tile per shape, and that every tile gives the default's bits. "packed": the bf16
+in-place form that loads each (re, im) pair as one 32-bit word (triton_rope.rope_pairs_kernel, the
+default where it applies); the other entries are the split form's tiles ("default": its default tile),
+against which the speed-ups are printed.
 
-    python perf/bench_rope.py [--tokens 8192] [--tiles 1x16 4x16 ...]
+    python perf/bench_rope.py [--tokens 8192] [--tiles packed default 2x16 ...]
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchutil import save_json, time_eager  # noqa: E402
 
-TILES = ["default", "2x16", "1x32", "1x64", "16x1", "32x1"]
+TILES = ["packed", "default", "2x16", "1x32", "1x64", "16x1", "32x1"]
 
 
 def main() -> None:
@@ -46,11 +49,12 @@ def main() -> None:
         cis = torch.polar(torch.ones_like(ang), ang)
         heads = shape[1] if len(shape) == 3 else 1
         moved = 2 * 2 * shape[0] * heads * (rd if inplace else shape[-1])     # bf16 read + written
-        tr.TILE = None
+        tr.TILE, tr.PACKED = None, False
         want = tr.rope(x.clone(), cis, inverse, inplace)
         best = None
         for t in a.tiles:
-            tr.TILE = None if t == "default" else tuple(int(v) for v in t.split("x"))
+            tr.PACKED = t == "packed"
+            tr.TILE = None if t in ("default", "packed") else tuple(int(v) for v in t.split("x"))
             label = "x".join(map(str, tr._tile(heads))) if t == "default" else t
             xs = x.clone()
             ms = time_eager(lambda: tr.rope(xs, cis, inverse, inplace), iters=20) * 1e3   # in place: rotates on
@@ -61,9 +65,10 @@ def main() -> None:
                   f"{'' if same else '  DIFFERENT BITS'}", flush=True)
             if same and (best is None or ms < best[1]):
                 best = (t, ms)
-        base = next(r["ms"] for r in rows if r["shape"] == name and r["tile"] == a.tiles[0])
-        print(f"{name:>13} best {best[0]}: {base / best[1]:.2f}x {a.tiles[0]}", flush=True)
-    tr.TILE = None
+        ref = "default" if "default" in a.tiles else a.tiles[0]
+        base = next(r["ms"] for r in rows if r["shape"] == name and r["tile"] == ref)
+        print(f"{name:>13} best {best[0]}: {base / best[1]:.2f}x the split form's {ref}", flush=True)
+    tr.TILE, tr.PACKED = None, True
     save_json("rope.json", dict(copy_bw=copy_bw, rows=rows))
 
 

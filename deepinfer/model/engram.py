@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from deepinfer.host_copy import to_device
+
 from .layers import ACT, Linear
 
 DEAD = -2      # ngram_history / token_mask marker: an image-span token (blocks the look-back)
@@ -131,13 +133,14 @@ class NgramHasher(nn.Module):
         comp = self.token_map[input_ids]
         if token_mask is not None:
             comp = torch.where(token_mask, comp, DEAD)
-        hist = history.to(dev)
+        # host arrays through pinned memory: a plain .to() of pageable memory waits for the stream
+        hist, cu = to_device(history, dev), to_device(cu_seqlens, dev)
         hist_c = torch.where(hist >= 0, self.token_map[hist.clamp_min(0)], hist)     # [B, h]
         # one extended row per sequence: [history (h), new tokens]; flat token k sits at ext_idx[k]
-        q_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(dev)
+        q_lens = cu[1:] - cu[:-1]
         seq_of = torch.repeat_interleave(torch.arange(B, device=dev), q_lens, output_size=T)   # no host read
-        local = torch.arange(T, device=dev) - cu_seqlens[:-1].to(dev)[seq_of]
-        ext_off = cu_seqlens[:-1].to(dev) + h * torch.arange(B, device=dev)
+        local = torch.arange(T, device=dev) - cu[:-1][seq_of]
+        ext_off = cu[:-1] + h * torch.arange(B, device=dev)
         ext = torch.empty(T + h * B, dtype=torch.int64, device=dev)
         ext_hist_idx = ext_off[:, None] + torch.arange(h, device=dev)
         ext[ext_hist_idx.flatten()] = hist_c.flatten()

@@ -74,11 +74,24 @@ def check_interpreted():
                     assert torch.equal(y, ref), (shape, inverse)
                 else:
                     assert _within_bf16_ulp(y, ref), (shape, inverse)
-    for shape, rd in ROPE_SHAPES:                                              # in place: the same values in x
-        x, cis = _rope_case(shape, rd, torch.bfloat16, "cpu", seed=7)
-        want, nope = rope(x, cis, True), x[..., :-rd].clone()
-        got = rope(x, cis, True, inplace=True)
-        assert got.data_ptr() == x.data_ptr() and torch.equal(got, want) and torch.equal(x[..., :-rd], nope)
+    from deepinfer.kernels import triton_rope
+    for shape, rd in ROPE_SHAPES:                    # in place (bf16: the packed form): the same values in x
+        for inverse in (False, True):
+            x, cis = _rope_case(shape, rd, torch.bfloat16, "cpu", seed=7)
+            want, nope = rope(x, cis, inverse), x[..., :-rd].clone()
+            assert triton_rope._pairs_ok(x.reshape(shape[0], -1, shape[-1]), rd // 2)
+            got = rope(x, cis, inverse, inplace=True)
+            assert got.data_ptr() == x.data_ptr() and torch.equal(got, want) and torch.equal(x[..., :-rd], nope)
+            y = _rope_case(shape, rd, torch.bfloat16, "cpu", seed=7)[0]
+            triton_rope.PACKED = False                                         # the split form in place
+            try:
+                assert torch.equal(rope(y.clone(), cis, inverse, inplace=True), want)
+            finally:
+                triton_rope.PACKED = True
+            odd = torch.empty(y.numel() + 1, dtype=y.dtype)[1:].view(shape)    # 2-byte aligned: declines
+            odd.copy_(y)
+            assert not triton_rope._pairs_ok(odd.reshape(shape[0], -1, shape[-1]), rd // 2)
+            assert torch.equal(rope(odd, cis, inverse, inplace=True), want)
     q = torch.randn(4, 8, 2, 128)[:, :, 0]                                     # strided heads [4, 8, 128]
     _, cis = _rope_case((4, 128), 64, torch.float32, "cpu", seed=3)
     assert torch.equal(rope(q, cis, True), rope_ref(q, cis, True))
