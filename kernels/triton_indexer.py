@@ -10,17 +10,21 @@
 
 Dataflow: a program owns BT queries x BE keys: q tile [BT*IH, ID] against keys [BE, ID] in one
 tensor-core dot (fp32), rounded, relu'd and weighted per head, summed over the IH heads in fp32.
-With per-token keys (a batch of sequences) BT is 1: every query reloads its key tile and the dot is
-IH rows tall. Prefill queries share their sequence's keys, so `runs` hands consecutive queries of one
-sequence to one program (index_scores_runs_kernel): the key tile is loaded once, each head is a
-[RUN_BT, ID] x [ID, BE] dot accumulated in fp32, and key blocks past every query's length only
-write -inf (half the causal square). Its head sum runs in another order than the per-token
-kernel's, so batch-invariant runs keep the per-token form (kernels/select.py).
+With per-token keys (a batch of sequences: decode) BT is 1 and the dot is IH rows tall; there
+index_scores_decode_kernel gives one program a query and a run of NB key blocks: q and w loaded
+once, the key blocks (read through the row table) in a pipelined loop, each block's arithmetic that
+of index_scores_kernel (so NB, chosen on the host from n and E, never changes a bit), blocks past
+lens[t] only written -inf. Prefill queries share their sequence's keys, so `runs` hands
+consecutive queries of one sequence to one program (index_scores_runs_kernel): the key tile is
+loaded once, each head is a [RUN_BT, ID] x [ID, BE] dot accumulated in fp32, and key blocks past
+every query's length only write -inf (half the causal square). Its head sum runs in another order
+than the per-token kernels', so batch-invariant runs keep the per-token form (kernels/select.py).
 The top-k over these scores is kernels/triton_topk.py.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -41,7 +45,8 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, o_ptr, 
     a row table, key e of query t is pool row rows[ks[t] + e] (the cache pool read in place, no
     gathered copy). With PER_TOKEN_KEYS and lens, a key block wholly past lens[t] only writes -inf
     (a CUDA-graph step sizes E for the longest context it serves). HAS_TOKENS (BT == 1): program i
-    scores query tok[i] (the queries left out of the prefill runs)."""
+    scores query tok[i] (the queries left out of the prefill runs). index_scores sends per-token keys
+    to index_scores_decode_kernel (this kernel's bits, NB blocks a program) unless blocks_per_program=0."""
     pid_t = tl.program_id(0)
     if HAS_TOKENS:
         pid_t = tl.load(tok_ptr + pid_t)
@@ -80,6 +85,57 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, o_ptr, 
         tot = tl.where(re[None, :] < ln[:, None], tot, float("-inf"))
     tl.store(o_ptr + rt[:, None].to(tl.int64) * E + re[None, :], tot.to(tl.bfloat16),
              mask=(rt < n)[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, o_ptr, E, NB,
+                               IH: tl.constexpr, ID: tl.constexpr, BE: tl.constexpr, HAS_LENS: tl.constexpr,
+                               UPCAST: tl.constexpr, PAGED: tl.constexpr, STAGES: tl.constexpr,
+                               tok_ptr=None, HAS_TOKENS: tl.constexpr = False):
+    """Per-token keys (index_scores_kernel's PER_TOKEN_KEYS form, BT == 1), one program per (query,
+    run of NB key blocks): q [IH, ID] and w loaded once, the key blocks walked in a pipelined loop.
+    Each block's arithmetic is index_scores_kernel's, step for step (same dot shape, roundings and
+    head-sum tile), so the bits do not depend on NB. Blocks past lens[t] only write -inf (a second,
+    store-only loop: no branch inside the pipelined one)."""
+    pid_t = tl.program_id(0)
+    if HAS_TOKENS:
+        pid_t = tl.load(tok_ptr + pid_t)
+    b0 = tl.program_id(1) * NB                                # first key block of this program
+    rq = pid_t * IH + tl.arange(0, IH)                        # the query's (token, head) rows
+    rd = tl.arange(0, ID)
+    rt = pid_t + tl.arange(0, 1)
+    q = tl.load(q_ptr + rq[:, None].to(tl.int64) * ID + rd[None, :])
+    w = tl.load(w_ptr + rq).to(tl.float32)
+    kbase = tl.load(ks_ptr + pid_t).to(tl.int64)
+    orow = o_ptr + rt[:, None].to(tl.int64) * E
+    live = E
+    if HAS_LENS:
+        ln = tl.load(lens_ptr + rt)                           # [1]
+        live = tl.minimum(tl.load(lens_ptr + pid_t), E)
+    # blocks b0 .. b0 + n_live hold a key below min(lens[t], E)
+    n_live = tl.minimum(tl.maximum((live - b0 * BE + BE - 1) // BE, 0), NB)
+    for j in tl.range(0, n_live, num_stages=STAGES):
+        re = (b0 + j) * BE + tl.arange(0, BE)
+        e_ok = re < E
+        if PAGED:
+            krow = tl.load(rows_ptr + kbase + re, mask=e_ok, other=0).to(tl.int64)
+            k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + (kbase + re[:, None].to(tl.int64)) * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k))                        # [IH, BE] fp32
+        s = tl.maximum(s.to(tl.bfloat16).to(tl.float32), 0.0)
+        s = (s * w[:, None]).to(tl.bfloat16).to(tl.float32)
+        tot = tl.sum(tl.reshape(s, (1, IH, BE)), axis=1)       # [1, BE], index_scores_kernel's tile
+        if HAS_LENS:
+            tot = tl.where(re[None, :] < ln[:, None], tot, float("-inf"))
+        tl.store(orow + re[None, :], tot.to(tl.bfloat16), mask=e_ok[None, :])
+    ninf = tl.full((1, BE), float("-inf"), tl.float32).to(tl.bfloat16)
+    for j in range(n_live, NB):
+        re = (b0 + j) * BE + tl.arange(0, BE)
+        tl.store(orow + re[None, :], ninf, mask=(re < E)[None, :])
 
 
 @triton.jit
@@ -130,6 +186,30 @@ RUN_BT = 64
 RUN_MIN = 16
 RUN_WARPS = 4
 
+# The decode form (index_scores_decode_kernel): warps and pipeline depth of its key loop, the most key
+# blocks one program walks, and the programs per SM it keeps at least (fewer blocks per program where
+# the grid would drop below that). Module values so perf/bench_indexer.py can sweep them.
+DECODE_WARPS = 4            # index_scores_kernel's: the same dot and head-sum layout
+DECODE_STAGES = 3
+DECODE_NB_MAX = 16
+DECODE_PROGRAMS_PER_SM = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; an H200's 132 elsewhere (the interpreter: NB as on the GPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def decode_blocks_per_program(n: int, num_blocks: int, sms: int = 132) -> int:
+    """NB of the decode form: a power of two <= DECODE_NB_MAX, as large as keeps n * cdiv(num_blocks, NB)
+    programs >= DECODE_PROGRAMS_PER_SM per SM (batch 1-16 still fill the GPU, batch 128 walks long runs).
+    Host-only (n and E): fixed for a CUDA graph, whatever the lens it replays."""
+    nb = 1
+    while nb < DECODE_NB_MAX and nb < num_blocks and n * -(-num_blocks // (2 * nb)) >= DECODE_PROGRAMS_PER_SM * sms:
+        nb *= 2
+    return nb
+
 
 def query_runs(cu: np.ndarray, bt: int | None = None, min_len: int = RUN_MIN) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """cu [B+1] host cumulative query counts -> (run starts, run lengths) of the sequences with at least
@@ -150,11 +230,14 @@ def query_runs(cu: np.ndarray, bt: int | None = None, min_len: int = RUN_MIN) ->
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor | None = None,
                  key_start: torch.Tensor | None = None, num_keys: int | None = None,
-                 rows: torch.Tensor | None = None, runs: tuple | None = None) -> torch.Tensor:
+                 rows: torch.Tensor | None = None, runs: tuple | None = None,
+                 blocks_per_program: int | None = None) -> torch.Tensor:
     """key_start [n] (with num_keys): query t scores keys[key_start[t] : key_start[t] + num_keys]
     (a batch of decode tokens, each over its own sequence's keys); out [n, num_keys]. rows (with
     key_start): a flat row table, query t's key e is keys[rows[key_start[t] + e]]. runs (with
-    key_start and lens): query_runs(cu) as device tensors (run starts, run lengths, other queries)."""
+    key_start and lens): query_runs(cu) as device tensors (run starts, run lengths, other queries).
+    blocks_per_program: key blocks per program of the per-token queries (the decode form; None:
+    decode_blocks_per_program, 0: index_scores_kernel, one block each); the same bits either way."""
     n, ih, idim = q.shape
     E = keys.shape[0] if key_start is None else num_keys
     out = torch.empty(n, E, dtype=torch.bfloat16, device=q.device)
@@ -176,8 +259,16 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
                 q, w, keys, lens_t, ks, rows_t, run_t0, run_n, out, E, IH=ih, ID=idim, BT=RUN_BT, BE=be,
                 UPCAST=INTERPRET, PAGED=paged, num_warps=RUN_WARPS)
         grid_t = tokens.numel()
-    if grid_t:
-        index_scores_kernel[(grid_t, triton.cdiv(E, be))](
+    num_blocks = triton.cdiv(E, be)
+    if grid_t and key_start is not None and blocks_per_program != 0:
+        nb = blocks_per_program or decode_blocks_per_program(
+            grid_t, num_blocks, _sm_count(q.device))
+        index_scores_decode_kernel[(grid_t, triton.cdiv(num_blocks, nb))](
+            q, w, keys, lens_t, ks, rows_t, out, E, nb, IH=ih, ID=idim, BE=be, HAS_LENS=lens is not None,
+            UPCAST=INTERPRET, PAGED=paged, STAGES=DECODE_STAGES, tok_ptr=tokens, HAS_TOKENS=tokens is not None,
+            num_warps=DECODE_WARPS)
+    elif grid_t:
+        index_scores_kernel[(grid_t, num_blocks)](
             q, w, keys, lens_t, ks, rows_t, out, n, E, IH=ih, ID=idim, BT=bt,
             BE=be, HAS_LENS=lens is not None, UPCAST=INTERPRET, PER_TOKEN_KEYS=key_start is not None, PAGED=paged,
             tok_ptr=tokens, HAS_TOKENS=tokens is not None, num_warps=4)

@@ -6,6 +6,19 @@ lengths of a compressed layer (--ratio). Prints ms, the useful (unmasked) TFLOP/
 measured in the same run, and the speed-up.
 
     python perf/bench_indexer.py [--cases 1x8192 4x2048 16x512] [--configs 64x4 128x8 32x4] [--ratio 2]
+
+Decode mode (--decode-batches): one query per request over its own keys, read in place through a row
+table (the model's index_scores_pool), the old one-block-per-program kernel (index_scores_kernel)
+against the decode form (index_scores_decode_kernel) at the host's NB and any --nb / --stages /
+--warps given, timed as CUDA-graph replays side by side in one run. E is the graph's width
+(--graph-entries, at least the live keys ctx // ratio); lens = the live keys, less a jitter below one
+block. Prints us per call, new / old, the fraction of the copy bandwidth measured in the same run
+(bytes: live keys + their row-table entries + q + w + out) and whether the two outputs are the same
+bits; writes indexer_decode.json. Without CUDA and with TRITON_INTERPRET=1: the bit check only, on
+the CPU (small sizes).
+
+    python perf/bench_indexer.py --decode-batches 1 16 64 128 --ctx 8192 --graph-entries 4096 --ratio 2 \
+        [--heads 64] [--head-dim 128] [--nb auto 4 8 16] [--stages 3] [--warps 4]
 """
 
 from __future__ import annotations
@@ -20,19 +33,40 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import measure_ceilings, save_json, time_eager  # noqa: E402
+from benchutil import copies_for, measure_ceilings, save_json, time_calls, time_eager  # noqa: E402
 
 IH, ID = 32, 128
 FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--cases", nargs="+", default=["1x8192", "4x2048", "16x512"])
     p.add_argument("--configs", nargs="+", default=["64x4", "64x8", "128x8", "32x4"], help="run height x warps")
     p.add_argument("--ratio", type=int, default=2,
                    help="compression ratio of the scored layer (the release's index layers: 2 and 1; 4 in the first run)")
-    a = p.parse_args()
+    p.add_argument("--decode-batches", nargs="+", type=int, default=None,
+                   help="decode mode: these batch sizes (one query per request) instead of the prefill cases")
+    p.add_argument("--ctx", type=int, default=8192, help="decode: tokens of context per request")
+    p.add_argument("--graph-entries", type=int, default=None,
+                   help="decode: E, the key entries the CUDA graph is sized for (default and minimum: ctx // ratio)")
+    p.add_argument("--heads", type=int, default=64, help="decode: index heads (full-width checkpoint 64)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--nb", nargs="+", default=["auto"], help="decode: key blocks per program of the new form (auto: host's)")
+    p.add_argument("--stages", nargs="+", type=int, default=None, help="decode: pipeline depths (default DECODE_STAGES)")
+    p.add_argument("--warps", nargs="+", type=int, default=None, help="decode: warps (default DECODE_WARPS)")
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    a = parse_args()
+    if a.decode_batches:
+        decode(a)
+    else:
+        prefill(a)
+
+
+def prefill(a: argparse.Namespace) -> None:
     from deepinfer.kernels import triton_indexer as ti
     peak = measure_ceilings()["bf16_flops"]
     print(f"bf16 peak (same run) {peak / 1e12:.0f} TFLOP/s")
@@ -76,6 +110,88 @@ def main() -> None:
                                  speedup=t_tok / t))
     save_json("indexer.json", dict(rows=rows_out, peak_bf16=peak, ratio=a.ratio))
     plot(rows_out, os.path.join(FIGURES, f"indexer_runs_ratio{a.ratio}_h200.png"), a.ratio)
+
+
+def decode_case(B: int, ctx: int, ratio: int, graph_entries: int | None, ih: int, idim: int, device, seed: int = 0):
+    """A batch-B decode step's indexer inputs: one query per request, E = max(graph_entries, ctx // ratio)
+    entries per request in a shuffled pool read through a row table, lens = the live ctx // ratio keys less
+    a jitter below one block (not block-aligned), capped at E. -> (args, kwargs) of ti.index_scores, bytes."""
+    live = ctx // ratio
+    E = max(graph_entries or live, live)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, ih, idim, generator=g).bfloat16()
+    w = (torch.randn(B, ih, generator=g) * 0.02).bfloat16()
+    pool = torch.randn(B * E + 7, idim, generator=g).bfloat16()
+    rows = torch.randperm(B * E + 7, generator=g)[:B * E]
+    lens = (live - torch.randint(0, min(128, live), (B,), generator=g)).clamp(0, E).to(torch.int32)
+    to = lambda t: t.to(device)  # noqa: E731
+    ks = torch.arange(B, device=device) * E
+    nbytes = int(lens.sum()) * (idim * 2 + 8) + B * ih * (idim + 1) * 2 + B * E * 2
+    return (to(q), to(w), to(pool), to(lens)), dict(key_start=ks, num_keys=E, rows=to(rows)), nbytes
+
+
+def decode_forms(a: argparse.Namespace, ti) -> list[tuple[str, int | None, int, int]]:
+    """(name, blocks_per_program, stages, warps) of the new forms to time against the old kernel."""
+    forms = []
+    for nb in a.nb:
+        for st in a.stages or [ti.DECODE_STAGES]:
+            for wp in a.warps or [ti.DECODE_WARPS]:
+                forms.append((f"nb {nb} st {st} w {wp}", None if nb == "auto" else int(nb), st, wp))
+    return forms
+
+
+def run_form(ti, args, kw, nb, stages, warps):
+    """index_scores at one decode form (the module knobs set for the call); nb 0: the old kernel."""
+    saved = ti.DECODE_STAGES, ti.DECODE_WARPS
+    ti.DECODE_STAGES, ti.DECODE_WARPS = stages, warps
+    try:
+        return ti.index_scores(*args, **kw, blocks_per_program=nb)
+    finally:
+        ti.DECODE_STAGES, ti.DECODE_WARPS = saved
+
+
+def decode(a: argparse.Namespace) -> None:
+    """Old vs new decode form per batch size (module docstring)."""
+    from deepinfer.kernels import triton_indexer as ti
+    cuda = torch.cuda.is_available()
+    if not cuda and not ti.INTERPRET:
+        sys.exit("bench_indexer --decode-batches: needs CUDA to time (or TRITON_INTERPRET=1 for the CPU bit check)")
+    device = "cuda" if cuda else "cpu"
+    copy_bw = measure_ceilings()["copy_bw"] if cuda else None
+    if cuda:
+        print(f"copy bandwidth (same run) {copy_bw / 1e12:.2f} TB/s")
+    else:
+        print("no CUDA: the bit check of old vs new on the CPU (interpreter), no timing")
+    rows_out, all_same = [], True
+    for B in a.decode_batches:
+        args, kw, nbytes = decode_case(B, a.ctx, a.ratio, a.graph_entries, a.heads, a.head_dim, device)
+        E = kw["num_keys"]
+        sets = [decode_case(B, a.ctx, a.ratio, a.graph_entries, a.heads, a.head_dim, device, seed=i)[:2]
+                for i in range(copies_for(nbytes) if cuda else 1)]           # rotated: not timed from L2
+        old = ti.index_scores(*args, **kw, blocks_per_program=0)
+        t_old = time_calls([lambda s=s: ti.index_scores(*s[0], **s[1], blocks_per_program=0) for s in sets]) if cuda else None
+        head = f"B {B:>4} E {E:>6}"
+        if cuda:
+            print(f"{head} {'old':<18} (NB  1) {t_old * 1e6:8.1f} us  {nbytes / t_old / copy_bw:5.2f} of copy", flush=True)
+        rows_out.append(dict(batch=B, E=E, form="old", us=t_old and t_old * 1e6, bytes=nbytes,
+                             of_copy=t_old and nbytes / t_old / copy_bw))
+        for name, nb, st, wp in decode_forms(a, ti):
+            nb_used = nb or ti.decode_blocks_per_program(B, -(-E // 128), ti._sm_count(torch.device(device)))
+            new = run_form(ti, args, kw, nb, st, wp)
+            same = torch.equal(new, old)
+            all_same &= same
+            t = time_calls([lambda s=s: run_form(ti, s[0], s[1], nb, st, wp) for s in sets]) if cuda else None
+            timing = (f"{t * 1e6:8.1f} us  {nbytes / t / copy_bw:5.2f} of copy  {t / t_old:5.2f}x old" if cuda else "")
+            print(f"{head} {name:<18} (NB {nb_used:>2}) {timing}  {'same bits' if same else 'BITS DIFFER'}", flush=True)
+            rows_out.append(dict(batch=B, E=E, form=name, nb=nb_used, stages=st, warps=wp, us=t and t * 1e6,
+                                 bytes=nbytes, of_copy=t and nbytes / t / copy_bw, new_over_old=t and t / t_old,
+                                 same_bits=same))
+    path = save_json("indexer_decode.json", dict(rows=rows_out, copy_bw=copy_bw, ctx=a.ctx, ratio=a.ratio,
+                                                 graph_entries=a.graph_entries, heads=a.heads, head_dim=a.head_dim,
+                                                 device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)"))
+    print(f"wrote {path}; {'all forms the old bits' if all_same else 'SOME FORMS DIFFER FROM THE OLD BITS'}")
+    if not all_same:
+        sys.exit(1)
 
 
 def plot(rows: list[dict], path: str, ratio: int) -> None:
