@@ -49,8 +49,8 @@ from aiohttp import web
 from . import contract as c
 from .client import _input_tensor, decode_result
 from .engine_watch import EngineDead, EngineWatch
-from .gateway_guard import (ROUTES, GuardConfig, error_body, json_protocol_errors, json_response, make_guard,
-                            read_body)
+from .gateway_guard import (CHARGE_TOKENS, ROUTES, GuardConfig, error_body, json_protocol_errors, json_response,
+                            make_guard, read_body)
 from .gateway_limits import RateLimits
 from .gateway_metrics import GatewayMetrics
 
@@ -249,7 +249,7 @@ class Gateway:
             if first is None:
                 return json_response(500, error_body(api, 500, "the ensemble sent no response"))
             if first["status"] != 200 or not wants_stream(raw):
-                self._answered(api, first)
+                self._answered(request, api, first)
                 answer = json_response(first["status"], first["response"][0])
                 if first.get("kv_transfer_params_out"):    # a prefill replica's hand-over, for the router
                     answer.headers[KV_TRANSFER_HEADER] = first["kv_transfer_params_out"]
@@ -282,7 +282,7 @@ class Gateway:
                     await response.write(frames)
                 out = await call.next()
             else:
-                self._answered(api, last)
+                self._answered(request, api, last)
                 await response.write(SSE_END[api])
         except (TritonUnavailable, TritonStreamError, EngineDead) as e:
             await self._stream_error(response, api, str(e))
@@ -296,10 +296,14 @@ class Gateway:
         self.metrics.inc("stream_errors_total", api=api)
         await response.write(sse_error(api, message) + SSE_END[api])
 
-    def _answered(self, api: str, out: dict) -> None:
+    def _answered(self, request: web.Request, api: str, out: dict) -> None:
+        """An answer's end: its tokens into the metrics and, under a token budget, onto its client."""
         if out.get("status") == 200:
-            self.metrics.answered(api, int(out.get("num_input_tokens") or 0), int(out.get("num_output_tokens") or 0),
-                                  out.get("finish_reason") or "")
+            prompt, generated = int(out.get("num_input_tokens") or 0), int(out.get("num_output_tokens") or 0)
+            self.metrics.answered(api, prompt, generated, out.get("finish_reason") or "")
+            charge = request.get(CHARGE_TOKENS)
+            if charge is not None:
+                charge(prompt + generated)
 
     def _call(self, inputs: dict, key: str) -> EnsembleCall:
         specs = {t.name: t for t in c.ensemble_inputs()}
@@ -410,13 +414,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rate-limit-rpm", type=float,
                     help="requests per minute per client (its API key, else its address); a burst of up to a "
                          "minute's worth; over it: 429 with Retry-After (ensemble/gateway_limits.py)")
+    ap.add_argument("--rate-limit-tpm", type=float,
+                    help="prompt + generated tokens per minute per client, charged when each answer ends; a "
+                         "client at or below zero gets 429 with Retry-After until its budget refills")
     ap.add_argument("--max-in-flight-per-client", type=int,
                     help="requests one client may have open at once (a stream counts until it ends); over it: 429")
     ap.add_argument("--probe-period", type=float, default=PROBE_PERIOD_S, help="engine liveness probe period (s)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        limits = RateLimits(args.rate_limit_rpm, args.max_in_flight_per_client)
+        limits = RateLimits(args.rate_limit_rpm, args.max_in_flight_per_client, args.rate_limit_tpm)
     except ValueError as e:
         ap.error(str(e))
     guard = GuardConfig.from_args(args.api_key, args.api_key_file, args.max_request_bytes, args.max_json_depth,

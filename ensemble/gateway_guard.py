@@ -1,6 +1,7 @@
 """The gateway's guard: one aiohttp middleware in front of every route.
 
     request --> request id --> API key (401) --> rate limits (429, gateway_limits.py) --> handler
+                                                  (the handler charges the answer's tokens back)
             --> any error as the API's own JSON + x-request-id header + one log line
 
 Every failure the client can cause ends as that API's error body: an unknown route (404) or method
@@ -111,6 +112,9 @@ def rate_limited(api: str, refused: Refusal, limits: RateLimits) -> web.Response
     if refused.in_flight:
         message = (f"Too many requests in flight for this client (limit {limits.max_in_flight}); "
                    f"retry when one of them has finished.")
+    elif refused.limit == "tpm":
+        message = (f"Rate limit reached for tokens per minute (TPM): limit {limits.tokens_per_minute:g}. "
+                   f"Please try again in {retry}s.")
     else:
         message = (f"Rate limit reached for requests per minute (RPM): limit {limits.requests_per_minute:g}. "
                    f"Please try again in {retry}s.")
@@ -119,7 +123,8 @@ def rate_limited(api: str, refused: Refusal, limits: RateLimits) -> web.Response
     return response
 
 
-OPEN_PATHS = ("/health", "/metrics")   # probes and Prometheus scrape without a key
+OPEN_PATHS = ("/health", "/metrics")
+CHARGE_TOKENS = "charge_tokens"        # request key: tokens -> None, set for requests under the limiter   # probes and Prometheus scrape without a key
 
 
 def make_guard(cfg: GuardConfig, metrics):
@@ -133,6 +138,8 @@ def make_guard(cfg: GuardConfig, metrics):
         refused = limiter.admit(client)
         if refused is not None:
             return rate_limited(api, refused, cfg.limits)
+        # the handler charges the answer's tokens to this client when it knows them (Gateway._answered)
+        request[CHARGE_TOKENS] = lambda tokens: limiter.charge(client, tokens)
         try:
             return await handler(request)         # a stream's handler returns after its last byte
         finally:

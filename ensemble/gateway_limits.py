@@ -1,11 +1,14 @@
-"""Per-client rate limits of the gateway (`--rate-limit-rpm`, `--max-in-flight-per-client`).
+"""Per-client rate limits of the gateway (`--rate-limit-rpm`, `--rate-limit-tpm`, `--max-in-flight-per-client`).
 
-A client is its API key, or its address where the gateway takes no keys. Two limits, each off unless
-set: requests per minute, a token bucket holding `rpm` requests (a burst of up to a minute's worth)
-refilled continuously; and requests in flight (a stream counts until its last byte). A request over
-either is answered 429 in its API's own format with Retry-After: the seconds until the bucket holds a
-request again, or 1 for the in-flight limit (a slot frees when any of the client's answers ends).
-Only the three API routes count; /health, /metrics and /v1/models never do.
+A client is its API key, or its address where the gateway takes no keys. Three limits, each off unless
+set: requests per minute, a bucket holding `rpm` requests (a burst of up to a minute's worth) refilled
+continuously; tokens per minute, a bucket of `tpm` tokens refilled the same way, charged with each
+answered request's prompt + generated tokens when the answer ends (the prompt's count is known only
+once the recipe has tokenized it, the output's only at its end), so one request may overdraw the
+bucket and the client then waits until it is positive again; and requests in flight (a stream counts
+until its last byte). A request over any is answered 429 in its API's own format with Retry-After: the
+seconds until the bucket admits again, or 1 for the in-flight limit (a slot frees when any of the
+client's answers ends). Only the three API routes count; /health, /metrics and /v1/models never do.
 
 The table of clients is bounded: past MAX_CLIENTS entries, clients idle long enough for a full bucket and
 with nothing in flight are forgotten (they would be admitted anyway).
@@ -24,48 +27,88 @@ MAX_CLIENTS = 10_000
 class RateLimits:
     requests_per_minute: float | None = None      # None: no rate limit
     max_in_flight: int | None = None              # None: no in-flight limit
+    tokens_per_minute: float | None = None        # None: no token budget
 
     def __post_init__(self):
         if self.requests_per_minute is not None and not self.requests_per_minute > 0:
             raise ValueError(f"--rate-limit-rpm must be > 0, got {self.requests_per_minute}")
+        if self.tokens_per_minute is not None and not self.tokens_per_minute > 0:
+            raise ValueError(f"--rate-limit-tpm must be > 0, got {self.tokens_per_minute}")
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ValueError(f"--max-in-flight-per-client must be >= 1, got {self.max_in_flight}")
 
     @property
     def enabled(self) -> bool:
-        return self.requests_per_minute is not None or self.max_in_flight is not None
+        return any(v is not None for v in (self.requests_per_minute, self.max_in_flight, self.tokens_per_minute))
 
 
 @dataclass(frozen=True)
 class Refusal:
     retry_after: float      # seconds
-    in_flight: bool         # the in-flight limit (else the per-minute rate)
+    limit: str              # "in_flight", "rpm" or "tpm": the limit that refused
+
+    @property
+    def in_flight(self) -> bool:
+        return self.limit == "in_flight"
+
+
+class _Bucket:
+    """Per-client levels of one per-minute budget: `per_minute` at most, refilled continuously; a
+    level may go below zero (a charge larger than what was left)."""
+
+    def __init__(self, per_minute: float, clock) -> None:
+        self.per_minute, self.clock = per_minute, clock
+        self.levels: dict[str, tuple[float, float]] = {}         # client -> (level, when counted)
+
+    def level(self, client: str) -> float:
+        level, when = self.levels.get(client, (self.per_minute, self.clock()))
+        return min(self.per_minute, level + (self.clock() - when) * self.per_minute / 60.0)
+
+    def take(self, client: str, amount: float) -> None:
+        self.levels[client] = (self.level(client) - amount, self.clock())
+
+    def seconds_until(self, client: str, level: float) -> float:
+        return max(0.0, level - self.level(client)) * 60.0 / self.per_minute
+
+    def forget_full(self, keep) -> None:
+        for client in list(self.levels):
+            if client not in keep and self.level(client) >= self.per_minute:
+                del self.levels[client]
 
 
 class RateLimiter:
-    """admit(client) before a request, release(client) after it (only for admitted requests).
-    Single-threaded (the gateway's event loop)."""
+    """admit(client) before a request, charge(client, tokens) when its answer ends, release(client)
+    after it (charge and release only for admitted requests). Single-threaded (the gateway's event loop)."""
 
     def __init__(self, limits: RateLimits, clock=time.monotonic) -> None:
         self.limits, self.clock = limits, clock
-        self._buckets: dict[str, tuple[float, float]] = {}       # client -> (tokens, when counted)
+        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        self._requests = _Bucket(rpm, clock) if rpm is not None else None
+        self._tokens = _Bucket(tpm, clock) if tpm is not None else None
         self._in_flight: dict[str, int] = {}
 
     def admit(self, client: str) -> Refusal | None:
-        """None: admitted (a token taken, one more in flight); else why not and when to retry."""
+        """None: admitted (a request taken from its bucket, one more in flight); else why not and when
+        to retry."""
         cap = self.limits.max_in_flight
         if cap is not None and self._in_flight.get(client, 0) >= cap:
-            return Refusal(1.0, in_flight=True)
-        rpm = self.limits.requests_per_minute
-        if rpm is not None:
-            tokens = self._tokens(client)
-            if tokens < 1.0:
-                return Refusal((1.0 - tokens) * 60.0 / rpm, in_flight=False)
-            self._buckets[client] = (tokens - 1.0, self.clock())
+            return Refusal(1.0, "in_flight")
+        if self._tokens is not None and self._tokens.level(client) <= 0.0:
+            return Refusal(max(self._tokens.seconds_until(client, 1.0), 1e-3), "tpm")
+        if self._requests is not None:
+            if self._requests.level(client) < 1.0:
+                return Refusal(self._requests.seconds_until(client, 1.0), "rpm")
+            self._requests.take(client, 1.0)
         self._in_flight[client] = self._in_flight.get(client, 0) + 1
-        if len(self._buckets) + len(self._in_flight) > MAX_CLIENTS:
-            self._forget_idle()
+        if sum(len(b.levels) for b in self._budgets()) + len(self._in_flight) > MAX_CLIENTS:
+            for b in self._budgets():
+                b.forget_full(self._in_flight)
         return None
+
+    def charge(self, client: str, tokens: int) -> None:
+        """An admitted request's prompt + generated tokens, when its answer ends."""
+        if self._tokens is not None and tokens > 0:
+            self._tokens.take(client, float(tokens))
 
     def release(self, client: str) -> None:
         n = self._in_flight.get(client, 0) - 1
@@ -74,16 +117,8 @@ class RateLimiter:
         else:
             self._in_flight.pop(client, None)
 
-    def _tokens(self, client: str) -> float:
-        rpm = self.limits.requests_per_minute
-        tokens, when = self._buckets.get(client, (rpm, self.clock()))
-        return min(rpm, tokens + (self.clock() - when) * rpm / 60.0)
-
-    def _forget_idle(self) -> None:
-        rpm = self.limits.requests_per_minute
-        for client in list(self._buckets):
-            if client not in self._in_flight and (rpm is None or self._tokens(client) >= rpm):
-                del self._buckets[client]
+    def _budgets(self) -> list[_Bucket]:
+        return [b for b in (self._requests, self._tokens) if b is not None]
 
 
 def retry_after_header(seconds: float) -> str:

@@ -56,7 +56,7 @@ def test_the_client_table_forgets_idle_clients(monkeypatch):
         lim.release(f"c{i}")
     now[0] = 120.0                                          # every bucket full again
     assert lim.admit("busy") is None                        # past the bound: the idle ones are dropped
-    assert len(lim._buckets) <= 2 and "busy" in lim._buckets
+    assert len(lim._requests.levels) <= 2 and "busy" in lim._requests.levels
 
 
 def test_bad_limits_and_the_header():
@@ -66,3 +66,38 @@ def test_bad_limits_and_the_header():
         RateLimits(max_in_flight=0)
     assert not RateLimits().enabled and RateLimits(max_in_flight=3).enabled
     assert retry_after_header(0.01) == "1" and retry_after_header(29.2) == "30"
+
+
+def test_the_token_budget_is_charged_after_the_answer_and_refills():
+    now = [0.0]
+    lim = RateLimiter(RateLimits(tokens_per_minute=600), clock=lambda: now[0])
+    assert lim.admit("a") is None and lim.admit("a") is None    # nothing charged yet: both admitted
+    lim.charge("a", 500)
+    lim.release("a")
+    assert lim.admit("a") is None                                # 100 tokens left: still admitted
+    lim.charge("a", 400)                                         # overdrawn: 300 tokens of debt
+    lim.release("a")
+    lim.release("a")
+    refused = lim.admit("a")
+    assert refused.limit == "tpm" and not refused.in_flight
+    assert refused.retry_after == pytest.approx(30.1)            # (300 + 1) tokens at 10 a second
+    assert lim.admit("b") is None                                # another client has its own budget
+    now[0] = 30.0
+    assert lim.admit("a") is not None                            # at 0: still refused
+    now[0] = 30.2
+    assert lim.admit("a") is None
+    now[0] = 1000.0
+    lim.charge("a", 0)                                           # an empty answer charges nothing
+    assert lim._tokens.level("a") == pytest.approx(600.0)       # refilled to the minute's worth, no more
+
+
+def test_rpm_and_tpm_together_take_a_request_only_when_both_admit():
+    now = [0.0]
+    lim = RateLimiter(RateLimits(requests_per_minute=2, tokens_per_minute=60), clock=lambda: now[0])
+    assert lim.admit("a") is None
+    lim.charge("a", 100)                                         # the token budget overdrawn
+    lim.release("a")
+    assert lim.admit("a").limit == "tpm"
+    assert lim._requests.level("a") == pytest.approx(1.0)       # the refusal took no request
+    with pytest.raises(ValueError, match="rate-limit-tpm"):
+        RateLimits(tokens_per_minute=0)

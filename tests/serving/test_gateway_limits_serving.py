@@ -1,7 +1,8 @@
 """The gateway's per-client rate limits through the real gateway, Triton and the official SDKs: a key's
 requests past its per-minute budget are 429 in each API's own format with Retry-After, other keys keep
 theirs, a second request beside an open stream is 429 while the in-flight cap is reached and admitted
-once the stream has ended, probes are never limited, and the metrics count the refusals."""
+once the stream has ended, probes are never limited, and the metrics count the refusals; under a token
+budget a key is charged each answer's tokens when it ends (streams too) and refused once overdrawn."""
 
 from __future__ import annotations
 
@@ -72,3 +73,32 @@ def test_the_metrics_count_the_refusals(url):
     counts = {api: float(ln.split()[-1]) for ln in text.splitlines() for api in ("chat.completions", "messages")
               if ln.startswith(f'deepinfer_gateway_rejected_total{{api="{api}",reason="rate_limited"}}')}
     assert counts == {"chat.completions": 2, "messages": 1}
+
+
+@pytest.fixture(scope="module")
+def tpm_url(server, tmp_path_factory):
+    proc, url = start_gateway(server.grpc_url, tmp_path_factory.mktemp("gw-tpm") / "gateway.log",
+                              "--api-key", "key-t", "--api-key", "key-s", "--rate-limit-tpm", "1")
+    try:
+        yield url
+    finally:
+        stop_gateway(proc)
+
+
+def test_a_token_budget_refuses_once_the_answers_overdraw_it(tpm_url):
+    t = openai_client(tpm_url, "key-t")
+    first = chat(t)                                            # a budget of 1 token a minute: admitted
+    assert first.usage.prompt_tokens + first.usage.completion_tokens > 1      # and it overdraws it
+    with pytest.raises(openai.RateLimitError) as e:
+        chat(t)
+    assert e.value.body["code"] == "rate_limit_exceeded" and "tokens per minute" in e.value.message
+    debt = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert int(e.value.response.headers["retry-after"]) >= debt * 60          # refills at 1 token a minute
+    # a stream is charged when it ends: its key is refused after it, not during it
+    body = {"model": MODEL, "input": "Say hi.", "max_output_tokens": 4, "stream": True, "reasoning": {"effort": "none"}}
+    headers = {"Authorization": "Bearer key-s"}
+    with httpx.stream("POST", f"{tpm_url}/v1/responses", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        assert any("response.completed" in ln for ln in r.iter_lines())
+    again = httpx.post(f"{tpm_url}/v1/responses", json={**body, "stream": False}, headers=headers, timeout=60)
+    assert again.status_code == 429 and "tokens per minute" in again.json()["error"]["message"]
