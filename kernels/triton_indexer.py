@@ -36,6 +36,23 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, ID: tl.constexpr, PAGED: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    """q [rows, ID] against the key block re (pool rows rows[kbase + re] when PAGED, else kbase + re):
+    the fp32 dot rounded to bf16, relu'd (the reference's first rounding)."""
+    if PAGED:
+        krow = tl.load(rows_ptr + kbase + re, mask=e_ok, other=0).to(tl.int64)
+        k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + (kbase + re[:, None].to(tl.int64)) * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
+    if UPCAST:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return tl.maximum(s.to(tl.bfloat16).to(tl.float32), 0.0)
+
+
+@triton.jit
 def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, o_ptr, n, E,
                         IH: tl.constexpr, ID: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                         HAS_LENS: tl.constexpr, UPCAST: tl.constexpr, PER_TOKEN_KEYS: tl.constexpr,
@@ -67,16 +84,7 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, o_ptr, 
     kbase = 0
     if PER_TOKEN_KEYS:
         kbase = tl.load(ks_ptr + pid_t).to(tl.int64)
-    if PAGED:
-        krow = tl.load(rows_ptr + kbase + re, mask=e_ok, other=0).to(tl.int64)
-        k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptr + (kbase + re[:, None].to(tl.int64)) * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
-    if UPCAST:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-    else:
-        s = tl.dot(q, tl.trans(k))                            # [BT*IH, BE] fp32
-    s = tl.maximum(s.to(tl.bfloat16).to(tl.float32), 0.0)
+    s = _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, ID, PAGED, UPCAST)   # [BT*IH, BE]
     w = tl.load(w_ptr + rq, mask=q_ok, other=0.0).to(tl.float32)
     s = (s * w[:, None]).to(tl.bfloat16).to(tl.float32)
     tot = tl.sum(tl.reshape(s, (BT, IH, BE)), axis=1)          # [BT, BE]
@@ -117,16 +125,7 @@ def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, 
     for j in tl.range(0, n_live, num_stages=STAGES):
         re = (b0 + j) * BE + tl.arange(0, BE)
         e_ok = re < E
-        if PAGED:
-            krow = tl.load(rows_ptr + kbase + re, mask=e_ok, other=0).to(tl.int64)
-            k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptr + (kbase + re[:, None].to(tl.int64)) * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
-        if UPCAST:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-        else:
-            s = tl.dot(q, tl.trans(k))                        # [IH, BE] fp32
-        s = tl.maximum(s.to(tl.bfloat16).to(tl.float32), 0.0)
+        s = _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, ID, PAGED, UPCAST)   # [IH, BE]
         s = (s * w[:, None]).to(tl.bfloat16).to(tl.float32)
         tot = tl.sum(tl.reshape(s, (1, IH, BE)), axis=1)       # [1, BE], index_scores_kernel's tile
         if HAS_LENS:

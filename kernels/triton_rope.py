@@ -32,6 +32,18 @@ from .reference import rope_ref  # noqa: F401  (the reference this follows)
 
 
 @triton.jit
+def _rotate(a, b, c, s, FMA: tl.constexpr):
+    """(a + ib)(c + is) in fp32, rounded as torch's complex multiply rounds on the device (module docstring)."""
+    if FMA:                                                                      # torch on CUDA
+        re = tl.fma(a, c, -(b * s))
+        im = tl.fma(a, s, b * c)
+    else:                                                                        # torch on CPU
+        re = a * c - b * s
+        im = a * s + b * c
+    return re, im
+
+
+@triton.jit
 def rope_kernel(x_ptr, cis_ptr, y_ptr, T, H, sx_t, sx_h, sc_t,
                 D: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr, FMA: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr,
@@ -60,12 +72,7 @@ def rope_kernel(x_ptr, cis_ptr, y_ptr, T, H, sx_t, sx_h, sc_t,
     z = tl.load(src[:, :, None, None] + offs, mask=m4, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H, HALF, 2]
     a, b = tl.split(z)                                                           # [BLOCK_T, BLOCK_H, HALF]
     # (two stride-2 loads instead of split measured 2.7x slower on the H200, 2026-12-03: bench_rope.py)
-    if FMA:                                                                      # torch on CUDA
-        re = tl.fma(a, c, -(b * s))
-        im = tl.fma(a, s, b * c)
-    else:                                                                        # torch on CPU
-        re = a * c - b * s
-        im = a * s + b * c
+    re, im = _rotate(a, b, c, s, FMA)
     out = tl.join(re, im)                                                        # [BLOCK_T, BLOCK_H, HALF, 2]
     tl.store(dst[:, :, None, None] + offs, out.to(y_ptr.dtype.element_ty), mask=m4)
 
@@ -89,12 +96,7 @@ def rope_pairs_kernel(w_ptr, cis_ptr, R, H, sw_t, sw_h, sc_t,
     s = tl.load(cis_ptr + t64 * sc_t + 2 * i + 1, mask=ok, other=0.0)
     if INVERSE:
         s = -s
-    if FMA:                                                                      # torch on CUDA
-        re = tl.fma(a, c, -(b * s))
-        im = tl.fma(a, s, b * c)
-    else:                                                                        # torch on CPU
-        re = a * c - b * s
-        im = a * s + b * c
+    re, im = _rotate(a, b, c, s, FMA)
     lo = re.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
     hi = im.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
     tl.store(ptr, lo | hi, mask=ok)
