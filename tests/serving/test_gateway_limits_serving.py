@@ -99,6 +99,7 @@ def test_a_token_budget_refuses_once_the_answers_overdraw_it(tpm_url):
     headers = {"Authorization": "Bearer key-s"}
     with httpx.stream("POST", f"{tpm_url}/v1/responses", json=body, headers=headers, timeout=60) as r:
         assert r.status_code == 200
-        assert any("response.completed" in ln for ln in r.iter_lines())
+        events = [ln for ln in r.iter_lines() if ln.startswith("event:")]
+        assert events[-1] in ("event: response.completed", "event: response.incomplete"), events[-3:]
     again = httpx.post(f"{tpm_url}/v1/responses", json={**body, "stream": False}, headers=headers, timeout=60)
     assert again.status_code == 429 and "tokens per minute" in again.json()["error"]["message"]
