@@ -9,6 +9,8 @@
     fp8_linear(x, w, w_scale)              act_quant (per 32, pow2) + w8a16_gemm, bf16 out
     fp4_to_fp8_weight(packed, scale)       MXFP4 expert weight -> e4m3 [N, K] + per-(row, 32) scale:
                                            exact (every e2m1 value is an e4m3 value)
+    w4a16_gemm(x, packed, scale)           W8A16's products on MXFP4 weights read packed (half the
+    w4a16_grouped_gemm_masked(...)         bytes), decoded in registers (_FP4_ASM); dense and masked MoE
 
 Why not DeepGEMM directly: its SM90 FP8 kernels promote the accumulator once per 128 K with one
 activation scale per (row, 128) and one weight scale per 128x128 tile (`BLOCK_K == 128`,
@@ -421,13 +423,81 @@ def _e4m3_pair_to_bf16(w2):
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
 
 
+# ---------------------------------------------------------------------------------------------------
+# W4A16: MXFP4 weights read packed (two e2m1 a byte, element 2i in the low nibble, the release's layout)
+# and dequantized in registers like the e4m3 pairs. A nibble s eem placed as the bf16 bit pattern
+# s << 15 | eem << 6 is the bf16 value w * 2^-126 for every e2m1 w (e2m1's bias 1 moves to 127; its one
+# subnormal, 0.5, lands on bf16's subnormal 2^-127); one exact bf16x2 multiply by 2^(k - 1) then gives
+# w * 2^(k - 127) for the block's E8M0 byte k (1 <= k <= 128: scales up to 2; byte 0 -> 0 as the reference
+# decodes it). Per four bytes (eight weights): two PRMTs spread bytes 0/1 and 2/3 into 16-bit lanes, then
+# per output pair an AND, an IMAD by 2^6 + 2^12 (low nibbles; 2^2 + 2^8 for high) that moves the three
+# magnitude bits and the sign into place at once (the two shifted copies do not overlap), an AND and the
+# scale multiply: about 1.25 integer instructions per weight, where the e4m3 pair form spends 1.5, on half
+# the bytes.
+# Byte form, pack=4: $4 = four packed bytes, $5/$6 = bf16x2 scales of bytes 0,1 / 2,3;
+# $0/$1 = low nibbles of bytes 0,1 / 2,3, $2/$3 = high nibbles of bytes 0,1 / 2,3 (bf16x2 each).
+_FP4_ASM = tl.constexpr("""
+{
+.reg .b32 a, b, t;
+prmt.b32 a, $4, 0, 0x1100;
+prmt.b32 b, $4, 0, 0x3322;
+and.b32 t, a, 0x000F000F;
+mul.lo.u32 t, t, 4160;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $0, t, $5;
+and.b32 t, b, 0x000F000F;
+mul.lo.u32 t, t, 4160;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $1, t, $6;
+and.b32 t, a, 0x00F000F0;
+mul.lo.u32 t, t, 260;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $2, t, $5;
+and.b32 t, b, 0x00F000F0;
+mul.lo.u32 t, t, 260;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $3, t, $6;
+}
+""")
+FP4_MAX_SCALE_BYTE = 128       # 2^(k - 1) must be a normal bf16: block scales up to 2^1
+_P126 = tl.constexpr(2.0 ** 126)
+
+
+@triton.jit
+def _fp4_scale(k, UPCAST: tl.constexpr):
+    """E8M0 byte (int32) -> the multiplier of the FP4 decode: bf16 2^(k - 1) (the asm's bit placement is
+    w * 2^-126), or fp32 2^(k - 127) for the interpreter's decode; byte 0 -> 0 either way."""
+    if UPCAST:
+        return (k << 23).to(tl.float32, bitcast=True)
+    return tl.where(k == 0, 0, (k + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _fp4_pair_bf16(w, s):
+    """w uint8 = two e2m1 weights (k = 2i low nibble, 2i + 1 high nibble), s bf16 from _fp4_scale ->
+    (lo, hi) bf16 weights times the block scale."""
+    return tl.inline_asm_elementwise(asm=_FP4_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[w, s],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _fp4_pair_ref(w, s):
+    """_fp4_pair_bf16 in fp32 with plain Triton ops (interpreter): the same bit placement one format up
+    (s << 31 | eem << 22 is w * 2^-126 in fp32), times 2^126, times s (fp32 2^(k - 127))."""
+    b = w.to(tl.int32) & 0xFF
+    lo = ((((b & 0x08) << 28) | ((b & 0x07) << 22)).to(tl.float32, bitcast=True) * _P126) * s
+    hi = ((((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True) * _P126) * s
+    return lo, hi
+
+
 @triton.jit
 def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
                        M, N, K, SPLIT_K,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SB_ROWS: tl.constexpr,
                        SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
                        NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False,
-                       ROW_SCALE: tl.constexpr = False, TOKEN_MAJOR: tl.constexpr = False):
+                       ROW_SCALE: tl.constexpr = False, TOKEN_MAJOR: tl.constexpr = False,
+                       FP4: tl.constexpr = False):
     """x [G, M, K] bf16 (FP8-rounded activations), b [G, N, K] e4m3 read as [BN, BK/2] int16 pairs, each
     pair dequantized in the register the wgmma A fragment reads it from (no shared-memory shuffle):
         ROW_SCALE (the rows kernel): s [G, N] f32 pow2 row scales; nothing in the K loop depends on a
@@ -435,6 +505,8 @@ def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
         else (v4): w8a16_v2_kernel's scales per (SB_ROWS rows, 32 columns), f32 pow2 or raw E8M0 bytes;
             the pairs viewed as [BN, BK/32, 16] so that the [BN, BK/32] scale tile broadcasts over the
             pairs of its block (each thread's k16 slice sits in one scale block).
+        FP4 (W4A16): b [G, N, K/2] packed MXFP4 bytes read as [BN, BK/2] (one byte a pair) with E8M0
+            scales per (row, 32) [G, N, K/32], decoded by _fp4_pair_bf16 in the same [BN, BK/32, 16] view.
     The same exact bf16 products with fp32 accumulation either way. Grid as fp8_gemm_kernel."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -450,8 +522,8 @@ def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
         # [BN, BK/32] scale tile (E8M0 bytes or f32), read in the layout the 3-D view below gives its rows
         sc_ptrs = s_ptr + srow[:, None] * (nkb * (BK // 32)) + tl.arange(0, BK // 32)[None, :]
     x_ptrs = _x_rows(x_ptr, g64, rm, M, K, SPLIT_K, TOKEN_MAJOR) + rk[None, :]
-    w_ptrs = (b_ptr.to(tl.pointer_type(tl.int16)) + g64 * N * (K // 2) + rn[:, None].to(tl.int64) * (K // 2)
-              + r2[None, :])
+    w_ptrs = (b_ptr.to(tl.pointer_type(tl.uint8 if FP4 else tl.int16)) + g64 * N * (K // 2)
+              + rn[:, None].to(tl.int64) * (K // 2) + r2[None, :])
     for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + kb * BK, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs + kb * (BK // 2), mask=n_ok[:, None], other=0)
@@ -462,13 +534,19 @@ def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
                 lo, hi = _e4m3_pair_to_bf16(w)
         else:
             sc = tl.load(sc_ptrs + kb * (BK // 32), mask=n_ok[:, None], other=0)
-            if SB_E8M0:
+            if FP4:
+                sc = _fp4_scale(sc.to(tl.int32) & 0xFF, UPCAST)
+            elif SB_E8M0:
                 sc = _e8m0_scale(sc.to(tl.int32) & 0xFF, UPCAST)
             elif not UPCAST:
                 sc = sc.to(tl.bfloat16)
             w3 = tl.reshape(w, (BN, BK // 32, 16))
             s3 = tl.broadcast_to(sc[:, :, None], (BN, BK // 32, 16))
-            if UPCAST:
+            if FP4 and UPCAST:
+                lo, hi = _fp4_pair_ref(w3, s3)
+            elif FP4:
+                lo, hi = _fp4_pair_bf16(w3, s3)
+            elif UPCAST:
                 lo, hi = _dequant_pair_ref(w3, s3)
             else:
                 lo, hi = _dequant_pair_bf16(w3, s3)
@@ -542,7 +620,8 @@ def w8a16_variant(cfg: dict, b: torch.Tensor, sb: torch.Tensor, k: int) -> str:
     return variant
 
 
-def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, partials=False, token_major=False):
+def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, partials=False, token_major=False,
+                  fp4=False):
     """partials=True: return the fp32 split-K workspace [SPLIT_K, G, M, N] instead of reducing it (tests:
     its sum is exact on integer-valued data, on the GPU and in the interpreter alike). token_major: x is
     [M, G, K] and the result [M, G, N] (dense groups only)."""
@@ -553,7 +632,10 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, p
     kw = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], SB_ROWS=sb_rows, SWAP=cfg["SWAP"],
               GROUPED=masked_m is not None, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"],
               UPCAST=INTERPRET, SB_E8M0=sb.dtype != torch.float32, TOKEN_MAJOR=token_major)
-    if _is_row_scale(sb, k):                           # one scale per row: select.row_scaled_fp8_weight
+    if fp4:                                            # packed MXFP4 bytes, E8M0 per (row, 32)
+        kernel = w8a16_pairs_kernel
+        kw.update(FP4=True, SB_E8M0=True)
+    elif _is_row_scale(sb, k):                         # one scale per row: select.row_scaled_fp8_weight
         assert sb.dtype == torch.float32 and sb_rows == 1
         kernel = w8a16_pairs_kernel
         kw.update(ROW_SCALE=True, SB_E8M0=False)
@@ -634,19 +716,65 @@ def w8a16_grouped_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch
                          token_major=token_major)
 
 
+def fp4_scales_ok(scale: torch.Tensor) -> bool:
+    """Whether the W4A16 decode holds for these E8M0 block scales (every byte <= FP4_MAX_SCALE_BYTE: block
+    scales up to 2; real MXFP4 experts sit far below). One device read: call it once per weight, at load."""
+    return scale.numel() == 0 or int(scale.view(torch.uint8).max()) <= FP4_MAX_SCALE_BYTE
+
+
+def _fp4_args(packed: torch.Tensor, scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    assert k % 32 == 0 and packed.shape[-1] * 2 == k and scale.shape[-1] == k // 32 \
+        and scale.shape[-2] == packed.shape[-2], (tuple(packed.shape), tuple(scale.shape), k)
+    return packed.view(torch.uint8).contiguous(), scale.view(torch.uint8).contiguous()
+
+
+def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, cfg_override: dict | None = None
+               ) -> torch.Tensor:
+    """x [M, K] bf16 (FP8-rounded activations, or any bf16), packed [N, K/2] MXFP4 bytes (element 2i in
+    the low nibble), scale [N, K/32] E8M0 -> [M, N] bf16: the exact products of x and
+    reference.dequant_fp4_ref(packed, scale), fp32 accumulated. The caller checks fp4_scales_ok once."""
+    m, k = x.shape
+    n = packed.shape[0]
+    b, s = _fp4_args(packed, scale, k)
+    if m == 0:
+        return torch.empty(0, n, dtype=torch.bfloat16, device=x.device)
+    cfg = w8a16_config(m, n, k, 1, x.device)
+    cfg.update(cfg_override or {})
+    return _launch_w8a16(x.contiguous(), b, s, None, m, n, k, 1, 1, cfg, fp4=True)[0]
+
+
+def w4a16_grouped_gemm_masked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, masked_m: torch.Tensor,
+                              expected_m: int, out: torch.Tensor | None = None,
+                              cfg_override: dict | None = None) -> torch.Tensor:
+    """The masked MoE form on packed MXFP4 experts: x [G, Mmax, K] bf16, packed [G, N, K/2], scale
+    [G, N, K/32] E8M0, masked_m [G] -> [G, Mmax, N] bf16 (rows >= masked_m[g] not written). Half the weight
+    bytes of the FP8 stacks (w8a16_grouped_gemm_masked) for the same products."""
+    groups, mmax, k = x.shape
+    n = packed.shape[1]
+    b, s = _fp4_args(packed, scale, k)
+    cfg = w8a16_config(expected_m, n, k, groups, x.device)
+    if cfg["SWAP"]:
+        cfg["BM"] = max(cfg["BM"], 16)
+    cfg.update(cfg_override or {})
+    return _launch_w8a16(x.contiguous(), b, s, masked_m.to(torch.int32), mmax, n, k, groups, 1, cfg, out, fp4=True)
+
+
 def w8a16_partials(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, masked_m: torch.Tensor | None = None,
-                   cfg_override: dict | None = None) -> torch.Tensor:
+                   cfg_override: dict | None = None, fp4: bool = False) -> torch.Tensor:
     """Test hook: the W8A16 kernel's fp32 split-K partial sums [SPLIT_K, G, M, N] (no bf16 rounding).
-    x [M, K] with b [N, K] (G = 1), or x [G, Mmax, K] with b [G, N, K] and masked_m [G]."""
+    x [M, K] with b [N, K] (G = 1), or x [G, Mmax, K] with b [G, N, K] and masked_m [G]. fp4: b is packed
+    MXFP4 [.., N, K/2] with E8M0 sb [.., N, K/32] (the W4A16 form)."""
     grouped = x.dim() == 3
     x3, b3, s3 = (x, b, sb) if grouped else (x[None], b[None], sb[None])
     groups, m, k = x3.shape
     n = b3.shape[1]
-    cfg = w8a16_config(m, n, k, groups, x.device, row_scaled=_is_row_scale(s3, k))
+    cfg = w8a16_config(m, n, k, groups, x.device, row_scaled=not fp4 and _is_row_scale(s3, k))
     cfg.update(cfg_override or {})
     mm = masked_m.to(torch.int32) if masked_m is not None else None
-    return _launch_w8a16(x3.contiguous(), b3, _as_scale(s3).contiguous(), mm, m, n, k, groups, n // s3.shape[1], cfg,
-                         partials=True)
+    if fp4:
+        b3, s3 = _fp4_args(b3, s3, k)
+    return _launch_w8a16(x3.contiguous(), b3, _as_scale(s3).contiguous(), mm, m, n, k, groups,
+                         1 if fp4 else n // s3.shape[1], cfg, partials=True, fp4=fp4)
 
 
 def _num_sms(device) -> int:

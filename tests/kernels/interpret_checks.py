@@ -9,7 +9,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 
 import torch  # noqa: E402
 
-from kernel_utils import w8a16_exact_case  # noqa: E402
+from kernel_utils import w4a16_exact_case, w8a16_exact_case  # noqa: E402
 from deepinfer.kernels import triton_gemm, triton_indexer, triton_mhc, triton_quant, triton_sparse_attn  # noqa: E402
 from deepinfer.kernels.reference import (  # noqa: E402
     act_quant_ref, dequant_fp4_ref, fp4_quant_ref, hc_split_sinkhorn_ref, sparse_attn_ref)
@@ -154,6 +154,33 @@ def check_w8a16_dense_grouped():
             assert torch.equal(b, a.transpose(0, 1)), (split, var)
 
 
+def check_w4a16():
+    """W4A16 (packed MXFP4 weights decoded in the K loop): the fp32 partial sums exactly, dense and masked
+    grouped, swapped and not, split-K on and off, BK 128 / 64 / 32 and N, K off the tiles (N 96, K 160)."""
+    for g, m, n, k, mm in ((1, 5, 96, 256, None), (3, 7, 64, 160, torch.tensor([7, 0, 2], dtype=torch.int32))):
+        x, packed, scale, ref = w4a16_exact_case(g, m, n, k, seed=31 + g)
+        for split in (1, 3):
+            for swap in (True, False):
+                for bk in (32, 64, 128):
+                    if k % bk:
+                        continue
+                    cfg = dict(SPLIT_K=split, SWAP=swap, BM=16, BN=64, BK=bk)
+                    args = (x[0], packed[0], scale[0]) if mm is None else (x, packed, scale, mm)
+                    ws = triton_gemm.w8a16_partials(*args, cfg_override=cfg, fp4=True).double().sum(0)
+                    for i in range(g):
+                        r = m if mm is None else int(mm[i])
+                        assert torch.equal(ws[i, :r], ref[i, :r]), (g, split, swap, bk, i)
+                        assert not ws[i, r:].any()
+        if mm is None:
+            y = triton_gemm.w4a16_gemm(x[0], packed[0], scale[0])
+            assert rel(y, ref[0]) < 8e-3, rel(y, ref[0])
+        else:
+            y = triton_gemm.w4a16_grouped_gemm_masked(x, packed, scale, mm, 4)
+            for i in range(g):
+                r = int(mm[i])
+                assert rel(y[i, :r], ref[i, :r]) < 8e-3 if r else True
+
+
 def check_pool_lists():
     """A decode layer's lists in pool rows: the kernel gives the reference's integers (window part with
     pads inside, picks through the block tables with -1 picks and unallocated blocks, -1 tail)."""
@@ -267,6 +294,7 @@ def main():
     check_w8a16_variants()
     check_w8a16_rows()
     check_w8a16_dense_grouped()
+    check_w4a16()
     check_pool_lists()
     check_router_topk()
     print("interpret checks passed")

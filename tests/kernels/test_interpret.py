@@ -87,6 +87,8 @@ def run_ptx(asm, regs):
             r = (val(srcs[0]) << int(srcs[1], 0)) & 0xFFFFFFFF
         elif op == "and.b32":
             r = val(srcs[0]) & val(srcs[1])
+        elif op == "mul.lo.u32":
+            r = (val(srcs[0]) * val(srcs[1])) & 0xFFFFFFFF
         elif op == "mul.rn.bf16x2":
             a, b = val(srcs[0]), val(srcs[1])
             lo = _f64_to_bf16_bits(_bf16_bits_to_f64(a) * _bf16_bits_to_f64(b))
@@ -137,3 +139,36 @@ def test_w8a16_dequant_ptx_every_byte(scale_exp):
         got = (r[out] >> half) & 0xFFFF
         ok = finite(byte)
         assert np.array_equal(got[ok], _expected_bf16_bits(byte, 2.0 ** scale_exp)[ok]), (out, half)
+
+
+@pytest.mark.parametrize("scale_byte", [0, 1, 20, 100, 117, 127, 128])
+def test_w4a16_dequant_ptx_every_byte(scale_byte):
+    """The MXFP4 decode PTX (triton_gemm._FP4_ASM, pack=4), emulated instruction by instruction, gives
+    bf16(dequant_fp4_ref) bit for bit for every byte value (both nibbles: +-0, the subnormal 0.5, every
+    e2m1 value) in each of the four byte positions, at block scales 2^(k - 127) from the smallest byte up to
+    FP4_MAX_SCALE_BYTE (byte 0 -> 0, as the reference decodes it), with the two byte pairs' scales apart."""
+    import numpy as np
+    import torch
+    from deepinfer.kernels import triton_gemm as tg
+    from deepinfer.kernels.reference import dequant_fp4_ref
+
+    def mult_bits(k):                      # what _fp4_scale hands the asm: bf16 2^(k - 1), 0 for byte 0
+        return 0 if k == 0 else ((k + 126) << 7)
+
+    other = 128 if scale_byte != 128 else 119
+    b = np.arange(256, dtype=np.int64)
+    word = b | (((b + 37) % 256) << 8) | (((b + 101) % 256) << 16) | (((b + 199) % 256) << 24)
+    s01 = np.full_like(b, mult_bits(scale_byte) * 0x10001)
+    s23 = np.full_like(b, mult_bits(other) * 0x10001)
+    r = run_ptx(tg._FP4_ASM.value, {"$4": word, "$5": s01, "$6": s23})
+    for i in range(4):
+        byte = (word >> (8 * i)) & 0xFF
+        k = scale_byte if i < 2 else other
+        ref = dequant_fp4_ref(torch.from_numpy(byte.astype(np.uint8))[:, None].repeat(1, 16),
+                              torch.full((256, 1), k, dtype=torch.uint8))           # [256, 32]: lo, hi, ...
+        want = ref[:, :2].bfloat16().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+        assert np.array_equal(ref[:, :2].bfloat16().float().numpy(), ref[:, :2].numpy())   # exact in bf16
+        lo_reg, hi_reg = ("$0", "$2") if i < 2 else ("$1", "$3")     # bytes 0, 1 / 2, 3
+        half = 16 * (i % 2)
+        assert np.array_equal((r[lo_reg] >> half) & 0xFFFF, want[:, 0]), ("lo", i, k)
+        assert np.array_equal((r[hi_reg] >> half) & 0xFFFF, want[:, 1]), ("hi", i, k)

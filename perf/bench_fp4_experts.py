@@ -1,0 +1,102 @@
+"""The masked MoE GEMMs of a decode step on packed MXFP4 experts (W4A16, triton_gemm.w4a16_grouped_gemm_masked)
+against the FP8 stacks the engine holds today (the same experts converted once at load: row-scaled e4m3,
+w8a16_pairs_kernel ROW_SCALE; and per-(row, 32) E8M0 blocks), on one GPU's EP8 share: 48 experts, w13
+[4608, 5120] and w2 [5120, 2304], m tokens routed to every expert. Prints us per call, weight bytes read
+per second against the copy bandwidth measured in the same run, FP4 x FP8-rows, and that the three forms
+agree (the same exact products; only fp32 summation order differs).
+
+    python perf/bench_fp4_experts.py [--m 1 2 4 8 16 32] [--experts 48]     (fp4_experts.json / .png in $OUT)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchutil import measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
+
+PROJ = {"w13": (4608, 5120), "w2": (5120, 2304)}
+
+
+def expert_stacks(e: int, n: int, k: int, seed: int):
+    """Random MXFP4 experts (every nibble; block scales 2^-10..2^-4, a checkpoint's range) in the three
+    held forms: packed + E8M0, e4m3 + E8M0 per (row, 32), e4m3 + one f32 scale per row (None if a row
+    does not convert exactly)."""
+    from deepinfer.kernels.select import fp4_to_fp8_weight, row_scaled_fp8_weight
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    packed = torch.randint(0, 256, (e, n, k // 2), generator=g, device="cuda", dtype=torch.uint8)
+    scale = torch.randint(117, 124, (e, n, k // 32), generator=g, device="cuda", dtype=torch.uint8)
+    w8, s8 = zip(*(fp4_to_fp8_weight(packed[i], scale[i]) for i in range(e)))
+    w8, s8 = torch.stack(w8), torch.stack(s8)
+    rows = [row_scaled_fp8_weight(w8[i], s8[i]) for i in range(e)]
+    wr = None if any(r is None for r in rows) else (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
+    return (packed, scale), (w8, s8), wr
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--experts", type=int, default=48)
+    a = p.parse_args()
+    from deepinfer.kernels import triton_gemm as tg
+    from deepinfer.kernels.reference import act_quant_ref
+
+    ceil = measure_ceilings()
+    bw = ceil["copy_bw"]
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    print(f"{'proj':>4} {'m':>3} {'fp8 rows us':>11} {'fp8 e8m0 us':>11} {'fp4 us':>8} {'fp4 x rows':>10} "
+          f"{'rows of copy':>12} {'fp4 of copy':>11} {'max rel diff':>12}", flush=True)
+    for name, (n, k) in PROJ.items():
+        fp4, fp8, fp8r = expert_stacks(a.experts, n, k, seed=n + k)
+        for m in a.m:
+            e = a.experts
+            x = act_quant_ref(torch.randn(e, m, k, device="cuda").bfloat16())
+            mm = torch.full((e,), m, dtype=torch.int32, device="cuda")
+            forms = {"fp4": lambda: tg.w4a16_grouped_gemm_masked(x, *fp4, mm, m),
+                     "e8m0": lambda: tg.w8a16_grouped_gemm_masked(x, *fp8, mm, m)}
+            if fp8r is not None:
+                forms["rows"] = lambda: tg.w8a16_grouped_gemm_masked(x, *fp8r, mm, m)
+            outs = {f: fn().float() for f, fn in forms.items()}
+            diff = max(((o - outs["e8m0"]).norm() / outs["e8m0"].norm()).item() for o in outs.values())
+            t = {f: time_calls([fn], iters=20) for f, fn in forms.items()}
+            nb8, nb4 = e * n * k * (1 + 1 / 32), e * n * k * (0.5 + 1 / 32)
+            base = t.get("rows", t["e8m0"])
+            row = dict(proj=name, m=m, us={f: v * 1e6 for f, v in t.items()}, fp4_speedup=base / t["fp4"],
+                       rows_of_copy=nb8 / base / bw, fp4_of_copy=nb4 / t["fp4"] / bw, max_rel_diff=diff)
+            rows.append(row)
+            print(f"{name:>4} {m:>3} {t.get('rows', float('nan')) * 1e6:>11.1f} {t['e8m0'] * 1e6:>11.1f} "
+                  f"{t['fp4'] * 1e6:>8.1f} {row['fp4_speedup']:>10.2f} {row['rows_of_copy']:>12.2f} "
+                  f"{row['fp4_of_copy']:>11.2f} {diff:>12.1e}", flush=True)
+            assert diff < 1e-2, "the forms disagree"
+    save_json("fp4_experts.json", dict(ceilings=ceil, experts=a.experts, rows=rows))
+    plot(rows, os.path.join(out_dir(), "fp4_experts.png"))
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, name in zip(axes, PROJ):
+        rs = [r for r in rows if r["proj"] == name]
+        ms = [r["m"] for r in rs]
+        for form, style in (("rows", "o-"), ("e8m0", "s--"), ("fp4", "^-")):
+            if all(form in r["us"] for r in rs):
+                ax.plot(ms, [r["us"][form] for r in rs], style, label={"rows": "FP8, row scales", "e8m0":
+                        "FP8, E8M0 per (row, 32)", "fp4": "MXFP4 packed (W4A16)"}[form])
+        ax.set(xscale="log", xlabel="tokens per expert", title=f"masked MoE {name}, {PROJ[name][0]} x {PROJ[name][1]}")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("us per call (48 experts)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

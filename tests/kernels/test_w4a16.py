@@ -1,0 +1,74 @@
+"""W4A16 on the GPU: packed MXFP4 weights decoded in the K loop (triton_gemm._FP4_ASM) against
+reference.dequant_fp4_ref + a float64 matmul. The PTX itself is checked bit for bit on the CPU
+(test_interpret.py, an emulator of its instructions); here the compiled kernel, whose pack=4 register
+grouping and scale broadcast only a GPU runs, on shapes beyond the release's (N, K off every tile)."""
+
+import pytest
+import torch
+
+from kernel_utils import rel_err, w4a16_exact_case
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 4608, 5120), (16, 5120, 2304), (64, 96, 160), (5, 2112, 288), (128, 1056, 5120), (300, 640, 1024)]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_w4a16_dense_exact(m, n, k):
+    """Integer-valued products (w4a16_exact_case): bf16(x @ w^T) bit for bit under select's own config
+    (swapped tiles and split-K at decode sizes, plain tiles above 128 rows)."""
+    from deepinfer.kernels import triton_gemm
+    x, packed, scale, ref = w4a16_exact_case(1, m, n, k, seed=m + n, device="cuda")
+    y = triton_gemm.w4a16_gemm(x[0], packed[0].cuda(), scale[0].cuda())
+    assert torch.equal(y, ref[0].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("expected_m", [1, 4, 16, 64])
+def test_w4a16_masked_matches_reference(expected_m):
+    """The masked MoE form on random MXFP4 experts (every nibble, scales 2^-10..2^0) and act_quant-rounded
+    activations: within fp32-summation error of the float64 reference; rows past masked_m stay untouched."""
+    from deepinfer.kernels import triton_gemm
+    from deepinfer.kernels.reference import act_quant_ref, dequant_fp4_ref
+    g, n, k = 6, 1024, 2304
+    gen = torch.Generator().manual_seed(expected_m)
+    packed = torch.randint(0, 256, (g, n, k // 2), generator=gen).to(torch.uint8)
+    scale = torch.randint(117, 128, (g, n, k // 32), generator=gen).to(torch.uint8)
+    mmax = max(expected_m * 2, 4)
+    x = act_quant_ref(torch.randn(g, mmax, k, generator=gen).bfloat16())
+    mm = torch.randint(0, mmax + 1, (g,), generator=gen).to(torch.int32)
+    out = torch.full((g, mmax, n), 7.0, dtype=torch.bfloat16, device="cuda")
+    y = triton_gemm.w4a16_grouped_gemm_masked(x.cuda(), packed.cuda(), scale.cuda(), mm.cuda(), expected_m, out=out)
+    for i in range(g):
+        r = int(mm[i])
+        ref = x[i, :r].double() @ dequant_fp4_ref(packed[i], scale[i]).double().T
+        if r:
+            assert rel_err(y[i, :r].cpu(), ref) < 4e-3
+        assert bool((y[i, r:] == 7.0).all())
+
+
+def test_w4a16_under_cuda_graph():
+    """Captured and replayed (the decode step's graphs) with new inputs copied in: the eager result."""
+    from deepinfer.kernels import triton_gemm
+    x, packed, scale, _ = w4a16_exact_case(4, 8, 512, 1024, seed=3, device="cuda")
+    packed, scale = packed.cuda(), scale.cuda()
+    mm = torch.tensor([8, 3, 0, 5], dtype=torch.int32, device="cuda")
+    xs = x.clone()
+    triton_gemm.w4a16_grouped_gemm_masked(xs, packed, scale, mm, 4)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = triton_gemm.w4a16_grouped_gemm_masked(xs, packed, scale, mm, 4)
+    x2 = torch.randint(-4, 5, x.shape, device="cuda").bfloat16()
+    xs.copy_(x2)
+    g.replay()
+    want = triton_gemm.w4a16_grouped_gemm_masked(x2, packed, scale, mm, 4)
+    for i, r in enumerate(mm.tolist()):
+        assert torch.equal(y[i, :r], want[i, :r])
+
+
+def test_fp4_scales_ok_declines_large_block_scales():
+    from deepinfer.kernels import triton_gemm
+    s = torch.full((4, 8), 120, dtype=torch.uint8, device="cuda")
+    assert triton_gemm.fp4_scales_ok(s)
+    s[2, 3] = 129
+    assert not triton_gemm.fp4_scales_ok(s)
