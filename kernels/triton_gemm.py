@@ -9,8 +9,9 @@
     fp8_linear(x, w, w_scale)              act_quant (per 32, pow2) + w8a16_gemm, bf16 out
     fp4_to_fp8_weight(packed, scale)       MXFP4 expert weight -> e4m3 [N, K] + per-(row, 32) scale:
                                            exact (every e2m1 value is an e4m3 value)
-    w4a16_gemm(x, packed, scale)           W8A16's products on MXFP4 weights read packed (half the
-    w4a16_grouped_gemm_masked(...)         bytes), decoded in registers (_FP4_ASM); dense and masked MoE
+    w4a16_gemm(x, packed_k, scale)         W8A16's products on MXFP4 weights read packed (half the
+    w4a16_grouped_gemm_masked(...)         bytes; fp4_kernel_layout once at load), decoded in registers
+                                           (_FP4_ASM); dense and masked MoE
 
 Why not DeepGEMM directly: its SM90 FP8 kernels promote the accumulator once per 128 K with one
 activation scale per (row, 128) and one weight scale per 128x128 tile (`BLOCK_K == 128`,
@@ -424,39 +425,36 @@ def _e4m3_pair_to_bf16(w2):
 
 
 # ---------------------------------------------------------------------------------------------------
-# W4A16: MXFP4 weights read packed (two e2m1 a byte, element 2i in the low nibble, the release's layout)
-# and dequantized in registers like the e4m3 pairs. A nibble s eem placed as the bf16 bit pattern
-# s << 15 | eem << 6 is the bf16 value w * 2^-126 for every e2m1 w (e2m1's bias 1 moves to 127; its one
-# subnormal, 0.5, lands on bf16's subnormal 2^-127); one exact bf16x2 multiply by 2^(k - 1) then gives
-# w * 2^(k - 127) for the block's E8M0 byte k (1 <= k <= 128: scales up to 2; byte 0 -> 0 as the reference
-# decodes it). Per four bytes (eight weights): two PRMTs spread bytes 0/1 and 2/3 into 16-bit lanes, then
-# per output pair an AND, an IMAD by 2^6 + 2^12 (low nibbles; 2^2 + 2^8 for high) that moves the three
-# magnitude bits and the sign into place at once (the two shifted copies do not overlap), an AND and the
-# scale multiply: about 1.25 integer instructions per weight, where the e4m3 pair form spends 1.5, on half
-# the bytes.
-# Byte form, pack=4: $4 = four packed bytes, $5/$6 = bf16x2 scales of bytes 0,1 / 2,3;
-# $0/$1 = low nibbles of bytes 0,1 / 2,3, $2/$3 = high nibbles of bytes 0,1 / 2,3 (bf16x2 each).
+# W4A16: MXFP4 weights read packed and dequantized in the registers the wgmma A fragment reads, like the
+# e4m3 pairs. The bf16 A fragment gives a thread, per row and k16 slice, the k pairs (2c, 2c+1) and
+# (2c+8, 2c+9), c = lane % 4. fp4_kernel_layout repacks each slice's 16 nibbles once at load so that one
+# int16 holds exactly those four: byte 2c = k[2c] | k[2c+8] << 4, byte 2c+1 = k[2c+1] | k[2c+9] << 4
+# (stored byte j = k[j] | k[j+8] << 4). One 16-bit shared load then feeds four weights with no byte
+# packing (the release's layout, element 2i in byte i's low nibble, cost 71 LDS and 186 PRMT per
+# 128 x 128 tile a thread: 6.2 SASS instructions a weight, 0.33-0.37 of copy; perf/ptx_check.py).
+# The decode: a nibble s eem placed as the bf16 bit pattern s << 15 | eem << 6 is the bf16 value
+# w * 2^-126 for every e2m1 w (e2m1's bias 1 moves to 127; its one subnormal, 0.5, lands on bf16's
+# subnormal 2^-127); one exact bf16x2 multiply by 2^(k - 1) then gives w * 2^(k - 127) for the block's
+# E8M0 byte k (1 <= k <= 128: scales up to 2; byte 0 -> 0 as the reference decodes it). Per int16: a PRMT
+# spreads the two bytes into 16-bit lanes [b0 b0 | b1 b1]; per output pair an AND, an IMAD by 2^6 + 2^12
+# (low nibbles; 2^2 + 2^8 for high) that moves the three magnitude bits and the sign into place at once
+# (the two shifted copies do not overlap), an AND and the scale multiply: 9 instructions per 4 weights.
+# $4 = the int16, $5 = the block scale as bf16x2 (both halves equal); $0,$1 = k 2c, 2c+1; $2,$3 = 2c+8, 2c+9.
 _FP4_ASM = tl.constexpr("""
 {
-.reg .b32 a, b, t;
-prmt.b32 a, $4, 0, 0x1100;
-prmt.b32 b, $4, 0, 0x3322;
+.reg .b32 a, t, lo, hi;
+cvt.u32.u16 a, $4;
+prmt.b32 a, a, 0, 0x1100;
 and.b32 t, a, 0x000F000F;
 mul.lo.u32 t, t, 4160;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $0, t, $5;
-and.b32 t, b, 0x000F000F;
-mul.lo.u32 t, t, 4160;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $1, t, $6;
+mul.rn.bf16x2 lo, t, $5;
 and.b32 t, a, 0x00F000F0;
 mul.lo.u32 t, t, 260;
 and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $2, t, $5;
-and.b32 t, b, 0x00F000F0;
-mul.lo.u32 t, t, 260;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $3, t, $6;
+mul.rn.bf16x2 hi, t, $5;
+mov.b32 {$0, $1}, lo;
+mov.b32 {$2, $3}, hi;
 }
 """)
 FP4_MAX_SCALE_BYTE = 128       # 2^(k - 1) must be a normal bf16: block scales up to 2^1
@@ -465,29 +463,83 @@ _P126 = tl.constexpr(2.0 ** 126)
 
 @triton.jit
 def _fp4_scale(k, UPCAST: tl.constexpr):
-    """E8M0 byte (int32) -> the multiplier of the FP4 decode: bf16 2^(k - 1) (the asm's bit placement is
-    w * 2^-126), or fp32 2^(k - 127) for the interpreter's decode; byte 0 -> 0 either way."""
+    """E8M0 byte k (int32, 1..128: fp4_kernel_weight maps byte 0 away) -> the multiplier of the FP4 decode:
+    bf16 2^(k - 1) in both halves of an int32 ((k + 126) << 7, twice: one IMAD), as the asm's bit
+    placement is w * 2^-126; or fp32 2^(k - 127) for the interpreter's decode."""
     if UPCAST:
         return (k << 23).to(tl.float32, bitcast=True)
-    return tl.where(k == 0, 0, (k + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return k * 0x800080 + 0x3F003F00
 
 
 @triton.jit
-def _fp4_pair_bf16(w, s):
-    """w uint8 = two e2m1 weights (k = 2i low nibble, 2i + 1 high nibble), s bf16 from _fp4_scale ->
-    (lo, hi) bf16 weights times the block scale."""
-    return tl.inline_asm_elementwise(asm=_FP4_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[w, s],
-                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+def _fp4_quad_bf16(w, s):
+    """w int16 = four e2m1 weights in fp4_kernel_layout, s from _fp4_scale -> bf16 weights at
+    k = 2c, 2c+1, 2c+8, 2c+9 of their k16 slice, times the block scale."""
+    return tl.inline_asm_elementwise(asm=_FP4_ASM, constraints="=h,=h,=h,=h,h,r", args=[w, s],
+                                     dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                                     is_pure=True, pack=1)
 
 
 @triton.jit
-def _fp4_pair_ref(w, s):
-    """_fp4_pair_bf16 in fp32 with plain Triton ops (interpreter): the same bit placement one format up
-    (s << 31 | eem << 22 is w * 2^-126 in fp32), times 2^126, times s (fp32 2^(k - 127))."""
-    b = w.to(tl.int32) & 0xFF
+def _fp4_nibbles_ref(b, s):
+    """One byte's two e2m1 nibbles in fp32 with plain Triton ops (interpreter): the asm's bit placement one
+    format up (s << 31 | eem << 22 is w * 2^-126 in fp32), times 2^126, times s (fp32 2^(k - 127))."""
     lo = ((((b & 0x08) << 28) | ((b & 0x07) << 22)).to(tl.float32, bitcast=True) * _P126) * s
     hi = ((((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True) * _P126) * s
     return lo, hi
+
+
+@triton.jit
+def _fp4_quad_ref(w, s):
+    """_fp4_quad_bf16 in fp32 (interpreter)."""
+    u = w.to(tl.int32)
+    lo0, hi0 = _fp4_nibbles_ref(u & 0xFF, s)
+    lo1, hi1 = _fp4_nibbles_ref((u >> 8) & 0xFF, s)
+    return lo0, lo1, hi0, hi1
+
+
+@triton.jit
+def _fp4_tile(w, s3, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    """[BN, BK/4] int16 (fp4_kernel_layout) + [BN, BK/16, 4] E8M0 bytes (int32, each int16's block) -> the
+    [BN, BK] weight tile in
+    natural K order: the four outputs of slice s, lane c go to k = 16s + 8h + 2c + j (h: low / high pair,
+    j: k parity)."""
+    s3 = _fp4_scale(s3, UPCAST)
+    w3 = tl.reshape(w, (BN, BK // 16, 4))
+    if UPCAST:
+        o0, o1, o2, o3 = _fp4_quad_ref(w3, s3)
+    else:
+        o0, o1, o2, o3 = _fp4_quad_bf16(w3, s3)
+    q = tl.join(tl.join(o0, o1), tl.join(o2, o3))           # [BN, S, 4 (c), 2 (j), 2 (h)]
+    return tl.reshape(tl.permute(q, (0, 1, 4, 2, 3)), (BN, BK))
+
+
+def fp4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Release MXFP4 bytes [..., K/2] (element 2i in byte i's low nibble) -> the W4A16 kernels' layout, same
+    shape: in each k16 slice (8 bytes) byte j = k[j] | k[j + 8] << 4. Once per weight, at load."""
+    u = packed.view(torch.uint8)
+    assert u.shape[-1] % 8 == 0, "K must be a multiple of 16"
+    nib = torch.stack([u & 15, u >> 4], -1).reshape(*u.shape[:-1], -1, 16)     # [..., K/16, 16] nibbles
+    return (nib[..., :8] | (nib[..., 8:] << 4)).reshape(u.shape).contiguous()
+
+
+def fp4_kernel_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A release MXFP4 weight (packed [..., N, K/2], E8M0 scale [..., N, K/32]) -> what the W4A16 kernels
+    read: the bytes in fp4_kernel_layout and the scale bytes with 0 mapped away. The reference decodes
+    byte 0 as a zero block (e8m0_to_float(0) = 0.0): its nibbles become +0 and its byte 1, the same
+    weights, so the kernel's scale needs no zero test. Check fp4_scales_ok (bytes <= 128) first."""
+    u = packed.view(torch.uint8)
+    sb = scale.view(torch.uint8)
+    zero = (sb == 0).repeat_interleave(16, -1)                                  # the bytes of zero blocks
+    return (fp4_kernel_layout(u.masked_fill(zero, 0)),
+            torch.where(sb == 0, torch.ones_like(sb), sb).contiguous())
+
+
+def fp4_release_layout(packed_k: torch.Tensor) -> torch.Tensor:
+    """fp4_kernel_layout's inverse (tests, and what a holder of kernel-layout weights hands the reference)."""
+    u = packed_k.view(torch.uint8).reshape(*packed_k.shape[:-1], -1, 8)
+    nib = torch.cat([u & 15, u >> 4], -1)                                       # k0..k7, k8..k15
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).reshape(packed_k.shape).contiguous()
 
 
 @triton.jit
@@ -505,8 +557,8 @@ def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
         else (v4): w8a16_v2_kernel's scales per (SB_ROWS rows, 32 columns), f32 pow2 or raw E8M0 bytes;
             the pairs viewed as [BN, BK/32, 16] so that the [BN, BK/32] scale tile broadcasts over the
             pairs of its block (each thread's k16 slice sits in one scale block).
-        FP4 (W4A16): b [G, N, K/2] packed MXFP4 bytes read as [BN, BK/2] (one byte a pair) with E8M0
-            scales per (row, 32) [G, N, K/32], decoded by _fp4_pair_bf16 in the same [BN, BK/32, 16] view.
+        FP4 (W4A16): b [G, N, K/2] MXFP4 bytes in fp4_kernel_layout read as [BN, BK/4] int16 quads with E8M0
+            scales per (row, 32) [G, N, K/32], decoded by _fp4_tile into the natural K order.
     The same exact bf16 products with fp32 accumulation either way. Grid as fp8_gemm_kernel."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -516,43 +568,47 @@ def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
     rm, rn, m_ok, n_ok, acc = _tile(pid_m, pid_n, m_lim, N, BM, BN, SWAP)
     rk = tl.arange(0, BK)
     g64 = g.to(tl.int64)
-    r2 = tl.arange(0, BK // 2)
     if not ROW_SCALE:
         srow = g64 * (N // SB_ROWS) + (rn // SB_ROWS).to(tl.int64)
         # [BN, BK/32] scale tile (E8M0 bytes or f32), read in the layout the 3-D view below gives its rows
         sc_ptrs = s_ptr + srow[:, None] * (nkb * (BK // 32)) + tl.arange(0, BK // 32)[None, :]
     x_ptrs = _x_rows(x_ptr, g64, rm, M, K, SPLIT_K, TOKEN_MAJOR) + rk[None, :]
-    w_ptrs = (b_ptr.to(tl.pointer_type(tl.uint8 if FP4 else tl.int16)) + g64 * N * (K // 2)
-              + rn[:, None].to(tl.int64) * (K // 2) + r2[None, :])
+    WPR: tl.constexpr = 4 if FP4 else 2      # weights per int16: e4m3 pairs, or fp4_kernel_layout quads
+    w_ptrs = (b_ptr.to(tl.pointer_type(tl.int16)) + g64 * N * (K // WPR)
+              + rn[:, None].to(tl.int64) * (K // WPR) + tl.arange(0, BK // WPR)[None, :])
+    if FP4:
+        sc_next = tl.load(sc_ptrs + tl.minimum(kb0, kb1 - 1) * (BK // 32), mask=n_ok[:, None], other=0)
     for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + kb * BK, mask=m_ok[:, None], other=0.0)
-        w = tl.load(w_ptrs + kb * (BK // 2), mask=n_ok[:, None], other=0)
-        if ROW_SCALE:
+        w = tl.load(w_ptrs + kb * (BK // WPR), mask=n_ok[:, None], other=0)
+        if FP4:
+            # the scale bytes are too small a copy for the pipeliner: loaded one K step ahead by hand
+            sc = sc_next.to(tl.int32) & 0xFF
+            # (the last step reloads its own bytes rather than read past the split's K range)
+            sc_next = tl.load(sc_ptrs + tl.minimum(kb + 1, kb1 - 1) * (BK // 32), mask=n_ok[:, None], other=0)
+            s3 = tl.reshape(tl.broadcast_to(sc[:, :, None, None], (BN, BK // 32, 2, 4)), (BN, BK // 16, 4))
+            wd = _fp4_tile(w, s3, BN, BK, UPCAST)
+        elif ROW_SCALE:
             if UPCAST:                   # CPU interpreter: the same bit arithmetic in fp32
                 lo, hi = _dequant_pair_ref(w, 1.0)
             else:
                 lo, hi = _e4m3_pair_to_bf16(w)
         else:
             sc = tl.load(sc_ptrs + kb * (BK // 32), mask=n_ok[:, None], other=0)
-            if FP4:
-                sc = _fp4_scale(sc.to(tl.int32) & 0xFF, UPCAST)
-            elif SB_E8M0:
+            if SB_E8M0:
                 sc = _e8m0_scale(sc.to(tl.int32) & 0xFF, UPCAST)
             elif not UPCAST:
                 sc = sc.to(tl.bfloat16)
             w3 = tl.reshape(w, (BN, BK // 32, 16))
             s3 = tl.broadcast_to(sc[:, :, None], (BN, BK // 32, 16))
-            if FP4 and UPCAST:
-                lo, hi = _fp4_pair_ref(w3, s3)
-            elif FP4:
-                lo, hi = _fp4_pair_bf16(w3, s3)
-            elif UPCAST:
+            if UPCAST:
                 lo, hi = _dequant_pair_ref(w3, s3)
             else:
                 lo, hi = _dequant_pair_bf16(w3, s3)
         if UPCAST:
             x = x.to(tl.float32)
-        wd = tl.reshape(tl.join(lo, hi), (BN, BK))
+        if not FP4:
+            wd = tl.reshape(tl.join(lo, hi), (BN, BK))
         if SWAP:
             acc = tl.dot(wd, tl.trans(x), acc)
         else:
@@ -718,41 +774,47 @@ def w8a16_grouped_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch
 
 def fp4_scales_ok(scale: torch.Tensor) -> bool:
     """Whether the W4A16 decode holds for these E8M0 block scales (every byte <= FP4_MAX_SCALE_BYTE: block
-    scales up to 2; real MXFP4 experts sit far below). One device read: call it once per weight, at load."""
+    scales up to 2; real MXFP4 experts sit far below; byte 0 is fp4_kernel_weight's to map). One device
+    read: call it once per weight, at load."""
     return scale.numel() == 0 or int(scale.view(torch.uint8).max()) <= FP4_MAX_SCALE_BYTE
 
 
-def _fp4_args(packed: torch.Tensor, scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    assert k % 32 == 0 and packed.shape[-1] * 2 == k and scale.shape[-1] == k // 32 \
-        and scale.shape[-2] == packed.shape[-2], (tuple(packed.shape), tuple(scale.shape), k)
-    return packed.view(torch.uint8).contiguous(), scale.view(torch.uint8).contiguous()
+def _fp4_args(packed_k: torch.Tensor, scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    assert k % 32 == 0 and packed_k.shape[-1] * 2 == k and scale.shape[-1] == k // 32 \
+        and scale.shape[-2] == packed_k.shape[-2], (tuple(packed_k.shape), tuple(scale.shape), k)
+    b, s = packed_k.view(torch.uint8).contiguous(), scale.view(torch.uint8).contiguous()
+    assert b.data_ptr() % 2 == 0, "FP4 weights are read as int16"
+    return b, s
 
 
-def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, cfg_override: dict | None = None
+def w4a16_gemm(x: torch.Tensor, packed_k: torch.Tensor, scale: torch.Tensor, cfg_override: dict | None = None
                ) -> torch.Tensor:
-    """x [M, K] bf16 (FP8-rounded activations, or any bf16), packed [N, K/2] MXFP4 bytes (element 2i in
-    the low nibble), scale [N, K/32] E8M0 -> [M, N] bf16: the exact products of x and
-    reference.dequant_fp4_ref(packed, scale), fp32 accumulated. The caller checks fp4_scales_ok once."""
+    """x [M, K] bf16 (FP8-rounded activations, or any bf16), packed_k [N, K/2] MXFP4 bytes in
+    fp4_kernel_layout, scale [N, K/32] E8M0 -> [M, N] bf16: the exact products of x and the release
+    weights (reference.dequant_fp4_ref of fp4_release_layout(packed_k)), fp32 accumulated. The caller
+    checks fp4_scales_ok once."""
     m, k = x.shape
-    n = packed.shape[0]
-    b, s = _fp4_args(packed, scale, k)
+    n = packed_k.shape[0]
+    b, s = _fp4_args(packed_k, scale, k)
     if m == 0:
         return torch.empty(0, n, dtype=torch.bfloat16, device=x.device)
-    cfg = w8a16_config(m, n, k, 1, x.device)
+    cfg = w8a16_config(m, n, k, 1, x.device, row_scaled=True)      # BN 64, as the masked form
     cfg.update(cfg_override or {})
     return _launch_w8a16(x.contiguous(), b, s, None, m, n, k, 1, 1, cfg, fp4=True)[0]
 
 
-def w4a16_grouped_gemm_masked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, masked_m: torch.Tensor,
+def w4a16_grouped_gemm_masked(x: torch.Tensor, packed_k: torch.Tensor, scale: torch.Tensor, masked_m: torch.Tensor,
                               expected_m: int, out: torch.Tensor | None = None,
                               cfg_override: dict | None = None) -> torch.Tensor:
-    """The masked MoE form on packed MXFP4 experts: x [G, Mmax, K] bf16, packed [G, N, K/2], scale
-    [G, N, K/32] E8M0, masked_m [G] -> [G, Mmax, N] bf16 (rows >= masked_m[g] not written). Half the weight
-    bytes of the FP8 stacks (w8a16_grouped_gemm_masked) for the same products."""
+    """The masked MoE form on packed MXFP4 experts: x [G, Mmax, K] bf16, packed_k [G, N, K/2] in
+    fp4_kernel_layout, scale [G, N, K/32] E8M0, masked_m [G] -> [G, Mmax, N] bf16 (rows >= masked_m[g]
+    not written). Half the weight bytes of the FP8 stacks (w8a16_grouped_gemm_masked) for the same products."""
     groups, mmax, k = x.shape
-    n = packed.shape[1]
-    b, s = _fp4_args(packed, scale, k)
-    cfg = w8a16_config(expected_m, n, k, groups, x.device)
+    n = packed_k.shape[1]
+    b, s = _fp4_args(packed_k, scale, k)
+    # swapped tiles of BN 64 as the row-scaled form: at BN 128 ptxas serializes the K loop's wgmmas
+    # (C7515: each waits for the last; perf/ptx_check.py)
+    cfg = w8a16_config(expected_m, n, k, groups, x.device, row_scaled=True)
     if cfg["SWAP"]:
         cfg["BM"] = max(cfg["BM"], 16)
     cfg.update(cfg_override or {})
@@ -763,12 +825,12 @@ def w8a16_partials(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, masked_m:
                    cfg_override: dict | None = None, fp4: bool = False) -> torch.Tensor:
     """Test hook: the W8A16 kernel's fp32 split-K partial sums [SPLIT_K, G, M, N] (no bf16 rounding).
     x [M, K] with b [N, K] (G = 1), or x [G, Mmax, K] with b [G, N, K] and masked_m [G]. fp4: b is packed
-    MXFP4 [.., N, K/2] with E8M0 sb [.., N, K/32] (the W4A16 form)."""
+    MXFP4 [.., N, K/2] in fp4_kernel_layout with E8M0 sb [.., N, K/32] (the W4A16 form)."""
     grouped = x.dim() == 3
     x3, b3, s3 = (x, b, sb) if grouped else (x[None], b[None], sb[None])
     groups, m, k = x3.shape
     n = b3.shape[1]
-    cfg = w8a16_config(m, n, k, groups, x.device, row_scaled=not fp4 and _is_row_scale(s3, k))
+    cfg = w8a16_config(m, n, k, groups, x.device, row_scaled=fp4 or _is_row_scale(s3, k))
     cfg.update(cfg_override or {})
     mm = masked_m.to(torch.int32) if masked_m is not None else None
     if fp4:

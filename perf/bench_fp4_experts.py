@@ -29,6 +29,7 @@ def expert_stacks(e: int, n: int, k: int, seed: int):
     held forms: packed + E8M0, e4m3 + E8M0 per (row, 32), e4m3 + one f32 scale per row (None if a row
     does not convert exactly)."""
     from deepinfer.kernels.select import fp4_to_fp8_weight, row_scaled_fp8_weight
+    from deepinfer.kernels.triton_gemm import fp4_kernel_weight
     g = torch.Generator(device="cuda").manual_seed(seed)
     packed = torch.randint(0, 256, (e, n, k // 2), generator=g, device="cuda", dtype=torch.uint8)
     scale = torch.randint(117, 124, (e, n, k // 32), generator=g, device="cuda", dtype=torch.uint8)
@@ -36,13 +37,15 @@ def expert_stacks(e: int, n: int, k: int, seed: int):
     w8, s8 = torch.stack(w8), torch.stack(s8)
     rows = [row_scaled_fp8_weight(w8[i], s8[i]) for i in range(e)]
     wr = None if any(r is None for r in rows) else (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
-    return (packed, scale), (w8, s8), wr
+    return fp4_kernel_weight(packed, scale), (w8, s8), wr
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--experts", type=int, default=48)
+    p.add_argument("--fp4-cfgs", nargs="*", default=[],
+                   help="extra W4A16 launch configs timed beside the default, e.g. BN=128,BK=64 NUM_STAGES=4")
     a = p.parse_args()
     from deepinfer.kernels import triton_gemm as tg
     from deepinfer.kernels.reference import act_quant_ref
@@ -63,6 +66,9 @@ def main() -> None:
                      "e8m0": lambda: tg.w8a16_grouped_gemm_masked(x, *fp8, mm, m)}
             if fp8r is not None:
                 forms["rows"] = lambda: tg.w8a16_grouped_gemm_masked(x, *fp8r, mm, m)
+            for c in a.fp4_cfgs:
+                cfg = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in c.split(",")}
+                forms[f"fp4 {c}"] = lambda cfg=cfg: tg.w4a16_grouped_gemm_masked(x, *fp4, mm, m, cfg_override=cfg)
             outs = {f: fn().float() for f, fn in forms.items()}
             diff = max(((o - outs["e8m0"]).norm() / outs["e8m0"].norm()).item() for o in outs.values())
             t = {f: time_calls([fn], iters=20) for f, fn in forms.items()}
@@ -74,6 +80,9 @@ def main() -> None:
             print(f"{name:>4} {m:>3} {t.get('rows', float('nan')) * 1e6:>11.1f} {t['e8m0'] * 1e6:>11.1f} "
                   f"{t['fp4'] * 1e6:>8.1f} {row['fp4_speedup']:>10.2f} {row['rows_of_copy']:>12.2f} "
                   f"{row['fp4_of_copy']:>11.2f} {diff:>12.1e}", flush=True)
+            for c in a.fp4_cfgs:
+                print(f"{'':>4} {'':>3} fp4 {c}: {t[f'fp4 {c}'] * 1e6:.1f} us ({base / t[f'fp4 {c}']:.2f}x rows)",
+                      flush=True)
             assert diff < 1e-2, "the forms disagree"
     save_json("fp4_experts.json", dict(ceilings=ceil, experts=a.experts, rows=rows))
     plot(rows, os.path.join(out_dir(), "fp4_experts.png"))

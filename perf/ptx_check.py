@@ -97,6 +97,17 @@ def _moe_rows(g, em, n, k, mmax=128):
     return call
 
 
+def _moe_fp4(g, em, n, k, mmax=128):
+    """The W4A16 masked MoE (packed MXFP4 experts, E8M0 per (row, 32))."""
+    def call(cfg):
+        w = torch.empty(g, n, k // 2, dtype=torch.uint8, device=META)
+        s = torch.empty(g, n, k // 32, dtype=torch.uint8, device=META)
+        x = torch.empty(g, mmax, k, dtype=torch.bfloat16, device=META)
+        mm = torch.empty(g, dtype=torch.int32, device=META)
+        tg.w4a16_grouped_gemm_masked(x, w, s, mm, em, cfg_override=cfg)
+    return call
+
+
 def _fp8xfp8(m, n, k):
     def call(cfg):
         w, s = _w(n, k, 32, e8m0=False)
@@ -126,6 +137,8 @@ CASES = {
     "moe_w2_m8_rowscale": (_moe_rows(48, 8, 5120, 2304), False),
     "moe_w13_m32_rowscale": (_moe_rows(48, 32, 4608, 5120), False),
     "fp8xfp8_wq_a_m64": (_fp8xfp8(64, 1280, 5120), False),
+    "moe_w13_m1_fp4": (_moe_fp4(48, 1, 4608, 5120), False),
+    "moe_w2_m1_fp4": (_moe_fp4(48, 1, 5120, 2304), False),
 }
 
 

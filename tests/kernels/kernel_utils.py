@@ -41,9 +41,11 @@ def w4a16_exact_case(g, m, n, k, seed, device="cpu"):
     """Integer-scaled W4A16 operands: packed MXFP4 bytes drawn over every byte value, E8M0 block bytes in
     124..128 (2^-3..2^1; a few blocks byte 0, which decodes to 0) and activations in [-4, 4]. Products are
     multiples of 2^-4 and every partial sum stays below 2^20: exact in fp32 in any order, so a kernel with
-    exact products and fp32 accumulation returns bf16(x @ w^T) bit for bit. -> x, packed, scale, float64
-    reference (reference.dequant_fp4_ref's weights)."""
+    exact products and fp32 accumulation returns bf16(x @ w^T) bit for bit. -> x, the weight as the kernels
+    read it (triton_gemm.fp4_kernel_weight: packed bytes, scale bytes), float64 reference
+    (reference.dequant_fp4_ref's weights, from the release layout)."""
     from deepinfer.kernels.reference import dequant_fp4_ref
+    from deepinfer.kernels.triton_gemm import fp4_kernel_weight
     gen = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (g, n, k // 2), generator=gen).to(torch.uint8)
     scale = torch.randint(124, 129, (g, n, k // 32), generator=gen).to(torch.uint8)
@@ -51,4 +53,5 @@ def w4a16_exact_case(g, m, n, k, seed, device="cpu"):
     w = torch.stack([dequant_fp4_ref(packed[i], scale[i]) for i in range(g)])
     x = torch.randint(-4, 5, (g, m, k), generator=gen).bfloat16().to(device)
     ref = torch.einsum("gmk,gnk->gmn", x.double(), w.to(device).double())
-    return x, packed.to(device), scale.to(device), ref
+    packed_k, scale_k = fp4_kernel_weight(packed, scale)
+    return x, packed_k.to(device), scale_k.to(device), ref

@@ -141,34 +141,49 @@ def test_w8a16_dequant_ptx_every_byte(scale_exp):
         assert np.array_equal(got[ok], _expected_bf16_bits(byte, 2.0 ** scale_exp)[ok]), (out, half)
 
 
-@pytest.mark.parametrize("scale_byte", [0, 1, 20, 100, 117, 127, 128])
-def test_w4a16_dequant_ptx_every_byte(scale_byte):
-    """The MXFP4 decode PTX (triton_gemm._FP4_ASM, pack=4), emulated instruction by instruction, gives
-    bf16(dequant_fp4_ref) bit for bit for every byte value (both nibbles: +-0, the subnormal 0.5, every
-    e2m1 value) in each of the four byte positions, at block scales 2^(k - 127) from the smallest byte up to
-    FP4_MAX_SCALE_BYTE (byte 0 -> 0, as the reference decodes it), with the two byte pairs' scales apart."""
+@pytest.mark.parametrize("scale_byte", [1, 20, 100, 117, 127, 128])
+def test_w4a16_dequant_ptx_every_int16(scale_byte):
+    """The MXFP4 decode PTX (triton_gemm._FP4_ASM), emulated instruction by instruction, gives
+    bf16(dequant_fp4_ref) bit for bit for every int16 of fp4_kernel_layout (four nibbles: +-0, the
+    subnormal 0.5, every e2m1 value in every position) at block scales 2^(k - 127) from the smallest byte
+    the kernel sees (fp4_kernel_weight maps byte 0 away) up to FP4_MAX_SCALE_BYTE. Outputs $0..$3 are
+    k = 2c, 2c+1, 2c+8, 2c+9: byte 0's low and byte 1's low nibble, then the two high nibbles."""
     import numpy as np
     import torch
     from deepinfer.kernels import triton_gemm as tg
     from deepinfer.kernels.reference import dequant_fp4_ref
 
-    def mult_bits(k):                      # what _fp4_scale hands the asm: bf16 2^(k - 1), 0 for byte 0
-        return 0 if k == 0 else ((k + 126) << 7)
+    v = np.arange(65536, dtype=np.int64)
+    mult = ((scale_byte + 126) << 7) * 0x10001            # what _fp4_scale hands the asm
+    assert mult == scale_byte * 0x800080 + 0x3F003F00
+    r = run_ptx(tg._FP4_ASM.value, {"$4": v, "$5": np.full_like(v, mult)})
+    nib = [v & 15, (v >> 8) & 15, (v >> 4) & 15, (v >> 12) & 15]      # k = 2c, 2c+1, 2c+8, 2c+9
+    rows = np.zeros((65536, 16), dtype=np.uint8)
+    rows[:, 0] = nib[0] | (nib[1] << 4)
+    rows[:, 1] = nib[2] | (nib[3] << 4)
+    ref = dequant_fp4_ref(torch.from_numpy(rows), torch.full((65536, 1), scale_byte, dtype=torch.uint8))[:, :4]
+    assert torch.equal(ref.bfloat16().float(), ref)                  # exact in bf16
+    want = ref.bfloat16().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    for j in range(4):
+        assert np.array_equal(r[f"${j}"] & 0xFFFF, want[:, j]), (j, scale_byte)
 
-    other = 128 if scale_byte != 128 else 119
-    b = np.arange(256, dtype=np.int64)
-    word = b | (((b + 37) % 256) << 8) | (((b + 101) % 256) << 16) | (((b + 199) % 256) << 24)
-    s01 = np.full_like(b, mult_bits(scale_byte) * 0x10001)
-    s23 = np.full_like(b, mult_bits(other) * 0x10001)
-    r = run_ptx(tg._FP4_ASM.value, {"$4": word, "$5": s01, "$6": s23})
-    for i in range(4):
-        byte = (word >> (8 * i)) & 0xFF
-        k = scale_byte if i < 2 else other
-        ref = dequant_fp4_ref(torch.from_numpy(byte.astype(np.uint8))[:, None].repeat(1, 16),
-                              torch.full((256, 1), k, dtype=torch.uint8))           # [256, 32]: lo, hi, ...
-        want = ref[:, :2].bfloat16().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
-        assert np.array_equal(ref[:, :2].bfloat16().float().numpy(), ref[:, :2].numpy())   # exact in bf16
-        lo_reg, hi_reg = ("$0", "$2") if i < 2 else ("$1", "$3")     # bytes 0, 1 / 2, 3
-        half = 16 * (i % 2)
-        assert np.array_equal((r[lo_reg] >> half) & 0xFFFF, want[:, 0]), ("lo", i, k)
-        assert np.array_equal((r[hi_reg] >> half) & 0xFFFF, want[:, 1]), ("hi", i, k)
+
+def test_fp4_kernel_weight_is_the_release_weight():
+    """fp4_kernel_layout only moves nibbles (fp4_release_layout undoes it), and fp4_kernel_weight's zero-block
+    mapping (scale byte 0 -> nibbles +0, byte 1) keeps every dequantized weight: the reference's byte 0 is 0."""
+    import torch
+    from deepinfer.kernels import triton_gemm as tg
+    from deepinfer.kernels.reference import dequant_fp4_ref
+    gen = torch.Generator().manual_seed(5)
+    packed = torch.randint(0, 256, (3, 7, 80), generator=gen).to(torch.uint8)
+    scale = torch.randint(0, 129, (3, 7, 5), generator=gen).to(torch.uint8)
+    scale[0, :, 1] = 0
+    assert torch.equal(tg.fp4_release_layout(tg.fp4_kernel_layout(packed)), packed)
+    pk, sk = tg.fp4_kernel_weight(packed, scale)
+    assert int(sk.min()) >= 1 and tg.fp4_scales_ok(sk)
+    for g in range(3):
+        assert torch.equal(dequant_fp4_ref(tg.fp4_release_layout(pk[g]), sk[g]), dequant_fp4_ref(packed[g], scale[g]))
+    # a k16 slice: stored byte j holds k[j] (low nibble) and k[j + 8] (high)
+    row = torch.arange(16, dtype=torch.uint8)
+    rel = (row[0::2] | (row[1::2] << 4))[None]
+    assert tg.fp4_kernel_layout(rel)[0].tolist() == [j | ((j + 8) << 4) for j in range(8)]

@@ -1,7 +1,7 @@
-"""W4A16 on the GPU: packed MXFP4 weights decoded in the K loop (triton_gemm._FP4_ASM) against
-reference.dequant_fp4_ref + a float64 matmul. The PTX itself is checked bit for bit on the CPU
-(test_interpret.py, an emulator of its instructions); here the compiled kernel, whose pack=4 register
-grouping and scale broadcast only a GPU runs, on shapes beyond the release's (N, K off every tile)."""
+"""W4A16 on the GPU: packed MXFP4 weights (triton_gemm.fp4_kernel_weight's layout) decoded in the K loop
+(triton_gemm._FP4_ASM) against reference.dequant_fp4_ref + a float64 matmul. The PTX itself is checked bit
+for bit on the CPU (test_interpret.py, an emulator of its instructions); here the compiled kernel, whose
+register layouts and scale broadcast only a GPU runs, on shapes beyond the release's (N, K off every tile)."""
 
 import pytest
 import torch
@@ -37,7 +37,8 @@ def test_w4a16_masked_matches_reference(expected_m):
     mmax = max(expected_m * 2, 4)
     x = act_quant_ref(torch.randn(g, mmax, k, generator=gen).bfloat16())
     mm = torch.randint(0, mmax + 1, (g,), generator=gen).to(torch.int32)
-    y = triton_gemm.w4a16_grouped_gemm_masked(x.cuda(), packed.cuda(), scale.cuda(), mm.cuda(), expected_m)
+    pk, sk = triton_gemm.fp4_kernel_weight(packed, scale)
+    y = triton_gemm.w4a16_grouped_gemm_masked(x.cuda(), pk.cuda(), sk.cuda(), mm.cuda(), expected_m)
     for i in range(g):
         r = int(mm[i])
         ref = x[i, :r].double() @ dequant_fp4_ref(packed[i], scale[i]).double().T
