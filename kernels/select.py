@@ -367,16 +367,21 @@ def _bf16_exact_weight(w_scale: torch.Tensor, x: torch.Tensor) -> bool:
                      then="the FP8 paths")
 
 
-def _bf16_dequant_scratch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """w dequantized to bf16 in the scratch buffer of x's device and current stream (reused by the next call
+def _bf16_scratch(x: torch.Tensor, numel: int) -> torch.Tensor:
+    """numel bf16 elements of the scratch buffer of x's device and current stream (reused by the next call
     on that stream, which the stream orders after this one's GEMM)."""
-    from .triton_dequant import dequant_fp8_bf16
-    n, k = w.shape
     key = (x.device, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
     buf = _BF16_SCRATCH.get(key)
-    if buf is None or buf.numel() < n * k:
-        buf = _BF16_SCRATCH[key] = torch.empty(n * k, dtype=torch.bfloat16, device=x.device)
-    return dequant_fp8_bf16(w, w_scale, out=buf[:n * k].view(n, k))
+    if buf is None or buf.numel() < numel:
+        buf = _BF16_SCRATCH[key] = torch.empty(numel, dtype=torch.bfloat16, device=x.device)
+    return buf[:numel]
+
+
+def _bf16_dequant_scratch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """w dequantized to bf16 in the scratch buffer (_bf16_scratch)."""
+    from .triton_dequant import dequant_fp8_bf16
+    n, k = w.shape
+    return dequant_fp8_bf16(w, w_scale, out=_bf16_scratch(x, n * k).view(n, k))
 
 
 def _bf16_gemm_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -561,12 +566,26 @@ MOE_CONTIGUOUS_DEFAULT = "1"   # H200, 2026-12-02: grouped W8A16 1.55x the per-e
 MOE_CONTIGUOUS = os.environ.get("DEEPINFER_MOE_CONTIGUOUS", MOE_CONTIGUOUS_DEFAULT) == "1"
 
 
-def grouped_contiguous_ok(x: torch.Tensor, k1: int, k2: int) -> bool:
+def grouped_contiguous_ok(x: torch.Tensor, k1: int, k2: int, fp4: bool = False) -> bool:
     """The MoE's grouped contiguous form can run its two GEMMs (K = dim, then moe_inter_dim) for tensor
     x: on the FP8 prefill kernel (DEEPINFER_PREFILL_GEMM=fp8, K % 128 == 0), on an FP8 x FP8 variant
     DEEPINFER_PREFILL_GEMM names (K a multiple of 64 for the lagged loops, 32 otherwise), or on the W8A16
-    one (DEEPINFER_MOE_CONTIGUOUS=1, K % 32 == 0; also where a named variant declines)."""
+    one (DEEPINFER_MOE_CONTIGUOUS=1, K % 32 == 0; also where a named variant declines). FP4 stacks
+    (fp4=True): the bf16 grouped GEMM on the stack dequantized per step, at any step size."""
+    if fp4:
+        return _fp4_contiguous_ok(x, k1, k2)
     return _contiguous_kernel(x, k1, k2) is not None
+
+
+def _fp4_contiguous_ok(x: torch.Tensor, k1: int, k2: int) -> bool:
+    """FP4 stacks' contiguous form: torch._grouped_mm on an SM90+ device outside graph capture (the
+    scratch buffer), not batch-invariant mode, both K multiples of 32."""
+    if _batch_invariant() or not x.is_cuda or not use_fast(x) or torch.cuda.is_current_stream_capturing():
+        return False
+    return _fast_for(x, "fp4_grouped_contiguous", hasattr(torch, "_grouped_mm")
+                     and torch.cuda.get_device_capability(x.device) >= (9, 0) and k1 % 32 == 0 and k2 % 32 == 0,
+                     "torch._grouped_mm on an SM90+ device, dim and moe_inter_dim multiples of 32",
+                     then="the masked form or the per-expert loop")
 
 
 def _contiguous_kernel(x: torch.Tensor, k1: int, k2: int) -> str | None:
@@ -597,6 +616,8 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
     (reads counts on the host). counts as grouped_rows.GroupedRows: the CUDA kernel's tile map is built
     once for all the GEMMs given the same object (a MoE layer's two projections)."""
     rows, counts = counts, counts_of(counts)
+    if w.dtype == torch.uint8:                                  # FP4 stacks (fp4_layout)
+        return _fp4_grouped_contiguous(x, w, w_scale, counts)
     k = w.shape[-1]
     kernel = _contiguous_kernel(x, k, k)
     if kernel is not None:
@@ -623,6 +644,34 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
             out[start:start + c] = _ref_fp8_linear(x[start:start + c], dequant_fp8(w[e], w_scale[e]))
         start += c
     return out
+
+
+def _fp4_grouped_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                            counts: torch.Tensor) -> torch.Tensor:
+    """grouped_fp8_linear_contiguous on FP4 stacks (w [E, N, K/2] in fp4_kernel_layout, E8M0 [E, N, K/32]):
+    the whole stack dequantized into the stream's scratch buffer (triton_dequant.dequant_fp4_bf16: every
+    w * scale a bf16 value), one bf16 grouped GEMM; elsewhere expert by expert on the reference."""
+    e, n, k = w.shape[0], w.shape[1], w.shape[2] * 2
+    if _fp4_contiguous_ok(x, k, k):
+        from .grouped_bf16 import bf16_grouped_contiguous
+        from .triton_dequant import dequant_fp4_bf16
+        buf = _bf16_scratch(x, e * n * k)
+        wd = dequant_fp4_bf16(w.view(e * n, k // 2), w_scale.view(e * n, k // 32), out=buf.view(e * n, k))
+        return bf16_grouped_contiguous(x, wd.view(e, n, k), counts)
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
+    start = 0
+    for g, c in enumerate(counts.tolist()):
+        if c:
+            out[start:start + c] = _ref_fp8_linear(x[start:start + c], _fp4_dense(w[g], w_scale[g]))
+        start += c
+    return out
+
+
+def _fp4_dense(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """One FP4 stack entry (fp4_kernel_layout) as its exact float32 weights (the reference's decode)."""
+    from .fp4_layout import fp4_release_layout
+    from .reference import dequant_fp4_ref
+    return dequant_fp4_ref(fp4_release_layout(w), w_scale)
 
 
 def _cuda_grouped_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
@@ -661,6 +710,8 @@ def grouped_fp8_linear_masked(x: torch.Tensor, w: torch.Tensor, w_scale: torch.T
     the rows per group (tile choice only; default C). No host read of masked_m on either path.
     DEEPINFER_GEMM=deepgemm: DeepGEMM's m_grouped_fp8_gemm_nt_masked on the stack's 128x128-tile form
     (prepared in place at load, f32 [G, N/128, K/128] scales, or cached on first use), as fp8_linear."""
+    if w.dtype == torch.uint8:                                  # FP4 stacks (fp4_layout)
+        return _fp4_grouped_masked(x, w, w_scale, masked_m, expected_m)
     tile = _dg.is_tile128(w, w_scale)
     if x.shape[1] > 0:
         if tile and deepgemm_usable(x):
@@ -794,6 +845,25 @@ def grouped_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> to
         return fast(x, w, w_scale, batch_invariant=_batch_invariant(), token_major=True)
     dt = _dense_dtype(x)
     return grouped_mm_token_major(x.to(dt), dequant_fp8(w, w_scale).to(dt)).to(torch.bfloat16)
+
+
+def _fp4_grouped_masked(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, masked_m: torch.Tensor,
+                        expected_m: int | None) -> torch.Tensor:
+    """grouped_fp8_linear_masked on FP4 stacks: the W4A16 kernel (packed bytes decoded in the K loop),
+    else group by group on the reference's weights. Batch-invariant mode takes the reference (the W4A16
+    tiles depend on the step's size)."""
+    if x.shape[1] > 0 and not _batch_invariant() and _fast_for(x, "w4a16_grouped_masked", x.shape[2] % 32 == 0,
+                                                                  "K a multiple of 32"):
+        from .triton_gemm import w4a16_grouped_gemm_masked
+        return w4a16_grouped_gemm_masked(x, w, w_scale, masked_m, expected_m or x.shape[1])
+    G, C, K = x.shape
+    dt = _dense_dtype(x)
+    out = torch.empty(G, C, w.shape[1], dtype=torch.bfloat16, device=x.device)
+    step = max(1, GROUPED_REF_CHUNK // (w.shape[1] * K))       # the FP8 stacks' reference, chunk for chunk
+    for g in range(0, G, step):
+        wd = torch.stack([_fp4_dense(w[i], w_scale[i]) for i in range(g, min(g + step, G))]).to(dt)
+        out[g:g + step] = torch.bmm(x[g:g + step].to(dt), wd.transpose(1, 2)).to(torch.bfloat16)
+    return out
 
 
 def dequant_fp8(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

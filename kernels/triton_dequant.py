@@ -3,6 +3,10 @@
     dequant_fp8_bf16(w, w_scale, out)   [N, K] e4m3 + E8M0 bytes per 32x32 tile [N/32, K/32] or per
                                         (row, 32) [N, K/32], or f32 pow2 per row [N, 1] -> bf16 [N, K]
     bf16_exact(w_scale)                 whether every w * scale of this weight is a bf16 value
+    dequant_fp4_bf16(packed_k, scale)   MXFP4 in triton_gemm.fp4_kernel_layout [N, K/2] + E8M0 per (row, 32)
+                                        (fp4_kernel_weight's bytes, 1..128) -> bf16 [N, K]: the FP4-held
+                                        expert stacks for the prefill's bf16 grouped GEMM (2.5 bytes of
+                                        traffic per weight where the FP8 stacks' dequant moves 3)
 
 Why: an e4m3 value has 4 significant bits and an E8M0 scale is a power of two, so w * scale fits
 bf16's 8 bits whenever its exponent is in bf16's range; act_quant's activations are e4m3 values times
@@ -20,6 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .triton_gemm import INTERPRET, _fp4_tile
 
 # w * 2^(e - 127) for every e4m3 w (|w| <= 448 < 2^9, smallest step 2^-9) is a normal bf16 value
 # (smallest 2^-126, largest finite just under 2^128) when 2^(e - 127) is in [2^-117, 2^118]; subnormal
@@ -63,6 +69,50 @@ def dequant_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, s_stride_n, s_stride_k,
         tl.store(out_ptr + off, v.to(tl.bfloat16))
     else:
         tl.store(out_ptr + off, v.to(tl.bfloat16), mask=ok)
+
+
+@triton.jit
+def dequant_fp4_kernel(w_ptr, s_ptr, out_ptr, N, K, EVEN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       UPCAST: tl.constexpr):
+    """One [BN, BK] tile: int16 quads decoded by the W4A16 GEMM's own _fp4_tile (same bits), stored bf16."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    kq = tl.program_id(1) * (BK // 4) + tl.arange(0, BK // 4)
+    kb = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    row = rn.to(tl.int64)[:, None]
+    if EVEN:
+        w = tl.load(w_ptr + row * (K // 4) + kq[None, :])
+        sc = tl.load(s_ptr + row * (K // 32) + kb[None, :])
+    else:
+        w = tl.load(w_ptr + row * (K // 4) + kq[None, :], mask=(rn[:, None] < N) & (kq[None, :] < K // 4), other=0)
+        sc = tl.load(s_ptr + row * (K // 32) + kb[None, :], mask=(rn[:, None] < N) & (kb[None, :] < K // 32),
+                     other=1)
+    s3 = tl.reshape(tl.broadcast_to((sc.to(tl.int32) & 0xFF)[:, :, None, None], (BN, BK // 32, 2, 4)),
+                    (BN, BK // 16, 4))
+    v = _fp4_tile(w, s3, BN, BK, UPCAST).to(tl.bfloat16)
+    off = row * K + rk[None, :]
+    if EVEN:
+        tl.store(out_ptr + off, v)
+    else:
+        tl.store(out_ptr + off, v, mask=(rn[:, None] < N) & (rk[None, :] < K))
+
+
+FP4_TILE = (32, 512, 4)
+
+
+def dequant_fp4_bf16(packed_k: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
+                     tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """packed_k [N, K/2] uint8 (fp4_kernel_layout), scale [N, K/32] E8M0 bytes in 1..128 -> bf16 [N, K]."""
+    n, k = packed_k.shape[0], packed_k.shape[1] * 2
+    assert k % 32 == 0 and scale.shape == (n, k // 32), (tuple(packed_k.shape), tuple(scale.shape))
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=packed_k.device) if out is None else out
+    bn, bk, warps = tile or FP4_TILE
+    bk = min(bk, triton.next_power_of_2(k))
+    dequant_fp4_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        packed_k.contiguous().view(torch.int16), scale.contiguous().view(torch.uint8), out, n, k,
+        EVEN=n % bn == 0 and k % bk == 0, BN=bn, BK=bk, UPCAST=INTERPRET,
+        num_warps=warps)
+    return out
 
 
 def _layout(n: int, k: int, w_scale: torch.Tensor) -> tuple[int, int]:

@@ -56,6 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp4_layout import (  # noqa: F401  (the W4A16 entry points' companions)
+    FP4_MAX_SCALE_BYTE, FP4_MIN_SCALE_BYTE, fp4_kernel_layout, fp4_kernel_weight, fp4_release_layout, fp4_scales_ok)
 from .reference import e8m0_to_float
 
 NUM_SMS_DEFAULT = 132
@@ -457,7 +459,6 @@ mov.b32 {$0, $1}, lo;
 mov.b32 {$2, $3}, hi;
 }
 """)
-FP4_MAX_SCALE_BYTE = 128       # 2^(k - 1) must be a normal bf16: block scales up to 2^1
 _P126 = tl.constexpr(2.0 ** 126)
 
 
@@ -512,34 +513,6 @@ def _fp4_tile(w, s3, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
         o0, o1, o2, o3 = _fp4_quad_bf16(w3, s3)
     q = tl.join(tl.join(o0, o1), tl.join(o2, o3))           # [BN, S, 4 (c), 2 (j), 2 (h)]
     return tl.reshape(tl.permute(q, (0, 1, 4, 2, 3)), (BN, BK))
-
-
-def fp4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
-    """Release MXFP4 bytes [..., K/2] (element 2i in byte i's low nibble) -> the W4A16 kernels' layout, same
-    shape: in each k16 slice (8 bytes) byte j = k[j] | k[j + 8] << 4. Once per weight, at load."""
-    u = packed.view(torch.uint8)
-    assert u.shape[-1] % 8 == 0, "K must be a multiple of 16"
-    nib = torch.stack([u & 15, u >> 4], -1).reshape(*u.shape[:-1], -1, 16)     # [..., K/16, 16] nibbles
-    return (nib[..., :8] | (nib[..., 8:] << 4)).reshape(u.shape).contiguous()
-
-
-def fp4_kernel_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A release MXFP4 weight (packed [..., N, K/2], E8M0 scale [..., N, K/32]) -> what the W4A16 kernels
-    read: the bytes in fp4_kernel_layout and the scale bytes with 0 mapped away. The reference decodes
-    byte 0 as a zero block (e8m0_to_float(0) = 0.0): its nibbles become +0 and its byte 1, the same
-    weights, so the kernel's scale needs no zero test. Check fp4_scales_ok (bytes <= 128) first."""
-    u = packed.view(torch.uint8)
-    sb = scale.view(torch.uint8)
-    zero = (sb == 0).repeat_interleave(16, -1)                                  # the bytes of zero blocks
-    return (fp4_kernel_layout(u.masked_fill(zero, 0)),
-            torch.where(sb == 0, torch.ones_like(sb), sb).contiguous())
-
-
-def fp4_release_layout(packed_k: torch.Tensor) -> torch.Tensor:
-    """fp4_kernel_layout's inverse (tests, and what a holder of kernel-layout weights hands the reference)."""
-    u = packed_k.view(torch.uint8).reshape(*packed_k.shape[:-1], -1, 8)
-    nib = torch.cat([u & 15, u >> 4], -1)                                       # k0..k7, k8..k15
-    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).reshape(packed_k.shape).contiguous()
 
 
 @triton.jit
@@ -770,13 +743,6 @@ def w8a16_grouped_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch
     cfg.update(cfg_override or {})
     return _launch_w8a16(x.contiguous(), b, _as_scale(sb).contiguous(), None, m, n, k, groups, n // sb.shape[1], cfg,
                          token_major=token_major)
-
-
-def fp4_scales_ok(scale: torch.Tensor) -> bool:
-    """Whether the W4A16 decode holds for these E8M0 block scales (every byte <= FP4_MAX_SCALE_BYTE: block
-    scales up to 2; real MXFP4 experts sit far below; byte 0 is fp4_kernel_weight's to map). One device
-    read: call it once per weight, at load."""
-    return scale.numel() == 0 or int(scale.view(torch.uint8).max()) <= FP4_MAX_SCALE_BYTE
 
 
 def _fp4_args(packed_k: torch.Tensor, scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -163,6 +163,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint")
     p.add_argument("--preset", default="full-width-ep8")
+    p.add_argument("--expert-format", default="fp8", choices=["fp8", "fp4"],
+                   help="the routed experts' stacks: FP8 (2x the release's bytes) or the release's MXFP4 (W4A16)")
     p.add_argument("--dense-weights", default="bf16", choices=["fp8", "bf16"],
                     help="bf16 (the engine's CUDA default, EngineArgs.dense_weights=\"auto\"): the dense FP8 linears dequantized at load")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
@@ -179,7 +181,7 @@ def main() -> None:
     t0 = time.time()
     if a.load_format == "dummy":
         ckpt = f"{a.preset} (dummy weights)"
-        model = dummy_model(a.preset, dense_weights=a.dense_weights)
+        model = dummy_model(a.preset, dense_weights=a.dense_weights, expert_format=a.expert_format)
     else:
         ckpt = a.checkpoint or build_checkpoint(a.preset)
         model = load_model(ckpt, "cuda")

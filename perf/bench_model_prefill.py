@@ -241,6 +241,8 @@ def plot(rows, path: str, title: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="full-width-ep8")
+    p.add_argument("--expert-format", default="fp8", choices=["fp8", "fp4"],
+                   help="the routed experts' stacks: FP8 (2x the release's bytes) or the release's MXFP4 (W4A16)")
     p.add_argument("--dense-weights", default="bf16", choices=["fp8", "bf16"],
                     help="bf16 (the engine's CUDA default, EngineArgs.dense_weights=\"auto\"): the dense FP8 linears dequantized at load")
     p.add_argument("--cases", nargs="+", default=["1x8192", "4x2048", "16x512", "chunked"])
@@ -255,7 +257,7 @@ def main() -> None:
     from deepinfer.cache.model_caches import ModelCaches
     from deepinfer.kernels import select
     t0 = time.time()
-    model = dummy_model(a.preset, dense_weights=a.dense_weights)
+    model = dummy_model(a.preset, dense_weights=a.dense_weights, expert_format=a.expert_format)
     print(f"built {a.preset} (dummy weights) in {time.time() - t0:.0f} s; kernels: {select.capability_report()}",
           flush=True)
     peaks = measure_ceilings()

@@ -104,17 +104,19 @@ def save_json(name: str, obj) -> str:
     return p
 
 
-def dummy_model(preset: str, device: str = "cuda", dense_weights: str = "fp8"):
+def dummy_model(preset: str, device: str = "cuda", dense_weights: str = "fp8", expert_format: str = "fp8"):
     """The preset's model with random weights made on the device (load_format="dummy"): no checkpoint
     to build (the full-width-ep8 one takes ~3 min of CPU and 12 GB of disk). dense_weights "bf16": the
-    dense FP8 linears dequantized at load (EngineArgs.dense_weights)."""
+    dense FP8 linears dequantized at load (EngineArgs.dense_weights); expert_format "fp4": the routed
+    experts held as the release's MXFP4 (EngineArgs.expert_format)."""
     import tempfile
     from deepinfer.checkpoint.generator import hf_config, text_config
     from deepinfer.model.loader import load_model
     d = tempfile.mkdtemp(prefix=f"deepinfer-{preset}-")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(hf_config(text_config(preset)), f)
-    return load_model(d, device, load_format="dummy", progress=False, dense_bf16=dense_weights == "bf16")
+    return load_model(d, device, load_format="dummy", progress=False, dense_bf16=dense_weights == "bf16",
+                      expert_format=expert_format)
 
 
 def release_engine_memory() -> float:

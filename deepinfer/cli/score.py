@@ -28,6 +28,8 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-dspark", action="store_true", help="skip the DSpark drafts")
+    p.add_argument("--expert-format", choices=("fp8", "fp4"), default="fp8",
+                   help="the routed experts' stacks on CUDA (EngineArgs.expert_format)")
     p.add_argument("--index-k-alias", choices=("auto", "on", "off"), default="auto",
                    help="reproduce the official reference's decode-time index-key aliasing "
                         "(ModelArgs.emulate_index_k_alias). auto: on when --teacher-force's file was "
@@ -123,7 +125,8 @@ def main(argv=None) -> int:
         if a.data_parallel_size > 1:
             results = _score_parallel(a, prompts, forced, draft_steps, alias)
         else:
-            model = load_model(a.checkpoint, a.device, progress=sys.stderr.isatty(), emulate_index_k_alias=alias)
+            model = load_model(a.checkpoint, a.device, progress=sys.stderr.isatty(), emulate_index_k_alias=alias,
+                               **({"expert_format": a.expert_format} if a.expert_format != "fp8" else {}))
             results = [score_prompt(model, ids, a.decode_steps, f, a.dump_hidden, not a.no_dspark, draft_steps,
                                     torch.device(a.device)) for ids, f in zip(prompts, forced)]
     except (CheckpointError, ConfigError, ValueError) as e:

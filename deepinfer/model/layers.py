@@ -36,6 +36,7 @@ class Linear(nn.Module):
         self.quantized = False
         self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None      # FP8 (e4m3 weight, E8M0 scales)
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None   # FP4 (codes, E8M0 scales) kept packed
+        self.packed_kernel_layout = False      # packed codes in fp4_layout.fp4_kernel_layout (FP4 expert stacks)
         # a block-diagonal weight's FP8 blocks (e4m3 [G, N/G, K], E8M0 [G, N/G/32, K/32], or one scale per
         # row [G, N/G, K/32] where N/G % 32 != 0: loader.wo_a_blocks): wo_a, run by ops.grouped_w8a16
         # with no activation rounding (Attention.out)
@@ -47,7 +48,11 @@ class Linear(nn.Module):
             return ops.dequant_fp8(*self.fp8).to(compute_dtype(self.fp8[0].device))
         if self.packed is None:
             return self.weight
-        return ops.dequant_fp4(*self.packed).to(compute_dtype(self.packed[0].device))
+        codes, scale = self.packed
+        if self.packed_kernel_layout:
+            from deepinfer.kernels.fp4_layout import fp4_release_layout
+            codes = fp4_release_layout(codes)
+        return ops.dequant_fp4(codes, scale).to(compute_dtype(codes.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:

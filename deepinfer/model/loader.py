@@ -345,7 +345,8 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
                tokenizer_json: str | Path | None = None, pack_experts: bool | None = None,
                weight_format: str | None = None, moe_masked: bool | None = None, fuse_linears: bool | None = None,
                expert_row_scales: bool | None = None, wo_a_fp8: bool | None = None, parallel=None,
-               load_format: str = "safetensors", dense_bf16: bool = False, **arg_overrides):
+               load_format: str = "safetensors", dense_bf16: bool = False, expert_format: str = "fp8",
+               **arg_overrides):
     """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input.
 
     weight_format: "dense" or "fp8" (the module docstring); default "fp8" on CUDA, "dense" elsewhere.
@@ -363,7 +364,10 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     only its own routed experts (local slots; a redundant replica is read once per slot holding it).
     load_format: "safetensors" (the release shards) or "dummy" (random weights of the config, made
     on the device: model/dummy_weights.py; the folder then needs only config.json).
-    dense_bf16 ("fp8" only): the dense FP8 linears as exact compute-dtype weights (the module docstring)."""
+    dense_bf16 ("fp8" only): the dense FP8 linears as exact compute-dtype weights (the module docstring).
+    expert_format ("fp8" only): the routed experts' stacks (moe.ExpertStacks): "fp8" (e4m3, twice the
+    release's bytes) or "fp4" (the release's MXFP4 bytes, half the memory, W4A16 kernels); a layer whose
+    block scales the W4A16 decode cannot take (fp4_layout.fp4_scales_ok) gets FP8 stacks, logged once."""
     from .engram import NgramHasher, compressed_token_map
     from .layers import compute_dtype
     from .moe import MoE
@@ -374,6 +378,8 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     weight_format = weight_format or ("fp8" if cuda else "dense")
     if weight_format not in ("dense", "fp8"):
         raise ValueError(f"weight_format must be 'dense' or 'fp8', got {weight_format!r}")
+    if expert_format not in ("fp8", "fp4"):
+        raise ValueError(f"expert_format must be 'fp8' or 'fp4', got {expert_format!r}")
     if load_format not in ("safetensors", "dummy"):
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
     args = ModelArgs.from_checkpoint(ckpt, **arg_overrides)
@@ -394,7 +400,7 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     fmt = _Format(device, compute_dtype(device), weight_format,
                   cuda if pack_experts is None else pack_experts,
                   weight_format == "fp8" and not dense_bf16 and (cuda if wo_a_fp8 is None else wo_a_fp8),
-                  dense_bf16)
+                  dense_bf16, weight_format == "fp8" and expert_format == "fp4")
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(infos[name].file, []).append(name)
@@ -411,6 +417,7 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
                     bar.update(1)
     if bar is not None:
         bar.close()
+    _fp4_fallback(model)
     _materialize_rest(model, device)
     for mod in model.modules():
         if isinstance(mod, MoE) and mod.ep is not None:
@@ -432,6 +439,18 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     return model.eval()
 
 
+def _fp4_fallback(model) -> None:
+    """FP4 expert stacks of layers with a block scale the W4A16 decode cannot take, as FP8 stacks (the same
+    weights); said once."""
+    from .moe import MoE
+    moes = [m for m in model.modules() if isinstance(m, MoE) and getattr(m, "fp4_declined", False)]
+    for m in moes:
+        m.set_stacks(m.stacks.to_fp8())
+    if moes:
+        log.warning("expert_format='fp4': %d MoE layer(s) hold block scales outside 2^-125..2 (the W4A16 decode's "
+                    "range): those keep FP8 stacks", len(moes))
+
+
 def fuse_input_linears(model) -> int:
     """Every module's Linears that share an input, stacked into one GEMM; returns how many fused."""
     return sum(bool(m.fuse_input_linears()) for m in model.modules() if hasattr(m, "fuse_input_linears"))
@@ -446,6 +465,7 @@ class _Format:
     pack_experts: bool             # "dense": FP4 experts stay packed
     wo_a_fp8: bool = False         # "fp8": wo_a keeps its FP8 blocks (Linear.fp8_blocks)
     dense_bf16: bool = False       # "fp8": dense FP8 linears dequantized at load (experts stay FP8)
+    expert_fp4: bool = False       # "fp8": the routed experts in FP4 stacks (expert_format="fp4")
 
 
 def _materialize_rest(model, device) -> None:
@@ -541,8 +561,17 @@ def _load_one(model, name, kind, infos, mm, fmt: _Format, target: str | None = N
     elif kind == "fp4" and info.dtype == "I8":
         scale = _read(scale_info, mm, sname).view(torch.uint8)
         if fmt.weight_format == "fp8":
-            if mod.fp8 is None:                     # the layer's first expert tensor: allocate its stacks
-                _target(model, _EXPERT.fullmatch(target or name).group(1) + ".stacks")[0].init_fp8_stacks(device)
+            moe = _target(model, _EXPERT.fullmatch(target or name).group(1) + ".stacks")[0]
+            if moe.stacks is None:                  # the layer's first expert tensor: allocate its stacks
+                (moe.init_fp4_stacks if fmt.expert_fp4 else moe.init_fp8_stacks)(device)
+            if fmt.expert_fp4:                      # the release bytes, permuted for the W4A16 kernels
+                from deepinfer.kernels.fp4_layout import fp4_kernel_weight, fp4_scales_ok
+                t, scale = t.to(device), scale.to(device)
+                moe.fp4_declined = getattr(moe, "fp4_declined", False) or not fp4_scales_ok(scale)
+                pk, sk = fp4_kernel_weight(t, scale)
+                mod.packed[0].copy_(pk)             # views into the layer's stacks
+                mod.packed[1].copy_(sk)
+                return
             w8, s8 = ops.fp4_to_fp8_weight(t.to(device), scale.to(device))
             mod.fp8[0].copy_(w8)                    # views into the layer's stacks
             mod.fp8[1].copy_(s8)

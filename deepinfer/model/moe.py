@@ -36,24 +36,36 @@ CONTIGUOUS_FROM_PAIRS = int(os.environ.get("DEEPINFER_MOE_CONTIGUOUS_FROM_PAIRS"
 
 @dataclass
 class ExpertStacks:
-    """A layer's routed experts in FP8 for the grouped GEMMs (weight_format="fp8"), converted once at
-    load from MXFP4 (exact: ops.fp4_to_fp8_weight). w1 and w3 share one stack so one GEMM makes gate
-    and up; each expert's Linear holds views of its rows (Expert.forward / the loop run unchanged).
-    With DEEPINFER_GEMM=deepgemm, deepgemm.prepare_deepgemm re-expresses the stacks in place on
-    128x128 tiles: the scales are then f32 [E, N/128, K/128] (kernels/deepgemm.py)."""
-    w13: torch.Tensor    # [E, 2 * inter, dim] e4m3: w1 rows, then w3 rows
+    """A layer's routed experts for the grouped GEMMs (weight_format="fp8"). w1 and w3 share one stack so
+    one GEMM makes gate and up; each expert's Linear holds views of its rows (Expert.forward / the loop
+    run unchanged). Two forms (loader expert_format):
+        "fp8"  e4m3 stacks converted once at load from MXFP4 (exact: ops.fp4_to_fp8_weight): twice the
+               release's bytes, run by the W8A16 and FP8 x FP8 kernels. With DEEPINFER_GEMM=deepgemm,
+               deepgemm.prepare_deepgemm re-expresses them in place on 128x128 tiles (scales f32
+               [E, N/128, K/128], kernels/deepgemm.py).
+        "fp4"  the release's MXFP4 bytes in fp4_layout.fp4_kernel_layout (uint8 [E, N, K/2]) with their E8M0
+               bytes (0 mapped away): half the memory, run by the W4A16 kernels (the masked GEMMs) and
+               dequantized per step for the prefill's bf16 grouped GEMM. ops.* tell the forms apart by
+               dtype (uint8 = FP4)."""
+    w13: torch.Tensor    # [E, 2 * inter, dim] e4m3 (or [E, 2 * inter, dim / 2] packed FP4): w1 rows, then w3 rows
     s13: torch.Tensor    # [E, 2 * inter, dim / 32] E8M0 bytes, one per (row, 32)
-    w2: torch.Tensor     # [E, dim, inter] e4m3
+    w2: torch.Tensor     # [E, dim, inter] e4m3 (or [E, dim, inter / 2] packed FP4)
     s2: torch.Tensor     # [E, dim, inter / 32] E8M0 bytes
     # one f32 pow2 scale per row [E, N, 1] once to_row_scales re-expressed the stack (s13 / s2 then
     # hold that same scale in every block, so the per-expert Linear views stay valid)
     r13: torch.Tensor | None = None
     r2: torch.Tensor | None = None
 
+    @property
+    def fp4(self) -> bool:
+        return self.w13.dtype == torch.uint8
+
     def to_row_scales(self) -> bool:
         """Re-express both stacks in place with one scale per row (ops.row_scaled_fp8_weight: the
         masked GEMMs' K loop then reads no scale). Per stack, only if every expert converts exactly;
-        True if both did."""
+        True if both did. FP4 stacks keep their block scales (the W4A16 decode multiplies by them)."""
+        if self.fp4:
+            return False
         for wname, sname, rname in (("w13", "s13", "r13"), ("w2", "s2", "r2")):
             w, s = getattr(self, wname), getattr(self, sname)
             conv = [ops.row_scaled_fp8_weight(w[e], s[e]) for e in range(w.shape[0])]
@@ -72,12 +84,25 @@ class ExpertStacks:
                 self.w2, self.r2 if self.r2 is not None else self.s2)
 
     @classmethod
-    def empty(cls, n_experts: int, dim: int, inter: int, device) -> "ExpertStacks":
-        f8, u8 = torch.float8_e4m3fn, torch.uint8
-        return cls(torch.empty(n_experts, 2 * inter, dim, dtype=f8, device=device),
+    def empty(cls, n_experts: int, dim: int, inter: int, device, fp4: bool = False) -> "ExpertStacks":
+        wt, u8, per = (torch.uint8, torch.uint8, 2) if fp4 else (torch.float8_e4m3fn, torch.uint8, 1)
+        return cls(torch.empty(n_experts, 2 * inter, dim // per, dtype=wt, device=device),
                    torch.empty(n_experts, 2 * inter, dim // 32, dtype=u8, device=device),
-                   torch.empty(n_experts, dim, inter, dtype=f8, device=device),
+                   torch.empty(n_experts, dim, inter // per, dtype=wt, device=device),
                    torch.empty(n_experts, dim, inter // 32, dtype=u8, device=device))
+
+    def to_fp8(self) -> "ExpertStacks":
+        """FP4 stacks as FP8 ones (the same weights): the fallback where a layer's block scales are outside
+        the W4A16 decode's range (fp4_layout.fp4_scales_ok)."""
+        from deepinfer.kernels.fp4_layout import fp4_release_layout
+        E, n13, n2 = self.w13.shape[0], self.w13.shape[1], self.w2.shape[1]
+        out = ExpertStacks.empty(E, n2, n13 // 2, self.w13.device)
+        for e in range(E):
+            for w, s, wd, sd in ((self.w13, self.s13, out.w13, out.s13), (self.w2, self.s2, out.w2, out.s2)):
+                w8, s8 = ops.fp4_to_fp8_weight(fp4_release_layout(w[e]), s[e])
+                wd[e].copy_(w8)
+                sd[e].copy_(s8)
+        return out
 
 
 class Gate(nn.Module):
@@ -211,7 +236,7 @@ class MoE(nn.Module):
         DEEPINFER_MOE_CONTIGUOUS=1 on W8A16, or DEEPINFER_PREFILL_GEMM=fp8)."""
         st = self.stacks
         return (st is not None and self.masked is not True and self.grouped_ok
-                and ops.grouped_contiguous_ok(x, st.w13.shape[2], st.w2.shape[2]))
+                and ops.grouped_contiguous_ok(x, self.dim, self.experts[0].w2.in_features, fp4=st.fp4))
 
     def _contiguous_experts(self, x, weights, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [K, T, d] bf16, slot [T*K]): pairs sorted by expert into one contiguous slab (pair p at
@@ -221,7 +246,7 @@ class MoE(nn.Module):
         Expert.forward (the masked form's kernels, on a [K, T] slab instead of [E, T])."""
         st, ex = self.stacks, self.experts[0]
         T, K = indices.shape
-        E, inter = self.n_experts, st.w2.shape[2]
+        E, inter = self.n_experts, self.experts[0].w2.in_features
         counts, slot = ops.moe_route(indices, E, contiguous=True)               # [E] int32, [T*K] row in the slab
         xp = ops.moe_dispatch(x, slot, K, K).view(T * K, self.dim)              # act_quant(x) rows, sorted
         w13, s13, w2, s2 = st.masked_weights()
@@ -264,14 +289,22 @@ class MoE(nn.Module):
     def init_fp8_stacks(self, device) -> ExpertStacks:
         """Allocate the FP8 stacks and point every expert's Linear at its rows (views, no copies):
         the loader then fills the stacks through those views."""
-        dim, inter = self.dim, self.experts[0].w2.in_features
-        st = ExpertStacks.empty(self.n_experts, dim, inter, device)
+        return self.set_stacks(ExpertStacks.empty(self.n_experts, self.dim, self.experts[0].w2.in_features, device))
+
+    def init_fp4_stacks(self, device) -> ExpertStacks:
+        """The same for FP4 stacks (expert_format="fp4"): each Linear holds packed views in the kernels'
+        layout (Linear.packed_kernel_layout), dequantized per use off the masked / contiguous forms."""
+        return self.set_stacks(ExpertStacks.empty(self.n_experts, self.dim, self.experts[0].w2.in_features, device,
+                                                  fp4=True))
+
+    def set_stacks(self, st: ExpertStacks) -> ExpertStacks:
+        """Hold st and point every expert's Linear at its rows (views, no copies)."""
+        inter = self.experts[0].w2.in_features
         for e, ex in enumerate(self.experts):
-            ex.w1.fp8 = (st.w13[e, :inter], st.s13[e, :inter])
-            ex.w3.fp8 = (st.w13[e, inter:], st.s13[e, inter:])
-            ex.w2.fp8 = (st.w2[e], st.s2[e])
-            for lin in (ex.w1, ex.w3, ex.w2):
-                lin.weight = torch.empty(0, device=device)
+            views = ((st.w13[e, :inter], st.s13[e, :inter]), (st.w13[e, inter:], st.s13[e, inter:]), (st.w2[e], st.s2[e]))
+            for lin, view in zip((ex.w1, ex.w3, ex.w2), views):
+                lin.fp8, lin.packed, lin.packed_kernel_layout = (None, view, True) if st.fp4 else (view, None, False)
+                lin.weight = torch.empty(0, device=st.w13.device)
                 lin.quantized = True
         self.stacks = st
         return st
@@ -305,7 +338,7 @@ class MoE(nn.Module):
         the w2 input (kernels/triton_moe.py fuses the glue between the GEMMs)."""
         st, ex = self.stacks, self.experts[0]
         T, K = indices.shape
-        E, inter = self.n_experts, st.w2.shape[2]
+        E, inter = self.n_experts, self.experts[0].w2.in_features
         counts, slot = ops.moe_route(indices, E)                                # [E] int32, [T*K]
         expected_m = -(-T * K // E)                                             # host ints: tile choice
         xp = ops.moe_dispatch(x, slot, K, E)                                    # [E, C, d]

@@ -78,7 +78,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     disk_blocks = num_disk_blocks(args, facts.model_args)      # refuses a bad disk tier before loading
     nvcc = precompile_cuda_kernels(device)       # compiled beside the weight load, not in the first prefill
     model = load_model(args.checkpoint, device=device, progress=parallel is not None and parallel.rank == 0,
-                       parallel=parallel, load_format=args.load_format,
+                       parallel=parallel, load_format=args.load_format, expert_format=args.expert_format,
                        **({"dense_bf16": True} if hold_dense_bf16(args.dense_weights, device, facts.model_args) else {}),
                        # EPLB moves experts between ranks' stacks: keep one scale form in all of them
                        **({"expert_row_scales": False} if args.enable_eplb else {}), **model_overrides(args))

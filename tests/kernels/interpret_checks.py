@@ -179,6 +179,15 @@ def check_w4a16():
             for i in range(g):
                 r = int(mm[i])
                 assert rel(y[i, :r], ref[i, :r]) < 8e-3 if r else True
+    # the FP4 stacks' prefill dequant (the GEMM's own decode): every weight of the release, N / K off its tiles
+    from deepinfer.kernels.triton_dequant import dequant_fp4_bf16
+    for n, k in ((64, 512), (37, 96), (5, 1056)):
+        gen = torch.Generator().manual_seed(n)
+        packed = torch.randint(0, 256, (n, k // 2), generator=gen).to(torch.uint8)
+        scale = torch.randint(2, 129, (n, k // 32), generator=gen).to(torch.uint8)
+        scale[0, 0] = 0
+        pk, sk = triton_gemm.fp4_kernel_weight(packed, scale)
+        assert torch.equal(dequant_fp4_bf16(pk, sk).float(), dequant_fp4_ref(packed, scale)), (n, k)
 
 
 def check_pool_lists():

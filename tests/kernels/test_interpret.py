@@ -141,7 +141,7 @@ def test_w8a16_dequant_ptx_every_byte(scale_exp):
         assert np.array_equal(got[ok], _expected_bf16_bits(byte, 2.0 ** scale_exp)[ok]), (out, half)
 
 
-@pytest.mark.parametrize("scale_byte", [1, 20, 100, 117, 127, 128])
+@pytest.mark.parametrize("scale_byte", [1, 2, 20, 100, 117, 127, 128])
 def test_w4a16_dequant_ptx_every_int16(scale_byte):
     """The MXFP4 decode PTX (triton_gemm._FP4_ASM), emulated instruction by instruction, gives
     bf16(dequant_fp4_ref) bit for bit for every int16 of fp4_kernel_layout (four nibbles: +-0, the
@@ -176,11 +176,14 @@ def test_fp4_kernel_weight_is_the_release_weight():
     from deepinfer.kernels.reference import dequant_fp4_ref
     gen = torch.Generator().manual_seed(5)
     packed = torch.randint(0, 256, (3, 7, 80), generator=gen).to(torch.uint8)
-    scale = torch.randint(0, 129, (3, 7, 5), generator=gen).to(torch.uint8)
+    scale = torch.randint(2, 129, (3, 7, 5), generator=gen).to(torch.uint8)
     scale[0, :, 1] = 0
+    scale[2, 3, 4] = 0
     assert torch.equal(tg.fp4_release_layout(tg.fp4_kernel_layout(packed)), packed)
     pk, sk = tg.fp4_kernel_weight(packed, scale)
-    assert int(sk.min()) >= 1 and tg.fp4_scales_ok(sk)
+    assert tg.fp4_scales_ok(scale) and int(sk.min()) >= 1 and not (sk == 0).any()
+    assert not tg.fp4_scales_ok(torch.tensor([5, 129], dtype=torch.uint8))
+    assert not tg.fp4_scales_ok(torch.tensor([5, 1], dtype=torch.uint8))
     for g in range(3):
         assert torch.equal(dequant_fp4_ref(tg.fp4_release_layout(pk[g]), sk[g]), dequant_fp4_ref(packed[g], scale[g]))
     # a k16 slice: stored byte j holds k[j] (low nibble) and k[j + 8] (high)

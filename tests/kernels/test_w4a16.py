@@ -72,3 +72,45 @@ def test_fp4_scales_ok_declines_large_block_scales():
     assert triton_gemm.fp4_scales_ok(s)
     s[2, 3] = 129
     assert not triton_gemm.fp4_scales_ok(s)
+    s[2, 3] = 1                      # 0.5 * 2^-126 would be a subnormal bf16
+    assert not triton_gemm.fp4_scales_ok(s)
+
+
+@pytest.mark.parametrize("n,k", [(4608, 5120), (5120, 2304), (37, 96), (300, 1056)])
+def test_dequant_fp4_matches_reference(n, k):
+    """The FP4 stacks' prefill dequant (triton_dequant.dequant_fp4_bf16) gives every release weight bit for
+    bit (zero blocks, scales 2^-125..2, N and K off its tiles)."""
+    from deepinfer.kernels import triton_gemm
+    from deepinfer.kernels.reference import dequant_fp4_ref
+    from deepinfer.kernels.triton_dequant import dequant_fp4_bf16
+    gen = torch.Generator().manual_seed(n + k)
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen).to(torch.uint8)
+    scale = torch.randint(2, 129, (n, k // 32), generator=gen).to(torch.uint8)
+    scale[torch.rand(scale.shape, generator=gen) < 0.02] = 0
+    pk, sk = triton_gemm.fp4_kernel_weight(packed, scale)
+    got = dequant_fp4_bf16(pk.cuda(), sk.cuda())
+    assert torch.equal(got.float().cpu(), dequant_fp4_ref(packed, scale))
+
+
+@pytest.mark.parametrize("rows", [300, 20000])
+def test_fp4_stacks_contiguous_form(rows):
+    """The MoE's grouped contiguous form on FP4 stacks (select.grouped_fp8_linear_contiguous with uint8
+    weights: the stack dequantized by dequant_fp4_bf16, one bf16 grouped GEMM) against a float64 reference
+    expert by expert (empty experts, rows off every tile)."""
+    from deepinfer.kernels import select, triton_gemm
+    from deepinfer.kernels.reference import act_quant_ref, dequant_fp4_ref
+    e, n, k = 6, 512, 1024
+    gen = torch.Generator().manual_seed(rows)
+    packed = torch.randint(0, 256, (e, n, k // 2), generator=gen).to(torch.uint8)
+    scale = torch.randint(117, 124, (e, n, k // 32), generator=gen).to(torch.uint8)
+    pk, sk = triton_gemm.fp4_kernel_weight(packed, scale)
+    counts = torch.distributions.Multinomial(rows, torch.tensor([3., 0, 1, 2, 1, 3])).sample(generator=None)
+    counts = counts.to(torch.int32)
+    x = act_quant_ref(torch.randn(rows, k, generator=gen).bfloat16())
+    y = select.grouped_fp8_linear_contiguous(x.cuda(), pk.cuda(), sk.cuda(), counts.cuda()).cpu()
+    start = 0
+    for i, c in enumerate(counts.tolist()):
+        if c:
+            ref = x[start:start + c].double() @ dequant_fp4_ref(packed[i], scale[i]).double().T
+            assert rel_err(y[start:start + c], ref) < 4e-3, i
+        start += c

@@ -34,6 +34,11 @@ def models(tiny_checkpoint):
         # and fused as CUDA loads it: wq_a + wkv and the shared w1 + w3 as stacked dense weights
         "fp8-dense-fused": load_model(tiny_checkpoint, progress=False, weight_format="fp8", dense_bf16=True,
                                       moe_masked=True, fuse_linears=True),
+        # EngineArgs.expert_format="fp4": the experts' release bytes in FP4 stacks (masked form, and the
+        # per-expert loop through the Linears' packed views)
+        "fp4-experts": load_model(tiny_checkpoint, progress=False, weight_format="fp8", expert_format="fp4",
+                                  moe_masked=True, dense_bf16=True, fuse_linears=True),
+        "fp4-experts-loop": load_model(tiny_checkpoint, progress=False, weight_format="fp8", expert_format="fp4"),
     }
 
 
@@ -57,7 +62,8 @@ def _run(model) -> list[torch.Tensor]:
 
 def test_fp8_format_equals_dense(models):
     ref = _run(models["dense"])
-    for fmt in ("fp8", "fp8-masked", "fp8-fused", "fp8-dense-linears", "fp8-dense-fused"):
+    for fmt in ("fp8", "fp8-masked", "fp8-fused", "fp8-dense-linears", "fp8-dense-fused", "fp4-experts",
+                "fp4-experts-loop"):
         got = _run(models[fmt])
         assert len(got) == len(ref)
         for i, (g, r) in enumerate(zip(got, ref)):
@@ -111,6 +117,57 @@ FP8_OR_FP4 = ("wq_a", "wq_b", "attn.wkv", "wo_a", "wo_b", "experts", "engram.wkv
 def test_bad_weight_format(tiny_checkpoint):
     with pytest.raises(ValueError, match="weight_format"):
         load_model(tiny_checkpoint, progress=False, weight_format="fp4")
+    with pytest.raises(ValueError, match="expert_format"):
+        load_model(tiny_checkpoint, progress=False, weight_format="fp8", expert_format="fp6")
+
+
+def test_fp4_experts_hold_the_release_bytes(models, tiny_checkpoint):
+    """expert_format="fp4": every layer's stacks are the checkpoint's MXFP4 bytes (fp4_kernel_layout) and
+    E8M0 bytes, half the FP8 stacks' weight bytes, the experts' Linears views of them; every expert
+    dequantizes to the FP8 stacks' weights."""
+    from deepinfer.kernels.fp4_layout import fp4_release_layout
+    fp4, fp8 = models["fp4-experts"], models["fp8"]
+    moes4 = [m for m in fp4.modules() if isinstance(m, MoE)]
+    moes8 = [m for m in fp8.modules() if isinstance(m, MoE)]
+    assert moes4 and len(moes4) == len(moes8)
+    for m4, m8 in zip(moes4, moes8):
+        st4, st8 = m4.stacks, m8.stacks
+        assert st4.fp4 and not st8.fp4 and st4.w13.dtype == torch.uint8
+        assert st4.w13.numel() * 2 == st8.w13.numel() and st4.w2.numel() * 2 == st8.w2.numel()
+        for e, ex in enumerate(m4.experts):
+            assert ex.w1.packed[0].data_ptr() == st4.w13[e].data_ptr() and ex.w1.packed_kernel_layout
+            assert torch.equal(ex.w1.dense(), m8.experts[e].w1.dense())
+            assert torch.equal(ex.w2.dense(), m8.experts[e].w2.dense())
+            assert torch.equal(ops.dequant_fp4(fp4_release_layout(st4.w2[e]), st4.s2[e]),
+                               ops.dequant_fp8(st8.w2[e], st8.s2[e]))
+
+
+def test_fp4_experts_out_of_range_scales_fall_back(tiny_checkpoint, tmp_path, caplog):
+    """A valid checkpoint whose expert block scales the W4A16 decode cannot take (byte 1: 0.5 * 2^-126 is a
+    subnormal bf16) loads with expert_format="fp4": that layer keeps FP8 stacks (said once in the log) and
+    the model computes what the FP8 format does."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    hit = None
+    for f in sorted(ckpt.glob("*.safetensors")):
+        ts = load_file(f)
+        names = [n for n in ts if ".experts.0.w2.scale" in n]
+        if names and hit is None:
+            hit = names[0]
+            ts[hit] = ts[hit].clone()
+            ts[hit].view(torch.uint8)[0, 0] = 1
+            save_file(ts, f, metadata={"format": "pt"})
+    assert hit is not None
+    with caplog.at_level("WARNING"):
+        m4 = load_model(ckpt, progress=False, weight_format="fp8", expert_format="fp4", moe_masked=True)
+    assert "keep FP8 stacks" in caplog.text
+    fmts = [m.stacks.fp4 for m in m4.modules() if isinstance(m, MoE)]
+    assert fmts.count(False) == 1 and fmts.count(True) == len(fmts) - 1
+    m8 = load_model(ckpt, progress=False, weight_format="fp8", moe_masked=True)
+    for g, r in zip(_run(m4), _run(m8)):
+        assert torch.equal(g, r)
 
 
 # Run with TRITON_INTERPRET=1 DEEPINFER_KERNELS=fast (read at import, hence a subprocess).
@@ -134,6 +191,12 @@ for w, s in ((st.w13, st.s13), (st.w2, st.s2)):
     xp = select._ref.act_quant_ref(torch.randn(E, T, w.shape[2]).to(torch.bfloat16))
     valid = lambda y: torch.cat([y[e, :masked_m[e]] for e in range(E)])
     checks.append(both(lambda: valid(select.grouped_fp8_linear_masked(xp, w, s, masked_m, 3))))
+m4 = load_model(sys.argv[1], progress=False, weight_format="fp8", expert_format="fp4")
+st4 = m4.layers[3].ffn.stacks
+for w, s in ((st4.w13, st4.s13), (st4.w2, st4.s2)):
+    xp = select._ref.act_quant_ref(torch.randn(E, T, w.shape[2] * 2).to(torch.bfloat16))
+    valid = lambda y: torch.cat([y[e, :masked_m[e]] for e in range(E)])
+    checks.append(both(lambda: valid(select.grouped_fp8_linear_masked(xp, w, s, masked_m, 3))))
 for a, b in checks:
     # the interpreter truncates float -> bf16 casts where a GPU rounds: one bf16 ulp apart at most
     assert ((a - b).abs() <= b.abs() * 2 ** -7 + 1e-30).all(), ((a - b).abs() / b.abs()).max()
@@ -143,13 +206,14 @@ print("ok", len(checks))
 
 def test_fp8_fast_dispatch_under_interpreter(tiny_checkpoint):
     """select.fp8_linear / grouped_fp8_linear_masked take the Triton W8A16 kernels on the model's
-    own FP8 tensors (32x32-tile and per-row E8M0 scales, int32 masked_m, empty groups) through
+    own FP8 tensors (32x32-tile and per-row E8M0 scales, int32 masked_m, empty groups), and the W4A16 one
+    on its FP4 stacks (expert_format="fp4"), through
     Triton's interpreter, and agree with the references to the last bf16 bit."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_KERNELS="fast")
     r = subprocess.run([sys.executable, "-c", _FAST_DISPATCH, str(tiny_checkpoint)], env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "ok 6" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.returncode == 0 and "ok 8" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
 def test_fused_input_linears_share_one_weight(models):
