@@ -104,8 +104,8 @@ def test_fp4_stacks_contiguous_form(rows):
     packed = torch.randint(0, 256, (e, n, k // 2), generator=gen).to(torch.uint8)
     scale = torch.randint(117, 124, (e, n, k // 32), generator=gen).to(torch.uint8)
     pk, sk = triton_gemm.fp4_kernel_weight(packed, scale)
-    counts = torch.distributions.Multinomial(rows, torch.tensor([3., 0, 1, 2, 1, 3])).sample(generator=None)
-    counts = counts.to(torch.int32)
+    pick = torch.multinomial(torch.tensor([3., 0, 1, 2, 1, 3]), rows, replacement=True, generator=gen)
+    counts = torch.bincount(pick, minlength=e).to(torch.int32)
     x = act_quant_ref(torch.randn(rows, k, generator=gen).bfloat16())
     y = select.grouped_fp8_linear_contiguous(x.cuda(), pk.cuda(), sk.cuda(), counts.cuda()).cpu()
     start = 0
