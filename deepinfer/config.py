@@ -102,9 +102,11 @@ class EngineArgs:
     dense_weights: str = "auto"
     # the routed experts on CUDA: "fp8" (e4m3 stacks, twice the release's bytes: the W8A16 / FP8 x FP8
     # kernels) or "fp4" (the release's MXFP4 bytes, half the experts' memory: the W4A16 kernels at decode,
-    # a per-step dequant for the prefill's bf16 grouped GEMM; H200, 2026-12-04: 1.05-1.10x the FP8 stacks'
-    # masked GEMMs)
-    expert_format: str = "fp8"
+    # a per-step dequant for the prefill's bf16 grouped GEMM; H200, 2026-12-04: the same decode step and
+    # whole-prompt prefill times, 1.05-1.10x the FP8 stacks' masked GEMMs alone; the release on 8 H200s
+    # leaves 46.6 GiB per GPU for the KV cache instead of 8.7). "auto": fp4 on CUDA unless batch_invariant
+    # or DEEPINFER_GEMM=deepgemm (worker/loading.py resolved_expert_format)
+    expert_format: str = "auto"
     # multi-GPU (deepinfer/parallel/): attention data parallel over data_parallel_size ranks (one per
     # GPU; CPU processes with gloo on a CPU run), the backbone's routed experts split over them
     # (expert_parallel; EP = DP at TP 1). The driver process schedules; the ranks run the model.
@@ -184,8 +186,8 @@ class EngineArgs:
         self._check_spec_args()
         if self.max_seq_len_to_capture < 1:
             raise ValueError(f"max_seq_len_to_capture must be >= 1, got {self.max_seq_len_to_capture}")
-        if self.expert_format not in ("fp8", "fp4"):
-            raise ValueError(f"expert_format must be 'fp8' or 'fp4', got {self.expert_format!r}")
+        if self.expert_format not in ("auto", "fp8", "fp4"):
+            raise ValueError(f"expert_format must be 'auto', 'fp8' or 'fp4', got {self.expert_format!r}")
         if self.dense_weights not in ("auto", "fp8", "bf16"):
             raise ValueError(f"dense_weights must be 'auto', 'fp8' or 'bf16', got {self.dense_weights!r}")
         if self.load_format not in ("safetensors", "dummy"):

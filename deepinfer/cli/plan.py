@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per rank")
     p.add_argument("--block-tokens", type=int, default=64)
     p.add_argument("--cache-dtype", default="bfloat16")
+    p.add_argument("--expert-format", choices=("fp8", "fp4"), default="fp8",
+                   help="the routed experts on the GPU: FP8 stacks (2x the release) or the release's MXFP4")
     p.add_argument("--reserve", default=f"{DEFAULT_RESERVE_BYTES >> 30}GiB",
                    help="per-GPU activation / workspace reserve (default %(default)s)")
     return p
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
                            gpu_memory_bytes=parse_size(a.gpu_memory), num_redundant_experts=a.redundant_experts,
                            engram_placement=a.engram, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                            block_tokens=a.block_tokens, cache_dtype=a.cache_dtype,
-                           reserve_bytes=parse_size(a.reserve))
+                           reserve_bytes=parse_size(a.reserve), expert_format=a.expert_format)
     except ValueError as e:                  # ConfigError and bad numbers alike
         print(f"deepinfer-plan: error: {e}", file=sys.stderr)
         return 2

@@ -293,13 +293,16 @@ def _check_memory(args, model_args) -> None:
     """deepinfer-plan's verdict for these sizes on this machine's GPUs; refuse to start if it does not fit."""
     import torch
 
+    from deepinfer.worker.loading import resolved_expert_format
+
     from .planner import check_fits, plan_memory
     plan = plan_memory(model_args, num_gpus=args.data_parallel_size,
                        gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
                        num_redundant_experts=args.num_redundant_experts,
                        engram_placement=args.resolved_engram_placement(),
                        max_model_len=args.max_model_len or 65536, max_num_seqs=args.max_num_seqs,
-                       block_tokens=args.block_tokens)
+                       block_tokens=args.block_tokens,
+                       expert_format=resolved_expert_format(args.expert_format, "cuda", args.batch_invariant))
     check_fits(plan)
 
 

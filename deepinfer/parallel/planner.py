@@ -93,24 +93,25 @@ def _stored_bytes(kind: str, shape: tuple[int, ...], args: ModelArgs) -> int:
     return sum(math.prod(shp) * _DTYPE_BYTES[dt.split("|")[0]] for _, dt, shp in _stored(kind, shape, args))
 
 
-def _device_bytes(kind: str, shape: tuple[int, ...], args: ModelArgs) -> int:
-    """Bytes of one logical weight as load_model keeps it on CUDA."""
-    if kind == "fp4" and args.expert_dtype == "fp4":
+def _device_bytes(kind: str, shape: tuple[int, ...], args: ModelArgs, expert_format: str = "fp8") -> int:
+    """Bytes of one logical weight as load_model keeps it on CUDA (expert_format "fp4": the routed experts
+    as stored, EngineArgs.expert_format)."""
+    if kind == "fp4" and args.expert_dtype == "fp4" and expert_format == "fp8":
         n, k = shape                                  # FP8 stacks: e4m3 + E8M0 per (row, 32 along K)
         return n * k + n * cdiv(k, 32)
     return _stored_bytes(kind, shape, args)           # everything else stays as stored
 
 
-def model_bytes(args: ModelArgs) -> ModelBytes:
+def model_bytes(args: ModelArgs, expert_format: str = "fp8") -> ModelBytes:
     replicated = dict.fromkeys(PARTS, 0)
     routed, checkpoint = 0, 0
     for name, (kind, shape) in expected_tensors(args).items():
         checkpoint += _stored_bytes(kind, shape, args)
         part = _part(name)
         if part == "routed_experts":
-            routed += _device_bytes(kind, shape, args)
+            routed += _device_bytes(kind, shape, args, expert_format)
         elif part != "engram":
-            replicated[part] += _device_bytes(kind, shape, args)
+            replicated[part] += _device_bytes(kind, shape, args, expert_format)
     num_experts = args.n_layers * args.n_routed_experts
     return ModelBytes(replicated, routed // num_experts, args.n_layers, tuple(args.engram_num_embeddings),
                       _stored_bytes("table", (1, args.engram_head_dim), args), checkpoint)
@@ -205,14 +206,14 @@ def check_fits(plan: MemoryPlan) -> MemoryPlan:
 def plan_memory(model_args: ModelArgs, *, num_gpus: int, gpu_memory_bytes: int, num_redundant_experts: int = 0,
                 engram_placement: str = "sharded", max_model_len: int = 65536, max_num_seqs: int = 64,
                 block_tokens: int = 64, cache_dtype: str = "bfloat16",
-                reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> MemoryPlan:
+                reserve_bytes: int = DEFAULT_RESERVE_BYTES, expert_format: str = "fp8") -> MemoryPlan:
     """Per-rank bytes of attention DP + MoE EP over `num_gpus` GPUs of `gpu_memory_bytes` each.
     Raises ValueError on inputs no plan can have (naming the number); a plan that does not fit is
     returned with fits=False and `problem` saying by how much and what would fit."""
     p = PlanParams(num_gpus, gpu_memory_bytes, num_redundant_experts, engram_placement, max_model_len,
                    max_num_seqs, block_tokens, cache_dtype, reserve_bytes)
     validate_params(model_args, p)
-    mb = model_bytes(model_args)
+    mb = model_bytes(model_args, expert_format)
     plan = _plan(mb, model_args, p)
     if not plan.fits:
         plan = replace(plan, problem=_problem(mb, model_args, plan))

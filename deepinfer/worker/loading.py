@@ -51,6 +51,17 @@ def dense_fp8_elements(model_args) -> int:
                if kind == "fp8" and not name.endswith("attn.wo_a.weight"))
 
 
+def resolved_expert_format(expert_format: str, device: str, batch_invariant: bool = False) -> str:
+    """EngineArgs.expert_format on this device: "fp8" / "fp4" as asked (FP4 stacks on CUDA only; a CPU
+    keeps FP8 stacks, the same values); "auto": fp4 on CUDA (half the experts' memory at the FP8 stacks'
+    speed, H200, 2026-12-04) unless batch-invariant mode (whose W8A16 tiles are fixed; the W4A16 ones
+    follow the step) or the DeepGEMM backend (128-tile FP8 stacks) asks for FP8 stacks."""
+    if expert_format != "auto":
+        return expert_format if device.startswith("cuda") else "fp8"
+    from deepinfer.kernels import select
+    return "fp4" if device.startswith("cuda") and not batch_invariant and select.GEMM != "deepgemm" else "fp8"
+
+
 def hold_dense_bf16(dense_weights: str, device: str, model_args, total_memory: int | None = None) -> bool:
     """EngineArgs.dense_weights on this device: "bf16" and "fp8" as asked (bf16 on CUDA only: a CPU
     computes the same values either way); "auto": bf16 on CUDA when the extra byte per dense element is

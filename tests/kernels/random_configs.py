@@ -231,7 +231,7 @@ def check_config(seed: int, workdir: Path, device: str, rule: dict | None = None
                  prompt_len: int | None = None, n_decode: int = 4, log=print, only: tuple[str, ...] = ("prefill", "chunked"),
                  shared: Path | None = None) -> list[str]:
     """Write config `seed`'s checkpoint (weight_kind(seed)), load it on `device` (the CUDA defaults:
-    FP8 linears, FP8 expert stacks, fused linears, FP8 wo_a blocks), compare fast vs reference on
+    FP8 linears, FP4 or FP8 expert stacks, fused linears, FP8 wo_a blocks), compare fast vs reference on
     whole and chunked prefill with teacher-forced decode after each, and judge every logits row of
     both by the rule (default: the fixture rule of the weight kind). Returns the failures."""
     from deepinfer.model.loader import load_model
@@ -241,7 +241,12 @@ def check_config(seed: int, workdir: Path, device: str, rule: dict | None = None
     log(f"config {seed} ({weights} weights): {describe(tc)}")
     ckpt = write_checkpoint(tc, seed, workdir / f"cfg{seed}", weights)
     cuda_forms = dict(fuse_linears=True, wo_a_fp8=True, expert_row_scales=True)   # CUDA's defaults, on a CPU too
-    model = load_model(ckpt, device=device, progress=False, weight_format="fp8", **cuda_forms)
+    # the engine's CUDA default holds the experts as FP4 stacks (EngineArgs.expert_format="auto"); half the
+    # configs take them, half the FP8 stacks (batch-invariant mode, DeepGEMM)
+    expert_format = "fp4" if device == "cuda" and (seed // 2) % 2 == 0 else "fp8"
+    log(f"  experts in {expert_format} stacks")
+    model = load_model(ckpt, device=device, progress=False, weight_format="fp8", expert_format=expert_format,
+                       **cuda_forms)
     rng = random.Random(seed)
     n = prompt_len or rng.randint(90, 240)
     prompt = [rng.randrange(1000, 120000) for _ in range(n)]

@@ -183,3 +183,20 @@ def test_cli_reads_a_folder_and_the_tiny_config():
     r = run_cli("--config", str(TINY), "--gpus", "2", "--gpu-memory", "1GiB", "--reserve", "100MiB")
     assert r.returncode == 0, r.stderr + r.stdout
     assert "routed experts (4 of 8 x 10 layers)" in r.stdout
+
+
+def test_fp4_experts_hold_the_release_bytes_and_free_kv(release):
+    """expert_format="fp4" (EngineArgs' CUDA default): each routed expert as stored (MXFP4 + one E8M0 byte
+    per 32 along K: 17/33 of the FP8 stacks' bytes), the rest unchanged; on 8 H200s the KV cache grows by
+    what the experts give back."""
+    fp8, fp4 = model_bytes(release), model_bytes(release, "fp4")
+    assert fp8.routed_expert_bytes == PER_EXPERT_FP8
+    assert fp4.routed_expert_bytes == 3 * 2304 * 5120 * 17 // 32
+    # the DSpark blocks' experts (replicated on every rank) are held as stored too; nothing else moves
+    assert all(fp4.replicated[p] <= fp8.replicated[p] for p in PARTS) and fp4.checkpoint_bytes == fp8.checkpoint_bytes
+    assert sum(fp4.replicated[p] != fp8.replicated[p] for p in PARTS) == 1
+    p8, p4 = plan(release, 8), plan(release, 8, expert_format="fp4")
+    assert p8.fits and p4.fits
+    freed = p8.weights.total - p4.weights.total
+    assert freed > (PER_EXPERT_FP8 - fp4.routed_expert_bytes) * 48 * fp8.num_moe_layers
+    assert p4.max_cache_tokens > 4 * p8.max_cache_tokens
