@@ -103,9 +103,10 @@ class EngineArgs:
     # the routed experts on CUDA: "fp8" (e4m3 stacks, twice the release's bytes: the W8A16 / FP8 x FP8
     # kernels) or "fp4" (the release's MXFP4 bytes, half the experts' memory: the W4A16 kernels at decode,
     # a per-step dequant for the prefill's bf16 grouped GEMM; H200, 2026-12-04: the same decode step and
-    # whole-prompt prefill times, 1.05-1.10x the FP8 stacks' masked GEMMs alone; the release on 8 H200s
-    # leaves 46.6 GiB per GPU for the KV cache instead of 8.7). "auto": fp4 on CUDA unless batch_invariant
-    # or DEEPINFER_GEMM=deepgemm (worker/loading.py resolved_expert_format)
+    # whole-prompt prefill times, 1.05-1.10x the FP8 stacks' masked GEMMs alone, 0.85x on 2,048-token
+    # chunked prefill; the release on 8 H200s leaves 46.6 GiB per GPU for the KV cache instead of 8.7).
+    # "auto": fp4 on CUDA where the FP8 stacks would take over a quarter of the device (the release at
+    # EP8), unless batch_invariant or DEEPINFER_GEMM=deepgemm (worker/loading.py resolved_expert_format)
     expert_format: str = "auto"
     # multi-GPU (deepinfer/parallel/): attention data parallel over data_parallel_size ranks (one per
     # GPU; CPU processes with gloo on a CPU run), the backbone's routed experts split over them

@@ -302,7 +302,10 @@ def _check_memory(args, model_args) -> None:
                        engram_placement=args.resolved_engram_placement(),
                        max_model_len=args.max_model_len or 65536, max_num_seqs=args.max_num_seqs,
                        block_tokens=args.block_tokens,
-                       expert_format=resolved_expert_format(args.expert_format, "cuda", args.batch_invariant))
+                       expert_format=resolved_expert_format(
+                           args.expert_format, "cuda", args.batch_invariant, model_args,
+                           (model_args.n_routed_experts + args.num_redundant_experts) / args.data_parallel_size
+                           / max(model_args.n_routed_experts, 1)))
     check_fits(plan)
 
 

@@ -51,15 +51,51 @@ def dense_fp8_elements(model_args) -> int:
                if kind == "fp8" and not name.endswith("attn.wo_a.weight"))
 
 
-def resolved_expert_format(expert_format: str, device: str, batch_invariant: bool = False) -> str:
+# expert_format="auto": FP4 stacks where the FP8 ones would take more than this share of the device (the
+# release at EP8: 0.5 of an H200; there the KV cache, not the GEMMs, bounds the batch). Below it FP8 stacks:
+# the CUDA FP8 x FP8 kernel takes mid-size prefill steps (2,048-token chunks at 40 layers 655 ms against
+# 767 on FP4 stacks, whose steps dequantize the stack to bf16; H200, 2026-12-04).
+EXPERT_FP4_MIN_SHARE = 0.25
+
+
+def fp8_expert_bytes(model_args, expert_share: float = 1.0) -> int:
+    """Bytes of the routed experts as FP8 stacks (e4m3 + one E8M0 byte per 32 along K); expert_share: the
+    part of them this rank holds (EP)."""
+    from deepinfer.model.loader import expected_tensors
+    return int(expert_share * sum(prod(shape) * 33 // 32 for _, (kind, shape) in expected_tensors(model_args).items()
+                                  if kind == "fp4"))
+
+
+def expert_share(model_args, parallel) -> float:
+    """The part of the routed experts one rank holds: its local slots (EP, redundant ones included) over
+    the experts, else all of them."""
+    if parallel is None or getattr(parallel, "placement", None) is None:
+        return 1.0
+    return parallel.placement.num_local / max(model_args.n_routed_experts, 1)
+
+
+def resolved_expert_format(expert_format: str, device: str, batch_invariant: bool = False, model_args=None,
+                           expert_share: float = 1.0, total_memory: int | None = None) -> str:
     """EngineArgs.expert_format on this device: "fp8" / "fp4" as asked (FP4 stacks on CUDA only; a CPU
-    keeps FP8 stacks, the same values); "auto": fp4 on CUDA (half the experts' memory at the FP8 stacks'
-    speed, H200, 2026-12-04) unless batch-invariant mode (whose W8A16 tiles are fixed; the W4A16 ones
-    follow the step) or the DeepGEMM backend (128-tile FP8 stacks) asks for FP8 stacks."""
+    keeps FP8 stacks, the same values); "auto": fp4 on CUDA where the FP8 stacks would take more than
+    EXPERT_FP4_MIN_SHARE of the device's memory (half of it then goes to the KV cache instead; the same
+    decode and whole-prompt prefill speed), unless batch-invariant mode (whose W8A16 tiles are fixed; the
+    W4A16 ones follow the step) or the DeepGEMM backend (128-tile FP8 stacks) needs FP8 stacks."""
+    cuda = device.startswith("cuda")
     if expert_format != "auto":
-        return expert_format if device.startswith("cuda") else "fp8"
+        return expert_format if cuda else "fp8"
     from deepinfer.kernels import select
-    return "fp4" if device.startswith("cuda") and not batch_invariant and select.GEMM != "deepgemm" else "fp8"
+    if not cuda or batch_invariant or select.GEMM == "deepgemm" or model_args is None \
+            or model_args.expert_dtype != "fp4":
+        return "fp8"
+    if total_memory is None:
+        total_memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    need = fp8_expert_bytes(model_args, expert_share)
+    if need > EXPERT_FP4_MIN_SHARE * total_memory:
+        logger.info("expert_format='auto': routed experts in FP4 stacks (FP8 ones would take %.1f GB, over %.0f%% "
+                    "of the device's %.0f GB)", need / 1e9, 100 * EXPERT_FP4_MIN_SHARE, total_memory / 1e9)
+        return "fp4"
+    return "fp8"
 
 
 def hold_dense_bf16(dense_weights: str, device: str, model_args, total_memory: int | None = None) -> bool:

@@ -67,7 +67,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     from deepinfer.kernels.select import precompile_cuda_kernels
     from deepinfer.model.loader import load_model
     from deepinfer.worker.graph_step import graph_sizes
-    from deepinfer.worker.loading import (allocate_caches, cache_bytes_per_block, hold_dense_bf16,
+    from deepinfer.worker.loading import (allocate_caches, cache_bytes_per_block, expert_share, hold_dense_bf16,
                                           resolved_expert_format, torch_dtype)
     device = device or args.resolved_device()
     torch_dtype(args.dtype)
@@ -80,7 +80,8 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     nvcc = precompile_cuda_kernels(device)       # compiled beside the weight load, not in the first prefill
     model = load_model(args.checkpoint, device=device, progress=parallel is not None and parallel.rank == 0,
                        parallel=parallel, load_format=args.load_format,
-                       expert_format=resolved_expert_format(args.expert_format, device, args.batch_invariant),
+                       expert_format=resolved_expert_format(args.expert_format, device, args.batch_invariant,
+                                                            facts.model_args, expert_share(facts.model_args, parallel)),
                        **({"dense_bf16": True} if hold_dense_bf16(args.dense_weights, device, facts.model_args) else {}),
                        # EPLB moves experts between ranks' stacks: keep one scale form in all of them
                        **({"expert_row_scales": False} if args.enable_eplb else {}), **model_overrides(args))

@@ -300,6 +300,34 @@ def test_auto_dense_weights_fit_the_device(tiny_checkpoint):
     assert not hold_dense_bf16("auto", "cpu", args) and not hold_dense_bf16("bf16", "cpu", args)
 
 
+def test_auto_expert_format_where_the_experts_crowd_the_device(tiny_checkpoint, monkeypatch):
+    """expert_format="auto": FP4 stacks on CUDA only where the FP8 stacks would take over
+    EXPERT_FP4_MIN_SHARE of the device (this rank's share of them under EP); never on a CPU, in
+    batch-invariant mode or on the DeepGEMM backend; "fp8" / "fp4" as asked on CUDA."""
+    from deepinfer.kernels import select
+    from deepinfer.model.args import ModelArgs
+    from deepinfer.parallel.planner import model_bytes, release_config_dir
+    from deepinfer.worker.loading import EXPERT_FP4_MIN_SHARE, fp8_expert_bytes, resolved_expert_format
+    args = ModelArgs.from_checkpoint(tiny_checkpoint)
+    need = fp8_expert_bytes(args)
+    per_layer = 3 * args.moe_inter_dim * args.dim * 33 // 32
+    assert need >= args.n_routed_experts * per_layer                  # every layer's experts counted
+    tight, roomy = int(need / EXPERT_FP4_MIN_SHARE) - 1, int(need / EXPERT_FP4_MIN_SHARE) + 1
+    assert resolved_expert_format("auto", "cuda", False, args, total_memory=tight) == "fp4"
+    assert resolved_expert_format("auto", "cuda", False, args, total_memory=roomy) == "fp8"
+    assert resolved_expert_format("auto", "cuda", False, args, expert_share=0.5, total_memory=tight) == "fp8"
+    assert resolved_expert_format("auto", "cuda", True, args, total_memory=tight) == "fp8"
+    assert resolved_expert_format("auto", "cpu", False, args, total_memory=tight) == "fp8"
+    assert resolved_expert_format("fp4", "cpu") == "fp8" and resolved_expert_format("fp4", "cuda") == "fp4"
+    monkeypatch.setattr(select, "GEMM", "deepgemm")
+    assert resolved_expert_format("auto", "cuda", False, args, total_memory=tight) == "fp8"
+    monkeypatch.setattr(select, "GEMM", "triton")
+    # the release at EP8 on an H200: FP4 stacks (its FP8 ones would be ~half of the device)
+    release = ModelArgs.from_checkpoint(release_config_dir())
+    assert resolved_expert_format("auto", "cuda", False, release, expert_share=1 / 8, total_memory=141 * 10**9) == "fp4"
+    assert fp8_expert_bytes(release, 1 / 8) < model_bytes(release).routed_expert_bytes * 48 * 43
+
+
 def test_fused_linears_on_a_bf16_checkpoint(fixture_dir):
     """A checkpoint with dense (bf16) weights: no act rounding anywhere, so the fused shared expert must
     not act_quant its SwiGLU (it did: the H200 fast path's hidden states left the bf16 fixture's rule at
