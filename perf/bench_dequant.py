@@ -4,7 +4,7 @@ w13 [48 x 4608, 5120] and w2 [48 x 5120, 2304], per-row f32 scales (the row-scal
 E8M0 blocks. Prints ms, GB/s (1 byte read + 2 written per element) against the copy bandwidth measured
 in the same run, and that every tile gives the default's bits.
 
-    python perf/bench_dequant.py [--tiles 32x128x4 64x256x8 ...]
+    python perf/bench_dequant.py [--tiles 32x128x4 64x256x8 ...] [--fp4-tiles 32x512x4 ...]
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ STACKS = {"w13": (48 * 4608, 5120), "w2": (48 * 5120, 2304)}
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tiles", nargs="+", default=TILES)
+    p.add_argument("--fp4-tiles", nargs="+", default=["32x512x4", "32x256x4", "64x256x4", "64x512x8", "128x256x8",
+                                                      "16x512x4"])
     a = p.parse_args()
     from deepinfer.kernels import triton_dequant as td
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -59,6 +61,25 @@ def main() -> None:
             best = min((r for r in rows if r["stack"] == name and r["layout"] == layout and r["same"]),
                        key=lambda r: r["ms"])
             print(f"best {name} {layout}: {best['tile']} {best['ms']:.3f} ms")
+    # the FP4 stacks' dequant (expert_format="fp4"): 0.5 + 1/32 bytes read and 2 written per element
+    from deepinfer.kernels.fp4_layout import fp4_kernel_weight
+    for name, (n, k) in STACKS.items():
+        pk, sk = fp4_kernel_weight(torch.randint(0, 256, (n, k // 2), device="cuda", generator=g, dtype=torch.uint8),
+                                   torch.randint(118, 124, (n, k // 32), device="cuda", generator=g, dtype=torch.uint8))
+        want = td.dequant_fp4_bf16(pk, sk, tile=(32, 128, 4))
+        out = torch.empty_like(want)
+        for t in a.fp4_tiles:
+            tile = tuple(int(v) for v in t.split("x"))
+            try:
+                ms = time_eager(lambda: td.dequant_fp4_bf16(pk, sk, out=out, tile=tile), iters=10) * 1e3
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:4} fp4   {t:>10}  FAILED {type(e).__name__}: {str(e)[:80]}")
+                continue
+            same = torch.equal(out, want)
+            bw = (2.5 + 1 / 32) * n * k / (ms / 1e3)
+            rows.append(dict(stack=name, layout="fp4", tile=t, ms=ms, gb_s=bw / 1e9, of_copy=bw / copy_bw, same=same))
+            print(f"{name:4} fp4   {t:>10} {ms:8.3f} ms {bw / 1e9:7.0f} GB/s {bw / copy_bw:5.2f} of copy"
+                  f"{'' if same else '  DIFFERENT BITS'}", flush=True)
     save_json("dequant_tiles.json", dict(copy_bw=copy_bw, rows=rows))
 
 
