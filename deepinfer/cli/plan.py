@@ -56,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per rank")
     p.add_argument("--block-tokens", type=int, default=64)
     p.add_argument("--cache-dtype", default="bfloat16")
-    p.add_argument("--expert-format", choices=("fp8", "fp4"), default="fp8",
-                   help="the routed experts on the GPU: FP8 stacks (2x the release) or the release's MXFP4")
+    p.add_argument("--expert-format", choices=("auto", "fp8", "fp4"), default="auto",
+                   help="the routed experts on the GPU: FP8 stacks (2x the release) or the release's MXFP4; auto: "
+                        "as the engine resolves EngineArgs.expert_format for these GPUs")
     p.add_argument("--reserve", default=f"{DEFAULT_RESERVE_BYTES >> 30}GiB",
                    help="per-GPU activation / workspace reserve (default %(default)s)")
     return p
@@ -65,13 +66,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from deepinfer.parallel.planner import plan_memory, release_config_dir
+    from deepinfer.worker.loading import resolved_expert_format
     a = _parser().parse_args(argv)
     try:
-        plan = plan_memory(read_model_args(a.config or release_config_dir()), num_gpus=a.gpus,
+        model_args = read_model_args(a.config or release_config_dir())
+        experts = resolved_expert_format(a.expert_format, "cuda", False, model_args,
+                                         (model_args.n_routed_experts + a.redundant_experts) / max(a.gpus, 1)
+                                         / max(model_args.n_routed_experts, 1), parse_size(a.gpu_memory))
+        print(f"routed experts held as {experts.upper()} (--expert-format {a.expert_format})")
+        plan = plan_memory(model_args, num_gpus=a.gpus,
                            gpu_memory_bytes=parse_size(a.gpu_memory), num_redundant_experts=a.redundant_experts,
                            engram_placement=a.engram, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                            block_tokens=a.block_tokens, cache_dtype=a.cache_dtype,
-                           reserve_bytes=parse_size(a.reserve), expert_format=a.expert_format)
+                           reserve_bytes=parse_size(a.reserve), expert_format=experts)
     except ValueError as e:                  # ConfigError and bad numbers alike
         print(f"deepinfer-plan: error: {e}", file=sys.stderr)
         return 2

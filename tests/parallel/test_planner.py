@@ -164,9 +164,12 @@ def test_cli_fits_exits_0():
 
 
 def test_cli_does_not_fit_exits_1():
-    r = run_cli("--gpus", "4", "--gpu-memory", "141GB", "--engram", "sharded")
+    r = run_cli("--gpus", "4", "--gpu-memory", "141GB", "--engram", "sharded", "--expert-format", "fp8")
     assert r.returncode == 1, r.stderr
     assert "DOES NOT FIT" in r.stdout and "needs 8 GPUs" in r.stdout
+    # the engine's default (expert_format="auto") holds the release's experts as FP4 there: 6 GPUs would do
+    r = run_cli("--gpus", "4", "--gpu-memory", "141GB", "--engram", "sharded")
+    assert r.returncode == 1 and "held as FP4" in r.stdout and "needs 6 GPUs" in r.stdout, r.stdout
 
 
 def test_cli_bad_input_exits_2(tmp_path):
