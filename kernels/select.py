@@ -637,11 +637,17 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
             return fp8_grouped_contiguous_cuda(*act_quant_fp8(x), w, w_scale, rows)
         from .triton_moe_contiguous import w8a16_grouped_contiguous
         return w8a16_grouped_contiguous(x, w, w_scale, counts)
-    out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16, device=x.device)
+    return _contiguous_ref(x, counts, w.shape[1], lambda e: dequant_fp8(w[e], w_scale[e]))
+
+
+def _contiguous_ref(x: torch.Tensor, counts: torch.Tensor, n: int, weight_of) -> torch.Tensor:
+    """The grouped contiguous GEMM expert by expert on the reference (weight_of(e): expert e's exact weights;
+    reads counts on the host)."""
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
     start = 0
     for e, c in enumerate(counts.tolist()):
         if c:
-            out[start:start + c] = _ref_fp8_linear(x[start:start + c], dequant_fp8(w[e], w_scale[e]))
+            out[start:start + c] = _ref_fp8_linear(x[start:start + c], weight_of(e))
         start += c
     return out
 
@@ -658,13 +664,7 @@ def _fp4_grouped_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Ten
         buf = _bf16_scratch(x, e * n * k)
         wd = dequant_fp4_bf16(w.view(e * n, k // 2), w_scale.view(e * n, k // 32), out=buf.view(e * n, k))
         return bf16_grouped_contiguous(x, wd.view(e, n, k), counts)
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
-    start = 0
-    for g, c in enumerate(counts.tolist()):
-        if c:
-            out[start:start + c] = _ref_fp8_linear(x[start:start + c], _fp4_dense(w[g], w_scale[g]))
-        start += c
-    return out
+    return _contiguous_ref(x, counts, n, lambda g: _fp4_dense(w[g], w_scale[g]))
 
 
 def _fp4_dense(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

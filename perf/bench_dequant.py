@@ -24,6 +24,27 @@ TILES = ["32x128x4", "32x256x4", "64x128x4", "64x256x8", "128x128x8", "16x512x4"
 STACKS = {"w13": (48 * 4608, 5120), "w2": (48 * 5120, 2304)}
 
 
+def sweep(run, tiles: list[str], name: str, layout: str, nbytes: float, copy_bw: float) -> list[dict]:
+    """run(out, tile) timed at every tile (a tile past the resources is reported and skipped), each checked
+    for the first tile's bits (32x128x4: the reference tiling)."""
+    want = run(None, (32, 128, 4))
+    out = torch.empty_like(want)
+    rows = []
+    for t in tiles:
+        tile = tuple(int(v) for v in t.split("x"))
+        try:
+            ms = time_eager(lambda: run(out, tile), iters=10) * 1e3
+        except Exception as e:  # noqa: BLE001  (a tile past the resources: report it, go on)
+            print(f"{name:4} {layout:5} {t:>10}  FAILED {type(e).__name__}: {str(e)[:80]}")
+            continue
+        same = torch.equal(out, want)
+        bw = nbytes / (ms / 1e3)
+        rows.append(dict(stack=name, layout=layout, tile=t, ms=ms, gb_s=bw / 1e9, of_copy=bw / copy_bw, same=same))
+        print(f"{name:4} {layout:5} {t:>10} {ms:8.3f} ms {bw / 1e9:7.0f} GB/s {bw / copy_bw:5.2f} of copy"
+              f"{'' if same else '  DIFFERENT BITS'}", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tiles", nargs="+", default=TILES)
@@ -43,21 +64,8 @@ def main() -> None:
         for layout, s in (("row", torch.exp2(torch.randint(-12, -4, (n, 1), device="cuda", generator=g).float())),
                           ("block", torch.randint(118, 124, (n // 32, k // 32), device="cuda", generator=g,
                                                   dtype=torch.uint8))):
-            want = td.dequant_fp8_bf16(w, s, tile=(32, 128, 4))
-            out = torch.empty_like(want)
-            for t in a.tiles:
-                tile = tuple(int(v) for v in t.split("x"))
-                try:
-                    ms = time_eager(lambda: td.dequant_fp8_bf16(w, s, out=out, tile=tile), iters=10) * 1e3
-                except Exception as e:  # noqa: BLE001  (a tile past the resources: report it, go on)
-                    print(f"{name:4} {layout:5} {t:>10}  FAILED {type(e).__name__}: {str(e)[:80]}")
-                    continue
-                same = torch.equal(out, want)
-                bw = 3 * n * k / (ms / 1e3)
-                rows.append(dict(stack=name, layout=layout, tile=t, ms=ms, gb_s=bw / 1e9, of_copy=bw / copy_bw,
-                                 same=same))
-                print(f"{name:4} {layout:5} {t:>10} {ms:8.3f} ms {bw / 1e9:7.0f} GB/s {bw / copy_bw:5.2f} of copy"
-                      f"{'' if same else '  DIFFERENT BITS'}", flush=True)
+            rows += sweep(lambda out, tile: td.dequant_fp8_bf16(w, s, out=out, tile=tile), a.tiles, name, layout,
+                          3 * n * k, copy_bw)
             best = min((r for r in rows if r["stack"] == name and r["layout"] == layout and r["same"]),
                        key=lambda r: r["ms"])
             print(f"best {name} {layout}: {best['tile']} {best['ms']:.3f} ms")
@@ -66,20 +74,8 @@ def main() -> None:
     for name, (n, k) in STACKS.items():
         pk, sk = fp4_kernel_weight(torch.randint(0, 256, (n, k // 2), device="cuda", generator=g, dtype=torch.uint8),
                                    torch.randint(118, 124, (n, k // 32), device="cuda", generator=g, dtype=torch.uint8))
-        want = td.dequant_fp4_bf16(pk, sk, tile=(32, 128, 4))
-        out = torch.empty_like(want)
-        for t in a.fp4_tiles:
-            tile = tuple(int(v) for v in t.split("x"))
-            try:
-                ms = time_eager(lambda: td.dequant_fp4_bf16(pk, sk, out=out, tile=tile), iters=10) * 1e3
-            except Exception as e:  # noqa: BLE001
-                print(f"{name:4} fp4   {t:>10}  FAILED {type(e).__name__}: {str(e)[:80]}")
-                continue
-            same = torch.equal(out, want)
-            bw = (2.5 + 1 / 32) * n * k / (ms / 1e3)
-            rows.append(dict(stack=name, layout="fp4", tile=t, ms=ms, gb_s=bw / 1e9, of_copy=bw / copy_bw, same=same))
-            print(f"{name:4} fp4   {t:>10} {ms:8.3f} ms {bw / 1e9:7.0f} GB/s {bw / copy_bw:5.2f} of copy"
-                  f"{'' if same else '  DIFFERENT BITS'}", flush=True)
+        rows += sweep(lambda out, tile: td.dequant_fp4_bf16(pk, sk, out=out, tile=tile), a.fp4_tiles, name, "fp4",
+                      (2.5 + 1 / 32) * n * k, copy_bw)
     save_json("dequant_tiles.json", dict(copy_bw=copy_bw, rows=rows))
 
 
