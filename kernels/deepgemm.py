@@ -312,7 +312,8 @@ def prepare_deepgemm(model, force: bool = False) -> dict:
 
 
 def _is_stacks(st) -> bool:
-    return st is not None and all(hasattr(st, a) for a in ("w13", "s13", "w2", "s2"))
+    """FP8 expert stacks (FP4 ones, moe.ExpertStacks.fp4, stay on the W4A16 kernels)."""
+    return st is not None and all(hasattr(st, a) for a in ("w13", "s13", "w2", "s2")) and not getattr(st, "fp4", False)
 
 
 def _convert_stacks(moe, rep: dict) -> None:

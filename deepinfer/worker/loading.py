@@ -82,9 +82,14 @@ def resolved_expert_format(expert_format: str, device: str, batch_invariant: boo
     decode and whole-prompt prefill speed), unless batch-invariant mode (whose W8A16 tiles are fixed; the
     W4A16 ones follow the step) or the DeepGEMM backend (128-tile FP8 stacks) needs FP8 stacks."""
     cuda = device.startswith("cuda")
+    from deepinfer.kernels import select
+    if expert_format == "fp4" and cuda and (batch_invariant or select.GEMM == "deepgemm"):
+        logger.warning("expert_format='fp4' asked with %s: routed experts in FP8 stacks instead (the W4A16 tiles "
+                       "follow the step's size; DeepGEMM reads 128-tile FP8 stacks)",
+                       "batch_invariant" if batch_invariant else "DEEPINFER_GEMM=deepgemm")
+        return "fp8"
     if expert_format != "auto":
         return expert_format if cuda else "fp8"
-    from deepinfer.kernels import select
     if not cuda or batch_invariant or select.GEMM == "deepgemm" or model_args is None \
             or model_args.expert_dtype != "fp4":
         return "fp8"

@@ -319,8 +319,10 @@ def test_auto_expert_format_where_the_experts_crowd_the_device(tiny_checkpoint, 
     assert resolved_expert_format("auto", "cuda", True, args, total_memory=tight) == "fp8"
     assert resolved_expert_format("auto", "cpu", False, args, total_memory=tight) == "fp8"
     assert resolved_expert_format("fp4", "cpu") == "fp8" and resolved_expert_format("fp4", "cuda") == "fp4"
+    assert resolved_expert_format("fp4", "cuda", True) == "fp8"           # batch invariance needs fixed tiles
     monkeypatch.setattr(select, "GEMM", "deepgemm")
     assert resolved_expert_format("auto", "cuda", False, args, total_memory=tight) == "fp8"
+    assert resolved_expert_format("fp4", "cuda") == "fp8"
     monkeypatch.setattr(select, "GEMM", "triton")
     # the release at EP8 on an H200: FP4 stacks (its FP8 ones would be ~half of the device)
     release = ModelArgs.from_checkpoint(release_config_dir())
