@@ -87,9 +87,7 @@ def dequant_fp4_kernel(w_ptr, s_ptr, out_ptr, N, K, EVEN: tl.constexpr, BN: tl.c
         w = tl.load(w_ptr + row * (K // 4) + kq[None, :], mask=(rn[:, None] < N) & (kq[None, :] < K // 4), other=0)
         sc = tl.load(s_ptr + row * (K // 32) + kb[None, :], mask=(rn[:, None] < N) & (kb[None, :] < K // 32),
                      other=1)
-    s3 = tl.reshape(tl.broadcast_to((sc.to(tl.int32) & 0xFF)[:, :, None, None], (BN, BK // 32, 2, 4)),
-                    (BN, BK // 16, 4))
-    v = _fp4_tile(w, s3, BN, BK, UPCAST).to(tl.bfloat16)
+    v = _fp4_tile(w, sc.to(tl.int32) & 0xFF, BN, BK, UPCAST).to(tl.bfloat16)
     off = row * K + rk[None, :]
     if EVEN:
         tl.store(out_ptr + off, v)

@@ -500,12 +500,12 @@ def _fp4_quad_ref(w, s):
 
 
 @triton.jit
-def _fp4_tile(w, s3, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
-    """[BN, BK/4] int16 (fp4_kernel_layout) + [BN, BK/16, 4] E8M0 bytes (int32, each int16's block) -> the
-    [BN, BK] weight tile in
+def _fp4_tile(w, sc, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    """[BN, BK/4] int16 (fp4_kernel_layout) + [BN, BK/32] E8M0 bytes (int32) -> the [BN, BK] weight tile in
     natural K order: the four outputs of slice s, lane c go to k = 16s + 8h + 2c + j (h: low / high pair,
     j: k parity)."""
-    s3 = _fp4_scale(s3, UPCAST)
+    s3 = _fp4_scale(tl.reshape(tl.broadcast_to(sc[:, :, None, None], (BN, BK // 32, 2, 4)), (BN, BK // 16, 4)),
+                    UPCAST)                                 # each int16's block scale
     w3 = tl.reshape(w, (BN, BK // 16, 4))
     if UPCAST:
         o0, o1, o2, o3 = _fp4_quad_ref(w3, s3)
@@ -559,8 +559,7 @@ def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
             sc = sc_next.to(tl.int32) & 0xFF
             # (the last step reloads its own bytes rather than read past the split's K range)
             sc_next = tl.load(sc_ptrs + tl.minimum(kb + 1, kb1 - 1) * (BK // 32), mask=n_ok[:, None], other=0)
-            s3 = tl.reshape(tl.broadcast_to(sc[:, :, None, None], (BN, BK // 32, 2, 4)), (BN, BK // 16, 4))
-            wd = _fp4_tile(w, s3, BN, BK, UPCAST)
+            wd = _fp4_tile(w, sc, BN, BK, UPCAST)
         elif ROW_SCALE:
             if UPCAST:                   # CPU interpreter: the same bit arithmetic in fp32
                 lo, hi = _dequant_pair_ref(w, 1.0)

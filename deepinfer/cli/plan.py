@@ -66,13 +66,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from deepinfer.parallel.planner import plan_memory, release_config_dir
-    from deepinfer.worker.loading import resolved_expert_format
+    from deepinfer.worker.loading import planned_expert_share, resolved_expert_format
     a = _parser().parse_args(argv)
     try:
         model_args = read_model_args(a.config or release_config_dir())
         experts = resolved_expert_format(a.expert_format, "cuda", False, model_args,
-                                         (model_args.n_routed_experts + a.redundant_experts) / max(a.gpus, 1)
-                                         / max(model_args.n_routed_experts, 1), parse_size(a.gpu_memory))
+                                         planned_expert_share(model_args, a.gpus, a.redundant_experts),
+                                         parse_size(a.gpu_memory))
         print(f"routed experts held as {experts.upper()} (--expert-format {a.expert_format})")
         plan = plan_memory(model_args, num_gpus=a.gpus,
                            gpu_memory_bytes=parse_size(a.gpu_memory), num_redundant_experts=a.redundant_experts,

@@ -126,7 +126,7 @@ def main(argv=None) -> int:
             results = _score_parallel(a, prompts, forced, draft_steps, alias)
         else:
             model = load_model(a.checkpoint, a.device, progress=sys.stderr.isatty(), emulate_index_k_alias=alias,
-                               **({"expert_format": a.expert_format} if a.expert_format != "fp8" else {}))
+                               expert_format=a.expert_format)
             results = [score_prompt(model, ids, a.decode_steps, f, a.dump_hidden, not a.no_dspark, draft_steps,
                                     torch.device(a.device)) for ids, f in zip(prompts, forced)]
     except (CheckpointError, ConfigError, ValueError) as e:

@@ -85,7 +85,8 @@ class ExpertStacks:
 
     @classmethod
     def empty(cls, n_experts: int, dim: int, inter: int, device, fp4: bool = False) -> "ExpertStacks":
-        wt, u8, per = (torch.uint8, torch.uint8, 2) if fp4 else (torch.float8_e4m3fn, torch.uint8, 1)
+        wt, per = (torch.uint8, 2) if fp4 else (torch.float8_e4m3fn, 1)          # FP4: two weights a byte
+        u8 = torch.uint8
         return cls(torch.empty(n_experts, 2 * inter, dim // per, dtype=wt, device=device),
                    torch.empty(n_experts, 2 * inter, dim // 32, dtype=u8, device=device),
                    torch.empty(n_experts, dim, inter // per, dtype=wt, device=device),

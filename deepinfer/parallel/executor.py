@@ -293,7 +293,7 @@ def _check_memory(args, model_args) -> None:
     """deepinfer-plan's verdict for these sizes on this machine's GPUs; refuse to start if it does not fit."""
     import torch
 
-    from deepinfer.worker.loading import resolved_expert_format
+    from deepinfer.worker.loading import planned_expert_share, resolved_expert_format
 
     from .planner import check_fits, plan_memory
     plan = plan_memory(model_args, num_gpus=args.data_parallel_size,
@@ -304,8 +304,7 @@ def _check_memory(args, model_args) -> None:
                        block_tokens=args.block_tokens,
                        expert_format=resolved_expert_format(
                            args.expert_format, "cuda", args.batch_invariant, model_args,
-                           (model_args.n_routed_experts + args.num_redundant_experts) / args.data_parallel_size
-                           / max(model_args.n_routed_experts, 1)))
+                           planned_expert_share(model_args, args.data_parallel_size, args.num_redundant_experts)))
     check_fits(plan)
 
 

@@ -74,6 +74,12 @@ def expert_share(model_args, parallel) -> float:
     return parallel.placement.num_local / max(model_args.n_routed_experts, 1)
 
 
+def planned_expert_share(model_args, num_gpus: int, num_redundant_experts: int = 0) -> float:
+    """expert_share of a plan's rank before any rank exists: the expert slots split evenly over num_gpus."""
+    return (model_args.n_routed_experts + num_redundant_experts) / max(num_gpus, 1) \
+        / max(model_args.n_routed_experts, 1)
+
+
 def resolved_expert_format(expert_format: str, device: str, batch_invariant: bool = False, model_args=None,
                            expert_share: float = 1.0, total_memory: int | None = None) -> str:
     """EngineArgs.expert_format on this device: "fp8" / "fp4" as asked (FP4 stacks on CUDA only; a CPU
@@ -81,17 +87,18 @@ def resolved_expert_format(expert_format: str, device: str, batch_invariant: boo
     EXPERT_FP4_MIN_SHARE of the device's memory (half of it then goes to the KV cache instead; the same
     decode and whole-prompt prefill speed), unless batch-invariant mode (whose W8A16 tiles are fixed; the
     W4A16 ones follow the step) or the DeepGEMM backend (128-tile FP8 stacks) needs FP8 stacks."""
-    cuda = device.startswith("cuda")
     from deepinfer.kernels import select
-    if expert_format == "fp4" and cuda and (batch_invariant or select.GEMM == "deepgemm"):
-        logger.warning("expert_format='fp4' asked with %s: routed experts in FP8 stacks instead (the W4A16 tiles "
-                       "follow the step's size; DeepGEMM reads 128-tile FP8 stacks)",
-                       "batch_invariant" if batch_invariant else "DEEPINFER_GEMM=deepgemm")
+    if not device.startswith("cuda") or expert_format == "fp8":
         return "fp8"
-    if expert_format != "auto":
-        return expert_format if cuda else "fp8"
-    if not cuda or batch_invariant or select.GEMM == "deepgemm" or model_args is None \
-            or model_args.expert_dtype != "fp4":
+    if batch_invariant or select.GEMM == "deepgemm":      # FP8 stacks only
+        if expert_format == "fp4":
+            logger.warning("expert_format='fp4' asked with %s: routed experts in FP8 stacks instead (the W4A16 "
+                           "tiles follow the step's size; DeepGEMM reads 128-tile FP8 stacks)",
+                           "batch_invariant" if batch_invariant else "DEEPINFER_GEMM=deepgemm")
+        return "fp8"
+    if expert_format == "fp4":
+        return "fp4"
+    if model_args is None or model_args.expert_dtype != "fp4":
         return "fp8"
     if total_memory is None:
         total_memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
