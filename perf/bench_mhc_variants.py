@@ -3,6 +3,7 @@ against hc_mixes_pre_ref and timed as CUDA-graph replays (benchutil.time_calls: 
 whole wrapper (mixes kernel, chunk-sum kernel, Sinkhorn) per call. Picks PREFILL_VARIANT.
 
     python perf/bench_mhc_variants.py [--tokens 64 512 2048 8192] [--budget 70] [--out FILE]
+        [--dots bf16x3] [--bts 64 128 256] [--wide]
     python perf/bench_mhc_variants.py --smoke       (CPU, Triton's interpreter, tiny shapes: the plumbing)
 
 The grid: bt 16/32/64/128 x bk 128/64 x num_warps 4/8 x (num_stages, chunks_per_program) in (1,1) (1,2)
@@ -35,6 +36,7 @@ HC, MIX = 4, 24
 SMEM = 227 * 1024                      # the H200's shared memory per block
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-20
 STAGES_CHUNKS = ((1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (3, 4))   # stages > 1 need a loop to pipeline
+WIDE_STAGES_CHUNKS = STAGES_CHUNKS + ((1, 8), (2, 8), (3, 8), (4, 8), (3, 10))   # --wide: long column walks
 
 
 def smem_estimate(v: dict) -> int:
@@ -44,10 +46,11 @@ def smem_estimate(v: dict) -> int:
     return max(1, v["num_stages"] - 1) * per
 
 
-def grid() -> list[dict]:
+def grid(dots=("tf32x3", "bf16x3"), bts=(16, 32, 64, 128), wide: bool = False) -> list[dict]:
+    """wide: also column walks of 8-10 chunks (fewer partial mixes to write and sum at large T)."""
     out = []
-    for dot, bt, bk, warps, (stages, cpp) in itertools.product(("tf32x3", "bf16x3"), (16, 32, 64, 128), (128, 64),
-                                                               (4, 8), STAGES_CHUNKS):
+    for dot, bt, bk, warps, (stages, cpp) in itertools.product(dots, bts, (128, 64), (4, 8),
+                                                               WIDE_STAGES_CHUNKS if wide else STAGES_CHUNKS):
         v = {"bt": bt, "bk": bk, "num_warps": warps, "num_stages": stages, "chunks_per_program": cpp, "dot": dot}
         if warps == 8 and bt == 16:
             continue
@@ -197,6 +200,9 @@ def main():
     ap.add_argument("--dim", type=int, default=None)
     ap.add_argument("--budget", type=float, default=70.0, help="seconds for compiling and timing variants")
     ap.add_argument("--max-variants", type=int, default=0)
+    ap.add_argument("--dots", nargs="+", default=["tf32x3", "bf16x3"], choices=["tf32x3", "bf16x3"])
+    ap.add_argument("--bts", type=int, nargs="+", default=[16, 32, 64, 128], help="token tiles (256: 8 warps)")
+    ap.add_argument("--wide", action="store_true", help="also walks of 8-10 column chunks a program")
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1), help="compile processes (0: none)")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes, 3 variants")
     ap.add_argument("--out", default=None)
@@ -214,7 +220,7 @@ def main():
     dev = "cpu" if smoke else "cuda"
     d = args.dim or (256 if smoke else 5120)
     tokens = args.tokens or ((3, 20) if smoke else (64, 512, 2048, 8192))
-    variants = smoke_grid() if smoke else grid()
+    variants = smoke_grid() if smoke else grid(tuple(args.dots), tuple(args.bts), args.wide)
     variants = variants[:1] + random.Random(0).sample(variants[1:], len(variants) - 1)   # a budget cut: a spread
     variants = variants[:args.max_variants or None]
     print(f"hc_mixes_pre variants: d {d}, hc {HC}, T {list(tokens)}, {len(variants)} variants, PREFILL_VARIANT "

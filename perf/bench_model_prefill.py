@@ -17,11 +17,14 @@ work = every FP8 linear (fused or not), wo_a, the routed experts (T x top-6 pair
 at EP8 each GPU's experts see as many pairs as its own tokens pick) and the shared expert; attention,
 indexers, compressors, norms, mHC and the head are not counted. --profile: the top kernels of one
 1 x 8192 prefill (or --profile-case) on the default path (torch.profiler), and the host's time in it.
+--mhc-variants '{}' '{"bt": 128, ...}': hc_mixes_pre's prefill launch constants compared in the same run
+(each row's gemm column gets /m0, /m1, ...); the profile runs the last one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -252,9 +255,13 @@ def main() -> None:
     p.add_argument("--profile-top", type=int, default=20, help="how many kernels the profile lists")
     p.add_argument("--gemms", nargs="+", default=list(GEMM_MODES),
                    help="GEMM paths to compare (gemm_mode): w8a16, w8a16+moe, fp8, auto[+moe], an FP8 variant name")
+    p.add_argument("--mhc-variants", nargs="+", default=["{}"],
+                   help="hc_mixes_pre launch constants for T >= 1,024 (JSON, merged over triton_mhc.PREFILL_VARIANT) "
+                        "to compare in one run, e.g. '{}' '{\"bt\": 128}' (perf/bench_mhc_variants.py's best)")
     a = p.parse_args()
 
     from deepinfer.cache.model_caches import ModelCaches
+    from deepinfer.kernels import triton_mhc
     from deepinfer.kernels import select
     t0 = time.time()
     model = dummy_model(a.preset, dense_weights=a.dense_weights, expert_format=a.expert_format)
@@ -270,9 +277,17 @@ def main() -> None:
     global _BF16_DEFAULT
     _BF16_DEFAULT = select.BF16_AUTO_MIN_M
     defaults = select.PREFILL_GEMM, select.MOE_CONTIGUOUS
+    mhc_default = dict(triton_mhc.PREFILL_VARIANT)
+    mhc = [json.loads(v) for v in a.mhc_variants]
+    for i, v in enumerate(mhc[1:], 1):
+        print(f"mhc variant m{i}: {v}", flush=True)
+    runs = [(g, i) for g in a.gemms for i in range(len(mhc))]
     for case in a.cases:
-        for gemm in a.gemms:
+        for gemm, mi in runs:
             select.PREFILL_GEMM, select.MOE_CONTIGUOUS = gemm_mode(gemm)
+            triton_mhc.PREFILL_VARIANT.clear()
+            triton_mhc.PREFILL_VARIANT.update({**mhc_default, **mhc[mi]})
+            gemm = gemm if len(mhc) == 1 else f"{gemm}/m{mi}"
             try:
                 with torch.inference_mode():
                     fn, T = run_case(model, caches, case, nb)
@@ -293,6 +308,8 @@ def main() -> None:
                                                            for g, r in mine.items() if g != "w8a16"), flush=True)
     select.PREFILL_GEMM, select.MOE_CONTIGUOUS = defaults
     select.BF16_AUTO_MIN_M = _BF16_DEFAULT
+    triton_mhc.PREFILL_VARIANT.clear()
+    triton_mhc.PREFILL_VARIANT.update({**mhc_default, **mhc[-1]})     # the profile: the last variant given
     top = []
     if a.profile:
         try:
@@ -304,6 +321,8 @@ def main() -> None:
                 host_profile(fn)
         except Exception as e:  # noqa: BLE001
             print(f"profile FAILED: {type(e).__name__}: {str(e)[:400]}")
+    triton_mhc.PREFILL_VARIANT.clear()
+    triton_mhc.PREFILL_VARIANT.update(mhc_default)
     print("declined fast paths:", sorted(select.declined()))
     save_json("model_prefill.json", dict(preset=a.preset, peaks=peaks, rows=rows, profile_top=top))
     os.makedirs(FIGURES, exist_ok=True)
