@@ -24,7 +24,6 @@ indexers, compressors, norms, mHC and the head are not counted. --profile: the t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,7 +33,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import dummy_model, measure_ceilings, out_dir, save_json, time_eager  # noqa: E402
+from benchutil import (dummy_model, measure_ceilings, mhc_variants, out_dir, save_json, time_eager,  # noqa: E402
+                       use_mhc_variant)
 
 FULL_LAYERS = 40
 # the prefill GEMM paths compared: W8A16 everywhere (the default: per-expert loop for large MoE steps),
@@ -277,19 +277,14 @@ def main() -> None:
     global _BF16_DEFAULT
     _BF16_DEFAULT = select.BF16_AUTO_MIN_M
     defaults = select.PREFILL_GEMM, select.MOE_CONTIGUOUS
-    mhc_default = dict(triton_mhc.PREFILL_VARIANT)
-    mhc = [json.loads(v) for v in a.mhc_variants]
-    for i, v in enumerate(mhc[1:], 1):
-        print(f"mhc variant m{i}: {v}", flush=True)
+    mhc = mhc_variants(a.mhc_variants)
     runs = [(g, i) for g in a.gemms for i in range(len(mhc))]
     for case in a.cases:
         for gemm, mi in runs:
             select.PREFILL_GEMM, select.MOE_CONTIGUOUS = gemm_mode(gemm)
-            triton_mhc.PREFILL_VARIANT.clear()
-            triton_mhc.PREFILL_VARIANT.update({**mhc_default, **mhc[mi]})
             gemm = gemm if len(mhc) == 1 else f"{gemm}/m{mi}"
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), use_mhc_variant(triton_mhc.PREFILL_VARIANT, mhc[mi]):
                     fn, T = run_case(model, caches, case, nb)
                     t = time_eager(fn, iters=a.iters)
             except Exception as e:  # noqa: BLE001 (report and go on to the other cases)
@@ -308,12 +303,10 @@ def main() -> None:
                                                            for g, r in mine.items() if g != "w8a16"), flush=True)
     select.PREFILL_GEMM, select.MOE_CONTIGUOUS = defaults
     select.BF16_AUTO_MIN_M = _BF16_DEFAULT
-    triton_mhc.PREFILL_VARIANT.clear()
-    triton_mhc.PREFILL_VARIANT.update({**mhc_default, **mhc[-1]})     # the profile: the last variant given
     top = []
     if a.profile:
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), use_mhc_variant(triton_mhc.PREFILL_VARIANT, mhc[-1]):   # the last one
                 fn, _ = run_case(model, caches, a.profile_case, nb)
                 top = profile(fn, top=a.profile_top, case=a.profile_case)
                 idle_gaps(fn)
@@ -321,8 +314,6 @@ def main() -> None:
                 host_profile(fn)
         except Exception as e:  # noqa: BLE001
             print(f"profile FAILED: {type(e).__name__}: {str(e)[:400]}")
-    triton_mhc.PREFILL_VARIANT.clear()
-    triton_mhc.PREFILL_VARIANT.update(mhc_default)
     print("declined fast paths:", sorted(select.declined()))
     save_json("model_prefill.json", dict(preset=a.preset, peaks=peaks, rows=rows, profile_top=top))
     os.makedirs(FIGURES, exist_ok=True)

@@ -129,3 +129,29 @@ def release_engine_memory() -> float:
         return 0.0
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated() / 2**30
+
+
+def mhc_variants(args_json: list[str]) -> list[dict]:
+    """--mhc-variants' JSON strings -> hc_mixes_pre launch-constant overrides (printed as m1, m2, ...)."""
+    out = [json.loads(v) for v in args_json]
+    for i, v in enumerate(out[1:], 1):
+        print(f"mhc variant m{i}: {v}", flush=True)
+    return out
+
+
+class use_mhc_variant:
+    """with use_mhc_variant(table, overrides): triton_mhc's PREFILL_VARIANT or DECODE_VARIANT (`table`)
+    merged with overrides inside the block, restored after (benchmarks comparing tiles in one run)."""
+
+    def __init__(self, table: dict, overrides: dict):
+        self.table, self.overrides = table, overrides
+
+    def __enter__(self):
+        self.saved = dict(self.table)
+        self.table.update(self.overrides)
+        return self.table
+
+    def __exit__(self, *exc):
+        self.table.clear()
+        self.table.update(self.saved)
+        return False
