@@ -274,12 +274,22 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 PREFILL_VARIANT: dict = {"dot": "bf16x3"}
 DECODE_VARIANT: dict = {"dot": "bf16x3"}
 
+# Tiles by token count (lo <= T <= hi, hi None = no bound), merged before the tables above (so a
+# benchmark's override of a table still wins). H200, 2026-12-04 (perf/bench_mhc_variants.py --dots bf16x3
+# --bts ... --wide, whole wrapper): T 64 / 128 0.0154 / 0.0179 -> 0.0137 / 0.0161 ms at bt 16 / bk 64 (the
+# batch-64 decode step 5.10 -> 5.07 ms, same run); T 8192 0.239 -> 0.228 ms at bt 128 / bk 64 / 8 warps /
+# 2 stages / 8 chunks. T 2048's best there (bt 64, 3 stages, 10 chunks, 1.18x alone) made the 40-layer
+# chunked prefill slower in its run (718.8 vs 656.5 ms), so it is not taken.
+SIZE_VARIANTS: list = [(1, 256, {"bt": 16, "bk": 64}),
+                       (4096, None, {"bt": 128, "bk": 64, "num_warps": 8, "num_stages": 2, "chunks_per_program": 8})]
+
 MIX_DOTS = ("tf32x3", "bf16x3")
 
 
 def mix_variant(T: int, d: int, batch_invariant: bool = False, **kw) -> dict:
-    """The launch constants of one hc_mixes_pre call: the defaults, then PREFILL_VARIANT (T >= 1,024) or
-    DECODE_VARIANT (not in batch-invariant mode, which keeps one tile and dot for every T), then the
+    """The launch constants of one hc_mixes_pre call: the defaults, then SIZE_VARIANTS' tiles for T, then
+    PREFILL_VARIANT (T >= 1,024) or DECODE_VARIANT (not in batch-invariant mode, which keeps one tile and
+    dot for every T), then the
     caller's keywords (None = not given). bk falls back to the default where
     it does not divide d, and chunks_per_program to the largest count that tiles d's chunks, so the
     column split (the summation order) follows d and the constants alone, never T."""
@@ -287,6 +297,9 @@ def mix_variant(T: int, d: int, batch_invariant: bool = False, **kw) -> dict:
     v = {"bt": 64 if T >= 64 and not batch_invariant else 16, "bk": 128 if d % 128 == 0 else 64,
          "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3"}
     if not batch_invariant:
+        for lo, hi, tiles in SIZE_VARIANTS:
+            if lo <= T and (hi is None or T <= hi):
+                v.update(tiles)
         v.update(PREFILL_VARIANT if big else DECODE_VARIANT)
     v.update({k: val for k, val in kw.items() if val is not None})
     unknown = set(v) - {"bt", "bk", "num_warps", "num_stages", "chunks_per_program", "dot"}

@@ -158,14 +158,21 @@ def test_bf16_parts_exact():
 
 def test_mix_variant_defaults_and_prefill_merge(monkeypatch):
     """No keywords: bt 16 (64 from T 64 unless batch invariant; bk 128; one chunk; tf32x3), then
-    PREFILL_VARIANT from T 1,024 or DECODE_VARIANT below it, in the default mode only; keywords win over
-    them; the chunk count falls to one that tiles d, set by d and the keywords alone."""
+    SIZE_VARIANTS' tiles for T, then PREFILL_VARIANT from T 1,024 or DECODE_VARIANT below it, in the
+    default mode only; keywords win over them; the chunk count falls to one that tiles d, set by d and
+    the keywords alone."""
     from deepinfer.kernels import triton_mhc
     invariant = triton_mhc.mix_variant(8192, 5120, batch_invariant=True)
     assert invariant["bt"] == 16 and invariant["dot"] == "tf32x3"
-    assert triton_mhc.mix_variant(8192, 5120) == {**invariant, "bt": 64, **triton_mhc.PREFILL_VARIANT}
-    assert triton_mhc.mix_variant(64, 5120) == {**invariant, "bt": 64, **triton_mhc.DECODE_VARIANT}
+    monkeypatch.setattr(triton_mhc, "SIZE_VARIANTS", [(1, 256, {"bk": 64}), (4096, None, {"num_warps": 8})])
+    assert triton_mhc.mix_variant(8192, 5120) == {**invariant, "bt": 64, "num_warps": 8, **triton_mhc.PREFILL_VARIANT}
+    assert triton_mhc.mix_variant(4096, 5120)["num_warps"] == 8 and triton_mhc.mix_variant(4095, 5120)["num_warps"] == 4
+    assert triton_mhc.mix_variant(64, 5120) == {**invariant, "bt": 64, "bk": 64, **triton_mhc.DECODE_VARIANT}
+    assert triton_mhc.mix_variant(256, 5120)["bk"] == 64 and triton_mhc.mix_variant(257, 5120)["bk"] == 128
     assert triton_mhc.mix_variant(64, 5120, batch_invariant=True) == invariant
+    monkeypatch.setattr(triton_mhc, "DECODE_VARIANT", {"bk": 128})           # the tables win over the tiers
+    assert triton_mhc.mix_variant(64, 5120)["bk"] == 128
+    monkeypatch.setattr(triton_mhc, "SIZE_VARIANTS", [])
     monkeypatch.setattr(triton_mhc, "PREFILL_VARIANT", {})
     monkeypatch.setattr(triton_mhc, "DECODE_VARIANT", {})
     base = {"bk": 128, "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3"}
