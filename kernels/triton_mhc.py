@@ -215,42 +215,6 @@ def hc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr
 
 
 @triton.jit
-def hc_sinkhorn_tile_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, iters, eps, stride,
-                            HC: tl.constexpr, BT: tl.constexpr):
-    """hc_sinkhorn_kernel's contract with comb as one [BT, HC, HC] tile: a token's 16 entries spread over
-    threads (row sums in a thread, column sums across), so each thread divides 4 entries a pass instead of
-    16 (the pass count, 2 x iters, is the kernel's serial chain; at decode sizes it is all latency). The
-    same divisions as the reference; sums in the tile's reduction order."""
-    pid = tl.program_id(0)
-    rt = pid * BT + tl.arange(0, BT)
-    t_ok = rt < T
-    rh = tl.arange(0, 8)
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    m8 = tl.load(mix_ptr + rt[:, None] * stride + rh[None, :], mask=t_ok[:, None], other=0.0)
-    b8 = tl.load(base_ptr + rh)
-    is_pre = rh < HC
-    sg = tl.sigmoid(m8 * tl.where(is_pre, s0, s1)[None, :] + b8[None, :])
-    pp = tl.where(is_pre[None, :], sg + eps, 2.0 * sg)
-    col = tl.where(is_pre, rh, rh - HC)
-    tl.store(pre_ptr + rt[:, None] * HC + col[None, :], pp, mask=t_ok[:, None] & is_pre[None, :])
-    tl.store(post_ptr + rt[:, None] * HC + col[None, :], pp, mask=t_ok[:, None] & (rh >= HC)[None, :])
-    ri = tl.arange(0, HC)
-    e = ri[:, None] * HC + ri[None, :]
-    ok = t_ok[:, None, None]
-    c = tl.load(mix_ptr + rt[:, None, None] * stride + 2 * HC + e[None, :, :], mask=ok, other=0.0) * s2 \
-        + tl.load(base_ptr + 2 * HC + e)[None, :, :]
-    c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
-    c = c / tl.sum(c, axis=2)[:, :, None] + eps                      # row softmax + eps
-    c = c / (tl.sum(c, axis=1)[:, None, :] + eps)                    # a column pass
-    for _ in range(iters - 1):
-        c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
-        c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
-    tl.store(comb_ptr + rt[:, None, None] * (HC * HC) + e[None, :, :], c, mask=ok)
-
-
-@triton.jit
 def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
                    HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """out[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * res[t, i] (fp32, bf16 out). HC == 4: the
@@ -277,27 +241,17 @@ def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
         tl.store(out_ptr + (rt64[:, None] * HC + j) * d + rd[None, :], (pj[:, None] * y + acc).to(tl.bfloat16), mask=m)
 
 
-# "tile" (hc_sinkhorn_tile_kernel) or "flat" (hc_sinkhorn_kernel: 16 entries a thread)
-SINKHORN_FORM = "tile"
-SINKHORN_FORMS = ("tile", "flat")
-
-
-def _sinkhorn_launch(mix, stride, scale, base, T, hc, iters, eps, form: str | None = None):
+def _sinkhorn_launch(mix, stride, scale, base, T, hc, iters, eps):
     dev = mix.device
-    form = form or SINKHORN_FORM
     pre = torch.empty(T, hc, dtype=torch.float32, device=dev)
     post = torch.empty_like(pre)
     comb = torch.empty(T, hc, hc, dtype=torch.float32, device=dev)
     if T:
-        assert hc == 4 and form in SINKHORN_FORMS, "the Sinkhorn kernels are written for hc_mult 4"
-        args = (mix, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, T, iters, float(eps),
-                stride)
-        if form == "tile":
-            bt = 32
-            hc_sinkhorn_tile_kernel[(triton.cdiv(T, bt),)](*args, HC=hc, BT=bt, num_warps=4)
-        else:
-            bt = 128
-            hc_sinkhorn_kernel[(triton.cdiv(T, bt),)](*args, HC=hc, BT=bt, num_warps=4)
+        assert hc == 4, "the Sinkhorn kernel is written for hc_mult 4"
+        bt = 128
+        hc_sinkhorn_kernel[(triton.cdiv(T, bt),)](mix, scale.float().contiguous(), base.float().contiguous(),
+                                                  pre, post, comb, T, iters, float(eps), stride, HC=hc, BT=bt,
+                                                  num_warps=4)
     return pre, post, comb
 
 
@@ -341,15 +295,15 @@ def mix_variant(T: int, d: int, batch_invariant: bool = False, **kw) -> dict:
     column split (the summation order) follows d and the constants alone, never T."""
     big = T >= 1024 and not batch_invariant
     v = {"bt": 64 if T >= 64 and not batch_invariant else 16, "bk": 128 if d % 128 == 0 else 64,
-         "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3", "sinkhorn": SINKHORN_FORM}
+         "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3"}
     if not batch_invariant:
         for lo, hi, tiles in SIZE_VARIANTS:
             if lo <= T and (hi is None or T <= hi):
                 v.update(tiles)
         v.update(PREFILL_VARIANT if big else DECODE_VARIANT)
     v.update({k: val for k, val in kw.items() if val is not None})
-    unknown = set(v) - {"bt", "bk", "num_warps", "num_stages", "chunks_per_program", "dot", "sinkhorn"}
-    assert not unknown and v["dot"] in MIX_DOTS and v["sinkhorn"] in SINKHORN_FORMS, (unknown, v)
+    unknown = set(v) - {"bt", "bk", "num_warps", "num_stages", "chunks_per_program", "dot"}
+    assert not unknown and v["dot"] in MIX_DOTS, (unknown, v["dot"])
     if d % v["bk"]:
         v["bk"] = 128 if d % 128 == 0 else 64
     assert d % v["bk"] == 0, "d must be a multiple of 64"
@@ -433,7 +387,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
     hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=triton.next_power_of_2(nc),
                                MIXP=MIX_PAD, num_warps=4)
-    pre, post, comb = _sinkhorn_launch(mixes, MIX_PAD, scale, base, T, hc, iters, hc_eps, v["sinkhorn"])
+    pre, post, comb = _sinkhorn_launch(mixes, MIX_PAD, scale, base, T, hc, iters, hc_eps)
     return (pre, post, comb, y) + ((avg,) if mean else ())
 
 
