@@ -63,11 +63,12 @@ def test_hc_mixes_pre_mean_tap(T):
 @pytest.mark.gpu
 def test_sinkhorn_and_post():
     from deepinfer.kernels.triton_mhc import hc_post, hc_post_ref, hc_split_sinkhorn
-    mixes = torch.randn(100, 24, device="cuda")
     scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda")
-    for a, b in zip(hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6),
-                    hc_split_sinkhorn_ref(mixes, scale, base, 4, 20, 1e-6)):
-        assert (a - b).abs().max().item() < 1e-5
+    for T in (1, 31, 100, 257):                     # off the kernel's 128-token tile; against fp64
+        mixes = torch.randn(T, 24, device="cuda") * 3
+        exact = hc_split_sinkhorn_ref(mixes.double(), scale.double(), base.double(), 4, 20, 1e-6)
+        for a, b in zip(hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6), exact):
+            assert (a.double() - b).abs().max().item() < 1e-5, T
     T, d = 64, 5120
     y = torch.randn(T, d, device="cuda").bfloat16()
     res = torch.randn(T, 4, d, device="cuda").bfloat16()
