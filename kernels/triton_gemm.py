@@ -522,7 +522,7 @@ def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
                        SWAP: tl.constexpr, GROUPED: tl.constexpr, OUT_F32: tl.constexpr,
                        NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr = False, SB_E8M0: tl.constexpr = False,
                        ROW_SCALE: tl.constexpr = False, TOKEN_MAJOR: tl.constexpr = False,
-                       FP4: tl.constexpr = False):
+                       FP4: tl.constexpr = False, BF16W: tl.constexpr = False):
     """x [G, M, K] bf16 (FP8-rounded activations), b [G, N, K] e4m3 read as [BN, BK/2] int16 pairs, each
     pair dequantized in the register the wgmma A fragment reads it from (no shared-memory shuffle):
         ROW_SCALE (the rows kernel): s [G, N] f32 pow2 row scales; nothing in the K loop depends on a
@@ -532,6 +532,8 @@ def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
             pairs of its block (each thread's k16 slice sits in one scale block).
         FP4 (W4A16): b [G, N, K/2] MXFP4 bytes in fp4_kernel_layout read as [BN, BK/4] int16 quads with E8M0
             scales per (row, 32) [G, N, K/32], decoded by _fp4_tile into the natural K order.
+        BF16W: b [G, N, K] bf16 (dense weights held in bf16), read as they are: the skinny decode GEMM
+            (bf16_skinny_linear) on the same swapped tiles, split-K and pipeline.
     The same exact bf16 products with fp32 accumulation either way. Grid as fp8_gemm_kernel."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -546,15 +548,17 @@ def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
         # [BN, BK/32] scale tile (E8M0 bytes or f32), read in the layout the 3-D view below gives its rows
         sc_ptrs = s_ptr + srow[:, None] * (nkb * (BK // 32)) + tl.arange(0, BK // 32)[None, :]
     x_ptrs = _x_rows(x_ptr, g64, rm, M, K, SPLIT_K, TOKEN_MAJOR) + rk[None, :]
-    WPR: tl.constexpr = 4 if FP4 else 2      # weights per int16: e4m3 pairs, or fp4_kernel_layout quads
-    w_ptrs = (b_ptr.to(tl.pointer_type(tl.int16)) + g64 * N * (K // WPR)
+    WPR: tl.constexpr = 1 if BF16W else (4 if FP4 else 2)   # weights per load element: bf16, e4m3 pairs, fp4 quads
+    w_ptrs = ((b_ptr if BF16W else b_ptr.to(tl.pointer_type(tl.int16))) + g64 * N * (K // WPR)
               + rn[:, None].to(tl.int64) * (K // WPR) + tl.arange(0, BK // WPR)[None, :])
     if FP4:
         sc_next = tl.load(sc_ptrs + tl.minimum(kb0, kb1 - 1) * (BK // 32), mask=n_ok[:, None], other=0)
     for kb in tl.range(kb0, kb1, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs + kb * BK, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs + kb * (BK // WPR), mask=n_ok[:, None], other=0)
-        if FP4:
+        if BF16W:
+            wd = w.to(tl.float32) if UPCAST else w
+        elif FP4:
             # the scale bytes are too small a copy for the pipeliner: loaded one K step ahead by hand
             sc = sc_next.to(tl.int32) & 0xFF
             # (the last step reloads its own bytes rather than read past the split's K range)
@@ -579,7 +583,7 @@ def w8a16_pairs_kernel(x_ptr, b_ptr, s_ptr, c_ptr, mm_ptr,
                 lo, hi = _dequant_pair_bf16(w3, s3)
         if UPCAST:
             x = x.to(tl.float32)
-        if not FP4:
+        if not (FP4 or BF16W):
             wd = tl.reshape(tl.join(lo, hi), (BN, BK))
         if SWAP:
             acc = tl.dot(wd, tl.trans(x), acc)
@@ -649,7 +653,7 @@ def w8a16_variant(cfg: dict, b: torch.Tensor, sb: torch.Tensor, k: int) -> str:
 
 
 def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, partials=False, token_major=False,
-                  fp4=False):
+                  fp4=False, bf16w=False):
     """partials=True: return the fp32 split-K workspace [SPLIT_K, G, M, N] instead of reducing it (tests:
     its sum is exact on integer-valued data, on the GPU and in the interpreter alike). token_major: x is
     [M, G, K] and the result [M, G, N] (dense groups only)."""
@@ -660,7 +664,10 @@ def _launch_w8a16(x, b, sb, masked_m, m, n, k, groups, sb_rows, cfg, out=None, p
     kw = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], SB_ROWS=sb_rows, SWAP=cfg["SWAP"],
               GROUPED=masked_m is not None, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"],
               UPCAST=INTERPRET, SB_E8M0=sb.dtype != torch.float32, TOKEN_MAJOR=token_major)
-    if fp4:                                            # packed MXFP4 bytes, E8M0 per (row, 32)
+    if bf16w:                                          # bf16 weights, no scales (sb unused)
+        kernel = w8a16_pairs_kernel
+        kw.update(BF16W=True, SB_E8M0=False)
+    elif fp4:                                          # packed MXFP4 bytes, E8M0 per (row, 32)
         kernel = w8a16_pairs_kernel
         kw.update(FP4=True, SB_E8M0=True)
     elif _is_row_scale(sb, k):                         # one scale per row: select.row_scaled_fp8_weight
@@ -742,6 +749,21 @@ def w8a16_grouped_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch
     cfg.update(cfg_override or {})
     return _launch_w8a16(x.contiguous(), b, _as_scale(sb).contiguous(), None, m, n, k, groups, n // sb.shape[1], cfg,
                          token_major=token_major)
+
+
+def bf16_skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg_override: dict | None = None) -> torch.Tensor:
+    """x [M, K] bf16, w [N, K] bf16 -> [M, N] bf16: x @ w^T with fp32 accumulation (bf16 products are exact
+    in fp32, so any summation order computes the reference's fp32 GEMM up to its order), for decode-sized M
+    on the W8A16 kernels' swapped tiles (the weight rows fill the MMA's long side) with split-K filling
+    the SMs. K must be a multiple of 32 (the K tile is not masked)."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert k % 32 == 0 and w.shape[1] == k and x.dtype == w.dtype == torch.bfloat16, (tuple(x.shape), tuple(w.shape))
+    if m == 0:
+        return torch.empty(0, n, dtype=torch.bfloat16, device=x.device)
+    cfg = w8a16_config(m, n, k, 1, x.device, row_scaled=True)
+    cfg.update(cfg_override or {})
+    return _launch_w8a16(x.contiguous(), w.contiguous(), x, None, m, n, k, 1, 1, cfg, bf16w=True)[0]
 
 
 def _fp4_args(packed_k: torch.Tensor, scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

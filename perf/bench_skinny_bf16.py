@@ -1,0 +1,113 @@
+"""Decode-sized dense linears on bf16-held weights: cuBLAS (torch.nn.functional.linear, today's path) against
+the Triton skinny kernel (triton_gemm.bf16_skinny_linear: the W8A16 kernels' swapped tiles and split-K on
+bf16 weights) and its tile variants, side by side in one run, timed as CUDA-graph replays on rotating
+weight copies (each set at least 4x the L2). Prints per (linear, M) microseconds, GB/s of the weight bytes
+and the share of the copy bandwidth measured in the same run, Triton / cuBLAS speed, the best variant, and
+writes skinny_bf16.json ($OUT or perf/results/) with a plot (skinny_bf16.png).
+
+    python perf/bench_skinny_bf16.py [--m 16 64 128] [--variants]
+
+Checks every variant against the float64 product before timing (bf16 products are exact in fp32: the
+difference is the fp32 summation order and the output rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from benchutil import copies_for, measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
+
+# (name, N, K): the full-width decode step's dense linears (perf/bench_model_decode.py's profile)
+SHAPES = (("wqkv_a", 1792, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("shared_w13", 4608, 5120),
+          ("shared_w2", 5120, 2304), ("indexer_wq_b", 4096, 1280), ("engram_wkv", 25600, 6144),
+          ("head", 129280, 5120))
+
+
+def variants() -> list[dict]:
+    out = [{}]
+    for bn, bk, st in itertools.product((64, 128), (64, 128, 256), (3, 4)):
+        if bn * bk * 2 * st <= 160 * 1024:
+            out.append({"BN": bn, "BK": bk, "NUM_STAGES": st})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", type=int, nargs="+", default=[16, 64, 128])
+    p.add_argument("--variants", action="store_true", help="also every tile variant (else the default only)")
+    p.add_argument("--shapes", nargs="+", default=None, help="names from SHAPES")
+    a = p.parse_args()
+    from deepinfer.kernels.triton_gemm import bf16_skinny_linear
+    copy_bw = measure_ceilings()["copy_bw"]
+    print(f"copy bandwidth (same run): {copy_bw / 1e9:.0f} GB/s", flush=True)
+    shapes = [s for s in SHAPES if a.shapes is None or s[0] in a.shapes]
+    vs = variants() if a.variants else [{}]
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, n, k in shapes:
+        nb = n * k * 2
+        ws = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies_for(nb, cap=8))]
+        for m in a.m:
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            exact = x.double() @ ws[0].double().T
+            tol = 2.0 ** -7 * exact.abs().max().item()
+            t_cublas = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+            res = {}
+            for v in vs:
+                try:
+                    err = (bf16_skinny_linear(x, ws[0], v).double() - exact).abs().max().item()
+                    if err > tol:
+                        print(f"{name} m {m} {v}: WRONG (max error {err:.3g} > {tol:.3g})", flush=True)
+                        continue
+                    res[str(v)] = time_calls([lambda w=w: bf16_skinny_linear(x, w, v) for w in ws])
+                except Exception as e:  # noqa: BLE001  (out of resources: reported, not fatal)
+                    print(f"{name} m {m} {v}: FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
+            if not res:
+                continue
+            best = min(res, key=res.get)
+            t_def = res.get("{}", float("nan"))
+            row = dict(name=name, n=n, k=k, m=m, cublas_us=t_cublas * 1e6, triton_us=t_def * 1e6,
+                       best=best, best_us=res[best] * 1e6, cublas_of_copy=nb / t_cublas / copy_bw,
+                       triton_of_copy=nb / t_def / copy_bw, best_of_copy=nb / res[best] / copy_bw,
+                       triton_x=t_cublas / t_def, best_x=t_cublas / res[best])
+            rows.append(row)
+            print(f"{name:>13} {n:>6}x{k:<5} m {m:>3}: cuBLAS {row['cublas_us']:7.1f} us ({row['cublas_of_copy']:.2f} of copy)"
+                  f"  Triton {row['triton_us']:7.1f} ({row['triton_of_copy']:.2f}) {row['triton_x']:.2f}x"
+                  f"  best {row['best_us']:7.1f} ({row['best_of_copy']:.2f}) {row['best_x']:.2f}x {best}", flush=True)
+    save_json("skinny_bf16.json", dict(copy_bw=copy_bw, rows=rows))
+    try:
+        plot(rows, os.path.join(out_dir(), "skinny_bf16.png"))
+    except Exception as e:  # noqa: BLE001
+        print(f"plot skipped: {e}")
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ms = sorted({r["m"] for r in rows})
+    fig, axes = plt.subplots(1, len(ms), figsize=(5 * len(ms), 4), squeeze=False)
+    for ax, m in zip(axes[0], ms):
+        rs = [r for r in rows if r["m"] == m]
+        xs = range(len(rs))
+        ax.bar([i - 0.2 for i in xs], [r["cublas_of_copy"] for r in rs], 0.4, label="cuBLAS")
+        ax.bar([i + 0.2 for i in xs], [r["best_of_copy"] for r in rs], 0.4, label="Triton skinny (best)")
+        ax.set_xticks(list(xs), [r["name"] for r in rs], rotation=45, ha="right", fontsize=7)
+        ax.set(title=f"M = {m}", ylabel="weight bytes / time / copy")
+        ax.legend(fontsize=7)
+    fig.suptitle("bf16 decode linears on the H200")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
