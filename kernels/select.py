@@ -56,6 +56,7 @@ Knobs (environment, read once):
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import weakref
@@ -125,6 +126,10 @@ SPARSE_PREFILL_MIN_ROWS = int(os.environ.get("DEEPINFER_SPARSE_PREFILL_MIN_ROWS"
 # (a window ring beside a prefill chunk), not a whole compressed pool handed over for a few hundred queries
 SPARSE_PREFILL_CONCAT_SLACK = 1 << 16
 FP8_TABLE_PATH = os.environ.get("DEEPINFER_FP8_TABLE", os.path.join(os.path.dirname(__file__), "fp8_select_table.json"))
+# bf16-held dense linears at decode sizes: where the Triton skinny kernel beat cuBLAS (measured per (N, K, M);
+# written by perf/bench_skinny_bf16.py --write-table); "" = cuBLAS everywhere
+SKINNY_TABLE_PATH = os.environ.get("DEEPINFER_SKINNY_TABLE",
+                                   os.path.join(os.path.dirname(__file__), "skinny_bf16_table.json"))
 
 log = logging.getLogger(__name__)
 _DECLINED: set[tuple[str, str]] = set()
@@ -742,6 +747,48 @@ LINEAR_FP32_MAX_N = 8192
 LINEAR_FP32_MAX_M = 128         # decode; longer batches stay on cuBLAS (batch-invariant mode: all M)
 
 
+@functools.lru_cache(maxsize=None)
+def _skinny_table() -> dict:
+    """{(N, K): [(measured M, tiles or None), ...] ascending} from SKINNY_TABLE_PATH ({} if unset / absent)."""
+    if not SKINNY_TABLE_PATH or not os.path.exists(SKINNY_TABLE_PATH):
+        return {}
+    with open(SKINNY_TABLE_PATH) as f:
+        rows = json.load(f)["rows"]
+    out: dict = {}
+    for r in sorted(rows, key=lambda r: r["m"]):
+        out.setdefault((r["n"], r["k"]), []).append((r["m"], r["cfg"]))
+    return out
+
+
+def skinny_cfg(m: int, n: int, k: int) -> dict | None:
+    """The Triton skinny kernel's tiles for an [m, k] x [n, k]^T bf16 GEMM, or None (cuBLAS): the table row
+    of the smallest measured M at or above m, where the kernel won there."""
+    for mm, cfg in _skinny_table().get((n, k), ()):
+        if m <= mm:
+            return cfg
+    return None
+
+
+def _skinny(x: torch.Tensor, w: torch.Tensor) -> dict | None:
+    """The skinny kernel's tiles where it takes this call: CUDA, the fast kernels, not batch-invariant mode
+    (the table picks tiles by M), bf16 operands, a contiguous 2-D weight, K % 32 == 0, and a table win."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.dim() != 2 \
+            or not w.is_contiguous() or w.shape[1] % 32 or not use_fast(x) or _batch_invariant():
+        return None
+    n, k = w.shape
+    return skinny_cfg(x.numel() // k, n, k)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T for dense (bf16-held) weights, in x's dtype: the Triton skinny kernel
+    (triton_gemm.bf16_skinny_linear) where the measured table says it beats cuBLAS at this M, else cuBLAS."""
+    cfg = _skinny(x, w)
+    if cfg is not None:
+        from .triton_gemm import bf16_skinny_linear
+        return bf16_skinny_linear(x.reshape(-1, x.shape[-1]), w, cfg).view(*x.shape[:-1], w.shape[0])
+    return torch.nn.functional.linear(x, w)
+
+
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T in fp32 arithmetic -> [..., N] fp32 (reference.linear_fp32_ref). bf16
     operands, M <= LINEAR_FP32_MAX_M rows and N <= LINEAR_FP32_MAX_N: the split-K Triton GEMM
@@ -755,6 +802,11 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             and w.is_contiguous() and k % 16 == 0):
         from .triton_linear_fp32 import linear_fp32 as fast
         return fast(x, w)
+    cfg = _skinny(x, w)
+    if cfg is not None:                     # the head's logits at decode sizes
+        from .triton_gemm import bf16_skinny_linear
+        return bf16_skinny_linear(x.reshape(-1, x.shape[-1]), w, cfg, out_dtype=torch.float32).view(
+            *x.shape[:-1], w.shape[0])
     return _ref.linear_fp32_ref(x, w)
 
 

@@ -751,19 +751,30 @@ def w8a16_grouped_gemm(x: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, batch
                          token_major=token_major)
 
 
-def bf16_skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg_override: dict | None = None) -> torch.Tensor:
-    """x [M, K] bf16, w [N, K] bf16 -> [M, N] bf16: x @ w^T with fp32 accumulation (bf16 products are exact
-    in fp32, so any summation order computes the reference's fp32 GEMM up to its order), for decode-sized M
-    on the W8A16 kernels' swapped tiles (the weight rows fill the MMA's long side) with split-K filling
-    the SMs. K must be a multiple of 32 (the K tile is not masked)."""
+def bf16_skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg_override: dict | None = None,
+                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] bf16, w [N, K] bf16 -> [M, N] out_dtype (bf16, or fp32 for the head's logits): x @ w^T with
+    fp32 accumulation (bf16 products are exact in fp32, so any summation order computes the reference's
+    fp32 GEMM up to its order), for decode-sized M on the W8A16 kernels' swapped tiles (the weight rows
+    fill the MMA's long side) with split-K filling the SMs. K must be a multiple of 32 (the K tile is not
+    masked)."""
     m, k = x.shape
     n = w.shape[0]
     assert k % 32 == 0 and w.shape[1] == k and x.dtype == w.dtype == torch.bfloat16, (tuple(x.shape), tuple(w.shape))
+    assert out_dtype in (torch.bfloat16, torch.float32)
     if m == 0:
-        return torch.empty(0, n, dtype=torch.bfloat16, device=x.device)
+        return torch.empty(0, n, dtype=out_dtype, device=x.device)
     cfg = w8a16_config(m, n, k, 1, x.device, row_scaled=True)
     cfg.update(cfg_override or {})
-    return _launch_w8a16(x.contiguous(), w.contiguous(), x, None, m, n, k, 1, 1, cfg, bf16w=True)[0]
+    args = (x.contiguous(), w.contiguous(), x, None, m, n, k, 1, 1, cfg)
+    if out_dtype == torch.bfloat16:
+        return _launch_w8a16(*args, bf16w=True)[0]
+    ws = _launch_w8a16(*args, partials=True, bf16w=True)        # fp32 [SPLIT_K, 1, M, N]
+    if cfg["SPLIT_K"] == 1:
+        return ws.view(m, n)
+    c = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](ws, c, cfg["SPLIT_K"], m * n, m, n, 1, BLOCK=1024, num_warps=4)
+    return c
 
 
 def _fp4_args(packed_k: torch.Tensor, scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

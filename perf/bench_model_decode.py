@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchutil import (dummy_model, measure_ceilings, mhc_variants, out_dir, save_json, time_eager,  # noqa: E402
-                       use_mhc_variant)
+                       use_mhc_variant, use_skinny_table)
 
 FULL_LAYERS = 40
 
@@ -174,6 +174,9 @@ def main() -> None:
     p.add_argument("--mhc-variants", nargs="+", default=["{}"],
                    help="hc_mixes_pre launch constants below 1,024 tokens (JSON, merged over triton_mhc.DECODE_VARIANT) "
                         "compared in one run, e.g. '{}' '{\"bt\": 16}' (perf/bench_mhc_variants.py's best)")
+    p.add_argument("--skinny-tables", nargs="+", default=None,
+                   help="select.py's skinny-GEMM tables to compare in one run ('' = cuBLAS for every dense bf16 "
+                        "linear; 'default' = kernels/skinny_bf16_table.json)")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights made on the device from the preset's config (no checkpoint)")
     a = p.parse_args()
@@ -205,8 +208,10 @@ def main() -> None:
           f"{'head ms':>8} {'layer us':>9} {'EP8 tok/s/GPU':>14}", flush=True)
     from deepinfer.kernels import triton_mhc
     mhc = mhc_variants(a.mhc_variants)
-    for B, mi in [(B, mi) for B in a.batches for mi in range(len(mhc))]:
-        with torch.inference_mode(), use_mhc_variant(triton_mhc.DECODE_VARIANT, mhc[mi]):
+    tables = [None if t == "default" else t for t in (a.skinny_tables or ["default"])]
+    runs = [(B, mi, ti) for B in a.batches for mi in range(len(mhc)) for ti in range(len(tables))]
+    for B, mi, ti in runs:
+        with torch.inference_mode(), use_mhc_variant(triton_mhc.DECODE_VARIANT, mhc[mi]), use_skinny_table(tables[ti]):
             step = decode_step(model, caches, B, a.ctx, max_len, block_tokens)
             eager = time_eager(step, iters=5)
             graph = time_graph(step)
@@ -216,14 +221,19 @@ def main() -> None:
         frac = nb["total"] / graph / copy_bw
         layer = (graph - head) / model.args.n_layers
         ep8_step = FULL_LAYERS * layer + head
-        row = dict(batch=B, mhc_variant=mhc[mi], eager_ms=eager * 1e3, graph_ms=graph * 1e3, graph_speedup=eager / graph,
+        row = dict(batch=B, mhc_variant=mhc[mi], skinny_table=tables[ti], eager_ms=eager * 1e3, graph_ms=graph * 1e3,
+                   graph_speedup=eager / graph,
                    bytes=nb, of_copy=frac, head_ms=head * 1e3, layer_us=layer * 1e6,
                    ep8_tok_s_per_gpu=B / ep8_step)
         rows.append(row)
-        print(f"{B:>5}{'' if len(mhc) == 1 else f' m{mi}'} {eager * 1e3:>9.2f} {graph * 1e3:>9.2f} {eager / graph:>8.2f} {nb['total'] / 1e6:>8.0f} "
+        tag = ('' if len(mhc) == 1 else f' m{mi}') + ('' if len(tables) == 1 else f' t{ti}')
+        print(f"{B:>5}{tag} {eager * 1e3:>9.2f} {graph * 1e3:>9.2f} {eager / graph:>8.2f} {nb['total'] / 1e6:>8.0f} "
               f"{frac:>8.2f} {head * 1e3:>8.2f} {layer * 1e6:>9.0f} {B / ep8_step:>14.0f}", flush=True)
     save_json("model_decode.json", dict(checkpoint=ckpt, ctx=a.ctx, ceilings=ceil, rows=rows))
-    plot([r for r in rows if r["mhc_variant"] == mhc[0]], os.path.join(out_dir(), "model_decode.png"))
+    if len(tables) > 1:
+        print("skinny tables: " + ", ".join(f"t{i} {t if t is not None else 'default'!r}" for i, t in enumerate(tables)))
+    plot([r for r in rows if r["mhc_variant"] == mhc[0] and r["skinny_table"] == tables[0]],
+         os.path.join(out_dir(), "model_decode.png"))
     if a.profile:
         with torch.inference_mode():
             profile(decode_step(model, caches, a.profile, a.ctx, max_len, block_tokens), a.profile)

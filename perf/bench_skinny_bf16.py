@@ -5,7 +5,12 @@ weight copies (each set at least 4x the L2). Prints per (linear, M) microseconds
 and the share of the copy bandwidth measured in the same run, Triton / cuBLAS speed, the best variant, and
 writes skinny_bf16.json ($OUT or perf/results/) with a plot (skinny_bf16.png).
 
-    python perf/bench_skinny_bf16.py [--m 16 64 128] [--variants]
+    python perf/bench_skinny_bf16.py [--m 16 64 128] [--variants] [--write-table]
+    python perf/bench_skinny_bf16.py --table-from results/skinny_bf16.json   (the table from a saved run)
+
+--write-table: kernels/skinny_bf16_table.json, which select.py reads: per (N, K, measured M) the fastest
+tiles where they beat cuBLAS by WIN_MARGIN, else null (cuBLAS); a call takes the row of the smallest
+measured M at or above its own, none above the largest.
 
 Checks every variant against the float64 product before timing (bf16 products are exact in fp32: the
 difference is the fp32 summation order and the output rounding).
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 
@@ -32,6 +38,19 @@ SHAPES = (("wqkv_a", 1792, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192), (
           ("head", 129280, 5120))
 
 
+WIN_MARGIN = 1.03
+TABLE = os.path.join(os.path.dirname(HERE), "kernels", "skinny_bf16_table.json")
+
+
+def write_table(rows: list[dict], source: str, path: str = TABLE) -> None:
+    """select.py's table from measured rows: the best tiles where best_x >= WIN_MARGIN, else None."""
+    out = [dict(n=r["n"], k=r["k"], m=r["m"],
+                cfg=json.loads(r["best"].replace("'", '"')) if r["best_x"] >= WIN_MARGIN else None) for r in rows]
+    with open(path, "w") as f:
+        json.dump({"measured": source, "win_margin": WIN_MARGIN, "rows": out}, f, indent=1)
+    print(f"wrote {path}: {sum(r['cfg'] is not None for r in out)} of {len(out)} (N, K, M) on the Triton kernel")
+
+
 def variants() -> list[dict]:
     out = [{}]
     for bn, bk, st in itertools.product((64, 128), (64, 128, 256), (3, 4)):
@@ -45,7 +64,13 @@ def main() -> None:
     p.add_argument("--m", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--variants", action="store_true", help="also every tile variant (else the default only)")
     p.add_argument("--shapes", nargs="+", default=None, help="names from SHAPES")
+    p.add_argument("--write-table", action="store_true", help=f"write {os.path.relpath(TABLE, os.path.dirname(HERE))}")
+    p.add_argument("--table-from", help="only write the table from a saved skinny_bf16.json")
     a = p.parse_args()
+    if a.table_from:
+        with open(a.table_from) as f:
+            write_table(json.load(f)["rows"], f"H200 (perf/bench_skinny_bf16.py --variants, {a.table_from})")
+        return
     from deepinfer.kernels.triton_gemm import bf16_skinny_linear
     copy_bw = measure_ceilings()["copy_bw"]
     print(f"copy bandwidth (same run): {copy_bw / 1e9:.0f} GB/s", flush=True)
@@ -84,6 +109,8 @@ def main() -> None:
                   f"  Triton {row['triton_us']:7.1f} ({row['triton_of_copy']:.2f}) {row['triton_x']:.2f}x"
                   f"  best {row['best_us']:7.1f} ({row['best_of_copy']:.2f}) {row['best_x']:.2f}x {best}", flush=True)
     save_json("skinny_bf16.json", dict(copy_bw=copy_bw, rows=rows))
+    if a.write_table:
+        write_table(rows, f"{torch.cuda.get_device_name()} (perf/bench_skinny_bf16.py --variants)")
     try:
         plot(rows, os.path.join(out_dir(), "skinny_bf16.png"))
     except Exception as e:  # noqa: BLE001

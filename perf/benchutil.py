@@ -155,3 +155,25 @@ class use_mhc_variant:
         self.table.clear()
         self.table.update(self.saved)
         return False
+
+
+class use_skinny_table:
+    """with use_skinny_table(path): select.py's skinny-GEMM table (kernels/skinny_bf16_table.json) swapped
+    for path ("" = cuBLAS for every dense bf16 linear) inside the block."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+
+    def __enter__(self):
+        from deepinfer.kernels import select
+        self.saved = select.SKINNY_TABLE_PATH
+        if self.path is not None:
+            select.SKINNY_TABLE_PATH = self.path
+            select._skinny_table.cache_clear()
+        return self
+
+    def __exit__(self, *exc):
+        from deepinfer.kernels import select
+        select.SKINNY_TABLE_PATH = self.saved
+        select._skinny_table.cache_clear()
+        return False

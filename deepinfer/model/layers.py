@@ -60,7 +60,7 @@ class Linear(nn.Module):
         if self.quantized:
             x = ops.act_quant(x)
         w = self.dense()
-        return torch.nn.functional.linear(x.to(w.dtype), w).to(ACT)
+        return ops.dense_linear(x.to(w.dtype), w).to(ACT)
 
     def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 out of an fp32 product (the ratio>1 compressor promotes its weights to fp32)."""

@@ -190,6 +190,25 @@ def check_w4a16():
         assert torch.equal(dequant_fp4_bf16(pk, sk).float(), dequant_fp4_ref(packed, scale)), (n, k)
 
 
+def check_bf16_skinny():
+    """The skinny GEMM on bf16-held weights (BF16W): integer-valued operands, so every fp32 sum is exact:
+    the bf16 output (no split) and the fp32 output (split-K summed by the reduce kernel) equal the float64
+    product; M, N, K off the tiles, the tiles select.py's table holds."""
+    g = torch.Generator().manual_seed(31)
+    for m, n, k in ((1, 70, 64), (5, 200, 96), (33, 130, 1280)):
+        x = torch.randint(-3, 4, (m, k), generator=g).bfloat16()
+        w = torch.randint(-3, 4, (n, k), generator=g).bfloat16()
+        ref = x.double() @ w.double().T
+        for cfg in ({}, {"BN": 128, "BK": 128, "NUM_STAGES": 3}, {"BN": 64, "BK": 64, "NUM_STAGES": 4},
+                    {"SPLIT_K": 3}):
+            if k % cfg.get("BK", 32):
+                continue
+            y32 = triton_gemm.bf16_skinny_linear(x, w, cfg, out_dtype=torch.float32)
+            assert y32.dtype == torch.float32 and torch.equal(y32.double(), ref), (m, n, k, cfg)
+            if cfg.get("SPLIT_K", 1) == 1 and k <= 256:      # bf16 out without a split: the store rounds
+                assert torch.equal(triton_gemm.bf16_skinny_linear(x, w, {**cfg, "SPLIT_K": 1}), ref.bfloat16())
+
+
 def check_pool_lists():
     """A decode layer's lists in pool rows: the kernel gives the reference's integers (window part with
     pads inside, picks through the block tables with -1 picks and unallocated blocks, -1 tail)."""
@@ -304,6 +323,7 @@ def main():
     check_w8a16_rows()
     check_w8a16_dense_grouped()
     check_w4a16()
+    check_bf16_skinny()
     check_pool_lists()
     check_router_topk()
     print("interpret checks passed")
