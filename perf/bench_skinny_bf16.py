@@ -43,19 +43,34 @@ TABLE = os.path.join(os.path.dirname(HERE), "kernels", "skinny_bf16_table.json")
 
 
 def write_table(rows: list[dict], source: str, path: str = TABLE) -> None:
-    """select.py's table from measured rows: the best tiles where best_x >= WIN_MARGIN, else None."""
-    out = [dict(n=r["n"], k=r["k"], m=r["m"],
-                cfg=json.loads(r["best"].replace("'", '"')) if r["best_x"] >= WIN_MARGIN else None) for r in rows]
-    with open(path, "w") as f:
-        json.dump({"measured": source, "win_margin": WIN_MARGIN, "rows": out}, f, indent=1)
-    print(f"wrote {path}: {sum(r['cfg'] is not None for r in out)} of {len(out)} (N, K, M) on the Triton kernel")
+    """select.py's table from measured rows: the best tiles where best_x >= WIN_MARGIN, else None; merged into
+    the table at path by (N, K, M) (a run of some M's keeps the others' rows); a copy goes to out_dir()."""
+    new = {(r["n"], r["k"], r["m"]): dict(n=r["n"], k=r["k"], m=r["m"], cfg=json.loads(r["best"].replace("'", '"'))
+                                          if r["best_x"] >= WIN_MARGIN else None) for r in rows}
+    old = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)["rows"]
+    merged = {(r["n"], r["k"], r["m"]): r for r in old}
+    merged.update(new)
+    out = [merged[key] for key in sorted(merged)]
+    for p in (path, os.path.join(out_dir(), os.path.basename(path))):
+        with open(p, "w") as f:
+            json.dump({"measured": source, "win_margin": WIN_MARGIN, "rows": out}, f, indent=1)
+    print(f"wrote {path}: {sum(r['cfg'] is not None for r in out)} of {len(out)} (N, K, M) on the Triton kernel "
+          f"({len(new)} measured now)")
 
 
-def variants() -> list[dict]:
+def variants(m: int) -> list[dict]:
+    """The default, then BN x BK x stages; above 64 rows also the token tile (BM 64: two of them) and 4 / 8 warps."""
     out = [{}]
     for bn, bk, st in itertools.product((64, 128), (64, 128, 256), (3, 4)):
         if bn * bk * 2 * st <= 160 * 1024:
             out.append({"BN": bn, "BK": bk, "NUM_STAGES": st})
+    if m > 64:
+        for bm, warps, bn, bk, st in itertools.product((64, 128), (4, 8), (64, 128), (64, 128), (3, 4)):
+            if (bn + bm) * bk * 2 * st <= 200 * 1024:
+                out.append({"BM": bm, "num_warps": warps, "BN": bn, "BK": bk, "NUM_STAGES": st})
     return out
 
 
@@ -75,7 +90,6 @@ def main() -> None:
     copy_bw = measure_ceilings()["copy_bw"]
     print(f"copy bandwidth (same run): {copy_bw / 1e9:.0f} GB/s", flush=True)
     shapes = [s for s in SHAPES if a.shapes is None or s[0] in a.shapes]
-    vs = variants() if a.variants else [{}]
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k in shapes:
@@ -87,7 +101,7 @@ def main() -> None:
             tol = 2.0 ** -7 * exact.abs().max().item()
             t_cublas = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
             res = {}
-            for v in vs:
+            for v in (variants(m) if a.variants else [{}]):
                 try:
                     err = (bf16_skinny_linear(x, ws[0], v).double() - exact).abs().max().item()
                     if err > tol:

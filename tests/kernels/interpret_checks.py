@@ -200,7 +200,7 @@ def check_bf16_skinny():
         w = torch.randint(-3, 4, (n, k), generator=g).bfloat16()
         ref = x.double() @ w.double().T
         for cfg in ({}, {"BN": 128, "BK": 128, "NUM_STAGES": 3}, {"BN": 64, "BK": 64, "NUM_STAGES": 4},
-                    {"SPLIT_K": 3}):
+                    {"SPLIT_K": 3}, {"BM": 16, "num_warps": 4}):     # BM 16: M over several token tiles
             if k % cfg.get("BK", 32):
                 continue
             y32 = triton_gemm.bf16_skinny_linear(x, w, cfg, out_dtype=torch.float32)

@@ -47,7 +47,7 @@ def test_committed_table_is_valid():
     for r in t["rows"]:
         assert r["m"] <= 128 and r["k"] % 32 == 0
         if r["cfg"] is not None:
-            assert set(r["cfg"]) <= {"BN", "BK", "NUM_STAGES", "SPLIT_K"} and r["k"] % r["cfg"]["BK"] == 0
+            assert set(r["cfg"]) <= {"BN", "BK", "NUM_STAGES", "SPLIT_K", "BM", "num_warps"} and r["k"] % r["cfg"]["BK"] == 0
             assert r["cfg"]["BN"] in (64, 128) and r["cfg"]["BK"] in (32, 64, 128, 256)
 
 
