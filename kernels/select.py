@@ -748,16 +748,40 @@ LINEAR_FP32_MAX_M = 128         # decode; longer batches stay on cuBLAS (batch-i
 
 
 @functools.lru_cache(maxsize=None)
-def _skinny_table() -> dict:
-    """{(N, K): [(measured M, tiles or None), ...] ascending} from SKINNY_TABLE_PATH ({} if unset / absent)."""
+def _skinny_table_file() -> tuple[str | None, dict]:
+    """(the GPU model it was measured on, {(N, K): [(measured M, tiles or None), ...] ascending}) from
+    SKINNY_TABLE_PATH ((None, {}) if unset / absent)."""
     if not SKINNY_TABLE_PATH or not os.path.exists(SKINNY_TABLE_PATH):
-        return {}
+        return None, {}
     with open(SKINNY_TABLE_PATH) as f:
-        rows = json.load(f)["rows"]
+        t = json.load(f)
     out: dict = {}
-    for r in sorted(rows, key=lambda r: r["m"]):
+    for r in sorted(t["rows"], key=lambda r: r["m"]):
         out.setdefault((r["n"], r["k"]), []).append((r["m"], r["cfg"]))
-    return out
+    return t.get("device"), out
+
+
+def _skinny_table() -> dict:
+    return _skinny_table_file()[1]
+
+
+def reload_skinny_table() -> None:
+    """Read SKINNY_TABLE_PATH again at the next call (tests and benchmarks swap tables)."""
+    _skinny_table_file.cache_clear()
+    _skinny_device_ok.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _skinny_device_ok(device_index: int) -> bool:
+    """The table's tiles were measured on this GPU model (its shared memory and SM count): elsewhere cuBLAS,
+    said once in the log."""
+    measured = _skinny_table_file()[0]
+    name = torch.cuda.get_device_name(device_index)
+    ok = measured is not None and name == measured
+    if not ok and _skinny_table_file()[1]:
+        log.info("kernels: the skinny bf16 GEMM table was measured on %s, not %s: cuBLAS for the dense linears",
+                 measured, name)
+    return ok
 
 
 def skinny_cfg(m: int, n: int, k: int) -> dict | None:
@@ -771,9 +795,11 @@ def skinny_cfg(m: int, n: int, k: int) -> dict | None:
 
 def _skinny(x: torch.Tensor, w: torch.Tensor) -> dict | None:
     """The skinny kernel's tiles where it takes this call: CUDA, the fast kernels, not batch-invariant mode
-    (the table picks tiles by M), bf16 operands, a contiguous 2-D weight, K % 32 == 0, and a table win."""
+    (the table picks tiles by M), bf16 operands, a contiguous 2-D weight, K % 32 == 0, the GPU model the
+    table was measured on, and a table win."""
     if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.dim() != 2 \
-            or not w.is_contiguous() or w.shape[1] % 32 or not use_fast(x) or _batch_invariant():
+            or not w.is_contiguous() or w.shape[1] % 32 or not use_fast(x) or _batch_invariant() \
+            or not _skinny_device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return None
     n, k = w.shape
     return skinny_cfg(x.numel() // k, n, k)

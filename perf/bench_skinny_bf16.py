@@ -8,9 +8,9 @@ writes skinny_bf16.json ($OUT or perf/results/) with a plot (skinny_bf16.png).
     python perf/bench_skinny_bf16.py [--m 16 64 128] [--variants] [--write-table]
     python perf/bench_skinny_bf16.py --table-from results/skinny_bf16.json   (the table from a saved run)
 
---write-table: kernels/skinny_bf16_table.json, which select.py reads: per (N, K, measured M) the fastest
-tiles where they beat cuBLAS by WIN_MARGIN, else null (cuBLAS); a call takes the row of the smallest
-measured M at or above its own, none above the largest.
+--write-table: kernels/skinny_bf16_table.json, which select.py reads on the GPU model it names ("device"): per
+(N, K, measured M) the fastest tiles where they beat cuBLAS by WIN_MARGIN, else null (cuBLAS); a call takes the
+row of the smallest measured M at or above its own, none above the largest.
 
 Checks every variant against the float64 product before timing (bf16 products are exact in fp32: the
 difference is the fp32 summation order and the output rounding).
@@ -42,7 +42,7 @@ WIN_MARGIN = 1.03
 TABLE = os.path.join(os.path.dirname(HERE), "kernels", "skinny_bf16_table.json")
 
 
-def write_table(rows: list[dict], source: str, path: str = TABLE) -> None:
+def write_table(rows: list[dict], source: str, path: str = TABLE, device: str = "NVIDIA H200") -> None:
     """select.py's table from measured rows: the best tiles where best_x >= WIN_MARGIN, else None; merged into
     the table at path by (N, K, M) (a run of some M's keeps the others' rows); a copy goes to out_dir()."""
     new = {(r["n"], r["k"], r["m"]): dict(n=r["n"], k=r["k"], m=r["m"], cfg=json.loads(r["best"].replace("'", '"'))
@@ -56,7 +56,7 @@ def write_table(rows: list[dict], source: str, path: str = TABLE) -> None:
     out = [merged[key] for key in sorted(merged)]
     for p in (path, os.path.join(out_dir(), os.path.basename(path))):
         with open(p, "w") as f:
-            json.dump({"measured": source, "win_margin": WIN_MARGIN, "rows": out}, f, indent=1)
+            json.dump({"measured": source, "device": device, "win_margin": WIN_MARGIN, "rows": out}, f, indent=1)
     print(f"wrote {path}: {sum(r['cfg'] is not None for r in out)} of {len(out)} (N, K, M) on the Triton kernel "
           f"({len(new)} measured now)")
 
@@ -124,7 +124,8 @@ def main() -> None:
                   f"  best {row['best_us']:7.1f} ({row['best_of_copy']:.2f}) {row['best_x']:.2f}x {best}", flush=True)
     save_json("skinny_bf16.json", dict(copy_bw=copy_bw, rows=rows))
     if a.write_table:
-        write_table(rows, f"{torch.cuda.get_device_name()} (perf/bench_skinny_bf16.py --variants)")
+        write_table(rows, f"{torch.cuda.get_device_name()} (perf/bench_skinny_bf16.py --variants)",
+                    device=torch.cuda.get_device_name())
     try:
         plot(rows, os.path.join(out_dir(), "skinny_bf16.png"))
     except Exception as e:  # noqa: BLE001

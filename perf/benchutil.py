@@ -169,11 +169,11 @@ class use_skinny_table:
         self.saved = select.SKINNY_TABLE_PATH
         if self.path is not None:
             select.SKINNY_TABLE_PATH = self.path
-            select._skinny_table.cache_clear()
+            select.reload_skinny_table()
         return self
 
     def __exit__(self, *exc):
         from deepinfer.kernels import select
         select.SKINNY_TABLE_PATH = self.saved
-        select._skinny_table.cache_clear()
+        select.reload_skinny_table()
         return False

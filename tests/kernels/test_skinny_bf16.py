@@ -14,14 +14,14 @@ def _table(tmp_path, monkeypatch, rows):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"measured": "test", "win_margin": 1.03, "rows": rows}))
     monkeypatch.setattr(select, "SKINNY_TABLE_PATH", str(path))
-    select._skinny_table.cache_clear()
+    select.reload_skinny_table()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_table():
-    select._skinny_table.cache_clear()
+    select.reload_skinny_table()
     yield
-    select._skinny_table.cache_clear()
+    select.reload_skinny_table()
 
 
 def test_table_buckets(tmp_path, monkeypatch):
@@ -35,7 +35,7 @@ def test_table_buckets(tmp_path, monkeypatch):
     assert select.skinny_cfg(65, 512, 256) is None and select.skinny_cfg(129, 512, 256) is None
     assert select.skinny_cfg(8, 256, 512) is None
     monkeypatch.setattr(select, "SKINNY_TABLE_PATH", "")
-    select._skinny_table.cache_clear()
+    select.reload_skinny_table()
     assert select.skinny_cfg(1, 512, 256) is None
 
 
@@ -43,12 +43,28 @@ def test_committed_table_is_valid():
     """The committed table: measured decode sizes only, tiles the kernel accepts, K a multiple of its tile."""
     with open(select.SKINNY_TABLE_PATH) as f:
         t = json.load(f)
-    assert t["rows"] and t["win_margin"] >= 1.0
+    assert t["rows"] and t["win_margin"] >= 1.0 and t["device"]
     for r in t["rows"]:
         assert r["m"] <= 128 and r["k"] % 32 == 0
         if r["cfg"] is not None:
             assert set(r["cfg"]) <= {"BN", "BK", "NUM_STAGES", "SPLIT_K", "BM", "num_warps"} and r["k"] % r["cfg"]["BK"] == 0
             assert r["cfg"]["BN"] in (64, 128) and r["cfg"]["BK"] in (32, 64, 128, 256)
+
+
+def test_table_applies_on_its_gpu_model_only(tmp_path, monkeypatch):
+    """Tiles measured on one GPU model (shared memory, SM count) are not taken on another: cuBLAS there; a
+    table without a device field is taken nowhere."""
+    _table(tmp_path, monkeypatch, [dict(n=512, k=256, m=64, cfg={"BN": 64})])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H200")
+    assert not select._skinny_device_ok(0)
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"device": "NVIDIA H200", "rows": [dict(n=512, k=256, m=64, cfg={"BN": 64})]}))
+    monkeypatch.setattr(select, "SKINNY_TABLE_PATH", str(path))
+    select.reload_skinny_table()
+    assert select._skinny_device_ok(0)
+    select.reload_skinny_table()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA L40S")
+    assert not select._skinny_device_ok(0)
 
 
 def test_cpu_and_fp32_paths_fall_back():
