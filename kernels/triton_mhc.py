@@ -217,8 +217,9 @@ def hc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr
 @triton.jit
 def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
                    HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """out[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * res[t, i] (fp32, bf16 out). HC == 4: the
-    four residual tiles are loaded once and held (the loop over j reloaded each one four times)."""
+    """out[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * res[t, i] (fp32, bf16 out). HC == 4 (the
+    release): the four residual tiles are loaded once and held (a loop over j reloads each one HC times);
+    any other HC takes that loop. The same sums in the same order either way."""
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     rt = pid_t * BT + tl.arange(0, BT)
@@ -227,16 +228,23 @@ def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
     m = t_ok[:, None] & (rd < d)[None, :]
     rt64 = rt.to(tl.int64)
     y = tl.load(y_ptr + rt64[:, None] * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
-    r0 = tl.load(res_ptr + (rt64[:, None] * HC + 0) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
-    r1 = tl.load(res_ptr + (rt64[:, None] * HC + 1) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
-    r2 = tl.load(res_ptr + (rt64[:, None] * HC + 2) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
-    r3 = tl.load(res_ptr + (rt64[:, None] * HC + 3) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
+    if HC == 4:
+        r0 = tl.load(res_ptr + (rt64[:, None] * HC + 0) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
+        r1 = tl.load(res_ptr + (rt64[:, None] * HC + 1) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
+        r2 = tl.load(res_ptr + (rt64[:, None] * HC + 2) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
+        r3 = tl.load(res_ptr + (rt64[:, None] * HC + 3) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
     for j in tl.static_range(HC):
-        cb = comb_ptr + rt * (HC * HC) + j
-        acc = tl.load(cb, mask=t_ok, other=0.0)[:, None] * r0            # same order as before: i = 0..3
-        acc += tl.load(cb + HC, mask=t_ok, other=0.0)[:, None] * r1
-        acc += tl.load(cb + 2 * HC, mask=t_ok, other=0.0)[:, None] * r2
-        acc += tl.load(cb + 3 * HC, mask=t_ok, other=0.0)[:, None] * r3
+        if HC == 4:
+            cb = comb_ptr + rt * (HC * HC) + j
+            acc = tl.load(cb, mask=t_ok, other=0.0)[:, None] * r0
+            acc += tl.load(cb + HC, mask=t_ok, other=0.0)[:, None] * r1
+            acc += tl.load(cb + 2 * HC, mask=t_ok, other=0.0)[:, None] * r2
+            acc += tl.load(cb + 3 * HC, mask=t_ok, other=0.0)[:, None] * r3
+        else:
+            acc = tl.zeros((BT, BD), tl.float32)
+            for i in tl.static_range(HC):
+                r = tl.load(res_ptr + (rt64[:, None] * HC + i) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
+                acc += tl.load(comb_ptr + rt * (HC * HC) + i * HC + j, mask=t_ok, other=0.0)[:, None] * r
         pj = tl.load(post_ptr + rt * HC + j, mask=t_ok, other=0.0)
         tl.store(out_ptr + (rt64[:, None] * HC + j) * d + rd[None, :], (pj[:, None] * y + acc).to(tl.bfloat16), mask=m)
 
@@ -396,7 +404,6 @@ def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
     T, hc, d = res.shape
     out = torch.empty_like(res)
     if T:
-        assert hc == 4, "hc_post_kernel holds the four residual streams"
         bt, bd = 4, 512
         hc_post_kernel[(triton.cdiv(T, bt), triton.cdiv(d, bd))](y.contiguous(), res.contiguous(),
                                                                  post.float().contiguous(), comb.float().contiguous(),

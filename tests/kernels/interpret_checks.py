@@ -264,7 +264,11 @@ def main():
     # the default mode's occupancy split (other split points: close, not bitwise)
     oa = triton_sparse_attn.sparse_attn(qa, kv, sink, idx, 0.125, block_h=16, blocks_per_split=None)
     assert rel(oa, r) < 2e-2
-    # mHC
+    # mHC: hc_post for every stream count (the release's 4 holds its residual tiles; others loop)
+    for hc in (1, 2, 4):
+        yp, rp = torch.randn(5, 96).bfloat16(), torch.randn(5, hc, 96).bfloat16()
+        pp, cp = torch.rand(5, hc), torch.rand(5, hc, hc)
+        assert rel(triton_mhc.hc_post(yp, rp, pp, cp), triton_mhc.hc_post_ref(yp, rp, pp, cp)) < 1e-2, hc
     scale, base = torch.rand(3) + 0.5, torch.randn(24) * 0.3
     for d in (256, 1280):       # 2 and 10 column-chunk partials (10: a masked tail in the chunk sum)
         xh = torch.randn(3, 4, d).bfloat16()
