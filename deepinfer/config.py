@@ -99,6 +99,8 @@ class EngineArgs:
     # "auto": bf16 on CUDA where that fits 8% of the device's memory (worker/loading.py hold_dense_bf16;
     # H200, 2026-12-03: batch-64 verify steps 1.37x, batch-128 decode 1.08x, the per-call dequant of
     # prefill gone), fp8 elsewhere (a CPU run computes the same values either way)
+    # "bf16+fp8": bf16 as above, plus the release's FP8 bytes kept beside them for decode-sized calls
+    # (<= 128 rows) on the CUDA FP8 x FP8 decode GEMM (kernels/cuda_fp8_decode.py); one more byte per element
     dense_weights: str = "auto"
     # the routed experts on CUDA: "fp8" (e4m3 stacks, twice the release's bytes: the W8A16 / FP8 x FP8
     # kernels) or "fp4" (the release's MXFP4 bytes, half the experts' memory: the W4A16 kernels at decode,
@@ -189,8 +191,8 @@ class EngineArgs:
             raise ValueError(f"max_seq_len_to_capture must be >= 1, got {self.max_seq_len_to_capture}")
         if self.expert_format not in ("auto", "fp8", "fp4"):
             raise ValueError(f"expert_format must be 'auto', 'fp8' or 'fp4', got {self.expert_format!r}")
-        if self.dense_weights not in ("auto", "fp8", "bf16"):
-            raise ValueError(f"dense_weights must be 'auto', 'fp8' or 'bf16', got {self.dense_weights!r}")
+        if self.dense_weights not in ("auto", "fp8", "bf16", "bf16+fp8"):
+            raise ValueError(f"dense_weights must be 'auto', 'fp8', 'bf16' or 'bf16+fp8', got {self.dense_weights!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.data_parallel_size < 1:

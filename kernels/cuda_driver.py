@@ -6,7 +6,7 @@ captured by a CUDA graph like any torch op.
     compile_cubin(src, arch)        -> (cubin path, ptxas log)   nvcc -gencode ...<arch> -cubin -O3 -std=c++17
     kernel(src, name, smem)         -> Kernel for torch's current device (module loaded once per device)
     tensor_map_2d(t, box, swizzle)  -> TensorMap of a 2-D row-major uint8-sized tensor (e4m3)
-    Kernel.launch(grid, block, smem, args)   grid x or (x, y); args: TensorMap, torch tensors (pointers),
+    Kernel.launch(grid, block, smem, args)   grid x, (x, y) or (x, y, z); args: TensorMap, torch tensors (pointers),
                                              ints (int32)
 """
 
@@ -61,6 +61,17 @@ def _gencode(arch: str) -> str:
     return f"-gencode=arch=compute_{arch[3:]},code={arch}"
 
 
+def _headers_text(folder: str) -> bytes:
+    """The .cuh headers beside a source (what its #include "..." lines can reach), in name order: part of
+    the cache key, so editing a shared header recompiles every source."""
+    out = b""
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".cuh"):
+            with open(os.path.join(folder, name), "rb") as f:
+                out += name.encode() + b"\0" + f.read()
+    return out
+
+
 def compile_cubin(src: str, arch: str = "sm_90a") -> tuple[str, str]:
     """(cubin path, ptxas -v log) of source file src for arch; compiled once per (source, arch, flags,
     nvcc) hash. The log of a cached cubin is the one its compilation wrote."""
@@ -69,6 +80,7 @@ def compile_cubin(src: str, arch: str = "sm_90a") -> tuple[str, str]:
         raise NvccMissing("the CUDA kernels need nvcc (CUDA 12.3+; set CUDA_HOME or put nvcc on PATH)")
     with open(src, "rb") as f:
         text = f.read()
+    text += _headers_text(os.path.dirname(os.path.abspath(src)))
     key = hashlib.sha256(text + repr((arch, NVCC_FLAGS, os.path.realpath(nvcc))).encode()).hexdigest()[:20]
     cache = CACHE_DIR
     try:
@@ -232,12 +244,13 @@ class Kernel:
     def __init__(self, func: ctypes.c_void_p, device: int):
         self.func, self.device = func, device
 
-    def launch(self, grid: int | tuple[int, int], block: int, smem: int, args, cluster: int = 1) -> None:
-        """Launch on torch's current stream of the kernel's device. grid: x or (x, y). args in the kernel's
+    def launch(self, grid: int | tuple[int, ...], block: int, smem: int, args, cluster: int = 1) -> None:
+        """Launch on torch's current stream of the kernel's device. grid: x, (x, y) or (x, y, z). args in the kernel's
         order: TensorMap (by value), torch.Tensor or None (a pointer), int (int32). cluster > 1: a kernel
         compiled with __cluster_dims__(cluster, 1, 1) (cuLaunchKernel launches its clusters; where a driver
         refuses that, cuLaunchKernelEx with the cluster-dimension attribute)."""
-        gx, gy = (grid, 1) if isinstance(grid, int) else grid
+        dims = (grid,) if isinstance(grid, int) else tuple(grid)
+        gx, gy, gz = dims + (1,) * (3 - len(dims))
         lib = _libcuda()
         _make_current(self.device)
         keep, ptrs = [], []
@@ -255,8 +268,9 @@ class Kernel:
             ptrs.append(ctypes.addressof(v))
         params = (ctypes.c_void_p * len(ptrs))(*ptrs)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        res = lib.cuLaunchKernel(self.func, gx, gy, 1, block, 1, 1, smem, ctypes.c_void_p(stream), params, None)
+        res = lib.cuLaunchKernel(self.func, gx, gy, gz, block, 1, 1, smem, ctypes.c_void_p(stream), params, None)
         if res != 0 and cluster > 1:
+            assert gz == 1, "cluster launches are 2-D"
             res_ex = _launch_ex(lib, self.func, (gx, gy), block, smem, stream, params, cluster)
             _check(lib, res_ex, f"cuLaunchKernelEx (cluster {cluster}, after cuLaunchKernel's error {res})")
             return

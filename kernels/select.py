@@ -44,6 +44,11 @@ Knobs (environment, read once):
     DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
                                  on the first FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and
                                  the MoE's large steps in the grouped contiguous form on it
+    DEEPINFER_FP8_DECODE_MAX_M   FP8 linears of at most this many rows (128; 0: never) on the CUDA FP8 x FP8
+                                 decode GEMM (cuda_fp8_decode: weight rows on the MMA's M side, tokens on N,
+                                 split-K), ahead of every path above but DeepGEMM: the release bytes read
+                                 once, E8M0 scales per 32x32 block or per (row, 32); and the FP8 copy a
+                                 bf16-held Linear keeps for such calls (EngineArgs.dense_weights="bf16+fp8")
     DEEPINFER_MOE_CONTIGUOUS=1   MoE steps past the masked form (prefill) in the grouped contiguous form
                                  on the W8A16 kernel (triton_moe_contiguous; default: MOE_CONTIGUOUS_DEFAULT)
     Shape rules: a fast path whose rules a call breaks takes the next path (the torch reference) and
@@ -94,6 +99,7 @@ if PREFILL_GEMM not in ("auto", "fp8", "w8a16", "cuda", "bf16") + FP8_VARIANTS:
 # auto: dense FP8 linears of at least this many rows dequantize the weight to bf16 (exact) and run
 # cuBLAS's bf16 GEMM (kernels/triton_dequant.py says why that is the release's arithmetic); 0: never
 BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "256"))
+FP8_DECODE_MAX_M = int(os.environ.get("DEEPINFER_FP8_DECODE_MAX_M", "128"))
 # auto: the MoE's grouped contiguous GEMMs of at least this many token-expert rows dequantize the whole
 # expert stack to bf16 (exact, as the dense linears) and run one bf16 grouped GEMM (torch._grouped_mm)
 # instead of the CUDA FP8 x FP8 kernel; the dequant (3 bytes of traffic per stack element) pays only on
@@ -318,6 +324,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         pair = _dg.cached_tile128(w, w_scale)
         if pair is not None:
             return _dg.linear(x, *pair)
+    if fp8_decode_takes(x, w, w_scale):
+        return fp8_decode_linear(x, w, w_scale)
     if _bf16_gemm_ok(x, w, w_scale):
         return _bf16_gemm_linear(x, w, w_scale)
     if _cuda_fp8_ok(x, w, w_scale):
@@ -337,6 +345,28 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         from .triton_gemm import fp8_linear as fast
         return fast(x, w, w_scale, batch_invariant=_batch_invariant())
     return _ref_fp8_linear(x, dequant_fp8(w, w_scale))
+
+
+def fp8_decode_takes(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """The CUDA FP8 x FP8 decode GEMM takes this call: a bf16 CUDA tensor of 1..FP8_DECODE_MAX_M rows on
+    the fast path, not batch-invariant mode (its split-K sum order follows M), and a weight within
+    cuda_fp8_decode's rules (logged once per rule where it is not)."""
+    if FP8_DECODE_MAX_M <= 0 or not x.is_cuda or x.dtype != torch.bfloat16 or _batch_invariant() \
+            or not use_fast(x):
+        return False
+    k = x.shape[-1]
+    m = x.numel() // max(k, 1)
+    if m < 1 or m > FP8_DECODE_MAX_M or w.dim() != 2 or w.shape[1] != k:
+        return False
+    from . import cuda_fp8_decode
+    reason = cuda_fp8_decode.decline_reason(m, w.shape[0], k, w, w_scale, x.device)
+    return _fast_for(x, "fp8_decode_gemm", reason is None, reason or "", then="the other FP8 paths")
+
+
+def fp8_decode_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """act_quant + the CUDA FP8 x FP8 decode GEMM (callers check fp8_decode_takes first)."""
+    from .cuda_fp8_decode import fp8_decode_linear as run
+    return run(x, w, w_scale)
 
 
 _BF16_EXACT: dict[int, tuple] = {}         # id(w_scale) -> (weakref to it, verdict)

@@ -75,8 +75,9 @@ def _e2m1_round(v):
 @triton.jit
 def act_quant_kernel(x_ptr, y_ptr, s_ptr, M, K,
                      BM: tl.constexpr, BK: tl.constexpr, BLOCK: tl.constexpr, FAKE: tl.constexpr,
-                     MANUAL_RNE: tl.constexpr = False):
-    """x [M, K] -> FAKE: y bf16 [M, K] fake-quantized; else y e4m3 [M, K] and s fp32 [M, K/BLOCK]."""
+                     MANUAL_RNE: tl.constexpr = False, S_LD=0, S_T: tl.constexpr = False):
+    """x [M, K] -> FAKE: y bf16 [M, K] fake-quantized; else y e4m3 [M, K] and s fp32 [M, K/BLOCK]
+    (S_T: transposed, s [K/BLOCK, S_LD])."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -93,7 +94,10 @@ def act_quant_kernel(x_ptr, y_ptr, s_ptr, M, K,
     else:
         tl.store(y_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], tl.reshape(q, (BM, BK)), mask=mask)
         rs = pid_k * (BK // BLOCK) + tl.arange(0, BK // BLOCK)
-        tl.store(s_ptr + rm[:, None].to(tl.int64) * (K // BLOCK) + rs[None, :], s, mask=mask)
+        if S_T:
+            tl.store(s_ptr + rs[None, :].to(tl.int64) * S_LD + rm[:, None], s, mask=mask)
+        else:
+            tl.store(s_ptr + rm[:, None].to(tl.int64) * (K // BLOCK) + rs[None, :], s, mask=mask)
 
 
 @triton.jit
@@ -145,16 +149,23 @@ def act_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return y.view(x.shape)
 
 
-def act_quant_fp8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (e4m3 [M, K], fp32 pow2 scales [M, K/block]) with M = prod(leading dims)."""
+def act_quant_fp8(x: torch.Tensor, block: int = 32, scales_ld: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (e4m3 [M, K], fp32 pow2 scales [M, K/block]) with M = prod(leading dims).
+    scales_ld (>= M): the scales transposed instead, [K/block, scales_ld], columns past M zero (the CUDA
+    decode GEMM's token-scale layout, cuda_fp8_decode)."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = x2.shape
     y = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(M, K // block, dtype=torch.float32, device=x.device)
+    if scales_ld is None:
+        s = torch.empty(M, K // block, dtype=torch.float32, device=x.device)
+    else:
+        assert scales_ld >= M, (scales_ld, M)
+        s = torch.zeros(K // block, scales_ld, dtype=torch.float32, device=x.device)
     if M:
         bm, bk = _tiles(K, block)
         act_quant_kernel[(triton.cdiv(M, bm), K // bk)](x2, y, s, M, K, BM=bm, BK=bk, BLOCK=block, FAKE=False,
-                                                         MANUAL_RNE=INTERPRET)
+                                                         MANUAL_RNE=INTERPRET, S_LD=scales_ld or 0,
+                                                         S_T=scales_ld is not None)
     return y, s
 
 

@@ -115,8 +115,8 @@ def dummy_model(preset: str, device: str = "cuda", dense_weights: str = "fp8", e
     d = tempfile.mkdtemp(prefix=f"deepinfer-{preset}-")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(hf_config(text_config(preset)), f)
-    return load_model(d, device, load_format="dummy", progress=False, dense_bf16=dense_weights == "bf16",
-                      expert_format=expert_format)
+    return load_model(d, device, load_format="dummy", progress=False, dense_bf16=dense_weights.startswith("bf16"),
+                      dense_fp8_copy=dense_weights == "bf16+fp8", expert_format=expert_format)
 
 
 def release_engine_memory() -> float:

@@ -16,15 +16,12 @@ import torch
 from .layers import Linear
 
 
-def fuse_fp8_linears(linears: list[Linear]) -> Linear | None:
-    """One Linear over the stacked FP8 weight (its outputs: each Linear's, in order), every Linear's
-    `fp8` re-pointed at its rows and marked `fused` (kernels/deepgemm.py converts only the stacked
-    one); None where they cannot share one weight (not all FP8, different K, scale layouts that
-    differ or do not split at a Linear's boundary)."""
-    if len(linears) < 2 or any(lin.fp8 is None for lin in linears):
-        return None
-    ws = [lin.fp8[0] for lin in linears]
-    ss = [lin.fp8[1] for lin in linears]
+def _stack_fp8(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, list] | None:
+    """(stacked e4m3 weight, stacked scales, each pair's views of them) of FP8 (weight, scales) pairs that can
+    share one weight: the same K and scale dtype / columns, scales per row or per 32-row tile that split at
+    every pair's boundary; None otherwise."""
+    ws = [w for w, _ in pairs]
+    ss = [s for _, s in pairs]
     if len({w.shape[1] for w in ws}) != 1 or len({(s.dtype, s.shape[1]) for s in ss}) != 1:
         return None
     per_row = all(s.shape[0] == w.shape[0] for w, s in zip(ws, ss))
@@ -32,13 +29,29 @@ def fuse_fp8_linears(linears: list[Linear]) -> Linear | None:
     if not (per_row or per_tile):
         return None
     w, s = torch.cat(ws), torch.cat(ss)
-    sizes = [x.shape[0] for x in ws]
     r = 32 if per_tile and not per_row else 1          # weight rows per scale row
-    start = 0
-    for lin, n in zip(linears, sizes):
-        lin.fp8 = (w[start:start + n], s[start // r:(start + n) // r])
-        lin.fused = True
+    views, start = [], 0
+    for own in ws:
+        n = own.shape[0]
+        views.append((w[start:start + n], s[start // r:(start + n) // r]))
         start += n
+    return w, s, views
+
+
+def fuse_fp8_linears(linears: list[Linear]) -> Linear | None:
+    """One Linear over the stacked FP8 weight (its outputs: each Linear's, in order), every Linear's
+    `fp8` re-pointed at its rows and marked `fused` (kernels/deepgemm.py converts only the stacked
+    one); None where they cannot share one weight (not all FP8, different K, scale layouts that
+    differ or do not split at a Linear's boundary)."""
+    if len(linears) < 2 or any(lin.fp8 is None for lin in linears):
+        return None
+    stacked = _stack_fp8([lin.fp8 for lin in linears])
+    if stacked is None:
+        return None
+    w, s, views = stacked
+    for lin, view in zip(linears, views):
+        lin.fp8 = view
+        lin.fused = True
     with torch.device("meta"):
         out = Linear(w.shape[1], w.shape[0])
     out.fp8, out.weight, out.quantized = (w, s), torch.empty(0, device=w.device), True
@@ -54,14 +67,19 @@ def fuse_dense_linears(linears: list[Linear]) -> Linear | None:
     ws = [lin.weight for lin in linears]
     if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1 or len({lin.quantized for lin in linears}) != 1:
         return None
+    # the FP8 copies of bf16-held weights (dense_weights="bf16+fp8") stack alongside, or are all dropped
+    copies = _stack_fp8([lin.fp8_decode for lin in linears]) \
+        if all(lin.fp8_decode is not None for lin in linears) else None
     w = torch.cat(ws)
     start = 0
-    for lin, own in zip(linears, ws):
+    for i, (lin, own) in enumerate(zip(linears, ws)):
         lin.weight = w[start:start + own.shape[0]]
+        lin.fp8_decode = copies[2][i] if copies is not None else None
         start += own.shape[0]
     with torch.device("meta"):
         out = Linear(w.shape[1], w.shape[0])
     out.weight, out.quantized = w, linears[0].quantized
+    out.fp8_decode = copies[:2] if copies is not None else None
     return out
 
 

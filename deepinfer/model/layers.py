@@ -27,7 +27,10 @@ class Linear(nn.Module):
         fp8      (e4m3 [N, K], E8M0 bytes [N/32, K/32] per tile or [N, K/32] per row): the release
                  format, run by ops.fp8_linear (Triton W8A16 GEMM on a GPU, act_quant + the
                  dequantized matmul elsewhere: the dense form's bits); `weight` is then empty
-        packed   FP4 (codes, E8M0 scales) of a routed expert, dequantized per use"""
+        packed   FP4 (codes, E8M0 scales) of a routed expert, dequantized per use
+    fp8_decode (beside a compute-dtype `weight`, EngineArgs.dense_weights="bf16+fp8"): the release's FP8
+    bytes kept for decode-sized calls, which the CUDA FP8 x FP8 decode GEMM reads at half the bf16 bytes
+    (ops.fp8_decode_takes says which calls); the same values either way"""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -41,6 +44,7 @@ class Linear(nn.Module):
         # row [G, N/G, K/32] where N/G % 32 != 0: loader.wo_a_blocks): wo_a, run by ops.grouped_w8a16
         # with no activation rounding (Attention.out)
         self.fp8_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fp8_decode: tuple[torch.Tensor, torch.Tensor] | None = None   # FP8 copy of a bf16-held weight
 
     def dense(self) -> torch.Tensor:
         """The exact weight values; FP8 / packed FP4 weights are dequantized on the fly (bounded memory)."""
@@ -57,6 +61,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return ops.fp8_linear(x, *self.fp8)
+        if self.fp8_decode is not None and ops.fp8_decode_takes(x, *self.fp8_decode):
+            return ops.fp8_decode_linear(x, *self.fp8_decode)
         if self.quantized:
             x = ops.act_quant(x)
         w = self.dense()

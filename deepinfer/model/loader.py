@@ -346,7 +346,7 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
                weight_format: str | None = None, moe_masked: bool | None = None, fuse_linears: bool | None = None,
                expert_row_scales: bool | None = None, wo_a_fp8: bool | None = None, parallel=None,
                load_format: str = "safetensors", dense_bf16: bool = False, expert_format: str = "fp8",
-               **arg_overrides):
+               dense_fp8_copy: bool = False, **arg_overrides):
     """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input.
 
     weight_format: "dense" or "fp8" (the module docstring); default "fp8" on CUDA, "dense" elsewhere.
@@ -365,6 +365,8 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     load_format: "safetensors" (the release shards) or "dummy" (random weights of the config, made
     on the device: model/dummy_weights.py; the folder then needs only config.json).
     dense_bf16 ("fp8" only): the dense FP8 linears as exact compute-dtype weights (the module docstring).
+    dense_fp8_copy (with dense_bf16): each such Linear also keeps the release's FP8 bytes (Linear.fp8_decode)
+    for decode-sized calls on the CUDA FP8 x FP8 decode GEMM; one more byte per dense element.
     expert_format ("fp8" only): the routed experts' stacks (moe.ExpertStacks): "fp8" (e4m3, twice the
     release's bytes) or "fp4" (the release's MXFP4 bytes, half the memory, W4A16 kernels); a layer whose
     block scales the W4A16 decode cannot take (fp4_layout.fp4_scales_ok) gets FP8 stacks, logged once."""
@@ -397,10 +399,12 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     model.hasher = hasher.to(device) if hasher is not None else None
     if dense_bf16 and weight_format != "fp8":
         raise ValueError("dense_bf16 applies to weight_format='fp8' (the 'dense' format is dense throughout)")
+    if dense_fp8_copy and not dense_bf16:
+        raise ValueError("dense_fp8_copy keeps an FP8 copy beside dense_bf16's weights: it needs dense_bf16")
     fmt = _Format(device, compute_dtype(device), weight_format,
                   cuda if pack_experts is None else pack_experts,
                   weight_format == "fp8" and not dense_bf16 and (cuda if wo_a_fp8 is None else wo_a_fp8),
-                  dense_bf16, weight_format == "fp8" and expert_format == "fp4")
+                  dense_bf16, weight_format == "fp8" and expert_format == "fp4", dense_fp8_copy)
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(infos[name].file, []).append(name)
@@ -466,6 +470,7 @@ class _Format:
     wo_a_fp8: bool = False         # "fp8": wo_a keeps its FP8 blocks (Linear.fp8_blocks)
     dense_bf16: bool = False       # "fp8": dense FP8 linears dequantized at load (experts stay FP8)
     expert_fp4: bool = False       # "fp8": the routed experts in FP4 stacks (expert_format="fp4")
+    dense_fp8_copy: bool = False   # dense_bf16: also keep the FP8 bytes (Linear.fp8_decode)
 
 
 def _materialize_rest(model, device) -> None:
@@ -556,6 +561,8 @@ def _load_one(model, name, kind, infos, mm, fmt: _Format, target: str | None = N
             return
         if fmt.dense_bf16:                      # on the device: a CPU fp32 pass over every dense weight is slow
             t, scale = t.to(device), scale.to(device)
+            if fmt.dense_fp8_copy and not wo_a:     # (wo_a runs as a block-diagonal einsum, never a Linear call)
+                mod.fp8_decode = (t, scale)
         t = ops.dequant_fp8(t, scale)
         quantized = True
     elif kind == "fp4" and info.dtype == "I8":

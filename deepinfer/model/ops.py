@@ -20,6 +20,8 @@ from deepinfer.kernels.select import (  # noqa: F401
     engram_gate,
     fp4_quant,
     fp4_to_fp8_weight,
+    fp8_decode_linear,
+    fp8_decode_takes,
     fp8_linear,
     grouped_contiguous_ok,
     grouped_fp8_linear_contiguous,

@@ -110,13 +110,18 @@ def resolved_expert_format(expert_format: str, device: str, batch_invariant: boo
     return "fp8"
 
 
+def keep_dense_fp8_copy(dense_weights: str, device: str) -> bool:
+    """dense_weights="bf16+fp8" on CUDA: the bf16-held Linears keep their FP8 bytes (Linear.fp8_decode)."""
+    return dense_weights == "bf16+fp8" and device.startswith("cuda")
+
+
 def hold_dense_bf16(dense_weights: str, device: str, model_args, total_memory: int | None = None) -> bool:
-    """EngineArgs.dense_weights on this device: "bf16" and "fp8" as asked (bf16 on CUDA only: a CPU
+    """EngineArgs.dense_weights on this device: "bf16" ("bf16+fp8") and "fp8" as asked (bf16 on CUDA only: a CPU
     computes the same values either way); "auto": bf16 on CUDA when the extra byte per dense element is
     at most DENSE_BF16_MAX_SHARE of the device's memory, else fp8, said once in the log."""
     if not device.startswith("cuda") or dense_weights == "fp8":
         return False
-    if dense_weights == "bf16":
+    if dense_weights in ("bf16", "bf16+fp8"):
         return True
     if total_memory is None:
         total_memory = torch.cuda.get_device_properties(torch.device(device)).total_memory

@@ -107,12 +107,12 @@ def smoke(entry: str, device="cuda") -> int:
     return 0 if ok else 1
 
 
-def _smoke_in_child(entry: str, timeout: int = 90) -> tuple[str, str]:
-    """(verdict, the child's output) of smoke(entry) in a child process (a pipeline stall traps in ~10 s:
-    FP8_GEMM_HANG_CYCLES; the timeout is the backstop)."""
+def _smoke_in_child(entry: str, timeout: int = 90, script: str | None = None) -> tuple[str, str]:
+    """(verdict, the child's output) of `script smoke entry` (default: this file's smoke) in a child process
+    (a pipeline stall traps in ~10 s: FP8_GEMM_HANG_CYCLES; the timeout is the backstop)."""
     import subprocess
     try:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "smoke", entry], capture_output=True,
+        r = subprocess.run([sys.executable, script or os.path.abspath(__file__), "smoke", entry], capture_output=True,
                            text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "HANG (killed after %d s)" % timeout, ""
@@ -120,12 +120,12 @@ def _smoke_in_child(entry: str, timeout: int = 90) -> tuple[str, str]:
             r.stdout[-6000:] + (r.stderr[-3000:] if r.returncode else ""))
 
 
-def _smoke_all(entries, parallel: int = 6) -> dict[str, str]:
+def _smoke_all(entries, parallel: int = 6, script: str | None = None) -> dict[str, str]:
     """Every entry's smoke in its own child, `parallel` at a time (the cubin is compiled before), outputs
     printed in entry order."""
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(parallel) as pool:
-        results = dict(zip(entries, pool.map(_smoke_in_child, entries)))
+        results = dict(zip(entries, pool.map(lambda e: _smoke_in_child(e, script=script), entries)))
     for entry, (_, out) in results.items():
         print(out, flush=True)
     return {entry: verdict for entry, (verdict, _) in results.items()}

@@ -34,6 +34,9 @@ def models(tiny_checkpoint):
         # and fused as CUDA loads it: wq_a + wkv and the shared w1 + w3 as stacked dense weights
         "fp8-dense-fused": load_model(tiny_checkpoint, progress=False, weight_format="fp8", dense_bf16=True,
                                       moe_masked=True, fuse_linears=True),
+        # EngineArgs.dense_weights="bf16+fp8": the same, each bf16-held Linear keeping its FP8 bytes
+        "fp8-dense-copy": load_model(tiny_checkpoint, progress=False, weight_format="fp8", dense_bf16=True,
+                                     moe_masked=True, fuse_linears=True, dense_fp8_copy=True),
         # EngineArgs.expert_format="fp4": the experts' release bytes in FP4 stacks (masked form, and the
         # per-expert loop through the Linears' packed views)
         "fp4-experts": load_model(tiny_checkpoint, progress=False, weight_format="fp8", expert_format="fp4",
@@ -244,6 +247,34 @@ def test_fused_dense_linears_share_one_weight(models):
         assert fused.fp8 is None and fused.quantized == first.quantized == second.quantized
         assert first.weight.data_ptr() == w.data_ptr() and second.weight.data_ptr() == w[first.out_features:].data_ptr()
         assert w.shape == (first.out_features + second.out_features, first.in_features)
+
+
+def test_dense_fp8_copy_holds_the_same_values(models, tiny_checkpoint):
+    """dense_fp8_copy: every act-rounded bf16-held Linear (wo_a excepted: never a Linear call) keeps FP8
+    bytes that dequantize to its weight exactly; fused Linears' copies are views of one stacked copy at the
+    same rows; the CPU run (no decode kernel there) is the dense_bf16 model's bit for bit."""
+    m = models["fp8-dense-copy"]
+    linears = {name: mod for name, mod in m.named_modules() if isinstance(mod, Linear) and ".experts." not in name}
+    quantized = [mod for name, mod in linears.items() if mod.quantized and mod.weight.numel()]
+    assert quantized and all(mod.fp8_decode is not None for mod in quantized)
+    assert all(mod.fp8_decode is None for name, mod in linears.items() if name.endswith("wo_a"))
+    for mod in quantized:
+        w, s = mod.fp8_decode
+        assert w.dtype == torch.float8_e4m3fn and w.shape == mod.weight.shape
+        assert torch.equal(ops.dequant_fp8(w, s).to(mod.weight.dtype), mod.weight)
+    att = next(mod for mod in m.modules() if getattr(mod, "wqkv_a", None) is not None)
+    w = att.wqkv_a.fp8_decode[0]
+    assert att.wq_a.fp8_decode[0].data_ptr() == w.data_ptr()
+    assert att.wkv.fp8_decode[0].data_ptr() == w[att.wq_a.out_features:].data_ptr()
+    for a, b in zip(_run(m), _run(models["fp8-dense-fused"])):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="dense_fp8_copy"):
+        load_model(tiny_checkpoint, progress=False, weight_format="fp8", dense_fp8_copy=True)
+    from deepinfer.worker.loading import hold_dense_bf16, keep_dense_fp8_copy
+    assert keep_dense_fp8_copy("bf16+fp8", "cuda:0") and not keep_dense_fp8_copy("bf16+fp8", "cpu")
+    assert not keep_dense_fp8_copy("bf16", "cuda") and not keep_dense_fp8_copy("auto", "cuda")
+    from deepinfer.model.args import ModelArgs
+    assert hold_dense_bf16("bf16+fp8", "cuda", ModelArgs.from_checkpoint(tiny_checkpoint), total_memory=1)
 
 
 def test_fusing_needs_one_weight_form():

@@ -1,0 +1,257 @@
+// Exact FP8 x FP8 GEMM with per-32 promotion at decode sizes (M <= 128 tokens a tile) for SM90, issue 15.
+//
+//   C[M, N] bf16 = sum over K/32 slices s of (fp32 sum of the slice's e4m3 x e4m3 products)
+//                  * sa[m, s] * sb[n / R, s]          (R = 32: 32x32 weight blocks; R = 1: per (row, 32))
+//
+// The values of fp8_gemm_sm90.cu, with the operands swapped for memory-bound sizes: the weight rows are
+// the wgmma's M side (64 rows a warpgroup row block, RB row blocks a consumer, two consumers: 128 RB rows
+// a CTA) and the tokens its N side (BT = 16 / 32 / 64 / 128, one token tile a blockIdx.z). A CTA streams
+// its weight rows once per K split; the tokens' tile (BT x 128 bytes a stage, from L2) is the only
+// re-read, BT / (128 RB) of the weight bytes, where the token-major forms re-read 64 tokens for every
+// 128 weight rows and waste the MMA's rows below 64 tokens.
+//
+// Pipeline as fp8_gemm_sm90.cu: one producer thread issues the TMA loads of 128-K stages (weights box
+// (128, 128 RB), tokens box (128, BT), both SW128) into a ring guarded by full / empty mbarriers; each
+// consumer warpgroup issues, per K = 32 slice, its RB wgmmas into RB temporaries (one commit group each),
+// then promotes them in order as they complete (acc += tmp * sw[row] * sa[token]); the other consumer's
+// wgmmas fill the tensor cores meanwhile. acc + temporaries: 2 RB x BT / 2 floats a thread, plus the
+// slice's BT / 4 token scales (BT 128 takes RB 1: at RB 2 ptxas spills 2 KB).
+//
+// Scales: saT [K/32, m_ld] f32, the activation scales transposed and zero-padded to m_ld >= the token
+// tiles' end (a float2 per token pair of the fragment, never out of bounds); sb [ceil(N/R), K/32] E8M0
+// bytes as the checkpoint holds them (e8m0_scale: the bits e << 23, reference.e8m0_to_float's values).
+// Tails: TMA zero-fills rows past N / M and K columns past K; slices past K/32 and rows past N get scale
+// 0; stores are masked. Split-K: gridDim.y splits take equal runs of the K stages; with more than one
+// the CTA stores fp32 partials to ws [splits, M, N] and fp8_splitk_reduce sums them in split order.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "sm90_common.cuh"
+
+namespace fp8dec {
+using namespace fp8sm90;
+
+__device__ __forceinline__ void wgmma_m64n16k32_e4m3(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_m64n32k32_e4m3(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ float e8m0_scale(const uint8_t* p) {
+    return __uint_as_float(static_cast<uint32_t>(__ldg(p)) << 23);
+}
+
+template <int BT>
+__device__ __forceinline__ void wgmma_tokens(float (&d)[BT / 2], uint64_t desc_w, uint64_t desc_x) {
+    static_assert(BT == 16 || BT == 32 || BT == 64 || BT == 128, "token tiles of 16 / 32 / 64 / 128");
+    if constexpr (BT == 16) wgmma_m64n16k32_e4m3(d, desc_w, desc_x, 0);
+    else if constexpr (BT == 32) wgmma_m64n32k32_e4m3(d, desc_w, desc_x, 0);
+    else if constexpr (BT == 64) wgmma_m64n64k32_e4m3(d, desc_w, desc_x, 0);
+    else wgmma_m64n128k32_e4m3(d, desc_w, desc_x, 0);
+}
+
+// acc += tmp * sw * sa in the m64nBT fragment layout: tmp[4f + 0/1] is weight row r0, tokens 8f + 2q + 0/1;
+// tmp[4f + 2/3] is row r0 + 8 (w0 / w1: the two rows' weight scales). ts[f]: the slice's scales of
+// tokens 8f + 2q, 8f + 2q + 1.
+template <int R>
+__device__ __forceinline__ void promote_tokens(float (&acc)[R], const float (&tmp)[R], float w0, float w1,
+                                               const float2 (&ts)[R / 4]) {
+#pragma unroll
+    for (int f = 0; f < R / 4; ++f) {
+        acc[4 * f + 0] = fmaf(tmp[4 * f + 0], w0 * ts[f].x, acc[4 * f + 0]);
+        acc[4 * f + 1] = fmaf(tmp[4 * f + 1], w0 * ts[f].y, acc[4 * f + 1]);
+        acc[4 * f + 2] = fmaf(tmp[4 * f + 2], w1 * ts[f].x, acc[4 * f + 2]);
+        acc[4 * f + 3] = fmaf(tmp[4 * f + 3], w1 * ts[f].y, acc[4 * f + 3]);
+    }
+}
+
+template <int BT, int RB, int STAGES>
+__device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUtensorMap* tmap_x,
+                                            const float* __restrict__ saT, const uint8_t* __restrict__ sb,
+                                            __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N,
+                                            int K, int m_ld, int sb_rows) {
+    constexpr int NCONS = 2;
+    constexpr int ROWS = 64 * RB * NCONS;     // weight rows a CTA
+    constexpr int R = BT / 2;                 // floats a thread per row block
+    constexpr uint32_t W_BYTES = ROWS * BK, X_BYTES = BT * BK;
+    static_assert(ROWS <= 256, "a TMA box has at most 256 rows");
+    static_assert(X_BYTES % 1024 == 0, "each stage's token tile starts on a swizzle atom");
+
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t w_smem = base, x_smem = base + STAGES * W_BYTES;
+    const uint32_t bars = x_smem + STAGES * X_BYTES;   // full[STAGES], then empty[STAGES]
+    auto full_bar = [&](int s) { return bars + 8u * s; };
+    auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+
+    const int n0 = blockIdx.x * ROWS, t0 = blockIdx.z * BT;
+    const int ks = K / 32, nkb = (K + BK - 1) / BK;
+    const int per = (nkb + gridDim.y - 1) / gridDim.y;
+    const int kb0 = min(nkb, static_cast<int>(blockIdx.y) * per), kb1 = min(nkb, kb0 + per);
+
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar(s), 1);
+            mbar_init(empty_bar(s), 4 * NCONS);   // one arrival per consumer warp
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    if (wg == NCONS) {  // producer warpgroup
+        setmaxnreg_producer();
+        if (tid == 0) {
+            tma_prefetch(tmap_w);
+            tma_prefetch(tmap_x);
+            int stage = 0;
+            uint32_t phase = 0;
+            for (int kb = kb0; kb < kb1; ++kb) {
+                mbar_wait_or_trap(empty_bar(stage), phase ^ 1);
+                mbar_arrive_expect_tx(full_bar(stage), W_BYTES + X_BYTES);
+                tma_load_2d(w_smem + stage * W_BYTES, tmap_w, full_bar(stage), kb * BK, n0);
+                tma_load_2d(x_smem + stage * X_BYTES, tmap_x, full_bar(stage), kb * BK, t0);
+                if (++stage == STAGES) stage = 0, phase ^= 1;
+            }
+            const int nloads = kb1 - kb0;   // the consumers' releases of the last loads (the hang check)
+            for (int j = max(0, nloads - STAGES); j < nloads; ++j)
+                mbar_wait_or_trap(empty_bar(j % STAGES), (j / STAGES) & 1);
+        }
+        return;
+    }
+
+    setmaxnreg_consumer<NCONS>();
+    const int warp = tid / 32, lane = tid % 32, q = lane % 4;
+    // this thread's weight rows: row block rb's r0 = row0 + 64 rb, r1 = r0 + 8
+    const int row0 = n0 + 64 * RB * wg + 16 * warp + lane / 4;
+    const uint8_t* sb_r0[RB];
+    const uint8_t* sb_r1[RB];
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb) {
+        const int r0 = row0 + 64 * rb, r1 = r0 + 8;
+        sb_r0[rb] = r0 < N ? sb + static_cast<int64_t>(r0 / sb_rows) * ks : nullptr;
+        sb_r1[rb] = r1 < N ? sb + static_cast<int64_t>(r1 / sb_rows) * ks : nullptr;
+    }
+    const float* sa_col = saT + t0 + 2 * q;    // + g * m_ld + 8 f: tokens t0 + 8f + 2q, + 1
+
+    float acc[RB][R], tmp[RB][R];
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+        for (int i = 0; i < R; ++i) acc[rb][i] = 0.f;
+
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int kb = kb0; kb < kb1; ++kb) {
+        mbar_wait(full_bar(stage), phase);
+        __syncwarp();                                  // converged for the .aligned wgmma instructions
+        const uint64_t dw = sw128_desc(w_smem + stage * W_BYTES + 64 * RB * wg * BK);
+        const uint64_t dx = sw128_desc(x_smem + stage * X_BYTES);
+#pragma unroll
+        for (int j = 0; j < SLICES; ++j) {
+            const int g = kb * SLICES + j;
+            const bool k_ok = g < ks;
+            // every row block's wgmma in flight, then each promoted as it completes
+#pragma unroll
+            for (int rb = 0; rb < RB; ++rb) {
+                wgmma_fence();
+                fence_regs(tmp[rb]);
+                wgmma_tokens<BT>(tmp[rb], dw + (64 * BK >> 4) * rb + 2 * j, dx + 2 * j);   // + 32 bytes a slice
+                wgmma_commit();
+            }
+            // the slice's scales, loaded under its wgmmas
+            float2 ts[R / 4];
+            const float* srow = sa_col + static_cast<int64_t>(k_ok ? g : 0) * m_ld;
+#pragma unroll
+            for (int f = 0; f < R / 4; ++f)
+                ts[f] = k_ok ? __ldg(reinterpret_cast<const float2*>(srow + 8 * f)) : make_float2(0.f, 0.f);
+#pragma unroll
+            for (int rb = 0; rb < RB; ++rb) {
+                const float w0 = (k_ok && sb_r0[rb] != nullptr) ? e8m0_scale(sb_r0[rb] + g) : 0.f;
+                const float w1 = (k_ok && sb_r1[rb] != nullptr) ? e8m0_scale(sb_r1[rb] + g) : 0.f;
+                if (rb == RB - 1) wgmma_wait<0>();
+                else wgmma_wait<RB - 1>();         // RB <= 2: row block 0 done, row block 1 may run
+                fence_regs(tmp[rb]);
+                promote_tokens(acc[rb], tmp[rb], w0, w1, ts);
+            }
+        }
+        if (lane == 0) mbar_arrive(empty_bar(stage));  // every wgmma reading this stage has completed
+        if (++stage == STAGES) stage = 0, phase ^= 1;
+    }
+
+    // epilogue, masked: C[token, row] bf16 (round to nearest even) or ws [split, token, row] fp32
+    const bool split = gridDim.y > 1;
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 64 * rb + 8 * h;
+            if (row >= N) continue;
+#pragma unroll
+            for (int f = 0; f < R / 4; ++f) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int tok = t0 + 8 * f + 2 * q + e;
+                    if (tok >= M) continue;
+                    const float v = acc[rb][4 * f + 2 * h + e];
+                    if (split) ws[(static_cast<int64_t>(blockIdx.y) * M + tok) * N + row] = v;
+                    else c[static_cast<int64_t>(tok) * N + row] = __float2bfloat16_rn(v);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace fp8dec
+
+// Entry points (C names for cuModuleGetFunction). Launch: grid (ceil(N / (128 RB)), splits, ceil(M / BT)),
+// block 384 (two consumer warpgroups, then the producer), dynamic shared memory
+// 1024 + STAGES * (128 RB + BT) * 128 + 16 * STAGES (kernels/cuda_fp8_decode.py FORMS must match).
+// sb_rows: 32 (sb per 32x32 block) or 1 (per (row, 32)).
+#define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES)                                                      \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                     \
+        NAME(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,         \
+             const float* __restrict__ saT, const uint8_t* __restrict__ sb, __nv_bfloat16* __restrict__ c,    \
+             float* __restrict__ ws, int M, int N, int K, int m_ld, int sb_rows) {                          \
+        fp8dec::decode_body<BT, RB, STAGES>(&tmap_w, &tmap_x, saT, sb, c, ws, M, N, K, m_ld, sb_rows); \
+    }
+
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2, 16, 2, 6)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb2, 32, 2, 6)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb2, 64, 2, 5)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1, 16, 1, 8)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1, 32, 1, 8)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1, 64, 1, 8)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1, 128, 1, 6)

@@ -1,0 +1,170 @@
+"""The exact FP8 x FP8 GEMM at decode sizes on SM90 (kernels/cuda/fp8_decode_sm90.cu): the weight rows on
+the wgmma's M side (128 or 256 a CTA), the tokens on its N side (tiles of 16 / 32 / 64 / 128), K split
+across CTAs until the SMs are covered. The values of cuda_fp8_gemm.fp8_gemm_cuda (one FP8 MMA per 32-wide
+K slice, promoted with the two power-of-two scales into fp32), read straight from the release's bytes:
+e4m3 weights and their E8M0 scales per 32x32 block or per (row, 32).
+
+    fp8_decode_linear(x, w, w_scale)            x [..., K] bf16 -> act_quant + the GEMM -> [..., N] bf16
+    fp8_decode_gemm(a, sa_t, w, sb, ...)        a [M, K] e4m3, sa_t [K/32, m_ld] f32 (act_quant_fp8's
+                                                transposed scales) -> [M, N] bf16
+    plan(m, n, k, sms, rb=None) -> (entry, splits)   the form and K splits for a call
+    decline_reason(m, n, k, w, sb, device)      None where it takes the call, else the rule it breaks
+    FORMS                                       entry -> (token tile, 64-row blocks a consumer, stages)
+
+Split-K's sum order follows M (the token tile) and the split count: deterministic per shape, not
+batch-invariant (select never sends batch-invariant mode here). DEEPINFER_CUDA_DECODE_RB=1 / 2 forces
+the row blocks (the bench's comparison)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import cuda_driver
+
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "fp8_decode_sm90.cu")
+BK = 128
+CONSUMERS = 2
+# entry -> (token tile BT, row blocks RB, stages); must match FP8_DECODE_ENTRY in the .cu
+FORMS = {"fp8_decode_sm90_t16_rb2": (16, 2, 6),
+         "fp8_decode_sm90_t32_rb2": (32, 2, 6),
+         "fp8_decode_sm90_t64_rb2": (64, 2, 5),
+         "fp8_decode_sm90_t16_rb1": (16, 1, 8),
+         "fp8_decode_sm90_t32_rb1": (32, 1, 8),
+         "fp8_decode_sm90_t64_rb1": (64, 1, 8),
+         "fp8_decode_sm90_t128_rb1": (128, 1, 6)}
+REDUCE = "fp8_splitk_reduce"
+TOKEN_TILES = (16, 32, 64, 128)
+SPLIT_MAX = 16
+FORCE_RB = int(os.environ.get("DEEPINFER_CUDA_DECODE_RB", "0") or 0)
+E8M0 = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+
+
+def token_tile(m: int) -> int:
+    """The smallest token tile holding m tokens (128 above: one tile of 128 per blockIdx.z)."""
+    return next((t for t in TOKEN_TILES if m <= t), TOKEN_TILES[-1])
+
+
+def entry_name(bt: int, rb: int) -> str:
+    return f"fp8_decode_sm90_t{bt}_rb{rb}"
+
+
+def plan(m: int, n: int, k: int, sms: int, rb: int | None = None) -> tuple[str, int]:
+    """(entry, K splits): the token tile for m; two row blocks a consumer (256 weight rows a CTA: the
+    tokens' tile is re-read once per 256 rows) up to 64 tokens, one at 128 (registers); the split count
+    of split_cost's least cost, each split at least two 128-K stages, none empty."""
+    bt = token_tile(m)
+    rb = rb or FORCE_RB or (2 if bt <= 64 else 1)
+    if entry_name(bt, rb) not in FORMS:
+        rb = 1
+    tiles = -(-n // (64 * CONSUMERS * rb)) * -(-m // bt)
+    nkb = -(-k // BK)
+    counts = {-(-nkb // -(-nkb // s)) for s in range(1, max(1, min(nkb // 2, SPLIT_MAX)) + 1)}   # none empty
+    return entry_name(bt, rb), min(sorted(counts), key=lambda s: split_cost(s, tiles, m, k, sms))
+
+
+def split_cost(s: int, tiles: int, m: int, k: int, sms: int) -> float:
+    """Time of s K splits in units of one whole-K CTA (one CTA per SM): waves of tiles x s CTAs, each 1 / s
+    long, plus the fp32 partials each split writes and the sum reads back (4 bytes per output and split
+    against K bytes of weight per output; from L2, counted at half weight)."""
+    waves = -(-tiles * s // sms)
+    return waves / s + (2.0 * m * s / k if s > 1 else 0.0)
+
+
+def smem_bytes(name: str) -> int:
+    """1024 bytes of alignment slack + the stages' weight and token tiles + 2 mbarriers a stage."""
+    bt, rb, stages = FORMS[name]
+    return 1024 + stages * (64 * CONSUMERS * rb + bt) * BK + 16 * stages
+
+
+def scale_rows(n: int, k: int, sb: torch.Tensor) -> int | None:
+    """Weight rows per scale row of sb for an [n, k] weight: 32 ([ceil(N/32), K/32]: 32x32 blocks), 1
+    ([N, K/32]: per (row, 32)), else None."""
+    if sb.dim() != 2 or k <= 0 or k % 32 or sb.shape[1] != k // 32:
+        return None
+    if sb.shape[0] == -(-n // 32) and (n == 1 or sb.shape[0] != n):
+        return 32
+    return 1 if sb.shape[0] == n else None
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(device_index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decline_reason(m: int, n: int, k: int, w: torch.Tensor, sb: torch.Tensor, device=None) -> str | None:
+    """None where the decode kernel takes an [m, k] x [n, k]^T call, else the rule it breaks: an SM90 GPU
+    and nvcc, an e4m3 weight [N, K] with K a multiple of 32 (TMA's 16-byte rows), its E8M0 scale bytes per
+    32x32 block or per (row, 32), 16-byte aligned."""
+    if device is not None and (device.type != "cuda" or not _sm90(device.index if device.index is not None
+                                                                  else torch.cuda.current_device())):
+        return "an SM90 GPU (sm_90a wgmma and TMA)"
+    if cuda_driver.find_nvcc() is None:
+        return "nvcc to compile it (CUDA_HOME or PATH)"
+    if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or w.stride(1) != 1 or w.stride(0) != k:
+        return "a contiguous e4m3 weight [N, K]"
+    if k <= 0 or k % 32:
+        return "K a multiple of 32"
+    if w.data_ptr() % 16:
+        return "a 16-byte aligned weight (TMA)"
+    if sb.dtype not in E8M0 or scale_rows(n, k, sb) is None or not sb.is_contiguous():
+        return "E8M0 weight scales per 32x32 block [ceil(N/32), K/32] or per (row, 32) [N, K/32]"
+    return None
+
+
+def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: torch.Tensor,
+                    entry: str | None = None, splits: int | None = None) -> torch.Tensor:
+    """a [M, K] e4m3, sa_t [K/32, m_ld] f32 (m_ld >= M rounded up to the token tile, zero past M), w [N, K]
+    e4m3, sb E8M0 [ceil(N/32), K/32] / [N, K/32] -> [M, N] bf16. entry / splits override plan's."""
+    m, k = a.shape
+    n = w.shape[0]
+    assert w.shape[1] == k and a.dtype == torch.float8_e4m3fn and a.is_cuda and a.device == w.device, (a.shape, w.shape)
+    reason = decline_reason(m, n, k, w, sb)
+    if reason is not None:
+        raise ValueError(f"fp8_decode_gemm needs {reason}: a {tuple(a.shape)}, w {tuple(w.shape)}, sb {tuple(sb.shape)}")
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    dev = a.device.index
+    name, s = plan(m, n, k, _num_sms(dev))
+    name, splits = entry or name, splits or s
+    bt, rb, _ = FORMS[name]
+    m_ld = sa_t.shape[1]
+    assert sa_t.shape[0] == k // 32 and m_ld >= -(-m // bt) * bt and m_ld % 2 == 0 \
+        and sa_t.dtype == torch.float32 and sa_t.is_contiguous(), (sa_t.shape, m, bt)
+    a = a.contiguous()
+    assert a.data_ptr() % 16 == 0, "TMA needs a 16-byte aligned activation"
+    smem = smem_bytes(name)
+    kern = cuda_driver.kernel(SRC, name, smem, dev)
+    tw = cuda_driver.tensor_map_2d(w, BK, 64 * CONSUMERS * rb)
+    tx = cuda_driver.tensor_map_2d(a, BK, bt)
+    grid = (-(-n // (64 * CONSUMERS * rb)), splits, -(-m // bt))
+    sbytes = sb.view(torch.uint8)
+    if splits == 1:
+        kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, sa_t, sbytes, out, None, m, n, k, m_ld, scale_rows(n, k, sb)])
+        return out
+    ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
+    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, sa_t, sbytes, out, ws, m, n, k, m_ld, scale_rows(n, k, sb)])
+    total = m * n
+    red = cuda_driver.kernel(SRC, REDUCE, 0, dev)
+    red.launch(min(-(-total // 256), 8 * _num_sms(dev)), 256, 0, [ws, out, splits, total])
+    return out
+
+
+def fp8_decode_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, entry: str | None = None,
+                      splits: int | None = None) -> torch.Tensor:
+    """x [..., K] bf16, w [N, K] e4m3, w_scale E8M0 -> [..., N] bf16: act_quant per 32 (pow2 scales,
+    written transposed for the kernel) + fp8_decode_gemm (the release GEMM's values)."""
+    from .triton_quant import act_quant_fp8
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    bt = FORMS[entry][0] if entry else token_tile(m)
+    a, sa_t = act_quant_fp8(x2, scales_ld=max(2, -(-m // bt) * bt))
+    return fp8_decode_gemm(a, sa_t, w, w_scale, entry, splits).view(*x.shape[:-1], w.shape[0])

@@ -1,0 +1,137 @@
+"""Decode-sized FP8 linears on the GPU: the CUDA FP8 x FP8 decode GEMM (kernels/cuda_fp8_decode.py: weight rows
+on the wgmma's M side, tokens on N, split-K) against DeepGEMM (per-128 promotion on 128x128-tile weights: a speed
+reference, not the release's numbers), today's paths (the bf16-held weight on cuBLAS / the skinny kernel,
+select.dense_linear; the FP8 weight on select.fp8_linear's W8A16 / Triton FP8 kernels) and the copy bandwidth
+measured in the same run. Each path includes its activation quantization; every timing is a CUDA-graph replay
+over rotating weight copies (each set at least 4x the L2).
+
+    python perf/bench_fp8_decode.py [--m 1 16 64 128] [--forms]
+
+Prints per (linear, M): microseconds, the share of the copy bandwidth on the FP8 weight bytes, and the decode
+kernel's speed as a ratio to DeepGEMM and to the bf16-held path; --forms also times every row-block form
+and a few split counts. Writes bench_fp8_decode.json and fp8_decode_h200.png ($OUT or perf/results/).
+Checks the decode kernel against the release GEMM's reference (the FP8 MMA bound) before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "kernels"))
+
+from bench_fp8_prefill import DENSE  # noqa: E402
+from benchutil import copies_for, measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
+
+
+def weights(n: int, k: int, copies: int):
+    out = []
+    for _ in range(copies):
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.float8_e4m3fn)
+        s = torch.randint(118, 124, (-(-n // 32), k // 32), dtype=torch.uint8, device="cuda")
+        out.append((w, s))
+    return out
+
+
+def check(x, w, s) -> None:
+    from fp8_prefill_checks import outside_fp8_mma_bound
+
+    from deepinfer.kernels.cuda_fp8_decode import fp8_decode_linear
+    from deepinfer.kernels.triton_fp8_prefill import fp8_prefill_linear_ref
+    y = fp8_decode_linear(x, w, s).float()
+    r = fp8_prefill_linear_ref(x, w, s).float()
+    bad = outside_fp8_mma_bound(y, r, x, w, s)
+    assert not bad.any(), (tuple(x.shape), tuple(w.shape), (y - r).abs().max().item())
+
+
+def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool) -> list[dict]:
+    from deepinfer.kernels import deepgemm, select
+    from deepinfer.kernels.cuda_fp8_decode import FORMS, entry_name, fp8_decode_linear, plan, token_tile
+    from deepinfer.kernels.triton_dequant import dequant_fp8_bf16
+    from deepinfer.kernels.triton_quant import act_quant
+    nbytes = n * k * (1 + 1 / 1024)
+    ws = weights(n, k, copies_for(nbytes))
+    held = [dequant_fp8_bf16(w, s) for w, s in ws]
+    dg = deepgemm.load() is not None and n % 128 == 0 and k % 128 == 0
+    tiles = [deepgemm.cached_tile128(w, s) for w, s in ws] if dg else []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        check(x, *ws[0])
+        entry, splits = plan(m, n, k, sms)
+        r = {"name": name, "n": n, "k": k, "m": m, "entry": entry, "splits": splits}
+        r["decode_us"] = time_calls([lambda w=w, s=s: fp8_decode_linear(x, w, s) for w, s in ws]) * 1e6
+        r["bf16_held_us"] = time_calls([lambda h=h: select.dense_linear(act_quant(x), h) for h in held]) * 1e6
+        r["fp8_select_us"] = time_calls([lambda w=w, s=s: select.fp8_linear(x, w, s) for w, s in ws]) * 1e6
+        if dg:
+            r["deepgemm_us"] = time_calls([lambda p=p: deepgemm.linear(x, *p) for p in tiles]) * 1e6
+        if forms:
+            bt = token_tile(m)
+            for name_f in FORMS:
+                if FORMS[name_f][0] != bt:
+                    continue
+                for sp in sorted({1, max(1, splits // 2), splits, 2 * splits}):
+                    key = f"{name_f[len('fp8_decode_sm90_'):]}/s{sp}"
+                    r[f"form {key}_us"] = time_calls([lambda w=w, s=s: fp8_decode_linear(x, w, s, name_f, sp)
+                                                      for w, s in ws]) * 1e6
+        r["decode_of_copy"] = nbytes / (r["decode_us"] * 1e-6) / copy_bw
+        r["x_bf16_held"] = r["bf16_held_us"] / r["decode_us"]
+        r["x_fp8_select"] = r["fp8_select_us"] / r["decode_us"]
+        if dg:
+            r["x_deepgemm"] = r["deepgemm_us"] / r["decode_us"]
+        best = min((v, key) for key, v in r.items() if key.startswith("form ")) if forms else None
+        print(f"{name:11s} M {m:4d}: decode {r['decode_us']:7.1f} us ({r['decode_of_copy']:.2f} of copy, {entry} x{splits})"
+              f"  DeepGEMM {r.get('deepgemm_us', float('nan')):7.1f} (x {r.get('x_deepgemm', float('nan')):.2f})"
+              f"  bf16 held {r['bf16_held_us']:7.1f} (x {r['x_bf16_held']:.2f})  fp8 select {r['fp8_select_us']:7.1f}"
+              + (f"  best form {best[1][5:-3]} {best[0]:.1f}" if best else ""), flush=True)
+        out.append(r)
+    del ws, held, tiles
+    torch.cuda.empty_cache()
+    return out
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ms = sorted({r["m"] for r in rows})
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for m in ms:
+        sel = {r["name"]: r for r in rows if r["m"] == m}
+        axes[0].plot(names, [sel[n].get("x_deepgemm", float("nan")) for n in names], "o-", label=f"M {m}")
+        axes[1].plot(names, [sel[n]["decode_of_copy"] for n in names], "o-", label=f"M {m}")
+    axes[0].axhline(0.9, color="gray", ls="--", lw=1)
+    axes[0].set(title="CUDA FP8 decode GEMM / DeepGEMM (speed)", ylabel="x DeepGEMM")
+    axes[1].set(title="share of copy bandwidth (FP8 weight bytes)", ylim=(0, 1))
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128])
+    p.add_argument("--forms", action="store_true", help="also every row-block form and split counts")
+    a = p.parse_args()
+    peaks = measure_ceilings()
+    print(f"copy {peaks['copy_bw'] / 1e12:.2f} TB/s, FP8 peak {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s")
+    rows = []
+    for name, (n, k) in DENSE.items():
+        rows += rows_for(name, n, k, a.m, peaks["copy_bw"], a.forms)
+    save_json("bench_fp8_decode", {"peaks": peaks, "rows": rows})
+    plot(rows, os.path.join(out_dir(), "fp8_decode_h200.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The CUDA FP8 x FP8 decode GEMM (kernels/cuda_fp8_decode.py) against plain torch on an SM90 GPU. Run by
+test_cuda_fp8_decode.py (pytest -m gpu), or directly: python tests/kernels/cuda_fp8_decode_checks.py
+[smoke ENTRY].
+
+Ternary data ({-1, 0, 1} operands, power-of-two scales): every product and partial sum is exact in fp32,
+so every form and split count must give the float64 reference's bits. Random data: within
+fp8_prefill_checks.outside_fp8_mma_bound. Each entry point is smoke-tested in a child process first (a
+pipeline stall traps there, not in the test process)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cuda_fp8_checks import _smoke_all, diagnose, random_weight  # noqa: E402
+from fp8_prefill_checks import e8m0, outside_fp8_mma_bound, pow2, ref_gemm, ternary  # noqa: E402
+
+from deepinfer.kernels.cuda_fp8_decode import FORMS, fp8_decode_gemm, fp8_decode_linear  # noqa: E402
+from deepinfer.kernels.triton_fp8_prefill import fp8_prefill_linear_ref  # noqa: E402
+
+# tails in every dimension: tokens off every tile (and past 128: two token tiles), weight rows off the
+# 128 / 256-row CTA and the 32-row scale block, K with a 32-slice tail (160) and off a stage (1312)
+GRID_M = (1, 5, 16, 17, 40, 64, 100, 128, 130)
+GRID_N = (32, 200, 576, 1792 + 32)
+GRID_K = (32, 160, 1312, 5120)
+
+
+def transposed_scales(sa: torch.Tensor, bt: int) -> torch.Tensor:
+    """sa [M, K/32] -> [K/32, m_ld] zero-padded to the token tiles (act_quant_fp8(scales_ld=...)'s layout)."""
+    m, ks = sa.shape
+    t = torch.zeros(ks, max(2, -(-m // bt) * bt), dtype=torch.float32, device=sa.device)
+    t[:, :m] = sa.T
+    return t
+
+
+def ternary_operands(m, n, k, gen, device, per_row=False):
+    a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
+    sa = pow2((m, k // 32), -3, 3, gen, device)
+    w = ternary((n, k), gen, device).to(torch.float8_e4m3fn)
+    sb = e8m0((n if per_row else -(-n // 32), k // 32), gen, device)
+    return a, sa, w, sb
+
+
+def run(a, sa, w, sb, entry=None, splits=None):
+    from deepinfer.kernels.cuda_fp8_decode import token_tile
+    bt = FORMS[entry][0] if entry else token_tile(a.shape[0])
+    return fp8_decode_gemm(a, transposed_scales(sa, bt), w, sb, entry=entry, splits=splits)
+
+
+def smoke(entry: str, device="cuda") -> int:
+    gen = torch.Generator().manual_seed(9)
+    ok = True
+    for m, n, k in ((16, 256, 128), (5, 200, 160), (64, 1792, 5120), (128, 576, 1312), (1, 32, 32)):
+        a, sa, w, sb = ternary_operands(m, n, k, gen, device)
+        for splits in (1, 3):
+            y = run(a, sa, w, sb, entry, splits)
+            torch.cuda.synchronize()
+            r = ref_gemm(a.float(), sa, w, sb)
+            if not torch.equal(y, r):
+                ok = False
+                print(diagnose(y.T, r.T, f"{entry} {m}x{n}x{k} splits {splits} (rows = weight rows)"), flush=True)
+    print(f"smoke {entry}: {'ok' if ok else 'WRONG'}", flush=True)
+    return 0 if ok else 1
+
+
+def check_exact_grid(device="cuda"):
+    """Every entry point and split counts 1 / 2 / 5 (the plan's where None) bit-exact on ternary data,
+    32x32-block and per-(row, 32) weight scales."""
+    gen = torch.Generator().manual_seed(0)
+    count = 0
+    for per_row in (False, True):
+        for n in GRID_N:
+            for k in GRID_K:
+                w = ternary((n, k), gen, device).to(torch.float8_e4m3fn)
+                sb = e8m0((n if per_row else -(-n // 32), k // 32), gen, device)
+                for m in GRID_M:
+                    a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
+                    sa = pow2((m, k // 32), -3, 3, gen, device)
+                    r = ref_gemm(a.float(), sa, w, sb)
+                    for entry in FORMS:
+                        for splits in (None, 2, 5):
+                            y = run(a, sa, w, sb, entry, splits)
+                            assert torch.equal(y, r), (entry, splits, per_row, m, n, k, diagnose(y.T, r.T))
+                            count += 1
+    print(f"exact grid ({count} calls): ok")
+
+
+def check_random(device="cuda"):
+    """fp8_decode_linear on random bf16 activations and quant_fp8 / quant_fp8_rows weights within the FP8
+    MMA bound of the release GEMM's reference (fp8_prefill_linear_ref), at the release's dense shapes."""
+    gen = torch.Generator().manual_seed(1)
+    for kind in ("block", "rowk"):
+        for n, k in ((1792, 5120), (5120, 8192), (4608, 5120), (5120, 2304), (4096, 1280), (200, 160)):
+            q, s = random_weight(kind, n, k, gen, device)
+            for m in (1, 16, 64, 128):
+                x = torch.randn(m, k, generator=gen).bfloat16().to(device)
+                y = fp8_decode_linear(x, q, s).float()
+                r = fp8_prefill_linear_ref(x, q, s).float()
+                bad = outside_fp8_mma_bound(y, r, x, q, s)
+                assert not bad.any(), (kind, m, n, k, (y - r).abs().max().item(), int(bad.sum()))
+    print("random (release shapes, M 1 / 16 / 64 / 128): ok")
+
+
+def check_graph_capture(device="cuda"):
+    """A CUDA graph of fp8_decode_linear replays to the eager values on new inputs (one launch, and split-K
+    with its workspace and reduce inside the graph)."""
+    from deepinfer.checkpoint.generator import quant_fp8
+    gen = torch.Generator().manual_seed(3)
+    for m, n, k in ((64, 32768 // 4, 1280), (17, 1792, 5120)):
+        q, s = quant_fp8(torch.randn(n, k, generator=gen) * k ** -0.5)
+        q, s = q.to(device), s.view(torch.uint8).to(device)
+        x = torch.randn(m, k, generator=gen).bfloat16().to(device)
+        fp8_decode_linear(x, q, s)
+        torch.cuda.synchronize()
+        st = torch.cuda.Stream()
+        st.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(st):
+            fp8_decode_linear(x, q, s)
+        torch.cuda.current_stream().wait_stream(st)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fp8_decode_linear(x, q, s)
+        x.copy_(torch.randn(m, k, generator=gen).bfloat16())
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fp8_decode_linear(x, q, s)), (m, n, k)
+    print("graph capture: ok")
+
+
+def main(argv) -> int:
+    if argv[:1] == ["smoke"]:
+        return smoke(argv[1])
+    verdicts = _smoke_all(list(FORMS), script=os.path.abspath(__file__))
+    bad = {e: v for e, v in verdicts.items() if v != "ok"}
+    assert not bad, bad
+    check_exact_grid()
+    check_random()
+    check_graph_capture()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

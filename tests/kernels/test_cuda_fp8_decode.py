@@ -1,0 +1,111 @@
+"""The CUDA FP8 x FP8 decode GEMM (kernels/cuda/fp8_decode_sm90.cu, kernels/cuda_fp8_decode.py).
+
+CPU (CI): every form compiles for sm_90a with no spills and no serialized wgmma, its SASS has RB FP8 GMMAs
+of its token width per K = 32 slice; the plan's token tiles and split counts (every split non-empty,
+covering K); the decline rules. GPU (-m gpu, an SM90): cuda_fp8_decode_checks.main (every entry point
+smoked in a child, bit-exact on ternary data with forced split counts, random data within the FP8 MMA
+bound at the release shapes, graph capture)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepinfer.kernels import cuda_driver
+from deepinfer.kernels.cuda_fp8_decode import (FORMS, REDUCE, SRC, decline_reason, plan, smem_bytes, split_cost,
+                                               token_tile)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_cuda_fp8_gemm import _cuobjdump, _functions  # noqa: E402
+
+needs_nvcc = pytest.mark.skipif(cuda_driver.find_nvcc() is None, reason="no nvcc")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    saved = cuda_driver.CACHE_DIR
+    cuda_driver.CACHE_DIR = str(tmp_path_factory.mktemp("cubin"))
+    try:
+        yield cuda_driver.compile_cubin(SRC, "sm_90a")
+    finally:
+        cuda_driver.CACHE_DIR = saved
+
+
+@needs_nvcc
+def test_compiles_without_spills_or_serialized_wgmma(compiled):
+    cubin, log = compiled
+    funcs = _functions(log)
+    assert set(FORMS) | {REDUCE} <= set(funcs), sorted(funcs)
+    for name in (*FORMS, REDUCE):
+        assert "0 bytes spill stores, 0 bytes spill loads" in funcs[name], (name, funcs[name])
+    assert "C7514" not in log and "C7515" not in log and "serialized" not in log, log
+    assert "C7508" not in log, log
+    assert all(smem_bytes(name) <= 227 * 1024 for name in FORMS)
+
+
+@needs_nvcc
+def test_sass_has_the_token_wide_fp8_gmma(compiled):
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump next to nvcc or on PATH")
+    r = subprocess.run([tool, "-sass", compiled[0]], capture_output=True, text=True)
+    if r.returncode != 0 and "nvdisasm" in r.stderr:
+        pytest.skip("cuobjdump without nvdisasm")
+    assert r.returncode == 0, r.stderr
+    sass = {chunk.split()[0]: chunk for chunk in r.stdout.split("Function : ")[1:]}
+    for name, (bt, rb, _) in FORMS.items():
+        code = sass[name]
+        # RB row blocks x 4 slices a stage, weights (A) and tokens (B) both from shared memory
+        assert code.count(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3") == 4 * rb, name
+        assert "UTMALDG.2D" in code and "USETMAXREG" in code, name
+
+
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 33, 64, 65, 128, 129, 300])
+@pytest.mark.parametrize("n,k", [(1792, 5120), (32768, 1280), (5120, 8192), (4608, 5120), (5120, 2304),
+                                 (4096, 1280), (200, 160), (32, 32), (7000, 96)])
+def test_plan_covers_k_without_empty_splits(m, n, k):
+    name, splits = plan(m, n, k, 132)
+    bt, rb, _ = FORMS[name]
+    assert bt == token_tile(m) and (bt >= m or bt == 128)
+    nkb = -(-k // 128)
+    per = -(-nkb // splits)
+    assert 1 <= splits <= max(1, nkb // 2) and (splits - 1) * per < nkb      # the last split has stages
+    tiles = -(-n // (128 * rb)) * -(-m // bt)
+    for s in range(1, max(1, min(nkb // 2, 16)) + 1):                         # the least modelled cost
+        if -(-nkb // -(-nkb // s)) == s:                                      # of the counts with no empty split
+            assert split_cost(splits, tiles, m, k, 132) <= split_cost(s, tiles, m, k, 132) + 1e-9, (s, splits)
+
+
+def test_plan_fills_the_sms_where_the_rows_do_not():
+    # wo_b at 64 tokens: 20 CTAs of 256 rows, split 6 ways (120 CTAs on 132 SMs)
+    assert plan(64, 5120, 8192, 132) == ("fp8_decode_sm90_t64_rb2", 6)
+    # wq_b: 128 CTAs already cover the SMs
+    assert plan(64, 32768, 1280, 132)[1] == 1
+    assert plan(128, 5120, 8192, 132)[0] == "fp8_decode_sm90_t128_rb1"
+
+
+def test_decline_rules():
+    w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
+    blocks = torch.zeros(2, 8, dtype=torch.uint8)
+    if cuda_driver.find_nvcc() is not None:
+        assert decline_reason(16, 64, 256, w, blocks) is None
+        assert decline_reason(16, 64, 256, w, torch.zeros(64, 8, dtype=torch.uint8)) is None      # per (row, 32)
+    assert decline_reason(16, 64, 256, w, blocks.float()) is not None                            # f32 scales
+    assert decline_reason(16, 64, 256, w, torch.zeros(64, 1, dtype=torch.uint8)) is not None     # per row
+    assert decline_reason(16, 64, 256, w.bfloat16(), blocks) is not None
+    assert decline_reason(16, 32, 256, w[:, ::2].contiguous()[:32], blocks[:1]) is not None      # K mismatch
+    wt = torch.zeros(256, 64, dtype=torch.float8_e4m3fn).T                                       # not K-major
+    assert decline_reason(16, 64, 256, wt, blocks) is not None
+    assert decline_reason(16, 64, 256, w, blocks, device=torch.device("cpu")) is not None
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_decode_on_gpu():
+    if torch.cuda.get_device_capability() != (9, 0) or cuda_driver.find_nvcc() is None:
+        pytest.skip("needs an SM90 GPU and nvcc")
+    from cuda_fp8_decode_checks import main
+    assert main([]) == 0
