@@ -31,6 +31,7 @@ NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", "-Xptxas", "-v")
 # cuda.h enums (CUDA 12 / 13)
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_TENSOR_MAP_DATA_TYPE_UINT8 = 0
+CU_TENSOR_MAP_DATA_TYPE_FLOAT32 = 7
 CU_TENSOR_MAP_INTERLEAVE_NONE = 0
 CU_TENSOR_MAP_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
 CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
@@ -176,12 +177,13 @@ _maps_lock = threading.Lock()
 
 
 def tensor_map_2d(t: torch.Tensor, box_inner: int, box_outer: int, swizzle: int = 128, rows: int | None = None) -> TensorMap:
-    """TMA descriptor of a row-major 2-D tensor of 1-byte elements [rows, cols] with a (box_outer rows x
-    box_inner cols) box; rows past the tensor read as zeros. The row stride must be a multiple of 16 bytes
-    and the base 16-byte aligned (cuTensorMapEncodeTiled's rules). Memoized (_MAPS)."""
-    assert t.dim() == 2 and t.element_size() == 1 and t.stride(1) == 1, (t.shape, t.stride())
+    """TMA descriptor of a row-major 2-D tensor of 1-byte elements (or float32) [rows, cols] with a
+    (box_outer rows x box_inner cols) box; rows and columns past the tensor read as zeros. The row stride must
+    be a multiple of 16 bytes and the base 16-byte aligned (cuTensorMapEncodeTiled's rules). Memoized (_MAPS)."""
+    assert t.dim() == 2 and (t.element_size() == 1 or t.dtype == torch.float32) and t.stride(1) == 1, \
+        (t.shape, t.stride(), t.dtype)
     key = (t.data_ptr(), t.shape[1], rows if rows is not None else t.shape[0], t.stride(0), box_inner, box_outer,
-           swizzle)
+           swizzle, t.element_size())
     with _maps_lock:
         m = _MAPS.get(key)
         if m is not None:
@@ -199,10 +201,11 @@ def _encode_map_2d(t: torch.Tensor, box_inner: int, box_outer: int, swizzle: int
     lib = _libcuda()
     m = TensorMap()
     dims = (ctypes.c_uint64 * 2)(t.shape[1], rows if rows is not None else t.shape[0])
-    strides = (ctypes.c_uint64 * 1)(t.stride(0))
+    strides = (ctypes.c_uint64 * 1)(t.stride(0) * t.element_size())     # bytes
     box = (ctypes.c_uint32 * 2)(box_inner, box_outer)
     elem = (ctypes.c_uint32 * 2)(1, 1)
-    _check(lib, lib.cuTensorMapEncodeTiled(ctypes.c_void_p(m.addr), CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+    dtype = CU_TENSOR_MAP_DATA_TYPE_FLOAT32 if t.dtype == torch.float32 else CU_TENSOR_MAP_DATA_TYPE_UINT8
+    _check(lib, lib.cuTensorMapEncodeTiled(ctypes.c_void_p(m.addr), dtype, 2,
                                            ctypes.c_void_p(t.data_ptr()), dims, strides, box, elem,
                                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE[swizzle],
                                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),

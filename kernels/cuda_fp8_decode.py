@@ -74,9 +74,10 @@ def split_cost(s: int, tiles: int, m: int, k: int, sms: int) -> float:
 
 
 def smem_bytes(name: str) -> int:
-    """1024 bytes of alignment slack + the stages' weight and token tiles + 2 mbarriers a stage."""
+    """1024 bytes of alignment slack + the stages' weight and token tiles, their token scales (4 slices x BT
+    f32) and 2 mbarriers a stage."""
     bt, rb, stages = FORMS[name]
-    return 1024 + stages * (64 * CONSUMERS * rb + bt) * BK + 16 * stages
+    return 1024 + stages * ((64 * CONSUMERS * rb + bt) * BK + 16 * bt + 16)
 
 
 def scale_rows(n: int, k: int, sb: torch.Tensor) -> int | None:
@@ -121,7 +122,7 @@ def decline_reason(m: int, n: int, k: int, w: torch.Tensor, sb: torch.Tensor, de
 
 def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: torch.Tensor,
                     entry: str | None = None, splits: int | None = None) -> torch.Tensor:
-    """a [M, K] e4m3, sa_t [K/32, m_ld] f32 (m_ld >= M rounded up to the token tile, zero past M), w [N, K]
+    """a [M, K] e4m3, sa_t [K/32, m_ld] f32 (m_ld >= M a multiple of 4; TMA zero-fills past it), w [N, K]
     e4m3, sb E8M0 [ceil(N/32), K/32] / [N, K/32] -> [M, N] bf16. entry / splits override plan's."""
     m, k = a.shape
     n = w.shape[0]
@@ -137,21 +138,22 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     name, splits = entry or name, splits or s
     bt, rb, _ = FORMS[name]
     m_ld = sa_t.shape[1]
-    assert sa_t.shape[0] == k // 32 and m_ld >= -(-m // bt) * bt and m_ld % 2 == 0 \
-        and sa_t.dtype == torch.float32 and sa_t.is_contiguous(), (sa_t.shape, m, bt)
+    assert sa_t.shape[0] == k // 32 and m_ld >= m and m_ld % 4 == 0 and sa_t.dtype == torch.float32 \
+        and sa_t.is_contiguous() and sa_t.data_ptr() % 16 == 0, (sa_t.shape, m, bt)
     a = a.contiguous()
     assert a.data_ptr() % 16 == 0, "TMA needs a 16-byte aligned activation"
     smem = smem_bytes(name)
     kern = cuda_driver.kernel(SRC, name, smem, dev)
     tw = cuda_driver.tensor_map_2d(w, BK, 64 * CONSUMERS * rb)
     tx = cuda_driver.tensor_map_2d(a, BK, bt)
+    tsa = cuda_driver.tensor_map_2d(sa_t, bt, 4, swizzle=0)      # [4 slices, BT tokens] a stage
     grid = (-(-n // (64 * CONSUMERS * rb)), splits, -(-m // bt))
     sbytes = sb.view(torch.uint8)
     if splits == 1:
-        kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, sa_t, sbytes, out, None, m, n, k, m_ld, scale_rows(n, k, sb)])
+        kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, sbytes, out, None, m, n, k, scale_rows(n, k, sb)])
         return out
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
-    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, sa_t, sbytes, out, ws, m, n, k, m_ld, scale_rows(n, k, sb)])
+    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, sbytes, out, ws, m, n, k, scale_rows(n, k, sb)])
     total = m * n
     red = cuda_driver.kernel(SRC, REDUCE, 0, dev)
     red.launch(min(-(-total // 256), 8 * _num_sms(dev)), 256, 0, [ws, out, splits, total])
@@ -165,6 +167,5 @@ def fp8_decode_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, e
     from .triton_quant import act_quant_fp8
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    bt = FORMS[entry][0] if entry else token_tile(m)
-    a, sa_t = act_quant_fp8(x2, scales_ld=max(2, -(-m // bt) * bt))
+    a, sa_t = act_quant_fp8(x2, scales_ld=-(-m // 4) * 4)
     return fp8_decode_gemm(a, sa_t, w, w_scale, entry, splits).view(*x.shape[:-1], w.shape[0])

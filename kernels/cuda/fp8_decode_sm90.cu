@@ -17,11 +17,12 @@
 // wgmmas fill the tensor cores meanwhile. acc + temporaries: 2 RB x BT / 2 floats a thread, plus the
 // slice's BT / 4 token scales (BT 128 takes RB 1: at RB 2 ptxas spills 2 KB).
 //
-// Scales: saT [K/32, m_ld] f32, the activation scales transposed and zero-padded to m_ld >= the token
-// tiles' end (a float2 per token pair of the fragment, never out of bounds); sb [ceil(N/R), K/32] E8M0
+// Scales: saT [K/32, m_ld] f32, the activation scales transposed (act_quant_fp8(scales_ld=...)), TMA-loaded
+// with each stage as a [4 slices, BT tokens] tile (a float2 per token pair of the fragment from shared
+// memory: from global memory each promotion waited on L2, ~6x slower at 64 tokens); sb [ceil(N/R), K/32] E8M0
 // bytes as the checkpoint holds them (e8m0_scale: the bits e << 23, reference.e8m0_to_float's values).
-// Tails: TMA zero-fills rows past N / M and K columns past K; slices past K/32 and rows past N get scale
-// 0; stores are masked. Split-K: gridDim.y splits take equal runs of the K stages; with more than one
+// Tails: TMA zero-fills rows past N / M, K columns past K and scale rows past K/32; rows past N get weight
+// scale 0; stores are masked. The weight scales of the next stage are loaded into registers a stage ahead. Split-K: gridDim.y splits take equal runs of the K stages; with more than one
 // the CTA stores fp32 partials to ws [splits, M, N] and fp8_splitk_reduce sums them in split order.
 
 #include <cuda.h>
@@ -97,22 +98,39 @@ __device__ __forceinline__ void promote_tokens(float (&acc)[R], const float (&tm
     }
 }
 
+// This thread's weight scales of K stage kb: [row block][row r0 / r1][slice] (0 past K/32 or N).
+template <int RB>
+__device__ __forceinline__ void load_weight_scales(float (&w)[RB][2][SLICES], const uint8_t* const (&r0)[RB],
+                                                   const uint8_t* const (&r1)[RB], int kb, int ks) {
+#pragma unroll
+    for (int j = 0; j < SLICES; ++j) {
+        const int g = kb * SLICES + j;
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb) {
+            w[rb][0][j] = (g < ks && r0[rb] != nullptr) ? e8m0_scale(r0[rb] + g) : 0.f;
+            w[rb][1][j] = (g < ks && r1[rb] != nullptr) ? e8m0_scale(r1[rb] + g) : 0.f;
+        }
+    }
+}
+
 template <int BT, int RB, int STAGES>
 __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUtensorMap* tmap_x,
-                                            const float* __restrict__ saT, const uint8_t* __restrict__ sb,
+                                            const CUtensorMap* tmap_sa, const uint8_t* __restrict__ sb,
                                             __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N,
-                                            int K, int m_ld, int sb_rows) {
+                                            int K, int sb_rows) {
     constexpr int NCONS = 2;
     constexpr int ROWS = 64 * RB * NCONS;     // weight rows a CTA
     constexpr int R = BT / 2;                 // floats a thread per row block
     constexpr uint32_t W_BYTES = ROWS * BK, X_BYTES = BT * BK;
+    constexpr uint32_t SA_BYTES = SLICES * BT * 4;   // the stage's token scales, [slice][token] f32
     static_assert(ROWS <= 256, "a TMA box has at most 256 rows");
     static_assert(X_BYTES % 1024 == 0, "each stage's token tile starts on a swizzle atom");
 
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const uint32_t w_smem = base, x_smem = base + STAGES * W_BYTES;
-    const uint32_t bars = x_smem + STAGES * X_BYTES;   // full[STAGES], then empty[STAGES]
+    const uint32_t w_smem = base, x_smem = base + STAGES * W_BYTES, sa_smem = x_smem + STAGES * X_BYTES;
+    const uint32_t bars = sa_smem + STAGES * SA_BYTES;   // full[STAGES], then empty[STAGES]
+    const float* sa_tiles = reinterpret_cast<const float*>(smem_raw + (sa_smem - smem_u32(smem_raw)));
     auto full_bar = [&](int s) { return bars + 8u * s; };
     auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
 
@@ -136,13 +154,16 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
         if (tid == 0) {
             tma_prefetch(tmap_w);
             tma_prefetch(tmap_x);
+            tma_prefetch(tmap_sa);
             int stage = 0;
             uint32_t phase = 0;
             for (int kb = kb0; kb < kb1; ++kb) {
                 mbar_wait_or_trap(empty_bar(stage), phase ^ 1);
-                mbar_arrive_expect_tx(full_bar(stage), W_BYTES + X_BYTES);
+                mbar_arrive_expect_tx(full_bar(stage), W_BYTES + X_BYTES + SA_BYTES);
                 tma_load_2d(w_smem + stage * W_BYTES, tmap_w, full_bar(stage), kb * BK, n0);
                 tma_load_2d(x_smem + stage * X_BYTES, tmap_x, full_bar(stage), kb * BK, t0);
+                // slices past K/32 read as zero scales (the map's rows end at K/32)
+                tma_load_2d(sa_smem + stage * SA_BYTES, tmap_sa, full_bar(stage), t0, kb * SLICES);
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             const int nloads = kb1 - kb0;   // the consumers' releases of the last loads (the hang check)
@@ -164,7 +185,6 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
         sb_r0[rb] = r0 < N ? sb + static_cast<int64_t>(r0 / sb_rows) * ks : nullptr;
         sb_r1[rb] = r1 < N ? sb + static_cast<int64_t>(r1 / sb_rows) * ks : nullptr;
     }
-    const float* sa_col = saT + t0 + 2 * q;    // + g * m_ld + 8 f: tokens t0 + 8f + 2q, + 1
 
     float acc[RB][R], tmp[RB][R];
 #pragma unroll
@@ -172,17 +192,27 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
 #pragma unroll
         for (int i = 0; i < R; ++i) acc[rb][i] = 0.f;
 
+    // weight scales one stage ahead in registers: a load's latency (L2 under the weight stream: ~1k
+    // cycles) hides behind a whole stage instead of stalling every slice's promotion
+    float wsc[RB][2][SLICES], wnext[RB][2][SLICES];
+    load_weight_scales<RB>(wnext, sb_r0, sb_r1, kb0, ks);
     int stage = 0;
     uint32_t phase = 0;
     for (int kb = kb0; kb < kb1; ++kb) {
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int j = 0; j < SLICES; ++j) wsc[rb][h][j] = wnext[rb][h][j];
+        load_weight_scales<RB>(wnext, sb_r0, sb_r1, kb + 1, ks);
         mbar_wait(full_bar(stage), phase);
         __syncwarp();                                  // converged for the .aligned wgmma instructions
         const uint64_t dw = sw128_desc(w_smem + stage * W_BYTES + 64 * RB * wg * BK);
         const uint64_t dx = sw128_desc(x_smem + stage * X_BYTES);
+        const float* sa_stage = sa_tiles + stage * (SA_BYTES / 4) + 2 * q;
 #pragma unroll
         for (int j = 0; j < SLICES; ++j) {
-            const int g = kb * SLICES + j;
-            const bool k_ok = g < ks;
             // every row block's wgmma in flight, then each promoted as it completes
 #pragma unroll
             for (int rb = 0; rb < RB; ++rb) {
@@ -191,23 +221,18 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
                 wgmma_tokens<BT>(tmp[rb], dw + (64 * BK >> 4) * rb + 2 * j, dx + 2 * j);   // + 32 bytes a slice
                 wgmma_commit();
             }
-            // the slice's scales, loaded under its wgmmas
-            float2 ts[R / 4];
-            const float* srow = sa_col + static_cast<int64_t>(k_ok ? g : 0) * m_ld;
+            float2 ts[R / 4];                          // tokens 8f + 2q, + 1 of slice j (shared memory)
 #pragma unroll
-            for (int f = 0; f < R / 4; ++f)
-                ts[f] = k_ok ? __ldg(reinterpret_cast<const float2*>(srow + 8 * f)) : make_float2(0.f, 0.f);
+            for (int f = 0; f < R / 4; ++f) ts[f] = *reinterpret_cast<const float2*>(sa_stage + j * BT + 8 * f);
 #pragma unroll
             for (int rb = 0; rb < RB; ++rb) {
-                const float w0 = (k_ok && sb_r0[rb] != nullptr) ? e8m0_scale(sb_r0[rb] + g) : 0.f;
-                const float w1 = (k_ok && sb_r1[rb] != nullptr) ? e8m0_scale(sb_r1[rb] + g) : 0.f;
                 if (rb == RB - 1) wgmma_wait<0>();
-                else wgmma_wait<RB - 1>();         // RB <= 2: row block 0 done, row block 1 may run
+                else wgmma_wait<RB - 1>();             // RB <= 2: row block 0 done, row block 1 may run
                 fence_regs(tmp[rb]);
-                promote_tokens(acc[rb], tmp[rb], w0, w1, ts);
+                promote_tokens(acc[rb], tmp[rb], wsc[rb][0][j], wsc[rb][1][j], ts);
             }
         }
-        if (lane == 0) mbar_arrive(empty_bar(stage));  // every wgmma reading this stage has completed
+        if (lane == 0) mbar_arrive(empty_bar(stage));  // every wgmma and scale read of this stage is done
         if (++stage == STAGES) stage = 0, phase ^= 1;
     }
 
@@ -238,14 +263,14 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
 
 // Entry points (C names for cuModuleGetFunction). Launch: grid (ceil(N / (128 RB)), splits, ceil(M / BT)),
 // block 384 (two consumer warpgroups, then the producer), dynamic shared memory
-// 1024 + STAGES * (128 RB + BT) * 128 + 16 * STAGES (kernels/cuda_fp8_decode.py FORMS must match).
-// sb_rows: 32 (sb per 32x32 block) or 1 (per (row, 32)).
-#define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES)                                                      \
+// 1024 + STAGES * ((128 RB + BT) * 128 + 16 BT + 16) (kernels/cuda_fp8_decode.py FORMS must match).
+// tmap_sa: the token scales saT [K/32, m_ld] f32, box (BT, 4). sb_rows: 32 (sb per 32x32 block) or 1 (per (row, 32)).
+#define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES)                                                               \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                     \
         NAME(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,         \
-             const float* __restrict__ saT, const uint8_t* __restrict__ sb, __nv_bfloat16* __restrict__ c,    \
-             float* __restrict__ ws, int M, int N, int K, int m_ld, int sb_rows) {                          \
-        fp8dec::decode_body<BT, RB, STAGES>(&tmap_w, &tmap_x, saT, sb, c, ws, M, N, K, m_ld, sb_rows); \
+             const __grid_constant__ CUtensorMap tmap_sa, const uint8_t* __restrict__ sb,                    \
+             __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N, int K, int sb_rows) {      \
+        fp8dec::decode_body<BT, RB, STAGES>(&tmap_w, &tmap_x, &tmap_sa, sb, c, ws, M, N, K, sb_rows);         \
     }
 
 FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2, 16, 2, 6)
