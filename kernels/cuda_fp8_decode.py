@@ -28,8 +28,8 @@ SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "fp8_deco
 BK = 128
 CONSUMERS = 2
 # entry -> (token tile BT, row blocks RB, stages); must match FP8_DECODE_ENTRY in the .cu
-FORMS = {"fp8_decode_sm90_t16_rb2": (16, 2, 5),
-         "fp8_decode_sm90_t32_rb2": (32, 2, 5),
+FORMS = {"fp8_decode_sm90_t16_rb2": (16, 2, 6),
+         "fp8_decode_sm90_t32_rb2": (32, 2, 6),
          "fp8_decode_sm90_t64_rb2": (64, 2, 5),
          "fp8_decode_sm90_t16_rb1": (16, 1, 8),
          "fp8_decode_sm90_t32_rb1": (32, 1, 8),
@@ -75,10 +75,9 @@ def split_cost(s: int, tiles: int, m: int, k: int, sms: int) -> float:
 
 def smem_bytes(name: str) -> int:
     """1024 bytes of alignment slack + the stages' weight and token tiles, their token scales (4 slices x BT
-    f32) and weight scales (rows x 4 slices f32), 2 mbarriers a stage."""
+    f32) and 2 mbarriers a stage."""
     bt, rb, stages = FORMS[name]
-    rows = 64 * CONSUMERS * rb
-    return 1024 + stages * ((rows + bt) * BK + 16 * bt + 16 * rows + 16)
+    return 1024 + stages * ((64 * CONSUMERS * rb + bt) * BK + 16 * bt + 16)
 
 
 def scale_rows(n: int, k: int, sb: torch.Tensor) -> int | None:

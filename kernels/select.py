@@ -44,7 +44,7 @@ Knobs (environment, read once):
     DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
                                  on the first FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and
                                  the MoE's large steps in the grouped contiguous form on it
-    DEEPINFER_FP8_DECODE_MAX_M   FP8 linears of at most this many rows (128; 0: never) on the CUDA FP8 x FP8
+    DEEPINFER_FP8_DECODE_MAX_M   FP8 linears of at most this many rows (default 0: never; opt-in, slower today) on the CUDA FP8 x FP8
                                  decode GEMM (cuda_fp8_decode: weight rows on the MMA's M side, tokens on N,
                                  split-K), ahead of every path above but DeepGEMM: the release bytes read
                                  once, E8M0 scales per 32x32 block or per (row, 32); and the FP8 copy a
@@ -99,7 +99,9 @@ if PREFILL_GEMM not in ("auto", "fp8", "w8a16", "cuda", "bf16") + FP8_VARIANTS:
 # auto: dense FP8 linears of at least this many rows dequantize the weight to bf16 (exact) and run
 # cuBLAS's bf16 GEMM (kernels/triton_dequant.py says why that is the release's arithmetic); 0: never
 BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "256"))
-FP8_DECODE_MAX_M = int(os.environ.get("DEEPINFER_FP8_DECODE_MAX_M", "128"))
+# 0 (off) by default: on the H200 (2026-12-05, perf/bench_fp8_decode.py) the decode GEMM ran 0.5-0.9x
+# DeepGEMM and slower than W8A16 / the bf16-held cuBLAS path at 64+ tokens (latency-bound: see H200_NOTES)
+FP8_DECODE_MAX_M = int(os.environ.get("DEEPINFER_FP8_DECODE_MAX_M", "0"))
 # auto: the MoE's grouped contiguous GEMMs of at least this many token-expert rows dequantize the whole
 # expert stack to bf16 (exact, as the dense linears) and run one bf16 grouped GEMM (torch._grouped_mm)
 # instead of the CUDA FP8 x FP8 kernel; the dequant (3 bytes of traffic per stack element) pays only on

@@ -22,7 +22,7 @@
 // memory: from global memory each promotion waited on L2, ~6x slower at 64 tokens); sb [ceil(N/R), K/32] E8M0
 // bytes as the checkpoint holds them (e8m0_scale: the bits e << 23, reference.e8m0_to_float's values).
 // Tails: TMA zero-fills rows past N / M, K columns past K and scale rows past K/32; rows past N get weight
-// scale 0; stores are masked. The producer's second warp stages each K stage's weight scales in shared memory. Split-K: gridDim.y splits take equal runs of the K stages; with more than one
+// scale 0; stores are masked. The weight scales of the next stage are loaded into registers a stage ahead. Split-K: gridDim.y splits take equal runs of the K stages; with more than one
 // the CTA stores fp32 partials to ws [splits, M, N] and fp8_splitk_reduce sums them in split order.
 
 #include <cuda.h>
@@ -98,8 +98,19 @@ __device__ __forceinline__ void promote_tokens(float (&acc)[R], const float (&tm
     }
 }
 
-__device__ __forceinline__ float component(const float4& v, int j) {
-    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+// This thread's weight scales of K stage kb: [row block][row r0 / r1][slice] (0 past K/32 or N).
+template <int RB>
+__device__ __forceinline__ void load_weight_scales(float (&w)[RB][2][SLICES], const uint8_t* const (&r0)[RB],
+                                                   const uint8_t* const (&r1)[RB], int kb, int ks) {
+#pragma unroll
+    for (int j = 0; j < SLICES; ++j) {
+        const int g = kb * SLICES + j;
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb) {
+            w[rb][0][j] = (g < ks && r0[rb] != nullptr) ? e8m0_scale(r0[rb] + g) : 0.f;
+            w[rb][1][j] = (g < ks && r1[rb] != nullptr) ? e8m0_scale(r1[rb] + g) : 0.f;
+        }
+    }
 }
 
 template <int BT, int RB, int STAGES>
@@ -112,17 +123,14 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     constexpr int R = BT / 2;                 // floats a thread per row block
     constexpr uint32_t W_BYTES = ROWS * BK, X_BYTES = BT * BK;
     constexpr uint32_t SA_BYTES = SLICES * BT * 4;   // the stage's token scales, [slice][token] f32
-    constexpr uint32_t WS_BYTES = ROWS * SLICES * 4; // its weight scales, [row][slice] f32 (producer warp 1)
     static_assert(ROWS <= 256, "a TMA box has at most 256 rows");
     static_assert(X_BYTES % 1024 == 0, "each stage's token tile starts on a swizzle atom");
 
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t w_smem = base, x_smem = base + STAGES * W_BYTES, sa_smem = x_smem + STAGES * X_BYTES;
-    const uint32_t ws_smem = sa_smem + STAGES * SA_BYTES;
-    const uint32_t bars = ws_smem + STAGES * WS_BYTES;   // full[STAGES], then empty[STAGES]
+    const uint32_t bars = sa_smem + STAGES * SA_BYTES;   // full[STAGES], then empty[STAGES]
     const float* sa_tiles = reinterpret_cast<const float*>(smem_raw + (sa_smem - smem_u32(smem_raw)));
-    float* ws_tiles = reinterpret_cast<float*>(smem_raw + (ws_smem - smem_u32(smem_raw)));
     auto full_bar = [&](int s) { return bars + 8u * s; };
     auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
 
@@ -134,7 +142,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_bar(s), 1 + 32);       // the TMA thread's arrive (+ bytes), warp 1's 32 lanes
+            mbar_init(full_bar(s), 1);
             mbar_init(empty_bar(s), 4 * NCONS);   // one arrival per consumer warp
         }
         mbar_fence_init();
@@ -161,32 +169,6 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
             const int nloads = kb1 - kb0;   // the consumers' releases of the last loads (the hang check)
             for (int j = max(0, nloads - STAGES); j < nloads; ++j)
                 mbar_wait_or_trap(empty_bar(j % STAGES), (j / STAGES) & 1);
-        } else if (tid / 32 == 1) {
-            // warp 1: the stage's weight scales as f32 [row][slice] into shared memory, STAGES ahead of the
-            // consumers like the TMA loads (read in the promotion from global memory, each waited ~1k cycles
-            // on L2 / DRAM under the weight stream: the first H200 runs, 0.07-0.47 of copy)
-            const int lane = tid % 32;
-            int stage = 0;
-            uint32_t phase = 0;
-            for (int kb = kb0; kb < kb1; ++kb) {
-                mbar_wait_or_trap(empty_bar(stage), phase ^ 1);
-                float* dst = ws_tiles + stage * (WS_BYTES / 4);
-                for (int i = lane; i < ROWS; i += 32) {
-                    const int row = n0 + i;
-                    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-                    if (row < N) {
-                        const uint8_t* p = sb + static_cast<int64_t>(row / sb_rows) * ks + kb * SLICES;
-                        const int left = ks - kb * SLICES;   // slices of this stage inside K/32
-                        v.x = left > 0 ? e8m0_scale(p) : 0.f;
-                        v.y = left > 1 ? e8m0_scale(p + 1) : 0.f;
-                        v.z = left > 2 ? e8m0_scale(p + 2) : 0.f;
-                        v.w = left > 3 ? e8m0_scale(p + 3) : 0.f;
-                    }
-                    reinterpret_cast<float4*>(dst)[i] = v;
-                }
-                mbar_arrive(full_bar(stage));         // release: this lane's stores before the consumers' wait
-                if (++stage == STAGES) stage = 0, phase ^= 1;
-            }
         }
         return;
     }
@@ -195,26 +177,40 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     const int warp = tid / 32, lane = tid % 32, q = lane % 4;
     // this thread's weight rows: row block rb's r0 = row0 + 64 rb, r1 = r0 + 8
     const int row0 = n0 + 64 * RB * wg + 16 * warp + lane / 4;
+    const uint8_t* sb_r0[RB];
+    const uint8_t* sb_r1[RB];
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb) {
+        const int r0 = row0 + 64 * rb, r1 = r0 + 8;
+        sb_r0[rb] = r0 < N ? sb + static_cast<int64_t>(r0 / sb_rows) * ks : nullptr;
+        sb_r1[rb] = r1 < N ? sb + static_cast<int64_t>(r1 / sb_rows) * ks : nullptr;
+    }
+
     float acc[RB][R], tmp[RB][R];
 #pragma unroll
     for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
         for (int i = 0; i < R; ++i) acc[rb][i] = 0.f;
 
+    // weight scales one stage ahead in registers: a load's latency (L2 under the weight stream: ~1k
+    // cycles) hides behind a whole stage instead of stalling every slice's promotion
+    float wsc[RB][2][SLICES], wnext[RB][2][SLICES];
+    load_weight_scales<RB>(wnext, sb_r0, sb_r1, kb0, ks);
     int stage = 0;
     uint32_t phase = 0;
     for (int kb = kb0; kb < kb1; ++kb) {
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int j = 0; j < SLICES; ++j) wsc[rb][h][j] = wnext[rb][h][j];
+        load_weight_scales<RB>(wnext, sb_r0, sb_r1, kb + 1, ks);
         mbar_wait(full_bar(stage), phase);
         __syncwarp();                                  // converged for the .aligned wgmma instructions
         const uint64_t dw = sw128_desc(w_smem + stage * W_BYTES + 64 * RB * wg * BK);
         const uint64_t dx = sw128_desc(x_smem + stage * X_BYTES);
         const float* sa_stage = sa_tiles + stage * (SA_BYTES / 4) + 2 * q;
-        float4 wsc[RB][2];                             // rows r0 / r1 of each row block: 4 slices' scales
-#pragma unroll
-        for (int rb = 0; rb < RB; ++rb)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                wsc[rb][h] = reinterpret_cast<const float4*>(ws_tiles + stage * (WS_BYTES / 4))[row0 - n0 + 64 * rb + 8 * h];
 #pragma unroll
         for (int j = 0; j < SLICES; ++j) {
             // every row block's wgmma in flight, then each promoted as it completes
@@ -233,7 +229,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
                 if (rb == RB - 1) wgmma_wait<0>();
                 else wgmma_wait<RB - 1>();             // RB <= 2: row block 0 done, row block 1 may run
                 fence_regs(tmp[rb]);
-                promote_tokens(acc[rb], tmp[rb], component(wsc[rb][0], j), component(wsc[rb][1], j), ts);
+                promote_tokens(acc[rb], tmp[rb], wsc[rb][0][j], wsc[rb][1][j], ts);
             }
         }
         if (lane == 0) mbar_arrive(empty_bar(stage));  // every wgmma and scale read of this stage is done
@@ -267,7 +263,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
 
 // Entry points (C names for cuModuleGetFunction). Launch: grid (ceil(N / (128 RB)), splits, ceil(M / BT)),
 // block 384 (two consumer warpgroups, then the producer), dynamic shared memory
-// 1024 + STAGES * ((128 RB + BT) * 128 + 16 BT + 2048 RB + 16) (kernels/cuda_fp8_decode.py FORMS must match).
+// 1024 + STAGES * ((128 RB + BT) * 128 + 16 BT + 16) (kernels/cuda_fp8_decode.py FORMS must match).
 // tmap_sa: the token scales saT [K/32, m_ld] f32, box (BT, 4). sb_rows: 32 (sb per 32x32 block) or 1 (per (row, 32)).
 #define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES)                                                               \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                     \
@@ -277,8 +273,8 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
         fp8dec::decode_body<BT, RB, STAGES>(&tmap_w, &tmap_x, &tmap_sa, sb, c, ws, M, N, K, sb_rows);         \
     }
 
-FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2, 16, 2, 5)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb2, 32, 2, 5)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2, 16, 2, 6)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb2, 32, 2, 6)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb2, 64, 2, 5)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1, 16, 1, 8)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1, 32, 1, 8)

@@ -103,6 +103,25 @@ def test_decline_rules():
     assert decline_reason(16, 64, 256, w, blocks, device=torch.device("cpu")) is not None
 
 
+def test_select_takes_it_only_where_opted_in(monkeypatch):
+    """select.fp8_decode_takes: never on a CPU tensor, never with DEEPINFER_FP8_DECODE_MAX_M 0 (the default),
+    never above the limit or in batch-invariant mode."""
+    from deepinfer.kernels import select
+    w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(2, 8, dtype=torch.uint8)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    assert select.FP8_DECODE_MAX_M == int(os.environ.get("DEEPINFER_FP8_DECODE_MAX_M", "0"))
+    monkeypatch.setattr(select, "FP8_DECODE_MAX_M", 128)
+    assert not select.fp8_decode_takes(x, w, s)                       # a CPU tensor
+    if torch.cuda.is_available():
+        xc, wc, sc = x.cuda(), w.cuda(), s.cuda()
+        ok = torch.cuda.get_device_capability() == (9, 0) and cuda_driver.find_nvcc() is not None
+        assert select.fp8_decode_takes(xc, wc, sc) == ok
+        assert not select.fp8_decode_takes(torch.zeros(129, 256, dtype=torch.bfloat16, device="cuda"), wc, sc)
+        monkeypatch.setattr(select, "FP8_DECODE_MAX_M", 0)
+        assert not select.fp8_decode_takes(xc, wc, sc)
+
+
 @pytest.mark.gpu
 def test_cuda_fp8_decode_on_gpu():
     if torch.cuda.get_device_capability() != (9, 0) or cuda_driver.find_nvcc() is None:
