@@ -99,7 +99,7 @@ if PREFILL_GEMM not in ("auto", "fp8", "w8a16", "cuda", "bf16") + FP8_VARIANTS:
 # auto: dense FP8 linears of at least this many rows dequantize the weight to bf16 (exact) and run
 # cuBLAS's bf16 GEMM (kernels/triton_dequant.py says why that is the release's arithmetic); 0: never
 BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "256"))
-# 0 (off) by default: on the H200 (2026-12-05, perf/bench_fp8_decode.py) the decode GEMM ran 0.5-0.9x
+# 0 (off) by default: on the H200 (2026-12-04, perf/bench_fp8_decode.py) the decode GEMM ran 0.5-0.9x
 # DeepGEMM and slower than W8A16 / the bf16-held cuBLAS path at 64+ tokens (latency-bound: see H200_NOTES)
 FP8_DECODE_MAX_M = int(os.environ.get("DEEPINFER_FP8_DECODE_MAX_M", "0"))
 # auto: the MoE's grouped contiguous GEMMs of at least this many token-expert rows dequantize the whole
