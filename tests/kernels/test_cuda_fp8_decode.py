@@ -20,19 +20,12 @@ from deepinfer.kernels.cuda_fp8_decode import (FORMS, REDUCE, SRC, decline_reaso
                                                token_tile)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_cuda_fp8_gemm import _cuobjdump, _functions  # noqa: E402
-
-needs_nvcc = pytest.mark.skipif(cuda_driver.find_nvcc() is None, reason="no nvcc")
+from test_cuda_fp8_gemm import _cuobjdump, _functions, fresh_compile, needs_nvcc  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    saved = cuda_driver.CACHE_DIR
-    cuda_driver.CACHE_DIR = str(tmp_path_factory.mktemp("cubin"))
-    try:
-        yield cuda_driver.compile_cubin(SRC, "sm_90a")
-    finally:
-        cuda_driver.CACHE_DIR = saved
+    yield from fresh_compile(tmp_path_factory, SRC)
 
 
 @needs_nvcc

@@ -26,15 +26,19 @@ from deepinfer.kernels.grouped_rows import grouped_tiles  # noqa: E402
 needs_nvcc = pytest.mark.skipif(cuda_driver.find_nvcc() is None, reason="no nvcc")
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """A fresh compile (not the user's cache): (cubin path, ptxas log)."""
+def fresh_compile(tmp_path_factory, src: str):
+    """A fresh compile of src (not the user's cache): yields (cubin path, ptxas log)."""
     saved = cuda_driver.CACHE_DIR
     cuda_driver.CACHE_DIR = str(tmp_path_factory.mktemp("cubin"))
     try:
-        yield cuda_driver.compile_cubin(SRC, "sm_90a")
+        yield cuda_driver.compile_cubin(src, "sm_90a")
     finally:
         cuda_driver.CACHE_DIR = saved
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    yield from fresh_compile(tmp_path_factory, SRC)
 
 
 def _functions(log: str) -> dict[str, str]:
