@@ -148,16 +148,13 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     tx = cuda_driver.tensor_map_2d(a, BK, bt)
     tsa = cuda_driver.tensor_map_2d(sa_t, bt, 4, swizzle=0)      # [4 slices, BT tokens] a stage
     grid = (-(-n // (64 * CONSUMERS * rb)), splits, -(-m // bt))
-    sbytes = sb.view(torch.uint8)
-    if splits == 1:
-        kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, sbytes, out, None, m, n, k, scale_rows(n, k, sb)])
+    ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else None
+    kern.launch(grid, 128 * (CONSUMERS + 1), smem,
+                [tw, tx, tsa, sb.view(torch.uint8), out, ws, m, n, k, scale_rows(n, k, sb)])
+    if ws is None:
         return out
-    ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
-    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, sbytes, out, ws, m, n, k, scale_rows(n, k, sb)])
-    total = m * n
-    red = cuda_driver.kernel(SRC, REDUCE, 0, dev)
-    red.launch(min(-(-total // 256), 8 * _num_sms(dev)), 256, 0, [ws, out, splits, total])
-    return out
+    from .cuda_fp8_gemm import splitk_reduce
+    return splitk_reduce(SRC, ws, out)
 
 
 def fp8_decode_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, entry: str | None = None,

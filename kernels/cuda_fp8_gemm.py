@@ -250,9 +250,16 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     splits = splitk_count(m, n, k, name, _num_sms(dev))
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
     kern.launch((grid, splits), threads, smem, [ta, tb, sa, scales, out, None, ws, m, n, k, tiles_m, sb_ld])
-    total = m * n
-    red = cuda_driver.kernel(SRC, REDUCE, 0, dev)
-    red.launch(min(-(-total // 256), 8 * _num_sms(dev)), 256, 0, [ws, out, splits, total])
+    return splitk_reduce(SRC, ws, out)
+
+
+def splitk_reduce(src: str, ws: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (bf16, M x N) = the fp32 partials ws [splits, M, N] summed in split order, by src's copy of
+    fp8_splitk_reduce (sm90_common.cuh: every CUDA source that splits K carries one)."""
+    dev = out.device.index
+    total = out.numel()
+    red = cuda_driver.kernel(src, REDUCE, 0, dev)
+    red.launch(min(-(-total // 256), 8 * _num_sms(dev)), 256, 0, [ws, out, ws.shape[0], total])
     return out
 
 

@@ -131,8 +131,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     const uint32_t w_smem = base, x_smem = base + STAGES * W_BYTES, sa_smem = x_smem + STAGES * X_BYTES;
     const uint32_t bars = sa_smem + STAGES * SA_BYTES;   // full[STAGES], then empty[STAGES]
     const float* sa_tiles = reinterpret_cast<const float*>(smem_raw + (sa_smem - smem_u32(smem_raw)));
-    auto full_bar = [&](int s) { return bars + 8u * s; };
-    auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+    const StageRing<STAGES> ring{bars};
 
     const int n0 = blockIdx.x * ROWS, t0 = blockIdx.z * BT;
     const int ks = K / 32, nkb = (K + BK - 1) / BK;
@@ -141,11 +140,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
 
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_bar(s), 1);
-            mbar_init(empty_bar(s), 4 * NCONS);   // one arrival per consumer warp
-        }
-        mbar_fence_init();
+        ring.init(1, 4 * NCONS);   // empty: one arrival per consumer warp
     }
     __syncthreads();
 
@@ -158,17 +153,17 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
             int stage = 0;
             uint32_t phase = 0;
             for (int kb = kb0; kb < kb1; ++kb) {
-                mbar_wait_or_trap(empty_bar(stage), phase ^ 1);
-                mbar_arrive_expect_tx(full_bar(stage), W_BYTES + X_BYTES + SA_BYTES);
-                tma_load_2d(w_smem + stage * W_BYTES, tmap_w, full_bar(stage), kb * BK, n0);
-                tma_load_2d(x_smem + stage * X_BYTES, tmap_x, full_bar(stage), kb * BK, t0);
+                mbar_wait_or_trap(ring.empty(stage), phase ^ 1);
+                mbar_arrive_expect_tx(ring.full(stage), W_BYTES + X_BYTES + SA_BYTES);
+                tma_load_2d(w_smem + stage * W_BYTES, tmap_w, ring.full(stage), kb * BK, n0);
+                tma_load_2d(x_smem + stage * X_BYTES, tmap_x, ring.full(stage), kb * BK, t0);
                 // slices past K/32 read as zero scales (the map's rows end at K/32)
-                tma_load_2d(sa_smem + stage * SA_BYTES, tmap_sa, full_bar(stage), t0, kb * SLICES);
+                tma_load_2d(sa_smem + stage * SA_BYTES, tmap_sa, ring.full(stage), t0, kb * SLICES);
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             const int nloads = kb1 - kb0;   // the consumers' releases of the last loads (the hang check)
             for (int j = max(0, nloads - STAGES); j < nloads; ++j)
-                mbar_wait_or_trap(empty_bar(j % STAGES), (j / STAGES) & 1);
+                mbar_wait_or_trap(ring.empty(j % STAGES), (j / STAGES) & 1);
         }
         return;
     }
@@ -206,7 +201,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
 #pragma unroll
                 for (int j = 0; j < SLICES; ++j) wsc[rb][h][j] = wnext[rb][h][j];
         load_weight_scales<RB>(wnext, sb_r0, sb_r1, kb + 1, ks);
-        mbar_wait(full_bar(stage), phase);
+        mbar_wait(ring.full(stage), phase);
         __syncwarp();                                  // converged for the .aligned wgmma instructions
         const uint64_t dw = sw128_desc(w_smem + stage * W_BYTES + 64 * RB * wg * BK);
         const uint64_t dx = sw128_desc(x_smem + stage * X_BYTES);
@@ -232,7 +227,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
                 promote_tokens(acc[rb], tmp[rb], wsc[rb][0][j], wsc[rb][1][j], ts);
             }
         }
-        if (lane == 0) mbar_arrive(empty_bar(stage));  // every wgmma and scale read of this stage is done
+        if (lane == 0) mbar_arrive(ring.empty(stage));  // every wgmma and scale read of this stage is done
         if (++stage == STAGES) stage = 0, phase ^= 1;
     }
 

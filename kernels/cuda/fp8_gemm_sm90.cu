@@ -130,8 +130,7 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
     const uint32_t base = (raw + 1023u) & ~1023u;
     const uint32_t a_smem = base, b_smem = base + STAGES * A_BYTES;
     const uint32_t bars = b_smem + STAGES * B_BYTES;  // full[STAGES], then empty[STAGES]
-    auto full_bar = [&](int s) { return bars + 8u * s; };
-    auto empty_bar = [&](int s) { return bars + 8u * (STAGES + s); };
+    const StageRing<STAGES> ring{bars};
 
     // Tile: GROUP_M M tiles share each N tile in launch order.
     const int tiles_n = (N + BN - 1) / BN;
@@ -158,11 +157,7 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
 
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_bar(s), 1);
-            mbar_init(empty_bar(s), 4 * NCONS * CLUSTER);   // one arrival per consumer warp (of both CTAs)
-        }
-        mbar_fence_init();
+        ring.init(1, 4 * NCONS * CLUSTER);   // empty: one arrival per consumer warp (of both CTAs)
     }
     if constexpr (CLUSTER > 1) cluster_sync();   // the peer's barriers exist before any remote arrive / multicast
     else __syncthreads();
@@ -177,14 +172,14 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
             int stage = 0;
             uint32_t phase = 0;
             for (int kb = kb0; kb < kb1; ++kb) {
-                mbar_wait_or_trap(empty_bar(stage), phase ^ 1);
-                mbar_arrive_expect_tx(full_bar(stage), A_BYTES + B_BYTES);
-                tma_load_2d(a_smem + stage * A_BYTES, tmap_a, full_bar(stage), kb * BK, m0);
+                mbar_wait_or_trap(ring.empty(stage), phase ^ 1);
+                mbar_arrive_expect_tx(ring.full(stage), A_BYTES + B_BYTES);
+                tma_load_2d(a_smem + stage * A_BYTES, tmap_a, ring.full(stage), kb * BK, m0);
                 if constexpr (CLUSTER == 1) {
-                    tma_load_2d(b_smem + stage * B_BYTES, tmap_b, full_bar(stage), kb * BK, b_row);
+                    tma_load_2d(b_smem + stage * B_BYTES, tmap_b, ring.full(stage), kb * BK, b_row);
                 } else {   // this CTA's half of B, into both CTAs (the full barrier expects both halves)
                     constexpr uint32_t HALF = B_BYTES / CLUSTER;
-                    tma_load_2d_multicast(b_smem + stage * B_BYTES + rank * HALF, tmap_b, full_bar(stage), kb * BK,
+                    tma_load_2d_multicast(b_smem + stage * B_BYTES + rank * HALF, tmap_b, ring.full(stage), kb * BK,
                                           b_row + static_cast<int>(rank) * (BN / CLUSTER), (1u << CLUSTER) - 1);
                 }
                 if (++stage == STAGES) stage = 0, phase ^= 1;
@@ -193,7 +188,7 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
             // load j's release completes phase j / STAGES of its stage's empty barrier
             const int nloads = kb1 - kb0;
             for (int j = max(0, nloads - STAGES); j < nloads; ++j)
-                mbar_wait_or_trap(empty_bar(j % STAGES), (j / STAGES) & 1);
+                mbar_wait_or_trap(ring.empty(j % STAGES), (j / STAGES) & 1);
         }
     } else {
         // consumer warpgroup wg: rows m0 + 64 wg + [0, 64)
@@ -238,7 +233,7 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
 #pragma unroll
             for (int j = 0; j < SLICES; ++j)
                 sc[j] = load_scales<NB, SBMODE>(sa_r0, sa_r1, sb_blk, ks, nblk, kb * SLICES + j);
-            mbar_wait(full_bar(stage), phase);
+            mbar_wait(ring.full(stage), phase);
             __syncwarp();                                  // converged for the .aligned wgmma instructions
             const uint64_t da = sw128_desc(a_smem + stage * A_BYTES + wg * 64 * BK);
             const uint64_t db = sw128_desc(b_smem + stage * B_BYTES);
@@ -279,8 +274,8 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
             }
             // every wgmma reading this stage has completed: hand the buffers back to the producer
             if (lane == 0) {
-                mbar_arrive(empty_bar(stage));
-                if constexpr (CLUSTER == 2) mbar_arrive_cluster(mapa_shared(empty_bar(stage), rank ^ 1));
+                mbar_arrive(ring.empty(stage));
+                if constexpr (CLUSTER == 2) mbar_arrive_cluster(mapa_shared(ring.empty(stage), rank ^ 1));
             }
             if (++stage == STAGES) stage = 0, phase ^= 1;
         }

@@ -61,6 +61,22 @@ __device__ __forceinline__ void mbar_wait_or_trap(uint32_t bar, uint32_t parity)
     }
 }
 
+// The producer / consumer ring of a TMA pipeline: full[STAGES] then empty[STAGES] mbarriers at `bars`
+// (8 bytes each). init: one thread, before the CTA's (or cluster's) barrier sync.
+template <int STAGES>
+struct StageRing {
+    uint32_t bars;
+    __device__ __forceinline__ uint32_t full(int s) const { return bars + 8u * s; }
+    __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8u * (STAGES + s); }
+    __device__ __forceinline__ void init(uint32_t full_count, uint32_t empty_count) const {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full(s), full_count);
+            mbar_init(empty(s), empty_count);
+        }
+        mbar_fence_init();
+    }
+};
+
 // ---- TMA -------------------------------------------------------------------------------------------
 __device__ __forceinline__ void tma_prefetch(const CUtensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");

@@ -9,7 +9,6 @@ bound at the release shapes, graph capture)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -20,7 +19,7 @@ from deepinfer.kernels.cuda_fp8_decode import (FORMS, REDUCE, SRC, decline_reaso
                                                token_tile)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_cuda_fp8_gemm import _cuobjdump, _functions, fresh_compile, needs_nvcc  # noqa: E402
+from test_cuda_fp8_gemm import _functions, fresh_compile, needs_nvcc, sass_by_function  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +41,7 @@ def test_compiles_without_spills_or_serialized_wgmma(compiled):
 
 @needs_nvcc
 def test_sass_has_the_token_wide_fp8_gmma(compiled):
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump next to nvcc or on PATH")
-    r = subprocess.run([tool, "-sass", compiled[0]], capture_output=True, text=True)
-    if r.returncode != 0 and "nvdisasm" in r.stderr:
-        pytest.skip("cuobjdump without nvdisasm")
-    assert r.returncode == 0, r.stderr
-    sass = {chunk.split()[0]: chunk for chunk in r.stdout.split("Function : ")[1:]}
+    sass = sass_by_function(compiled[0])
     for name, (bt, rb, _) in FORMS.items():
         code = sass[name]
         # RB row blocks x 4 slices a stage, weights (A) and tokens (B) both from shared memory

@@ -75,18 +75,22 @@ def _cuobjdump() -> str | None:
     return next((c for c in cand if c and os.access(c, os.X_OK)), None)
 
 
-@needs_nvcc
-def test_sass_has_fp8_gmma_overlapped(compiled):
+def sass_by_function(cubin: str) -> dict[str, str]:
+    """cuobjdump -sass of a cubin: entry name -> its SASS (the test skips where cuobjdump / nvdisasm is missing)."""
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump next to nvcc or on PATH")
-    r = subprocess.run([tool, "-sass", compiled[0]], capture_output=True, text=True)
+    r = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True)
     if r.returncode != 0 and "nvdisasm" in r.stderr:
         pytest.skip("cuobjdump without nvdisasm")
     assert r.returncode == 0, r.stderr
-    sass = {}
-    for chunk in r.stdout.split("Function : ")[1:]:
-        sass[chunk.split()[0]] = chunk
+    return {chunk.split()[0]: chunk for chunk in r.stdout.split("Function : ")[1:]}
+
+
+@needs_nvcc
+def test_sass_has_fp8_gmma_overlapped(compiled):
+    sass = sass_by_function(compiled[0])
+    tool = _cuobjdump()
     for name in FORMS:
         code = sass[name]
         # FP8 wgmma (QGMMA: the e4m3 form of HGMMA) of the form's width, 4 slices per stage
