@@ -9,7 +9,7 @@ e4m3 weights and their E8M0 scales per 32x32 block or per (row, 32).
                                                 transposed scales) -> [M, N] bf16
     plan(m, n, k, sms, rb=None) -> (entry, splits)   the form and K splits for a call
     decline_reason(m, n, k, w, sb, device)      None where it takes the call, else the rule it breaks
-    FORMS                                       entry -> (token tile, 64-row blocks a consumer, stages)
+    FORMS                                       entry -> (token tile, 64-row blocks a consumer, stages, CTAs a SM)
 
 Split-K's sum order follows M (the token tile) and the split count: deterministic per shape, not
 batch-invariant (select never sends batch-invariant mode here). DEEPINFER_CUDA_DECODE_RB=1 / 2 forces
@@ -27,14 +27,18 @@ from . import cuda_driver
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "fp8_decode_sm90.cu")
 BK = 128
 CONSUMERS = 2
-# entry -> (token tile BT, row blocks RB, stages); must match FP8_DECODE_ENTRY in the .cu
-FORMS = {"fp8_decode_sm90_t16_rb2": (16, 2, 6),
-         "fp8_decode_sm90_t32_rb2": (32, 2, 6),
-         "fp8_decode_sm90_t64_rb2": (64, 2, 5),
-         "fp8_decode_sm90_t16_rb1": (16, 1, 8),
-         "fp8_decode_sm90_t32_rb1": (32, 1, 8),
-         "fp8_decode_sm90_t64_rb1": (64, 1, 8),
-         "fp8_decode_sm90_t128_rb1": (128, 1, 6)}
+# entry -> (token tile BT, row blocks RB, stages, CTAs a SM); must match FP8_DECODE_ENTRY in the .cu
+FORMS = {"fp8_decode_sm90_t16_rb2": (16, 2, 6, 1),
+         "fp8_decode_sm90_t32_rb2": (32, 2, 6, 1),
+         "fp8_decode_sm90_t64_rb2": (64, 2, 5, 1),
+         "fp8_decode_sm90_t16_rb1": (16, 1, 8, 1),
+         "fp8_decode_sm90_t32_rb1": (32, 1, 8, 1),
+         "fp8_decode_sm90_t64_rb1": (64, 1, 8, 1),
+         "fp8_decode_sm90_t128_rb1": (128, 1, 6, 1),
+         # two CTAs a SM (4 stages, 112 registers a consumer thread): twice the loads in flight
+         "fp8_decode_sm90_t16_rb1_x2": (16, 1, 4, 2),
+         "fp8_decode_sm90_t32_rb1_x2": (32, 1, 4, 2),
+         "fp8_decode_sm90_t64_rb1_x2": (64, 1, 4, 2)}
 REDUCE = "fp8_splitk_reduce"
 TOKEN_TILES = (16, 32, 64, 128)
 SPLIT_MAX = 16
@@ -76,7 +80,7 @@ def split_cost(s: int, tiles: int, m: int, k: int, sms: int) -> float:
 def smem_bytes(name: str) -> int:
     """1024 bytes of alignment slack + the stages' weight and token tiles, their token scales (4 slices x BT
     f32) and 2 mbarriers a stage."""
-    bt, rb, stages = FORMS[name]
+    bt, rb, stages, _ = FORMS[name]
     return 1024 + stages * ((64 * CONSUMERS * rb + bt) * BK + 16 * bt + 16)
 
 
@@ -136,7 +140,7 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     dev = a.device.index
     name, s = plan(m, n, k, _num_sms(dev))
     name, splits = entry or name, splits or s
-    bt, rb, _ = FORMS[name]
+    bt, rb, _, _ = FORMS[name]
     m_ld = sa_t.shape[1]
     assert sa_t.shape[0] == k // 32 and m_ld >= m and m_ld % 4 == 0 and sa_t.dtype == torch.float32 \
         and sa_t.is_contiguous() and sa_t.data_ptr() % 16 == 0, (sa_t.shape, m, bt)

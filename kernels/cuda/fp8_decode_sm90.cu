@@ -113,7 +113,20 @@ __device__ __forceinline__ void load_weight_scales(float (&w)[RB][2][SLICES], co
     }
 }
 
-template <int BT, int RB, int STAGES>
+// OCC CTAs a SM: 1 (the register split of fp8_gemm_sm90.cu) or 2 (producer 24, consumers 112 registers:
+// 128 x 24 + 256 x 112 <= 32K, for the narrow token tiles with few stages: twice the loads in flight a SM).
+template <int OCC>
+__device__ __forceinline__ void split_registers(bool producer) {
+    if constexpr (OCC == 1) {
+        if (producer) setmaxnreg_producer();
+        else setmaxnreg_consumer<2>();
+    } else {
+        if (producer) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        else asm volatile("setmaxnreg.inc.sync.aligned.u32 112;\n" ::: "memory");
+    }
+}
+
+template <int BT, int RB, int STAGES, int OCC>
 __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUtensorMap* tmap_x,
                                             const CUtensorMap* tmap_sa, const uint8_t* __restrict__ sb,
                                             __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N,
@@ -145,7 +158,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     __syncthreads();
 
     if (wg == NCONS) {  // producer warpgroup
-        setmaxnreg_producer();
+        split_registers<OCC>(true);
         if (tid == 0) {
             tma_prefetch(tmap_w);
             tma_prefetch(tmap_x);
@@ -168,7 +181,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
         return;
     }
 
-    setmaxnreg_consumer<NCONS>();
+    split_registers<OCC>(false);
     const int warp = tid / 32, lane = tid % 32, q = lane % 4;
     // this thread's weight rows: row block rb's r0 = row0 + 64 rb, r1 = r0 + 8
     const int row0 = n0 + 64 * RB * wg + 16 * warp + lane / 4;
@@ -260,18 +273,21 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
 // block 384 (two consumer warpgroups, then the producer), dynamic shared memory
 // 1024 + STAGES * ((128 RB + BT) * 128 + 16 BT + 16) (kernels/cuda_fp8_decode.py FORMS must match).
 // tmap_sa: the token scales saT [K/32, m_ld] f32, box (BT, 4). sb_rows: 32 (sb per 32x32 block) or 1 (per (row, 32)).
-#define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES)                                                               \
-    extern "C" __global__ void __launch_bounds__(384, 1)                                                     \
+#define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES, OCC)                                                               \
+    extern "C" __global__ void __launch_bounds__(384, OCC)                                                     \
         NAME(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,         \
              const __grid_constant__ CUtensorMap tmap_sa, const uint8_t* __restrict__ sb,                    \
              __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N, int K, int sb_rows) {      \
-        fp8dec::decode_body<BT, RB, STAGES>(&tmap_w, &tmap_x, &tmap_sa, sb, c, ws, M, N, K, sb_rows);         \
+        fp8dec::decode_body<BT, RB, STAGES, OCC>(&tmap_w, &tmap_x, &tmap_sa, sb, c, ws, M, N, K, sb_rows);         \
     }
 
-FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2, 16, 2, 6)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb2, 32, 2, 6)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb2, 64, 2, 5)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1, 16, 1, 8)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1, 32, 1, 8)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1, 64, 1, 8)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1, 128, 1, 6)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2, 16, 2, 6, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb2, 32, 2, 6, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb2, 64, 2, 5, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1, 16, 1, 8, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1, 32, 1, 8, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1, 64, 1, 8, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1, 128, 1, 6, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_x2, 16, 1, 4, 2)   // two CTAs a SM
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_x2, 32, 1, 4, 2)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1_x2, 64, 1, 4, 2)

@@ -36,13 +36,14 @@ def test_compiles_without_spills_or_serialized_wgmma(compiled):
         assert "0 bytes spill stores, 0 bytes spill loads" in funcs[name], (name, funcs[name])
     assert "C7514" not in log and "C7515" not in log and "serialized" not in log, log
     assert "C7508" not in log, log
-    assert all(smem_bytes(name) <= 227 * 1024 for name in FORMS)
+    # per CTA, and two CTAs of the x2 forms in one SM's 228 KB (1 KB of it reserved a CTA)
+    assert all(FORMS[name][3] * (smem_bytes(name) + 1024) <= 228 * 1024 for name in FORMS)
 
 
 @needs_nvcc
 def test_sass_has_the_token_wide_fp8_gmma(compiled):
     sass = sass_by_function(compiled[0])
-    for name, (bt, rb, _) in FORMS.items():
+    for name, (bt, rb, _, _) in FORMS.items():
         code = sass[name]
         # RB row blocks x 4 slices a stage, weights (A) and tokens (B) both from shared memory
         assert code.count(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3") == 4 * rb, name
@@ -54,7 +55,7 @@ def test_sass_has_the_token_wide_fp8_gmma(compiled):
                                  (4096, 1280), (200, 160), (32, 32), (7000, 96)])
 def test_plan_covers_k_without_empty_splits(m, n, k):
     name, splits = plan(m, n, k, 132)
-    bt, rb, _ = FORMS[name]
+    bt, rb, _, _ = FORMS[name]
     assert bt == token_tile(m) and (bt >= m or bt == 128)
     nkb = -(-k // 128)
     per = -(-nkb // splits)
