@@ -35,10 +35,9 @@ FORMS = {"fp8_decode_sm90_t16_rb2": (16, 2, 6, 1),
          "fp8_decode_sm90_t32_rb1": (32, 1, 8, 1),
          "fp8_decode_sm90_t64_rb1": (64, 1, 8, 1),
          "fp8_decode_sm90_t128_rb1": (128, 1, 6, 1),
-         # two CTAs a SM (4 stages, 112 registers a consumer thread): twice the loads in flight
+         # two CTAs a SM (4 stages, 104 registers a consumer thread): twice the loads in flight
          "fp8_decode_sm90_t16_rb1_x2": (16, 1, 4, 2),
-         "fp8_decode_sm90_t32_rb1_x2": (32, 1, 4, 2),
-         "fp8_decode_sm90_t64_rb1_x2": (64, 1, 4, 2)}
+         "fp8_decode_sm90_t32_rb1_x2": (32, 1, 4, 2)}
 REDUCE = "fp8_splitk_reduce"
 TOKEN_TILES = (16, 32, 64, 128)
 SPLIT_MAX = 16
