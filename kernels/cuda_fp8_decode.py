@@ -55,17 +55,22 @@ def entry_name(bt: int, rb: int) -> str:
 
 
 def plan(m: int, n: int, k: int, sms: int, rb: int | None = None) -> tuple[str, int]:
-    """(entry, K splits): the token tile for m; two row blocks a consumer (256 weight rows a CTA: the
-    tokens' tile is re-read once per 256 rows) up to 64 tokens, one at 128 (registers); the split count
-    of split_cost's least cost, each split at least two 128-K stages, none empty."""
+    """(entry, K splits): the token tile for m; up to 32 tokens the two-CTAs-a-SM form (one row block a
+    consumer: H200, 2026-12-04, 1.0-1.5x the one-CTA forms at 1 / 16 tokens, the kernel being latency-bound),
+    else two row blocks a consumer (256 weight rows a CTA: the tokens' tile is re-read once per 256 rows) up
+    to 64 tokens, one at 128 (registers); rb forces the one-CTA form of that many row blocks. The split
+    count of split_cost's least cost (counted in one-CTA waves: what the H200 runs measured best), each
+    split at least two 128-K stages, none empty."""
     bt = token_tile(m)
-    rb = rb or FORCE_RB or (2 if bt <= 64 else 1)
-    if entry_name(bt, rb) not in FORMS:
-        rb = 1
-    tiles = -(-n // (64 * CONSUMERS * rb)) * -(-m // bt)
+    rb = rb or FORCE_RB
+    name = entry_name(bt, 1) + "_x2" if not rb else None
+    if name not in FORMS:
+        rb = rb or (2 if bt <= 64 else 1)
+        name = entry_name(bt, rb) if entry_name(bt, rb) in FORMS else entry_name(bt, 1)
+    tiles = -(-n // (64 * CONSUMERS * FORMS[name][1])) * -(-m // bt)
     nkb = -(-k // BK)
     counts = {-(-nkb // -(-nkb // s)) for s in range(1, max(1, min(nkb // 2, SPLIT_MAX)) + 1)}   # none empty
-    return entry_name(bt, rb), min(sorted(counts), key=lambda s: split_cost(s, tiles, m, k, sms))
+    return name, min(sorted(counts), key=lambda s: split_cost(s, tiles, m, k, sms))
 
 
 def split_cost(s: int, tiles: int, m: int, k: int, sms: int) -> float:

@@ -72,6 +72,9 @@ def test_plan_fills_the_sms_where_the_rows_do_not():
     # wq_b: 128 CTAs already cover the SMs
     assert plan(64, 32768, 1280, 132)[1] == 1
     assert plan(128, 5120, 8192, 132)[0] == "fp8_decode_sm90_t128_rb1"
+    # up to 32 tokens two CTAs a SM; a forced row-block count takes the one-CTA forms
+    assert plan(16, 5120, 8192, 132)[0] == "fp8_decode_sm90_t16_rb1_x2"
+    assert plan(16, 5120, 8192, 132, rb=2)[0] == "fp8_decode_sm90_t16_rb2"
 
 
 def test_decline_rules():
