@@ -1,3 +1,6 @@
+"""Three calls of the CUDA FP8 decode GEMM on wq_b (32768 x 1280) at 1 and 64 tokens, for Nsight Compute:
+    ncu --kernel-name regex:fp8_decode --launch-skip 2 --launch-count 1 --section SpeedOfLight ... python3 perf/ncu_decode_probe.py
+(perf/round21.steps; --launch-skip 5 for the 64-token call)."""
 import torch, sys
 sys.path.insert(0, '.')
 from deepinfer.kernels.cuda_fp8_decode import fp8_decode_linear
