@@ -7,7 +7,10 @@ e4m3 weights and their E8M0 scales per 32x32 block or per (row, 32).
     fp8_decode_linear(x, w, w_scale)            x [..., K] bf16 -> act_quant + the GEMM -> [..., N] bf16
     fp8_decode_gemm(a, sa_t, w, sb, ...)        a [M, K] e4m3, sa_t [K/32, m_ld] f32 (act_quant_fp8's
                                                 transposed scales) -> [M, N] bf16
-    plan(m, n, k, sms, rb=None) -> (entry, splits)   the form and K splits for a call
+    plan(m, n, k, sms, rb=None) -> (entry, splits)   the form and K splits for a call (the wave model)
+    table_row / table_choice(m, n, k, device_name, against)   the measured best form and split count
+                                                (fp8_decode_table.json, written by the bench), and
+                                                whether it beat the bf16-held / other FP8 paths (select's rule)
     decline_reason(m, n, k, w, sb, device)      None where it takes the call, else the rule it breaks
     FORMS                                       entry -> (token tile, 64-row blocks a consumer, stages, CTAs a SM)
 
@@ -18,18 +21,20 @@ the row blocks (the bench's comparison)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import torch
 
 from . import cuda_driver
+from .reference import e8m0_to_float
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "fp8_decode_sm90.cu")
 BK = 128
 CONSUMERS = 2
 # entry -> (token tile BT, row blocks RB, stages, CTAs a SM); must match FP8_DECODE_ENTRY in the .cu
-FORMS = {"fp8_decode_sm90_t16_rb2": (16, 2, 6, 1),
-         "fp8_decode_sm90_t32_rb2": (32, 2, 6, 1),
+FORMS = {"fp8_decode_sm90_t16_rb2": (16, 2, 5, 1),
+         "fp8_decode_sm90_t32_rb2": (32, 2, 5, 1),
          "fp8_decode_sm90_t64_rb2": (64, 2, 5, 1),
          "fp8_decode_sm90_t16_rb1": (16, 1, 8, 1),
          "fp8_decode_sm90_t32_rb1": (32, 1, 8, 1),
@@ -37,12 +42,62 @@ FORMS = {"fp8_decode_sm90_t16_rb2": (16, 2, 6, 1),
          "fp8_decode_sm90_t128_rb1": (128, 1, 6, 1),
          # two CTAs a SM (4 stages, 104 registers a consumer thread): twice the loads in flight
          "fp8_decode_sm90_t16_rb1_x2": (16, 1, 4, 2),
-         "fp8_decode_sm90_t32_rb1_x2": (32, 1, 4, 2)}
+         "fp8_decode_sm90_t32_rb1_x2": (32, 1, 4, 2),
+         "fp8_decode_sm90_t64_rb1_x2": (64, 1, 4, 2)}
+# the pipelined forms (_p: slice i's wgmmas in flight while slice i-1 is promoted, a wait 0 at each stage's
+# end; _p2: turns of two stages, a wait 0 every 8 slices): same tiles, two temporaries a row block
+PIPELINED = {"_p": ("t16_rb2", "t32_rb2", "t64_rb2", "t16_rb1", "t32_rb1", "t64_rb1", "t128_rb1", "t16_rb1_x2",
+                    "t32_rb1_x2"),
+             "_p2": ("t16_rb2", "t32_rb2", "t16_rb1", "t32_rb1", "t64_rb1", "t128_rb1", "t16_rb1_x2", "t32_rb1_x2")}
+FORMS.update({f"fp8_decode_sm90_{base}{sfx}": FORMS[f"fp8_decode_sm90_{base}"]
+              for sfx, bases in PIPELINED.items() for base in bases})
 REDUCE = "fp8_splitk_reduce"
 TOKEN_TILES = (16, 32, 64, 128)
 SPLIT_MAX = 16
 FORCE_RB = int(os.environ.get("DEEPINFER_CUDA_DECODE_RB", "0") or 0)
 E8M0 = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+# per (N, K, measured M): the kernel's best form and split count and its time beside the bf16-held path's and
+# select.fp8_linear's other FP8 paths' (perf/bench_fp8_decode.py --forms --write-table); "" = no table
+TABLE_PATH = os.environ.get("DEEPINFER_FP8_DECODE_TABLE", os.path.join(os.path.dirname(__file__), "fp8_decode_table.json"))
+WIN_MARGIN = 1.03        # a path is replaced only where the kernel is at least this much faster
+
+
+@functools.lru_cache(maxsize=None)
+def _table() -> tuple[str | None, dict]:
+    """(the GPU model it was measured on, {(N, K): [row, ...] by ascending measured M})."""
+    if not TABLE_PATH or not os.path.exists(TABLE_PATH):
+        return None, {}
+    with open(TABLE_PATH) as f:
+        t = json.load(f)
+    out: dict = {}
+    for r in sorted(t["rows"], key=lambda r: r["m"]):
+        if r["entry"] in FORMS:                  # a form since renamed is not taken
+            out.setdefault((r["n"], r["k"]), []).append(r)
+    return t.get("device"), out
+
+
+def reload_table() -> None:
+    """Read TABLE_PATH again at the next call (tests and benchmarks swap tables)."""
+    _table.cache_clear()
+
+
+def table_row(m: int, n: int, k: int, device_name: str) -> dict | None:
+    """The table's row for [m, k] x [n, k]^T on this GPU model: the smallest measured M at or above m (None
+    where none covers m or the table is another GPU's)."""
+    measured, rows = _table()
+    if measured != device_name:
+        return None
+    return next((r for r in rows.get((n, k), ()) if m <= r["m"]), None)
+
+
+def table_choice(m: int, n: int, k: int, device_name: str, against: str = "bf16_held") -> tuple[str, int] | None:
+    """(entry, splits) where the table's row (table_row) says the kernel beat `against` ("bf16_held": the
+    bf16-held weight on select.dense_linear; "fp8_select": select.fp8_linear's other FP8 paths) by
+    WIN_MARGIN; else None."""
+    r = table_row(m, n, k, device_name)
+    if r is None or r[f"{against}_us"] < WIN_MARGIN * r["decode_us"]:
+        return None
+    return r["entry"], r["splits"]
 
 
 def token_tile(m: int) -> int:
@@ -63,7 +118,7 @@ def plan(m: int, n: int, k: int, sms: int, rb: int | None = None) -> tuple[str, 
     split at least two 128-K stages, none empty."""
     bt = token_tile(m)
     rb = rb or FORCE_RB
-    name = entry_name(bt, 1) + "_x2" if not rb else None
+    name = entry_name(bt, 1) + "_x2" if not rb and bt <= 32 else None
     if name not in FORMS:
         rb = rb or (2 if bt <= 64 else 1)
         name = entry_name(bt, rb) if entry_name(bt, rb) in FORMS else entry_name(bt, 1)
@@ -82,10 +137,35 @@ def split_cost(s: int, tiles: int, m: int, k: int, sms: int) -> float:
 
 
 def smem_bytes(name: str) -> int:
-    """1024 bytes of alignment slack + the stages' weight and token tiles, their token scales (4 slices x BT
-    f32) and 2 mbarriers a stage."""
+    """1024 bytes of alignment slack + the stages' weight and token tiles, their token and weight scales (4
+    slices x BT, 4 slices x the CTA's rows f32) and 2 mbarriers a stage."""
     bt, rb, stages, _ = FORMS[name]
-    return 1024 + stages * ((64 * CONSUMERS * rb + bt) * BK + 16 * bt + 16)
+    rows = 64 * CONSUMERS * rb
+    return 1024 + stages * ((rows + bt) * BK + 16 * bt + 16 * rows + 16)
+
+
+def kernel_scales(sb: torch.Tensor) -> torch.Tensor:
+    """The kernel's weight scales for E8M0 sb [rows, K/32]: sbT [K/32, ld] f32 (their values transposed, ld the
+    rows rounded up to 4 for TMA's 16-byte row stride, zero padded), computed once and kept on sb (recomputed
+    where sb changed in place). Never computed inside a CUDA graph capture (select.fp8_decode_takes declines
+    there; the eager warm-up fills it)."""
+    cached = getattr(sb, "_decode_scales_t", None)
+    if cached is not None and cached[0] == sb._version:
+        return cached[1]
+    if sb.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("cuda_fp8_decode.kernel_scales: not prepared before CUDA graph capture")
+    rows, ks = sb.shape
+    vals = e8m0_to_float(sb).float()
+    out = torch.zeros(ks, -(-rows // 4) * 4, dtype=torch.float32, device=sb.device)
+    out[:, :rows] = vals.T
+    sb._decode_scales_t = (sb._version, out)
+    return out
+
+
+def scales_ready(sb: torch.Tensor) -> bool:
+    """Whether kernel_scales(sb) is cached (a capture may use it)."""
+    cached = getattr(sb, "_decode_scales_t", None)
+    return cached is not None and cached[0] == sb._version
 
 
 def scale_rows(n: int, k: int, sb: torch.Tensor) -> int | None:
@@ -142,6 +222,9 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     if m == 0 or n == 0:
         return out
     dev = a.device.index
+    row = table_row(m, n, k, torch.cuda.get_device_name(dev)) if entry is None else None
+    if row is not None:                  # the measured best form and split count at this M
+        entry, splits = row["entry"], splits or row["splits"]
     name, s = plan(m, n, k, _num_sms(dev))
     name, splits = entry or name, splits or s
     bt, rb, _, _ = FORMS[name]
@@ -152,13 +235,14 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     assert a.data_ptr() % 16 == 0, "TMA needs a 16-byte aligned activation"
     smem = smem_bytes(name)
     kern = cuda_driver.kernel(SRC, name, smem, dev)
-    tw = cuda_driver.tensor_map_2d(w, BK, 64 * CONSUMERS * rb)
+    rows, per = 64 * CONSUMERS * rb, scale_rows(n, k, sb)
+    tw = cuda_driver.tensor_map_2d(w, BK, rows)
     tx = cuda_driver.tensor_map_2d(a, BK, bt)
     tsa = cuda_driver.tensor_map_2d(sa_t, bt, 4, swizzle=0)      # [4 slices, BT tokens] a stage
+    tsb = cuda_driver.tensor_map_2d(kernel_scales(sb), rows // per, 4, swizzle=0)   # [4 slices, the CTA's rows / per]
     grid = (-(-n // (64 * CONSUMERS * rb)), splits, -(-m // bt))
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else None
-    kern.launch(grid, 128 * (CONSUMERS + 1), smem,
-                [tw, tx, tsa, sb.view(torch.uint8), out, ws, m, n, k, scale_rows(n, k, sb)])
+    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, tsb, out, ws, m, n, k, per])
     if ws is None:
         return out
     from .cuda_fp8_gemm import splitk_reduce

@@ -44,7 +44,8 @@ Knobs (environment, read once):
     DEEPINFER_PREFILL_GEMM=fp8   FP8 linears of >= DEEPINFER_FP8_PREFILL_MIN_M rows (512) with K % 128 == 0
                                  on the first FP8 x FP8 per-32-promotion kernel (triton_fp8_prefill), and
                                  the MoE's large steps in the grouped contiguous form on it
-    DEEPINFER_FP8_DECODE_MAX_M   FP8 linears of at most this many rows (default 0: never; opt-in, slower today) on the CUDA FP8 x FP8
+    DEEPINFER_FP8_DECODE_MAX_M   FP8 linears of at most this many rows (default 0: only where the measured
+                                 table kernels/fp8_decode_table.json says it won at that M) on the CUDA FP8 x FP8
                                  decode GEMM (cuda_fp8_decode: weight rows on the MMA's M side, tokens on N,
                                  split-K), ahead of every path above but DeepGEMM: the release bytes read
                                  once, E8M0 scales per 32x32 block or per (row, 32); and the FP8 copy a
@@ -99,8 +100,8 @@ if PREFILL_GEMM not in ("auto", "fp8", "w8a16", "cuda", "bf16") + FP8_VARIANTS:
 # auto: dense FP8 linears of at least this many rows dequantize the weight to bf16 (exact) and run
 # cuBLAS's bf16 GEMM (kernels/triton_dequant.py says why that is the release's arithmetic); 0: never
 BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "256"))
-# 0 (off) by default: on the H200 (2026-12-04, perf/bench_fp8_decode.py) the decode GEMM ran 0.5-0.9x
-# DeepGEMM and slower than W8A16 / the bf16-held cuBLAS path at 64+ tokens (latency-bound: see H200_NOTES)
+# forced up to this many rows (0 by default: only where cuda_fp8_decode's measured table says the kernel
+# won at that M; perf/H200_NOTES.md "2026-12-04 (afternoon)")
 FP8_DECODE_MAX_M = int(os.environ.get("DEEPINFER_FP8_DECODE_MAX_M", "0"))
 # auto: the MoE's grouped contiguous GEMMs of at least this many token-expert rows dequantize the whole
 # expert stack to bf16 (exact, as the dense linears) and run one bf16 grouped GEMM (torch._grouped_mm)
@@ -326,7 +327,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         pair = _dg.cached_tile128(w, w_scale)
         if pair is not None:
             return _dg.linear(x, *pair)
-    if fp8_decode_takes(x, w, w_scale):
+    if fp8_decode_takes(x, w, w_scale, against="fp8_select"):
         return fp8_decode_linear(x, w, w_scale)
     if _bf16_gemm_ok(x, w, w_scale):
         return _bf16_gemm_linear(x, w, w_scale)
@@ -349,19 +350,29 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
     return _ref_fp8_linear(x, dequant_fp8(w, w_scale))
 
 
-def fp8_decode_takes(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
-    """The CUDA FP8 x FP8 decode GEMM takes this call: a bf16 CUDA tensor of 1..FP8_DECODE_MAX_M rows on
-    the fast path, not batch-invariant mode (its split-K sum order follows M), and a weight within
-    cuda_fp8_decode's rules (logged once per rule where it is not)."""
-    if FP8_DECODE_MAX_M <= 0 or not x.is_cuda or x.dtype != torch.bfloat16 or _batch_invariant() \
-            or not use_fast(x):
+def fp8_decode_takes(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, against: str = "bf16_held") -> bool:
+    """The CUDA FP8 x FP8 decode GEMM takes this call: a bf16 CUDA tensor on the fast path, not batch-invariant
+    mode (its split-K sum order follows M), of 1..FP8_DECODE_MAX_M rows or where its measured table says it
+    beat `against` at this M (cuda_fp8_decode.table_choice: the bf16-held path for Linear.fp8_decode copies,
+    "fp8_select" for FP8-held weights), and a weight within cuda_fp8_decode's rules (logged once per rule
+    where it is not)."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or _batch_invariant() or not use_fast(x):
         return False
     k = x.shape[-1]
     m = x.numel() // max(k, 1)
-    if m < 1 or m > FP8_DECODE_MAX_M or w.dim() != 2 or w.shape[1] != k:
+    if m < 1 or w.dim() != 2 or w.shape[1] != k:
         return False
     from . import cuda_fp8_decode
+    if m > FP8_DECODE_MAX_M and cuda_fp8_decode.table_choice(
+            m, w.shape[0], k, torch.cuda.get_device_name(x.device.index if x.device.index is not None
+                                                         else torch.cuda.current_device()), against) is None:
+        return False
     reason = cuda_fp8_decode.decline_reason(m, w.shape[0], k, w, w_scale, x.device)
+    if reason is None and not cuda_fp8_decode.scales_ready(w_scale):
+        if torch.cuda.is_current_stream_capturing():   # its scale layout is made eagerly, never in a graph
+            reason = "its weight scales prepared before CUDA graph capture (an eager call does it)"
+        else:
+            cuda_fp8_decode.kernel_scales(w_scale)
     return _fast_for(x, "fp8_decode_gemm", reason is None, reason or "", then="the other FP8 paths")
 
 

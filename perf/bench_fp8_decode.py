@@ -5,17 +5,22 @@ select.dense_linear; the FP8 weight on select.fp8_linear's W8A16 / Triton FP8 ke
 measured in the same run. Each path includes its activation quantization; every timing is a CUDA-graph replay
 over rotating weight copies (each set at least 4x the L2).
 
-    python perf/bench_fp8_decode.py [--m 1 16 64 128] [--forms]
+    python perf/bench_fp8_decode.py [--m 1 16 64 128] [--forms [--write-table]]
 
 Prints per (linear, M): microseconds, the share of the copy bandwidth on the FP8 weight bytes, and the decode
 kernel's speed as a ratio to DeepGEMM and to the bf16-held path; --forms also times every row-block form
 and a few split counts. Writes bench_fp8_decode.json and fp8_decode_h200.png ($OUT or perf/results/).
+--write-table (with --forms): kernels/fp8_decode_table.json, which select reads on the GPU model it names: per
+(N, K, measured M) the best form and split count and the times of the paths it would replace (a call takes the
+row of the smallest measured M at or above its own; the kernel only where it won by cuda_fp8_decode.WIN_MARGIN).
 Checks the decode kernel against the release GEMM's reference (the FP8 MMA bound) before timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
 
@@ -50,13 +55,29 @@ def check(x, w, s) -> None:
     assert not bad.any(), (tuple(x.shape), tuple(w.shape), (y - r).abs().max().item())
 
 
+@contextlib.contextmanager
+def table_off():
+    """cuda_fp8_decode without its measured table (select never routes to the kernel by it) meanwhile."""
+    from deepinfer.kernels import cuda_fp8_decode
+    saved = cuda_fp8_decode.TABLE_PATH
+    cuda_fp8_decode.TABLE_PATH = ""
+    cuda_fp8_decode.reload_table()
+    try:
+        yield
+    finally:
+        cuda_fp8_decode.TABLE_PATH = saved
+        cuda_fp8_decode.reload_table()
+
+
 def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool) -> list[dict]:
     from deepinfer.kernels import deepgemm, select
-    from deepinfer.kernels.cuda_fp8_decode import FORMS, entry_name, fp8_decode_linear, plan, token_tile
+    from deepinfer.kernels.cuda_fp8_decode import FORMS, entry_name, fp8_decode_linear, kernel_scales, plan, token_tile
     from deepinfer.kernels.triton_dequant import dequant_fp8_bf16
     from deepinfer.kernels.triton_quant import act_quant
     nbytes = n * k * (1 + 1 / 1024)
     ws = weights(n, k, copies_for(nbytes))
+    for _, s in ws:          # the kernel's scale layout, made eagerly (as the model's warm-up does)
+        kernel_scales(s)
     held = [dequant_fp8_bf16(w, s) for w, s in ws]
     dg = deepgemm.load() is not None and n % 128 == 0 and k % 128 == 0
     tiles = [deepgemm.cached_tile128(w, s) for w, s in ws] if dg else []
@@ -69,7 +90,8 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool) -> list
         r = {"name": name, "n": n, "k": k, "m": m, "entry": entry, "splits": splits}
         r["decode_us"] = time_calls([lambda w=w, s=s: fp8_decode_linear(x, w, s) for w, s in ws]) * 1e6
         r["bf16_held_us"] = time_calls([lambda h=h: select.dense_linear(act_quant(x), h) for h in held]) * 1e6
-        r["fp8_select_us"] = time_calls([lambda w=w, s=s: select.fp8_linear(x, w, s) for w, s in ws]) * 1e6
+        with table_off():        # select.fp8_linear's other FP8 paths (the table would send it here)
+            r["fp8_select_us"] = time_calls([lambda w=w, s=s: select.fp8_linear(x, w, s) for w, s in ws]) * 1e6
         if dg:
             r["deepgemm_us"] = time_calls([lambda p=p: deepgemm.linear(x, *p) for p in tiles]) * 1e6
         if forms:
@@ -91,10 +113,36 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool) -> list
               f"  DeepGEMM {r.get('deepgemm_us', float('nan')):7.1f} (x {r.get('x_deepgemm', float('nan')):.2f})"
               f"  bf16 held {r['bf16_held_us']:7.1f} (x {r['x_bf16_held']:.2f})  fp8 select {r['fp8_select_us']:7.1f}"
               + (f"  best form {best[1][5:-3]} {best[0]:.1f}" if best else ""), flush=True)
+        if forms:   # each form at its best split count
+            per = {}
+            for key, v in r.items():
+                if key.startswith("form "):
+                    f = key[5:-3].rsplit("/", 1)[0]
+                    per[f] = min(per.get(f, v), v)
+            print("    forms: " + ", ".join(f"{f} {v:.1f}" for f, v in sorted(per.items(), key=lambda kv: kv[1])))
         out.append(r)
     del ws, held, tiles
     torch.cuda.empty_cache()
     return out
+
+
+def write_table(rows: list[dict], device: str) -> None:
+    """cuda_fp8_decode.TABLE_PATH from --forms rows (a copy to out_dir()): each (N, K, M)'s fastest form and
+    split count with its time beside the bf16-held, select.fp8_linear and DeepGEMM times of the same run."""
+    from deepinfer.kernels.cuda_fp8_decode import TABLE_PATH
+    out = []
+    for r in rows:
+        best_us, key = min((v, key) for key, v in r.items() if key.startswith("form "))
+        form, split = key[5:-3].rsplit("/s", 1)
+        out.append(dict(n=r["n"], k=r["k"], m=r["m"], entry=f"fp8_decode_sm90_{form}", splits=int(split),
+                        decode_us=round(best_us, 2), bf16_held_us=round(r["bf16_held_us"], 2),
+                        fp8_select_us=round(r["fp8_select_us"], 2), deepgemm_us=round(r.get("deepgemm_us", 0.0), 2)))
+    doc = {"measured": "perf/bench_fp8_decode.py --forms --write-table", "device": device, "rows": out}
+    for p in (TABLE_PATH, os.path.join(out_dir(), os.path.basename(TABLE_PATH))):
+        with open(p, "w") as f:
+            json.dump(doc, f, indent=1)
+    wins = sum(r["bf16_held_us"] >= 1.03 * r["decode_us"] for r in out)
+    print(f"wrote {TABLE_PATH}: the kernel beat the bf16-held path at {wins} of {len(out)} (N, K, M)")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -123,13 +171,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128])
     p.add_argument("--forms", action="store_true", help="also every row-block form and split counts")
+    p.add_argument("--write-table", action="store_true", help="(with --forms) write kernels/fp8_decode_table.json")
     a = p.parse_args()
+    if a.write_table and not a.forms:
+        p.error("--write-table needs --forms")
     peaks = measure_ceilings()
     print(f"copy {peaks['copy_bw'] / 1e12:.2f} TB/s, FP8 peak {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s")
     rows = []
     for name, (n, k) in DENSE.items():
         rows += rows_for(name, n, k, a.m, peaks["copy_bw"], a.forms)
     save_json("bench_fp8_decode", {"peaks": peaks, "rows": rows})
+    if a.write_table:
+        write_table(rows, torch.cuda.get_device_name(0))
     plot(rows, os.path.join(out_dir(), "fp8_decode_h200.png"))
 
 

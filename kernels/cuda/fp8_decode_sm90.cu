@@ -11,19 +11,21 @@
 // 128 weight rows and waste the MMA's rows below 64 tokens.
 //
 // Pipeline as fp8_gemm_sm90.cu: one producer thread issues the TMA loads of 128-K stages (weights box
-// (128, 128 RB), tokens box (128, BT), both SW128) into a ring guarded by full / empty mbarriers; each
-// consumer warpgroup issues, per K = 32 slice, its RB wgmmas into RB temporaries (one commit group each),
-// then promotes them in order as they complete (acc += tmp * sw[row] * sa[token]); the other consumer's
-// wgmmas fill the tensor cores meanwhile. acc + temporaries: 2 RB x BT / 2 floats a thread, plus the
-// slice's BT / 4 token scales (BT 128 takes RB 1: at RB 2 ptxas spills 2 KB).
+// (128, 128 RB), tokens box (128, BT), both SW128, and the stage's two scale tiles) into a ring guarded by
+// full / empty mbarriers; each consumer warpgroup issues, per K = 32 slice, its RB wgmmas into RB temporaries
+// (one commit group each) and promotes them as they complete (acc += tmp * sw[row] * sa[token]); the other
+// consumer's wgmmas fill the tensor cores meanwhile. The pipelined forms (PIPE 1 / 2) keep two temporaries a
+// row block and promote slice i-1 while slice i's wgmmas run, in turns of PIPE stages. BT 128 takes RB 1.
 //
-// Scales: saT [K/32, m_ld] f32, the activation scales transposed (act_quant_fp8(scales_ld=...)), TMA-loaded
-// with each stage as a [4 slices, BT tokens] tile (a float2 per token pair of the fragment from shared
-// memory: from global memory each promotion waited on L2, ~6x slower at 64 tokens); sb [ceil(N/R), K/32] E8M0
-// bytes as the checkpoint holds them (e8m0_scale: the bits e << 23, reference.e8m0_to_float's values).
-// Tails: TMA zero-fills rows past N / M, K columns past K and scale rows past K/32; rows past N get weight
-// scale 0; stores are masked. The weight scales of the next stage are loaded into registers a stage ahead. Split-K: gridDim.y splits take equal runs of the K stages; with more than one
-// the CTA stores fp32 partials to ws [splits, M, N] and fp8_splitk_reduce sums them in split order.
+// Scales, both TMA-loaded with each stage into shared memory (no global load in a consumer: from global
+// memory the promotions stalled on L1TEX / L2, the latency-bound pipeline Nsight showed):
+//   saT [K/32, m_ld] f32, the activation scales transposed (act_quant_fp8(scales_ld=...)): a [4 slices, BT] tile;
+//   sbT [K/32, sb_ld] f32, the weight scales transposed (cuda_fp8_decode.kernel_scales: the E8M0 bytes'
+//   values, cached beside the checkpoint's [ceil(N/R), K/32] tensor): a [4 slices, 128 RB / R] tile.
+// Tails: TMA zero-fills rows past N / M, K columns past K and scale rows past K/32 (zero scales); stores
+// are masked. Split-K: gridDim.y splits take equal runs of the K stages; with more than one the CTA stores
+// fp32 partials to ws [splits, M, N] and fp8_splitk_reduce sums them in split order (summing them in the
+// kernel, by each tile's last split, was slower from 64 tokens: H200_NOTES, 2026-12-04 afternoon).
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -70,9 +72,6 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t de
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-__device__ __forceinline__ float e8m0_scale(const uint8_t* p) {
-    return __uint_as_float(static_cast<uint32_t>(__ldg(p)) << 23);
-}
 
 template <int BT>
 __device__ __forceinline__ void wgmma_tokens(float (&d)[BT / 2], uint64_t desc_w, uint64_t desc_x) {
@@ -85,10 +84,22 @@ __device__ __forceinline__ void wgmma_tokens(float (&d)[BT / 2], uint64_t desc_w
 
 // acc += tmp * sw * sa in the m64nBT fragment layout: tmp[4f + 0/1] is weight row r0, tokens 8f + 2q + 0/1;
 // tmp[4f + 2/3] is row r0 + 8 (w0 / w1: the two rows' weight scales). ts[f]: the slice's scales of
-// tokens 8f + 2q, 8f + 2q + 1.
-template <int R>
+// tokens 8f + 2q, 8f + 2q + 1. Where the rows share one scale (32x32 blocks: r0 and r0 + 8 lie in one
+// block) a token pair's two products serve both rows: 2 FMULs a pair instead of 4.
+template <bool ONE, int R>
 __device__ __forceinline__ void promote_tokens(float (&acc)[R], const float (&tmp)[R], float w0, float w1,
                                                const float2 (&ts)[R / 4]) {
+    if constexpr (ONE) {
+#pragma unroll
+        for (int f = 0; f < R / 4; ++f) {
+            const float s0 = w0 * ts[f].x, s1 = w0 * ts[f].y;
+            acc[4 * f + 0] = fmaf(tmp[4 * f + 0], s0, acc[4 * f + 0]);
+            acc[4 * f + 1] = fmaf(tmp[4 * f + 1], s1, acc[4 * f + 1]);
+            acc[4 * f + 2] = fmaf(tmp[4 * f + 2], s0, acc[4 * f + 2]);
+            acc[4 * f + 3] = fmaf(tmp[4 * f + 3], s1, acc[4 * f + 3]);
+        }
+        return;
+    }
 #pragma unroll
     for (int f = 0; f < R / 4; ++f) {
         acc[4 * f + 0] = fmaf(tmp[4 * f + 0], w0 * ts[f].x, acc[4 * f + 0]);
@@ -98,20 +109,30 @@ __device__ __forceinline__ void promote_tokens(float (&acc)[R], const float (&tm
     }
 }
 
-// This thread's weight scales of K stage kb: [row block][row r0 / r1][slice] (0 past K/32 or N).
-template <int RB>
-__device__ __forceinline__ void load_weight_scales(float (&w)[RB][2][SLICES], const uint8_t* const (&r0)[RB],
-                                                   const uint8_t* const (&r1)[RB], int kb, int ks) {
+// The weight scales of one slice for this thread's two rows of each row block, from the stage's scale tile
+// in shared memory ([4 slices][SBC] f32: SBC = ROWS / 32 blocks or ROWS rows; off0 / off1 the rows' columns).
+struct RowScales {
+    int off0, off1;
+};
+
+// Promotes slice j of a stage for every row block: the slice's token scales (sa_p: this thread's first
+// token pair of the slice) and weight scales (sb_p: the slice's row of the scale tile), both in shared memory.
+template <int BT, int RB, bool ONE>
+__device__ __forceinline__ void promote_slice(float (&acc)[RB][BT / 2], float (&tmp)[RB][BT / 2], const float* sa_p,
+                                              const float* sb_p, const RowScales (&rs)[RB]) {
+    float2 ts[BT / 8];
 #pragma unroll
-    for (int j = 0; j < SLICES; ++j) {
-        const int g = kb * SLICES + j;
+    for (int f = 0; f < BT / 8; ++f) ts[f] = *reinterpret_cast<const float2*>(sa_p + 8 * f);
 #pragma unroll
-        for (int rb = 0; rb < RB; ++rb) {
-            w[rb][0][j] = (g < ks && r0[rb] != nullptr) ? e8m0_scale(r0[rb] + g) : 0.f;
-            w[rb][1][j] = (g < ks && r1[rb] != nullptr) ? e8m0_scale(r1[rb] + g) : 0.f;
-        }
+    for (int rb = 0; rb < RB; ++rb) {
+        const float w0 = sb_p[rs[rb].off0], w1 = sb_p[rs[rb].off1];
+        fence_regs(tmp[rb]);
+        promote_tokens<ONE>(acc[rb], tmp[rb], w0, w1, ts);
     }
 }
+
+template <int N>
+struct Stages { static constexpr int value = N; };
 
 // OCC CTAs a SM: 1 (the register split of fp8_gemm_sm90.cu) or 2 (producer 24, consumers 104 registers:
 // 128 x 24 + 256 x 104 <= the 384 x 80 a CTA is launched with (at 112 the launch failed), for the narrow
@@ -126,31 +147,34 @@ __device__ __forceinline__ void split_registers(bool producer) {
         else asm volatile("setmaxnreg.inc.sync.aligned.u32 104;\n" ::: "memory");
     }
 }
-
-template <int BT, int RB, int STAGES, int OCC>
+template <int BT, int RB, int STAGES, int OCC, int PIPE, bool ONE>
 __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUtensorMap* tmap_x,
-                                            const CUtensorMap* tmap_sa, const uint8_t* __restrict__ sb,
+                                            const CUtensorMap* tmap_sa, const CUtensorMap* tmap_sb,
                                             __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N,
                                             int K, int sb_rows) {
     constexpr int NCONS = 2;
     constexpr int ROWS = 64 * RB * NCONS;     // weight rows a CTA
     constexpr int R = BT / 2;                 // floats a thread per row block
     constexpr uint32_t W_BYTES = ROWS * BK, X_BYTES = BT * BK;
-    constexpr uint32_t SA_BYTES = SLICES * BT * 4;   // the stage's token scales, [slice][token] f32
+    constexpr uint32_t SA_BYTES = SLICES * BT * 4;     // the stage's token scales, [slice][token] f32
+    constexpr uint32_t SB_BYTES = SLICES * ROWS * 4;   // its weight scales, [slice][SBC] f32 (room for SBC = ROWS)
     static_assert(ROWS <= 256, "a TMA box has at most 256 rows");
     static_assert(X_BYTES % 1024 == 0, "each stage's token tile starts on a swizzle atom");
 
     extern __shared__ uint8_t smem_raw[];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t w_smem = base, x_smem = base + STAGES * W_BYTES, sa_smem = x_smem + STAGES * X_BYTES;
-    const uint32_t bars = sa_smem + STAGES * SA_BYTES;   // full[STAGES], then empty[STAGES]
+    const uint32_t sb_smem = sa_smem + STAGES * SA_BYTES;
+    const uint32_t bars = sb_smem + STAGES * SB_BYTES;   // full[STAGES], then empty[STAGES]
     const float* sa_tiles = reinterpret_cast<const float*>(smem_raw + (sa_smem - smem_u32(smem_raw)));
+    const float* sb_tiles = reinterpret_cast<const float*>(smem_raw + (sb_smem - smem_u32(smem_raw)));
     const StageRing<STAGES> ring{bars};
 
     const int n0 = blockIdx.x * ROWS, t0 = blockIdx.z * BT;
-    const int ks = K / 32, nkb = (K + BK - 1) / BK;
+    const int nkb = (K + BK - 1) / BK;
     const int per = (nkb + gridDim.y - 1) / gridDim.y;
     const int kb0 = min(nkb, static_cast<int>(blockIdx.y) * per), kb1 = min(nkb, kb0 + per);
+    const int sbc = sb_rows == 32 ? ROWS / 32 : ROWS;   // the scale tile's columns (the map's box)
 
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     if (threadIdx.x == 0) {
@@ -164,15 +188,18 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
             tma_prefetch(tmap_w);
             tma_prefetch(tmap_x);
             tma_prefetch(tmap_sa);
+            tma_prefetch(tmap_sb);
+            const uint32_t bytes = W_BYTES + X_BYTES + SA_BYTES + SLICES * sbc * 4;
             int stage = 0;
             uint32_t phase = 0;
             for (int kb = kb0; kb < kb1; ++kb) {
                 mbar_wait_or_trap(ring.empty(stage), phase ^ 1);
-                mbar_arrive_expect_tx(ring.full(stage), W_BYTES + X_BYTES + SA_BYTES);
+                mbar_arrive_expect_tx(ring.full(stage), bytes);
                 tma_load_2d(w_smem + stage * W_BYTES, tmap_w, ring.full(stage), kb * BK, n0);
                 tma_load_2d(x_smem + stage * X_BYTES, tmap_x, ring.full(stage), kb * BK, t0);
-                // slices past K/32 read as zero scales (the map's rows end at K/32)
+                // slices past K/32, rows past N read as zero scales (the maps end there)
                 tma_load_2d(sa_smem + stage * SA_BYTES, tmap_sa, ring.full(stage), t0, kb * SLICES);
+                tma_load_2d(sb_smem + stage * SB_BYTES, tmap_sb, ring.full(stage), n0 / sb_rows, kb * SLICES);
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             const int nloads = kb1 - kb0;   // the consumers' releases of the last loads (the hang check)
@@ -184,65 +211,103 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
 
     split_registers<OCC>(false);
     const int warp = tid / 32, lane = tid % 32, q = lane % 4;
-    // this thread's weight rows: row block rb's r0 = row0 + 64 rb, r1 = r0 + 8
+    // this thread's weight rows: row block rb's r0 = row0 + 64 rb, r1 = r0 + 8 (one 32-row block: same scale)
     const int row0 = n0 + 64 * RB * wg + 16 * warp + lane / 4;
-    const uint8_t* sb_r0[RB];
-    const uint8_t* sb_r1[RB];
+    RowScales rs[RB];
 #pragma unroll
     for (int rb = 0; rb < RB; ++rb) {
-        const int r0 = row0 + 64 * rb, r1 = r0 + 8;
-        sb_r0[rb] = r0 < N ? sb + static_cast<int64_t>(r0 / sb_rows) * ks : nullptr;
-        sb_r1[rb] = r1 < N ? sb + static_cast<int64_t>(r1 / sb_rows) * ks : nullptr;
+        const int l0 = row0 + 64 * rb - n0;
+        rs[rb] = ONE ? RowScales{l0 / 32, l0 / 32} : RowScales{l0, l0 + 8};
     }
 
-    float acc[RB][R], tmp[RB][R];
+    float acc[RB][R];
 #pragma unroll
     for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
         for (int i = 0; i < R; ++i) acc[rb][i] = 0.f;
+    auto sa_at = [&](int st, int j) { return sa_tiles + st * (SA_BYTES / 4) + j * BT + 2 * q; };
+    auto sb_at = [&](int st, int j) { return sb_tiles + st * (SB_BYTES / 4) + j * sbc; };
 
-    // weight scales one stage ahead in registers: a load's latency (L2 under the weight stream: ~1k
-    // cycles) hides behind a whole stage instead of stalling every slice's promotion
-    float wsc[RB][2][SLICES], wnext[RB][2][SLICES];
-    load_weight_scales<RB>(wnext, sb_r0, sb_r1, kb0, ks);
     int stage = 0;
     uint32_t phase = 0;
-    for (int kb = kb0; kb < kb1; ++kb) {
+    if constexpr (PIPE > 0) {
+        // Turns of PIPE stages: slice i's wgmmas run while slice i-1 is promoted, across the turn's stage
+        // boundary too (a stage is released once its last slice is promoted); only the turn's last slice
+        // waits on its own wgmma (wait 0 before the loop's back edge: ptxas cannot follow a wgmma in flight
+        // across it and would serialize every one, C7514).
+        float tmp[2][RB][R];
+        auto turn = [&](auto ns_tag) {
+            constexpr int NS = decltype(ns_tag)::value;
+            int st[NS];
 #pragma unroll
-        for (int rb = 0; rb < RB; ++rb)
+            for (int sidx = 0; sidx < NS; ++sidx) {
+                st[sidx] = stage;
+                mbar_wait(ring.full(stage), phase);
+                __syncwarp();                          // converged for the .aligned wgmma instructions
+                if (++stage == STAGES) stage = 0, phase ^= 1;
+                const uint64_t dw = sw128_desc(w_smem + st[sidx] * W_BYTES + 64 * RB * wg * BK);
+                const uint64_t dx = sw128_desc(x_smem + st[sidx] * X_BYTES);
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
+                for (int j = 0; j < SLICES; ++j) {
+                    const int i = sidx * SLICES + j;
 #pragma unroll
-                for (int j = 0; j < SLICES; ++j) wsc[rb][h][j] = wnext[rb][h][j];
-        load_weight_scales<RB>(wnext, sb_r0, sb_r1, kb + 1, ks);
-        mbar_wait(ring.full(stage), phase);
-        __syncwarp();                                  // converged for the .aligned wgmma instructions
-        const uint64_t dw = sw128_desc(w_smem + stage * W_BYTES + 64 * RB * wg * BK);
-        const uint64_t dx = sw128_desc(x_smem + stage * X_BYTES);
-        const float* sa_stage = sa_tiles + stage * (SA_BYTES / 4) + 2 * q;
-#pragma unroll
-        for (int j = 0; j < SLICES; ++j) {
-            // every row block's wgmma in flight, then each promoted as it completes
-#pragma unroll
-            for (int rb = 0; rb < RB; ++rb) {
-                wgmma_fence();
-                fence_regs(tmp[rb]);
-                wgmma_tokens<BT>(tmp[rb], dw + (64 * BK >> 4) * rb + 2 * j, dx + 2 * j);   // + 32 bytes a slice
-                wgmma_commit();
+                    for (int rb = 0; rb < RB; ++rb) {
+                        wgmma_fence();
+                        fence_regs(tmp[i & 1][rb]);
+                        wgmma_tokens<BT>(tmp[i & 1][rb], dw + (64 * BK >> 4) * rb + 2 * j, dx + 2 * j);
+                        wgmma_commit();
+                    }
+                    if (i == 0) continue;
+                    wgmma_wait<RB>();                  // slice i-1 done, slice i runs
+                    const int ps = st[(i - 1) / SLICES], pj = (i - 1) % SLICES;
+                    promote_slice<BT, RB, ONE>(acc, tmp[(i - 1) & 1], sa_at(ps, pj), sb_at(ps, pj), rs);
+                    if (j == 0 && lane == 0) mbar_arrive(ring.empty(ps));   // its last slice is promoted
+                }
             }
-            float2 ts[R / 4];                          // tokens 8f + 2q, + 1 of slice j (shared memory)
-#pragma unroll
-            for (int f = 0; f < R / 4; ++f) ts[f] = *reinterpret_cast<const float2*>(sa_stage + j * BT + 8 * f);
-#pragma unroll
-            for (int rb = 0; rb < RB; ++rb) {
-                if (rb == RB - 1) wgmma_wait<0>();
-                else wgmma_wait<RB - 1>();             // RB <= 2: row block 0 done, row block 1 may run
-                fence_regs(tmp[rb]);
-                promote_tokens(acc[rb], tmp[rb], wsc[rb][0][j], wsc[rb][1][j], ts);
-            }
+            wgmma_wait<0>();
+            promote_slice<BT, RB, ONE>(acc, tmp[(NS * SLICES - 1) & 1], sa_at(st[NS - 1], SLICES - 1),
+                                  sb_at(st[NS - 1], SLICES - 1), rs);
+            if (lane == 0) mbar_arrive(ring.empty(st[NS - 1]));
+        };
+        int kb = kb0;
+        for (; kb + PIPE <= kb1; kb += PIPE) turn(Stages<PIPE>{});
+        if constexpr (PIPE == 2) {
+            if (kb < kb1) turn(Stages<1>{});
         }
-        if (lane == 0) mbar_arrive(ring.empty(stage));  // every wgmma and scale read of this stage is done
-        if (++stage == STAGES) stage = 0, phase ^= 1;
+    } else {
+        // per slice: every row block's wgmma in flight, then each promoted as it completes; the other
+        // consumer's wgmmas fill the tensor cores meanwhile
+        float tmp[RB][R];
+        for (int kb = kb0; kb < kb1; ++kb) {
+            mbar_wait(ring.full(stage), phase);
+            __syncwarp();                              // converged for the .aligned wgmma instructions
+            const uint64_t dw = sw128_desc(w_smem + stage * W_BYTES + 64 * RB * wg * BK);
+            const uint64_t dx = sw128_desc(x_smem + stage * X_BYTES);
+#pragma unroll
+            for (int j = 0; j < SLICES; ++j) {
+#pragma unroll
+                for (int rb = 0; rb < RB; ++rb) {
+                    wgmma_fence();
+                    fence_regs(tmp[rb]);
+                    wgmma_tokens<BT>(tmp[rb], dw + (64 * BK >> 4) * rb + 2 * j, dx + 2 * j);   // + 32 bytes a slice
+                    wgmma_commit();
+                }
+                float2 ts[R / 4];                      // tokens 8f + 2q, + 1 of slice j
+                const float* sa_p = sa_at(stage, j);
+                const float* sb_p = sb_at(stage, j);
+#pragma unroll
+                for (int f = 0; f < R / 4; ++f) ts[f] = *reinterpret_cast<const float2*>(sa_p + 8 * f);
+#pragma unroll
+                for (int rb = 0; rb < RB; ++rb) {
+                    if (rb == RB - 1) wgmma_wait<0>();
+                    else wgmma_wait<RB - 1>();         // RB <= 2: row block 0 done, row block 1 may run
+                    fence_regs(tmp[rb]);
+                    promote_tokens<ONE>(acc[rb], tmp[rb], sb_p[rs[rb].off0], sb_p[rs[rb].off1], ts);
+                }
+            }
+            if (lane == 0) mbar_arrive(ring.empty(stage));  // every wgmma and scale read of this stage is done
+            if (++stage == STAGES) stage = 0, phase ^= 1;
+        }
     }
 
     // epilogue, masked: C[token, row] bf16 (round to nearest even) or ws [split, token, row] fp32
@@ -272,22 +337,46 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
 
 // Entry points (C names for cuModuleGetFunction). Launch: grid (ceil(N / (128 RB)), splits, ceil(M / BT)),
 // block 384 (two consumer warpgroups, then the producer), dynamic shared memory
-// 1024 + STAGES * ((128 RB + BT) * 128 + 16 BT + 16) (kernels/cuda_fp8_decode.py FORMS must match).
-// tmap_sa: the token scales saT [K/32, m_ld] f32, box (BT, 4). sb_rows: 32 (sb per 32x32 block) or 1 (per (row, 32)).
-#define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES, OCC)                                                               \
+// 1024 + STAGES * ((128 RB + BT) * 128 + 16 BT + 16 * 128 RB + 16) (kernels/cuda_fp8_decode.py FORMS must match).
+// tmap_sa: the token scales saT [K/32, m_ld] f32, box (BT, 4); tmap_sb: the weight scales sbT [K/32, sb_ld] f32,
+// box (128 RB / sb_rows, 4). sb_rows: 32 (one scale per 32x32 block) or 1 (per (row, 32)).
+#define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES, OCC, PIPE)                                                           \
     extern "C" __global__ void __launch_bounds__(384, OCC)                                                     \
         NAME(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,         \
-             const __grid_constant__ CUtensorMap tmap_sa, const uint8_t* __restrict__ sb,                    \
+             const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_sb,                    \
              __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N, int K, int sb_rows) {      \
-        fp8dec::decode_body<BT, RB, STAGES, OCC>(&tmap_w, &tmap_x, &tmap_sa, sb, c, ws, M, N, K, sb_rows);         \
+        if (sb_rows == 32)                                                                                      \
+            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, true>(&tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 32); \
+        else                                                                                                    \
+            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, false>(&tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 1); \
     }
 
-FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2, 16, 2, 6, 1)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb2, 32, 2, 6, 1)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb2, 64, 2, 5, 1)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1, 16, 1, 8, 1)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1, 32, 1, 8, 1)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1, 64, 1, 8, 1)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1, 128, 1, 6, 1)
-FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_x2, 16, 1, 4, 2)   // two CTAs a SM
-FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_x2, 32, 1, 4, 2)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2, 16, 2, 5, 1, 0)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb2, 32, 2, 5, 1, 0)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb2, 64, 2, 5, 1, 0)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1, 16, 1, 8, 1, 0)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1, 32, 1, 8, 1, 0)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1, 64, 1, 8, 1, 0)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1, 128, 1, 6, 1, 0)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_x2, 16, 1, 4, 2, 0)   // two CTAs a SM
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_x2, 32, 1, 4, 2, 0)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1_x2, 64, 1, 4, 2, 0)
+// slice i's wgmmas in flight while slice i-1 is promoted (two temporaries a row block), turns of 1 or 2 stages
+// (t64_rb1_x2_p spills)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2_p, 16, 2, 5, 1, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb2_p, 32, 2, 5, 1, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb2_p, 64, 2, 5, 1, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_p, 16, 1, 8, 1, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_p, 32, 1, 8, 1, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1_p, 64, 1, 8, 1, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1_p, 128, 1, 6, 1, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_x2_p, 16, 1, 4, 2, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_x2_p, 32, 1, 4, 2, 1)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2_p2, 16, 2, 5, 1, 2)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb2_p2, 32, 2, 5, 1, 2)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_p2, 16, 1, 8, 1, 2)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_p2, 32, 1, 8, 1, 2)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1_p2, 64, 1, 8, 1, 2)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1_p2, 128, 1, 6, 1, 2)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_x2_p2, 16, 1, 4, 2, 2)
+FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_x2_p2, 32, 1, 4, 2, 2)

@@ -8,6 +8,7 @@ bound at the release shapes, graph capture)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -15,8 +16,9 @@ import pytest
 import torch
 
 from deepinfer.kernels import cuda_driver
-from deepinfer.kernels.cuda_fp8_decode import (FORMS, REDUCE, SRC, decline_reason, plan, smem_bytes, split_cost,
-                                               token_tile)
+from deepinfer.kernels.cuda_fp8_decode import (FORMS, REDUCE, SRC, decline_reason, kernel_scales, plan, scales_ready,
+                                               smem_bytes, split_cost, token_tile)
+from deepinfer.kernels.reference import e8m0_to_float
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_cuda_fp8_gemm import _functions, fresh_compile, needs_nvcc, sass_by_function  # noqa: E402
@@ -45,8 +47,10 @@ def test_sass_has_the_token_wide_fp8_gmma(compiled):
     sass = sass_by_function(compiled[0])
     for name, (bt, rb, _, _) in FORMS.items():
         code = sass[name]
-        # RB row blocks x 4 slices a stage, weights (A) and tokens (B) both from shared memory
-        assert code.count(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3") == 4 * rb, name
+        # RB row blocks x 4 slices a stage (the _p2 forms: a turn of two stages and the one-stage tail turn),
+        # weights (A) and tokens (B) both from shared memory
+        per_stage = 3 if name.endswith("_p2") else 1
+        assert code.count(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3") == 2 * 4 * rb * per_stage, name   # two bodies: block / row scales
         assert "UTMALDG.2D" in code and "USETMAXREG" in code, name
 
 
@@ -117,3 +121,53 @@ def test_cuda_fp8_decode_on_gpu():
         pytest.skip("needs an SM90 GPU and nvcc")
     from cuda_fp8_decode_checks import main
     assert main([]) == 0
+
+
+@pytest.mark.parametrize("rows,ks", [(1, 1), (7, 3), (56, 40), (1024, 160)])
+def test_kernel_scales_are_the_e8m0_values_transposed_and_cached(rows, ks):
+    """sbT [K/32, rows rounded up to 4] f32: sb's values transposed, zero past its rows; kept on sb until sb
+    changes in place."""
+    sb = torch.randint(100, 140, (rows, ks), dtype=torch.uint8)
+    assert not scales_ready(sb)
+    t = kernel_scales(sb)
+    ld = -(-rows // 4) * 4
+    assert t.shape == (ks, ld) and t.dtype == torch.float32 and t.is_contiguous()
+    assert torch.equal(t[:, :rows], e8m0_to_float(sb).T) and not t[:, rows:].any()
+    assert scales_ready(sb) and kernel_scales(sb) is t
+    sb[0, 0] = 127                                   # in place: the cache is stale, recomputed
+    assert not scales_ready(sb)
+    t2 = kernel_scales(sb)
+    assert t2 is not t and t2[0, 0].item() == 1.0
+
+
+def test_table_takes_the_measured_winner_at_the_covering_m(tmp_path, monkeypatch):
+    """table_row: the smallest measured M at or above m, on the GPU model the table names only; table_choice:
+    the form and splits where the kernel beat the path it would replace by WIN_MARGIN, else None; a form no
+    longer built is not taken."""
+    from deepinfer.kernels import cuda_fp8_decode as cfd
+    rows = [dict(n=5120, k=8192, m=16, entry="fp8_decode_sm90_t16_rb1_x2_p2", splits=3, decode_us=19.0,
+                 bf16_held_us=26.5, fp8_select_us=19.2),
+            dict(n=5120, k=8192, m=64, entry="fp8_decode_sm90_t64_rb1_p2", splits=3, decode_us=26.0,
+                 bf16_held_us=29.8, fp8_select_us=29.4),
+            dict(n=5120, k=8192, m=128, entry="fp8_decode_sm90_t128_rb1_p2", splits=3, decode_us=40.0,
+                 bf16_held_us=28.0, fp8_select_us=45.0),
+            dict(n=4096, k=1280, m=16, entry="fp8_decode_sm90_gone", splits=1, decode_us=1.0,
+                 bf16_held_us=9.0, fp8_select_us=9.0)]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"device": "GPU A", "rows": rows}))
+    monkeypatch.setattr(cfd, "TABLE_PATH", str(path))
+    cfd.reload_table()
+    try:
+        assert cfd.table_row(1, 5120, 8192, "GPU A")["m"] == 16
+        assert cfd.table_row(17, 5120, 8192, "GPU A")["m"] == 64
+        assert cfd.table_row(129, 5120, 8192, "GPU A") is None            # past the largest measured M
+        assert cfd.table_row(16, 5120, 8192, "GPU B") is None             # another GPU model's table
+        assert cfd.table_choice(40, 5120, 8192, "GPU A") == ("fp8_decode_sm90_t64_rb1_p2", 3)
+        assert cfd.table_choice(16, 5120, 8192, "GPU A") == ("fp8_decode_sm90_t16_rb1_x2_p2", 3)
+        assert cfd.table_choice(16, 5120, 8192, "GPU A", against="fp8_select") is None   # 19.2 < 1.03 x 19.0
+        assert cfd.table_choice(100, 5120, 8192, "GPU A") is None          # bf16-held won at 128
+        assert cfd.table_choice(100, 5120, 8192, "GPU A", against="fp8_select") == ("fp8_decode_sm90_t128_rb1_p2", 3)
+        assert cfd.table_row(1, 4096, 1280, "GPU A") is None               # a renamed form reads as unmeasured
+    finally:
+        monkeypatch.undo()
+        cfd.reload_table()
