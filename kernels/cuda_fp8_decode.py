@@ -21,12 +21,12 @@ the row blocks (the bench's comparison)."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import torch
 
 from . import cuda_driver
+from .measured_table import rows_by_shape
 from .reference import e8m0_to_float
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "fp8_decode_sm90.cu")
@@ -64,16 +64,9 @@ WIN_MARGIN = 1.03        # a path is replaced only where the kernel is at least 
 
 @functools.lru_cache(maxsize=None)
 def _table() -> tuple[str | None, dict]:
-    """(the GPU model it was measured on, {(N, K): [row, ...] by ascending measured M})."""
-    if not TABLE_PATH or not os.path.exists(TABLE_PATH):
-        return None, {}
-    with open(TABLE_PATH) as f:
-        t = json.load(f)
-    out: dict = {}
-    for r in sorted(t["rows"], key=lambda r: r["m"]):
-        if r["entry"] in FORMS:                  # a form since renamed is not taken
-            out.setdefault((r["n"], r["k"]), []).append(r)
-    return t.get("device"), out
+    """(the GPU model it was measured on, {(N, K): [row, ...] by ascending measured M}); a form since renamed
+    is not taken."""
+    return rows_by_shape(TABLE_PATH, lambda r: r if r["entry"] in FORMS else None)
 
 
 def reload_table() -> None:

@@ -72,6 +72,7 @@ import torch
 
 from . import deepgemm as _dg
 from . import batch_invariant as _bi
+from .measured_table import rows_by_shape
 from . import reference as _ref
 from .grouped_rows import GroupedRows, counts_of  # noqa: F401  (GroupedRows: in the annotations)
 
@@ -794,14 +795,7 @@ LINEAR_FP32_MAX_M = 128         # decode; longer batches stay on cuBLAS (batch-i
 def _skinny_table_file() -> tuple[str | None, dict]:
     """(the GPU model it was measured on, {(N, K): [(measured M, tiles or None), ...] ascending}) from
     SKINNY_TABLE_PATH ((None, {}) if unset / absent)."""
-    if not SKINNY_TABLE_PATH or not os.path.exists(SKINNY_TABLE_PATH):
-        return None, {}
-    with open(SKINNY_TABLE_PATH) as f:
-        t = json.load(f)
-    out: dict = {}
-    for r in sorted(t["rows"], key=lambda r: r["m"]):
-        out.setdefault((r["n"], r["k"]), []).append((r["m"], r["cfg"]))
-    return t.get("device"), out
+    return rows_by_shape(SKINNY_TABLE_PATH, lambda r: (r["m"], r["cfg"]))
 
 
 def _skinny_table() -> dict:

@@ -174,7 +174,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     const int nkb = (K + BK - 1) / BK;
     const int per = (nkb + gridDim.y - 1) / gridDim.y;
     const int kb0 = min(nkb, static_cast<int>(blockIdx.y) * per), kb1 = min(nkb, kb0 + per);
-    const int sbc = sb_rows == 32 ? ROWS / 32 : ROWS;   // the scale tile's columns (the map's box)
+    constexpr int sbc = ONE ? ROWS / 32 : ROWS;         // the scale tile's columns (the map's box)
 
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     if (threadIdx.x == 0) {
