@@ -1160,23 +1160,6 @@ def hc_post(y, res, post, comb):
     return _ref.hc_post_ref(y, res, post, comb)
 
 
-# hc_post fused with the next sublayer's mixes (triton_mhc_fused); DEEPINFER_MHC_FUSED=0 runs the two
-# kernels (the benchmarks' side-by-side baseline)
-MHC_FUSED = os.environ.get("DEEPINFER_MHC_FUSED", "1") != "0"
-
-
-def hc_post_mixes_pre(y, res, post, comb, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False):
-    """(hc_post(y, res, post, comb), *hc_mixes_pre(that, fn, ...)): one pass over the residual streams
-    where the fused kernel's rules hold (those of hc_mixes_pre), else the two calls."""
-    if MHC_FUSED and _fast_for(res, "hc_post_mixes_pre", res.shape[1] == 4 and res.shape[-1] % 64 == 0,
-                               "hc_mult 4 and dim a multiple of 64", then="hc_post, then hc_mixes_pre"):
-        from .triton_mhc_fused import hc_post_mixes_pre as fast
-        return fast(y, res, post, comb, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean,
-                    batch_invariant=_batch_invariant())
-    out = hc_post(y, res, post, comb)
-    return (out,) + tuple(hc_mixes_pre(out, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean))
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _fast_for(x, "rms_norm", x.shape[-1] <= 16384 and weight.shape == x.shape[-1:], "width <= 16384"):
         from .triton_norm import rms_norm as fast

@@ -56,25 +56,6 @@ def _mix_dot(acc, xs, xb, fn_ptr, f_off, f_ok, part, PREC: tl.constexpr, SPLIT3:
 
 
 @triton.jit
-def _mix_stream(sq, acc, yacc, macc, xb, fn_ptr, pre_ptr, rt, t_ok, rj, j_ok, col, k, hd, HC: tl.constexpr,
-                MIX: tl.constexpr, PREC: tl.constexpr, MEAN: tl.constexpr, SPLIT3: tl.constexpr,
-                UPCAST: tl.constexpr):
-    """One stream k's [BT, BK] tile xb (bf16, flat columns col) into the running sums: its squares (the
-    norm), its product with fn's columns (the mixes), pre_prev[:, k] x it (the collapse) and, MEAN, the
-    plain sum. The one body of hc_mixes_pre_kernel and triton_mhc_fused's kernel: same bits for the same
-    tile."""
-    xs = xb.to(tl.float32)
-    sq += tl.sum(xs * xs, axis=1)
-    acc = _mix_dot(acc, xs, xb, fn_ptr, rj[:, None].to(tl.int64) * hd + col[None, :], j_ok[:, None],
-                   MIX * hd, PREC, SPLIT3, UPCAST)
-    pk = tl.load(pre_ptr + rt * HC + k, mask=t_ok, other=0.0)
-    yacc += pk[:, None] * xs
-    if MEAN:
-        macc += xs
-    return sq, acc, yacc, macc
-
-
-@triton.jit
 def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_ptr, T, d,
                         HC: tl.constexpr, MIX: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                         CH: tl.constexpr, MIXP: tl.constexpr, PREC: tl.constexpr = "tf32x3",
@@ -100,8 +81,14 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
         for k in tl.static_range(HC):
             col = k * d + c + rk
             xb = tl.load(x_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], mask=t_ok[:, None], other=0.0)
-            sq, acc, yacc, macc = _mix_stream(sq, acc, yacc, macc, xb, fn_ptr, pre_ptr, rt, t_ok, rj, j_ok, col,
-                                              k, hd, HC, MIX, PREC, MEAN, SPLIT3, UPCAST)
+            xs = xb.to(tl.float32)
+            sq += tl.sum(xs * xs, axis=1)
+            acc = _mix_dot(acc, xs, xb, fn_ptr, rj[:, None].to(tl.int64) * hd + col[None, :], j_ok[:, None],
+                           MIX * hd, PREC, SPLIT3, UPCAST)
+            pk = tl.load(pre_ptr + rt * HC + k, mask=t_ok, other=0.0)
+            yacc += pk[:, None] * xs
+            if MEAN:
+                macc += xs
         tl.store(y_ptr + rt[:, None].to(tl.int64) * d + (c + rk)[None, :], yacc.to(tl.bfloat16),
                  mask=t_ok[:, None])
         if MEAN:
@@ -228,19 +215,6 @@ def hc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr
 
 
 @triton.jit
-def _post_stream4(y, r0, r1, r2, r3, comb_ptr, post_ptr, rt, t_ok, j):
-    """Output stream j of hc_post at HC 4, fp32: post[:, j] * y + sum_i comb[:, i, j] * r_i (i in order).
-    The one body of hc_post_kernel and triton_mhc_fused's kernel: same bits."""
-    cb = comb_ptr + rt * 16 + j
-    acc = tl.load(cb, mask=t_ok, other=0.0)[:, None] * r0
-    acc += tl.load(cb + 4, mask=t_ok, other=0.0)[:, None] * r1
-    acc += tl.load(cb + 8, mask=t_ok, other=0.0)[:, None] * r2
-    acc += tl.load(cb + 12, mask=t_ok, other=0.0)[:, None] * r3
-    pj = tl.load(post_ptr + rt * 4 + j, mask=t_ok, other=0.0)
-    return pj[:, None] * y + acc
-
-
-@triton.jit
 def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
                    HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """out[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * res[t, i] (fp32, bf16 out). HC == 4 (the
@@ -261,15 +235,18 @@ def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
         r3 = tl.load(res_ptr + (rt64[:, None] * HC + 3) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
     for j in tl.static_range(HC):
         if HC == 4:
-            o = _post_stream4(y, r0, r1, r2, r3, comb_ptr, post_ptr, rt, t_ok, j)
+            cb = comb_ptr + rt * (HC * HC) + j
+            acc = tl.load(cb, mask=t_ok, other=0.0)[:, None] * r0
+            acc += tl.load(cb + HC, mask=t_ok, other=0.0)[:, None] * r1
+            acc += tl.load(cb + 2 * HC, mask=t_ok, other=0.0)[:, None] * r2
+            acc += tl.load(cb + 3 * HC, mask=t_ok, other=0.0)[:, None] * r3
         else:
             acc = tl.zeros((BT, BD), tl.float32)
             for i in tl.static_range(HC):
                 r = tl.load(res_ptr + (rt64[:, None] * HC + i) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
                 acc += tl.load(comb_ptr + rt * (HC * HC) + i * HC + j, mask=t_ok, other=0.0)[:, None] * r
-            pj = tl.load(post_ptr + rt * HC + j, mask=t_ok, other=0.0)
-            o = pj[:, None] * y + acc
-        tl.store(out_ptr + (rt64[:, None] * HC + j) * d + rd[None, :], o.to(tl.bfloat16), mask=m)
+        pj = tl.load(post_ptr + rt * HC + j, mask=t_ok, other=0.0)
+        tl.store(out_ptr + (rt64[:, None] * HC + j) * d + rd[None, :], (pj[:, None] * y + acc).to(tl.bfloat16), mask=m)
 
 
 def _sinkhorn_launch(mix, stride, scale, base, T, hc, iters, eps):
@@ -415,19 +392,11 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                                                        PREC="ieee" if INTERPRET else "tf32x3", MEAN=mean,
                                                        SPLIT3=split3, UPCAST=INTERPRET,
                                                        num_warps=v["num_warps"], num_stages=v["num_stages"])
-    pre, post, comb = finish_mixes(mixp, sqp, hc, d, scale, base, iters, hc_eps, norm_eps)
-    return (pre, post, comb, y) + ((avg,) if mean else ())
-
-
-def finish_mixes(mixp: torch.Tensor, sqp: torch.Tensor, hc: int, d: int, scale, base, iters: int, hc_eps: float,
-                 norm_eps: float):
-    """The mixes kernels' column-chunk partials mixp [nc, T, MIX_PAD], sqp [nc, T] -> pre, post, comb:
-    one chunk-sum launch (the norm applied) and the Sinkhorn pass."""
-    nc, T = sqp.shape
-    mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=mixp.device)
+    mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
     hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=triton.next_power_of_2(nc),
                                MIXP=MIX_PAD, num_warps=4)
-    return _sinkhorn_launch(mixes, MIX_PAD, scale, base, T, hc, iters, hc_eps)
+    pre, post, comb = _sinkhorn_launch(mixes, MIX_PAD, scale, base, T, hc, iters, hc_eps)
+    return (pre, post, comb, y) + ((avg,) if mean else ())
 
 
 def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,27 +12,6 @@ from .attention import Attention
 from .engram import Engram
 from .layers import RMSNorm
 from .moe import MoE
-
-
-class PendingPost(NamedTuple):
-    """A sublayer's expand not yet applied: hc_post(y, res, post, comb) [T, hc, d]. Blocks hand it on so
-    the next sublayer's mixes run in the same pass (ops.hc_post_mixes_pre)."""
-
-    y: torch.Tensor
-    res: torch.Tensor
-    post: torch.Tensor
-    comb: torch.Tensor
-
-    def apply(self) -> torch.Tensor:
-        return ops.hc_post(*self)
-
-    def rows(self, idx) -> "PendingPost":
-        return PendingPost(*(t[idx] for t in self))
-
-
-def settle(h):
-    """h as a tensor: a PendingPost applied, a tensor as it is."""
-    return h.apply() if isinstance(h, PendingPost) else h
 
 
 class Block(nn.Module):
@@ -77,35 +54,21 @@ class Block(nn.Module):
         out = post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * res.unsqueeze(-2)).sum(dim=1)
         return out.to(y.dtype)
 
-    def forward(self, x, pre_mix, attn_fn, image_mask=None, attn_out: list | None = None, tap: list | None = None,
-                defer_post: bool = False):
-        """x [T, hc, d], or a PendingPost (the previous block's expand, applied here in one pass with
-        this block's attention mixes); attn_fn(x_norm) -> [T, d]. Returns (x, the FFN's pre-mix for the
-        next block); defer_post: x is this block's FFN expand as a PendingPost (the caller applies it,
-        or hands it to the next block). tap: gets x.mean(dim=1) appended (a DSpark tap, from the read
-        the attention mixes make anyway)."""
-        if isinstance(x, PendingPost):
-            res, a_pre, a_post, a_comb, xa, *mean = self.post_mixes_pre(x, "attn", pre_mix, tap is not None)
-        else:
-            res = x
-            a_pre, a_post, a_comb, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
+    def forward(self, x, pre_mix, attn_fn, image_mask=None, attn_out: list | None = None, tap: list | None = None):
+        """x [T, hc, d]; attn_fn(x_norm) -> [T, d]. Returns (x, the FFN's pre-mix for the next block).
+        tap: gets x.mean(dim=1) appended (a DSpark tap, from the read the attention mixes make anyway)."""
+        res = x
+        a_pre, a_post, a_comb, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
         if tap is not None:
             tap.append(mean[0])
         a = attn_fn(self.attn_norm(xa))
         if attn_out is not None:
             attn_out.append(a)
-        # the attention's expand and the FFN's mixes in one pass over the residual streams
-        res, f_pre, f_post, f_comb, xf = self.post_mixes_pre(PendingPost(a, res, a_post, a_comb), "ffn", a_pre)
+        x = ops.hc_post(a, res, a_post, a_comb)
+        res = x
+        f_pre, f_post, f_comb, xf = self.mixes_pre(x, "ffn", a_pre)
         y = self.ffn(self.ffn_norm(xf), image_mask)
-        out = PendingPost(y, res, f_post, f_comb)
-        return (out if defer_post else out.apply()), f_pre
-
-    def post_mixes_pre(self, pending: PendingPost, sub: str, pre_prev: torch.Tensor, mean: bool = False):
-        """pending.apply() and mixes_pre(that, sub, pre_prev, mean) in one pass (ops.hc_post_mixes_pre):
-        (x, pre, post, comb, collapsed input[, mean])."""
-        return ops.hc_post_mixes_pre(*pending, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
-                                     getattr(self, f"hc_{sub}_base"), pre_prev, self.iters, self.hc_eps, self.eps,
-                                     mean)
+        return ops.hc_post(y, res, f_post, f_comb), f_pre
 
     def mixes_pre(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor, mean: bool = False):
         """hc_mixes(x, sub) and hc_pre(x, pre_prev) in one pass over x (ops.hc_mixes_pre):

@@ -30,7 +30,6 @@ from deepinfer.kernels.select import (  # noqa: F401
     grouped_w8a16,
     hc_mixes_pre,
     hc_post,
-    hc_post_mixes_pre,
     hc_split_sinkhorn,
     index_scores_paged,
     index_scores_pool,

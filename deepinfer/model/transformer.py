@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .args import ModelArgs
-from .block import Block, PendingPost, settle
+from .block import Block
 from .batch import ForwardBatch
 from .engram import NgramHasher
 from .dspark import DSparkBlock
@@ -102,10 +102,6 @@ class Transformer(nn.Module):
         compact = yoco.plan_compaction(batch)
         token_mask, num_rows = batch.token_mask, h.shape[0]
         for i, layer in enumerate(self.layers):
-            # h is the previous block's FFN expand not yet applied (a PendingPost: the next block applies it
-            # in one pass with its attention mixes), settled where something else reads the streams
-            if dump_hidden or layer.engram is not None or (compact is not None and i == self.decoder_start):
-                h = settle(h)
             if dump_hidden:
                 snaps.append(h.float())
             if layer.engram is not None:
@@ -123,14 +119,11 @@ class Transformer(nn.Module):
                 meta = self.step_metadata(batch, caches)
             attn_fn = lambda xn, layer=layer: layer.attn(xn, meta, caches, self.rope)  # noqa: E731
             # a DSpark target layer's tap (its input averaged over the hc copies) comes out of its mixes
-            h, pre = layer(h, pre, attn_fn, image_mask, attn_outs, taps if i in args.dspark_target_layer_ids else None,
-                           defer_post=True)
+            h, pre = layer(h, pre, attn_fn, image_mask, attn_outs, taps if i in args.dspark_target_layer_ids else None)
         if dump_hidden:
-            h = settle(h)
             snaps.append(h.float())
         li = batch.logits_indices
-        h_out = h.rows(li).apply() if isinstance(h, PendingPost) else h[li]     # the last expand: logit rows only
-        x = self.norm(Block.hc_pre(h_out, pre[li]))
+        x = self.norm(Block.hc_pre(h[li], pre[li]))
         if compact is not None and taps:    # DSpark rings get the kept rows (drafts read the last window only)
             taps = [t if t.shape[0] == num_rows else t.new_zeros(num_rows, t.shape[1]).index_copy_(0, compact.kept, t)
                     for t in taps]

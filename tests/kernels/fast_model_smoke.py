@@ -34,8 +34,7 @@ def main(ckpt: str) -> None:
     prompt = torch.randint(1000, 50000, (70,)).tolist()   # > 64: two attention blocks, compressed entries
     calls: dict[str, int] = {}
     wrapped = {}
-    for name in ("act_quant", "fp4_quant", "sparse_attn", "hc_mixes_pre", "hc_post", "hc_post_mixes_pre",
-                 "index_scores_paged", "index_scores_pool",
+    for name in ("act_quant", "fp4_quant", "sparse_attn", "hc_mixes_pre", "hc_post", "index_scores_paged", "index_scores_pool",
                  "fp8_linear", "grouped_fp8_linear_masked", "rms_norm", "rope", "index_topk", "topk_block_mask",
                  "engram_gate", "swiglu_quant", "pool_lists", "router_topk"):
         fn = getattr(select, name, None)
@@ -54,8 +53,7 @@ def main(ckpt: str) -> None:
     select.KERNELS = "ref"
     ref = run(model, prompt, 3)
     print("fast calls per op:", calls)
-    assert all(calls.get(n) for n in ("sparse_attn", "hc_post", "hc_post_mixes_pre", "rms_norm", "rope", "index_topk",
-                                      "topk_block_mask",
+    assert all(calls.get(n) for n in ("sparse_attn", "hc_post", "rms_norm", "rope", "index_topk", "topk_block_mask",
                                       "engram_gate")), calls
     for i, (f, r) in enumerate(zip(fast, ref)):
         top = r.topk(512).indices

@@ -227,36 +227,6 @@ def check_pool_lists():
         assert torch.equal(got, pool_lists_ref(win, win_len, topk, seq, bt, epb, 5000)), (T, Lw, K)
 
 
-def check_mhc_fused():
-    """hc_post fused with the next mixes (triton_mhc_fused) against the two kernels it replaces, run with
-    the same launch constants: every output bit for bit (its two halves are those kernels' own bodies),
-    with and without the mean tap, in batch-invariant mode (mix_variant's constants exactly), at 1 and 4
-    column chunks a program (d 1280: 10 chunks, a masked tail in the chunk sum); and against the two
-    references (the interpreter truncates the bf16 casts, so out is within an ulp)."""
-    from deepinfer.kernels import triton_mhc_fused
-    torch.manual_seed(3)
-    scale, base = torch.rand(3) + 0.5, torch.randn(24) * 0.3
-    for d, T, kw in ((256, 5, {}), (1280, 3, {"chunks_per_program": 5}), (256, 7, {"bt": 16})):
-        y, res = torch.randn(T, d).bfloat16(), torch.randn(T, 4, d).bfloat16()
-        post, comb = torch.rand(T, 4) * 2, torch.rand(T, 4, 4)
-        fn = torch.randn(24, 4 * d) * 0.05 * (256 / d) ** 0.5
-        pre_prev = torch.rand(T, 4)
-        for bi in (False, True):
-            for mean in (False, True):
-                got = triton_mhc_fused.hc_post_mixes_pre(y, res, post, comb, fn, scale, base, pre_prev, 20, 1e-6,
-                                                         1e-20, mean, batch_invariant=bi, **kw)
-                v = triton_mhc_fused.fused_variant(T, d, bi, **kw)
-                out = triton_mhc.hc_post(y, res, post, comb)
-                two = triton_mhc.hc_mixes_pre(out, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, mean,
-                                              batch_invariant=bi, **(v if not bi else kw))
-                assert torch.equal(got[0], out), (d, bi, mean)
-                assert all(torch.equal(a, b) for a, b in zip(got[1:], two)), (d, bi, mean, kw)
-        ref = triton_mhc_fused.hc_post_mixes_pre_ref(y, res, post, comb, fn, scale, base, pre_prev, 20, 1e-6, 1e-20)
-        assert rel(got[0], ref[0]) < 1e-2 and rel(got[4], ref[4]) < 2e-2
-        for a, b in zip(got[1:4], ref[1:4]):
-            assert (a - b).abs().max() < 2e-2, d       # the mixes of a tile an ulp off (the truncating casts)
-
-
 def main():
     torch.manual_seed(0)
     x = (torch.randn(5, 256) * torch.exp(2 * torch.randn(5, 1))).bfloat16()
@@ -365,7 +335,6 @@ def main():
     check_bf16_skinny()
     check_pool_lists()
     check_router_topk()
-    check_mhc_fused()
     print("interpret checks passed")
 
 
