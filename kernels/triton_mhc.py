@@ -59,12 +59,17 @@ def _mix_dot(acc, xs, xb, fn_ptr, f_off, f_ok, part, PREC: tl.constexpr, SPLIT3:
 def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_ptr, T, d,
                         HC: tl.constexpr, MIX: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                         CH: tl.constexpr, MIXP: tl.constexpr, PREC: tl.constexpr = "tf32x3",
-                        MEAN: tl.constexpr = False, SPLIT3: tl.constexpr = False, UPCAST: tl.constexpr = False):
+                        MEAN: tl.constexpr = False, SPLIT3: tl.constexpr = False, UPCAST: tl.constexpr = False,
+                        STACKED: tl.constexpr = False):
     """Grid (T/BT, d/CH): a program walks CH / BK column chunks of BK (a loop Triton can pipeline when
     num_stages > 1). The fp32 product: 3-pass tf32 (error ~ fp32's), or SPLIT3 (see _mix_dot). x [T, HC, d]
     bf16, fn [MIX, HC*d] f32 (SPLIT3: [3, MIX, HC*d] bf16), pre [T, HC] f32 -> partial mixes
     mixp [d/CH, T, MIXP] and partial squares sqp [d/CH, T] of this column range, y [T, d] bf16; MEAN:
-    also mean [T, d] bf16 = x averaged over the HC copies (fp32 sum in copy order, then / HC)."""
+    also mean [T, d] bf16 = x averaged over the HC copies (fp32 sum in copy order, then / HC).
+    STACKED (dot "bf16x3n"): fn is [4 * MIXP, HC*d] bf16, the three parts stacked as one operand (rows
+    p * MIXP + j: part p of mix j, the fourth block zero), so each stream's chunk is one [BT, BK] x
+    [BK, 4 * MIXP] MMA reading the x tile once (SPLIT3's three N = 32 MMAs re-read it from shared memory
+    each), accumulated over the program's whole walk; the parts are summed once at the end."""
     pid = tl.program_id(0)
     pc = tl.program_id(1)
     rt = pid * BT + tl.arange(0, BT)
@@ -75,6 +80,8 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
     hd = HC * d
     sq = tl.zeros((BT,), tl.float32)
     acc = tl.zeros((BT, MIXP), tl.float32)
+    rn = tl.arange(0, 4 * MIXP)
+    acc4 = tl.zeros((BT, 4 * MIXP), tl.float32)       # STACKED: the three parts' sums side by side
     for c in range(pc * CH, pc * CH + CH, BK):
         yacc = tl.zeros((BT, BK), tl.float32)
         macc = tl.zeros((BT, BK), tl.float32)
@@ -83,8 +90,15 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
             xb = tl.load(x_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], mask=t_ok[:, None], other=0.0)
             xs = xb.to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
-            acc = _mix_dot(acc, xs, xb, fn_ptr, rj[:, None].to(tl.int64) * hd + col[None, :], j_ok[:, None],
-                           MIX * hd, PREC, SPLIT3, UPCAST)
+            if STACKED:
+                f = tl.load(fn_ptr + rn[:, None].to(tl.int64) * hd + col[None, :])
+                if UPCAST:
+                    acc4 = tl.dot(xs, tl.trans(f.to(tl.float32)), acc4, input_precision="ieee")
+                else:
+                    acc4 = tl.dot(xb, tl.trans(f), acc4)
+            else:
+                acc = _mix_dot(acc, xs, xb, fn_ptr, rj[:, None].to(tl.int64) * hd + col[None, :], j_ok[:, None],
+                               MIX * hd, PREC, SPLIT3, UPCAST)
             pk = tl.load(pre_ptr + rt * HC + k, mask=t_ok, other=0.0)
             yacc += pk[:, None] * xs
             if MEAN:
@@ -94,6 +108,8 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
         if MEAN:
             tl.store(mean_ptr + rt[:, None].to(tl.int64) * d + (c + rk)[None, :], (macc / HC).to(tl.bfloat16),
                      mask=t_ok[:, None])
+    if STACKED:
+        acc = tl.sum(tl.reshape(acc4, (BT, 4, MIXP)), axis=1)
     base = pc.to(tl.int64) * T + rt
     tl.store(mixp_ptr + base[:, None] * MIXP + rj[None, :], acc, mask=t_ok[:, None])
     tl.store(sqp_ptr + base, sq, mask=t_ok)
@@ -291,7 +307,7 @@ DECODE_VARIANT: dict = {"dot": "bf16x3"}
 SIZE_VARIANTS: list = [(1, 256, {"bt": 16, "bk": 64}),
                        (4096, None, {"bt": 128, "bk": 64, "num_warps": 8, "num_stages": 2, "chunks_per_program": 8})]
 
-MIX_DOTS = ("tf32x3", "bf16x3")
+MIX_DOTS = ("tf32x3", "bf16x3", "bf16x3n")
 
 
 def mix_variant(T: int, d: int, batch_invariant: bool = False, **kw) -> dict:
@@ -331,23 +347,33 @@ def bf16_parts(fn: torch.Tensor) -> torch.Tensor:
     return torch.stack((hi, mid, (r - mid.float()).bfloat16())).contiguous()
 
 
-_PARTS: dict[int, tuple] = {}   # id(fn) -> (weakref to fn, its version, bf16_parts(fn))
+def stacked_parts(fn: torch.Tensor) -> torch.Tensor:
+    """fn [MIX, K] (MIX <= MIX_PAD) -> [4 * MIX_PAD, K] bf16: bf16_parts(fn)'s hi, mid, lo at rows
+    0, MIX_PAD, 2 * MIX_PAD (+ j), zeros elsewhere (the "bf16x3n" dot's one operand)."""
+    parts = bf16_parts(fn)
+    out = torch.zeros(4, MIX_PAD, fn.shape[1], dtype=torch.bfloat16, device=fn.device)
+    out[:3, :fn.shape[0]] = parts
+    return out.view(4 * MIX_PAD, fn.shape[1])
 
 
-def _fn_parts(fn: torch.Tensor) -> torch.Tensor:
+_PARTS: dict[tuple, tuple] = {}   # (id(fn), stacked) -> (weakref to fn, its version, the parts)
+
+
+def _fn_parts(fn: torch.Tensor, stacked: bool = False) -> torch.Tensor:
     """bf16_parts(fn), cached per weight tensor (1.5x fn's bytes: ~3 MB per site at d 5,120) so the split
     runs once per weight, not per call. Not cached while a CUDA graph is captured: the parts would live
     in the graph's pool, so the graph recomputes them at each replay (the graphs' eager warm-up fills the
     cache first). A weight changed in place is split again into the same tensor, which captured graphs
     read."""
-    key, ver = id(fn), tensor_version(fn)
+    key, ver = (id(fn), stacked), tensor_version(fn)
+    split = stacked_parts if stacked else bf16_parts
     hit = _PARTS.get(key)
     if hit is not None and hit[0]() is fn:
         if hit[1] != ver:
-            hit[2].copy_(bf16_parts(fn))
+            hit[2].copy_(split(fn))
             _PARTS[key] = (hit[0], ver, hit[2])
         return hit[2]
-    parts = bf16_parts(fn)
+    parts = split(fn)
     if not (fn.is_cuda and torch.cuda.is_current_stream_capturing()):
         _PARTS[key] = (weakref.ref(fn, lambda _, k=key: _PARTS.pop(k, None)), ver, parts)
     return parts
@@ -366,7 +392,8 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     pre-mix moved with what was prefilled beside it when T crossed 1,024), and no PREFILL_VARIANT.
     The keywords pick a variant (mix_variant; None = the default): bt tokens and bk columns per tile,
     chunks_per_program bk-chunks walked by one program, num_warps / num_stages, dot "tf32x3" or
-    "bf16x3" (fn split into three exact bf16 parts, bf16 MMAs on x as loaded)."""
+    "bf16x3" (fn split into three exact bf16 parts, bf16 MMAs on x as loaded) or "bf16x3n" (those parts
+    stacked into one N = 128 operand: one MMA a stream and chunk)."""
     T, hc, d = x.shape
     mix = fn.shape[0]
     assert fn.shape[1] == hc * d and mix <= MIX_PAD and mix == (2 + hc) * hc
@@ -383,14 +410,14 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     if T == 0:
         z = torch.empty(0, hc, device=x.device)
         return (z, z.clone(), torch.empty(0, hc, hc, device=x.device), y) + ((avg,) if mean else ())
-    split3 = v["dot"] == "bf16x3"
-    w = _fn_parts(fn) if split3 else fn.float().contiguous()
+    split3, stacked = v["dot"] == "bf16x3", v["dot"] == "bf16x3n"
+    w = _fn_parts(fn, stacked) if split3 or stacked else fn.float().contiguous()
     # num_stages 1 (default): one column chunk per program leaves nothing to pipeline, and 3 stages at
     # BT=64 asked 288 KB of shared memory
     hc_mixes_pre_kernel[(triton.cdiv(T, v["bt"]), nc)](x, w, pre_prev.float().contiguous(), mixp, sqp, y, avg, T, d,
                                                        HC=hc, MIX=mix, BT=v["bt"], BK=bk, CH=ch, MIXP=MIX_PAD,
                                                        PREC="ieee" if INTERPRET else "tf32x3", MEAN=mean,
-                                                       SPLIT3=split3, UPCAST=INTERPRET,
+                                                       SPLIT3=split3, UPCAST=INTERPRET, STACKED=stacked,
                                                        num_warps=v["num_warps"], num_stages=v["num_stages"])
     mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
     hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=triton.next_power_of_2(nc),

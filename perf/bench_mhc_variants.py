@@ -42,7 +42,8 @@ WIDE_STAGES_CHUNKS = STAGES_CHUNKS + ((1, 8), (2, 8), (3, 8), (4, 8), (3, 10))  
 def smem_estimate(v: dict) -> int:
     """Bytes of shared memory a variant asks: the x tiles of the HC streams and fn's chunk (f32, or three
     bf16 parts) per buffer, max(1, stages - 1) buffers (the kernel's 3 stages at bt 64 asked 288 KB)."""
-    per = HC * v["bt"] * v["bk"] * 2 + HC * 32 * v["bk"] * (6 if v["dot"] == "bf16x3" else 4)
+    fn_bytes = {"bf16x3": 32 * 6, "bf16x3n": 128 * 2}.get(v["dot"], 32 * 4)     # a column's worth of fn
+    per = HC * v["bt"] * v["bk"] * 2 + HC * v["bk"] * fn_bytes
     return max(1, v["num_stages"] - 1) * per
 
 
@@ -143,7 +144,7 @@ def timer(smoke: bool):
 
 def nbytes(T: int, d: int, dot: str = "tf32x3") -> int:
     """x read + y written + fn read once (what a roofline counts; the partial mixes are extra)."""
-    return T * HC * d * 2 + T * d * 2 + MIX * HC * d * (6 if dot == "bf16x3" else 4)
+    return T * HC * d * 2 + T * d * 2 + MIX * HC * d * (6 if dot.startswith("bf16x3") else 4)
 
 
 def short_error(e: Exception) -> str:
@@ -200,7 +201,7 @@ def main():
     ap.add_argument("--dim", type=int, default=None)
     ap.add_argument("--budget", type=float, default=70.0, help="seconds for compiling and timing variants")
     ap.add_argument("--max-variants", type=int, default=0)
-    ap.add_argument("--dots", nargs="+", default=["tf32x3", "bf16x3"], choices=["tf32x3", "bf16x3"])
+    ap.add_argument("--dots", nargs="+", default=["tf32x3", "bf16x3"], choices=["tf32x3", "bf16x3", "bf16x3n"])
     ap.add_argument("--bts", type=int, nargs="+", default=[16, 32, 64, 128], help="token tiles (256: 8 warps)")
     ap.add_argument("--wide", action="store_true", help="also walks of 8-10 column chunks a program")
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1), help="compile processes (0: none)")
