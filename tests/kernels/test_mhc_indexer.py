@@ -125,6 +125,9 @@ VARIANTS = [
     {"bt": 32, "bk": 64, "chunks_per_program": 4, "num_stages": 2, "dot": "bf16x3"},
     {"bt": 64, "bk": 64, "chunks_per_program": 4, "num_stages": 3, "dot": "tf32x3"},
     {"bt": 128, "bk": 64, "num_warps": 8, "chunks_per_program": 2, "num_stages": 2, "dot": "bf16x3"},
+    {"dot": "bf16x3n"},
+    {"bt": 16, "bk": 64, "chunks_per_program": 4, "num_stages": 2, "dot": "bf16x3n"},
+    {"bt": 128, "bk": 64, "num_warps": 8, "chunks_per_program": 8, "num_stages": 2, "dot": "bf16x3n"},
 ]
 
 
@@ -271,10 +274,11 @@ def test_hc_mixes_pre_bf16x3_accuracy():
     mixes = (xd @ fn.double().T) * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-20)
     exact = hc_split_sinkhorn_ref(mixes, scale.double(), base.double(), 4, 20, 1e-6)
     errs = {}
-    for dot in ("tf32x3", "bf16x3"):
+    for dot in ("tf32x3", "bf16x3", "bf16x3n"):
         out = hc_mixes_pre(x, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, dot=dot)
         errs[dot] = max((a.double() - b).abs().max().item() for a, b in zip(out[:3], exact))
-    assert errs["bf16x3"] < 1e-5 and errs["bf16x3"] <= 2 * errs["tf32x3"] + 1e-6, errs
+    for dot in ("bf16x3", "bf16x3n"):
+        assert errs[dot] < 1e-5 and errs[dot] <= 2 * errs["tf32x3"] + 1e-6, errs
 
 
 if __name__ == "__main__":
