@@ -66,10 +66,10 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
     bf16, fn [MIX, HC*d] f32 (SPLIT3: [3, MIX, HC*d] bf16), pre [T, HC] f32 -> partial mixes
     mixp [d/CH, T, MIXP] and partial squares sqp [d/CH, T] of this column range, y [T, d] bf16; MEAN:
     also mean [T, d] bf16 = x averaged over the HC copies (fp32 sum in copy order, then / HC).
-    STACKED (dot "bf16x3n"): fn is [4 * MIXP, HC*d] bf16, the three parts stacked as one operand (rows
-    p * MIXP + j: part p of mix j, the fourth block zero), so each stream's chunk is one [BT, BK] x
-    [BK, 4 * MIXP] MMA reading the x tile once (SPLIT3's three N = 32 MMAs re-read it from shared memory
-    each), accumulated over the program's whole walk; the parts are summed once at the end."""
+    STACKED (dot "bf16x3n"): SPLIT3's parts loaded as one [4 * MIXP, BK] operand (row p * MIXP + j: part
+    p of mix j; masked rows zero), so each stream's chunk is one [BT, BK] x [BK, 4 * MIXP] MMA reading the
+    x tile once (SPLIT3's three N = 32 MMAs re-read it from shared memory each), accumulated over the
+    program's whole walk; the parts are summed once at the end."""
     pid = tl.program_id(0)
     pc = tl.program_id(1)
     rt = pid * BT + tl.arange(0, BT)
@@ -80,8 +80,10 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
     hd = HC * d
     sq = tl.zeros((BT,), tl.float32)
     acc = tl.zeros((BT, MIXP), tl.float32)
-    rn = tl.arange(0, 4 * MIXP)
-    acc4 = tl.zeros((BT, 4 * MIXP), tl.float32)       # STACKED: the three parts' sums side by side
+    rn = tl.arange(0, 4 * MIXP)                       # STACKED: operand row p * MIXP + j = part p of mix j
+    rn_row = (rn // MIXP) * MIX + rn % MIXP            # its row of fn's parts [3, MIX, HC*d]
+    rn_ok = (rn % MIXP < MIX) & (rn < 3 * MIXP)
+    acc4 = tl.zeros((BT, 4 * MIXP), tl.float32)       # the three parts' sums side by side
     for c in range(pc * CH, pc * CH + CH, BK):
         yacc = tl.zeros((BT, BK), tl.float32)
         macc = tl.zeros((BT, BK), tl.float32)
@@ -91,7 +93,7 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
             xs = xb.to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
             if STACKED:
-                f = tl.load(fn_ptr + rn[:, None].to(tl.int64) * hd + col[None, :])
+                f = tl.load(fn_ptr + rn_row[:, None].to(tl.int64) * hd + col[None, :], mask=rn_ok[:, None], other=0.0)
                 if UPCAST:
                     acc4 = tl.dot(xs, tl.trans(f.to(tl.float32)), acc4, input_precision="ieee")
                 else:
@@ -295,16 +297,21 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 # 0.553 -> 0.242 ms at T 8192 (2.28x), 0.156 -> 0.080 at T 2048 (1.95x; bt 128 / bk 64 / 8 warps / 2 stages /
 # 2 chunks 0.077). Decode sizes too: T 512 0.050 -> 0.031 (bt 64), T 64 0.016 -> 0.013. Their CUDA graphs
 # read the fn parts cached by the eager warm-up before capture (_fn_parts).
-PREFILL_VARIANT: dict = {"dot": "bf16x3"}
-DECODE_VARIANT: dict = {"dot": "bf16x3"}
+# H200, 2026-12-04 (evening; perf/bench_mhc_variants.py --dots bf16x3n, round 36): the three parts stacked as
+# one N = 128 operand, bt 64 / bk 64, at decode sizes: T 64 / 128 0.0136 / 0.0169 -> 0.0122 / 0.0155 ms (the
+# batch-64 decode step 4.95 -> 4.90 ms at bt 16, same run); T 2048 0.0814 -> 0.0815 at bt 64 / bk 64 (0.0854 at
+# bk 128); T 8192 0.230 -> 0.226 on the prefill tiles (the 40-layer prefill level, within its run-to-run noise).
+PREFILL_VARIANT: dict = {"dot": "bf16x3n"}
+DECODE_VARIANT: dict = {"dot": "bf16x3n"}
 
 # Tiles by token count (lo <= T <= hi, hi None = no bound), merged before the tables above (so a
 # benchmark's override of a table still wins). H200, 2026-12-04 (perf/bench_mhc_variants.py --dots bf16x3
 # --bts ... --wide, whole wrapper): T 64 / 128 0.0154 / 0.0179 -> 0.0137 / 0.0161 ms at bt 16 / bk 64 (the
-# batch-64 decode step 5.10 -> 5.07 ms, same run); T 8192 0.239 -> 0.228 ms at bt 128 / bk 64 / 8 warps /
+# batch-64 decode step 5.10 -> 5.07 ms, same run; since round 36 bt 64 under bf16x3n, to T 4095); T 8192
+# 0.239 -> 0.228 ms at bt 128 / bk 64 / 8 warps /
 # 2 stages / 8 chunks. T 2048's best there (bt 64, 3 stages, 10 chunks, 1.18x alone) made the 40-layer
 # chunked prefill slower in its run (718.8 vs 656.5 ms), so it is not taken.
-SIZE_VARIANTS: list = [(1, 256, {"bt": 16, "bk": 64}),
+SIZE_VARIANTS: list = [(1, 4095, {"bt": 64, "bk": 64}),
                        (4096, None, {"bt": 128, "bk": 64, "num_warps": 8, "num_stages": 2, "chunks_per_program": 8})]
 
 MIX_DOTS = ("tf32x3", "bf16x3", "bf16x3n")
@@ -347,33 +354,23 @@ def bf16_parts(fn: torch.Tensor) -> torch.Tensor:
     return torch.stack((hi, mid, (r - mid.float()).bfloat16())).contiguous()
 
 
-def stacked_parts(fn: torch.Tensor) -> torch.Tensor:
-    """fn [MIX, K] (MIX <= MIX_PAD) -> [4 * MIX_PAD, K] bf16: bf16_parts(fn)'s hi, mid, lo at rows
-    0, MIX_PAD, 2 * MIX_PAD (+ j), zeros elsewhere (the "bf16x3n" dot's one operand)."""
-    parts = bf16_parts(fn)
-    out = torch.zeros(4, MIX_PAD, fn.shape[1], dtype=torch.bfloat16, device=fn.device)
-    out[:3, :fn.shape[0]] = parts
-    return out.view(4 * MIX_PAD, fn.shape[1])
+_PARTS: dict[int, tuple] = {}   # id(fn) -> (weakref to fn, its version, bf16_parts(fn))
 
 
-_PARTS: dict[tuple, tuple] = {}   # (id(fn), stacked) -> (weakref to fn, its version, the parts)
-
-
-def _fn_parts(fn: torch.Tensor, stacked: bool = False) -> torch.Tensor:
+def _fn_parts(fn: torch.Tensor) -> torch.Tensor:
     """bf16_parts(fn), cached per weight tensor (1.5x fn's bytes: ~3 MB per site at d 5,120) so the split
     runs once per weight, not per call. Not cached while a CUDA graph is captured: the parts would live
     in the graph's pool, so the graph recomputes them at each replay (the graphs' eager warm-up fills the
     cache first). A weight changed in place is split again into the same tensor, which captured graphs
     read."""
-    key, ver = (id(fn), stacked), tensor_version(fn)
-    split = stacked_parts if stacked else bf16_parts
+    key, ver = id(fn), tensor_version(fn)
     hit = _PARTS.get(key)
     if hit is not None and hit[0]() is fn:
         if hit[1] != ver:
-            hit[2].copy_(split(fn))
+            hit[2].copy_(bf16_parts(fn))
             _PARTS[key] = (hit[0], ver, hit[2])
         return hit[2]
-    parts = split(fn)
+    parts = bf16_parts(fn)
     if not (fn.is_cuda and torch.cuda.is_current_stream_capturing()):
         _PARTS[key] = (weakref.ref(fn, lambda _, k=key: _PARTS.pop(k, None)), ver, parts)
     return parts
@@ -393,7 +390,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     The keywords pick a variant (mix_variant; None = the default): bt tokens and bk columns per tile,
     chunks_per_program bk-chunks walked by one program, num_warps / num_stages, dot "tf32x3" or
     "bf16x3" (fn split into three exact bf16 parts, bf16 MMAs on x as loaded) or "bf16x3n" (those parts
-    stacked into one N = 128 operand: one MMA a stream and chunk)."""
+    loaded as one N = 128 operand: one MMA a stream and chunk)."""
     T, hc, d = x.shape
     mix = fn.shape[0]
     assert fn.shape[1] == hc * d and mix <= MIX_PAD and mix == (2 + hc) * hc
@@ -411,7 +408,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
         z = torch.empty(0, hc, device=x.device)
         return (z, z.clone(), torch.empty(0, hc, hc, device=x.device), y) + ((avg,) if mean else ())
     split3, stacked = v["dot"] == "bf16x3", v["dot"] == "bf16x3n"
-    w = _fn_parts(fn, stacked) if split3 or stacked else fn.float().contiguous()
+    w = _fn_parts(fn) if split3 or stacked else fn.float().contiguous()
     # num_stages 1 (default): one column chunk per program leaves nothing to pipeline, and 3 stages at
     # BT=64 asked 288 KB of shared memory
     hc_mixes_pre_kernel[(triton.cdiv(T, v["bt"]), nc)](x, w, pre_prev.float().contiguous(), mixp, sqp, y, avg, T, d,

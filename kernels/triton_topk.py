@@ -11,8 +11,8 @@
 Dataflow: one program per row, the whole row in registers (BLOCK = next pow2 of E, masked). Each
 score becomes an int32 that orders like the float, order = bits ^ ((bits >> 31) & 0x7FFFFFFF): the
 reference key without its id half (16-bit floats: their own 16 bits, the same order). A bitwise
-search, MSB first, finds T = the k-th largest order in KEY_BITS / 2 + 1 passes (the three counts of a two-bit digit's
-candidates packed into one int64 sum). The picks are every order > T plus the lowest-id k - #(order > T) entries equal to
+search, MSB first, finds T = the k-th largest order in KEY_BITS passes (one count of order >=
+candidate each). The picks are every order > T plus the lowest-id k - #(order > T) entries equal to
 T (a cumsum): the same k entries as the reference's (order, reversed id) top-k, for any width and
 in half the passes its key would take (16 for bf16, 32 for fp32). Output slots are the cumsum of the
 picks, so the ids come out ascending with no sort. Preconditions (asserted): 2-D rows (a last stride
@@ -29,16 +29,12 @@ import triton.language as tl
 # (<= 128 registers); 32768 at 32 warps spills ~300 B per thread, still one launch per step.
 MAX_WIDTH = 1 << 15
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
-# The threshold search two bits a pass (KEY_BITS / 2 + 1 block reductions instead of KEY_BITS); False:
-# one bit a pass (the benchmark's side-by-side baseline; the same picks)
-DIGIT2 = True
 
 
 @triton.jit
 def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_x, stride_c, stride_o,
                 BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, KEY_NINF: tl.constexpr, KEY_PINF: tl.constexpr,
-                HAS_CAND: tl.constexpr, HAS_LENS: tl.constexpr, EXPAND: tl.constexpr, EXPAND_P2: tl.constexpr,
-                DIGIT2: tl.constexpr = True):
+                HAS_CAND: tl.constexpr, HAS_LENS: tl.constexpr, EXPAND: tl.constexpr, EXPAND_P2: tl.constexpr):
     """EXPAND == 0: the picks' ids ascending to out[row, :k] (int64), -1 where the score is not above
     -inf or (HAS_LENS) the id >= lens[row]. EXPAND > 0: keep = pick and score > -inf, for block i
     written to out[row, i*EXPAND : (i+1)*EXPAND] (bool as int8), columns < out_width. KEY_NINF /
@@ -62,25 +58,9 @@ def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_
     lo: tl.constexpr = -(1 << (KEY_BITS - 1))
     key = tl.where(valid, key, lo)                                 # padding: below every candidate
     thr = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= k, 0, lo)
-    if DIGIT2:
-        # two bits a pass: the counts of keys >= thr | (v << j), v = 1, 2, 3, in one int64 sum (16-bit
-        # fields: a count is at most MAX_WIDTH = 2^15), so each pass is one block reduction for two
-        # bits (the search's cost is its reductions' round trips); then the last bit alone
-        for j in tl.static_range(KEY_BITS - 3, 0, -2):
-            c1 = thr | (1 << j)
-            c2 = thr | (2 << j)
-            c3 = thr | (3 << j)
-            packed = ((key >= c1).to(tl.int64) + ((key >= c2).to(tl.int64) << 16)
-                      + ((key >= c3).to(tl.int64) << 32))
-            cnt = tl.sum(packed, axis=0)
-            thr = tl.where((cnt >> 32) >= k, c3,
-                           tl.where(((cnt >> 16) & 0xFFFF) >= k, c2, tl.where((cnt & 0xFFFF) >= k, c1, thr)))
-        cand = thr | 1
+    for j in tl.static_range(KEY_BITS - 2, -1, -1):
+        cand = thr | (1 << j)
         thr = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, thr)
-    else:
-        for j in tl.static_range(KEY_BITS - 2, -1, -1):
-            cand = thr | (1 << j)
-            thr = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, thr)
     # thr = the k-th largest key: all keys above it, then its ties from the lowest id
     gt = key > thr
     eq = (key == thr) & valid
@@ -111,7 +91,7 @@ def _launch_cfg(width: int, dtype: torch.dtype) -> dict:
     block = triton.next_power_of_2(width)
     num_warps = max(4, min(16, block // 512)) * (2 if block > 16384 else 1)     # 8192 -> 16, 32768 -> 32
     return dict(BLOCK=block, num_warps=num_warps, KEY_BITS=KEY_BITS[dtype], KEY_NINF=_key(-float("inf"), dtype),
-                KEY_PINF=_key(float("inf"), dtype), DIGIT2=DIGIT2)
+                KEY_PINF=_key(float("inf"), dtype))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
