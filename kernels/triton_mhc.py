@@ -125,14 +125,8 @@ def _comb_in(mix_ptr, base_ptr, rt, t_ok, stride, s2, E: tl.constexpr, HC: tl.co
 
 
 @triton.jit
-def _norm4(a, b, c, d, eps, RECIP: tl.constexpr):
-    """(a, b, c, d) / (a + b + c + d + eps). RECIP: times one reciprocal (within an ulp of the quotients:
-    the pass is a chain of 40 of these, and a correctly rounded division is a long instruction
-    sequence, so four of them instead of sixteen shorten the chain a token's thread runs)."""
+def _norm4(a, b, c, d, eps):
     t = a + b + c + d + eps
-    if RECIP:
-        r = 1.0 / t
-        return a * r, b * r, c * r, d * r
     return a / t, b / t, c / t, d / t
 
 
@@ -155,11 +149,11 @@ def hc_mix_reduce_kernel(mixp_ptr, sqp_ptr, mix_ptr, T, NC, inv_hd, norm_eps,
 
 @triton.jit
 def hc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, iters, eps, stride,
-                       HC: tl.constexpr, BT: tl.constexpr, RECIP: tl.constexpr = True):
+                       HC: tl.constexpr, BT: tl.constexpr):
     """mix [T, 24] (row stride `stride`) -> pre [T, 4], post [T, 4], comb [T, 4, 4] (HC == 4): row
     softmax + eps, a column pass, then (iters-1) x (row, column), each normalization dividing by
-    (sum + eps) (RECIP: times its reciprocal, _norm4). The 16 comb entries are 16 [BT] vectors, so every
-    row / column sum is three plain adds in one thread."""
+    (sum + eps). The 16 comb entries are 16 [BT] vectors, so every row / column sum is three plain
+    adds in one thread."""
     pid = tl.program_id(0)
     rt = pid * BT + tl.arange(0, BT)
     t_ok = rt < T
@@ -199,27 +193,27 @@ def hc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr
     m1 = tl.maximum(tl.maximum(c10, c11), tl.maximum(c12, c13))
     m2 = tl.maximum(tl.maximum(c20, c21), tl.maximum(c22, c23))
     m3 = tl.maximum(tl.maximum(c30, c31), tl.maximum(c32, c33))
-    c00, c01, c02, c03 = _norm4(tl.exp(c00 - m0), tl.exp(c01 - m0), tl.exp(c02 - m0), tl.exp(c03 - m0), 0.0, RECIP)
-    c10, c11, c12, c13 = _norm4(tl.exp(c10 - m1), tl.exp(c11 - m1), tl.exp(c12 - m1), tl.exp(c13 - m1), 0.0, RECIP)
-    c20, c21, c22, c23 = _norm4(tl.exp(c20 - m2), tl.exp(c21 - m2), tl.exp(c22 - m2), tl.exp(c23 - m2), 0.0, RECIP)
-    c30, c31, c32, c33 = _norm4(tl.exp(c30 - m3), tl.exp(c31 - m3), tl.exp(c32 - m3), tl.exp(c33 - m3), 0.0, RECIP)
+    c00, c01, c02, c03 = _norm4(tl.exp(c00 - m0), tl.exp(c01 - m0), tl.exp(c02 - m0), tl.exp(c03 - m0), 0.0)
+    c10, c11, c12, c13 = _norm4(tl.exp(c10 - m1), tl.exp(c11 - m1), tl.exp(c12 - m1), tl.exp(c13 - m1), 0.0)
+    c20, c21, c22, c23 = _norm4(tl.exp(c20 - m2), tl.exp(c21 - m2), tl.exp(c22 - m2), tl.exp(c23 - m2), 0.0)
+    c30, c31, c32, c33 = _norm4(tl.exp(c30 - m3), tl.exp(c31 - m3), tl.exp(c32 - m3), tl.exp(c33 - m3), 0.0)
     c00, c01, c02, c03 = c00 + eps, c01 + eps, c02 + eps, c03 + eps
     c10, c11, c12, c13 = c10 + eps, c11 + eps, c12 + eps, c13 + eps
     c20, c21, c22, c23 = c20 + eps, c21 + eps, c22 + eps, c23 + eps
     c30, c31, c32, c33 = c30 + eps, c31 + eps, c32 + eps, c33 + eps
-    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps, RECIP)
-    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps, RECIP)
-    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps, RECIP)
-    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps, RECIP)
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
     for _ in range(iters - 1):
-        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps, RECIP)
-        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps, RECIP)
-        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps, RECIP)
-        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps, RECIP)
-        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps, RECIP)
-        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps, RECIP)
-        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps, RECIP)
-        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps, RECIP)
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
     tl.store(comb_ptr + rt * 16 + 0, c00, mask=t_ok)
     tl.store(comb_ptr + rt * 16 + 1, c01, mask=t_ok)
     tl.store(comb_ptr + rt * 16 + 2, c02, mask=t_ok)
@@ -273,11 +267,6 @@ def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
         tl.store(out_ptr + (rt64[:, None] * HC + j) * d + rd[None, :], (pj[:, None] * y + acc).to(tl.bfloat16), mask=m)
 
 
-# Sinkhorn normalizations as one reciprocal and four products (True) or four divisions (False, the
-# benchmarks' side-by-side baseline: DEEPINFER_SINKHORN_RECIPROCAL=0)
-SINKHORN_RECIPROCAL = os.environ.get("DEEPINFER_SINKHORN_RECIPROCAL", "1") != "0"
-
-
 def _sinkhorn_launch(mix, stride, scale, base, T, hc, iters, eps):
     dev = mix.device
     pre = torch.empty(T, hc, dtype=torch.float32, device=dev)
@@ -288,7 +277,7 @@ def _sinkhorn_launch(mix, stride, scale, base, T, hc, iters, eps):
         bt = 128
         hc_sinkhorn_kernel[(triton.cdiv(T, bt),)](mix, scale.float().contiguous(), base.float().contiguous(),
                                                   pre, post, comb, T, iters, float(eps), stride, HC=hc, BT=bt,
-                                                  RECIP=SINKHORN_RECIPROCAL, num_warps=4)
+                                                  num_warps=4)
     return pre, post, comb
 
 
