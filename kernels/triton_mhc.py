@@ -297,8 +297,9 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 # 0.553 -> 0.242 ms at T 8192 (2.28x), 0.156 -> 0.080 at T 2048 (1.95x; bt 128 / bk 64 / 8 warps / 2 stages /
 # 2 chunks 0.077). Decode sizes too: T 512 0.050 -> 0.031 (bt 64), T 64 0.016 -> 0.013. Their CUDA graphs
 # read the fn parts cached by the eager warm-up before capture (_fn_parts).
-# H200, 2026-12-04 (evening; perf/bench_mhc_variants.py --dots bf16x3n, round 36): the three parts stacked as
-# one N = 128 operand, bt 64 / bk 64, at decode sizes: T 64 / 128 0.0136 / 0.0169 -> 0.0122 / 0.0155 ms (the
+# H200, 2026-12-04 (evening; perf/bench_mhc_variants.py --dots bf16x3n, round 36, then an unmasked stacked
+# copy of the parts; the masked load of the same parts measured level in the model, round 37): one N = 128
+# operand, bt 64 / bk 64, at decode sizes: T 64 / 128 0.0136 / 0.0169 -> 0.0122 / 0.0155 ms (the
 # batch-64 decode step 4.95 -> 4.90 ms at bt 16, same run); T 2048 0.0814 -> 0.0815 at bt 64 / bk 64 (0.0854 at
 # bk 128); T 8192 0.230 -> 0.226 on the prefill tiles (the 40-layer prefill level, within its run-to-run noise).
 PREFILL_VARIANT: dict = {"dot": "bf16x3n"}
@@ -308,8 +309,7 @@ DECODE_VARIANT: dict = {"dot": "bf16x3n"}
 # benchmark's override of a table still wins). H200, 2026-12-04 (perf/bench_mhc_variants.py --dots bf16x3
 # --bts ... --wide, whole wrapper): T 64 / 128 0.0154 / 0.0179 -> 0.0137 / 0.0161 ms at bt 16 / bk 64 (the
 # batch-64 decode step 5.10 -> 5.07 ms, same run; since round 36 bt 64 under bf16x3n, to T 4095); T 8192
-# 0.239 -> 0.228 ms at bt 128 / bk 64 / 8 warps /
-# 2 stages / 8 chunks. T 2048's best there (bt 64, 3 stages, 10 chunks, 1.18x alone) made the 40-layer
+# 0.239 -> 0.228 ms at bt 128 / bk 64 / 8 warps / 2 stages / 8 chunks. T 2048's best there (bt 64, 3 stages, 10 chunks, 1.18x alone) made the 40-layer
 # chunked prefill slower in its run (718.8 vs 656.5 ms), so it is not taken.
 SIZE_VARIANTS: list = [(1, 4095, {"bt": 64, "bk": 64}),
                        (4096, None, {"bt": 128, "bk": 64, "num_warps": 8, "num_stages": 2, "chunks_per_program": 8})]
