@@ -298,7 +298,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 # 2 chunks 0.077). Decode sizes too: T 512 0.050 -> 0.031 (bt 64), T 64 0.016 -> 0.013. Their CUDA graphs
 # read the fn parts cached by the eager warm-up before capture (_fn_parts).
 # H200, 2026-12-04 (evening; perf/bench_mhc_variants.py --dots bf16x3n, round 36, then an unmasked stacked
-# copy of the parts; the masked load of the same parts measured level in the model, round 37): one N = 128
+# copy of the parts; the masked load of the same parts in the model, round 37: decode 4.91 vs 4.96 ms): one N = 128
 # operand, bt 64 / bk 64, at decode sizes: T 64 / 128 0.0136 / 0.0169 -> 0.0122 / 0.0155 ms (the
 # batch-64 decode step 4.95 -> 4.90 ms at bt 16, same run); T 2048 0.0814 -> 0.0815 at bt 64 / bk 64 (0.0854 at
 # bk 128); T 8192 0.230 -> 0.226 on the prefill tiles (the 40-layer prefill level, within its run-to-run noise).
