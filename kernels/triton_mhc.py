@@ -309,8 +309,9 @@ DECODE_VARIANT: dict = {"dot": "bf16x3n"}
 # benchmark's override of a table still wins). H200, 2026-12-04 (perf/bench_mhc_variants.py --dots bf16x3
 # --bts ... --wide, whole wrapper): T 64 / 128 0.0154 / 0.0179 -> 0.0137 / 0.0161 ms at bt 16 / bk 64 (the
 # batch-64 decode step 5.10 -> 5.07 ms, same run; since round 36 bt 64 under bf16x3n, to T 4095); T 8192
-# 0.239 -> 0.228 ms at bt 128 / bk 64 / 8 warps / 2 stages / 8 chunks. T 2048's best there (bt 64, 3 stages, 10 chunks, 1.18x alone) made the 40-layer
-# chunked prefill slower in its run (718.8 vs 656.5 ms), so it is not taken.
+# 0.239 -> 0.228 ms at bt 128 / bk 64 / 8 warps / 2 stages / 8 chunks. T 2048's best there (bt 64, 3 stages,
+# 10 chunks, 1.18x alone) made the 40-layer chunked prefill slower in its run (718.8 vs 656.5 ms), so it is
+# not taken.
 SIZE_VARIANTS: list = [(1, 4095, {"bt": 64, "bk": 64}),
                        (4096, None, {"bt": 128, "bk": 64, "num_warps": 8, "num_stages": 2, "chunks_per_program": 8})]
 
