@@ -74,7 +74,9 @@ class KVConnector:
         self.timeout_s = timeout_s
         self.max_model_len = max_model_len
         self.layout = CacheLayout(caches)
-        self.transport = NixlTransport(role, host, port)
+        # host caches: the progress thread waits in poll() (1 ms timeout) instead of spinning a core
+        self.transport = NixlTransport(role, host, port,
+                                       progress_wait_us=1000 if self.layout.mem_type == "DRAM" else 0)
         self.transport.register(self.layout.registrations(), self.layout.mem_type)
         # prefill: tags[slot] = nonce while the slot's request is held (0 = free); decode: where a
         # peer's tag is read back into (indexed by the local slot)

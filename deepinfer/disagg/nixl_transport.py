@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import uuid
 
 logger = logging.getLogger(__name__)
@@ -32,14 +33,41 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _agent(nixl, name: str, cfg, progress_wait_us: int):
+    """nixl.nixl_agent(name, cfg) whose UCX progress thread waits up to progress_wait_us in poll()
+    for worker events (0: NIXL's default, a busy poll). The Python API hard-codes pthrDelay 0, so
+    the config class it builds is swapped, for this one construction, for one that keeps the floor."""
+    if progress_wait_us <= 0:
+        return nixl.nixl_agent(name, cfg)
+    api = sys.modules[type(cfg).__module__]
+    base = api.nixlBind.nixlAgentConfig
+
+    class _WaitingConfig(base):
+        @property
+        def pthrDelay(self):
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, us):
+            base.pthrDelay.__set__(self, max(us, progress_wait_us))
+
+    api.nixlBind.nixlAgentConfig = _WaitingConfig
+    try:
+        return nixl.nixl_agent(name, cfg)
+    finally:
+        api.nixlBind.nixlAgentConfig = base
+
+
 class NixlTransport:
-    def __init__(self, role: str, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, role: str, host: str = "127.0.0.1", port: int = 0, progress_wait_us: int = 0) -> None:
+        """progress_wait_us > 0: the progress thread sleeps in poll() between events (host-memory
+        caches: a busy poll would take a CPU core per engine from the model's own threads)."""
         nixl = import_nixl()
         self.host = host
         self.port = port or free_port(host)
         self.name = f"deepinfer-{role}-{uuid.uuid4().hex[:12]}"
         cfg = nixl.nixl_agent_config(enable_listen_thread=True, listen_port=self.port, backends=["UCX"])
-        self.agent = nixl.nixl_agent(self.name, cfg)
+        self.agent = _agent(nixl, self.name, cfg, progress_wait_us)
         self._asked: set[str] = set()    # peers whose metadata was requested
 
     # memory ------------------------------------------------------------------------------------
