@@ -12,7 +12,8 @@ of BK; for each chunk it loads the hc streams once, adds their squares to the no
 fn's matching columns (fp32-accurate dot: tf32x3, or bf16x3 on fn split into three exact bf16 parts)
 to the 24 mixes, and pre_prev-weighted sums to y. A second tiny kernel sums each token's column-range
 partials (one tree, fixed by d and the launch constants) and applies the norm; the Sinkhorn pass is a
-third on [T, 24] (pre / post / comb live in registers as 16 [BT] vectors). mix_variant picks the
+third on [T, 24] (pre / post / comb live in registers as 16 [BT] vectors); tail "fused" does both in one
+launch (hc_reduce_sinkhorn_kernel). mix_variant picks the
 launch constants (PREFILL_VARIANT for prefill sizes; perf/bench_mhc_variants.py sweeps them).
 """
 
@@ -150,13 +151,41 @@ def hc_mix_reduce_kernel(mixp_ptr, sqp_ptr, mix_ptr, T, NC, inv_hd, norm_eps,
 @triton.jit
 def hc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, iters, eps, stride,
                        HC: tl.constexpr, BT: tl.constexpr):
-    """mix [T, 24] (row stride `stride`) -> pre [T, 4], post [T, 4], comb [T, 4, 4] (HC == 4): row
-    softmax + eps, a column pass, then (iters-1) x (row, column), each normalization dividing by
-    (sum + eps). The 16 comb entries are 16 [BT] vectors, so every row / column sum is three plain
-    adds in one thread."""
-    pid = tl.program_id(0)
-    rt = pid * BT + tl.arange(0, BT)
+    """mix [T, 24] (row stride `stride`) -> pre [T, 4], post [T, 4], comb [T, 4, 4] (HC == 4)."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, rt < T, iters, eps, stride, HC)
+
+
+@triton.jit
+def hc_reduce_sinkhorn_kernel(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+                              T, NC, inv_hd, norm_eps, iters, eps,
+                              NCP: tl.constexpr, MIXP: tl.constexpr, HC: tl.constexpr, BT: tl.constexpr):
+    """hc_mix_reduce_kernel and hc_sinkhorn_kernel as one launch (the mixes' "fused" tail): a program
+    sums BT tokens' column-chunk partials [BT, NC, MIXP] (one tree over the chunks per token, fixed by
+    NC and BT), applies the norm, writes the mixes to `mix` and reads them back after a barrier (the
+    same program's rows only) for the Sinkhorn pass. One launch fewer per sublayer: at decode sizes
+    the two kernels are launch-bound."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
     t_ok = rt < T
+    rc = tl.arange(0, NCP)
+    rj = tl.arange(0, MIXP)
+    c_ok = rc < NC
+    row = rc[None, :].to(tl.int64) * T + rt[:, None]                          # [BT, NCP]: partial row
+    ok = t_ok[:, None] & c_ok[None, :]
+    part = tl.load(mixp_ptr + row[:, :, None] * MIXP + rj[None, None, :], mask=ok[:, :, None], other=0.0)
+    sq = tl.sum(tl.load(sqp_ptr + row, mask=ok, other=0.0), axis=1)
+    rs = 1.0 / tl.sqrt_rn(sq * inv_hd + norm_eps)
+    tl.store(mix_ptr + rt[:, None] * MIXP + rj[None, :], tl.sum(part, axis=1) * rs[:, None], mask=t_ok[:, None])
+    tl.debug_barrier()                    # the rows just written, read back by other threads of this program
+    _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, t_ok, iters, eps, MIXP, HC)
+
+
+@triton.jit
+def _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, t_ok, iters, eps, stride,
+                   HC: tl.constexpr):
+    """The Sinkhorn pass of tokens rt: row softmax + eps, a column pass, then (iters-1) x (row, column),
+    each normalization dividing by (sum + eps). The 16 comb entries are 16 [BT] vectors, so every
+    row / column sum is three plain adds in one thread."""
     rh = tl.arange(0, 8)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
@@ -316,6 +345,7 @@ SIZE_VARIANTS: list = [(1, 4095, {"bt": 64, "bk": 64}),
                        (4096, None, {"bt": 128, "bk": 64, "num_warps": 8, "num_stages": 2, "chunks_per_program": 8})]
 
 MIX_DOTS = ("tf32x3", "bf16x3", "bf16x3n")
+MIX_TAILS = ("split", "fused")   # after the mixes pass: reduce + Sinkhorn kernels, or one kernel doing both
 
 
 def mix_variant(T: int, d: int, batch_invariant: bool = False, **kw) -> dict:
@@ -327,15 +357,15 @@ def mix_variant(T: int, d: int, batch_invariant: bool = False, **kw) -> dict:
     column split (the summation order) follows d and the constants alone, never T."""
     big = T >= 1024 and not batch_invariant
     v = {"bt": 64 if T >= 64 and not batch_invariant else 16, "bk": 128 if d % 128 == 0 else 64,
-         "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3"}
+         "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3", "tail": "split"}
     if not batch_invariant:
         for lo, hi, tiles in SIZE_VARIANTS:
             if lo <= T and (hi is None or T <= hi):
                 v.update(tiles)
         v.update(PREFILL_VARIANT if big else DECODE_VARIANT)
     v.update({k: val for k, val in kw.items() if val is not None})
-    unknown = set(v) - {"bt", "bk", "num_warps", "num_stages", "chunks_per_program", "dot"}
-    assert not unknown and v["dot"] in MIX_DOTS, (unknown, v["dot"])
+    unknown = set(v) - {"bt", "bk", "num_warps", "num_stages", "chunks_per_program", "dot", "tail"}
+    assert not unknown and v["dot"] in MIX_DOTS and v["tail"] in MIX_TAILS, (unknown, v["dot"], v["tail"])
     if d % v["bk"]:
         v["bk"] = 128 if d % 128 == 0 else 64
     assert d % v["bk"] == 0, "d must be a multiple of 64"
@@ -381,7 +411,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                  pre_prev: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, mean: bool = False,
                  batch_invariant: bool = False, *, bt: int | None = None, bk: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 chunks_per_program: int | None = None, dot: str | None = None):
+                 chunks_per_program: int | None = None, dot: str | None = None, tail: str | None = None):
     """x [T, hc, d] bf16 -> (pre, post, comb) of this sublayer and y = hc_pre(x, pre_prev) [T, d]
     (mean: and x.mean(dim=1) [T, d] bf16, a DSpark tap, from the same read). Replaces Block.hc_mixes(x)
     followed by Block.hc_pre(x, pre_prev) with one read of x. The column chunks (and so the summation
@@ -391,13 +421,14 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     The keywords pick a variant (mix_variant; None = the default): bt tokens and bk columns per tile,
     chunks_per_program bk-chunks walked by one program, num_warps / num_stages, dot "tf32x3" or
     "bf16x3" (fn split into three exact bf16 parts, bf16 MMAs on x as loaded) or "bf16x3n" (those parts
-    loaded as one N = 128 operand: one MMA a stream and chunk)."""
+    loaded as one N = 128 operand: one MMA a stream and chunk); tail "split" (the chunk sums and the
+    Sinkhorn pass as two kernels) or "fused" (hc_reduce_sinkhorn_kernel: one)."""
     T, hc, d = x.shape
     mix = fn.shape[0]
     assert fn.shape[1] == hc * d and mix <= MIX_PAD and mix == (2 + hc) * hc
     x = x.contiguous()
     v = mix_variant(T, d, batch_invariant, bt=bt, bk=bk, num_warps=num_warps, num_stages=num_stages,
-                    chunks_per_program=chunks_per_program, dot=dot)
+                    chunks_per_program=chunks_per_program, dot=dot, tail=tail)
     bk = v["bk"]
     ch = bk * v["chunks_per_program"]
     nc = d // ch
@@ -418,9 +449,20 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                                                        SPLIT3=split3, UPCAST=INTERPRET, STACKED=stacked,
                                                        num_warps=v["num_warps"], num_stages=v["num_stages"])
     mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
-    hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=triton.next_power_of_2(nc),
-                               MIXP=MIX_PAD, num_warps=4)
-    pre, post, comb = _sinkhorn_launch(mixes, MIX_PAD, scale, base, T, hc, iters, hc_eps)
+    ncp = triton.next_power_of_2(nc)
+    if v["tail"] == "fused":
+        assert hc == 4, "the Sinkhorn kernel is written for hc_mult 4"
+        pre = torch.empty(T, hc, dtype=torch.float32, device=x.device)
+        post, comb = torch.empty_like(pre), torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
+        bt = max(1, min(16, 8192 // (ncp * MIX_PAD)))             # ~64 partials a thread at 4 warps
+        hc_reduce_sinkhorn_kernel[(triton.cdiv(T, bt),)](mixp, sqp, mixes, scale.float().contiguous(),
+                                                         base.float().contiguous(), pre, post, comb, T, nc,
+                                                         1.0 / (hc * d), norm_eps, iters, float(hc_eps),
+                                                         NCP=ncp, MIXP=MIX_PAD, HC=hc, BT=bt, num_warps=4)
+    else:
+        hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=ncp, MIXP=MIX_PAD,
+                                   num_warps=4)
+        pre, post, comb = _sinkhorn_launch(mixes, MIX_PAD, scale, base, T, hc, iters, hc_eps)
     return (pre, post, comb, y) + ((avg,) if mean else ())
 
 

@@ -3,7 +3,7 @@ against hc_mixes_pre_ref and timed as CUDA-graph replays (benchutil.time_calls: 
 whole wrapper (mixes kernel, chunk-sum kernel, Sinkhorn) per call. Picks PREFILL_VARIANT.
 
     python perf/bench_mhc_variants.py [--tokens 64 512 2048 8192] [--budget 70] [--out FILE]
-        [--dots bf16x3] [--bts 64 128 256] [--wide]
+        [--dots bf16x3] [--bts 64 128 256] [--wide] [--tails split fused]
     python perf/bench_mhc_variants.py --smoke       (CPU, Triton's interpreter, tiny shapes: the plumbing)
 
 The grid: bt 16/32/64/128 x bk 128/64 x num_warps 4/8 x (num_stages, chunks_per_program) in (1,1) (1,2)
@@ -47,12 +47,15 @@ def smem_estimate(v: dict) -> int:
     return max(1, v["num_stages"] - 1) * per
 
 
-def grid(dots=("tf32x3", "bf16x3"), bts=(16, 32, 64, 128), wide: bool = False) -> list[dict]:
-    """wide: also column walks of 8-10 chunks (fewer partial mixes to write and sum at large T)."""
+def grid(dots=("tf32x3", "bf16x3"), bts=(16, 32, 64, 128), wide: bool = False, tails=("split",)) -> list[dict]:
+    """wide: also column walks of 8-10 chunks (fewer partial mixes to write and sum at large T); tails:
+    the chunk sums + Sinkhorn as two kernels ("split") and / or one ("fused")."""
     out = []
-    for dot, bt, bk, warps, (stages, cpp) in itertools.product(dots, bts, (128, 64), (4, 8),
-                                                               WIDE_STAGES_CHUNKS if wide else STAGES_CHUNKS):
-        v = {"bt": bt, "bk": bk, "num_warps": warps, "num_stages": stages, "chunks_per_program": cpp, "dot": dot}
+    for dot, bt, bk, warps, (stages, cpp), tail in itertools.product(dots, bts, (128, 64), (4, 8),
+                                                                     WIDE_STAGES_CHUNKS if wide else STAGES_CHUNKS,
+                                                                     tails):
+        v = {"bt": bt, "bk": bk, "num_warps": warps, "num_stages": stages, "chunks_per_program": cpp, "dot": dot,
+             "tail": tail}
         if warps == 8 and bt == 16:
             continue
         if bt * bk > 64 * 32 * warps or smem_estimate(v) > SMEM:
@@ -64,11 +67,14 @@ def grid(dots=("tf32x3", "bf16x3"), bts=(16, 32, 64, 128), wide: bool = False) -
 def smoke_grid() -> list[dict]:
     return [{"bt": 16, "bk": 128, "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "bf16x3"},
             {"bt": 32, "bk": 64, "num_warps": 4, "num_stages": 2, "chunks_per_program": 2, "dot": "bf16x3"},
-            {"bt": 16, "bk": 64, "num_warps": 4, "num_stages": 1, "chunks_per_program": 4, "dot": "tf32x3"}]
+            {"bt": 16, "bk": 64, "num_warps": 4, "num_stages": 1, "chunks_per_program": 4, "dot": "tf32x3"},
+            {"bt": 16, "bk": 64, "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "bf16x3n",
+             "tail": "fused"}]
 
 
 def key(v: dict) -> str:
-    return " ".join(f"{k}={v[k]}" for k in ("bt", "bk", "num_warps", "num_stages", "chunks_per_program", "dot"))
+    return " ".join(f"{k}={v.get(k, 'split')}" for k in ("bt", "bk", "num_warps", "num_stages", "chunks_per_program",
+                                                          "dot", "tail"))
 
 
 def inputs(T: int, d: int, n: int, dev: str, seed: int = 0):
@@ -204,6 +210,8 @@ def main():
     ap.add_argument("--dots", nargs="+", default=["tf32x3", "bf16x3"], choices=["tf32x3", "bf16x3", "bf16x3n"])
     ap.add_argument("--bts", type=int, nargs="+", default=[16, 32, 64, 128], help="token tiles (256: 8 warps)")
     ap.add_argument("--wide", action="store_true", help="also walks of 8-10 column chunks a program")
+    ap.add_argument("--tails", nargs="+", default=["split"], choices=["split", "fused"],
+                    help="the chunk sums + Sinkhorn as two kernels and / or one")
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1), help="compile processes (0: none)")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes, 3 variants")
     ap.add_argument("--out", default=None)
@@ -221,7 +229,7 @@ def main():
     dev = "cpu" if smoke else "cuda"
     d = args.dim or (256 if smoke else 5120)
     tokens = args.tokens or ((3, 20) if smoke else (64, 512, 2048, 8192))
-    variants = smoke_grid() if smoke else grid(tuple(args.dots), tuple(args.bts), args.wide)
+    variants = smoke_grid() if smoke else grid(tuple(args.dots), tuple(args.bts), args.wide, tuple(args.tails))
     variants = variants[:1] + random.Random(0).sample(variants[1:], len(variants) - 1)   # a budget cut: a spread
     variants = variants[:args.max_variants or None]
     print(f"hc_mixes_pre variants: d {d}, hc {HC}, T {list(tokens)}, {len(variants)} variants, PREFILL_VARIANT "

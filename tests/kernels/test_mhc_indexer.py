@@ -128,6 +128,8 @@ VARIANTS = [
     {"dot": "bf16x3n"},
     {"bt": 16, "bk": 64, "chunks_per_program": 4, "num_stages": 2, "dot": "bf16x3n"},
     {"bt": 128, "bk": 64, "num_warps": 8, "chunks_per_program": 8, "num_stages": 2, "dot": "bf16x3n"},
+    {"bt": 64, "bk": 64, "dot": "bf16x3n", "tail": "fused"},
+    {"bt": 128, "bk": 64, "num_warps": 8, "chunks_per_program": 8, "num_stages": 2, "dot": "bf16x3n", "tail": "fused"},
 ]
 
 
@@ -179,7 +181,7 @@ def test_mix_variant_defaults_and_prefill_merge(monkeypatch):
     monkeypatch.setattr(triton_mhc, "SIZE_VARIANTS", [])
     monkeypatch.setattr(triton_mhc, "PREFILL_VARIANT", {})
     monkeypatch.setattr(triton_mhc, "DECODE_VARIANT", {})
-    base = {"bk": 128, "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3"}
+    base = {"bk": 128, "num_warps": 4, "num_stages": 1, "chunks_per_program": 1, "dot": "tf32x3", "tail": "split"}
     assert triton_mhc.mix_variant(16, 5120) == {"bt": 16, **base}
     assert triton_mhc.mix_variant(64, 5120) == {"bt": 64, **base}
     assert triton_mhc.mix_variant(1024, 5120) == {"bt": 64, **base}
@@ -195,6 +197,8 @@ def test_mix_variant_defaults_and_prefill_merge(monkeypatch):
     assert triton_mhc.mix_variant(8192, 1280, bk=96)["bk"] == 128                 # 96 does not divide 1280
     with pytest.raises(AssertionError):
         triton_mhc.mix_variant(64, 5120, dot="fp16")
+    with pytest.raises(AssertionError):
+        triton_mhc.mix_variant(64, 5120, tail="one")
 
 
 def test_fn_parts_cached_per_weight():
