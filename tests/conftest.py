@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 
+# pytest-xdist (`make test` runs two workers, one per core of a CI machine): one torch thread in each
+# worker and in the processes its tests start, so two workers never run four spinning threads
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("DEEPINFER_SHARED", REPO / ".." / "shared")).resolve()
 FIXTURES = SHARED / "fixtures"

@@ -85,8 +85,10 @@ def _check_block_mask(b, k, bs, width):
 def check_interpreted():
     tie_cases = 0
     for dtype in DTYPES:
-        for width in (1, 7, 100, 513, 1000, 2048):
-            for kind in ("rand", "ties", "ulps"):
+        # every width and kind in bf16 (the model's scores); the other dtypes on a spread (interpreter time)
+        bf16 = dtype == torch.bfloat16
+        for width in (1, 7, 100, 513, 1000, 2048) if bf16 else (7, 513, 2048):
+            for kind in ("rand", "ties", "ulps") if bf16 else ("ties", "ulps"):
                 n = 6
                 x = _rows(n, width, dtype, kind, "cpu", seed=width)
                 lens = _lens(n, width, "cpu", seed=width + 1)
