@@ -296,13 +296,16 @@ def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
         tl.store(out_ptr + (rt64[:, None] * HC + j) * d + rd[None, :], (pj[:, None] * y + acc).to(tl.bfloat16), mask=m)
 
 
-def _sinkhorn_launch(mix, stride, scale, base, T, hc, iters, eps):
-    dev = mix.device
+def _sinkhorn_outputs(T, hc, dev):
+    """pre [T, hc], post [T, hc], comb [T, hc, hc] (fp32) for the Sinkhorn kernels to fill."""
+    assert hc == 4 or T == 0, "the Sinkhorn kernels are written for hc_mult 4"
     pre = torch.empty(T, hc, dtype=torch.float32, device=dev)
-    post = torch.empty_like(pre)
-    comb = torch.empty(T, hc, hc, dtype=torch.float32, device=dev)
+    return pre, torch.empty_like(pre), torch.empty(T, hc, hc, dtype=torch.float32, device=dev)
+
+
+def _sinkhorn_launch(mix, stride, scale, base, T, hc, iters, eps):
+    pre, post, comb = _sinkhorn_outputs(T, hc, mix.device)
     if T:
-        assert hc == 4, "the Sinkhorn kernel is written for hc_mult 4"
         bt = 128
         hc_sinkhorn_kernel[(triton.cdiv(T, bt),)](mix, scale.float().contiguous(), base.float().contiguous(),
                                                   pre, post, comb, T, iters, float(eps), stride, HC=hc, BT=bt,
@@ -451,9 +454,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
     ncp = triton.next_power_of_2(nc)
     if v["tail"] == "fused":
-        assert hc == 4, "the Sinkhorn kernel is written for hc_mult 4"
-        pre = torch.empty(T, hc, dtype=torch.float32, device=x.device)
-        post, comb = torch.empty_like(pre), torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
+        pre, post, comb = _sinkhorn_outputs(T, hc, x.device)
         bt = max(1, min(16, 8192 // (ncp * MIX_PAD)))             # ~64 partials a thread at 4 warps
         hc_reduce_sinkhorn_kernel[(triton.cdiv(T, bt),)](mixp, sqp, mixes, scale.float().contiguous(),
                                                          base.float().contiguous(), pre, post, comb, T, nc,
