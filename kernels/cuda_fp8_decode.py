@@ -13,6 +13,10 @@ e4m3 weights and their E8M0 scales per 32x32 block or per (row, 32).
                                                 whether it beat the bf16-held / other FP8 paths (select's rule)
     decline_reason(m, n, k, w, sb, device)      None where it takes the call, else the rule it breaks
     FORMS                                       entry -> (token tile, 64-row blocks a consumer, stages, CTAs a SM)
+    fp8_masked_moe_gemm(a, sa_t, w, w_rows, masked_m, expected_m)   the MoE's masked layout (DeepGEMM's): a
+                                                [G, C, K] e4m3 slab, a row-scaled e4m3 stack w [G, N, K] -> [G, C, N]
+                                                bf16, rows past masked_m[g] unset; no host read (graph capturable)
+    masked_decline_reason(w, w_rows, device)    None where the masked form takes the stack, else the rule
 
 Split-K's sum order follows M (the token tile) and the split count: deterministic per shape, not
 batch-invariant (select never sends batch-invariant mode here). DEEPINFER_CUDA_DECODE_RB=1 / 2 forces
@@ -51,6 +55,14 @@ PIPELINED = {"_p": ("t16_rb2", "t32_rb2", "t64_rb2", "t16_rb1", "t32_rb1", "t64_
              "_p2": ("t16_rb2", "t32_rb2", "t16_rb1", "t32_rb1", "t64_rb1", "t128_rb1", "t16_rb1_x2", "t32_rb1_x2")}
 FORMS.update({f"fp8_decode_sm90_{base}{sfx}": FORMS[f"fp8_decode_sm90_{base}"]
               for sfx, bases in PIPELINED.items() for base in bases})
+# the masked MoE forms (FP8_MOE_ENTRY): entry -> (token tile, row blocks, stages, CTAs a SM)
+MOE_FORMS = {"fp8_moe_sm90_t16_rb1_x2": (16, 1, 4, 2),
+             "fp8_moe_sm90_t32_rb1_x2": (32, 1, 4, 2),
+             "fp8_moe_sm90_t16_rb2": (16, 2, 5, 1),
+             "fp8_moe_sm90_t32_rb2": (32, 2, 5, 1),
+             "fp8_moe_sm90_t64_rb1_x2": (64, 1, 4, 2),
+             "fp8_moe_sm90_t64_rb2_p": (64, 2, 5, 1),
+             "fp8_moe_sm90_t128_rb1_p": (128, 1, 6, 1)}
 REDUCE = "fp8_splitk_reduce"
 TOKEN_TILES = (16, 32, 64, 128)
 SPLIT_MAX = 16
@@ -132,7 +144,7 @@ def split_cost(s: int, tiles: int, m: int, k: int, sms: int) -> float:
 def smem_bytes(name: str) -> int:
     """1024 bytes of alignment slack + the stages' weight and token tiles, their token and weight scales (4
     slices x BT, 4 slices x the CTA's rows f32) and 2 mbarriers a stage."""
-    bt, rb, stages, _ = FORMS[name]
+    bt, rb, stages, _ = FORMS[name] if name in FORMS else MOE_FORMS[name]
     rows = 64 * CONSUMERS * rb
     return 1024 + stages * ((rows + bt) * BK + 16 * bt + 16 * rows + 16)
 
@@ -251,3 +263,66 @@ def fp8_decode_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, e
     m = x2.shape[0]
     a, sa_t = act_quant_fp8(x2, scales_ld=-(-m // 4) * 4)
     return fp8_decode_gemm(a, sa_t, w, w_scale, entry, splits).view(*x.shape[:-1], w.shape[0])
+
+
+def masked_plan(expected_m: int) -> str:
+    """The masked form for about expected_m tokens an expert: a token tile that holds the busier experts
+    too (a second tile streams the expert's weights again): expected_m + 4 sqrt(expected_m) rounded up to
+    16 / 32 / 64 / 128; two CTAs a SM where the tile allows (the dense forms' measured rule at <= 32 tokens)."""
+    busy = expected_m + 4.0 * max(expected_m, 0) ** 0.5
+    bt = next((t for t in TOKEN_TILES if busy <= t), TOKEN_TILES[-1])
+    return {16: "fp8_moe_sm90_t16_rb1_x2", 32: "fp8_moe_sm90_t32_rb1_x2", 64: "fp8_moe_sm90_t64_rb2_p",
+            128: "fp8_moe_sm90_t128_rb1_p"}[bt]
+
+
+def masked_decline_reason(w: torch.Tensor, w_rows: torch.Tensor | None, device=None) -> str | None:
+    """None where fp8_masked_moe_gemm takes the stack w [G, N, K] e4m3 with its row scales w_rows [G, N, 1]
+    f32 (ExpertStacks.r13 / r2: the row-scaled stacks), else the rule it breaks."""
+    if device is not None and (device.type != "cuda" or not _sm90(device.index if device.index is not None
+                                                                  else torch.cuda.current_device())):
+        return "an SM90 GPU (sm_90a wgmma and TMA)"
+    if cuda_driver.find_nvcc() is None:
+        return "nvcc to compile it (CUDA_HOME or PATH)"
+    if w.dim() != 3 or w.dtype != torch.float8_e4m3fn or not w.is_contiguous() or w.data_ptr() % 16:
+        return "a contiguous 16-byte aligned e4m3 stack [G, N, K]"
+    g, n, k = w.shape
+    if k <= 0 or k % 32:
+        return "K a multiple of 32"
+    if w_rows is None or w_rows.dtype != torch.float32 or w_rows.numel() != g * n or not w_rows.is_contiguous():
+        return "one f32 scale a row (ExpertStacks.to_row_scales)"
+    return None
+
+
+def fp8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_rows: torch.Tensor,
+                        masked_m: torch.Tensor, expected_m: int, entry: str | None = None) -> torch.Tensor:
+    """a [G, C, K] e4m3 (expert g's tokens in rows 0..masked_m[g]-1), sa_t [K/32, >= G C] f32 (the slab's
+    scales transposed: column g C + t), w [G, N, K] e4m3 with one pow2 scale a row w_rows [G, N, 1] f32,
+    masked_m [G] int32 on the device -> [G, C, N] bf16 (rows past masked_m[g] unset): the release GEMM's values
+    (per 32-wide K slice one FP8 MMA times the token's scale, summed in fp32, times the row's scale). No host
+    read (CUDA-graph capturable). expected_m: a host-side guess of the tokens an expert (the token tile; a busier
+    expert takes more tiles). entry overrides masked_plan's."""
+    G, C, k = a.shape
+    n = w.shape[1]
+    assert w.shape[0] == G and w.shape[2] == k and a.dtype == torch.float8_e4m3fn and a.device == w.device, \
+        (a.shape, w.shape)
+    reason = masked_decline_reason(w, w_rows)
+    if reason is not None:
+        raise ValueError(f"fp8_masked_moe_gemm needs {reason}: w {tuple(w.shape)}")
+    assert masked_m.dtype == torch.int32 and masked_m.numel() == G and masked_m.is_contiguous()
+    assert sa_t.shape[0] == k // 32 and sa_t.shape[1] >= G * C and sa_t.shape[1] % 4 == 0 \
+        and sa_t.dtype == torch.float32 and sa_t.is_contiguous() and sa_t.data_ptr() % 16 == 0, (sa_t.shape, G, C)
+    out = torch.empty(G, C, n, dtype=torch.bfloat16, device=a.device)
+    if G == 0 or C == 0 or n == 0:
+        return out
+    name = entry or masked_plan(expected_m)
+    bt, rb, _, _ = MOE_FORMS[name]
+    a = a.contiguous()
+    assert a.data_ptr() % 16 == 0, "TMA needs a 16-byte aligned activation slab"
+    smem = smem_bytes(name)
+    kern = cuda_driver.kernel(SRC, name, smem, a.device.index)
+    tw = cuda_driver.tensor_map_2d(w.view(G * n, k), BK, 64 * CONSUMERS * rb)
+    tx = cuda_driver.tensor_map_2d(a.view(G * C, k), BK, bt)
+    tsa = cuda_driver.tensor_map_2d(sa_t, bt, 4, swizzle=0)
+    grid = (-(-n // (64 * CONSUMERS * rb)), G, -(-C // bt))
+    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, out, masked_m, w_rows, C, n, k])
+    return out

@@ -104,6 +104,9 @@ BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "256"))
 # forced up to this many rows (0 by default: only where cuda_fp8_decode's measured table says the kernel
 # won at that M; perf/H200_NOTES.md "2026-12-04 (afternoon)")
 FP8_DECODE_MAX_M = int(os.environ.get("DEEPINFER_FP8_DECODE_MAX_M", "0"))
+# the masked MoE (decode) on the CUDA FP8 x FP8 form over the row-scaled FP8 stacks
+# (cuda_fp8_decode.fp8_masked_moe_gemm; FP8 dispatch and SwiGLU outputs) instead of W8A16: "1" on, "0" off
+MOE_FP8_DECODE = os.environ.get("DEEPINFER_MOE_FP8_DECODE", "0")
 # auto: the MoE's grouped contiguous GEMMs of at least this many token-expert rows dequantize the whole
 # expert stack to bf16 (exact, as the dense linears) and run one bf16 grouped GEMM (torch._grouped_mm)
 # instead of the CUDA FP8 x FP8 kernel; the dequant (3 bytes of traffic per stack element) pays only on
@@ -905,6 +908,42 @@ def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) ->
         from .triton_moe import moe_dispatch as fast
         return fast(x, slot, K, n_experts)
     return _ref.moe_dispatch_ref(x, slot, K, n_experts)
+
+
+def masked_moe_fp8_takes(x: torch.Tensor, w13: torch.Tensor, r13, w2: torch.Tensor, r2) -> bool:
+    """The masked MoE runs on the CUDA FP8 x FP8 form (moe_dispatch / moe_swiglu_quant with fp8=True, then
+    fp8_masked_moe_gemm): MOE_FP8_DECODE on, a bf16 CUDA tensor on the fast path, not batch-invariant mode,
+    both stacks FP8 with one scale a row (ExpertStacks.r13 / r2; logged once per rule where not)."""
+    if MOE_FP8_DECODE != "1" or not x.is_cuda or x.dtype != torch.bfloat16 or _batch_invariant() or not use_fast(x):
+        return False
+    from . import cuda_fp8_decode
+    reason = cuda_fp8_decode.masked_decline_reason(w13, r13, x.device) or \
+        cuda_fp8_decode.masked_decline_reason(w2, r2, x.device)
+    if reason is None and (x.shape[-1] % 32 or w2.shape[-1] % 32):
+        reason = "dim and moe_inter_dim multiples of 32"
+    return _fast_for(x, "fp8_masked_moe_gemm", reason is None, reason or "", then="W8A16 (grouped_fp8_linear_masked)")
+
+
+def fp8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_rows: torch.Tensor,
+                        masked_m: torch.Tensor, expected_m: int) -> torch.Tensor:
+    """[G, C, K] e4m3 slab (+ transposed scales) x row-scaled e4m3 stack [G, N, K] -> [G, C, N] bf16
+    (cuda_fp8_decode.fp8_masked_moe_gemm; only where masked_moe_fp8_takes)."""
+    from .cuda_fp8_decode import fp8_masked_moe_gemm as fast
+    return fast(a, sa_t, w, w_rows, masked_m, expected_m)
+
+
+def moe_dispatch_fp8(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_dispatch's rows as e4m3 bytes + their scales transposed (fp8_masked_moe_gemm's input; the fast
+    path only: where masked_moe_fp8_takes)."""
+    from .triton_moe import moe_dispatch as fast
+    return fast(x, slot, K, n_experts, fp8=True)
+
+
+def moe_swiglu_quant_fp8(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
+                         inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_swiglu_quant's rows as e4m3 bytes + their scales transposed (as moe_dispatch_fp8)."""
+    from .triton_moe import moe_swiglu_quant as fast
+    return fast(gu, slot, weights, limit, inter, fp8=True)
 
 
 def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,

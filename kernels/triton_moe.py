@@ -6,6 +6,8 @@
     moe_dispatch(x, slot, K, E)    -> xp [E, T, d]: act_quant(x)[p // K] at row slot[p]
     moe_swiglu_quant(gu, slot, ..) -> hp [E, T, inter]: act_quant(bf16(w_p * silu(gate) * up)) at row slot[p]
     moe_combine(out, slot, ..)     -> y [T, d]: fp32 sum of a token's picks in ascending expert id, + shared
+    fp8=True (dispatch, swiglu_quant): the rows as e4m3 bytes + their scales transposed [cols / 32, E*T
+                                      rounded up to 4] (the CUDA masked FP8 GEMM's input, cuda_fp8_decode)
 
 Replaces ~30 small torch launches per layer (argsort, scatter_add, cumsum, index scatters/gathers,
 casts, clamp, silu, act_quant, the K-step add loop) with four; no host read anywhere (CUDA-graph
@@ -32,13 +34,36 @@ QBLOCK = 32          # act_quant block along the last dim
 
 
 @triton.jit
-def _fake_quant(v, BD: tl.constexpr, MANUAL: tl.constexpr, BR: tl.constexpr = 1):
-    """v [BR, BD] fp32 -> FP8 e4m3 fake-quantized per 32 with pow2 scales (act_quant_kernel's steps)."""
+def _quant_groups(v, BD: tl.constexpr, MANUAL: tl.constexpr, BR: tl.constexpr = 1):
+    """v [BR, BD] fp32 -> (e4m3 [BR, BD / 32, 32], pow2 scales [BR, BD / 32]): act_quant_kernel's steps."""
     g = tl.reshape(v, (BR, BD // 32, 32))
     amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
     s, inv = _pow2_ceil(amax * (1.0 / 448.0))
-    q = _to_e4m3(tl.clamp(g * inv[:, :, None], -448.0, 448.0), MANUAL)
+    return _to_e4m3(tl.clamp(g * inv[:, :, None], -448.0, 448.0), MANUAL), s
+
+
+@triton.jit
+def _fake_quant(v, BD: tl.constexpr, MANUAL: tl.constexpr, BR: tl.constexpr = 1):
+    """v [BR, BD] fp32 -> FP8 e4m3 fake-quantized per 32 with pow2 scales (act_quant_kernel's steps)."""
+    q, s = _quant_groups(v, BD, MANUAL, BR)
     return tl.reshape(q.to(tl.float32) * s[:, :, None], (BR, BD))
+
+
+@triton.jit
+def _store_quant(v, rows, cols, pm, ptr, sa_ptr, n, S_LD, FP8: tl.constexpr, BD: tl.constexpr,
+                 MANUAL: tl.constexpr, BR: tl.constexpr):
+    """v [BR, BD] fp32 quantized per 32 into rows `rows` [BR] (int64) of ptr [.., n] at columns `cols` [1, BD]
+    (mask pm [BR]): FP8 - the e4m3 bytes, and their scales transposed into sa_ptr [n / 32, S_LD] at column
+    `rows` (the CUDA masked GEMM's token scales); else the fake-quantized values in ptr's dtype."""
+    m = pm[:, None] & (cols < n)
+    if FP8:
+        q, s = _quant_groups(v, BD, MANUAL, BR)
+        tl.store(ptr + rows[:, None] * n + cols, tl.reshape(q, (BR, BD)), mask=m)
+        sc = (tl.program_id(1) * (BD // 32) + tl.arange(0, BD // 32))[None, :]
+        tl.store(sa_ptr + sc.to(tl.int64) * S_LD + rows[:, None], s, mask=pm[:, None] & (sc < n // 32))
+    else:
+        q = _fake_quant(v, BD, MANUAL, BR)
+        tl.store(ptr + rows[:, None] * n + cols, q.to(ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -79,16 +104,27 @@ def moe_route_kernel(idx_ptr, counts_ptr, slot_ptr, T, P, BLOCK: tl.constexpr, C
 
 
 @triton.jit
-def moe_dispatch_kernel(x_ptr, slot_ptr, xp_ptr, d, K, BD: tl.constexpr, MANUAL: tl.constexpr):
-    """Program (t, column chunk): act_quant of x[t] once, stored to the rows of t's K pairs."""
+def moe_dispatch_kernel(x_ptr, slot_ptr, xp_ptr, d, K, BD: tl.constexpr, MANUAL: tl.constexpr,
+                        sa_ptr=None, S_LD=0, FP8: tl.constexpr = False):
+    """Program (t, column chunk): act_quant of x[t] once, stored to the rows of t's K pairs (FP8: as e4m3
+    bytes, the scales transposed into sa [d / 32, S_LD] at the rows' columns)."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
     m = cols < d
     x = tl.load(x_ptr + t.to(tl.int64) * d + cols, mask=m, other=0.0).to(tl.float32)
-    q = _fake_quant(x, BD, MANUAL).to(xp_ptr.dtype.element_ty)
-    for k in range(K):
-        r = tl.load(slot_ptr + t * K + k)
-        tl.store(xp_ptr + r * d + cols, q, mask=m)
+    if FP8:
+        q, s = _quant_groups(x, BD, MANUAL)
+        qb = tl.reshape(q, (1, BD))
+        sc = (tl.program_id(1) * (BD // 32) + tl.arange(0, BD // 32))[None, :]
+        for k in range(K):
+            r = tl.load(slot_ptr + t * K + k)
+            tl.store(xp_ptr + r * d + cols, qb, mask=m)
+            tl.store(sa_ptr + sc.to(tl.int64) * S_LD + r, s, mask=sc < d // 32)
+    else:
+        q = _fake_quant(x, BD, MANUAL).to(xp_ptr.dtype.element_ty)
+        for k in range(K):
+            r = tl.load(slot_ptr + t * K + k)
+            tl.store(xp_ptr + r * d + cols, q, mask=m)
 
 
 @triton.jit
@@ -100,11 +136,13 @@ def _slab_row(slot, T, stride_e, stride_row):
 @triton.jit
 def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, P, stride_e, stride_row,
                             HAS_LIMIT: tl.constexpr, BI: tl.constexpr, MANUAL: tl.constexpr,
-                            DENSE: tl.constexpr = False, BR: tl.constexpr = 1):
+                            DENSE: tl.constexpr = False, BR: tl.constexpr = 1, sa_ptr=None, S_LD=0,
+                            FP8: tl.constexpr = False):
     """Program (BR pairs, column chunk): pair p at row r = slot[p]: clamped SwiGLU in fp32, times the
     routing weight, rounded to bf16, FP8 fake-quantized per 32 -> hp[r]. DENSE: r = p and weight 1 (the
     shared expert: every row, no routing weight). Several pairs a program and a chunk that divides
-    inter: a pair's 2,304 columns were 3 programs of 1,024 lanes, the last a quarter full."""
+    inter: a pair's 2,304 columns were 3 programs of 1,024 lanes, the last a quarter full. FP8: hp holds the
+    e4m3 bytes and sa [inter / 32, S_LD] the scales, transposed (column r)."""
     ps = tl.program_id(0) * BR + tl.arange(0, BR)
     pm = ps < P
     cols = tl.program_id(1) * BI + tl.arange(0, BI)[None, :]
@@ -127,8 +165,7 @@ def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, P,
         e = libdevice.exp(-gate)
     silu = tl.math.div_rn(gate, 1.0 + e)
     h = _round_bf16(w[:, None] * (silu * up), MANUAL)
-    q = _fake_quant(h, BI, MANUAL, BR)
-    tl.store(hp_ptr + r[:, None] * inter + cols, q.to(hp_ptr.dtype.element_ty), mask=m)
+    _store_quant(h, r.to(tl.int64), cols, pm, hp_ptr, sa_ptr, inter, S_LD, FP8, BI, MANUAL, BR)
 
 
 @triton.jit
@@ -178,23 +215,35 @@ def moe_route(indices: torch.Tensor, n_experts: int, contiguous: bool = False) -
     return counts, slot
 
 
-def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) -> torch.Tensor:
-    """x [T, d] bf16 -> xp [E, T, d] with row slot[p] = act_quant(x)[p // K]; other rows unset."""
+def slab_scales_ld(n_experts: int, T: int) -> int:
+    """Columns of an [E, T, .] slab's transposed scales: E T rounded up to 4 (TMA's 16-byte row stride)."""
+    return max(4, -(-n_experts * T // 4) * 4)
+
+
+def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int, fp8: bool = False):
+    """x [T, d] bf16 -> xp [E, T, d] with row slot[p] = act_quant(x)[p // K]; other rows unset. fp8: (xp as
+    e4m3 bytes, the scales transposed [d / 32, slab_scales_ld(E, T)], column = the row; others unset)."""
     T, d = x.shape
     assert d % QBLOCK == 0 and slot.numel() == T * K
-    xp = x.new_empty(n_experts, T, d)
+    xp = torch.empty(n_experts, T, d, dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
+    ld = slab_scales_ld(n_experts, T)
+    sa = torch.empty(d // QBLOCK, ld, dtype=torch.float32, device=x.device) if fp8 else None
     if T:
         bd = _chunk(d)
-        moe_dispatch_kernel[(T, triton.cdiv(d, bd))](x.contiguous(), slot, xp, d, K, BD=bd, MANUAL=INTERPRET)
-    return xp
+        moe_dispatch_kernel[(T, triton.cdiv(d, bd))](x.contiguous(), slot, xp, d, K, BD=bd, MANUAL=INTERPRET,
+                                                     sa_ptr=sa, S_LD=ld, FP8=fp8)
+    return (xp, sa) if fp8 else xp
 
 
 def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
-                     inter: int) -> torch.Tensor:
-    """gu [E, T, 2 inter] bf16 -> hp [E, T, inter] at the pairs' rows (others unset)."""
+                     inter: int, fp8: bool = False):
+    """gu [E, T, 2 inter] bf16 -> hp [E, T, inter] at the pairs' rows (others unset); fp8: (hp e4m3, its
+    scales transposed [inter / 32, slab_scales_ld(E, T)]: the CUDA masked GEMM's input)."""
     E, T, two = gu.shape
     assert two == 2 * inter and inter % QBLOCK == 0 and weights.numel() == slot.numel()
-    hp = gu.new_empty(E, T, inter)
+    hp = torch.empty(E, T, inter, dtype=torch.float8_e4m3fn if fp8 else gu.dtype, device=gu.device)
+    ld = slab_scales_ld(E, T)
+    sa = torch.empty(inter // QBLOCK, ld, dtype=torch.float32, device=gu.device) if fp8 else None
     P = slot.numel()
     if P:
         br, bi = _row_tile(inter)
@@ -202,8 +251,8 @@ def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor
         gu = gu if gu.stride(-1) == 1 else gu.contiguous()       # DeepGEMM's padded view: read in place
         moe_swiglu_quant_kernel[(triton.cdiv(P, br), triton.cdiv(inter, bi))](
             gu, slot, w, hp, float(limit), inter, T, P, gu.stride(0), gu.stride(1), HAS_LIMIT=limit > 0, BI=bi,
-            MANUAL=INTERPRET, BR=br)
-    return hp
+            MANUAL=INTERPRET, BR=br, sa_ptr=sa, S_LD=ld, FP8=fp8)
+    return (hp, sa) if fp8 else hp
 
 
 def swiglu_quant(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:

@@ -177,6 +177,9 @@ def main() -> None:
     p.add_argument("--skinny-tables", nargs="+", default=None,
                    help="select.py's skinny-GEMM tables to compare in one run ('' = cuBLAS for every dense bf16 "
                         "linear; 'default' = kernels/skinny_bf16_table.json)")
+    p.add_argument("--moe-paths", nargs="+", default=["default"], choices=["default", "w8a16", "fp8"],
+                   help="the masked MoE's GEMMs compared in one run: W8A16 or the CUDA FP8 x FP8 masked form "
+                        "(select.MOE_FP8_DECODE; default: as configured)")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights made on the device from the preset's config (no checkpoint)")
     a = p.parse_args()
@@ -209,9 +212,12 @@ def main() -> None:
     from deepinfer.kernels import triton_mhc
     mhc = mhc_variants(a.mhc_variants)
     tables = [None if t == "default" else t for t in (a.skinny_tables or ["default"])]
-    runs = [(B, mi, ti) for B in a.batches for mi in range(len(mhc)) for ti in range(len(tables))]
-    for B, mi, ti in runs:
-        with torch.inference_mode(), use_mhc_variant(triton_mhc.DECODE_VARIANT, mhc[mi]), use_skinny_table(tables[ti]):
+    moes = a.moe_paths
+    runs = [(B, mi, ti, oi) for B in a.batches for mi in range(len(mhc)) for ti in range(len(tables))
+            for oi in range(len(moes))]
+    for B, mi, ti, oi in runs:
+        with torch.inference_mode(), use_mhc_variant(triton_mhc.DECODE_VARIANT, mhc[mi]), \
+                use_skinny_table(tables[ti]), use_moe_path(moes[oi]):
             step = decode_step(model, caches, B, a.ctx, max_len, block_tokens)
             eager = time_eager(step, iters=5)
             graph = time_graph(step)
@@ -221,22 +227,43 @@ def main() -> None:
         frac = nb["total"] / graph / copy_bw
         layer = (graph - head) / model.args.n_layers
         ep8_step = FULL_LAYERS * layer + head
-        row = dict(batch=B, mhc_variant=mhc[mi], skinny_table=tables[ti], eager_ms=eager * 1e3, graph_ms=graph * 1e3,
+        row = dict(batch=B, mhc_variant=mhc[mi], skinny_table=tables[ti], moe_path=moes[oi], eager_ms=eager * 1e3,
+                   graph_ms=graph * 1e3,
                    graph_speedup=eager / graph,
                    bytes=nb, of_copy=frac, head_ms=head * 1e3, layer_us=layer * 1e6,
                    ep8_tok_s_per_gpu=B / ep8_step)
         rows.append(row)
-        tag = ('' if len(mhc) == 1 else f' m{mi}') + ('' if len(tables) == 1 else f' t{ti}')
+        tag = ('' if len(mhc) == 1 else f' m{mi}') + ('' if len(tables) == 1 else f' t{ti}') + \
+            ('' if len(moes) == 1 else f' {moes[oi]}')
         print(f"{B:>5}{tag} {eager * 1e3:>9.2f} {graph * 1e3:>9.2f} {eager / graph:>8.2f} {nb['total'] / 1e6:>8.0f} "
               f"{frac:>8.2f} {head * 1e3:>8.2f} {layer * 1e6:>9.0f} {B / ep8_step:>14.0f}", flush=True)
     save_json("model_decode.json", dict(checkpoint=ckpt, ctx=a.ctx, ceilings=ceil, rows=rows))
     if len(tables) > 1:
         print("skinny tables: " + ", ".join(f"t{i} {t if t is not None else 'default'!r}" for i, t in enumerate(tables)))
-    plot([r for r in rows if r["mhc_variant"] == mhc[0] and r["skinny_table"] == tables[0]],
+    plot([r for r in rows if r["mhc_variant"] == mhc[0] and r["skinny_table"] == tables[0] and r["moe_path"] == moes[0]],
          os.path.join(out_dir(), "model_decode.png"))
     if a.profile:
         with torch.inference_mode():
             profile(decode_step(model, caches, a.profile, a.ctx, max_len, block_tokens), a.profile)
+
+
+class use_moe_path:
+    """with use_moe_path("w8a16" | "fp8" | "default"): select.MOE_FP8_DECODE inside the block, restored after."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        from deepinfer.kernels import select
+        self.saved = select.MOE_FP8_DECODE
+        if self.path != "default":
+            select.MOE_FP8_DECODE = "1" if self.path == "fp8" else "0"
+        return self
+
+    def __exit__(self, *exc):
+        from deepinfer.kernels import select
+        select.MOE_FP8_DECODE = self.saved
+        return False
 
 
 def profile(step, B: int, top: int = 45) -> None:

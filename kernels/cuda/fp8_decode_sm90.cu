@@ -117,7 +117,15 @@ struct RowScales {
 
 // Promotes slice j of a stage for every row block: the slice's token scales (sa_p: this thread's first
 // token pair of the slice) and weight scales (sb_p: the slice's row of the scale tile), both in shared memory.
-template <int BT, int RB, bool ONE>
+// A slice's weight scale from the stage's tile, or 1 where the weight scale is one per row (EPI_ROW: applied
+// in the epilogue instead, so the promotion multiplies by the token scale alone).
+template <bool EPI_ROW>
+__device__ __forceinline__ float slice_wscale(const float* sb_p, int off) {
+    if constexpr (EPI_ROW) return 1.f;
+    else return sb_p[off];
+}
+
+template <int BT, int RB, bool ONE, bool EPI_ROW = false>
 __device__ __forceinline__ void promote_slice(float (&acc)[RB][BT / 2], float (&tmp)[RB][BT / 2], const float* sa_p,
                                               const float* sb_p, const RowScales (&rs)[RB]) {
     float2 ts[BT / 8];
@@ -125,9 +133,9 @@ __device__ __forceinline__ void promote_slice(float (&acc)[RB][BT / 2], float (&
     for (int f = 0; f < BT / 8; ++f) ts[f] = *reinterpret_cast<const float2*>(sa_p + 8 * f);
 #pragma unroll
     for (int rb = 0; rb < RB; ++rb) {
-        const float w0 = sb_p[rs[rb].off0], w1 = sb_p[rs[rb].off1];
+        const float w0 = slice_wscale<EPI_ROW>(sb_p, rs[rb].off0), w1 = slice_wscale<EPI_ROW>(sb_p, rs[rb].off1);
         fence_regs(tmp[rb]);
-        promote_tokens<ONE>(acc[rb], tmp[rb], w0, w1, ts);
+        promote_tokens<ONE || EPI_ROW>(acc[rb], tmp[rb], w0, w1, ts);
     }
 }
 
@@ -147,11 +155,18 @@ __device__ __forceinline__ void split_registers(bool producer) {
         else asm volatile("setmaxnreg.inc.sync.aligned.u32 104;\n" ::: "memory");
     }
 }
-template <int BT, int RB, int STAGES, int OCC, int PIPE, bool ONE>
+// MASKED: the MoE's masked layout (DeepGEMM's): blockIdx.y is the expert g, whose weights are rows g N.. of
+// the [G N, K] map, its tokens rows g C.. of the [G C, K] map (C the slab's capacity), M = masked_m[g] of them
+// (token tiles past it return at once), its output c[g] [C, N]; no split-K. The tile's weight rows past N and
+// tokens past M read the next expert's rows (or TMA's zeros): their products land in outputs never stored.
+// EPI_ROW: one pow2 weight scale a row (wrow [G N] f32: the row-scaled expert stacks), multiplied in the
+// epilogue (exact: a power of two), no weight-scale tiles loaded.
+template <int BT, int RB, int STAGES, int OCC, int PIPE, bool ONE, bool MASKED = false, bool EPI_ROW = false>
 __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUtensorMap* tmap_x,
                                             const CUtensorMap* tmap_sa, const CUtensorMap* tmap_sb,
                                             __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N,
-                                            int K, int sb_rows) {
+                                            int K, int sb_rows, const int* __restrict__ masked_m = nullptr,
+                                            int C = 0, const float* __restrict__ wrow = nullptr) {
     constexpr int NCONS = 2;
     constexpr int ROWS = 64 * RB * NCONS;     // weight rows a CTA
     constexpr int R = BT / 2;                 // floats a thread per row block
@@ -171,9 +186,19 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     const StageRing<STAGES> ring{bars};
 
     const int n0 = blockIdx.x * ROWS, t0 = blockIdx.z * BT;
+    int row_base = 0, tok_base = 0;          // the expert's first weight row / token row in the maps (MASKED)
+    if constexpr (MASKED) {
+        const int g = blockIdx.y;
+        M = min(masked_m[g], C);
+        if (t0 >= M) return;                 // the whole CTA: before any barrier
+        row_base = g * N;
+        tok_base = g * C;
+        c += static_cast<int64_t>(g) * C * N;
+    }
     const int nkb = (K + BK - 1) / BK;
-    const int per = (nkb + gridDim.y - 1) / gridDim.y;
-    const int kb0 = min(nkb, static_cast<int>(blockIdx.y) * per), kb1 = min(nkb, kb0 + per);
+    const int nsplit = MASKED ? 1 : gridDim.y, split_id = MASKED ? 0 : blockIdx.y;
+    const int per = (nkb + nsplit - 1) / nsplit;
+    const int kb0 = min(nkb, split_id * per), kb1 = min(nkb, kb0 + per);
     constexpr int sbc = ONE ? ROWS / 32 : ROWS;         // the scale tile's columns (the map's box)
 
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
@@ -188,18 +213,20 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
             tma_prefetch(tmap_w);
             tma_prefetch(tmap_x);
             tma_prefetch(tmap_sa);
-            tma_prefetch(tmap_sb);
-            const uint32_t bytes = W_BYTES + X_BYTES + SA_BYTES + SLICES * sbc * 4;
+            if constexpr (!EPI_ROW) tma_prefetch(tmap_sb);
+            const uint32_t bytes = W_BYTES + X_BYTES + SA_BYTES + (EPI_ROW ? 0 : SLICES * sbc * 4);
             int stage = 0;
             uint32_t phase = 0;
             for (int kb = kb0; kb < kb1; ++kb) {
                 mbar_wait_or_trap(ring.empty(stage), phase ^ 1);
                 mbar_arrive_expect_tx(ring.full(stage), bytes);
-                tma_load_2d(w_smem + stage * W_BYTES, tmap_w, ring.full(stage), kb * BK, n0);
-                tma_load_2d(x_smem + stage * X_BYTES, tmap_x, ring.full(stage), kb * BK, t0);
+                tma_load_2d(w_smem + stage * W_BYTES, tmap_w, ring.full(stage), kb * BK, row_base + n0);
+                tma_load_2d(x_smem + stage * X_BYTES, tmap_x, ring.full(stage), kb * BK, tok_base + t0);
                 // slices past K/32, rows past N read as zero scales (the maps end there)
-                tma_load_2d(sa_smem + stage * SA_BYTES, tmap_sa, ring.full(stage), t0, kb * SLICES);
-                tma_load_2d(sb_smem + stage * SB_BYTES, tmap_sb, ring.full(stage), n0 / sb_rows, kb * SLICES);
+                tma_load_2d(sa_smem + stage * SA_BYTES, tmap_sa, ring.full(stage), tok_base + t0, kb * SLICES);
+                if constexpr (!EPI_ROW)
+                    tma_load_2d(sb_smem + stage * SB_BYTES, tmap_sb, ring.full(stage), (row_base + n0) / sb_rows,
+                                kb * SLICES);
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             const int nloads = kb1 - kb0;   // the consumers' releases of the last loads (the hang check)
@@ -260,12 +287,12 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
                     if (i == 0) continue;
                     wgmma_wait<RB>();                  // slice i-1 done, slice i runs
                     const int ps = st[(i - 1) / SLICES], pj = (i - 1) % SLICES;
-                    promote_slice<BT, RB, ONE>(acc, tmp[(i - 1) & 1], sa_at(ps, pj), sb_at(ps, pj), rs);
+                    promote_slice<BT, RB, ONE, EPI_ROW>(acc, tmp[(i - 1) & 1], sa_at(ps, pj), sb_at(ps, pj), rs);
                     if (j == 0 && lane == 0) mbar_arrive(ring.empty(ps));   // its last slice is promoted
                 }
             }
             wgmma_wait<0>();
-            promote_slice<BT, RB, ONE>(acc, tmp[(NS * SLICES - 1) & 1], sa_at(st[NS - 1], SLICES - 1),
+            promote_slice<BT, RB, ONE, EPI_ROW>(acc, tmp[(NS * SLICES - 1) & 1], sa_at(st[NS - 1], SLICES - 1),
                                   sb_at(st[NS - 1], SLICES - 1), rs);
             if (lane == 0) mbar_arrive(ring.empty(st[NS - 1]));
         };
@@ -302,7 +329,8 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
                     if (rb == RB - 1) wgmma_wait<0>();
                     else wgmma_wait<RB - 1>();         // RB <= 2: row block 0 done, row block 1 may run
                     fence_regs(tmp[rb]);
-                    promote_tokens<ONE>(acc[rb], tmp[rb], sb_p[rs[rb].off0], sb_p[rs[rb].off1], ts);
+                    promote_tokens<ONE || EPI_ROW>(acc[rb], tmp[rb], slice_wscale<EPI_ROW>(sb_p, rs[rb].off0),
+                                                   slice_wscale<EPI_ROW>(sb_p, rs[rb].off1), ts);
                 }
             }
             if (lane == 0) mbar_arrive(ring.empty(stage));  // every wgmma and scale read of this stage is done
@@ -311,20 +339,21 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     }
 
     // epilogue, masked: C[token, row] bf16 (round to nearest even) or ws [split, token, row] fp32
-    const bool split = gridDim.y > 1;
+    const bool split = !MASKED && gridDim.y > 1;
 #pragma unroll
     for (int rb = 0; rb < RB; ++rb) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + 64 * rb + 8 * h;
             if (row >= N) continue;
+            const float rscale = EPI_ROW ? wrow[row_base + row] : 1.f;
 #pragma unroll
             for (int f = 0; f < R / 4; ++f) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int tok = t0 + 8 * f + 2 * q + e;
                     if (tok >= M) continue;
-                    const float v = acc[rb][4 * f + 2 * h + e];
+                    const float v = EPI_ROW ? acc[rb][4 * f + 2 * h + e] * rscale : acc[rb][4 * f + 2 * h + e];
                     if (split) ws[(static_cast<int64_t>(blockIdx.y) * M + tok) * N + row] = v;
                     else c[static_cast<int64_t>(tok) * N + row] = __float2bfloat16_rn(v);
                 }
@@ -380,3 +409,24 @@ FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1_p2, 64, 1, 8, 1, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1_p2, 128, 1, 6, 1, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_x2_p2, 16, 1, 4, 2, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_x2_p2, 32, 1, 4, 2, 2)
+
+// The masked MoE forms (MASKED, EPI_ROW above: the row-scaled FP8 expert stacks). Launch: grid
+// (ceil(N / (128 RB)), G, ceil(C / BT)), block 384, the shared memory of the dense form of the tile. tmap_w over
+// the stack [G N, K], tmap_x over the slab [G C, K], tmap_sa: saT [K/32, >= G C] f32 (column g C + t); wrow:
+// the stack's row scales [G N] f32; c: [G, C, N] bf16.
+#define FP8_MOE_ENTRY(NAME, BT, RB, STAGES, OCC, PIPE)                                                              \
+    extern "C" __global__ void __launch_bounds__(384, OCC)                                                     \
+        NAME(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,         \
+             const __grid_constant__ CUtensorMap tmap_sa, __nv_bfloat16* __restrict__ c,                      \
+             const int* __restrict__ masked_m, const float* __restrict__ wrow, int C, int N, int K) {         \
+        fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, false, true, true>(&tmap_w, &tmap_x, &tmap_sa, nullptr, c, \
+                                                                          nullptr, 0, N, K, 1, masked_m, C, wrow); \
+    }
+
+FP8_MOE_ENTRY(fp8_moe_sm90_t16_rb1_x2, 16, 1, 4, 2, 0)
+FP8_MOE_ENTRY(fp8_moe_sm90_t32_rb1_x2, 32, 1, 4, 2, 0)
+FP8_MOE_ENTRY(fp8_moe_sm90_t16_rb2, 16, 2, 5, 1, 0)
+FP8_MOE_ENTRY(fp8_moe_sm90_t32_rb2, 32, 2, 5, 1, 0)
+FP8_MOE_ENTRY(fp8_moe_sm90_t64_rb1_x2, 64, 1, 4, 2, 0)
+FP8_MOE_ENTRY(fp8_moe_sm90_t64_rb2_p, 64, 2, 5, 1, 1)
+FP8_MOE_ENTRY(fp8_moe_sm90_t128_rb1_p, 128, 1, 6, 1, 1)

@@ -1,6 +1,6 @@
 """The CUDA FP8 x FP8 decode GEMM (kernels/cuda_fp8_decode.py) against plain torch on an SM90 GPU. Run by
 test_cuda_fp8_decode.py (pytest -m gpu), or directly: python tests/kernels/cuda_fp8_decode_checks.py
-[smoke ENTRY].
+[smoke ENTRY | masked] (masked: the smokes and the masked MoE forms' checks only).
 
 Ternary data ({-1, 0, 1} operands, power-of-two scales): every product and partial sum is exact in fp32,
 so every form and split count must give the float64 reference's bits. Random data: within
@@ -19,7 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_fp8_checks import _smoke_all, diagnose, random_weight  # noqa: E402
 from fp8_prefill_checks import e8m0, outside_fp8_mma_bound, pow2, ref_gemm, ternary  # noqa: E402
 
-from deepinfer.kernels.cuda_fp8_decode import FORMS, fp8_decode_gemm, fp8_decode_linear  # noqa: E402
+from deepinfer.kernels.cuda_fp8_decode import (FORMS, MOE_FORMS, fp8_decode_gemm, fp8_decode_linear,  # noqa: E402
+                                               fp8_masked_moe_gemm)
+from deepinfer.kernels.reference import e8m0_to_float  # noqa: E402
 from deepinfer.kernels.triton_fp8_prefill import fp8_prefill_linear_ref  # noqa: E402
 
 # tails in every dimension: tokens off every tile (and past 128: two token tiles), weight rows off the
@@ -50,7 +52,122 @@ def run(a, sa, w, sb, entry=None, splits=None):
     return fp8_decode_gemm(a, transposed_scales(sa), w, sb, entry=entry, splits=splits)
 
 
+def masked_operands(G, C, n, k, gen, device, counts=None):
+    """The masked MoE's operands on ternary data: slab a [G, C, K] e4m3 + token scales [G C, K/32], stack w
+    [G, N, K] e4m3 with one E8M0 scale a row (rows_e [G, N, 1]), masked_m [G] int32 (the first expert full,
+    the last empty where G > 1, the rest random in 0..C)."""
+    a = ternary((G, C, k), gen, device).to(torch.float8_e4m3fn)
+    sa = pow2((G * C, k // 32), -3, 3, gen, device)
+    w = ternary((G, n, k), gen, device).to(torch.float8_e4m3fn)
+    rows_e = e8m0((G, n, 1), gen, device)
+    if counts is None:
+        counts = torch.randint(0, C + 1, (G,), generator=gen)
+        counts[0] = C
+        if G > 1:
+            counts[-1] = 0
+    return a, sa, w, rows_e, torch.as_tensor(counts, dtype=torch.int32).to(device)
+
+
+def masked_ref(a, sa, w, rows_e, g, m):
+    """Expert g's first m rows in float64 -> bf16 (its row scale as the same E8M0 in every 32-block)."""
+    C, k = a.shape[1], a.shape[2]
+    return ref_gemm(a[g, :m].float(), sa[g * C:g * C + m], w[g], rows_e[g].expand(-1, k // 32).contiguous())
+
+
+def run_masked(a, sa, w, rows_e, masked_m, entry=None, expected_m=None):
+    w_rows = e8m0_to_float(rows_e).float().contiguous()
+    return fp8_masked_moe_gemm(a, transposed_scales(sa), w, w_rows, masked_m, expected_m or a.shape[1], entry)
+
+
+def masked_equal(y, a, sa, w, rows_e, masked_m) -> list[str]:
+    """The experts whose stored rows differ from masked_ref (empty: all equal)."""
+    bad = []
+    for g, m in enumerate(masked_m.tolist()):
+        r = masked_ref(a, sa, w, rows_e, g, m)
+        if not torch.equal(y[g, :m], r):
+            bad.append(diagnose(y[g, :m].T, r.T, f"expert {g} of {m} rows"))
+    return bad
+
+
+def smoke_masked(entry: str, device="cuda") -> int:
+    gen = torch.Generator().manual_seed(9)
+    ok = True
+    for G, C, n, k in ((3, 16, 256, 128), (4, 5, 200, 160), (5, 40, 1792, 5120), (2, 130, 576, 1312), (1, 1, 32, 32)):
+        a, sa, w, rows_e, mm = masked_operands(G, C, n, k, gen, device)
+        y = run_masked(a, sa, w, rows_e, mm, entry)
+        torch.cuda.synchronize()
+        for msg in masked_equal(y, a, sa, w, rows_e, mm):
+            ok = False
+            print(f"{entry} {G}x{C}x{n}x{k}: {msg}", flush=True)
+    print(f"smoke {entry}: {'ok' if ok else 'WRONG'}", flush=True)
+    return 0 if ok else 1
+
+
+def check_masked_exact(device="cuda"):
+    """Every masked MoE form bit-exact on ternary data: experts full, empty and partly filled, token counts
+    off every tile (C past 128: two tiles of the largest), weight rows off the CTA's, K tails of a slice and
+    a stage; the weight rows and tokens past an expert's read its neighbour's (never stored)."""
+    gen = torch.Generator().manual_seed(4)
+    count = 0
+    for G in (1, 3, 7):
+        for C in (1, 17, 64, 130):
+            for n, k in ((32, 32), (200, 160), (576, 1312), (1792 + 32, 5120)):
+                a, sa, w, rows_e, mm = masked_operands(G, C, n, k, gen, device)
+                for entry in MOE_FORMS:
+                    y = run_masked(a, sa, w, rows_e, mm, entry)
+                    bad = masked_equal(y, a, sa, w, rows_e, mm)
+                    assert not bad, (entry, G, C, n, k, bad[:2])
+                    count += 1
+    print(f"masked exact grid ({count} calls): ok")
+
+
+def check_masked_random(device="cuda"):
+    """The masked form on random bf16 activations (act_quant per 32) and row-scaled random e4m3 stacks at the
+    release's expert shapes: within the FP8 MMA bound of the release GEMM's reference, expert by expert."""
+    from deepinfer.kernels.triton_quant import act_quant_fp8
+    gen = torch.Generator().manual_seed(5)
+    G = 6
+    for n, k in ((4608, 5120), (5120, 2304)):
+        w = (torch.randn(G, n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
+        rows_e = torch.randint(110, 118, (G, n, 1), generator=gen, dtype=torch.uint8).to(device)
+        for C in (8, 33, 128):
+            x = torch.randn(G, C, k, generator=gen).bfloat16().to(device)
+            q, s = act_quant_fp8(x.view(G * C, k))
+            mm = torch.randint(1, C + 1, (G,), generator=gen, dtype=torch.int32).to(device)
+            y = run_masked(q.view(G, C, k), s, w, rows_e, mm, expected_m=max(1, C // 2))
+            for g, m in enumerate(mm.tolist()):
+                sb = rows_e[g].expand(-1, k // 32).contiguous()
+                r = fp8_prefill_linear_ref(x[g, :m], w[g], sb).float()
+                bad = outside_fp8_mma_bound(y[g, :m].float(), r, x[g, :m], w[g], sb)
+                assert not bad.any(), (n, k, C, g, m, int(bad.sum()))
+    print("masked random (expert shapes, C 8 / 33 / 128): ok")
+
+
+def check_masked_graph(device="cuda"):
+    """A CUDA graph of the masked form replays to the eager values with new tokens and new counts (no host
+    read: the counts are read on the device)."""
+    gen = torch.Generator().manual_seed(6)
+    a, sa, w, rows_e, mm = masked_operands(5, 24, 576, 1312, gen, device)
+    w_rows = e8m0_to_float(rows_e).float().contiguous()
+    sa_t = transposed_scales(sa)
+    fp8_masked_moe_gemm(a, sa_t, w, w_rows, mm, 8)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fp8_masked_moe_gemm(a, sa_t, w, w_rows, mm, 8)
+    a2, sa2, _, _, mm2 = masked_operands(5, 24, 576, 1312, gen, device)
+    a.copy_(a2)
+    sa_t.copy_(transposed_scales(sa2))
+    mm.copy_(mm2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert not masked_equal(out, a, sa2, w, rows_e, mm), "graph replay"
+    print("masked graph capture: ok")
+
+
 def smoke(entry: str, device="cuda") -> int:
+    if entry in MOE_FORMS:
+        return smoke_masked(entry, device)
     gen = torch.Generator().manual_seed(9)
     ok = True
     for m, n, k in ((16, 256, 128), (5, 200, 160), (64, 1792, 5120), (128, 576, 1312), (1, 32, 32)):
@@ -136,12 +253,16 @@ def main(argv) -> int:
     from deepinfer.kernels import cuda_driver
     from deepinfer.kernels.cuda_fp8_decode import SRC
     cuda_driver.compile_cubin(SRC)          # once, here: the children load the cached cubin (no compile race)
-    verdicts = _smoke_all(list(FORMS), script=os.path.abspath(__file__))
+    verdicts = _smoke_all(list(FORMS) + list(MOE_FORMS), script=os.path.abspath(__file__))
     bad = {e: v for e, v in verdicts.items() if v != "ok"}
     assert not bad, bad
-    check_exact_grid()
-    check_random()
-    check_graph_capture()
+    if argv[:1] != ["masked"]:
+        check_exact_grid()
+        check_random()
+        check_graph_capture()
+    check_masked_exact()
+    check_masked_random()
+    check_masked_graph()
     return 0
 
 

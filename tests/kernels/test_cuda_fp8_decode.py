@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from deepinfer.kernels import cuda_driver
-from deepinfer.kernels.cuda_fp8_decode import (FORMS, REDUCE, SRC, decline_reason, kernel_scales, plan, scales_ready,
-                                               smem_bytes, split_cost, token_tile)
+from deepinfer.kernels.cuda_fp8_decode import (FORMS, MOE_FORMS, REDUCE, SRC, decline_reason, kernel_scales,
+                                               masked_decline_reason, masked_plan, plan, scales_ready, smem_bytes,
+                                               split_cost, token_tile)
 from deepinfer.kernels.reference import e8m0_to_float
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,13 +34,14 @@ def compiled(tmp_path_factory):
 def test_compiles_without_spills_or_serialized_wgmma(compiled):
     cubin, log = compiled
     funcs = _functions(log)
-    assert set(FORMS) | {REDUCE} <= set(funcs), sorted(funcs)
-    for name in (*FORMS, REDUCE):
+    assert set(FORMS) | set(MOE_FORMS) | {REDUCE} <= set(funcs), sorted(funcs)
+    for name in (*FORMS, *MOE_FORMS, REDUCE):
         assert "0 bytes spill stores, 0 bytes spill loads" in funcs[name], (name, funcs[name])
     assert "C7514" not in log and "C7515" not in log and "serialized" not in log, log
     assert "C7508" not in log, log
     # per CTA, and two CTAs of the x2 forms in one SM's 228 KB (1 KB of it reserved a CTA)
-    assert all(FORMS[name][3] * (smem_bytes(name) + 1024) <= 228 * 1024 for name in FORMS)
+    forms = {**FORMS, **MOE_FORMS}
+    assert all(forms[name][3] * (smem_bytes(name) + 1024) <= 228 * 1024 for name in forms)
 
 
 @needs_nvcc
@@ -52,6 +54,33 @@ def test_sass_has_the_token_wide_fp8_gmma(compiled):
         per_stage = 3 if name.endswith("_p2") else 1
         assert code.count(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3") == 2 * 4 * rb * per_stage, name   # two bodies: block / row scales
         assert "UTMALDG.2D" in code and "USETMAXREG" in code, name
+    for name, (bt, rb, _, _) in MOE_FORMS.items():
+        code = sass[name]
+        # one body (row scales in the epilogue): RB row blocks x 4 slices a stage
+        assert code.count(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3") == 4 * rb, name
+        assert "UTMALDG.2D" in code and "USETMAXREG" in code, name
+
+
+@pytest.mark.parametrize("expected_m,bt", [(1, 16), (2, 16), (8, 32), (16, 32), (17, 64), (30, 64), (40, 128),
+                                           (500, 128)])
+def test_masked_plan_tiles_hold_the_busier_experts(expected_m, bt):
+    """The token tile covers expected_m + 4 sqrt(expected_m) (a second tile re-streams the expert's weights)."""
+    name = masked_plan(expected_m)
+    assert MOE_FORMS[name][0] == bt, name
+
+
+def test_masked_decline_rules():
+    w = torch.zeros(3, 64, 256, dtype=torch.float8_e4m3fn)
+    rows = torch.ones(3, 64, 1)
+    if cuda_driver.find_nvcc() is not None:
+        assert masked_decline_reason(w, rows) is None
+    assert masked_decline_reason(w, None) is not None                       # block-scaled stacks: W8A16
+    assert masked_decline_reason(w, rows.double()) is not None
+    assert masked_decline_reason(w[0], rows) is not None                    # not a stack
+    assert masked_decline_reason(w[:, :, :200], rows) is not None           # not contiguous
+    assert masked_decline_reason(w.bfloat16(), rows) is not None
+    assert masked_decline_reason(torch.zeros(3, 64, 40, dtype=torch.float8_e4m3fn), rows) is not None   # K % 32
+    assert masked_decline_reason(w, rows, device=torch.device("cpu")) is not None
 
 
 @pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 33, 64, 65, 128, 129, 300])

@@ -46,6 +46,12 @@ def _bf16_ulp_close(a, b, max_frac):
     assert rel.max().item() <= 0.25, rel.max().item()
 
 
+def _fp8_rows(q, sa_t, rows):
+    """The values of an FP8 slab's rows: e4m3 [E, T, n] bytes x their transposed scales [n / 32, >= E T]."""
+    n = q.shape[-1]
+    return q.view(-1, n)[rows].float() * sa_t[:, rows].T.repeat_interleave(32, dim=1)
+
+
 def check_kernels(device) -> None:
     from deepinfer.kernels import triton_moe as tm
     from deepinfer.kernels import reference as ref
@@ -66,12 +72,18 @@ def check_kernels(device) -> None:
         valid = slot                                            # rows written; the rest are unset
         xp = tm.moe_dispatch(x, slot, K, E).view(E * T, DIM)[valid]
         assert torch.equal(xp, ref.moe_dispatch_ref(x, slot, K, E).view(E * T, DIM)[valid]), (T, K, E)
+        # the FP8 form (the CUDA masked GEMM's input): bytes x transposed scales = the same values
+        xq, sa = tm.moe_dispatch(x, slot, K, E, fp8=True)
+        assert xq.dtype == torch.float8_e4m3fn and sa.shape == (DIM // 32, tm.slab_scales_ld(E, T))
+        assert torch.equal(_fp8_rows(xq, sa, valid), xp.float()), (T, K, E)
         for limit in (0.0, 7.0):
             g = torch.Generator().manual_seed(T + E)
             gu = (torch.randn(E, T, 2 * INTER, generator=g) * 4).bfloat16().to(device)
             hp = tm.moe_swiglu_quant(gu, slot, w, limit, INTER).view(E * T, INTER)[valid]
             rh = ref.moe_swiglu_quant_ref(gu, slot, w, limit, INTER).view(E * T, INTER)[valid]
             _bf16_ulp_close(hp, rh, 2e-3)
+            hq, sh = tm.moe_swiglu_quant(gu, slot, w, limit, INTER, fp8=True)
+            assert torch.equal(_fp8_rows(hq, sh, valid), hp.float()), (T, K, E, limit)
             # DeepGEMM's masked output: [E, C padded, N][:, :T], read in place
             padded = torch.zeros(E, T + 3, 2 * INTER, dtype=gu.dtype, device=device)
             padded[:, :T] = gu
@@ -177,6 +189,41 @@ def test_masked_forward_equals_loop(fp8_models, T):
         x = torch.randn(T, masked.args.dim).bfloat16()
         assert lm.ffn._use_masked(x, torch.zeros(T, 1)) and not ll.ffn._use_masked(x, torch.zeros(T, 1))
         assert torch.equal(lm.ffn(x), ll.ffn(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 7, 64, 128])
+def test_masked_fp8_moe_matches_w8a16_on_cuda(tiny_checkpoint, monkeypatch, T):
+    """The masked MoE on the CUDA FP8 x FP8 form (FP8 dispatch and SwiGLU outputs, fp8_masked_moe_gemm on the
+    row-scaled stacks) against the same layer on W8A16: the same products and scales, so equal but for
+    Hopper's FP8 adder inside a K = 32 slice (~14 bits), which can move an act_quant rounding of w2's input."""
+    from deepinfer.kernels import cuda_fp8_decode, select
+    from deepinfer.model.loader import load_model
+    if torch.cuda.get_device_capability() != (9, 0) or cuda_driver_nvcc() is None:
+        pytest.skip("needs an SM90 GPU and nvcc")
+    model = load_model(tiny_checkpoint, "cuda", progress=False)
+    moes = [lay.ffn for lay in model.layers if getattr(lay.ffn, "stacks", None) is not None and not lay.ffn.stacks.fp4]
+    assert moes, "no FP8 expert stacks on the GPU"
+    torch.manual_seed(T)
+    for moe in moes:
+        st = moe.stacks
+        assert cuda_fp8_decode.masked_decline_reason(st.w13, st.r13) is None, "stacks not row-scaled"
+        x = torch.randn(T, model.args.dim, device="cuda").bfloat16()
+        assert moe._use_masked(x, torch.zeros(T, 6))
+        monkeypatch.setattr(select, "MOE_FP8_DECODE", "0")
+        base = moe(x).float()
+        monkeypatch.setattr(select, "MOE_FP8_DECODE", "1")
+        assert select.masked_moe_fp8_takes(x, st.w13, st.r13, st.w2, st.r2)
+        fast = moe(x).float()
+        assert torch.isfinite(fast).all()
+        err = (fast - base).abs()
+        assert err.max().item() <= 0.1 * base.std().item(), (T, err.max().item(), base.std().item())
+        assert err.mean().item() <= 0.01 * base.abs().mean().item(), (T, err.mean().item())
+
+
+def cuda_driver_nvcc():
+    from deepinfer.kernels import cuda_driver
+    return cuda_driver.find_nvcc()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,108 @@
+"""The masked MoE GEMMs of a decode step: the exact FP8 x FP8 CUDA form (cuda_fp8_decode.fp8_masked_moe_gemm:
+weight rows on the wgmma's M side, an expert's tokens on N, one scale a row in the epilogue) against today's
+W8A16 form (triton_gemm.w8a16_grouped_gemm_masked on the same row-scaled stacks), on one GPU's EP8 share: 48
+experts, w13 [4608, 5120] and w2 [5120, 2304], T tokens each routed to 6 distinct random experts (so the
+experts' counts vary as in a step). Prints us per call, the weight bytes read per second against the copy
+bandwidth measured in the same run, FP8 x W8A16 speed, and that the forms agree.
+
+    python perf/bench_moe_decode.py [--tokens 16 64 128 256] [--forms all]      (moe_decode.json / .png in $OUT)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_fp4_experts import PROJ, expert_stacks  # noqa: E402
+from benchutil import measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
+
+TOPK = 6
+
+
+def routed_counts(T: int, E: int, gen: torch.Generator) -> torch.Tensor:
+    """Tokens an expert gets when T tokens each pick TOPK distinct experts uniformly at random."""
+    picks = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(T)])
+    return torch.bincount(picks.flatten(), minlength=E).to(torch.int32)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 256])
+    p.add_argument("--experts", type=int, default=48)
+    p.add_argument("--forms", default="plan", choices=["plan", "all"], help="all: every masked CUDA form too")
+    a = p.parse_args()
+    from deepinfer.kernels import cuda_fp8_decode as cfd
+    from deepinfer.kernels import triton_gemm as tg
+    from deepinfer.kernels.triton_quant import act_quant_fp8
+
+    ceil = measure_ceilings()
+    bw = ceil["copy_bw"]
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"{'proj':>4} {'T':>4} {'max m':>5} {'w8a16 us':>9} {'fp8 us':>8} {'fp8 x':>6} {'w8a16 of copy':>13} "
+          f"{'fp8 of copy':>11} {'rel diff':>9}  plan", flush=True)
+    for name, (n, k) in PROJ.items():
+        _, _, wr = expert_stacks(a.experts, n, k, seed=n + k)
+        w8, r = wr
+        r = r.float().contiguous()
+        e = a.experts
+        for T in a.tokens:
+            counts = routed_counts(T, e, gen).cuda()
+            expected = -(-T * TOPK // e)
+            x = torch.randn(e, T, k, device="cuda").bfloat16()
+            q, s = act_quant_fp8(x.view(e * T, k), scales_ld=-(-e * T // 4) * 4)
+            q = q.view(e, T, k)
+            xf = (q.float().view(e * T, k) * s[:, :e * T].T.repeat_interleave(32, 1)).bfloat16().view(e, T, k)
+            forms = {"w8a16": lambda: tg.w8a16_grouped_gemm_masked(xf, w8, r, counts, expected),
+                     "fp8": lambda: cfd.fp8_masked_moe_gemm(q, s, w8, r, counts, expected)}
+            if a.forms == "all":
+                for f in cfd.MOE_FORMS:
+                    forms[f] = lambda f=f: cfd.fp8_masked_moe_gemm(q, s, w8, r, counts, expected, entry=f)
+            outs = {f: fn() for f, fn in forms.items()}
+            valid = torch.arange(T, device="cuda")[None, :] < counts[:, None]
+            ref = outs["w8a16"].float()[valid]
+            diff = max(((o.float()[valid] - ref).norm() / ref.norm()).item() for o in outs.values())
+            t = {f: time_calls([fn], iters=20) for f, fn in forms.items()}
+            nb = e * n * k * 1.0                                        # the e4m3 stack (row scales: 4 B a row)
+            row = dict(proj=name, T=T, max_m=int(counts.max()), us={f: v * 1e6 for f, v in t.items()},
+                       fp8_speedup=t["w8a16"] / t["fp8"], w8a16_of_copy=nb / t["w8a16"] / bw,
+                       fp8_of_copy=nb / t["fp8"] / bw, rel_diff=diff, plan=cfd.masked_plan(expected))
+            rows.append(row)
+            print(f"{name:>4} {T:>4} {row['max_m']:>5} {t['w8a16'] * 1e6:>9.1f} {t['fp8'] * 1e6:>8.1f} "
+                  f"{row['fp8_speedup']:>6.2f} {row['w8a16_of_copy']:>13.2f} {row['fp8_of_copy']:>11.2f} "
+                  f"{diff:>9.1e}  {row['plan']}", flush=True)
+            if a.forms == "all":
+                print("      " + ", ".join(f"{f.replace('fp8_moe_sm90_', '')} {t[f] * 1e6:.1f}" for f in cfd.MOE_FORMS),
+                      flush=True)
+            assert diff < 1e-2, "the forms disagree"
+    save_json("moe_decode.json", dict(ceilings=ceil, experts=a.experts, rows=rows))
+    plot(rows, os.path.join(out_dir(), "moe_decode.png"))
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, name in zip(axes, PROJ):
+        rs = [r for r in rows if r["proj"] == name]
+        ts = [r["T"] for r in rs]
+        ax.plot(ts, [r["w8a16_of_copy"] for r in rs], "s--", label="W8A16 (today)")
+        ax.plot(ts, [r["fp8_of_copy"] for r in rs], "o-", label="FP8 x FP8, CUDA masked")
+        ax.set(xscale="log", xlabel="tokens in the step (6 experts each of 48)",
+               title=f"masked MoE {name}, {PROJ[name][0]} x {PROJ[name][1]}")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("weight bytes / time / copy bandwidth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
