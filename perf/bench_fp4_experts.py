@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
+from benchutil import measure_ceilings, out_dir, plot_per_proj, save_json, time_calls  # noqa: E402
 
 PROJ = {"w13": (4608, 5120), "w2": (5120, 2304)}
 
@@ -92,22 +92,10 @@ def main() -> None:
 
 
 def plot(rows, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, name in zip(axes, PROJ):
-        rs = [r for r in rows if r["proj"] == name]
-        ms = [r["m"] for r in rs]
-        for form, style in (("rows", "o-"), ("e8m0", "s--"), ("fp4", "^-")):
-            if all(form in r["us"] for r in rs):
-                ax.plot(ms, [r["us"][form] for r in rs], style, label={"rows": "FP8, row scales", "e8m0":
-                        "FP8, E8M0 per (row, 32)", "fp4": "MXFP4 packed (W4A16)"}[form])
-        ax.set(xscale="log", xlabel="tokens per expert", title=f"masked MoE {name}, {PROJ[name][0]} x {PROJ[name][1]}")
-        ax.legend(fontsize=8)
-    axes[0].set_ylabel("us per call (48 experts)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    labels = {"rows": ("FP8, row scales", "o-"), "e8m0": ("FP8, E8M0 per (row, 32)", "s--"),
+              "fp4": ("MXFP4 packed (W4A16)", "^-")}
+    plot_per_proj(rows, PROJ, "m", [(lab, st, lambda r, f=f: r["us"].get(f)) for f, (lab, st) in labels.items()],
+                  "tokens per expert", "us per call (48 experts)", path)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_fp4_experts import PROJ, expert_stacks  # noqa: E402
-from benchutil import measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
+from benchutil import measure_ceilings, out_dir, plot_per_proj, save_json, time_calls  # noqa: E402
 
 TOPK = 6
 
@@ -87,21 +87,9 @@ def main() -> None:
 
 
 def plot(rows, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, name in zip(axes, PROJ):
-        rs = [r for r in rows if r["proj"] == name]
-        ts = [r["T"] for r in rs]
-        ax.plot(ts, [r["w8a16_of_copy"] for r in rs], "s--", label="W8A16 (today)")
-        ax.plot(ts, [r["fp8_of_copy"] for r in rs], "o-", label="FP8 x FP8, CUDA masked")
-        ax.set(xscale="log", xlabel="tokens in the step (6 experts each of 48)",
-               title=f"masked MoE {name}, {PROJ[name][0]} x {PROJ[name][1]}")
-        ax.legend(fontsize=8)
-    axes[0].set_ylabel("weight bytes / time / copy bandwidth")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_per_proj(rows, PROJ, "T", [("W8A16 (today)", "s--", lambda r: r["w8a16_of_copy"]),
+                                    ("FP8 x FP8, CUDA masked", "o-", lambda r: r["fp8_of_copy"])],
+                  "tokens in the step (6 experts each of 48)", "weight bytes / time / copy bandwidth", path)
 
 
 if __name__ == "__main__":
