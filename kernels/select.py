@@ -514,8 +514,8 @@ def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> boo
 
 
 def precompile_cuda_kernels(device):
-    """Start nvcc on the CUDA FP8 GEMM (cuda_fp8_gemm) in a background thread where this process may pick
-    it (auto or cuda, the fast kernels, an SM90 GPU, nvcc found); -> the thread to join, else None.
+    """Start nvcc on the CUDA FP8 GEMMs (cuda_fp8_gemm, and cuda_fp8_decode where a decode step may take it)
+    in a background thread where this process may pick them (auto or cuda, the fast kernels, an SM90 GPU, nvcc found); -> the thread to join, else None.
     Called at model load: a cold cubin cache otherwise costs its first large prefill the whole compile
     (about a minute on a fresh H200 machine, 2026-12-02), in the middle of serving."""
     dev = torch.device(device)
@@ -528,14 +528,21 @@ def precompile_cuda_kernels(device):
     if not cuda_fp8_gemm._sm90(dev) or cuda_driver.find_nvcc() is None:
         return None
 
+    from . import cuda_fp8_decode
+    # the decode GEMM's source too where a decode step may pick it (the masked MoE form, the measured table,
+    # a forced M): its ~35 forms take ~30 s of nvcc, which a first decode step would otherwise wait for
+    sources = [cuda_fp8_gemm.SRC] + ([cuda_fp8_decode.SRC] if MOE_FP8_DECODE == "1" or FP8_DECODE_MAX_M > 0
+                                     or cuda_fp8_decode.TABLE_PATH else [])
+
     def build() -> None:
-        t0 = time.perf_counter()
-        try:
-            cuda_driver.compile_cubin(cuda_fp8_gemm.SRC)
-        except Exception as e:  # noqa: BLE001 (the first call declines or raises with the reason, as before)
-            log.warning("kernels: precompiling the CUDA FP8 GEMM failed: %s", str(e)[:300])
-            return
-        log.info("kernels: CUDA FP8 GEMM ready in %.1f s", time.perf_counter() - t0)
+        for src in sources:
+            t0 = time.perf_counter()
+            try:
+                cuda_driver.compile_cubin(src)
+            except Exception as e:  # noqa: BLE001 (the first call declines or raises with the reason, as before)
+                log.warning("kernels: precompiling %s failed: %s", os.path.basename(src), str(e)[:300])
+                continue
+            log.info("kernels: %s ready in %.1f s", os.path.basename(src), time.perf_counter() - t0)
 
     thread = threading.Thread(target=build, name="cuda-fp8-nvcc", daemon=True)
     thread.start()

@@ -291,7 +291,7 @@ def test_wave_rule_never_widens_small_or_split_or_other_layouts():
 
 def test_precompile_only_where_the_kernel_can_run():
     """Model load starts nvcc only for a CUDA device that can run the kernel (SM90, nvcc); elsewhere
-    nothing starts. On an SM90 GPU the thread leaves the cubin in the cache (a second compile is a hit)."""
+    nothing starts. On an SM90 GPU the thread leaves both cubins in the cache (a second compile is a hit)."""
     from deepinfer.kernels import select
     assert select.precompile_cuda_kernels("cpu") is None
     sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -301,8 +301,10 @@ def test_precompile_only_where_the_kernel_can_run():
     thread = select.precompile_cuda_kernels("cuda")
     assert thread is not None
     thread.join()
-    cubin, _ = cuda_driver.compile_cubin(SRC)
-    assert os.path.exists(cubin)
+    from deepinfer.kernels import cuda_fp8_decode
+    for src in (SRC, cuda_fp8_decode.SRC):          # the decode GEMM's too (its table is on by default)
+        cubin, _ = cuda_driver.compile_cubin(src)
+        assert os.path.exists(cubin)
 
 
 def test_tensor_maps_memoized_on_what_the_encode_reads(monkeypatch):
