@@ -257,20 +257,71 @@ def moe_dispatch_ref(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int
     return xp
 
 
-def moe_swiglu_quant_ref(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
-                         inter: int) -> torch.Tensor:
-    """gu [E, T, 2 inter] -> hp [E, T, inter]: at each pair's row, the clamped SwiGLU in fp32 times
-    the routing weight, to bf16, then act_quant (Expert.forward's rounding points; rows unset elsewhere)."""
-    E, T, _ = gu.shape
+def _swiglu_rows_ref(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
+                     inter: int) -> torch.Tensor:
+    """[T*K, inter] in gu's dtype: each pair's clamped SwiGLU in fp32 times its routing weight, rounded."""
     g = gu.reshape(-1, 2 * inter)[slot].float()                                # [T*K, 2 inter]
     gate, up = g[:, :inter], g[:, inter:]
     if limit > 0:
         up = up.clamp(-limit, limit)
         gate = gate.clamp(max=limit)
-    h = (weights.flatten()[:, None] * (torch.nn.functional.silu(gate) * up)).to(gu.dtype)
+    return (weights.flatten()[:, None] * (torch.nn.functional.silu(gate) * up)).to(gu.dtype)
+
+
+def moe_swiglu_quant_ref(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
+                         inter: int) -> torch.Tensor:
+    """gu [E, T, 2 inter] -> hp [E, T, inter]: at each pair's row, the clamped SwiGLU in fp32 times
+    the routing weight, to bf16, then act_quant (Expert.forward's rounding points; rows unset elsewhere)."""
+    E, T, _ = gu.shape
     hp = gu.new_empty(E, T, inter)
-    hp.view(-1, inter)[slot] = act_quant_ref(h)
+    hp.view(-1, inter)[slot] = act_quant_ref(_swiglu_rows_ref(gu, slot, weights, limit, inter))
     return hp
+
+
+def slab_scales_ld(n_experts: int, T: int) -> int:
+    """Columns of an [E, T, .] slab's transposed scales: E T rounded up to 4 (TMA's 16-byte row stride)."""
+    return max(4, -(-n_experts * T // 4) * 4)
+
+
+def _fp8_slab_ref(rows: torch.Tensor, slot: torch.Tensor, E: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [P, n] (unrounded) -> (e4m3 slab [E, T, n] with act_quant_fp8(rows)[p] at row slot[p], its scales
+    transposed [n / 32, slab_scales_ld(E, T)] at column slot[p]; zero elsewhere)."""
+    n = rows.shape[-1]
+    q, s = act_quant_fp8_ref(rows)
+    xq = torch.zeros(E * T, n, dtype=torch.float8_e4m3fn, device=rows.device)
+    xq[slot] = q
+    sa = torch.zeros(n // 32, slab_scales_ld(E, T), dtype=torch.float32, device=rows.device)
+    sa[:, slot] = s.T
+    return xq.view(E, T, n), sa
+
+
+def moe_dispatch_fp8_ref(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_dispatch_ref's rows as (e4m3 [E, T, d], scales transposed [d / 32, slab_scales_ld(E, T)]): the
+    input of fp8_masked_moe_gemm_ref; q * s at each pair's row equals moe_dispatch_ref's."""
+    T = x.shape[0]
+    return _fp8_slab_ref(x[torch.arange(T * K, device=x.device) // K], slot, n_experts, T)
+
+
+def moe_swiglu_quant_fp8_ref(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
+                             inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_swiglu_quant_ref's rows in the same FP8 form as moe_dispatch_fp8_ref."""
+    E, T, _ = gu.shape
+    return _fp8_slab_ref(_swiglu_rows_ref(gu, slot, weights, limit, inter), slot, E, T)
+
+
+def fp8_masked_moe_gemm_ref(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_rows: torch.Tensor,
+                            masked_m: torch.Tensor) -> torch.Tensor:
+    """The masked MoE GEMM on FP8 operands: a [G, C, K] e4m3 with scales transposed sa_t [K/32, >= G C], w
+    [G, N, K] e4m3 with one scale a row w_rows [G, N, 1] -> [G, C, N] bf16, the dequantized operands' fp32
+    product (the same batched matmul as the W8A16 reference on those values); rows past masked_m[g] zero."""
+    G, C, K = a.shape
+    s = sa_t[:, :G * C].T.reshape(G, C, K // 32).repeat_interleave(32, dim=-1)
+    x = a.float() * s
+    wd = w.float() * w_rows.reshape(G, -1, 1).float()
+    out = torch.bmm(x, wd.transpose(1, 2)).to(torch.bfloat16)
+    live = torch.arange(C, device=a.device)[None, :] < masked_m.to(a.device).long()[:, None]
+    return torch.where(live[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def swiglu_quant_ref(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:

@@ -933,24 +933,36 @@ def masked_moe_fp8_takes(x: torch.Tensor, w13: torch.Tensor, r13, w2: torch.Tens
 
 def fp8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_rows: torch.Tensor,
                         masked_m: torch.Tensor, expected_m: int) -> torch.Tensor:
-    """[G, C, K] e4m3 slab (+ transposed scales) x row-scaled e4m3 stack [G, N, K] -> [G, C, N] bf16
-    (cuda_fp8_decode.fp8_masked_moe_gemm; only where masked_moe_fp8_takes)."""
-    from .cuda_fp8_decode import fp8_masked_moe_gemm as fast
-    return fast(a, sa_t, w, w_rows, masked_m, expected_m)
+    """[G, C, K] e4m3 slab (+ transposed scales) x row-scaled e4m3 stack [G, N, K] -> [G, C, N] bf16: the
+    CUDA masked form (cuda_fp8_decode.fp8_masked_moe_gemm) where masked_moe_fp8_takes, else its reference
+    (rows past masked_m zero there, unset on the GPU)."""
+    if a.is_cuda and use_fast(a) and cuda_fp8_masked_ok(w, w_rows, a.device):
+        from .cuda_fp8_decode import fp8_masked_moe_gemm as fast
+        return fast(a, sa_t, w, w_rows, masked_m, expected_m)
+    return _ref.fp8_masked_moe_gemm_ref(a, sa_t, w, w_rows, masked_m)
+
+
+def cuda_fp8_masked_ok(w: torch.Tensor, w_rows, device) -> bool:
+    from . import cuda_fp8_decode
+    return cuda_fp8_decode.masked_decline_reason(w, w_rows, device) is None
 
 
 def moe_dispatch_fp8(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_dispatch's rows as e4m3 bytes + their scales transposed (fp8_masked_moe_gemm's input; the fast
-    path only: where masked_moe_fp8_takes)."""
-    from .triton_moe import moe_dispatch as fast
-    return fast(x, slot, K, n_experts, fp8=True)
+    """moe_dispatch's rows as e4m3 bytes + their scales transposed (fp8_masked_moe_gemm's input;
+    reference.moe_dispatch_fp8_ref)."""
+    if _fast_for(x, "moe_dispatch", x.shape[-1] % 32 == 0, "dim a multiple of 32"):
+        from .triton_moe import moe_dispatch as fast
+        return fast(x, slot, K, n_experts, fp8=True)
+    return _ref.moe_dispatch_fp8_ref(x, slot, K, n_experts)
 
 
 def moe_swiglu_quant_fp8(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
                          inter: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_swiglu_quant's rows as e4m3 bytes + their scales transposed (as moe_dispatch_fp8)."""
-    from .triton_moe import moe_swiglu_quant as fast
-    return fast(gu, slot, weights, limit, inter, fp8=True)
+    """moe_swiglu_quant's rows as e4m3 bytes + their scales transposed (reference.moe_swiglu_quant_fp8_ref)."""
+    if _fast_for(gu, "moe_swiglu_quant", inter % 32 == 0, "moe_inter_dim a multiple of 32"):
+        from .triton_moe import moe_swiglu_quant as fast
+        return fast(gu, slot, weights, limit, inter, fp8=True)
+    return _ref.moe_swiglu_quant_fp8_ref(gu, slot, weights, limit, inter)
 
 
 def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,

@@ -28,6 +28,7 @@ from triton.language.extra import libdevice
 
 from .triton_quant import _pow2_ceil, _to_e4m3
 from .reference import moe_combine_ref, moe_dispatch_ref, moe_route_ref, moe_swiglu_quant_ref  # noqa: F401
+from .reference import slab_scales_ld
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 QBLOCK = 32          # act_quant block along the last dim
@@ -213,11 +214,6 @@ def moe_route(indices: torch.Tensor, n_experts: int, contiguous: bool = False) -
     block = min(4096, triton.next_power_of_2(max(1, flat.numel())))
     moe_route_kernel[(n_experts,)](flat, counts, slot, T, flat.numel(), BLOCK=block, CONTIGUOUS=contiguous)
     return counts, slot
-
-
-def slab_scales_ld(n_experts: int, T: int) -> int:
-    """Columns of an [E, T, .] slab's transposed scales: E T rounded up to 4 (TMA's 16-byte row stride)."""
-    return max(4, -(-n_experts * T // 4) * 4)
 
 
 def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int, fp8: bool = False):

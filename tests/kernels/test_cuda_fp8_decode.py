@@ -200,3 +200,19 @@ def test_table_takes_the_measured_winner_at_the_covering_m(tmp_path, monkeypatch
     finally:
         monkeypatch.undo()
         cfd.reload_table()
+
+
+@pytest.mark.parametrize("G,C,n,k", [(1, 1, 32, 32), (3, 17, 200, 160), (4, 5, 64, 1312)])
+def test_masked_reference_is_the_float64_product_on_ternary_data(G, C, n, k):
+    """reference.fp8_masked_moe_gemm_ref (what a CPU runs, and the masked CUDA form's reference): each expert's
+    first masked_m rows are the float64 product's bits on ternary data, the rows past them zero."""
+    from cuda_fp8_decode_checks import masked_equal, masked_operands, transposed_scales
+
+    from deepinfer.kernels.reference import fp8_masked_moe_gemm_ref
+    gen = torch.Generator().manual_seed(G * C)
+    a, sa, w, rows_e, mm = masked_operands(G, C, n, k, gen, "cpu")
+    y = fp8_masked_moe_gemm_ref(a, transposed_scales(sa), w, e8m0_to_float(rows_e).float(), mm)
+    assert y.shape == (G, C, n) and y.dtype == torch.bfloat16
+    assert not masked_equal(y, a, sa, w, rows_e, mm)
+    for g, m in enumerate(mm.tolist()):
+        assert not y[g, m:].any()

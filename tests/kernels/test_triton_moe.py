@@ -76,6 +76,9 @@ def check_kernels(device) -> None:
         xq, sa = tm.moe_dispatch(x, slot, K, E, fp8=True)
         assert xq.dtype == torch.float8_e4m3fn and sa.shape == (DIM // 32, tm.slab_scales_ld(E, T))
         assert torch.equal(_fp8_rows(xq, sa, valid), xp.float()), (T, K, E)
+        rq, rsa = ref.moe_dispatch_fp8_ref(x, slot, K, E)                # the reference: the same bytes
+        assert torch.equal(xq.view(E * T, DIM)[valid].view(torch.uint8), rq.view(E * T, DIM)[valid].view(torch.uint8))
+        assert torch.equal(sa[:, valid], rsa[:, valid])
         for limit in (0.0, 7.0):
             g = torch.Generator().manual_seed(T + E)
             gu = (torch.randn(E, T, 2 * INTER, generator=g) * 4).bfloat16().to(device)
@@ -84,6 +87,8 @@ def check_kernels(device) -> None:
             _bf16_ulp_close(hp, rh, 2e-3)
             hq, sh = tm.moe_swiglu_quant(gu, slot, w, limit, INTER, fp8=True)
             assert torch.equal(_fp8_rows(hq, sh, valid), hp.float()), (T, K, E, limit)
+            rq, rsh = ref.moe_swiglu_quant_fp8_ref(gu, slot, w, limit, INTER)
+            assert torch.equal(_fp8_rows(rq, rsh, valid), rh.float()), (T, K, E, limit)
             # DeepGEMM's masked output: [E, C padded, N][:, :T], read in place
             padded = torch.zeros(E, T + 3, 2 * INTER, dtype=gu.dtype, device=device)
             padded[:, :T] = gu

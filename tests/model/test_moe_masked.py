@@ -137,6 +137,34 @@ def test_sync_check_catches_the_loop(models):
     assert _host_reads(lambda: x.repeat_interleave(2, dim=0)) == []
 
 
+@pytest.mark.parametrize("kind", ["gate", "same"])
+@pytest.mark.parametrize("T", [1, 17, 64])
+def test_fp8_masked_form_same_bits_on_the_references(row_scaled, monkeypatch, T, kind):
+    """The masked MoE's FP8 x FP8 data flow (the CUDA path's: dispatch and SwiGLU into e4m3 slabs with their
+    scales transposed by slab row, the masked GEMM on the row-scaled stacks), forced on a CPU where each op
+    runs its reference: the W8A16 form's bits, and no host read."""
+    import deepinfer.model.ops as ops
+    torch.manual_seed(T)
+    ran = 0
+    for layer in _layers(row_scaled):
+        moe = layer.ffn
+        if moe.stacks.r13 is None or moe.stacks.r2 is None:
+            continue
+        x = torch.randn(T, row_scaled.args.dim).to(torch.bfloat16)
+        w, idx = _routing(moe, x, kind)
+        base, base_fwd = moe._routed_masked(x, w, idx), moe(x)
+        with monkeypatch.context() as m:
+            m.setattr(ops, "masked_moe_fp8_takes", lambda *a: True)
+            gemms = []
+            m.setattr(ops, "fp8_masked_moe_gemm", lambda *a, _f=ops.fp8_masked_moe_gemm: gemms.append(a) or _f(*a))
+            assert torch.equal(moe._routed_masked(x, w, idx), base)
+            assert len(gemms) == 2 and all(a[0].dtype == torch.float8_e4m3fn for a in gemms)   # the FP8 form ran
+            assert torch.equal(moe(x), base_fwd)
+            assert _host_reads(lambda: moe(x)) == []
+        ran += 1
+    assert ran, "no layer's stacks took one scale a row"
+
+
 def test_row_scaled_stacks_same_bits(models, row_scaled):
     """Expert stacks re-expressed with one scale per row (what a CUDA load does: the masked GEMMs' K loop
     then reads no scale) hold the same values: the masked form, the loop over the experts' Linear views
