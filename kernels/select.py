@@ -515,7 +515,8 @@ def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> boo
 
 def precompile_cuda_kernels(device):
     """Start nvcc on the CUDA FP8 GEMMs (cuda_fp8_gemm, and cuda_fp8_decode where a decode step may take it)
-    in a background thread where this process may pick them (auto or cuda, the fast kernels, an SM90 GPU, nvcc found); -> the thread to join, else None.
+    in a background thread where this process may pick them (auto or cuda, the fast kernels, an SM90 GPU,
+    nvcc found); -> the thread to join, else None.
     Called at model load: a cold cubin cache otherwise costs its first large prefill the whole compile
     (about a minute on a fresh H200 machine, 2026-12-02), in the middle of serving."""
     dev = torch.device(device)
@@ -943,6 +944,7 @@ def fp8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_
 
 
 def cuda_fp8_masked_ok(w: torch.Tensor, w_rows, device) -> bool:
+    """The CUDA masked form can take the stack w with row scales w_rows on device (no log)."""
     from . import cuda_fp8_decode
     return cuda_fp8_decode.masked_decline_reason(w, w_rows, device) is None
 
