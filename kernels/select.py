@@ -910,12 +910,13 @@ def moe_route(indices: torch.Tensor, n_experts: int, contiguous: bool = False) -
     return _ref.moe_route_ref(indices, n_experts, contiguous)
 
 
-def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) -> torch.Tensor:
-    """act_quant(x) into the pairs' rows of an [E, T, d] slab (reference.moe_dispatch_ref)."""
+def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int, fp8: bool = False):
+    """act_quant(x) into the pairs' rows of an [E, T, d] slab (reference.moe_dispatch_ref); fp8: as e4m3 bytes
+    + their scales transposed (fp8_masked_moe_gemm's input; reference.moe_dispatch_fp8_ref)."""
     if _fast_for(x, "moe_dispatch", x.shape[-1] % 32 == 0, "dim a multiple of 32"):
         from .triton_moe import moe_dispatch as fast
-        return fast(x, slot, K, n_experts)
-    return _ref.moe_dispatch_ref(x, slot, K, n_experts)
+        return fast(x, slot, K, n_experts, fp8=fp8)
+    return (_ref.moe_dispatch_fp8_ref if fp8 else _ref.moe_dispatch_ref)(x, slot, K, n_experts)
 
 
 def masked_moe_fp8_takes(x: torch.Tensor, w13: torch.Tensor, r13, w2: torch.Tensor, r2) -> bool:
@@ -935,45 +936,23 @@ def masked_moe_fp8_takes(x: torch.Tensor, w13: torch.Tensor, r13, w2: torch.Tens
 def fp8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_rows: torch.Tensor,
                         masked_m: torch.Tensor, expected_m: int) -> torch.Tensor:
     """[G, C, K] e4m3 slab (+ transposed scales) x row-scaled e4m3 stack [G, N, K] -> [G, C, N] bf16: the
-    CUDA masked form (cuda_fp8_decode.fp8_masked_moe_gemm) where masked_moe_fp8_takes, else its reference
-    (rows past masked_m zero there, unset on the GPU)."""
-    if a.is_cuda and use_fast(a) and cuda_fp8_masked_ok(w, w_rows, a.device):
+    CUDA masked form (cuda_fp8_decode.fp8_masked_moe_gemm, which raises with the rule a stack breaks) on a GPU
+    on the fast path (where masked_moe_fp8_takes), else its reference (rows past masked_m zero there, unset on
+    the GPU)."""
+    if a.is_cuda and use_fast(a):
         from .cuda_fp8_decode import fp8_masked_moe_gemm as fast
         return fast(a, sa_t, w, w_rows, masked_m, expected_m)
     return _ref.fp8_masked_moe_gemm_ref(a, sa_t, w, w_rows, masked_m)
 
 
-def cuda_fp8_masked_ok(w: torch.Tensor, w_rows, device) -> bool:
-    """The CUDA masked form can take the stack w with row scales w_rows on device (no log)."""
-    from . import cuda_fp8_decode
-    return cuda_fp8_decode.masked_decline_reason(w, w_rows, device) is None
-
-
-def moe_dispatch_fp8(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_dispatch's rows as e4m3 bytes + their scales transposed (fp8_masked_moe_gemm's input;
-    reference.moe_dispatch_fp8_ref)."""
-    if _fast_for(x, "moe_dispatch", x.shape[-1] % 32 == 0, "dim a multiple of 32"):
-        from .triton_moe import moe_dispatch as fast
-        return fast(x, slot, K, n_experts, fp8=True)
-    return _ref.moe_dispatch_fp8_ref(x, slot, K, n_experts)
-
-
-def moe_swiglu_quant_fp8(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
-                         inter: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_swiglu_quant's rows as e4m3 bytes + their scales transposed (reference.moe_swiglu_quant_fp8_ref)."""
-    if _fast_for(gu, "moe_swiglu_quant", inter % 32 == 0, "moe_inter_dim a multiple of 32"):
-        from .triton_moe import moe_swiglu_quant as fast
-        return fast(gu, slot, weights, limit, inter, fp8=True)
-    return _ref.moe_swiglu_quant_fp8_ref(gu, slot, weights, limit, inter)
-
-
 def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
-                     inter: int) -> torch.Tensor:
-    """Clamped SwiGLU x routing weight, bf16, act_quant at the pairs' rows (reference.moe_swiglu_quant_ref)."""
+                     inter: int, fp8: bool = False):
+    """Clamped SwiGLU x routing weight, bf16, act_quant at the pairs' rows (reference.moe_swiglu_quant_ref);
+    fp8: in moe_dispatch's FP8 form (reference.moe_swiglu_quant_fp8_ref)."""
     if _fast_for(gu, "moe_swiglu_quant", inter % 32 == 0, "moe_inter_dim a multiple of 32"):
         from .triton_moe import moe_swiglu_quant as fast
-        return fast(gu, slot, weights, limit, inter)
-    return _ref.moe_swiglu_quant_ref(gu, slot, weights, limit, inter)
+        return fast(gu, slot, weights, limit, inter, fp8=fp8)
+    return (_ref.moe_swiglu_quant_fp8_ref if fp8 else _ref.moe_swiglu_quant_ref)(gu, slot, weights, limit, inter)
 
 
 def swiglu_quant(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:

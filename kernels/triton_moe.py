@@ -51,20 +51,13 @@ def _fake_quant(v, BD: tl.constexpr, MANUAL: tl.constexpr, BR: tl.constexpr = 1)
 
 
 @triton.jit
-def _store_quant(v, rows, cols, pm, ptr, sa_ptr, n, S_LD, FP8: tl.constexpr, BD: tl.constexpr,
-                 MANUAL: tl.constexpr, BR: tl.constexpr):
-    """v [BR, BD] fp32 quantized per 32 into rows `rows` [BR] (int64) of ptr [.., n] at columns `cols` [1, BD]
-    (mask pm [BR]): FP8 - the e4m3 bytes, and their scales transposed into sa_ptr [n / 32, S_LD] at column
-    `rows` (the CUDA masked GEMM's token scales); else the fake-quantized values in ptr's dtype."""
-    m = pm[:, None] & (cols < n)
-    if FP8:
-        q, s = _quant_groups(v, BD, MANUAL, BR)
-        tl.store(ptr + rows[:, None] * n + cols, tl.reshape(q, (BR, BD)), mask=m)
-        sc = (tl.program_id(1) * (BD // 32) + tl.arange(0, BD // 32))[None, :]
-        tl.store(sa_ptr + sc.to(tl.int64) * S_LD + rows[:, None], s, mask=pm[:, None] & (sc < n // 32))
-    else:
-        q = _fake_quant(v, BD, MANUAL, BR)
-        tl.store(ptr + rows[:, None] * n + cols, q.to(ptr.dtype.element_ty), mask=m)
+def _store_fp8(q, s, rows, cols, pm, ptr, sa_ptr, n, S_LD, BD: tl.constexpr, BR: tl.constexpr):
+    """_quant_groups' (q, s) of a [BR, BD] tile into rows `rows` [BR] (int64) of ptr [.., n] at columns `cols`
+    [1, BD] (mask pm [BR]): the e4m3 bytes, and the scales transposed into sa_ptr [n / 32, S_LD] at column
+    `rows` (the CUDA masked GEMM's token scales)."""
+    tl.store(ptr + rows[:, None] * n + cols, tl.reshape(q, (BR, BD)), mask=pm[:, None] & (cols < n))
+    sc = (tl.program_id(1) * (BD // 32) + tl.arange(0, BD // 32))[None, :]
+    tl.store(sa_ptr + sc.to(tl.int64) * S_LD + rows[:, None], s, mask=pm[:, None] & (sc < n // 32))
 
 
 @triton.jit
@@ -114,13 +107,11 @@ def moe_dispatch_kernel(x_ptr, slot_ptr, xp_ptr, d, K, BD: tl.constexpr, MANUAL:
     m = cols < d
     x = tl.load(x_ptr + t.to(tl.int64) * d + cols, mask=m, other=0.0).to(tl.float32)
     if FP8:
-        q, s = _quant_groups(x, BD, MANUAL)
-        qb = tl.reshape(q, (1, BD))
-        sc = (tl.program_id(1) * (BD // 32) + tl.arange(0, BD // 32))[None, :]
+        q, s = _quant_groups(x, BD, MANUAL)                     # once; stored to each of the K rows
+        one = tl.full((1,), 1, tl.int1)
         for k in range(K):
-            r = tl.load(slot_ptr + t * K + k)
-            tl.store(xp_ptr + r * d + cols, qb, mask=m)
-            tl.store(sa_ptr + sc.to(tl.int64) * S_LD + r, s, mask=sc < d // 32)
+            r = tl.load(slot_ptr + t * K + k + tl.zeros((1,), tl.int32))
+            _store_fp8(q, s, r, cols, one, xp_ptr, sa_ptr, d, S_LD, BD, 1)
     else:
         q = _fake_quant(x, BD, MANUAL).to(xp_ptr.dtype.element_ty)
         for k in range(K):
@@ -166,7 +157,12 @@ def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, P,
         e = libdevice.exp(-gate)
     silu = tl.math.div_rn(gate, 1.0 + e)
     h = _round_bf16(w[:, None] * (silu * up), MANUAL)
-    _store_quant(h, r.to(tl.int64), cols, pm, hp_ptr, sa_ptr, inter, S_LD, FP8, BI, MANUAL, BR)
+    if FP8:
+        q, s = _quant_groups(h, BI, MANUAL, BR)
+        _store_fp8(q, s, r.to(tl.int64), cols, pm, hp_ptr, sa_ptr, inter, S_LD, BI, BR)
+    else:
+        q = _fake_quant(h, BI, MANUAL, BR)
+        tl.store(hp_ptr + r[:, None] * inter + cols, q.to(hp_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

@@ -344,9 +344,9 @@ class MoE(nn.Module):
         expected_m = -(-T * K // E)                                             # host ints: tile choice
         if ops.masked_moe_fp8_takes(x, st.w13, st.r13, st.w2, st.r2):
             # FP8 x FP8 on the row-scaled stacks: the slabs travel as e4m3 bytes + scales (same values)
-            xq, sx = ops.moe_dispatch_fp8(x, slot, K, E)                        # [E, C, d] e4m3
+            xq, sx = ops.moe_dispatch(x, slot, K, E, fp8=True)                  # [E, C, d] e4m3
             gu = ops.fp8_masked_moe_gemm(xq, sx, st.w13, st.r13, counts, expected_m)
-            hq, sh = ops.moe_swiglu_quant_fp8(gu, slot, weights, ex.limit, inter)
+            hq, sh = ops.moe_swiglu_quant(gu, slot, weights, ex.limit, inter, fp8=True)
             return ops.fp8_masked_moe_gemm(hq, sh, st.w2, st.r2, counts, expected_m), slot
         xp = ops.moe_dispatch(x, slot, K, E)                                    # [E, C, d]
         w13, s13, w2, s2 = st.masked_weights()
