@@ -24,6 +24,9 @@ Every op here runs on any device and is the ground truth the fast paths are test
     rope_ref             rotary embedding on adjacent pairs (optionally inverse)
     rope_freqs_ref       YaRN-blended rotary frequencies
     linear_fp32_ref      x @ w^T in fp32 arithmetic, fp32 out (bf16 operands on CUDA: torch.mm out_dtype)
+    ngram_hash_ref       Engram's n-gram hash ids of a batch's new tokens (look-back into each chunk's history)
+    engram_rows_ref      Engram table rows (e4m3 + E8M0 per 32) dequantized to bf16
+    engram_gate_ref      Engram's gated add after its wkv GEMM
 
 Fake-quantized values are returned in the input dtype; every quantized value x * 2^k with a 3-bit
 (e4m3) or 1-bit (e2m1) mantissa is exact in bf16, so nothing is lost by storing them as bf16.
@@ -458,6 +461,54 @@ def router_select_ref(scores: torch.Tensor, bias: torch.Tensor, topk: int, route
             total = total + weights[:, j]
         weights = weights / (total[:, None] + 1e-20)
     return weights * route_scale, indices
+
+
+def ngram_hash_ref(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, history: torch.Tensor,
+                   token_mask: torch.Tensor | None, token_map: torch.Tensor, multipliers: torch.Tensor,
+                   primes: torch.Tensor, offsets: torch.Tensor, pad_id: int, dead: int) -> torch.Tensor:
+    """Engram's n-gram hash ids (reference inference/engram.py; model/engram.py NgramHasher): input_ids [T],
+    cu_seqlens [B+1] and history [B, n-1] (the ids before each chunk, oldest first; < 0 = markers) on the
+    ids' device; token_mask [T] (False = dead: `dead` replaces its compressed id) -> [T, Le, (n-1) * H]
+    int64. Each position looks back over its own chunk, then its history; a marker (< 0) blocks the rest
+    of the look-back, which reads the compressed pad id. The n-gram's tokens times the layer's odd
+    multipliers (no int64 overflow: multiplier * compressed vocab < 2^62), a rolling XOR, mod one prime
+    per head, plus that head's table offset."""
+    dev, h = input_ids.device, multipliers.shape[1] - 1
+    T, B = input_ids.numel(), history.shape[0]
+    comp = token_map[input_ids]
+    if token_mask is not None:
+        comp = torch.where(token_mask, comp, dead)
+    hist_c = torch.where(history >= 0, token_map[history.clamp_min(0)], history)   # [B, h]
+    # one extended row per sequence: [history (h), new tokens]; flat token k sits at ext_idx[k]
+    cu = cu_seqlens
+    q_lens = cu[1:] - cu[:-1]
+    seq_of = torch.repeat_interleave(torch.arange(B, device=dev), q_lens, output_size=T)   # no host read
+    local = torch.arange(T, device=dev) - cu[:-1][seq_of]
+    ext_off = cu[:-1] + h * torch.arange(B, device=dev)
+    ext = torch.empty(T + h * B, dtype=torch.int64, device=dev)
+    ext_hist_idx = ext_off[:, None] + torch.arange(h, device=dev)
+    ext[ext_hist_idx.flatten()] = hist_c.flatten()
+    tok_idx = ext_off[seq_of] + h + local
+    ext[tok_idx] = comp
+    tokens, blocked = [], torch.zeros(T, dtype=torch.bool, device=dev)
+    for shift in range(h + 1):
+        src = ext[tok_idx - shift]
+        blocked = blocked | (src < 0)             # before position 0 or a dead token
+        tokens.append(torch.where(blocked, pad_id, src))
+    tokens = torch.stack(tokens, -1)                                   # [T, n]
+    products = tokens[:, None, :] * multipliers                        # [T, Le, n]
+    rolling, hashes = products[..., 0], []
+    for i in range(1, h + 1):
+        rolling = torch.bitwise_xor(rolling, products[..., i])
+        hashes.append(rolling[..., None] % primes[:, i - 1])           # [T, Le, H]
+    return torch.cat(hashes, -1) + offsets
+
+
+def engram_rows_ref(weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Engram table rows, dequantized: weight [R, D] e4m3, scale [R, D/32] E8M0 bytes, ids [...] -> [..., D]
+    bf16 (e4m3 times a power of two: exact in fp32, and in bf16 inside its normal range)."""
+    v = weight[ids].float().unflatten(-1, (-1, 32)) * e8m0_to_float(scale[ids]).unsqueeze(-1)
+    return v.flatten(-2).to(torch.bfloat16)
 
 
 def engram_gate_ref(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torch.Tensor, eps: float,

@@ -979,6 +979,25 @@ def engram_gate(x, key, value, w, eps: float, token_mask=None) -> torch.Tensor:
     return _ref.engram_gate_ref(x, key, value, w, eps, token_mask)
 
 
+def ngram_hash(input_ids, cu_seqlens, history, token_mask, token_map, multipliers, primes, offsets,
+               pad_id: int, dead: int) -> torch.Tensor:
+    """Engram's n-gram hash ids of a batch's new tokens (reference.ngram_hash_ref); integers, so the
+    kernel's are the reference's."""
+    if use_fast(input_ids):
+        from .triton_engram import ngram_hash as fast
+        return fast(input_ids, cu_seqlens, history, token_mask, token_map, multipliers, primes, offsets, pad_id, dead)
+    return _ref.ngram_hash_ref(input_ids, cu_seqlens, history, token_mask, token_map, multipliers, primes, offsets,
+                               pad_id, dead)
+
+
+def engram_rows(weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Engram table rows dequantized to bf16 (reference.engram_rows_ref), ids [...] -> [..., D]."""
+    if _fast_for(weight, "engram_rows", weight.shape[1] % 32 == 0, "D % 32 == 0"):
+        from .triton_engram import engram_rows as fast
+        return fast(weight, scale, ids)
+    return _ref.engram_rows_ref(weight, scale, ids)
+
+
 def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """Per-token fp32 sum of the routed rows in ascending expert id + shared (reference.moe_combine_ref)."""
     if use_fast(out):

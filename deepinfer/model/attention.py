@@ -159,7 +159,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: StepMetadata, caches, rope_tables) -> torch.Tensor:
         """x [T, d] normed rows of every sequence -> [T, d]. One sparse_attn call for the whole batch
         over one gathered buffer (step_metadata.py draws its layout)."""
-        cis = rope_tables[self.rope_kind](meta.positions, meta.last_pos)
+        cis = meta.rope(rope_tables, self.rope_kind)
         qr, q, kv = self.qkv(x, cis)
         raw = self.compressor.project(x) if self.compressor is not None else None
         iq = self.indexer.queries(x, qr, cis) if self.indexer is not None else None
@@ -261,7 +261,7 @@ class Attention(nn.Module):
                 return
             latent = self.compressor.pool(kv_all, sc_all)                        # [G, D]
         entries = plan.group_entry
-        cis = rope_tables[self.rope_kind](entries * ratio, meta.last_pos)       # an entry rotates at its group's first position
+        cis = meta.rope(rope_tables, self.rope_kind, ratio)                   # an entry rotates at its group's first position
         dst = plan.group_rows if plan.group_rows is not None else \
             meta.entry_rows(caches.entries_per_block(L), 0, plan.group_seq, entries)
         if self.indexer is not None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from deepinfer.host_copy import to_device
+from deepinfer.kernels.tensor_version import tensor_version
 
 from .layers import ACT, Linear
 
@@ -128,36 +129,12 @@ class NgramHasher(nn.Module):
         """input_ids [T]; cu_seqlens [B+1]; history [B, max_ngram-1] ids before each chunk (oldest
         first; BEFORE = -1 before position 0, DEAD = -2 image span); token_mask [T] False = dead.
         Returns [T, n_engram_layers, (max_ngram-1) * n_heads] int64 hash ids (offsets included)."""
-        dev, h = input_ids.device, self.max_ngram - 1
-        T, B = input_ids.numel(), history.shape[0]
-        comp = self.token_map[input_ids]
-        if token_mask is not None:
-            comp = torch.where(token_mask, comp, DEAD)
+        from . import ops
+        dev = input_ids.device
         # host arrays through pinned memory: a plain .to() of pageable memory waits for the stream
         hist, cu = to_device(history, dev), to_device(cu_seqlens, dev)
-        hist_c = torch.where(hist >= 0, self.token_map[hist.clamp_min(0)], hist)     # [B, h]
-        # one extended row per sequence: [history (h), new tokens]; flat token k sits at ext_idx[k]
-        q_lens = cu[1:] - cu[:-1]
-        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), q_lens, output_size=T)   # no host read
-        local = torch.arange(T, device=dev) - cu[:-1][seq_of]
-        ext_off = cu[:-1] + h * torch.arange(B, device=dev)
-        ext = torch.empty(T + h * B, dtype=torch.int64, device=dev)
-        ext_hist_idx = ext_off[:, None] + torch.arange(h, device=dev)
-        ext[ext_hist_idx.flatten()] = hist_c.flatten()
-        tok_idx = ext_off[seq_of] + h + local
-        ext[tok_idx] = comp
-        tokens, blocked = [], torch.zeros(T, dtype=torch.bool, device=dev)
-        for shift in range(self.max_ngram):
-            src = ext[tok_idx - shift]
-            blocked = blocked | (src < 0)             # before position 0 or a dead token
-            tokens.append(torch.where(blocked, self.pad_id, src))
-        tokens = torch.stack(tokens, -1)                                   # [T, max_ngram]
-        products = tokens[:, None, :] * self.multipliers                   # [T, Le, max_ngram]
-        rolling, hashes = products[..., 0], []
-        for i in range(1, self.max_ngram):
-            rolling = torch.bitwise_xor(rolling, products[..., i])
-            hashes.append(rolling[..., None] % self.primes[:, i - 1])     # [T, Le, H]
-        return torch.cat(hashes, -1) + self.offsets
+        return ops.ngram_hash(input_ids, cu, hist, token_mask, self.token_map, self.multipliers, self.primes,
+                              self.offsets, self.pad_id, DEAD)
 
 
 class EngramTable(nn.Module):
@@ -172,9 +149,9 @@ class EngramTable(nn.Module):
         self.register_buffer("scale", torch.empty(rows, dim // 32, dtype=torch.uint8), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., D] bf16."""
         from . import ops
-        v = self.weight[ids].float().unflatten(-1, (-1, 32)) * ops.e8m0_to_float(self.scale[ids]).unsqueeze(-1)
-        return v.flatten(-2).to(ACT)
+        return ops.engram_rows(self.weight, self.scale, ids)
 
 
 class ShardedEngramTable(EngramTable):
@@ -227,5 +204,12 @@ class Engram(nn.Module):
         from . import ops
         kv = self.wkv(self.embed(hash_ids).flatten(-2))
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
-        w = self.q_weight.float() * self.k_weight.float()
-        return ops.engram_gate(x, key, value, w, self.eps, token_mask)
+        return ops.engram_gate(x, key, value, self._gate_weight(), self.eps, token_mask)
+
+    def _gate_weight(self) -> torch.Tensor:
+        """q_weight * k_weight in fp32, computed once per load (three launches a layer and step otherwise)."""
+        key = tuple((t.data_ptr(), tensor_version(t)) for t in (self.q_weight, self.k_weight))
+        if getattr(self, "_gate_w_key", None) != key:
+            self._gate_w = (self.q_weight.float() * self.k_weight.float()).contiguous()
+            self._gate_w_key = key
+        return self._gate_w

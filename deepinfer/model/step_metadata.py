@@ -82,6 +82,7 @@ class StepMetadata:
     write_from: np.ndarray | None = None            # [B] host: no compressed entry below it is written (replay)
     window_pools: dict = field(default_factory=dict)  # ring rows -> window lists in pool rows (window_pool)
     entry_tables: dict = field(default_factory=dict)  # (entries per block, E) -> [B, E] pool rows (entry_rows)
+    rope_rows: dict = field(default_factory=dict)     # (table kind, ratio) -> the step's rotary rows (rope)
     # balanced context parallelism (deepinfer/parallel/cp.py): the rows are this rank's share of one
     # prompt; the fresh region holds EVERY position's latent (gathered per layer), fresh_rows of them
     context_parallel: object | None = None
@@ -134,6 +135,16 @@ class StepMetadata:
             table = torch.cat([self.ring_read, fresh])
             self.window_pools[ring_rows] = torch.where(self.win_idx >= 0, table[self.win_idx.clamp_min(0)], -1)
         return self.window_pools[ring_rows]
+
+    def rope(self, tables: dict, kind: str, ratio: int = 0) -> torch.Tensor:
+        """Rotary rows of table `kind` (layers.rope_tables) for the step's query positions (ratio 0), or for
+        the entries ratio's plan completes (each at its group's first position): the same for every layer
+        of that kind, so gathered once per forward (a decode graph replayed a gather a layer)."""
+        key = (kind, ratio)
+        if key not in self.rope_rows:
+            pos = self.positions if not ratio else self.plan(ratio).group_entry * ratio
+            self.rope_rows[key] = tables[kind](pos, self.last_pos)
+        return self.rope_rows[key]
 
     def plan(self, ratio: int) -> CompressPlan:
         if ratio not in self.plans:
