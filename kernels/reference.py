@@ -15,6 +15,7 @@ Every op here runs on any device and is the ground truth the fast paths are test
     topk_ids_ref         ids of each row's k largest, ties to the lowest id (one integer key per entry)
     index_topk_ref       the indexer's picks: top-k ids ascending, -1 where unreachable (-inf, >= lens)
     topk_block_mask_ref  the candidate blocks' top-k as an entry mask (two-level top-k, level one)
+    block_rows_ref       cache pool rows of (sequence, entry) pairs through the block tables
     router_topk_ref      the MoE gate after its GEMM: sqrt(softplus(logits / temp)), biased top-k, weights
     moe_route_ref        the masked MoE's pair -> slab row map (stable by expert) and per-expert counts
     moe_dispatch_ref     act_quant of each token into its pairs' slab rows
@@ -421,18 +422,28 @@ def topk_block_mask_ref(b: torch.Tensor, k: int, block_size: int, width: int) ->
     return keep[..., None].expand(*keep.shape, block_size).flatten(-2)[..., :width]    # repeat_interleave, no host read
 
 
+def block_rows_ref(block_tables: torch.Tensor, epb: int, entries: torch.Tensor,
+                   seq: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat rows of a [num_blocks * epb, D] cache pool: entry e of sequence s sits at block_tables[s,
+    min(e // epb, width - 1)] * epb + e % epb, an unallocated block (-1) reading row 0. entries [B, E]
+    (every sequence's own row of ids) or, with seq, (seq, entries) pairs of any equal shape."""
+    col = (entries // epb).clamp_max(block_tables.shape[1] - 1)
+    blocks = block_tables.gather(-1, col) if seq is None else block_tables[seq, col]
+    return blocks.clamp_min(0) * epb + entries % epb
+
+
 def pool_lists_ref(win_pool: torch.Tensor, win_len: torch.Tensor, topk: torch.Tensor, seq_of: torch.Tensor,
                    block_tables: torch.Tensor, epb: int, base: int) -> torch.Tensor:
-    """[T, Lw + K] int64: row t = win_pool[t, :win_len[t]], then t's compressed picks as pool rows (base +
-    block_tables[seq, e // epb] * epb + e % epb, the column clamped to the table, unallocated blocks row
-    0; -1 picks stay -1), then -1 (triton_lists.pool_lists)."""
+    """[T, Lw + K] in win_pool's dtype (int32 from StepMetadata.window_pool): row t = win_pool[t, :win_len[t]],
+    then t's compressed picks as pool rows (base + block_tables[seq, e // epb] * epb + e % epb, the column
+    clamped to the table, unallocated blocks row 0; -1 picks stay -1), then -1 (triton_lists.pool_lists)."""
     T, K = topk.shape
     e = topk.clamp_min(0)
     col = (e // epb).clamp_max(block_tables.shape[1] - 1)
     blk = block_tables[seq_of[:, None].expand(T, K), col]
     picks = torch.where(topk >= 0, base + blk.clamp_min(0) * epb + e % epb, -1)
     out = torch.cat([win_pool, win_pool.new_full((T, K), -1)], dim=1)
-    return out.scatter_(1, win_len[:, None] + torch.arange(K, device=topk.device), picks)
+    return out.scatter_(1, win_len[:, None] + torch.arange(K, device=topk.device), picks.to(out.dtype))
 
 
 def router_topk_ref(logits: torch.Tensor, bias: torch.Tensor, topk: int, temp: float, route_scale: float,

@@ -1156,20 +1156,23 @@ def index_scores_paged(q, w, keys, seq_of, row_in_seq, max_q, lens, cu=None):
     if _fast_for(q, "index_scores", _index_shape_ok(q), _INDEX_RULE):
         from .triton_indexer import index_scores as fast
         E = keys.shape[1]
-        return fast(q, w, keys.flatten(0, 1), lens, key_start=seq_of * E, num_keys=E,
+        return fast(q, w, keys.flatten(0, 1), lens, key_start=seq_of, key_start_scale=E, num_keys=E,
                     runs=_index_runs(cu, max_q, q.shape[0], q.device))
     return _ref.index_scores_paged_ref(q, w, keys, seq_of, row_in_seq, max_q, lens)
 
 
-def index_scores_pool(q, w, pool, rows, seq_of, row_in_seq, max_q, lens, cu=None):
-    """index_scores_paged with the keys left in the cache pool: pool [R, ID], rows [B, E] the pool row
-    of each sequence's entries. The Triton kernel reads them in place (no [B, E, ID] copy: at 8k
-    context and batch 64 that copy was 9% of the H200 decode step)."""
+def index_scores_pool(q, w, pool, block_tables, epb: int, E: int, seq_of, row_in_seq, max_q, lens, cu=None):
+    """index_scores_paged with the keys left in the cache pool: pool [R, ID] of epb entries a block, each
+    sequence's entries 0..E-1 at reference.block_rows_ref(block_tables, epb, ...). The Triton kernel reads
+    them in place through the block table (no [B, E, ID] copy: at 8k context and batch 64 that copy was
+    9% of the H200 decode step; no [B, E] row table either)."""
     if _fast_for(q, "index_scores", _index_shape_ok(q), _INDEX_RULE):
         from .triton_indexer import index_scores as fast
-        E = rows.shape[1]
-        return fast(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten(),
+        bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+        return fast(q, w, pool, lens, key_start=seq_of, num_keys=E, block_table=bt, entries_per_block=epb,
                     runs=_index_runs(cu, max_q, q.shape[0], q.device))
+    entries = torch.arange(E, device=pool.device).expand(block_tables.shape[0], -1)
+    rows = _ref.block_rows_ref(block_tables, epb, entries)
     return _ref.index_scores_paged_ref(q, w, pool[rows], seq_of, row_in_seq, max_q, lens)
 
 

@@ -36,12 +36,23 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, ID: tl.constexpr, PAGED: tl.constexpr,
-                    UPCAST: tl.constexpr):
-    """q [rows, ID] against the key block re (pool rows rows[kbase + re] when PAGED, else kbase + re):
+def _key_rows(rows_ptr, kbase, re, e_ok, epb, nb, BLOCKED: tl.constexpr):
+    """Pool rows of keys re: rows[kbase + re] (a row table), or BLOCKED (rows_ptr a block table, kbase its
+    row of the query's sequence): table[kbase + min(re // epb, nb - 1)] (unallocated -1 -> 0) * epb + re % epb,
+    reference.block_rows_ref's rows without the [B, E] table written."""
+    if BLOCKED:
+        blk = tl.load(rows_ptr + kbase + tl.minimum(re // epb, nb - 1), mask=e_ok, other=0).to(tl.int64)
+        return tl.maximum(blk, 0) * epb + re % epb
+    return tl.load(rows_ptr + kbase + re, mask=e_ok, other=0).to(tl.int64)
+
+
+@triton.jit
+def _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, epb, nb, ID: tl.constexpr, PAGED: tl.constexpr,
+                    UPCAST: tl.constexpr, BLOCKED: tl.constexpr = False):
+    """q [rows, ID] against the key block re (pool rows _key_rows(...) when PAGED, else kbase + re):
     the fp32 dot rounded to bf16, relu'd (the reference's first rounding)."""
     if PAGED:
-        krow = tl.load(rows_ptr + kbase + re, mask=e_ok, other=0).to(tl.int64)
+        krow = _key_rows(rows_ptr, kbase, re, e_ok, epb, nb, BLOCKED)
         k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
     else:
         k = tl.load(k_ptr + (kbase + re[:, None].to(tl.int64)) * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
@@ -53,10 +64,11 @@ def _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, ID: tl.constexpr, P
 
 
 @triton.jit
-def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, o_ptr, n, E,
+def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, rows_ptr, epb, nb, o_ptr, n, E,
                         IH: tl.constexpr, ID: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                         HAS_LENS: tl.constexpr, UPCAST: tl.constexpr, PER_TOKEN_KEYS: tl.constexpr,
-                        PAGED: tl.constexpr = False, tok_ptr=None, HAS_TOKENS: tl.constexpr = False):
+                        PAGED: tl.constexpr = False, tok_ptr=None, HAS_TOKENS: tl.constexpr = False,
+                        BLOCKED: tl.constexpr = False):
     """PER_TOKEN_KEYS (BT == 1): query t reads keys rows ks[t] .. ks[t] + E of a shared pool (one
     sequence's keys per decode token), else all queries share keys[0:E]. PAGED: those are entries of
     a row table, key e of query t is pool row rows[ks[t] + e] (the cache pool read in place, no
@@ -83,8 +95,8 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, o_ptr, 
     q = tl.load(q_ptr + rq[:, None].to(tl.int64) * ID + rd[None, :], mask=q_ok[:, None], other=0.0)
     kbase = 0
     if PER_TOKEN_KEYS:
-        kbase = tl.load(ks_ptr + pid_t).to(tl.int64)
-    s = _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, ID, PAGED, UPCAST)   # [BT*IH, BE]
+        kbase = tl.load(ks_ptr + pid_t).to(tl.int64) * ks_mul
+    s = _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, epb, nb, ID, PAGED, UPCAST, BLOCKED)   # [BT*IH, BE]
     w = tl.load(w_ptr + rq, mask=q_ok, other=0.0).to(tl.float32)
     s = (s * w[:, None]).to(tl.bfloat16).to(tl.float32)
     tot = tl.sum(tl.reshape(s, (BT, IH, BE)), axis=1)          # [BT, BE]
@@ -96,10 +108,10 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, o_ptr, 
 
 
 @triton.jit
-def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, o_ptr, E, NB,
+def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, rows_ptr, epb, nb, o_ptr, E, NB,
                                IH: tl.constexpr, ID: tl.constexpr, BE: tl.constexpr, HAS_LENS: tl.constexpr,
                                UPCAST: tl.constexpr, PAGED: tl.constexpr, STAGES: tl.constexpr,
-                               tok_ptr=None, HAS_TOKENS: tl.constexpr = False):
+                               tok_ptr=None, HAS_TOKENS: tl.constexpr = False, BLOCKED: tl.constexpr = False):
     """Per-token keys (index_scores_kernel's PER_TOKEN_KEYS form, BT == 1), one program per (query,
     run of NB key blocks): q [IH, ID] and w loaded once, the key blocks walked in a pipelined loop.
     Each block's arithmetic is index_scores_kernel's, step for step (same dot shape, roundings and
@@ -114,7 +126,7 @@ def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, 
     rt = pid_t + tl.arange(0, 1)
     q = tl.load(q_ptr + rq[:, None].to(tl.int64) * ID + rd[None, :])
     w = tl.load(w_ptr + rq).to(tl.float32)
-    kbase = tl.load(ks_ptr + pid_t).to(tl.int64)
+    kbase = tl.load(ks_ptr + pid_t).to(tl.int64) * ks_mul
     orow = o_ptr + rt[:, None].to(tl.int64) * E
     live = E
     if HAS_LENS:
@@ -125,7 +137,7 @@ def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, 
     for j in tl.range(0, n_live, num_stages=STAGES):
         re = (b0 + j) * BE + tl.arange(0, BE)
         e_ok = re < E
-        s = _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, ID, PAGED, UPCAST)   # [IH, BE]
+        s = _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, epb, nb, ID, PAGED, UPCAST, BLOCKED)   # [IH, BE]
         s = (s * w[:, None]).to(tl.bfloat16).to(tl.float32)
         tot = tl.sum(tl.reshape(s, (1, IH, BE)), axis=1)       # [1, BE], index_scores_kernel's tile
         if HAS_LENS:
@@ -138,9 +150,10 @@ def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, 
 
 
 @triton.jit
-def index_scores_runs_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, run_t0_ptr, run_n_ptr, o_ptr, E,
+def index_scores_runs_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, rows_ptr, epb, nb, run_t0_ptr, run_n_ptr,
+                             o_ptr, E,
                              IH: tl.constexpr, ID: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-                             UPCAST: tl.constexpr, PAGED: tl.constexpr):
+                             UPCAST: tl.constexpr, PAGED: tl.constexpr, BLOCKED: tl.constexpr = False):
     """Program (run r, key block): queries run_t0[r] .. + run_n[r] (<= BT, one sequence: they share
     key_start) against keys pid_e * BE .. + BE, with lens."""
     pid_r = tl.program_id(0)
@@ -158,10 +171,10 @@ def index_scores_runs_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, rows_ptr, ru
     if pid_e * BE >= tl.max(ln, axis=0):                     # past every query's causal length
         tl.store(optr, tl.full((BT, BE), float("-inf"), tl.float32).to(tl.bfloat16), mask=omask)
     else:
-        kbase = tl.load(ks_ptr + t0).to(tl.int64)
+        kbase = tl.load(ks_ptr + t0).to(tl.int64) * ks_mul
         rd = tl.arange(0, ID)
         if PAGED:
-            krow = tl.load(rows_ptr + kbase + re, mask=e_ok, other=0).to(tl.int64)
+            krow = _key_rows(rows_ptr, kbase, re, e_ok, epb, nb, BLOCKED)
         else:
             krow = kbase + re.to(tl.int64)
         k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
@@ -230,10 +243,16 @@ def query_runs(cu: np.ndarray, bt: int | None = None, min_len: int = RUN_MIN) ->
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor | None = None,
                  key_start: torch.Tensor | None = None, num_keys: int | None = None,
                  rows: torch.Tensor | None = None, runs: tuple | None = None,
-                 blocks_per_program: int | None = None) -> torch.Tensor:
-    """key_start [n] (with num_keys): query t scores keys[key_start[t] : key_start[t] + num_keys]
-    (a batch of decode tokens, each over its own sequence's keys); out [n, num_keys]. rows (with
-    key_start): a flat row table, query t's key e is keys[rows[key_start[t] + e]]. runs (with
+                 blocks_per_program: int | None = None, key_start_scale: int = 1,
+                 block_table: torch.Tensor | None = None, entries_per_block: int = 0) -> torch.Tensor:
+    """key_start [n] (with num_keys): query t scores keys[key_start[t] * key_start_scale : .. + num_keys]
+    (a batch of decode tokens, each over its own sequence's keys: key_start = the token's sequence and
+    key_start_scale = num_keys, with no [n] product launched); out [n, num_keys]. lens and key_start may be
+    int32 or int64 (read as they are, no conversion launch). rows (with
+    key_start): a flat row table, query t's key e is keys[rows[key_start[t] + e]]. block_table (with
+    key_start = each query's sequence and entries_per_block, instead of rows): query t's key e is keys[
+    reference.block_rows_ref(block_table, entries_per_block, ..)[seq, e]], the row computed in the kernel
+    (no [B, E] row table: at batch 64 and 8k entries 4 MB written and read a step). runs (with
     key_start and lens): query_runs(cu) as device tensors (run starts, run lengths, other queries).
     blocks_per_program: key blocks per program of the per-token queries (the decode form; None:
     decode_blocks_per_program, 0: index_scores_kernel, one block each); the same bits either way."""
@@ -244,10 +263,16 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
         return out
     bt = 1 if key_start is not None else max(1, min(128 // ih, triton.next_power_of_2(n)))
     be = 128
-    lens_t = lens.to(torch.int32).contiguous() if lens is not None else out
-    ks = key_start.to(torch.int64).contiguous() if key_start is not None else out
+    lens_t = lens.contiguous() if lens is not None else out
+    ks = key_start.contiguous() if key_start is not None else out
+    blocked = block_table is not None
+    if blocked:
+        assert key_start is not None and rows is None and entries_per_block > 0
+        rows, key_start_scale = block_table, block_table.stride(0)
+        assert block_table.stride(-1) == 1, "block table rows must be contiguous"
     paged = rows is not None and key_start is not None
-    rows_t = rows.to(torch.int64).contiguous() if paged else ks
+    rows_t = (rows if blocked else rows.contiguous()) if paged else ks
+    epb, nbt = (entries_per_block, block_table.shape[1]) if blocked else (1, 1)
     q, w, keys = q.contiguous(), w.contiguous(), keys.contiguous()
     grid_t, tokens = triton.cdiv(n, bt), None
     if runs is not None:
@@ -255,22 +280,22 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
         run_t0, run_n, tokens = runs
         if run_t0.numel():
             index_scores_runs_kernel[(run_t0.numel(), triton.cdiv(E, be))](
-                q, w, keys, lens_t, ks, rows_t, run_t0, run_n, out, E, IH=ih, ID=idim, BT=RUN_BT, BE=be,
-                UPCAST=INTERPRET, PAGED=paged, num_warps=RUN_WARPS)
+                q, w, keys, lens_t, ks, key_start_scale, rows_t, epb, nbt, run_t0, run_n, out, E, IH=ih, ID=idim,
+                BT=RUN_BT, BE=be, UPCAST=INTERPRET, PAGED=paged, BLOCKED=blocked, num_warps=RUN_WARPS)
         grid_t = tokens.numel()
     num_blocks = triton.cdiv(E, be)
     if grid_t and key_start is not None and blocks_per_program != 0:
         nb = blocks_per_program or decode_blocks_per_program(
             grid_t, num_blocks, _sm_count(q.device))
         index_scores_decode_kernel[(grid_t, triton.cdiv(num_blocks, nb))](
-            q, w, keys, lens_t, ks, rows_t, out, E, nb, IH=ih, ID=idim, BE=be, HAS_LENS=lens is not None,
-            UPCAST=INTERPRET, PAGED=paged, STAGES=DECODE_STAGES, tok_ptr=tokens, HAS_TOKENS=tokens is not None,
-            num_warps=DECODE_WARPS)
+            q, w, keys, lens_t, ks, key_start_scale, rows_t, epb, nbt, out, E, nb, IH=ih, ID=idim, BE=be,
+            HAS_LENS=lens is not None, UPCAST=INTERPRET, PAGED=paged, STAGES=DECODE_STAGES, tok_ptr=tokens,
+            HAS_TOKENS=tokens is not None, BLOCKED=blocked, num_warps=DECODE_WARPS)
     elif grid_t:
         index_scores_kernel[(grid_t, num_blocks)](
-            q, w, keys, lens_t, ks, rows_t, out, n, E, IH=ih, ID=idim, BT=bt,
+            q, w, keys, lens_t, ks, key_start_scale, rows_t, epb, nbt, out, n, E, IH=ih, ID=idim, BT=bt,
             BE=be, HAS_LENS=lens is not None, UPCAST=INTERPRET, PER_TOKEN_KEYS=key_start is not None, PAGED=paged,
-            tok_ptr=tokens, HAS_TOKENS=tokens is not None, num_warps=4)
+            tok_ptr=tokens, HAS_TOKENS=tokens is not None, BLOCKED=blocked, num_warps=4)
     return out
 
 

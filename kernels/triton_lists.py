@@ -1,6 +1,6 @@
 """Attention index lists in pool coordinates, built in one pass (the decode step's per-layer glue).
 
-    pool_lists(win_pool, win_len, topk, seq_of, block_tables, epb, base) -> [T, Lw + K] int64
+    pool_lists(win_pool, win_len, topk, seq_of, block_tables, epb, base) -> [T, Lw + K], win_pool's dtype
         row t: win_pool[t, :win_len[t]], then its compressed picks as pool rows (base + the row of entry
         e in the paged pool: block_tables[seq, e // epb] * epb + e % epb; -1 picks stay -1), then -1.
 
@@ -46,7 +46,8 @@ def pool_lists(win_pool: torch.Tensor, win_len: torch.Tensor, topk: torch.Tensor
                block_tables: torch.Tensor, epb: int, base: int) -> torch.Tensor:
     T, Lw = win_pool.shape
     K = topk.shape[1]
-    out = torch.empty(T, Lw + K, dtype=torch.int64, device=win_pool.device)
+    # int32 lists (window_pool's) go to sparse_attn as they are: no conversion launch per layer
+    out = torch.empty(T, Lw + K, dtype=win_pool.dtype, device=win_pool.device)
     if T:
         bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
         pool_lists_kernel[(T,)](win_pool.contiguous(), win_len.contiguous(), topk.contiguous(), seq_of.contiguous(),

@@ -127,11 +127,13 @@ def save_json(name: str, obj) -> str:
     return p
 
 
-def dummy_model(preset: str, device: str = "cuda", dense_weights: str = "fp8", expert_format: str = "fp8"):
+def dummy_model(preset: str, device: str = "cuda", dense_weights: str = "fp8", expert_format: str = "fp8",
+                **load_options):
     """The preset's model with random weights made on the device (load_format="dummy"): no checkpoint
     to build (the full-width-ep8 one takes ~3 min of CPU and 12 GB of disk). dense_weights "bf16": the
     dense FP8 linears dequantized at load (EngineArgs.dense_weights); expert_format "fp4": the routed
-    experts held as the release's MXFP4 (EngineArgs.expert_format)."""
+    experts held as the release's MXFP4 (EngineArgs.expert_format); load_options: more of load_model's
+    (a CPU load with the CUDA defaults: weight_format="fp8", moe_masked=True, ...)."""
     import tempfile
     from deepinfer.checkpoint.generator import hf_config, text_config
     from deepinfer.model.loader import load_model
@@ -139,7 +141,7 @@ def dummy_model(preset: str, device: str = "cuda", dense_weights: str = "fp8", e
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(hf_config(text_config(preset)), f)
     return load_model(d, device, load_format="dummy", progress=False, dense_bf16=dense_weights.startswith("bf16"),
-                      dense_fp8_copy=dense_weights == "bf16+fp8", expert_format=expert_format)
+                      dense_fp8_copy=dense_weights == "bf16+fp8", expert_format=expert_format, **load_options)
 
 
 def release_engine_memory() -> float:

@@ -285,11 +285,11 @@ class Attention(nn.Module):
             keys = self._index_keys(meta, caches, E)                             # [B, E, ID]
             score = ops.index_scores_paged(iq[0], iq[1], keys, meta.seq_of, meta.row_in_seq, meta.max_q, plan.lens,
                                            cu=meta.cu)
-        else:   # the keys stay in the pool: [B, E] row table
+        else:   # the keys stay in the pool, read through the block tables
             src = self.kv_source
-            score = ops.index_scores_pool(iq[0], iq[1], caches.index_k[src].flatten(0, 1),
-                                          meta.entry_rows(caches.entries_per_block(src), E),
-                                          meta.seq_of, meta.row_in_seq, meta.max_q, plan.lens, cu=meta.cu)
+            score = ops.index_scores_pool(iq[0], iq[1], caches.index_k[src].flatten(0, 1), meta.block_tables,
+                                          caches.entries_per_block(src), E, meta.seq_of, meta.row_in_seq, meta.max_q,
+                                          plan.lens, cu=meta.cu)
         if self.is_candidate_source:
             meta.candidates = select_candidate_blocks(score, plan.lens, self.args.candidate_topk_blocks,
                                                       self.args.candidate_block_size)

@@ -129,10 +129,11 @@ class StepMetadata:
 
     def window_pool(self, ring_rows: int) -> torch.Tensor:
         """win_idx in pool rows of the in-place attention sources (ring [ring_rows, D], then the step's
-        T fresh rows): the same for every layer, so built once per forward."""
+        T fresh rows), int32 (the attention kernels' index type: no conversion per layer): the same for
+        every layer, so built once per forward."""
         if ring_rows not in self.window_pools:
             fresh = ring_rows + torch.arange(self.num_fresh, device=self.ring_read.device)
-            table = torch.cat([self.ring_read, fresh])
+            table = torch.cat([self.ring_read, fresh]).to(torch.int32)
             self.window_pools[ring_rows] = torch.where(self.win_idx >= 0, table[self.win_idx.clamp_min(0)], -1)
         return self.window_pools[ring_rows]
 
@@ -191,9 +192,8 @@ class StepMetadata:
         return self._entry_rows(entries_per_block, seq, entries)
 
     def _entry_rows(self, entries_per_block: int, seq: torch.Tensor | None, entries: torch.Tensor) -> torch.Tensor:
-        col = (entries // entries_per_block).clamp_max(self.block_tables.shape[1] - 1)
-        blocks = self.block_tables.gather(-1, col) if seq is None else self.block_tables[seq, col]
-        return blocks.clamp_min(0) * entries_per_block + entries % entries_per_block
+        from deepinfer.kernels.reference import block_rows_ref
+        return block_rows_ref(self.block_tables, entries_per_block, entries, seq)
 
 
 class DecodeStepBuffers:

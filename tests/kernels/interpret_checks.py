@@ -211,7 +211,8 @@ def check_bf16_skinny():
 
 def check_pool_lists():
     """A decode layer's lists in pool rows: the kernel gives the reference's integers (window part with
-    pads inside, picks through the block tables with -1 picks and unallocated blocks, -1 tail)."""
+    pads inside, picks through the block tables with -1 picks and unallocated blocks, -1 tail), in the
+    window lists' dtype (int64, or int32 as StepMetadata.window_pool makes them)."""
     from deepinfer.kernels import triton_lists
     from deepinfer.kernels.reference import pool_lists_ref
     g = torch.Generator().manual_seed(5)
@@ -223,8 +224,10 @@ def check_pool_lists():
         topk = torch.randint(-1, 5 * epb, (T, K), generator=g)
         bt = torch.randint(-1, 40, (3, 4), generator=g)
         seq = torch.randint(0, 3, (T,), generator=g)
-        got = triton_lists.pool_lists(win, win_len, topk, seq, bt, epb, 5000)
-        assert torch.equal(got, pool_lists_ref(win, win_len, topk, seq, bt, epb, 5000)), (T, Lw, K)
+        for dtype in (torch.int64, torch.int32):     # int32: StepMetadata.window_pool's lists
+            got = triton_lists.pool_lists(win.to(dtype), win_len, topk, seq, bt, epb, 5000)
+            want = pool_lists_ref(win.to(dtype), win_len, topk, seq, bt, epb, 5000)
+            assert got.dtype == want.dtype == dtype and torch.equal(got, want), (T, Lw, K, dtype)
 
 
 def main():
@@ -320,6 +323,41 @@ def main():
     a = triton_indexer.index_scores(qi, wi, pool, lens, key_start=seq_of * 150, num_keys=150, rows=rows.flatten())
     g = triton_indexer.index_scores(qi, wi, pool[rows].flatten(0, 1), lens, key_start=seq_of * 150, num_keys=150)
     assert torch.equal(a, g)
+    # keys read through the block tables (select.index_scores_pool): the row table's bits, every form
+    # (per-token blocks, the decode form's runs of blocks, prefill runs); unallocated blocks (-1) and
+    # entries past the table's width read what reference.block_rows_ref says
+    from deepinfer.kernels.reference import block_rows_ref
+    epb, E3, nblocks = 16, 150, 23
+    pool3 = fp4_quant_ref(torch.randn(nblocks * epb, 128).bfloat16(), 32)
+    bt = torch.randperm(nblocks)[:2 * 8].view(2, 8)   # 8 blocks of 16 = 128 < 150: the last column repeats
+    bt[1, 3] = -1
+    table_rows = block_rows_ref(bt, epb, torch.arange(E3).expand(2, -1))
+    for kw in (dict(blocks_per_program=0), dict(), dict(runs=(torch.zeros(0, dtype=torch.int32),) * 2
+                                                          + (torch.arange(2, dtype=torch.int32),))):
+        want = triton_indexer.index_scores(qi, wi, pool3, lens, key_start=seq_of * E3, num_keys=E3,
+                                           rows=table_rows.flatten(), **kw)
+        got = triton_indexer.index_scores(qi, wi, pool3, lens, key_start=seq_of, num_keys=E3, block_table=bt,
+                                          entries_per_block=epb, **kw)
+        assert torch.equal(got, want), kw
+    cu2 = [0, 20, 37]                            # two prompts' queries in runs (RUN_MIN 16) over their keys
+    q2 = fp4_quant_ref(torch.randn(37, 32, 128).bfloat16(), 32)
+    w2 = (torch.randn(37, 32) * 0.02).bfloat16()
+    s2 = torch.tensor([0] * 20 + [1] * 17)
+    l2 = torch.randint(1, E3 + 1, (37,))
+    runs2 = tuple(torch.from_numpy(x) for x in triton_indexer.query_runs(cu2))
+    want = triton_indexer.index_scores(q2, w2, pool3, l2, key_start=s2 * E3, num_keys=E3, rows=table_rows.flatten(),
+                                       runs=runs2)
+    got = triton_indexer.index_scores(q2, w2, pool3, l2, key_start=s2, num_keys=E3, block_table=bt,
+                                      entries_per_block=epb, runs=runs2)
+    assert torch.equal(got, want)
+    # the select form: key_start the sequence times key_start_scale in the kernel, int32 lens as they are
+    for ln in (lens, lens.to(torch.int32)):
+        for r in (None, rows.flatten()):
+            want = a if r is not None else triton_indexer.index_scores(qi, wi, pool, lens, key_start=seq_of * 150,
+                                                                       num_keys=150)
+            got = triton_indexer.index_scores(qi, wi, pool, ln, key_start=seq_of, key_start_scale=150, num_keys=150,
+                                              rows=r)
+            assert torch.equal(got, want), (ln.dtype, r is None)
     # W8A16 GEMM with raw E8M0 expert scales (grouped, masked)
     xq = triton_quant.act_quant(xa.view(-1, k)).view(G, mmax, k)
     w8e, s8e = zip(*[triton_gemm.fp4_to_fp8_weight(packed[g], sc[g], keep_e8m0=True) for g in range(G)])

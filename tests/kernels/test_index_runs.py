@@ -49,6 +49,9 @@ def check(device, shapes) -> int:
         runs = tuple(torch.from_numpy(a).to(device) for a in ti.query_runs(cu))
         got = ti.index_scores(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten(), runs=runs)
         per_token = ti.index_scores(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten())
+        # select.index_scores_pool's form: the product in the kernel, int32 lens read as they are
+        assert torch.equal(got, ti.index_scores(q, w, pool, lens.to(torch.int32), key_start=seq_of, key_start_scale=E,
+                                                num_keys=E, rows=rows.flatten(), runs=runs))
         ref = index_scores_paged_ref(q.cpu(), w.cpu(), pool.cpu()[rows.cpu()], seq_of.cpu(), row_in_seq.cpu(),
                                      int(max(q_lens)), lens.cpu())
         fin = torch.isfinite(ref)

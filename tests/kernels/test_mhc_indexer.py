@@ -117,6 +117,31 @@ def test_index_scores_pool_reads_keys_in_place(B, E):
     assert rel_err(paged[fin], ref[fin]) < 5e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,E,epb", [(1, 4096, 64), (64, 2048, 32), (3, 333, 16)])
+def test_index_scores_pool_reads_through_block_tables(B, E, epb):
+    """select.index_scores_pool (the model's path): keys read through the block tables, the rows computed
+    in the kernel, give the row table's bits (reference.block_rows_ref), with unallocated blocks and a
+    table narrower than E; int32 and int64 lens alike."""
+    from deepinfer.kernels.reference import block_rows_ref
+    from deepinfer.kernels.select import index_scores_pool
+    from deepinfer.kernels.triton_indexer import index_scores
+    width = max(1, (E - 1) // epb)                 # one column short: the last one serves the tail
+    nblocks = B * width + 5
+    pool = fp4_quant_ref(torch.randn(nblocks * epb, 128, device="cuda").bfloat16(), 32)
+    bt = torch.randperm(nblocks, device="cuda")[:B * width].view(B, width)
+    bt[0, 0] = -1
+    q = fp4_quant_ref(torch.randn(B, 32, 128, device="cuda").bfloat16(), 32)
+    w = (torch.randn(B, 32, device="cuda") * 0.02).bfloat16()
+    lens = torch.randint(1, E + 1, (B,), device="cuda")
+    seq_of = torch.arange(B, device="cuda")
+    rows = block_rows_ref(bt, epb, torch.arange(E, device="cuda").expand(B, -1))
+    want = index_scores(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten())
+    for ln in (lens, lens.to(torch.int32)):
+        got = index_scores_pool(q, w, pool, bt, epb, E, seq_of, torch.zeros_like(seq_of), 1, ln)
+        assert torch.equal(got, want)
+
+
 # ---- hc_mixes_pre launch variants (triton_mhc.mix_variant; perf/bench_mhc_variants.py times them) ----
 
 VARIANTS = [

@@ -17,5 +17,7 @@ def test_pool_lists(T, Lw, K, epb):
     topk = torch.randint(-1, 8192, (T, K), generator=g)
     bt = torch.randint(-1, 4000, (T, 8192 // epb + 1), generator=g)
     seq = torch.arange(T)
-    args = [t.cuda() for t in (win, win_len, topk, seq, bt)]
-    assert torch.equal(pool_lists(*args, epb, 123456), pool_lists_ref(*args, epb, 123456))
+    for dtype in (torch.int64, torch.int32):         # int32: StepMetadata.window_pool's lists
+        args = [t.cuda() for t in (win.to(dtype), win_len, topk, seq, bt)]
+        got, want = pool_lists(*args, epb, 123456), pool_lists_ref(*args, epb, 123456)
+        assert got.dtype == want.dtype == dtype and torch.equal(got, want)
