@@ -24,6 +24,7 @@ Every op here runs on any device and is the ground truth the fast paths are test
     hc_split_sinkhorn_ref  mHC pre / post / comb coefficients (Sinkhorn ending on a column pass)
     rope_ref             rotary embedding on adjacent pairs (optionally inverse)
     rope_freqs_ref       YaRN-blended rotary frequencies
+    norm_rope_quant_ref  the attention's KV row: rms_norm_ref, rope_ref, act_quant_ref
     linear_fp32_ref      x @ w^T in fp32 arithmetic, fp32 out (bf16 operands on CUDA: torch.mm out_dtype)
     ngram_hash_ref       Engram's n-gram hash ids of a batch's new tokens (look-back into each chunk's history)
     engram_rows_ref      Engram table rows (e4m3 + E8M0 per 32) dequantized to bf16
@@ -377,6 +378,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(x.dtype)
+
+
+def norm_rope_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torch.Tensor) -> torch.Tensor:
+    """The attention's KV row (Attention.qkv): RMSNorm, RoPE on the last 2 * cis.shape[-1] dims, act_quant."""
+    return act_quant_ref(rope_ref(rms_norm_ref(x, weight, eps), cis))
 
 
 def topk_ids_ref(x: torch.Tensor, k: int, descending: bool = False) -> torch.Tensor:

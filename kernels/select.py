@@ -1228,6 +1228,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _ref.rms_norm_ref(x, weight, eps)
 
 
+def norm_rope_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torch.Tensor) -> torch.Tensor:
+    """act_quant(rope(rms_norm(x, weight, eps), cis)), a new tensor: one Triton kernel with the three
+    kernels' bits (triton_norm_rope_quant) where its shape rules hold, else the three ops."""
+    if use_fast(x):
+        from . import triton_norm_rope_quant as fused
+        if fused.shape_ok(x, cis):
+            return fused.norm_rope_quant(x, weight, eps, cis)
+    return act_quant(rope(rms_norm(x, weight, eps), cis, inplace=True))
+
+
 def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: bool = False) -> torch.Tensor:
     """inplace: the caller hands over x (a fresh tensor nothing else reads): the fast path rotates its rope
     dims where they are and returns x; the reference returns a new tensor (same values either way)."""

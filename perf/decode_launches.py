@@ -72,7 +72,8 @@ def count(tree: str, preset: str, batch: int, ctx: int) -> dict:
     run = InterpretedFunction.run
 
     def counted_run(self, *args, **kwargs):
-        triton_n[self.fn.__name__] += 1
+        model = [f for f in traceback.extract_stack() if "/deepinfer/model/" in f.filename]
+        triton_n[self.fn.__name__ + (f" @ {os.path.basename(model[-1].filename)}:{model[-1].name}" if model else "")] += 1
         inside[0] += 1
         try:
             return run(self, *args, **kwargs)

@@ -142,7 +142,7 @@ class Attention(nn.Module):
         qr = self.q_norm(qa)
         # in place: both are fresh outputs; only their rope dims are read and written
         q = ops.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cis, inplace=True)
-        kv = ops.act_quant(ops.rope(self.kv_norm(kv), cis, inplace=True))
+        kv = ops.norm_rope_quant(kv, self.kv_norm.weight, self.kv_norm.eps, cis)   # kv_norm, RoPE, act_quant
         return qr, q, kv
 
     def out(self, o: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:

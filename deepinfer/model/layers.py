@@ -58,12 +58,14 @@ class Linear(nn.Module):
             codes = fp4_release_layout(codes)
         return ops.dequant_fp4(codes, scale).to(compute_dtype(codes.device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rounded: bool = False) -> torch.Tensor:
+        """rounded: x is act_quant's output already (a fused SwiGLU + quant): act_quant would return it
+        unchanged (it is idempotent), so the dense path skips that launch."""
         if self.fp8 is not None:
             return ops.fp8_linear(x, *self.fp8)
         if self.fp8_decode is not None and ops.fp8_decode_takes(x, *self.fp8_decode):
             return ops.fp8_decode_linear(x, *self.fp8_decode)
-        if self.quantized:
+        if self.quantized and not rounded:
             x = ops.act_quant(x)
         w = self.dense()
         return ops.dense_linear(x.to(w.dtype), w).to(ACT)

@@ -284,8 +284,8 @@ class MoE(nn.Module):
         if not se.w2.quantized:
             # a dense w2 (a bf16 checkpoint) reads the SwiGLU unrounded: no act_quant to fuse
             return se.w2(swiglu(gu[:, :inter], gu[:, inter:], se.limit).to(ACT))
-        # SwiGLU, bf16 and act_quant in one pass; w2's own act_quant leaves those rows unchanged
-        return se.w2(ops.swiglu_quant(gu, se.limit, inter))
+        # SwiGLU, bf16 and act_quant in one pass; w2's own act_quant would leave those rows unchanged
+        return se.w2(ops.swiglu_quant(gu, se.limit, inter), rounded=True)
 
     def init_fp8_stacks(self, device) -> ExpertStacks:
         """Allocate the FP8 stacks and point every expert's Linear at its rows (views, no copies):

@@ -43,6 +43,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     moe_route,
     moe_swiglu_quant,
     ngram_hash,
+    norm_rope_quant,
     pool_lists,
     rms_norm,
     rope,

@@ -249,6 +249,35 @@ def test_fused_dense_linears_share_one_weight(models):
         assert w.shape == (first.out_features + second.out_features, first.in_features)
 
 
+def test_fused_shared_expert_is_the_expert(models):
+    """MoE._shared on the stacked w1 / w3 (one GEMM, the fused SwiGLU + act_quant, w2 told its input is
+    rounded already) gives Expert.forward's bits (separate GEMMs, swiglu, w2's own act_quant)."""
+    m = models["fp8-dense-fused"]
+    moes = [mod for mod in m.modules() if isinstance(mod, MoE) and mod.shared_w13 is not None]
+    assert moes and all(mod.shared_experts.w2.quantized for mod in moes)
+    g = torch.Generator().manual_seed(4)
+    for moe in moes:
+        x = (torch.randn(9, moe.dim, generator=g) * 3).to(torch.bfloat16)
+        assert torch.equal(moe._shared(x), moe.shared_experts(x))
+
+
+def test_act_quant_is_idempotent():
+    """act_quant of act_quant's output is that output (what Linear.forward(rounded=True) relies on): blocks
+    over 40 binades, blocks whose rounded max sits at 224 x scale (re-rounded one scale lower), subnormal
+    e4m3 values, all-zero and sub-1e-4 blocks."""
+    from deepinfer.kernels.reference import act_quant_ref
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(64, 256, generator=g) * torch.exp2(torch.randint(-30, 10, (64, 8, 1), generator=g).float())
+         .repeat_interleave(32, -1).view(64, 256)).to(torch.bfloat16)
+    x[0, :32] = 0
+    x[1, :32] = 3e-5
+    x[2, :32] = torch.linspace(-224, 224, 32)        # max 224: the second rounding takes scale 1/2
+    x[3, :32] = 2.0 ** -9
+    x[3, 0] = 448.0
+    once = act_quant_ref(x)
+    assert torch.equal(act_quant_ref(once), once)
+
+
 def test_dense_fp8_copy_holds_the_same_values(models, tiny_checkpoint):
     """dense_fp8_copy: every act-rounded bf16-held Linear (wo_a excepted: never a Linear call) keeps FP8
     bytes that dequantize to its weight exactly; fused Linears' copies are views of one stacked copy at the
