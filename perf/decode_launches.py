@@ -155,11 +155,11 @@ def main() -> None:
 
     mine = runs["this tree"]
     print(f"decode step, preset {a.preset}, batch {a.batch}, position {a.ctx}: kernel launches")
-    print(f"{'tree':>14} {'Triton':>7} {'torch':>7} {'total':>7} {'x this tree':>12}")
+    print(f"{'tree':>14} {'Triton':>7} {'torch':>7} {'total':>7} {'this tree / it':>15}")
     base = sum(totals(mine))
     for name, c in runs.items():
         tr, to = totals(c)
-        print(f"{name[:14]:>14} {tr:>7} {to:>7} {tr + to:>7} {base / (tr + to):>12.2f}")
+        print(f"{name[:14]:>14} {tr:>7} {to:>7} {tr + to:>7} {base / (tr + to):>15.2f}")
     print("\nTriton kernels (this tree):")
     for k, n in sorted(mine["triton"].items(), key=lambda kv: -kv[1]):
         print(f"  {n:4d}  {k}")
