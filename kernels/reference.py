@@ -16,6 +16,7 @@ Every op here runs on any device and is the ground truth the fast paths are test
     index_topk_ref       the indexer's picks: top-k ids ascending, -1 where unreachable (-inf, >= lens)
     topk_block_mask_ref  the candidate blocks' top-k as an entry mask (two-level top-k, level one)
     block_rows_ref       cache pool rows of (sequence, entry) pairs through the block tables
+    compress_members_ref the ratio > 1 compressor's member rows: the step's rows or the carry ring's
     router_topk_ref      the MoE gate after its GEMM: sqrt(softplus(logits / temp)), biased top-k, weights
     moe_route_ref        the masked MoE's pair -> slab row map (stable by expert) and per-expert counts
     moe_dispatch_ref     act_quant of each token into its pairs' slab rows
@@ -426,6 +427,18 @@ def topk_block_mask_ref(b: torch.Tensor, k: int, block_size: int, width: int) ->
     top = topk_ids_ref(b, k)
     keep = torch.zeros_like(b, dtype=torch.bool).scatter_(-1, top, b.gather(-1, top) > -torch.inf)
     return keep[..., None].expand(*keep.shape, block_size).flatten(-2)[..., :width]    # repeat_interleave, no host read
+
+
+def compress_members_ref(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: torch.Tensor,
+                         carry_score: torch.Tensor, member_rows: torch.Tensor, member_carry: torch.Tensor,
+                         ring_slots: torch.Tensor, group_seq: torch.Tensor, ring_len: int):
+    """The ratio > 1 compressor's members [G, ratio, D] of kv and score: the step's row member_rows[g, r],
+    or (-1: a position before the step) the carry ring's row ring_slots[group_seq[g]] * ring_len +
+    member_carry[g, r]."""
+    fresh = (member_rows >= 0)[..., None]                                  # [G, ratio, 1]
+    frow = member_rows.clamp_min(0)
+    crow = ring_slots[group_seq][:, None] * ring_len + member_carry.clamp_min(0)
+    return (torch.where(fresh, raw_kv[frow], carry_kv[crow]), torch.where(fresh, raw_score[frow], carry_score[crow]))
 
 
 def block_rows_ref(block_tables: torch.Tensor, epb: int, entries: torch.Tensor,

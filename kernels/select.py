@@ -963,6 +963,18 @@ def swiglu_quant(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:
     return _ref.swiglu_quant_ref(gu, limit, inter)
 
 
+def compress_members(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_carry, ring_slots, group_seq,
+                     ring_len: int):
+    """The ratio > 1 compressor's member rows from the step's rows and the carry ring
+    (reference.compress_members_ref); a gather, so the kernel's values are the reference's."""
+    if use_fast(raw_kv):
+        from .triton_compress import compress_members as fast
+        return fast(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_carry, ring_slots, group_seq,
+                    ring_len)
+    return _ref.compress_members_ref(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_carry, ring_slots,
+                                     group_seq, ring_len)
+
+
 def pool_lists(win_pool, win_len, topk, seq_of, block_tables, epb: int, base: int) -> torch.Tensor:
     """A decode layer's attention lists in pool rows: window part, then compressed picks (reference.pool_lists_ref)."""
     if use_fast(win_pool):

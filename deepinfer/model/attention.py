@@ -248,12 +248,9 @@ class Attention(nn.Module):
                     return
         else:
             carry_kv, carry_sc = caches.carry_kv[L].flatten(0, 1), caches.carry_score[L].flatten(0, 1)
-            if plan.group_seq.numel():
-                fresh = (plan.member_rows >= 0)[..., None]                        # [G, ratio, 1]
-                frow = plan.member_rows.clamp_min(0)
-                crow = meta.ring_slots[plan.group_seq][:, None] * meta.ring_len + plan.member_carry.clamp_min(0)
-                kv_all = torch.where(fresh, raw[0][frow], carry_kv[crow])           # [G, ratio, D] fp32
-                sc_all = torch.where(fresh, raw[1][frow], carry_sc[crow])
+            if plan.group_seq.numel():                                           # [G, ratio, D] fp32 each
+                kv_all, sc_all = ops.compress_members(raw[0], raw[1], carry_kv, carry_sc, plan.member_rows,
+                                                      plan.member_carry, meta.ring_slots, plan.group_seq, meta.ring_len)
             rows = meta.ring_write_rows                                          # read before writing
             carry_kv[meta.ring_write] = raw[0] if rows is None else raw[0][rows]
             carry_sc[meta.ring_write] = raw[1] if rows is None else raw[1][rows]

@@ -1,0 +1,53 @@
+"""kernels/triton_compress.py: the ratio > 1 compressor's member rows gathered in one kernel equal
+reference.compress_members_ref bit for bit (members from the step's rows, from the carry ring, mixed within
+a group; several ring slots; ratio 2 and 4; a row width that is not a power of two), on the GPU (-m gpu) and
+under Triton's interpreter on the CPU (a subprocess: TRITON_INTERPRET is read at import)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def check(device):
+    from deepinfer.kernels.reference import compress_members_ref
+    from deepinfer.kernels.triton_compress import compress_members
+    g = torch.Generator().manual_seed(0)
+    for ratio, D, T, B, ring_len in ((2, 512, 9, 4, 8), (4, 96, 3, 3, 16), (2, 1500, 1, 1, 4)):
+        raw = [torch.randn(T, D, generator=g) for _ in range(2)]
+        carry = [torch.randn((B + 1) * ring_len, D, generator=g) for _ in range(2)]
+        G = 5
+        rows = torch.randint(-1, T, (G, ratio), generator=g)
+        rows[0] = -1                                       # a group wholly before the step
+        rows[1, -1] = T - 1                                # one straddling it
+        rows[1, :-1] = -1
+        carry_pos = torch.where(rows < 0, torch.randint(0, ring_len, (G, ratio), generator=g), -1)
+        slots = torch.randperm(B + 1, generator=g)[:B]
+        gseq = torch.randint(0, B, (G,), generator=g)
+        args = [t.to(device) for t in (*raw, *carry, rows, carry_pos, slots, gseq)]
+        got = compress_members(*args, ring_len)
+        want = compress_members_ref(*args, ring_len)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape == (G, ratio, D) and torch.equal(a, b), (ratio, D)
+
+
+@pytest.mark.gpu
+def test_compress_members_cuda():
+    check("cuda")
+
+
+def test_compress_members_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    check("cpu")
+    print("compress members: ok")
