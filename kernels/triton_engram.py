@@ -124,7 +124,7 @@ def ngram_hash(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, history: torch
     if T == 0:
         return out
     assert history.shape[1] == ng - 1 and history.stride(1) == 1, (tuple(history.shape), ng)
-    mask = token_mask if token_mask is not None else input_ids
+    mask = token_mask.view(torch.uint8) if token_mask is not None else input_ids    # bytes: read as != 0
     ngram_hash_kernel[(T,)](input_ids.contiguous(), cu_seqlens.contiguous(), history, mask.contiguous(),
                             token_map, multipliers.contiguous(), primes.contiguous(), offsets.contiguous(), out,
                             B, history.stride(0), int(pad_id), int(dead),

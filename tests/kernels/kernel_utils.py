@@ -1,6 +1,22 @@
 """Shared helpers of the kernel tests (imported by name: pytest puts this folder on sys.path)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
+
+
+def run_under_interpreter(script: str, timeout: int = 600) -> None:
+    """Run a test file's __main__ checks in a subprocess with TRITON_INTERPRET=1 (read at Triton's import,
+    so not in this process), the repository on its path; fail with the tail of its output."""
+    import pytest
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(script).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -4,12 +4,10 @@ count form, and stays within act_quant's rounding of the torch reference. On the
 Triton's interpreter on the CPU (a subprocess: TRITON_INTERPRET is read at import)."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_utils import run_under_interpreter
 
 SHAPES = [(1, 512, 32), (5, 512, 32), (64, 512, 32), (130, 512, 32), (7, 64, 8), (3, 128, 64), (9, 256, 4)]
 
@@ -53,11 +51,7 @@ def test_norm_rope_quant_cuda():
 
 
 def test_norm_rope_quant_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    run_under_interpreter(__file__)
 
 
 if __name__ == "__main__":

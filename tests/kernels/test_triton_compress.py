@@ -4,12 +4,10 @@ a group; several ring slots; ratio 2 and 4; a row width that is not a power of t
 under Triton's interpreter on the CPU (a subprocess: TRITON_INTERPRET is read at import)."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_utils import run_under_interpreter
 
 
 def check(device):
@@ -40,11 +38,7 @@ def test_compress_members_cuda():
 
 
 def test_compress_members_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    run_under_interpreter(__file__)
 
 
 if __name__ == "__main__":

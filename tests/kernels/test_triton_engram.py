@@ -7,12 +7,10 @@ that and a few-ulp change of the gate. The n-gram hash (ngram_hash_ref) and the 
 the same integers and bits."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_utils import run_under_interpreter
 
 
 def _case(T, hc, d, device, masked, seed=0):
@@ -121,11 +119,7 @@ def test_engram_hash_and_rows_cuda():
 
 
 def test_engram_gate_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    run_under_interpreter(__file__)
 
 
 if __name__ == "__main__":
