@@ -271,7 +271,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
         rows, key_start_scale = block_table, block_table.stride(0)
         assert block_table.stride(-1) == 1, "block table rows must be contiguous"
     paged = rows is not None and key_start is not None
-    rows_t = (rows if blocked else rows.contiguous()) if paged else ks
+    rows_t = rows.contiguous() if paged else ks
     epb, nbt = (entries_per_block, block_table.shape[1]) if blocked else (1, 1)
     q, w, keys = q.contiguous(), w.contiguous(), keys.contiguous()
     grid_t, tokens = triton.cdiv(n, bt), None
