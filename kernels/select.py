@@ -1240,6 +1240,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _ref.rms_norm_ref(x, weight, eps)
 
 
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x, weight, eps), act_quant of it): one Triton kernel writing both (triton_norm.rms_norm_quant,
+    the same bits as the two kernels) where its rules hold, else the two ops."""
+    if use_fast(x):
+        from . import triton_norm
+        if triton_norm.quant_shape_ok(x) and weight.shape == x.shape[-1:]:
+            return triton_norm.rms_norm_quant(x, weight, eps)
+    y = rms_norm(x, weight, eps)
+    return y, act_quant(y)
+
+
 def norm_rope_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torch.Tensor) -> torch.Tensor:
     """act_quant(rope(rms_norm(x, weight, eps), cis)), a new tensor: one Triton kernel with the three
     kernels' bits (triton_norm_rope_quant) where its shape rules hold, else the three ops."""

@@ -2,6 +2,10 @@
 
     rms_norm(x, weight, eps)   y = (weight.float() * (xf * rsqrt(mean(xf^2) + eps))).to(x.dtype),
                                xf = x.float(); one launch instead of ~6 torch kernels
+    rms_norm_quant(x, w, eps)  (y, act_quant(y)): the norm and its FP8 rounding per 32 from one launch, for
+                               a norm whose consumer rounds its input (a quantized Linear on the dense
+                               path); y's bits are rms_norm's (the same tile, so the same row sums) and
+                               the rounding is act_quant_kernel's arithmetic, which is exact
 
 Dataflow: one program loads BLOCK_M whole rows [BLOCK_M, BLOCK_D] (BLOCK_D = next_pow2(D), masked),
 sums the squares in fp32, scales by 1/D (torch's CUDA mean multiplies by 1/D too), adds eps, takes
@@ -18,13 +22,15 @@ import triton
 import triton.language as tl
 
 from .reference import rms_norm_ref  # noqa: F401  (the reference this follows)
+from .triton_quant import INTERPRET, _pow2_ceil, _to_e4m3
 
 MAX_D = 16384          # one block per row up to here (the model's widest norm is dim = 7168)
 
 
 @triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, y_ptr, M, D, stride_x, inv_d, eps,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                    q_ptr=None, QUANT: tl.constexpr = False, MANUAL_RNE: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < M) & (cols[None, :] < D)
@@ -34,6 +40,13 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, M, D, stride_x, inv_d, eps,
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     y = w[None, :] * (x * r[:, None])
     tl.store(y_ptr + rows64 * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if QUANT:   # act_quant_kernel's arithmetic on the stored bf16 values; masked columns are whole zero groups
+        g = tl.reshape(y.to(tl.bfloat16).to(tl.float32), (BLOCK_M, BLOCK_D // 32, 32))
+        amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
+        sc, inv = _pow2_ceil(amax * (1.0 / 448.0))
+        q = _to_e4m3(tl.clamp(g * inv[:, :, None], -448.0, 448.0), MANUAL_RNE)
+        out = tl.reshape(q.to(tl.float32) * sc[:, :, None], (BLOCK_M, BLOCK_D))
+        tl.store(q_ptr + rows64 * D + cols[None, :], out.to(tl.bfloat16), mask=mask)
 
 
 def _block_m(block_d: int) -> int:
@@ -41,9 +54,7 @@ def _block_m(block_d: int) -> int:
     return max(1, min(16, 4096 // block_d))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] (float dtype; rows may be strided, the last dim must be contiguous), weight [D]
-    -> new contiguous [..., D] in x's dtype."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool):
     D = x.shape[-1]
     assert weight.shape == (D,) and D <= MAX_D, (tuple(x.shape), tuple(weight.shape))
     x2 = x if x.dim() == 2 else x.reshape(-1, D)                              # [M, D]
@@ -51,11 +62,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x2.contiguous()
     M = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    q = torch.empty_like(y) if quant else None
     if M == 0 or D == 0:
-        return y
+        return y, q
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_M = _block_m(BLOCK_D)
     num_warps = 4 if BLOCK_D * BLOCK_M <= 4096 else 8
+    extra = dict(q_ptr=q, QUANT=True, MANUAL_RNE=INTERPRET) if quant else {}
     rms_norm_kernel[(triton.cdiv(M, BLOCK_M),)](x2, weight.contiguous(), y, M, D, x2.stride(0), 1.0 / D, eps,
-                                               BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=num_warps)
-    return y
+                                               BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=num_warps, **extra)
+    return y, q
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] (float dtype; rows may be strided, the last dim must be contiguous), weight [D]
+    -> new contiguous [..., D] in x's dtype."""
+    return _launch(x, weight, eps, quant=False)[0]
+
+
+def quant_shape_ok(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0 and 0 < x.shape[-1] <= MAX_D
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] bf16, D % 32 == 0 -> (rms_norm(x, weight, eps), act_quant of it), two new [..., D] bf16."""
+    assert quant_shape_ok(x), (tuple(x.shape), x.dtype)
+    return _launch(x, weight, eps, quant=True)

@@ -81,9 +81,10 @@ class Indexer(nn.Module):
             self.wk = Linear(args.head_dim, self.head_dim)
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
 
-    def queries(self, x, qr, cis):
-        """fp4-rounded RoPE'd index queries [T, IH, ID] and head weights [T, IH] (bf16)."""
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+    def queries(self, x, qr, cis, qr_rounded: bool = False):
+        """fp4-rounded RoPE'd index queries [T, IH, ID] and head weights [T, IH] (bf16). qr_rounded: qr is
+        act_quant's output already (Attention.qkv)."""
+        q = self.wq_b(qr, rounded=qr_rounded).unflatten(-1, (self.n_heads, self.head_dim))
         q = ops.fp4_quant(ops.rope(q, cis, inplace=True), 32)
         w = self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, w
@@ -133,17 +134,28 @@ class Attention(nn.Module):
         self.wqkv_a = fuse_linears([self.wq_a, self.wkv])
         return self.wqkv_a is not None
 
-    def qkv(self, x: torch.Tensor, cis: torch.Tensor):
-        """qr [T, q_lora], q [T, H, D] (RoPE'd), kv [T, D] (RoPE'd, FP8-rounded over all D dims)."""
+    def input_linears(self) -> tuple[Linear, ...]:
+        """The linears that read the attention's normed input and round it (Block: attn_norm.with_rounded)."""
+        return (self.wqkv_a,) if self.wqkv_a is not None else (self.wq_a, self.wkv)
+
+    def qkv(self, x: torch.Tensor, cis: torch.Tensor, x_rounded: torch.Tensor | None = None):
+        """qr [T, q_lora] as wq_b read it, qr_rounded (qr is q_norm's rows FP8-rounded, for the indexer's
+        wq_b too), q [T, H, D] (RoPE'd), kv [T, D] (RoPE'd, FP8-rounded over all D dims).
+        x_rounded: act_quant(x) from the norm's launch (RMSNorm.with_rounded), read by the input linears."""
+        xin = x if x_rounded is None else x_rounded
         if self.wqkv_a is not None:
-            qa, kv = self.wqkv_a(x).split([self.wq_a.out_features, self.head_dim], dim=-1)
+            qa, kv = self.wqkv_a(xin, rounded=x_rounded is not None).split(
+                [self.wq_a.out_features, self.head_dim], dim=-1)
         else:
-            qa, kv = self.wq_a(x), self.wkv(x)
-        qr = self.q_norm(qa)
+            qa, kv = self.wq_a(xin, rounded=x_rounded is not None), self.wkv(xin, rounded=x_rounded is not None)
+        qr, qr_q = self.q_norm.with_rounded(qa, self.wq_b, self.indexer.wq_b if self.indexer is not None else None)
+        qr_rounded = qr_q is not None
+        qr = qr_q if qr_rounded else qr
         # in place: both are fresh outputs; only their rope dims are read and written
-        q = ops.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cis, inplace=True)
+        q = ops.rope(self.wq_b(qr, rounded=qr_rounded).unflatten(-1, (self.n_heads, self.head_dim)), cis,
+                     inplace=True)
         kv = ops.norm_rope_quant(kv, self.kv_norm.weight, self.kv_norm.eps, cis)   # kv_norm, RoPE, act_quant
-        return qr, q, kv
+        return qr, qr_rounded, q, kv
 
     def out(self, o: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
         """o [T, H, D] -> RoPE removed, grouped wo_a (block-diagonal, bf16, no act rounding), wo_b."""
@@ -156,13 +168,15 @@ class Attention(nn.Module):
         return self.wo_b(o.flatten(1))
 
     # ---- the forward over a step --------------------------------------------------------------
-    def forward(self, x: torch.Tensor, meta: StepMetadata, caches, rope_tables) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: StepMetadata, caches, rope_tables,
+                x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, d] normed rows of every sequence -> [T, d]. One sparse_attn call for the whole batch
-        over one gathered buffer (step_metadata.py draws its layout)."""
+        over one gathered buffer (step_metadata.py draws its layout). x_rounded: act_quant(x), if the
+        norm's launch made it (qkv)."""
         cis = meta.rope(rope_tables, self.rope_kind)
-        qr, q, kv = self.qkv(x, cis)
+        qr, qr_rounded, q, kv = self.qkv(x, cis, x_rounded)
         raw = self.compressor.project(x) if self.compressor is not None else None
-        iq = self.indexer.queries(x, qr, cis) if self.indexer is not None else None
+        iq = self.indexer.queries(x, qr, cis, qr_rounded) if self.indexer is not None else None
         whole = meta        # the rows the compressor and the ring see: the step's own, or (CP) every position
         if meta.context_parallel is not None:   # a balanced-CP share (parallel/cp.py): gather the others' rows
             whole = meta.context_parallel.whole

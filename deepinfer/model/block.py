@@ -55,19 +55,22 @@ class Block(nn.Module):
         return out.to(y.dtype)
 
     def forward(self, x, pre_mix, attn_fn, image_mask=None, attn_out: list | None = None, tap: list | None = None):
-        """x [T, hc, d]; attn_fn(x_norm) -> [T, d]. Returns (x, the FFN's pre-mix for the next block).
+        """x [T, hc, d]; attn_fn(x_norm, act_quant(x_norm) or None) -> [T, d]. Returns (x, the FFN's pre-mix
+        for the next block).
         tap: gets x.mean(dim=1) appended (a DSpark tap, from the read the attention mixes make anyway)."""
         res = x
         a_pre, a_post, a_comb, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
         if tap is not None:
             tap.append(mean[0])
-        a = attn_fn(self.attn_norm(xa))
+        # the norm's launch also rounds its rows where the input linears would (RMSNorm.with_rounded)
+        a = attn_fn(*self.attn_norm.with_rounded(xa, *self.attn.input_linears()))
         if attn_out is not None:
             attn_out.append(a)
         x = ops.hc_post(a, res, a_post, a_comb)
         res = x
         f_pre, f_post, f_comb, xf = self.mixes_pre(x, "ffn", a_pre)
-        y = self.ffn(self.ffn_norm(xf), image_mask)
+        xn, xq = self.ffn_norm.with_rounded(xf, self.ffn.shared_input_linear())
+        y = self.ffn(xn, image_mask, xq)
         return ops.hc_post(y, res, f_post, f_comb), f_pre
 
     def mixes_pre(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor, mean: bool = False):

@@ -36,7 +36,7 @@ class DraftOutput:
 
 class DSparkAttention(Attention):
     def forward_draft(self, x: torch.Tensor, anchors_pos: list[int], ring_slots: list[int], block: int,
-                      caches, rope_tables) -> torch.Tensor:
+                      caches, rope_tables, x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """x [B*block, d] normed draft rows -> [B*block, d]. One sparse_attn call for all sequences:
         buffer [B x window ring rows | B*block draft rows]; the rows of sequence b attend to its ring
         positions max(0, p-window+1)..p in ring-slot order (the reference's), then its block's rows."""
@@ -44,7 +44,7 @@ class DSparkAttention(Attention):
         p = np.asarray(anchors_pos, dtype=np.int64)
         pos = to_device(np.repeat(p, block) + np.tile(np.arange(1, block + 1), B), dev)
         cis = rope_tables[self.rope_kind](pos, int(p.max(initial=0)) + block)
-        qr, q, kv = self.qkv(x, cis)
+        _, _, q, kv = self.qkv(x, cis, x_rounded)
         r = np.arange(W)
         ring_pos = p[:, None] - (p[:, None] - r) % W              # [B, W]: the position in ring slot r
         nv = np.minimum(p + 1, W)                                 # valid slots are 0 .. nv-1
@@ -61,13 +61,14 @@ class DSparkAttention(Attention):
         o = ops.sparse_attn(q, buf, self.attn_sink, idx, self.scale)
         return self.out(o, cis)
 
-    def forward_draft_static(self, x: torch.Tensor, step: "DraftStepBuffers", caches, rope_tables) -> torch.Tensor:
+    def forward_draft_static(self, x: torch.Tensor, step: "DraftStepBuffers", caches, rope_tables,
+                             x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """forward_draft on prebuilt device tensors (the CUDA-graph form, DraftStepBuffers): the same
         buffer and lists, the lists W + block wide (trailing -1s), padding sequences reading a scratch
         ring slot and listing nothing."""
         v = step.v
         cis = rope_tables[self.rope_kind](v["positions"], step.max_pos)
-        qr, q, kv = self.qkv(x, cis)
+        _, _, q, kv = self.qkv(x, cis, x_rounded)
         ring = caches.window_kv[self.layer_id].flatten(0, 1)
         buf = torch.cat([ring[v["ring_rows"]].to(kv.dtype), kv])
         o = ops.sparse_attn(q, buf, self.attn_sink, v["lists"], self.scale)
@@ -234,9 +235,10 @@ def dspark_propose(model, anchor_ids: torch.Tensor, positions: list[int], ring_s
     for m in model.mtp:
         attn = m.attn
         if static is not None:
-            fn = lambda xn, attn=attn: attn.forward_draft_static(xn, static, caches, model.rope)  # noqa: E731
+            fn = lambda xn, xq=None, attn=attn: attn.forward_draft_static(xn, static, caches, model.rope, xq)  # noqa: E731
         else:
-            fn = lambda xn, attn=attn: attn.forward_draft(xn, positions, ring_slots, blk, caches, model.rope)  # noqa: E731
+            fn = lambda xn, xq=None, attn=attn: attn.forward_draft(  # noqa: E731
+                xn, positions, ring_slots, blk, caches, model.rope, xq)
         h, pre = m(h, pre, fn)
     last = model.mtp[-1]
     x = Block.hc_pre(h, pre)                                                      # [B*blk, d] bf16

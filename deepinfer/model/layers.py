@@ -70,6 +70,13 @@ class Linear(nn.Module):
         w = self.dense()
         return ops.dense_linear(x.to(w.dtype), w).to(ACT)
 
+    def rounds_input(self, x: torch.Tensor) -> bool:
+        """forward(x) would run act_quant on x itself (a quantized weight on the dense path, the FP8 decode
+        GEMM not taking x): then a norm before it can hand over its rounded rows (RMSNorm.with_rounded)."""
+        if not self.quantized or self.fp8 is not None:
+            return False
+        return self.fp8_decode is None or not ops.fp8_decode_takes(x, *self.fp8_decode)
+
     def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 out of an fp32 product (the ratio>1 compressor promotes its weights to fp32)."""
         return linear_fp32(x, self.dense())
@@ -92,6 +99,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
+
+    def with_rounded(self, x: torch.Tensor, *consumers: Linear | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(self(x), act_quant of it or None): the rounded rows from the same launch where one of the
+        consumers would round its input itself (Linear.rounds_input); pass them as forward(xq, rounded=True).
+        Any consumer may take them: act_quant is idempotent, so a path that rounds again gets the same values."""
+        if any(c is not None and c.rounds_input(x) for c in consumers):
+            return ops.rms_norm_quant(x, self.weight, self.eps)
+        return self(x), None
 
 
 class RopeTable:

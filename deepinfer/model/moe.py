@@ -166,18 +166,24 @@ class MoE(nn.Module):
         # CPU runs it too: tests); False = never
         self.masked: bool | None = None
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def shared_input_linear(self) -> Linear | None:
+        """The fused shared w1 / w3 (Block: ffn_norm.with_rounded hands it rounded rows), or None."""
+        return self.shared_w13
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
+                x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, d] bf16 -> [T, d] bf16. Routed outputs are summed per token in ascending expert id
-        order in fp32 (the reference's accumulation order), then the shared expert is added."""
+        order in fp32 (the reference's accumulation order), then the shared expert is added.
+        x_rounded: act_quant(x) from the norm's launch, read by the fused shared w1 / w3."""
         if self.ep is not None:
-            return self._forward_ep(x, image_mask)
+            return self._forward_ep(x, image_mask, x_rounded)
         weights, indices = self.gate(x, image_mask)
         if self._use_masked(x, indices):
             out, slot = self._masked_experts(x, weights, indices)
-            return ops.moe_combine(out, slot, indices, self._shared(x))
+            return ops.moe_combine(out, slot, indices, self._shared(x, x_rounded))
         if self._use_contiguous(x):
             out, slot = self._contiguous_experts(x, weights, indices)
-            return ops.moe_combine(out, slot, indices, self._shared(x))
+            return ops.moe_combine(out, slot, indices, self._shared(x, x_rounded))
         T, K = indices.shape
         outs = self._routed(x, weights, indices)
         # per token: add in ascending expert id
@@ -186,10 +192,11 @@ class MoE(nn.Module):
         y = torch.zeros(T, self.dim, device=x.device)
         for k in range(K):
             y = y + outs[:, k].float()
-        y = y + self._shared(x).float()
+        y = y + self._shared(x, x_rounded).float()
         return y.to(ACT)
 
-    def _forward_ep(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+    def _forward_ep(self, x: torch.Tensor, image_mask: torch.Tensor | None,
+                    x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """Expert parallel: route, send each pick to the rank holding its physical slot, compute the
         pairs this rank received, bring every pick's output back, then the same fp32 sum in ascending
         logical expert id + shared as one rank does (so outputs equal a 1-rank run's: each pair is
@@ -208,7 +215,7 @@ class MoE(nn.Module):
         # the masked form's contract: out [K, T, d] with pair (t, k) at row k * T + t (a strided view, no copy)
         ar = torch.arange(T * K, device=x.device)
         slot = (ar % K) * T + ar // K
-        return ops.moe_combine(outs.permute(1, 0, 2), slot, indices, self._shared(x))
+        return ops.moe_combine(outs.permute(1, 0, 2), slot, indices, self._shared(x, x_rounded))
 
     def _local_pairs(self, local) -> torch.Tensor:
         """[P, d] bf16: each received (token, local slot, weight) pair through its expert, as a
@@ -275,12 +282,17 @@ class MoE(nn.Module):
         self.shared_w13 = fuse_linears([self.shared_experts.w1, self.shared_experts.w3])
         return self.shared_w13 is not None
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert [T, d] bf16: Expert.forward, with gate and up from one GEMM when fused."""
+    def _shared(self, x: torch.Tensor, x_rounded: torch.Tensor | None = None) -> torch.Tensor:
+        """The shared expert [T, d] bf16: Expert.forward, with gate and up from one GEMM when fused (reading
+        x_rounded, act_quant(x), where the norm made it)."""
         se = self.shared_experts
         if self.shared_w13 is None:
             return se(x)
-        gu, inter = self.shared_w13(x), se.w1.out_features
+        if x_rounded is not None:
+            gu = self.shared_w13(x_rounded, rounded=True)
+        else:
+            gu = self.shared_w13(x)
+        inter = se.w1.out_features
         if not se.w2.quantized:
             # a dense w2 (a bf16 checkpoint) reads the SwiGLU unrounded: no act_quant to fuse
             return se.w2(swiglu(gu[:, :inter], gu[:, inter:], se.limit).to(ACT))

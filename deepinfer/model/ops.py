@@ -47,6 +47,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     norm_rope_quant,
     pool_lists,
     rms_norm,
+    rms_norm_quant,
     rope,
     router_topk,
     row_scaled_fp8_weight,

@@ -117,7 +117,7 @@ class Transformer(nn.Module):
                 hashes = None if hashes is None else hashes[kept]
                 token_mask = batch.token_mask
                 meta = self.step_metadata(batch, caches)
-            attn_fn = lambda xn, layer=layer: layer.attn(xn, meta, caches, self.rope)  # noqa: E731
+            attn_fn = lambda xn, xq=None, layer=layer: layer.attn(xn, meta, caches, self.rope, xq)  # noqa: E731
             # a DSpark target layer's tap (its input averaged over the hc copies) comes out of its mixes
             h, pre = layer(h, pre, attn_fn, image_mask, attn_outs, taps if i in args.dspark_target_layer_ids else None)
         if dump_hidden:

@@ -49,12 +49,12 @@ def _seqs(meta: StepMetadata) -> list[SeqStep]:
     return meta._loop_seqs
 
 
-def loop_forward(self, x, meta, caches, rope_tables):
+def loop_forward(self, x, meta, caches, rope_tables, x_rounded=None):
     seqs = _seqs(meta)
     cis = rope_tables[self.rope_kind](meta.positions)
-    qr, q, kv = self.qkv(x, cis)
+    qr, qr_rounded, q, kv = self.qkv(x, cis, x_rounded)
     raw = self.compressor.project(x) if self.compressor is not None else None
-    iq = self.indexer.queries(x, qr, cis) if self.indexer is not None else None
+    iq = self.indexer.queries(x, qr, cis, qr_rounded) if self.indexer is not None else None
     o = torch.empty_like(q)
     for s in seqs:
         r = s.rows

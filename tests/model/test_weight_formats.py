@@ -261,6 +261,26 @@ def test_fused_shared_expert_is_the_expert(models):
         assert torch.equal(moe._shared(x), moe.shared_experts(x))
 
 
+def test_norms_hand_rounded_rows_to_their_linears(models, monkeypatch):
+    """RMSNorm.with_rounded (attn_norm -> the fused wq_a / wkv, q_norm -> wq_b and the indexer's wq_b, ffn_norm
+    -> the shared w1 / w3: the norm's launch rounds the rows those linears would round) gives the bits of each
+    linear rounding its input itself, over prefill, decode, a multi-token step and a DSpark proposal."""
+    from deepinfer.model.layers import RMSNorm
+    m = models["fp8-dense-fused"]
+    calls = []
+    plain_quant = ops.rms_norm_quant
+
+    def counted(*a):
+        calls.append(a[0].shape)
+        return plain_quant(*a)
+    monkeypatch.setattr(ops, "rms_norm_quant", counted)
+    fused = _run(m)
+    assert len(calls) >= 3 * len(m.layers)           # three norms a layer took the rounded form
+    monkeypatch.setattr(RMSNorm, "with_rounded", lambda self, x, *consumers: (self(x), None))
+    for i, (g, r) in enumerate(zip(fused, _run(m))):
+        assert torch.equal(g, r), f"output {i} differs by {(g.float() - r.float()).abs().max()}"
+
+
 def test_act_quant_is_idempotent():
     """act_quant of act_quant's output is that output (what Linear.forward(rounded=True) relies on): blocks
     over 40 binades, blocks whose rounded max sits at 224 x scale (re-rounded one scale lower), subnormal
