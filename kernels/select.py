@@ -241,22 +241,29 @@ def fp4_quant(x: torch.Tensor, block: int) -> torch.Tensor:
     return _ref.fp4_quant_ref(x, block)
 
 
-def sparse_attn(q, kv, sink, idxs, scale, block: int = 64):
+def sparse_attn(q, kv, sink, idxs, scale, block: int = 64, unrope: torch.Tensor | None = None):
     """kv [M, D], or a tuple of up to three such tensors that idxs counts across in order (read in
     place by the Triton kernel; the reference concatenates them). Prefill-sized calls take FlashMLA's
-    sparse prefill kernel where it runs (_flashmla_prefill_ok)."""
+    sparse prefill kernel where it runs (_flashmla_prefill_ok). unrope: cis [n, rd/2]: the output's rope
+    dims rotated back (rope(out, cis, inverse=True)), in the Triton kernel's store where it runs."""
     if _flashmla_prefill_ok(q, kv, block):
         from .flashmla import sparse_prefill
-        return sparse_prefill(q, kv, sink, idxs, scale)
+        return _unrope(sparse_prefill(q, kv, sink, idxs, scale), unrope)
     if _fast_for(q, "sparse_attn", sparse_attn_shape_ok(q, block),
                  "block 64, a power-of-two head_dim >= 16, heads < 16 or a multiple of min(64, heads)"):
-        from .triton_sparse_attn import DEFAULT_BLOCKS_PER_SPLIT, sparse_attn as fast
+        from .triton_sparse_attn import DEFAULT_BLOCKS_PER_SPLIT, sparse_attn as fast, unrope_ok
         # batch-invariant mode: splits from the list length only; else sized to the batch's occupancy
         bps = DEFAULT_BLOCKS_PER_SPLIT if _batch_invariant() else None
-        return fast(q, kv, sink, idxs, scale, blocks_per_split=bps)
+        if unrope is not None and not unrope_ok(q, unrope):
+            return _unrope(fast(q, kv, sink, idxs, scale, blocks_per_split=bps), unrope)
+        return fast(q, kv, sink, idxs, scale, blocks_per_split=bps, unrope=unrope)
     if isinstance(kv, (tuple, list)):
         kv = torch.cat([t.to(q.dtype) for t in kv])
-    return _ref.sparse_attn_ref(q, kv, sink, idxs, scale, block)
+    return _unrope(_ref.sparse_attn_ref(q, kv, sink, idxs, scale, block), unrope)
+
+
+def _unrope(out: torch.Tensor, cis: torch.Tensor | None) -> torch.Tensor:
+    return out if cis is None else rope(out, cis, inverse=True, inplace=True)
 
 
 def _flashmla_prefill_ok(q, kv, block: int = 64) -> bool:

@@ -11,6 +11,9 @@ in fp32. The sink enters the denominator only: out = acc / (l + exp(sink - m)).
 Split-KV: the list is cut into a number of splits that depends on L only (never on n), each split
 writes (acc, m, l) and a combine pass merges them in split order, so a query's result does not
 depend on the batch it is in.
+
+unrope=cis [n, rd/2]: the bf16 output's last rd dims rotated back by conj(cis) where it is stored
+(Attention.out's inverse RoPE: triton_rope's arithmetic and roundings, so its bits; one launch a layer less).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .reference import sparse_attn_ref  # noqa: F401  (the reference this follows)
+from .triton_rope import _rotate
 
 BLOCK_N = 64
 # The CPU interpreter (TRITON_INTERPRET=1, used for CPU checks of the kernel logic) mis-multiplies
@@ -48,10 +52,33 @@ def _row_ptrs(kv_ptr, kv1_ptr, kv2_ptr, rows, R0, R1, D: tl.constexpr, SOURCES: 
 
 
 @triton.jit
+def _store_out(o_ptr, t64, H, rh, out, cis_ptr, stride_c, D: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
+               FMA: tl.constexpr):
+    """out [BH, D] fp32 -> bf16 rows of query t; HALF > 0: the last 2 * HALF dims (adjacent pairs) rotated
+    by conj(cis[t]) after the bf16 rounding, each rotated pair rounded to bf16 (rope_kernel, INVERSE)."""
+    rd = tl.arange(0, D)
+    ptrs = o_ptr + (t64 * H + rh[:, None]) * D + rd[None, :]
+    if HALF == 0:
+        tl.store(ptrs, out.to(tl.bfloat16))
+    else:
+        a, b = tl.split(tl.reshape(out.to(tl.bfloat16).to(tl.float32), (BH, D // 2, 2)))
+        rp = tl.arange(0, D // 2) - (D // 2 - HALF)                   # pair index in the rope part
+        in_rope = rp >= 0
+        c = tl.load(cis_ptr + t64 * stride_c + 2 * rp, mask=in_rope, other=1.0)[None, :]
+        sn = -tl.load(cis_ptr + t64 * stride_c + 2 * rp + 1, mask=in_rope, other=0.0)[None, :]
+        re, im = _rotate(a, b, c, sn, FMA)
+        re = tl.where(in_rope[None, :], re.to(tl.bfloat16).to(tl.float32), a)
+        im = tl.where(in_rope[None, :], im.to(tl.bfloat16).to(tl.float32), b)
+        tl.store(ptrs, tl.reshape(tl.join(re, im), (BH, D)).to(tl.bfloat16))
+
+
+@triton.jit
 def sparse_attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
                        n, H, L, blocks_per_split, scale, kv1_ptr, kv2_ptr, R0, R1,
+                       cis_ptr, stride_c,
                        D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                       UPCAST: tl.constexpr = False, SOURCES: tl.constexpr = 1):
+                       UPCAST: tl.constexpr = False, SOURCES: tl.constexpr = 1, HALF: tl.constexpr = 0,
+                       FMA: tl.constexpr = False):
     """Grid (n, H/BH, num_splits). SPLIT: write unnormalized acc [S, n, H, D] and (m, l) [S, n, H, 2]
     to the workspace; else write the normalized bf16 output with the sink. SOURCES > 1: the rows
     live in up to three tensors (_row_ptrs), read in place."""
@@ -92,13 +119,12 @@ def sparse_attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
     else:
         sink = tl.load(sink_ptr + rh)
         den = l_i + tl.exp(sink - m_i)
-        out = acc / den[:, None]
-        tl.store(o_ptr + (t64 * H + rh[:, None]) * D + rd[None, :], out.to(tl.bfloat16))
+        _store_out(o_ptr, t64, H, rh, acc / den[:, None], cis_ptr, stride_c, D, BH, HALF, FMA)
 
 
 @triton.jit
-def sparse_attn_combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n, H, S,
-                               D: tl.constexpr, BH: tl.constexpr):
+def sparse_attn_combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n, H, S, cis_ptr, stride_c,
+                               D: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr = 0, FMA: tl.constexpr = False):
     """Merge S splits in order: M = max m_s; out = sum acc_s e^(m_s-M) / (sum l_s e^(m_s-M) + e^(sink-M))."""
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -117,7 +143,7 @@ def sparse_attn_combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n, H, S,
         l_tot += tl.load(ml_ptr + ws * 2 + 1) * c
         acc += tl.load(acc_ptr + ws[:, None] * D + rd[None, :]) * c[:, None]
     den = l_tot + tl.exp(tl.load(sink_ptr + rh) - m)
-    tl.store(o_ptr + (t64 * H + rh[:, None]) * D + rd[None, :], (acc / den[:, None]).to(tl.bfloat16))
+    _store_out(o_ptr, t64, H, rh, acc / den[:, None], cis_ptr, stride_c, D, BH, HALF, FMA)
 
 
 DEFAULT_BLOCKS_PER_SPLIT = 4     # the batch-invariant rule: splits from L only
@@ -145,22 +171,24 @@ def blocks_per_split_for(n: int, heads: int, block_h: int, L: int, device) -> in
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor | tuple, sink: torch.Tensor, idxs: torch.Tensor, scale: float,
                 block: int = BLOCK_N, block_h: int = 64, blocks_per_split: int | None = DEFAULT_BLOCKS_PER_SPLIT,
-                num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
+                num_warps: int = 8, num_stages: int = 2, unrope: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as sparse_attn_ref (block must be 64, the walk granularity). kv may also be a
     tuple of up to three [M_i, D] tensors read in place, idxs then counting rows across them in
     order (the same result as torch.cat(kv), without writing it). blocks_per_split None: chosen by
-    the batch's occupancy (blocks_per_split_for; not batch invariant), else fixed (4: batch invariant)."""
+    the batch's occupancy (blocks_per_split_for; not batch invariant), else fixed (4: batch invariant).
+    unrope: cis [n, rd/2] complex64 (unrope_ok): the output's rope dims rotated back (module docstring)."""
     assert block == BLOCK_N
     n, H, D = q.shape
     L = idxs.shape[1]
     if n == 0:
         return torch.empty_like(q)
     if L == 0:
-        return torch.zeros_like(q)
+        return torch.zeros_like(q)                         # rotating zeros gives zeros
     if H < 16:                       # the MMA needs 16 rows: pad heads with zeros (small test models)
         qp = torch.nn.functional.pad(q, (0, 0, 0, 16 - H))
         sp = torch.nn.functional.pad(sink.float(), (0, 16 - H))
-        return sparse_attn(qp, kv, sp, idxs, scale, block, 16, blocks_per_split, num_warps, num_stages)[:, :H]
+        return sparse_attn(qp, kv, sp, idxs, scale, block, 16, blocks_per_split, num_warps, num_stages,
+                           unrope)[:, :H]
     bh = min(block_h, H)
     assert H % bh == 0 and D == triton.next_power_of_2(D)
     if blocks_per_split is None:
@@ -175,18 +203,33 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor | tuple, sink: torch.Tensor, i
     out = torch.empty_like(q)
     S = num_splits_for(L, blocks_per_split)
     grid = (n, H // bh, S)
+    if unrope is not None:
+        assert unrope_ok(q, unrope), (tuple(q.shape), tuple(unrope.shape))
+        cf = torch.view_as_real(unrope)                                    # [n, HALF, 2] fp32, a view
+        rope = dict(HALF=unrope.shape[-1], FMA=q.is_cuda)
+        cis_args = (cf, cf.stride(0))
+    else:
+        rope, cis_args = {}, (out, 0)
     kw = dict(D=D, BH=bh, BN=BLOCK_N, UPCAST=INTERPRET, SOURCES=len(srcs), num_warps=num_warps,
               num_stages=num_stages)
     if S == 1:
         sparse_attn_kernel[grid](q, kv, idxs, sink, out, out, out, n, H, L, blocks_per_split, float(scale),
-                                 *extra, SPLIT=False, **kw)
+                                 *extra, *cis_args, SPLIT=False, **kw, **rope)
         return out
     acc = torch.empty(S, n, H, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(S, n, H, 2, dtype=torch.float32, device=q.device)
     sparse_attn_kernel[grid](q, kv, idxs, sink, out, acc, ml, n, H, L, blocks_per_split, float(scale),
-                             *extra, SPLIT=True, **kw)
-    sparse_attn_combine_kernel[(n, H // bh)](acc, ml, sink, out, n, H, S, D=D, BH=bh, num_warps=num_warps)
+                             *extra, *cis_args, SPLIT=True, **kw)
+    sparse_attn_combine_kernel[(n, H // bh)](acc, ml, sink, out, n, H, S, *cis_args, D=D, BH=bh,
+                                             num_warps=num_warps, **rope)
     return out
+
+
+def unrope_ok(q: torch.Tensor, cis: torch.Tensor) -> bool:
+    """The epilogue's rotation rules: one complex64 row of rd/2 a query, rd/2 a power of two, rd <= D."""
+    half = cis.shape[-1] if cis.dim() == 2 else 0
+    return (cis.dtype == torch.complex64 and cis.dim() == 2 and cis.shape[0] == q.shape[0] and half > 0
+            and half & (half - 1) == 0 and 2 * half <= q.shape[-1])
 
 
 def attn_flops(n: int, H: int, L: int, D: int) -> float:

@@ -157,9 +157,12 @@ class Attention(nn.Module):
         kv = ops.norm_rope_quant(kv, self.kv_norm.weight, self.kv_norm.eps, cis)   # kv_norm, RoPE, act_quant
         return qr, qr_rounded, q, kv
 
-    def out(self, o: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
-        """o [T, H, D] -> RoPE removed, grouped wo_a (block-diagonal, bf16, no act rounding), wo_b."""
-        o = ops.rope(o, cis, inverse=True, inplace=True).flatten(1).unflatten(-1, (self.n_groups, -1))
+    def out(self, o: torch.Tensor, cis: torch.Tensor | None = None) -> torch.Tensor:
+        """o [T, H, D] -> RoPE removed (here with cis; None: sparse_attn's unrope did it), grouped wo_a
+        (block-diagonal, bf16, no act rounding), wo_b."""
+        if cis is not None:
+            o = ops.rope(o, cis, inverse=True, inplace=True)
+        o = o.flatten(1).unflatten(-1, (self.n_groups, -1))
         if self.wo_a.fp8_blocks is not None:                # FP8 blocks: half the bytes, same products
             o = ops.grouped_w8a16(o, *self.wo_a.fp8_blocks)
         else:
@@ -189,48 +192,49 @@ class Attention(nn.Module):
             if self.is_index_source:
                 meta.topk[self.layer_id] = self._index(meta, iq, caches)
             E = meta.plan(self.ratio).num_entries
-        o = self._attend_step(q, meta, caches, ring, kv, E)
+        o = self._attend_step(q, meta, caches, ring, kv, E, cis)
         new = kv if whole.ring_write_rows is None else kv[whole.ring_write_rows]
         ring[whole.ring_write] = new.to(ring.dtype)
-        return self.out(o, cis)
+        return self.out(o)
 
-    def _attend_step(self, q, meta: StepMetadata, caches, ring, kv, E: int) -> torch.Tensor:
+    def _attend_step(self, q, meta: StepMetadata, caches, ring, kv, E: int, cis) -> torch.Tensor:
         """The step's rows: [ring[ring_read] (B*Wr) | kv (T) | E > 0: compressed picks]. In-place attention
         gets the window lists in pool rows once per step (meta.window_pool) and, in a decode step, a
         layer's picks turned into pool rows by one kernel (ops.pool_lists); otherwise _attend over the
-        buffer-coordinate lists."""
+        buffer-coordinate lists. The output comes with its RoPE removed (sparse_attn's unrope=cis)."""
         topk = meta.topk[self.index_source] if E else None
         if ops.sparse_attn_in_place(q):
             win = meta.window_pool(ring.shape[0])
             if not E:
-                return ops.sparse_attn(q, (ring, kv), self.attn_sink, win, self.scale)
+                return ops.sparse_attn(q, (ring, kv), self.attn_sink, win, self.scale, unrope=cis)
             if topk.numel() < meta.num_seqs * E:          # the picks are fewer than the entries: decode
                 pool = caches.compressed_kv[self.kv_source].flatten(0, 1)
                 idx = ops.pool_lists(win, meta.win_len, topk, meta.seq_of, meta.block_tables,
                                      caches.entries_per_block(self.kv_source), ring.shape[0] + kv.shape[0])
-                return ops.sparse_attn(q, (ring, kv, pool), self.attn_sink, idx, self.scale)
+                return ops.sparse_attn(q, (ring, kv, pool), self.attn_sink, idx, self.scale, unrope=cis)
         sources, idx = [(ring, meta.ring_read), (kv, None)], meta.win_idx
         if E:
             rows, comp = self._compressed_rows(meta, caches, topk, E)
             sources.append((caches.compressed_kv[self.kv_source].flatten(0, 1), rows))
             idx = append_lists(idx, meta.win_len, comp)
-        return self._attend(q, sources, idx)
+        return self._attend(q, sources, idx, cis)
 
-    def _attend(self, q: torch.Tensor, sources: list, idx: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, sources: list, idx: torch.Tensor, cis=None) -> torch.Tensor:
         """Sink attention of q over the rows (tensor, row ids or None = all) of `sources` in order,
         idx [T, L] counting rows across them. A kernel that reads several tensors in place
         (select.sparse_attn_in_place) gets the pools and idx mapped to pool rows: the gathered
         copy and its concatenation (at batch 64 and 8k context ~33k rows a layer) are never written."""
         if not ops.sparse_attn_in_place(q) or ops.sparse_prefill_gathers(q):
             rows = [t if r is None else t[r] for t, r in sources]
-            return ops.sparse_attn(q, torch.cat([r.to(q.dtype) for r in rows]), self.attn_sink, idx, self.scale)
+            return ops.sparse_attn(q, torch.cat([r.to(q.dtype) for r in rows]), self.attn_sink, idx, self.scale,
+                                   unrope=cis)
         table, base = [], 0
         for t, r in sources:
             table.append(base + (r if r is not None else torch.arange(t.shape[0], device=q.device)))
             base += t.shape[0]
         table = torch.cat(table)
         pool_idx = torch.where(idx >= 0, table[idx.clamp_min(0)], -1)
-        return ops.sparse_attn(q, tuple(t for t, _ in sources), self.attn_sink, pool_idx, self.scale)
+        return ops.sparse_attn(q, tuple(t for t, _ in sources), self.attn_sink, pool_idx, self.scale, unrope=cis)
 
     def _compressed_rows(self, meta: StepMetadata, caches, topk: torch.Tensor, E: int):
         """Pool rows to gather after the fresh rows, and each query's picks in buffer coords ([T, K],

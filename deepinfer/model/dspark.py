@@ -58,8 +58,7 @@ class DSparkAttention(Attention):
         lists = np.where(j < nv[:, None], ring_idx, np.where(j < (nv + block)[:, None], draft_idx, -1))
         width = int((nv + block).max(initial=0))
         idx = to_device(np.repeat(lists[:, :width], block, axis=0), dev)     # [B*block, width]
-        o = ops.sparse_attn(q, buf, self.attn_sink, idx, self.scale)
-        return self.out(o, cis)
+        return self.out(ops.sparse_attn(q, buf, self.attn_sink, idx, self.scale, unrope=cis))
 
     def forward_draft_static(self, x: torch.Tensor, step: "DraftStepBuffers", caches, rope_tables,
                              x_rounded: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,8 +70,7 @@ class DSparkAttention(Attention):
         _, _, q, kv = self.qkv(x, cis, x_rounded)
         ring = caches.window_kv[self.layer_id].flatten(0, 1)
         buf = torch.cat([ring[v["ring_rows"]].to(kv.dtype), kv])
-        o = ops.sparse_attn(q, buf, self.attn_sink, v["lists"], self.scale)
-        return self.out(o, cis)
+        return self.out(ops.sparse_attn(q, buf, self.attn_sink, v["lists"], self.scale, unrope=cis))
 
     def main_kv(self, main_x: torch.Tensor, positions: torch.Tensor, rope_tables,
                 max_pos: int | None = None) -> torch.Tensor:

@@ -209,6 +209,25 @@ def check_bf16_skinny():
                 assert torch.equal(triton_gemm.bf16_skinny_linear(x, w, {**cfg, "SPLIT_K": 1}), ref.bfloat16())
 
 
+def check_sparse_attn_unrope(q, kv, sink, idx):
+    """sparse_attn(unrope=cis): the inverse RoPE in the store gives triton_rope's bits on the output, split
+    (the combine kernel's store) and whole, 16 heads and 4 padded to 16, rope widths 8 / 16 / 32 of 64."""
+    from deepinfer.kernels import triton_rope
+    g = torch.Generator().manual_seed(3)
+    for half in (4, 8, 16):
+        ang = torch.rand(q.shape[0], half, generator=g) * 6.28
+        cis = torch.polar(torch.ones_like(ang), ang)
+        for heads, bps in ((16, 2), (16, 8), (4, 2)):
+            qh, sh = q[:, :heads].contiguous(), sink[:heads]
+            plain = triton_sparse_attn.sparse_attn(qh, kv, sh, idx, 0.125, block_h=16, blocks_per_split=bps)
+            want = triton_rope.rope(plain.clone(), cis, inverse=True, inplace=True)
+            got = triton_sparse_attn.sparse_attn(qh, kv, sh, idx, 0.125, block_h=16, blocks_per_split=bps,
+                                                 unrope=cis)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (half, heads, bps)
+            assert not torch.equal(got, plain)
+    assert not triton_sparse_attn.unrope_ok(q, cis[:1]) and not triton_sparse_attn.unrope_ok(q, cis[:, :3])
+
+
 def check_pool_lists():
     """A decode layer's lists in pool rows: the kernel gives the reference's integers (window part with
     pads inside, picks through the block tables with -1 picks and unallocated blocks, -1 tail), in the
@@ -272,6 +291,7 @@ def main():
     # the default mode's occupancy split (other split points: close, not bitwise)
     oa = triton_sparse_attn.sparse_attn(qa, kv, sink, idx, 0.125, block_h=16, blocks_per_split=None)
     assert rel(oa, r) < 2e-2
+    check_sparse_attn_unrope(qa, kv, sink, idx)
     # mHC: hc_post for every stream count (the release's 4 holds its residual tiles; others loop)
     for hc in (1, 2, 4):
         yp, rp = torch.randn(5, 96).bfloat16(), torch.randn(5, hc, 96).bfloat16()

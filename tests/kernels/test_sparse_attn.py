@@ -97,3 +97,22 @@ def test_flashmla_sparse_prefill(n, H, L, pieces, monkeypatch):
     assert not torch.isnan(out).any()
     assert out[1].abs().max() == 0
     assert rel_err(out, ref) < 4e-3
+
+
+@pytest.mark.parametrize("n,H,L,bps", [(64, 64, 640, 4), (64, 64, 640, None), (128, 64, 640, None), (3, 16, 1000, 4),
+                                       (5, 64, 70, 4)])
+def test_sparse_attn_unrope(n, H, L, bps):
+    """The inverse RoPE in the store (unrope=cis, Attention.out's) gives triton_rope's bits on the output:
+    the whole-list store and the combine kernel's, through select too."""
+    from deepinfer.kernels import select, triton_rope
+    from deepinfer.kernels.triton_sparse_attn import sparse_attn
+    D = 512
+    q, kv, sink, idx = _case(n, H, L, D)
+    ang = torch.rand(n, 32, device="cuda") * 6.28
+    cis = torch.polar(torch.ones_like(ang), ang)
+    plain = sparse_attn(q, kv, sink, idx, D ** -0.5, blocks_per_split=bps)
+    want = triton_rope.rope(plain.clone(), cis, inverse=True, inplace=True)
+    got = sparse_attn(q, kv, sink, idx, D ** -0.5, blocks_per_split=bps, unrope=cis)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    if bps is None:
+        assert torch.equal(select.sparse_attn(q, kv, sink, idx, D ** -0.5, unrope=cis), got)
