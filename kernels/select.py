@@ -1258,14 +1258,19 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[t
     return y, act_quant(y)
 
 
-def norm_rope_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torch.Tensor) -> torch.Tensor:
+def norm_rope_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torch.Tensor,
+                    ring: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """act_quant(rope(rms_norm(x, weight, eps), cis)), a new tensor: one Triton kernel with the three
-    kernels' bits (triton_norm_rope_quant) where its shape rules hold, else the three ops."""
+    kernels' bits (triton_norm_rope_quant) where its shape rules hold, else the three ops. ring (ring [R, D],
+    rows [T]): the rows also written there (ring[rows] = out), by the same kernel where it runs."""
     if use_fast(x):
         from . import triton_norm_rope_quant as fused
-        if fused.shape_ok(x, cis):
-            return fused.norm_rope_quant(x, weight, eps, cis)
-    return act_quant(rope(rms_norm(x, weight, eps), cis, inplace=True))
+        if fused.shape_ok(x, cis) and fused.ring_ok(x, ring):
+            return fused.norm_rope_quant(x, weight, eps, cis, ring)
+    out = act_quant(rope(rms_norm(x, weight, eps), cis, inplace=True))
+    if ring is not None:
+        ring[0][ring[1]] = out.to(ring[0].dtype)
+    return out
 
 
 def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: bool = False) -> torch.Tensor:

@@ -4,6 +4,8 @@
         = act_quant(rope(rms_norm(x, weight, eps), cis)) of the three Triton kernels (triton_norm,
         triton_rope, triton_quant), bit for bit: the same fp32 arithmetic and the same bf16 roundings
         between the steps (the norm's output, the rotated pairs), in one program per BLOCK_M rows
+    norm_rope_quant(..., ring=(ring [R, D] bf16, rows [T] int)): each row also stored at ring[rows[t]]
+        (the window ring's write, Attention.forward, without its index_put launch)
 
 Why: at decode the three kernels are three launches a layer of a few microseconds each, for a [B, 512]
 row block (H200, 2026-12-04: RMSNorm 65 us in 33 calls, RoPE 47 in 24, act_quant 63 in 47 of a batch-64
@@ -29,7 +31,7 @@ MAX_D = 4096
 @triton.jit
 def norm_rope_quant_kernel(x_ptr, w_ptr, cis_ptr, y_ptr, M, stride_x, stride_c, inv_d, eps,
                            D: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, FMA: tl.constexpr,
-                           MANUAL_RNE: tl.constexpr):
+                           MANUAL_RNE: tl.constexpr, ring_ptr=None, ring_rows_ptr=None, RING: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, D)
     rm = (rows < M)[:, None]
@@ -55,8 +57,11 @@ def norm_rope_quant_kernel(x_ptr, w_ptr, cis_ptr, y_ptr, M, stride_x, stride_c, 
     amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
     sc, inv = _pow2_ceil(amax * (1.0 / 448.0))
     q = _to_e4m3(tl.clamp(g * inv[:, :, None], -448.0, 448.0), MANUAL_RNE)
-    out = tl.reshape(q.to(tl.float32) * sc[:, :, None], (BLOCK_M, D))
-    tl.store(y_ptr + rows64 * D + cols[None, :], out.to(tl.bfloat16), mask=rm)
+    out = tl.reshape(q.to(tl.float32) * sc[:, :, None], (BLOCK_M, D)).to(tl.bfloat16)
+    tl.store(y_ptr + rows64 * D + cols[None, :], out, mask=rm)
+    if RING:
+        dst = tl.load(ring_rows_ptr + rows, mask=rows < M, other=0).to(tl.int64)[:, None]
+        tl.store(ring_ptr + dst * D + cols[None, :], out, mask=rm)
 
 
 def shape_ok(x: torch.Tensor, cis: torch.Tensor) -> bool:
@@ -66,9 +71,20 @@ def shape_ok(x: torch.Tensor, cis: torch.Tensor) -> bool:
             and cis.shape[0] == x.shape[0])
 
 
-def norm_rope_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torch.Tensor) -> torch.Tensor:
-    """x [T, D] bf16 (rows may be strided), weight [D], cis [T, rd/2] complex64 -> a new [T, D] bf16."""
-    assert shape_ok(x, cis), (tuple(x.shape), x.dtype, tuple(cis.shape))
+def ring_ok(x: torch.Tensor, ring: tuple | None) -> bool:
+    """The ring write's rules: a contiguous bf16 ring [R, D] and one row id a row."""
+    if ring is None:
+        return True
+    t, rows = ring
+    return (t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] == x.shape[-1] and t.is_contiguous()
+            and rows.shape == (x.shape[0],) and not rows.is_floating_point())
+
+
+def norm_rope_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torch.Tensor,
+                    ring: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [T, D] bf16 (rows may be strided), weight [D], cis [T, rd/2] complex64 -> a new [T, D] bf16;
+    ring (ring [R, D], rows [T]): also written at those ring rows."""
+    assert shape_ok(x, cis) and ring_ok(x, ring), (tuple(x.shape), x.dtype, tuple(cis.shape))
     M, D = x.shape
     y = torch.empty(M, D, dtype=torch.bfloat16, device=x.device)
     if M == 0:
@@ -77,5 +93,6 @@ def norm_rope_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torc
     block_m = _block_m(D)                                                     # rms_norm's tile: its row sums
     norm_rope_quant_kernel[(triton.cdiv(M, block_m),)](
         x, weight.contiguous(), cf, y, M, x.stride(0), cf.stride(0), 1.0 / D, eps, D=D, HALF=cis.shape[-1],
-        BLOCK_M=block_m, FMA=x.is_cuda, MANUAL_RNE=INTERPRET, num_warps=4 if D * block_m <= 4096 else 8)
+        BLOCK_M=block_m, FMA=x.is_cuda, MANUAL_RNE=INTERPRET, num_warps=4 if D * block_m <= 4096 else 8,
+        **({} if ring is None else dict(ring_ptr=ring[0], ring_rows_ptr=ring[1].contiguous(), RING=True)))
     return y

@@ -138,10 +138,11 @@ class Attention(nn.Module):
         """The linears that read the attention's normed input and round it (Block: attn_norm.with_rounded)."""
         return (self.wqkv_a,) if self.wqkv_a is not None else (self.wq_a, self.wkv)
 
-    def qkv(self, x: torch.Tensor, cis: torch.Tensor, x_rounded: torch.Tensor | None = None):
+    def qkv(self, x: torch.Tensor, cis: torch.Tensor, x_rounded: torch.Tensor | None = None, ring=None):
         """qr [T, q_lora] as wq_b read it, qr_rounded (qr is q_norm's rows FP8-rounded, for the indexer's
         wq_b too), q [T, H, D] (RoPE'd), kv [T, D] (RoPE'd, FP8-rounded over all D dims).
-        x_rounded: act_quant(x) from the norm's launch (RMSNorm.with_rounded), read by the input linears."""
+        x_rounded: act_quant(x) from the norm's launch (RMSNorm.with_rounded), read by the input linears.
+        ring (ring rows [R, D], row ids [T]): kv also written there, by the kernel that makes it."""
         xin = x if x_rounded is None else x_rounded
         if self.wqkv_a is not None:
             qa, kv = self.wqkv_a(xin, rounded=x_rounded is not None).split(
@@ -154,7 +155,7 @@ class Attention(nn.Module):
         # in place: both are fresh outputs; only their rope dims are read and written
         q = ops.rope(self.wq_b(qr, rounded=qr_rounded).unflatten(-1, (self.n_heads, self.head_dim)), cis,
                      inplace=True)
-        kv = ops.norm_rope_quant(kv, self.kv_norm.weight, self.kv_norm.eps, cis)   # kv_norm, RoPE, act_quant
+        kv = ops.norm_rope_quant(kv, self.kv_norm.weight, self.kv_norm.eps, cis, ring)   # kv_norm, RoPE, act_quant
         return qr, qr_rounded, q, kv
 
     def out(self, o: torch.Tensor, cis: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,14 +178,18 @@ class Attention(nn.Module):
         over one gathered buffer (step_metadata.py draws its layout). x_rounded: act_quant(x), if the
         norm's launch made it (qkv)."""
         cis = meta.rope(rope_tables, self.rope_kind)
-        qr, qr_rounded, q, kv = self.qkv(x, cis, x_rounded)
+        ring = caches.window_kv[self.layer_id].flatten(0, 1)                   # [slots * RING, D]
+        # the step's latents go to the ring as they are made where no read of this step needs the rows they
+        # replace: the ring holds 2 x window positions a sequence, the queries read the window - 1 before the
+        # step's first, so runs of up to a window overwrite none of those (else: after the attention)
+        early = meta.context_parallel is None and meta.ring_write_rows is None and meta.max_q <= self.window
+        qr, qr_rounded, q, kv = self.qkv(x, cis, x_rounded, (ring, meta.ring_write) if early else None)
         raw = self.compressor.project(x) if self.compressor is not None else None
         iq = self.indexer.queries(x, qr, cis, qr_rounded) if self.indexer is not None else None
         whole = meta        # the rows the compressor and the ring see: the step's own, or (CP) every position
         if meta.context_parallel is not None:   # a balanced-CP share (parallel/cp.py): gather the others' rows
             whole = meta.context_parallel.whole
             kv, raw = meta.context_parallel.gather(kv, raw)
-        ring = caches.window_kv[self.layer_id].flatten(0, 1)                   # [slots * RING, D]
         E = 0
         if self.ratio:
             if self.is_kv_source:
@@ -193,8 +198,9 @@ class Attention(nn.Module):
                 meta.topk[self.layer_id] = self._index(meta, iq, caches)
             E = meta.plan(self.ratio).num_entries
         o = self._attend_step(q, meta, caches, ring, kv, E, cis)
-        new = kv if whole.ring_write_rows is None else kv[whole.ring_write_rows]
-        ring[whole.ring_write] = new.to(ring.dtype)
+        if not early:
+            new = kv if whole.ring_write_rows is None else kv[whole.ring_write_rows]
+            ring[whole.ring_write] = new.to(ring.dtype)
         return self.out(o)
 
     def _attend_step(self, q, meta: StepMetadata, caches, ring, kv, E: int, cis) -> torch.Tensor:

@@ -43,6 +43,29 @@ def check(device, shapes=SHAPES):
         # (the interpreter truncates float -> bf16 casts where the GPU rounds: its count is lower)
         assert same > (0.97 if device == "cuda" else 0.5), (T, D, half, same)
     assert not shape_ok(x[:, :D - 32], cis)                       # a width not a power of two declines
+    check_ring(device)
+
+
+def check_ring(device):
+    """ring=(ring, rows): the rows also land at those ring rows (in any order, int32 or int64 ids), the rest
+    of the ring untouched, the output the same; select's composed form does the same write."""
+    from deepinfer.kernels import select
+    from deepinfer.kernels.triton_norm_rope_quant import norm_rope_quant, ring_ok
+    for T, D, half, dtype in ((5, 512, 32, torch.int64), (70, 128, 16, torch.int32), (1, 64, 8, torch.int64)):
+        x, w, cis = _case(T, D, half, device, T)
+        ring = torch.randn(3 * T + 7, D, device=device).to(torch.bfloat16)
+        before = ring.clone()
+        rows = torch.randperm(ring.shape[0], generator=torch.Generator().manual_seed(T))[:T].to(device, dtype)
+        got = norm_rope_quant(x, w, 1e-6, cis, (ring, rows))
+        assert torch.equal(got, norm_rope_quant(x, w, 1e-6, cis))
+        assert torch.equal(ring[rows.long()], got)
+        others = torch.ones(ring.shape[0], dtype=torch.bool, device=device)
+        others[rows.long()] = False
+        assert torch.equal(ring[others], before[others])
+        ring2 = before.clone()
+        out2 = select.norm_rope_quant(x, w, 1e-6, cis, (ring2, rows))      # the kernel on a GPU, else the ops
+        assert torch.equal(ring2[rows.long()], out2) and torch.equal(ring2[others], before[others])
+    assert not ring_ok(x, (ring.float(), rows)) and not ring_ok(x, (ring, rows[:0]))
 
 
 @pytest.mark.gpu

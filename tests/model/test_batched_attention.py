@@ -20,6 +20,7 @@ PLAN = [
     [1, 1, 130, 6],       # decodes, a chunk continuing past the window, a 1+5 row group
     [3, 129, 1, 1],       # 1+2, a long chunk crossing ring groups, odd starts
     [6, 1, 2, 0],         # mixed k-token rows; the last sequence sits this step out
+    [1, 150, 1, 1],       # a chunk longer than the window whose ring slots wrap onto rows its first queries read
 ]
 
 
@@ -47,11 +48,11 @@ def _run(model, caches, tables, seqs, plan, loop: bool, emulate: bool):
 def test_batched_equals_loop(bf16_model, fixture_dir, emulate):
     model, args = bf16_model, bf16_model.args
     prompts = [p["ids"] for p in json.load(open(fixture_dir("v41-tiny-bf16") / "prompts.json"))["prompts"]]
-    seqs = [(prompts[i % len(prompts)] * 3)[:320] for i in range(4)]
-    tables = torch.tensor([[i + 4 * j for j in range(6)] for i in range(4)])
+    seqs = [(prompts[i % len(prompts)] * 4)[:420] for i in range(4)]
+    tables = torch.tensor([[i + 4 * j for j in range(7)] for i in range(4)])
     results = []
     for loop in (False, True):
-        caches = ModelCaches.allocate(args, 4, 24, 64)
+        caches = ModelCaches.allocate(args, 4, 28, 64)
         results.append(_run(model, caches, tables, seqs, PLAN, loop, emulate))
     for step, (new, old) in enumerate(zip(*results)):
         assert torch.equal(new, old), (step, (new - old).abs().max().item())
