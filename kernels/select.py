@@ -1258,6 +1258,19 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[t
     return y, act_quant(y)
 
 
+def hc_pre_norm(x: torch.Tensor, pre: torch.Tensor, rows: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """rms_norm(Block.hc_pre(x[rows], pre[rows]), weight, eps) (rows None: every row): one Triton kernel
+    (triton_hc_collapse) where its rules hold, else the torch ops and the norm."""
+    if use_fast(x):
+        from . import triton_hc_collapse as fused
+        if fused.shape_ok(x, pre, weight):
+            return fused.hc_pre_norm(x, pre, rows, weight, eps)
+    if rows is not None:
+        x, pre = x[rows], pre[rows]
+    return rms_norm((pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype), weight, eps)
+
+
 def norm_rope_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torch.Tensor,
                     ring: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """act_quant(rope(rms_norm(x, weight, eps), cis)), a new tensor: one Triton kernel with the three

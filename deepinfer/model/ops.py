@@ -32,6 +32,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     grouped_mm_token_major,
     grouped_w8a16,
     hc_mixes_pre,
+    hc_pre_norm,
     hc_post,
     hc_split_sinkhorn,
     index_scores_paged,

@@ -24,7 +24,7 @@ from .dspark import DSparkBlock
 from .layers import Embedding, Linear, RMSNorm, linear_fp32, rope_tables
 from .step_metadata import StepMetadata
 from .vision import VisionTower
-from . import yoco
+from . import ops, yoco
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Transformer(nn.Module):
         if dump_hidden:
             snaps.append(h.float())
         li = batch.logits_indices
-        x = self.norm(Block.hc_pre(h[li], pre[li]))
+        x = ops.hc_pre_norm(h, pre, li, self.norm.weight, self.norm.eps)   # norm(Block.hc_pre(h[li], pre[li]))
         if compact is not None and taps:    # DSpark rings get the kept rows (drafts read the last window only)
             taps = [t if t.shape[0] == num_rows else t.new_zeros(num_rows, t.shape[1]).index_copy_(0, compact.kept, t)
                     for t in taps]
