@@ -15,6 +15,7 @@ Every op here runs on any device and is the ground truth the fast paths are test
     topk_ids_ref         ids of each row's k largest, ties to the lowest id (one integer key per entry)
     index_topk_ref       the indexer's picks: top-k ids ascending, -1 where unreachable (-inf, >= lens)
     topk_block_mask_ref  the candidate blocks' top-k as an entry mask (two-level top-k, level one)
+    window_pool_ref      the step's window lists as rows of the ring and the fresh rows (int32)
     block_rows_ref       cache pool rows of (sequence, entry) pairs through the block tables
     compress_members_ref the ratio > 1 compressor's member rows: the step's rows or the carry ring's
     router_topk_ref      the MoE gate after its GEMM: sqrt(softplus(logits / temp)), biased top-k, weights
@@ -449,6 +450,14 @@ def block_rows_ref(block_tables: torch.Tensor, epb: int, entries: torch.Tensor,
     col = (entries // epb).clamp_max(block_tables.shape[1] - 1)
     blocks = block_tables.gather(-1, col) if seq is None else block_tables[seq, col]
     return blocks.clamp_min(0) * epb + entries % epb
+
+
+def window_pool_ref(win_idx: torch.Tensor, ring_read: torch.Tensor, ring_rows: int, num_fresh: int) -> torch.Tensor:
+    """[T, W] int32: the step's window lists (win_idx, buffer rows: ring_read's B*Wr, then the T fresh rows; -1
+    nothing) as rows of the in-place sources (the ring [ring_rows, D], then the fresh rows: ring_rows + t)."""
+    fresh = ring_rows + torch.arange(num_fresh, device=ring_read.device)
+    table = torch.cat([ring_read, fresh]).to(torch.int32)
+    return torch.where(win_idx >= 0, table[win_idx.clamp_min(0)], -1)
 
 
 def pool_lists_ref(win_pool: torch.Tensor, win_len: torch.Tensor, topk: torch.Tensor, seq_of: torch.Tensor,

@@ -982,6 +982,15 @@ def compress_members(raw_kv, raw_score, carry_kv, carry_score, member_rows, memb
                                      group_seq, ring_len)
 
 
+def window_pool(win_idx, ring_read, ring_rows: int, num_fresh: int) -> torch.Tensor:
+    """The step's window lists in the in-place sources' rows, int32 (reference.window_pool_ref); integers, so
+    the kernel's are the reference's."""
+    if use_fast(win_idx):
+        from .triton_lists import window_pool as fast
+        return fast(win_idx, ring_read, ring_rows, num_fresh)
+    return _ref.window_pool_ref(win_idx, ring_read, ring_rows, num_fresh)
+
+
 def pool_lists(win_pool, win_len, topk, seq_of, block_tables, epb: int, base: int) -> torch.Tensor:
     """A decode layer's attention lists in pool rows: window part, then compressed picks (reference.pool_lists_ref)."""
     if use_fast(win_pool):

@@ -57,4 +57,5 @@ from deepinfer.kernels.select import (  # noqa: F401
     sparse_prefill_gathers,
     swiglu_quant,
     topk_block_mask,
+    window_pool,
 )

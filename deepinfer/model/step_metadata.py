@@ -32,6 +32,7 @@ import torch
 
 from deepinfer.host_copy import host_tensor, to_device
 
+from . import ops
 from .batch import ForwardBatch
 
 
@@ -132,9 +133,7 @@ class StepMetadata:
         T fresh rows), int32 (the attention kernels' index type: no conversion per layer): the same for
         every layer, so built once per forward."""
         if ring_rows not in self.window_pools:
-            fresh = ring_rows + torch.arange(self.num_fresh, device=self.ring_read.device)
-            table = torch.cat([self.ring_read, fresh]).to(torch.int32)
-            self.window_pools[ring_rows] = torch.where(self.win_idx >= 0, table[self.win_idx.clamp_min(0)], -1)
+            self.window_pools[ring_rows] = ops.window_pool(self.win_idx, self.ring_read, ring_rows, self.num_fresh)
         return self.window_pools[ring_rows]
 
     def rope(self, tables: dict, kind: str, ratio: int = 0) -> torch.Tensor:

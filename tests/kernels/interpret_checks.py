@@ -247,6 +247,8 @@ def check_pool_lists():
             got = triton_lists.pool_lists(win.to(dtype), win_len, topk, seq, bt, epb, 5000)
             want = pool_lists_ref(win.to(dtype), win_len, topk, seq, bt, epb, 5000)
             assert got.dtype == want.dtype == dtype and torch.equal(got, want), (T, Lw, K, dtype)
+    from test_triton_lists import check_window_pool
+    check_window_pool("cpu")
 
 
 def main():
