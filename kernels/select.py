@@ -1280,6 +1280,21 @@ def hc_pre_norm(x: torch.Tensor, pre: torch.Tensor, rows: torch.Tensor | None, w
     return rms_norm((pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype), weight, eps)
 
 
+def rope_fp4_quant(x: torch.Tensor, cis: torch.Tensor, block: int, dst: torch.Tensor | None = None,
+                   pool: torch.Tensor | None = None) -> torch.Tensor:
+    """fp4_quant(rope(x, cis), block), a new tensor (x may be handed over: the composed form rotates it in
+    place); dst / pool: the rows also written to pool[dst]. One Triton kernel with the two kernels' bits
+    (triton_rope_fp4) where its rules hold, else the two ops and the write."""
+    if use_fast(x):
+        from . import triton_rope_fp4 as fused
+        if fused.shape_ok(x, cis, block, dst, pool):
+            return fused.rope_fp4_quant(x, cis, block, dst, pool)
+    out = fp4_quant(rope(x, cis, inplace=True), block)
+    if pool is not None:
+        pool[dst] = out.to(pool.dtype)
+    return out
+
+
 def norm_rope_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torch.Tensor,
                     ring: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """act_quant(rope(rms_norm(x, weight, eps), cis)), a new tensor: one Triton kernel with the three

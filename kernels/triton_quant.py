@@ -112,6 +112,13 @@ def fp4_quant_kernel(x_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr, BLO
     mask = rm[:, None] < M
     offs = rm[:, None].to(tl.int64) * K + rk[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = _fp4_round(x, BM, BK, BLOCK, MANUAL_RNE)
+    tl.store(y_ptr + offs, q.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp4_round(x, BM: tl.constexpr, BK: tl.constexpr, BLOCK: tl.constexpr, MANUAL_RNE: tl.constexpr):
+    """x [BM, BK] fp32 FP4-rounded in blocks of BLOCK along BK (fp4_quant_kernel's docstring), fp32 out."""
     g = tl.reshape(x, (BM, BK // BLOCK, BLOCK))
     amax = tl.max(tl.abs(g), axis=2)
     if BLOCK == 16:
@@ -122,7 +129,7 @@ def fp4_quant_kernel(x_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr, BLO
         s, inv = _pow2_ceil(tl.maximum(amax, 6.0 * 2.0 ** -126) * (1.0 / 6.0))
         v = g * inv[:, :, None]
     q = _e2m1_round(tl.clamp(v, -6.0, 6.0)) * s[:, :, None]
-    tl.store(y_ptr + offs, tl.reshape(q, (BM, BK)).to(y_ptr.dtype.element_ty), mask=mask)
+    return tl.reshape(q, (BM, BK))
 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -85,7 +85,7 @@ class Indexer(nn.Module):
         """fp4-rounded RoPE'd index queries [T, IH, ID] and head weights [T, IH] (bf16). qr_rounded: qr is
         act_quant's output already (Attention.qkv)."""
         q = self.wq_b(qr, rounded=qr_rounded).unflatten(-1, (self.n_heads, self.head_dim))
-        q = ops.fp4_quant(ops.rope(q, cis, inplace=True), 32)
+        q = ops.rope_fp4_quant(q, cis, 32)                                   # RoPE, fp4_quant per 32
         w = self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, w
 
@@ -287,13 +287,9 @@ class Attention(nn.Module):
             meta.entry_rows(caches.entries_per_block(L), 0, plan.group_seq, entries)
         if self.indexer is not None:
             k = self.indexer.k_norm(self.indexer.wk(latent))
-            k = ops.fp4_quant(ops.rope(k, cis), 32)
-            pool = caches.index_k[L]
-            pool.flatten(0, 1)[dst] = k.to(pool.dtype)
+            ops.rope_fp4_quant(k, cis, 32, dst, caches.index_k[L].flatten(0, 1))        # RoPE, fp4, the pool write
             meta.index_k_owner[plan.seqs_with_new] = L
-        latent = ops.fp4_quant(ops.rope(latent, cis), 16)
-        pool = caches.compressed_kv[L]
-        pool.flatten(0, 1)[dst] = latent.to(pool.dtype)
+        ops.rope_fp4_quant(latent, cis, 16, dst, caches.compressed_kv[L].flatten(0, 1))
 
     def _index(self, meta: StepMetadata, iq, caches) -> torch.Tensor:
         """[T, K] chosen compressed entry ids per query (ascending), -1 for unreachable picks;

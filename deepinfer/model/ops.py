@@ -50,6 +50,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     rms_norm,
     rms_norm_quant,
     rope,
+    rope_fp4_quant,
     router_topk,
     row_scaled_fp8_weight,
     sparse_attn,
