@@ -15,6 +15,7 @@ Every op here runs on any device and is the ground truth the fast paths are test
     topk_ids_ref         ids of each row's k largest, ties to the lowest id (one integer key per entry)
     index_topk_ref       the indexer's picks: top-k ids ascending, -1 where unreachable (-inf, >= lens)
     topk_block_mask_ref  the candidate blocks' top-k as an entry mask (two-level top-k, level one)
+    candidate_blocks_ref level one from the scores: block maxima, the newest entry's block pinned, then that mask
     window_pool_ref      the step's window lists as rows of the ring and the fresh rows (int32)
     block_rows_ref       cache pool rows of (sequence, entry) pairs through the block tables
     compress_members_ref the ratio > 1 compressor's member rows: the step's rows or the carry ring's
@@ -428,6 +429,19 @@ def topk_block_mask_ref(b: torch.Tensor, k: int, block_size: int, width: int) ->
     top = topk_ids_ref(b, k)
     keep = torch.zeros_like(b, dtype=torch.bool).scatter_(-1, top, b.gather(-1, top) > -torch.inf)
     return keep[..., None].expand(*keep.shape, block_size).flatten(-2)[..., :width]    # repeat_interleave, no host read
+
+
+def candidate_blocks_ref(scores: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int,
+                         block_size: int) -> torch.Tensor:
+    """Level one of the two-level top-k (attention.select_candidate_blocks): scores [n, W] -> [n, W] bool.
+    Block score = max over its positions (-inf past W); the block holding entry compress_lens - 1 pinned
+    (+inf); topk_block_mask_ref of the row's min(topk_blocks, blocks) best."""
+    width = scores.size(-1)
+    b = torch.nn.functional.pad(scores, (0, -width % block_size), value=-torch.inf)
+    b = b.unflatten(-1, (-1, block_size)).amax(-1)
+    last = (compress_lens - 1).div(block_size, rounding_mode="floor")
+    b = b.masked_fill(torch.arange(b.size(-1), device=b.device) == last[:, None], torch.inf)
+    return topk_block_mask_ref(b, min(topk_blocks, b.size(-1)), block_size, width)
 
 
 def compress_members_ref(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: torch.Tensor,

@@ -1234,6 +1234,17 @@ def topk_block_mask(b: torch.Tensor, k: int, block_size: int, width: int) -> tor
     return _ref.topk_block_mask_ref(b, k, block_size, width)
 
 
+def candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
+    """Level one of the two-level top-k from the scores (reference.candidate_blocks_ref): one Triton program a
+    row (block maxima, the pin and the top-k) where the top-k kernel runs, else the torch ops."""
+    nb = -(-scores.shape[-1] // block_size) if scores.dim() == 2 else 0
+    if (_topk_fast_ok(scores, "candidate_blocks") and lens.shape == scores.shape[:1] and 0 < nb <= TOPK_MAX_WIDTH
+            and block_size <= 1024):
+        from .triton_topk import candidate_blocks as fast
+        return fast(scores, lens, k, block_size)
+    return _ref.candidate_blocks_ref(scores, lens, k, block_size)
+
+
 def hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False):
     if _fast_for(x, "hc_mixes_pre", x.shape[1] == 4 and x.shape[-1] % 64 == 0,    # 64-wide column chunks
                  "hc_mult 4 and dim a multiple of 64"):

@@ -7,6 +7,10 @@
     topk_block_mask(b [n, NB], k, block_size, width) -> [n, width] bool
         entry j kept iff its block j // block_size is among the row's k largest (ties to the lowest
         block) and scores above -inf
+    candidate_blocks(score [n, W], lens [n], k, block_size) -> [n, W] bool
+        attention.select_candidate_blocks in one launch: the block scores (each block's max, -inf past W)
+        and the pin of the block holding entry lens - 1 (+inf) made in the kernel, then topk_block_mask
+        (reference: candidate_blocks_ref; ~8 torch launches a step before)
 
 Dataflow: one program per row, the whole row in registers (BLOCK = next pow2 of E, masked). Each
 score becomes an int32 that orders like the float, order = bits ^ ((bits >> 31) & 0x7FFFFFFF): the
@@ -34,16 +38,29 @@ KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 @triton.jit
 def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_x, stride_c, stride_o,
                 BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, KEY_NINF: tl.constexpr, KEY_PINF: tl.constexpr,
-                HAS_CAND: tl.constexpr, HAS_LENS: tl.constexpr, EXPAND: tl.constexpr, EXPAND_P2: tl.constexpr):
+                HAS_CAND: tl.constexpr, HAS_LENS: tl.constexpr, EXPAND: tl.constexpr, EXPAND_P2: tl.constexpr,
+                BLOCK_MAX: tl.constexpr = False, score_width=0):
     """EXPAND == 0: the picks' ids ascending to out[row, :k] (int64), -1 where the score is not above
     -inf or (HAS_LENS) the id >= lens[row]. EXPAND > 0: keep = pick and score > -inf, for block i
     written to out[row, i*EXPAND : (i+1)*EXPAND] (bool as int8), columns < out_width. KEY_NINF /
     KEY_PINF: the keys of -inf / +inf, so "score > -inf" is a key range (NaN keys lie outside it)
-    and only the keys stay live through the search."""
+    and only the keys stay live through the search. BLOCK_MAX (EXPAND mode): x is a row of score_width
+    scores; element i is the max over its EXPAND scores, +inf for the block holding score lens[row] - 1."""
     row = tl.program_id(0).to(tl.int64)
     ids = tl.arange(0, BLOCK)
     valid = ids < width
-    x = tl.load(x_ptr + row * stride_x + ids, mask=valid, other=float("-inf"))
+    if BLOCK_MAX:
+        j2 = tl.arange(0, EXPAND_P2)
+        col = ids[:, None] * EXPAND + j2[None, :]
+        tile = tl.load(x_ptr + row * stride_x + col, mask=(j2[None, :] < EXPAND) & (col < score_width),
+                       other=float("-inf"))
+        x = tl.max(tile, axis=1).to(tile.dtype)                 # (a max is one of its values: exact)
+        n_ok = tl.load(lens_ptr + row)
+        last = tl.where(n_ok > 0, (n_ok - 1) // EXPAND, -1)
+        x = tl.where(ids == last, tl.full([BLOCK], float("inf"), x.dtype), x)
+        x = tl.where(valid, x, tl.full([BLOCK], float("-inf"), x.dtype))
+    else:
+        x = tl.load(x_ptr + row * stride_x + ids, mask=valid, other=float("-inf"))
     if HAS_CAND:
         c = tl.load(cand_ptr + row * stride_c + ids, mask=valid, other=0)
         x = tl.where(c != 0, x, tl.full([BLOCK], float("-inf"), x.dtype))
@@ -133,4 +150,22 @@ def topk_block_mask(b: torch.Tensor, k: int, block_size: int, width: int) -> tor
     topk_kernel[(n,)](b, b, b, out.view(torch.int8), nb, k, width, b.stride(0), 0, out.stride(0),
                       HAS_CAND=False, HAS_LENS=False, EXPAND=block_size,
                       EXPAND_P2=triton.next_power_of_2(block_size), **_launch_cfg(nb, b.dtype))
+    return out
+
+
+def candidate_blocks(score: torch.Tensor, lens: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
+    """score [n, W] float, lens [n] int -> [n, W] bool (reference.candidate_blocks_ref bit for bit)."""
+    assert score.dim() == 2 and score.dtype in KEY_BITS and lens.shape == score.shape[:1], (score.shape, lens.shape)
+    n, width = score.shape
+    nb = -(-width // block_size)
+    assert nb <= MAX_WIDTH and 0 <= k, (nb, k)
+    k = min(k, nb)
+    out = torch.empty(n, width, dtype=torch.bool, device=score.device)
+    if n == 0 or width == 0:
+        return out
+    score = _rows(score)
+    topk_kernel[(n,)](score, score, lens.contiguous(), out.view(torch.int8), nb, k, width, score.stride(0), 0,
+                      out.stride(0), HAS_CAND=False, HAS_LENS=False, EXPAND=block_size,
+                      EXPAND_P2=triton.next_power_of_2(block_size), BLOCK_MAX=True, score_width=width,
+                      **_launch_cfg(nb, score.dtype))
     return out

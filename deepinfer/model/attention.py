@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import ops
@@ -42,12 +41,9 @@ def select_candidate_blocks(scores: torch.Tensor, compress_lens: torch.Tensor, t
                             block_size: int) -> torch.Tensor:
     """Level one of the two-level top-k. scores [n, W] (unreachable already -inf). Block score = max
     over its positions; the block holding the query's newest entry is pinned in (+inf); keep the
-    top `topk_blocks`, dropping -inf picks. Returns a bool mask [n, W]."""
-    width = scores.size(-1)
-    b = F.pad(scores, (0, -width % block_size), value=-torch.inf).unflatten(-1, (-1, block_size)).amax(-1)
-    last = (compress_lens - 1) // block_size
-    b = b.masked_fill(torch.arange(b.size(-1), device=b.device) == last[:, None], torch.inf)
-    return ops.topk_block_mask(b, min(topk_blocks, b.size(-1)), block_size, width)     # no host read
+    top `topk_blocks`, dropping -inf picks. Returns a bool mask [n, W] (ops.candidate_blocks: one
+    kernel on a GPU; no host read)."""
+    return ops.candidate_blocks(scores, compress_lens, topk_blocks, block_size)
 
 
 class Compressor(nn.Module):

@@ -15,6 +15,7 @@ from deepinfer.kernels import (  # noqa: F401
 from deepinfer.kernels.grouped_rows import GroupedRows  # noqa: F401
 from deepinfer.kernels.select import (  # noqa: F401
     act_quant,
+    candidate_blocks,
     compress_members,
     dense_linear,
     dequant_fp8,

@@ -35,7 +35,7 @@ def main(ckpt: str) -> None:
     calls: dict[str, int] = {}
     wrapped = {}
     for name in ("act_quant", "fp4_quant", "sparse_attn", "hc_mixes_pre", "hc_post", "index_scores_paged", "index_scores_pool",
-                 "fp8_linear", "grouped_fp8_linear_masked", "rms_norm", "rope", "index_topk", "topk_block_mask",
+                 "fp8_linear", "grouped_fp8_linear_masked", "rms_norm", "rope", "index_topk", "candidate_blocks",
                  "engram_gate", "swiglu_quant", "pool_lists", "router_topk", "rms_norm_quant", "norm_rope_quant",
                  "rope_fp4_quant", "window_pool", "hc_pre_norm"):
         fn = getattr(select, name, None)
@@ -54,7 +54,7 @@ def main(ckpt: str) -> None:
     select.KERNELS = "ref"
     ref = run(model, prompt, 3)
     print("fast calls per op:", calls)
-    assert all(calls.get(n) for n in ("sparse_attn", "hc_post", "rms_norm", "rope", "index_topk", "topk_block_mask",
+    assert all(calls.get(n) for n in ("sparse_attn", "hc_post", "rms_norm", "rope", "index_topk", "candidate_blocks",
                                       "engram_gate", "norm_rope_quant", "rope_fp4_quant", "window_pool",
                                       "hc_pre_norm")), calls
     for i, (f, r) in enumerate(zip(fast, ref)):

@@ -1,4 +1,4 @@
-"""kernels/triton_topk.py (index_topk, topk_block_mask) against index_topk_ref / topk_block_mask_ref,
+"""kernels/triton_topk.py (index_topk, topk_block_mask, candidate_blocks) against their references,
 bit for bit (integer outputs: torch.equal, no tolerance).
 
 On the CPU the kernel runs under Triton's interpreter in a subprocess (this file as a script: the
@@ -120,8 +120,27 @@ def check_interpreted():
                 for k in sorted({0, 1, min(nb, 16), nb}):
                     for width in sorted({nb * bs, max(0, nb * bs - bs + 1)}):
                         _check_block_mask(b, k, bs, width)
+    check_candidate_blocks("cpu")
     check_dispatch_interpreted()
     print("ok")
+
+
+def check_candidate_blocks(device, widths=(1, 130, 2100)):
+    """candidate_blocks (the block maxima, the pin of the newest entry's block and the block top-k in one
+    program) against candidate_blocks_ref: ties, -inf runs, block sizes that do and do not divide the width,
+    lens 0 / inside / at / past the width, int32 and int64 lens, k 0 to every block."""
+    from deepinfer.kernels.reference import candidate_blocks_ref
+    from deepinfer.kernels.triton_topk import candidate_blocks
+    for dtype in DTYPES:
+        for width in widths if dtype == torch.bfloat16 else widths[1:2]:
+            for kind in ("ties", "ulps"):
+                x = _rows(5, width, dtype, kind, device, seed=width + 3)
+                for bs, ldt in ((1, torch.int64), (3, torch.int32), (8, torch.int64), (64, torch.int32)):
+                    nb = -(-width // bs)
+                    lens = _lens(5, width, device, seed=bs, dtype=ldt)
+                    for k in sorted({0, 1, min(nb, 4), nb}):
+                        got, ref = candidate_blocks(x, lens, k, bs), candidate_blocks_ref(x, lens, k, bs)
+                        assert got.dtype == torch.bool and torch.equal(got, ref), (dtype, width, kind, bs, k)
 
 
 def check_dispatch_interpreted():
@@ -192,6 +211,11 @@ def test_reference_rule_on_a_small_case():
     assert index_topk_ref(x[:1], torch.tensor([7]), 6).tolist() == [[0, 1, 2, 4, 5, 6]]
     assert index_topk_ref(x[:1, 4:], torch.tensor([3]), 2).tolist() == [[0, 1]]      # +0.0 above -0.0
     assert index_topk_ref(x[:1, [0, 6, 5]], torch.tensor([3]), 1).tolist() == [[0]]
+
+
+@pytest.mark.gpu
+def test_candidate_blocks_gpu():
+    check_candidate_blocks("cuda", widths=(1, 7, 130, 1000, 2100, 8192, 8192 + 77))
 
 
 @pytest.mark.gpu
