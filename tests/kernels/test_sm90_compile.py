@@ -1,0 +1,112 @@
+"""The day's Triton kernels compile for sm_90a (the H200) without a GPU: each wrapper runs on CPU tensors with its
+kernels swapped for recorders, and every recorded launch is specialized as Triton's JIT would and compiled with
+triton.compile for GPUTarget("cuda", 90) (perf/ptx_check.compile_call). The interpreter checks a kernel's
+arithmetic but not its compilation (layouts, reshapes, joins, masked loads of pointer tensors); this catches a
+kernel that cannot build on the device before any device is lent. FMA forms as on CUDA."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles for the GPU: not under the interpreter", allow_module_level=True)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+
+import ptx_check  # noqa: E402
+
+
+def _compile(module, names, call):
+    """Run call() with module's kernels `names` recorded, then compile each recorded launch for sm_90a."""
+    calls, saved = [], {n: getattr(module, n) for n in names}
+    try:
+        for n, fn in saved.items():
+            setattr(module, n, ptx_check._Recorder(fn, calls))
+        call()
+    finally:
+        for n, fn in saved.items():
+            setattr(module, n, fn)
+    assert calls, names
+    for fn, _grid, args, kw in calls:
+        kw = dict(kw)
+        if "FMA" in fn.arg_names:
+            kw["FMA"] = True
+        compiled = ptx_check.compile_call(fn, args, kw)
+        assert compiled.asm.get("cubin"), fn.__name__
+    return {fn.__name__ for fn, *_ in calls}
+
+
+def _cis(n, half=32):
+    ang = torch.rand(n, half)
+    return torch.polar(torch.ones_like(ang), ang)
+
+
+def test_norm_kernels():
+    from deepinfer.kernels import triton_hc_collapse, triton_norm, triton_norm_rope_quant
+    x = torch.randn(64, 5120).bfloat16()
+    _compile(triton_norm, ["rms_norm_kernel"], lambda: triton_norm.rms_norm_quant(x, torch.rand(5120), 1e-6))
+    kv = torch.randn(64, 512).bfloat16()
+    ring = torch.zeros(1024, 512).bfloat16()
+    _compile(triton_norm_rope_quant, ["norm_rope_quant_kernel"], lambda: triton_norm_rope_quant.norm_rope_quant(
+        kv, torch.rand(512), 1e-6, _cis(64), (ring, torch.arange(64))))
+    h = torch.randn(64, 4, 4096).bfloat16()
+    _compile(triton_hc_collapse, ["hc_pre_norm_kernel"], lambda: triton_hc_collapse.hc_pre_norm(
+        h, torch.rand(64, 4), torch.arange(64), torch.rand(4096), 1e-6))
+
+
+def test_sparse_attn_unrope():
+    from deepinfer.kernels import triton_sparse_attn as sa
+    q = torch.randn(64, 64, 512).bfloat16()
+    kv = torch.randn(4096, 512).bfloat16()
+    idx = torch.randint(0, 4096, (64, 640), dtype=torch.int32)
+    names = ["sparse_attn_kernel", "sparse_attn_combine_kernel"]
+    got = _compile(sa, names, lambda: sa.sparse_attn(q, kv, torch.randn(64), idx, 0.04, blocks_per_split=4,
+                                                      unrope=_cis(64)))
+    assert got == set(names)                                            # the split form and its combine
+    _compile(sa, names, lambda: sa.sparse_attn(q, (kv, kv[:64]), torch.randn(64), idx[:, :64], 0.04,
+                                               blocks_per_split=4, unrope=_cis(64)))
+
+
+def test_rope_fp4_and_lists():
+    from deepinfer.kernels import triton_lists, triton_quant, triton_rope_fp4
+    q = torch.randn(64, 64, 128).bfloat16()
+    _compile(triton_rope_fp4, ["rope_fp4_quant_kernel"], lambda: triton_rope_fp4.rope_fp4_quant(q, _cis(64), 32))
+    lat = torch.randn(16, 512).bfloat16()
+    pool = torch.zeros(256, 512).bfloat16()
+    _compile(triton_rope_fp4, ["rope_fp4_quant_kernel"], lambda: triton_rope_fp4.rope_fp4_quant(
+        lat, _cis(16), 16, torch.arange(16), pool))
+    _compile(triton_quant, ["fp4_quant_kernel"], lambda: triton_quant.fp4_quant(lat, 16))
+    win = torch.randint(-1, 200, (64, 128))
+    _compile(triton_lists, ["window_pool_kernel"], lambda: triton_lists.window_pool(win, torch.arange(150), 4096, 64))
+
+
+def test_candidate_blocks():
+    from deepinfer.kernels import triton_topk
+    s = torch.randn(64, 8192).bfloat16()
+    _compile(triton_topk, ["topk_kernel"], lambda: triton_topk.candidate_blocks(s, torch.full((64,), 8000), 16, 64))
+
+
+def test_engram_compress_indexer_kernels():
+    """The earlier glue kernels (written 2026-12-05 morning, also unmeasured): Engram's hash and rows, the
+    compressor's member gather, the indexer's decode scores through the block tables."""
+    from deepinfer.kernels import triton_compress, triton_engram, triton_indexer
+    from test_triton_engram import _hash_case
+    _compile(triton_engram, ["ngram_hash_kernel"], lambda: triton_engram.ngram_hash(*_hash_case("cpu", 1, 5, True)))
+    w8 = torch.randint(0, 120, (300, 256), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    sc = torch.randint(110, 140, (300, 8), dtype=torch.uint8)
+    _compile(triton_engram, ["engram_rows_kernel"], lambda: triton_engram.engram_rows(w8, sc, torch.randint(0, 300, (64,))))
+    G, ratio, D, ring_len = 16, 4, 512, 256
+    raw = [torch.randn(64, D) for _ in range(2)]
+    carry = [torch.randn(65 * ring_len, D) for _ in range(2)]
+    rows = torch.randint(-1, 64, (G, ratio))
+    _compile(triton_compress, ["compress_members_kernel"], lambda: triton_compress.compress_members(
+        *raw, *carry, rows, torch.where(rows < 0, 3, -1), torch.arange(64), torch.randint(0, 64, (G,)), ring_len))
+    q = torch.randn(64, 64, 128).bfloat16()
+    pool = torch.randn(4096, 128).bfloat16()
+    bt = torch.randint(0, 64, (64, 33), dtype=torch.int32)
+    _compile(triton_indexer, ["index_scores_decode_kernel"], lambda: triton_indexer.index_scores(
+        q, torch.randn(64, 64).bfloat16(), pool, torch.full((64,), 2000, dtype=torch.int32),
+        key_start=torch.arange(64), num_keys=2048, block_table=bt, entries_per_block=64))
