@@ -275,6 +275,9 @@ def masked_plan(expected_m: int) -> str:
             128: "fp8_moe_sm90_t128_rb1_p"}[bt]
 
 
+MASKED_SLAB_RULE = "slab rows per expert (C, the step's tokens) a multiple of 4"
+
+
 def masked_decline_reason(w: torch.Tensor, w_rows: torch.Tensor | None, device=None) -> str | None:
     """None where fp8_masked_moe_gemm takes the stack w [G, N, K] e4m3 with its row scales w_rows [G, N, 1]
     f32 (ExpertStacks.r13 / r2: the row-scaled stacks), else the rule it breaks."""
@@ -308,6 +311,10 @@ def fp8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_
     reason = masked_decline_reason(w, w_rows)
     if reason is not None:
         raise ValueError(f"fp8_masked_moe_gemm needs {reason}: w {tuple(w.shape)}")
+    if C % 4:
+        # H100, 2026-12-05: C = 5 with a busy expert 1 or 2 died with CUDA_ERROR_ILLEGAL_INSTRUCTION in every form
+        # (C 4 / 8 / 16 / 40 passed): an expert's scale columns start at g C, 16-byte aligned only for C % 4 == 0
+        raise ValueError(f"fp8_masked_moe_gemm needs {MASKED_SLAB_RULE}: C = {C}")
     assert masked_m.dtype == torch.int32 and masked_m.numel() == G and masked_m.is_contiguous()
     assert sa_t.shape[0] == k // 32 and sa_t.shape[1] >= G * C and sa_t.shape[1] % 4 == 0 \
         and sa_t.dtype == torch.float32 and sa_t.is_contiguous() and sa_t.data_ptr() % 16 == 0, (sa_t.shape, G, C)

@@ -937,6 +937,8 @@ def masked_moe_fp8_takes(x: torch.Tensor, w13: torch.Tensor, r13, w2: torch.Tens
         cuda_fp8_decode.masked_decline_reason(w2, r2, x.device)
     if reason is None and (x.shape[-1] % 32 or w2.shape[-1] % 32):
         reason = "dim and moe_inter_dim multiples of 32"
+    if reason is None and x.shape[0] % 4:                      # the slabs' capacity C is the step's tokens
+        reason = cuda_fp8_decode.MASKED_SLAB_RULE
     return _fast_for(x, "fp8_masked_moe_gemm", reason is None, reason or "", then="W8A16 (grouped_fp8_linear_masked)")
 
 

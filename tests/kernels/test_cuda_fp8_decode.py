@@ -216,3 +216,18 @@ def test_masked_reference_is_the_float64_product_on_ternary_data(G, C, n, k):
     assert not masked_equal(y, a, sa, w, rows_e, mm)
     for g, m in enumerate(mm.tolist()):
         assert not y[g, m:].any()
+
+
+def test_masked_form_refuses_unaligned_slabs():
+    """The CUDA masked form refuses slabs whose rows per expert are not a multiple of 4 (an expert's scale
+    columns start at g C; C = 5 crashed every form with an illegal instruction on the H100, 2026-12-05) before
+    touching a device, and select sends such steps to W8A16."""
+    from cuda_fp8_decode_checks import masked_operands, transposed_scales
+
+    from deepinfer.kernels import cuda_driver, cuda_fp8_decode
+    if cuda_driver.find_nvcc() is None:
+        pytest.skip("the rule is checked after the nvcc rule")
+    a, sa, w, rows_e, mm = masked_operands(4, 5, 64, 128, torch.Generator().manual_seed(0), "cpu")
+    with pytest.raises(ValueError, match="multiple of 4"):
+        cuda_fp8_decode.fp8_masked_moe_gemm(a, transposed_scales(sa), w, e8m0_to_float(rows_e).float().contiguous(),
+                                            mm, 5)

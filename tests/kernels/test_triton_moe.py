@@ -197,7 +197,7 @@ def test_masked_forward_equals_loop(fp8_models, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 7, 64, 128])
+@pytest.mark.parametrize("T", [1, 7, 8, 64, 128])
 def test_masked_fp8_moe_matches_w8a16_on_cuda(tiny_checkpoint, monkeypatch, T):
     """The masked MoE on the CUDA FP8 x FP8 form (FP8 dispatch and SwiGLU outputs, fp8_masked_moe_gemm on the
     row-scaled stacks) against the same layer on W8A16: the same products and scales, so equal but for
@@ -218,7 +218,8 @@ def test_masked_fp8_moe_matches_w8a16_on_cuda(tiny_checkpoint, monkeypatch, T):
         monkeypatch.setattr(select, "MOE_FP8_DECODE", "0")
         base = moe(x).float()
         monkeypatch.setattr(select, "MOE_FP8_DECODE", "1")
-        assert select.masked_moe_fp8_takes(x, st.w13, st.r13, st.w2, st.r2)
+        # the slabs' capacity is the step's tokens: a step of T % 4 != 0 declines to W8A16 (MASKED_SLAB_RULE)
+        assert select.masked_moe_fp8_takes(x, st.w13, st.r13, st.w2, st.r2) == (T % 4 == 0)
         fast = moe(x).float()
         assert torch.isfinite(fast).all()
         err = (fast - base).abs()
