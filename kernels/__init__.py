@@ -19,6 +19,7 @@ the reference with one log line. The model binds these names only through deepin
 from .reference import (  # noqa: F401
     act_quant_ref,
     dequant_fp4_ref,
+    hc_pre_ref,
     dequant_fp8_ref,
     e2m1_round,
     e8m0_to_float,

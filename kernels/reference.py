@@ -383,6 +383,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (weight.float() * xf).to(x.dtype)
 
 
+def hc_pre_ref(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """mHC collapse (Block.hc_pre): x [T, hc, d], pre [T, hc] -> sum over hc of pre * x in fp32, in x's dtype."""
+    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+
+
 def norm_rope_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torch.Tensor) -> torch.Tensor:
     """The attention's KV row (Attention.qkv): RMSNorm, RoPE on the last 2 * cis.shape[-1] dims, act_quant."""
     return act_quant_ref(rope_ref(rms_norm_ref(x, weight, eps), cis))

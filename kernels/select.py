@@ -1290,7 +1290,7 @@ def hc_pre_norm(x: torch.Tensor, pre: torch.Tensor, rows: torch.Tensor | None, w
             return fused.hc_pre_norm(x, pre, rows, weight, eps)
     if rows is not None:
         x, pre = x[rows], pre[rows]
-    return rms_norm((pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype), weight, eps)
+    return rms_norm(_ref.hc_pre_ref(x, pre), weight, eps)
 
 
 def rope_fp4_quant(x: torch.Tensor, cis: torch.Tensor, block: int, dst: torch.Tensor | None = None,

@@ -47,7 +47,7 @@ class Block(nn.Module):
 
     @staticmethod
     def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+        return ops.hc_pre(x, pre)
 
     @staticmethod
     def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

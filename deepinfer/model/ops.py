@@ -8,6 +8,7 @@ references. Weight formats (FP8 linears, FP4 experts) stay as the loader made th
 
 from deepinfer.kernels import (  # noqa: F401
     dequant_fp4_ref as dequant_fp4,
+    hc_pre_ref as hc_pre,
     e8m0_to_float,
     rope_freqs_ref as rope_freqs,
     topk_ids_ref as topk_ids,
