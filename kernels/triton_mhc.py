@@ -194,25 +194,14 @@ def hc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr
 @triton.jit
 def hc_reduce_sinkhorn_kernel(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
                               T, NC, inv_hd, norm_eps, iters, eps,
-                              NCP: tl.constexpr, MIXP: tl.constexpr, HC: tl.constexpr, BT: tl.constexpr):
+                              MIXP: tl.constexpr, HC: tl.constexpr, BT: tl.constexpr):
     """hc_mix_reduce_kernel and hc_sinkhorn_kernel as one launch (the mixes' "fused" tail): a program
-    sums BT tokens' column-chunk partials [BT, NC, MIXP] (one tree over the chunks per token, fixed by
-    NC and BT), applies the norm, writes the mixes to `mix` and reads them back after a barrier (the
-    same program's rows only) for the Sinkhorn pass. One launch fewer per sublayer: at decode sizes
-    the two kernels are launch-bound."""
+    sums BT tokens' column-chunk partials in chunk order, applies the norm, writes the mixes to `mix`
+    and runs the Sinkhorn pass on them (_last_tail, the "last" tail's code). One launch fewer per
+    sublayer: at decode sizes the two kernels are launch-bound."""
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
-    t_ok = rt < T
-    rc = tl.arange(0, NCP)
-    rj = tl.arange(0, MIXP)
-    c_ok = rc < NC
-    row = rc[None, :].to(tl.int64) * T + rt[:, None]                          # [BT, NCP]: partial row
-    ok = t_ok[:, None] & c_ok[None, :]
-    part = tl.load(mixp_ptr + row[:, :, None] * MIXP + rj[None, None, :], mask=ok[:, :, None], other=0.0)
-    sq = tl.sum(tl.load(sqp_ptr + row, mask=ok, other=0.0), axis=1)
-    rs = 1.0 / tl.sqrt_rn(sq * inv_hd + norm_eps)
-    tl.store(mix_ptr + rt[:, None] * MIXP + rj[None, :], tl.sum(part, axis=1) * rs[:, None], mask=t_ok[:, None])
-    tl.debug_barrier()                    # the rows just written, read back by other threads of this program
-    _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, t_ok, iters, eps, MIXP, HC)
+    _last_tail(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, rt < T, T, NC,
+               inv_hd, norm_eps, iters, eps, MIXP, HC)
 
 
 @triton.jit
@@ -502,7 +491,6 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     split3, stacked = v["dot"] == "bf16x3", v["dot"] == "bf16x3n"
     w = _fn_parts(fn) if split3 or stacked else fn.float().contiguous()
     mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
-    ncp = triton.next_power_of_2(nc)
     if v["tail"] == "last":
         pre, post, comb = _sinkhorn_outputs(T, hc, x.device)
         tiles = triton.cdiv(T, v["bt"])
@@ -525,14 +513,14 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                                                        num_warps=v["num_warps"], num_stages=v["num_stages"])
     if v["tail"] == "fused":
         pre, post, comb = _sinkhorn_outputs(T, hc, x.device)
-        bt = max(1, min(16, 8192 // (ncp * MIX_PAD)))             # ~64 partials a thread at 4 warps
+        bt = 16
         hc_reduce_sinkhorn_kernel[(triton.cdiv(T, bt),)](mixp, sqp, mixes, scale.float().contiguous(),
                                                          base.float().contiguous(), pre, post, comb, T, nc,
                                                          1.0 / (hc * d), norm_eps, iters, float(hc_eps),
-                                                         NCP=ncp, MIXP=MIX_PAD, HC=hc, BT=bt, num_warps=4)
+                                                         MIXP=MIX_PAD, HC=hc, BT=bt, num_warps=4)
     else:
-        hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=ncp, MIXP=MIX_PAD,
-                                   num_warps=4)
+        hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=triton.next_power_of_2(nc),
+                                   MIXP=MIX_PAD, num_warps=4)
         pre, post, comb = _sinkhorn_launch(mixes, MIX_PAD, scale, base, T, hc, iters, hc_eps)
     return (pre, post, comb, y) + ((avg,) if mean else ())
 
