@@ -439,11 +439,12 @@ def topk_block_mask_ref(b: torch.Tensor, k: int, block_size: int, width: int) ->
 def candidate_blocks_ref(scores: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int,
                          block_size: int) -> torch.Tensor:
     """Level one of the two-level top-k (attention.select_candidate_blocks): scores [n, W] -> [n, W] bool.
-    Block score = max over its positions (-inf past W); the block holding entry compress_lens - 1 pinned
+    Block score = max over its positions (-inf past W; a zero as +0.0); the block holding entry compress_lens - 1 pinned
     (+inf); topk_block_mask_ref of the row's min(topk_blocks, blocks) best."""
     width = scores.size(-1)
     b = torch.nn.functional.pad(scores, (0, -width % block_size), value=-torch.inf)
     b = b.unflatten(-1, (-1, block_size)).amax(-1)
+    b = b.masked_fill(b == 0, 0.0)          # a zero max as +0.0: which signed zero amax returns is its own choice
     last = (compress_lens - 1).div(block_size, rounding_mode="floor")
     b = b.masked_fill(torch.arange(b.size(-1), device=b.device) == last[:, None], torch.inf)
     return topk_block_mask_ref(b, min(topk_blocks, b.size(-1)), block_size, width)

@@ -106,7 +106,7 @@ BF16_AUTO_MIN_M = int(os.environ.get("DEEPINFER_BF16_AUTO_MIN_M", "256"))
 FP8_DECODE_MAX_M = int(os.environ.get("DEEPINFER_FP8_DECODE_MAX_M", "0"))
 # the masked MoE (decode) on the CUDA FP8 x FP8 form over the row-scaled FP8 stacks
 # (cuda_fp8_decode.fp8_masked_moe_gemm; FP8 dispatch and SwiGLU outputs) instead of W8A16: "1" on, "0" off
-MOE_FP8_DECODE = os.environ.get("DEEPINFER_MOE_FP8_DECODE", "0")
+MOE_FP8_DECODE = os.environ.get("DEEPINFER_MOE_FP8_DECODE", "1")
 # auto: the MoE's grouped contiguous GEMMs of at least this many token-expert rows dequantize the whole
 # expert stack to bf16 (exact, as the dense linears) and run one bf16 grouped GEMM (torch._grouped_mm)
 # instead of the CUDA FP8 x FP8 kernel; the dequant (3 bytes of traffic per stack element) pays only on

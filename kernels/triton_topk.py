@@ -45,7 +45,8 @@ def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_
     written to out[row, i*EXPAND : (i+1)*EXPAND] (bool as int8), columns < out_width. KEY_NINF /
     KEY_PINF: the keys of -inf / +inf, so "score > -inf" is a key range (NaN keys lie outside it)
     and only the keys stay live through the search. BLOCK_MAX (EXPAND mode): x is a row of score_width
-    scores; element i is the max over its EXPAND scores, +inf for the block holding score lens[row] - 1."""
+    scores; element i is the max over its EXPAND scores (a zero max as +0.0), +inf for the block holding score
+    lens[row] - 1."""
     row = tl.program_id(0).to(tl.int64)
     ids = tl.arange(0, BLOCK)
     valid = ids < width
@@ -55,6 +56,10 @@ def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_
         tile = tl.load(x_ptr + row * stride_x + col, mask=(j2[None, :] < EXPAND) & (col < score_width),
                        other=float("-inf"))
         x = tl.max(tile, axis=1).to(tile.dtype)                 # (a max is one of its values: exact)
+        # a block of signed zeros scores +0.0: which zero a max returns is the reduction's choice (the
+        # H100's tl.max and torch's amax differed), and the keys order -0.0 below +0.0 (compared in fp32:
+        # the interpreter holds bf16 as raw bits)
+        x = tl.where(x.to(tl.float32) == 0, tl.zeros([BLOCK], x.dtype), x)
         n_ok = tl.load(lens_ptr + row)
         last = tl.where(n_ok > 0, (n_ok - 1) // EXPAND, -1)
         x = tl.where(ids == last, tl.full([BLOCK], float("inf"), x.dtype), x)

@@ -141,6 +141,15 @@ def check_candidate_blocks(device, widths=(1, 130, 2100)):
                     for k in sorted({0, 1, min(nb, 4), nb}):
                         got, ref = candidate_blocks(x, lens, k, bs), candidate_blocks_ref(x, lens, k, bs)
                         assert got.dtype == torch.bool and torch.equal(got, ref), (dtype, width, kind, bs, k)
+    # blocks whose max is a zero tie whatever its sign (the lowest block wins): a max's choice between
+    # -0.0 and +0.0 is the reduction's own (the H100's tl.max and torch's amax differed). Block 1 is all
+    # -0.0 and block 2's max is +0.0: with signed keys block 2 would win.
+    for dtype in DTYPES:
+        z = torch.tensor([[-0.0, -0.0, -0.0, -0.0, -1.0, 0.0, -2.0, -1.0]], dtype=dtype, device=device)
+        lens = torch.tensor([2], device=device)                       # pins block 0
+        want = torch.tensor([[True, True, True, True, False, False, False, False]], device=device)
+        assert torch.equal(candidate_blocks_ref(z, lens, 2, 2), want)
+        assert torch.equal(candidate_blocks(z, lens, 2, 2), want)
 
 
 def check_dispatch_interpreted():
