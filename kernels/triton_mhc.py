@@ -65,7 +65,7 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
                         MEAN: tl.constexpr = False, SPLIT3: tl.constexpr = False, UPCAST: tl.constexpr = False,
                         STACKED: tl.constexpr = False, LAST: tl.constexpr = False, cnt_ptr=None, mix_ptr=None,
                         scale_ptr=None, base_ptr=None, pre_out=None, post_ptr=None, comb_ptr=None, NC=1,
-                        inv_hd=1.0, norm_eps=0.0, iters=1, eps=0.0):
+                        inv_hd=1.0, norm_eps=0.0, iters=1, eps=0.0, UNROLL: tl.constexpr = 1):
     """Grid (T/BT, d/CH): a program walks CH / BK column chunks of BK (a loop Triton can pipeline when
     num_stages > 1). The fp32 product: 3-pass tf32 (error ~ fp32's), or SPLIT3 (see _mix_dot). x [T, HC, d]
     bf16, fn [MIX, HC*d] f32 (SPLIT3: [3, MIX, HC*d] bf16), pre [T, HC] f32 -> partial mixes
@@ -130,23 +130,29 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
         if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu") == NC - 1:
             tl.debug_barrier()
             _last_tail(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_out, post_ptr, comb_ptr, rt, t_ok, T,
-                       NC, inv_hd, norm_eps, iters, eps, MIXP, HC)
+                       NC, inv_hd, norm_eps, iters, eps, MIXP, HC, UNROLL)
             tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")   # re-armed for the next launch
 
 
 @triton.jit
 def _last_tail(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, t_ok, T, NC,
-               inv_hd, norm_eps, iters, eps, MIXP: tl.constexpr, HC: tl.constexpr):
+               inv_hd, norm_eps, iters, eps, MIXP: tl.constexpr, HC: tl.constexpr, UNROLL: tl.constexpr):
     """Tokens rt's NC column-chunk partials summed chunk by chunk (.cg: read at L2, where the other
-    programs wrote them), the norm applied -> mix rows, then the Sinkhorn pass on them."""
+    programs wrote them), the norm applied -> mix rows, then the Sinkhorn pass on them. UNROLL chunks'
+    loads a turn, issued before their adds (one chunk a turn waited on L2 once per chunk: 80 chunks at
+    d 5,120 made the tail slower than the launches it replaced); the adds stay in chunk order, and a
+    masked chunk past NC adds +0.0 to a sum that started at +0.0 (no bit changes)."""
     rj = tl.arange(0, MIXP)
     acc = tl.zeros((rt.shape[0], MIXP), tl.float32)
     sq = tl.zeros((rt.shape[0],), tl.float32)
-    for c in range(0, NC):
-        row = c * T + rt.to(tl.int64)
-        acc += tl.load(mixp_ptr + row[:, None] * MIXP + rj[None, :], mask=t_ok[:, None], other=0.0,
-                       cache_modifier=".cg")
-        sq += tl.load(sqp_ptr + row, mask=t_ok, other=0.0, cache_modifier=".cg")
+    rt64 = rt.to(tl.int64)
+    for c0 in range(0, NC, UNROLL):
+        for u in tl.static_range(UNROLL):
+            row = (c0 + u) * T + rt64
+            ok = t_ok & (rt64 * 0 + (c0 + u) < NC)           # (a tensor compare: the interpreter masks no Python bool)
+            acc += tl.load(mixp_ptr + row[:, None] * MIXP + rj[None, :], mask=ok[:, None], other=0.0,
+                           cache_modifier=".cg")
+            sq += tl.load(sqp_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
     rs = 1.0 / tl.sqrt_rn(sq * inv_hd + norm_eps)
     tl.store(mix_ptr + rt[:, None] * MIXP + rj[None, :], acc * rs[:, None], mask=t_ok[:, None])
     tl.debug_barrier()                      # the rows just written, read back by other threads of this program
@@ -194,14 +200,14 @@ def hc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr
 @triton.jit
 def hc_reduce_sinkhorn_kernel(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
                               T, NC, inv_hd, norm_eps, iters, eps,
-                              MIXP: tl.constexpr, HC: tl.constexpr, BT: tl.constexpr):
+                              MIXP: tl.constexpr, HC: tl.constexpr, BT: tl.constexpr, UNROLL: tl.constexpr):
     """hc_mix_reduce_kernel and hc_sinkhorn_kernel as one launch (the mixes' "fused" tail): a program
     sums BT tokens' column-chunk partials in chunk order, applies the norm, writes the mixes to `mix`
     and runs the Sinkhorn pass on them (_last_tail, the "last" tail's code). One launch fewer per
     sublayer: at decode sizes the two kernels are launch-bound."""
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     _last_tail(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, rt < T, T, NC,
-               inv_hd, norm_eps, iters, eps, MIXP, HC)
+               inv_hd, norm_eps, iters, eps, MIXP, HC, UNROLL)
 
 
 @triton.jit
@@ -436,6 +442,13 @@ def _fn_parts(fn: torch.Tensor) -> torch.Tensor:
     return parts
 
 
+def _tail_unroll(bt: int, num_warps: int) -> int:
+    """Chunks a turn of _last_tail's loads: ~64 partial values a thread in flight (bt 16 at 4 warps: 16
+    chunks; bt 64: 4)."""
+    per_thread = max(1, bt * MIX_PAD // (32 * num_warps))
+    return max(1, min(16, 64 // per_thread))
+
+
 TILE_COUNTERS = 1 << 16          # token tiles a launch of the "last" tail may have (T <= 1M tokens at bt 16)
 _COUNTERS: dict = {}             # device -> int32 [TILE_COUNTERS], all zero between launches
 
@@ -502,6 +515,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                                          scale_ptr=scale.float().contiguous(), base_ptr=base.float().contiguous(),
                                          pre_out=pre, post_ptr=post, comb_ptr=comb, NC=nc, inv_hd=1.0 / (hc * d),
                                          norm_eps=float(norm_eps), iters=int(iters), eps=float(hc_eps),
+                                         UNROLL=_tail_unroll(v["bt"], v["num_warps"]),
                                          num_warps=v["num_warps"], num_stages=v["num_stages"])
         return (pre, post, comb, y) + ((avg,) if mean else ())
     # num_stages 1 (default): one column chunk per program leaves nothing to pipeline, and 3 stages at
@@ -517,7 +531,8 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
         hc_reduce_sinkhorn_kernel[(triton.cdiv(T, bt),)](mixp, sqp, mixes, scale.float().contiguous(),
                                                          base.float().contiguous(), pre, post, comb, T, nc,
                                                          1.0 / (hc * d), norm_eps, iters, float(hc_eps),
-                                                         MIXP=MIX_PAD, HC=hc, BT=bt, num_warps=4)
+                                                         MIXP=MIX_PAD, HC=hc, BT=bt, UNROLL=_tail_unroll(bt, 4),
+                                                         num_warps=4)
     else:
         hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=triton.next_power_of_2(nc),
                                    MIXP=MIX_PAD, num_warps=4)
