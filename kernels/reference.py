@@ -95,6 +95,49 @@ def fp4_quant_ref(x: torch.Tensor, block: int) -> torch.Tensor:
     return (e2m1_round((g / s).clamp(-FP4_MAX, FP4_MAX)) * s).flatten(-2).to(x.dtype)
 
 
+def fp4_rows_width(d: int) -> int:
+    """Bytes of one packed FP4 row of d values (fp4_pack_rows_ref): d / 2 code bytes and d / 32 E8M0 scale
+    bytes, padded to 16 so every row starts 16-byte aligned (d 128: 80 bytes against 256 in bf16)."""
+    assert d % 32 == 0, d
+    return -(-(d // 2 + d // 32) // 16) * 16
+
+
+def fp4_rows_dim(width: int) -> int:
+    """The d of fp4_rows_width(d) == width (17 bytes a 32 values, so each d has its own width)."""
+    d = next((32 * k for k in range(1, width + 1) if fp4_rows_width(32 * k) >= width), 0)
+    assert d and fp4_rows_width(d) == width, f"{width} bytes is no packed FP4 row's width"
+    return d
+
+
+def fp4_pack_rows_ref(r: torch.Tensor) -> torch.Tensor:
+    """r [..., d] values on the FP4 grid of fp4_quant_ref(block 32) (a power-of-two scale a 32-block) ->
+    uint8 [..., fp4_rows_width(d)]: byte j holds the e2m1 codes of values 2j (low nibble) and 2j + 1,
+    byte d / 2 + b the E8M0 exponent of block b's scale s = 2^ceil(log2(max(|r|max, 6 * 2^-126) / 6))
+    (from the values: every r / s is on the grid, so fp4_unpack_rows_ref returns r exactly, signed zeros
+    included). The indexer's keys live in the cache pool in this form."""
+    d = r.shape[-1]
+    g = r.float().unflatten(-1, (-1, 32))
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(6 * 2**-126) * torch.tensor(_INV6))
+    a = (g / s).abs()
+    code = torch.where(a < 2, a * 2, torch.where(a < 4, a + 2, a / 2 + 4)).to(torch.uint8)
+    code = (code | (torch.signbit(g).to(torch.uint8) << 3)).flatten(-2)
+    out = torch.zeros(*r.shape[:-1], fp4_rows_width(d), dtype=torch.uint8, device=r.device)
+    out[..., : d // 2] = code[..., 0::2] | (code[..., 1::2] << 4)
+    out[..., d // 2: d // 2 + d // 32] = ((s.squeeze(-1).view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    return out
+
+
+def fp4_unpack_rows_ref(p: torch.Tensor, d: int) -> torch.Tensor:
+    """fp4_pack_rows_ref's rows [..., fp4_rows_width(d)] uint8 -> the values [..., d] bf16 (exact)."""
+    b = p[..., : d // 2].to(torch.int32)
+    code = torch.stack((b & 0xF, b >> 4), -1).flatten(-2)                              # [..., d]
+    m = code & 7
+    mag = torch.where(m < 4, m * 0.5, torch.where(m < 6, m - 2.0, (m - 4) * 2.0))
+    s = (p[..., d // 2: d // 2 + d // 32].to(torch.int32) << 23).view(torch.float32)
+    v = mag.float() * s.repeat_interleave(32, -1)
+    return torch.where((code & 8) != 0, -v, v).bfloat16()
+
+
 def e8m0_to_float(raw: torch.Tensor) -> torch.Tensor:
     """Raw E8M0 bytes (uint8 / int8 / float8_e8m0fnu storage) -> float32 2^(b - 127)."""
     b = raw.view(torch.uint8).to(torch.int32)

@@ -1193,7 +1193,8 @@ def index_scores_paged(q, w, keys, seq_of, row_in_seq, max_q, lens, cu=None):
 
 def index_scores_pool(q, w, pool, block_tables, epb: int, E: int, seq_of, row_in_seq, max_q, lens, cu=None):
     """index_scores_paged with the keys left in the cache pool: pool [R, ID] of epb entries a block, each
-    sequence's entries 0..E-1 at reference.block_rows_ref(block_tables, epb, ...). The Triton kernel reads
+    sequence's entries 0..E-1 at reference.block_rows_ref(block_tables, epb, ...); a uint8 pool holds them
+    packed (reference.fp4_pack_rows_ref, unpacked to the same values). The Triton kernel reads
     them in place through the block table (no [B, E, ID] copy: at 8k context and batch 64 that copy was
     9% of the H200 decode step; no [B, E] row table either)."""
     if _fast_for(q, "index_scores", _index_shape_ok(q), _INDEX_RULE):
@@ -1203,7 +1204,10 @@ def index_scores_pool(q, w, pool, block_tables, epb: int, E: int, seq_of, row_in
                     runs=_index_runs(cu, max_q, q.shape[0], q.device))
     entries = torch.arange(E, device=pool.device).expand(block_tables.shape[0], -1)
     rows = _ref.block_rows_ref(block_tables, epb, entries)
-    return _ref.index_scores_paged_ref(q, w, pool[rows], seq_of, row_in_seq, max_q, lens)
+    keys = pool[rows]
+    if keys.dtype == torch.uint8:                                  # packed FP4 rows (fp4_pack_rows_ref)
+        keys = _ref.fp4_unpack_rows_ref(keys, q.shape[-1])
+    return _ref.index_scores_paged_ref(q, w, keys, seq_of, row_in_seq, max_q, lens)
 
 
 # Widest top-k row the Triton kernel holds in registers (triton_topk.MAX_WIDTH; not imported here:
@@ -1296,7 +1300,8 @@ def hc_pre_norm(x: torch.Tensor, pre: torch.Tensor, rows: torch.Tensor | None, w
 def rope_fp4_quant(x: torch.Tensor, cis: torch.Tensor, block: int, dst: torch.Tensor | None = None,
                    pool: torch.Tensor | None = None) -> torch.Tensor:
     """fp4_quant(rope(x, cis), block), a new tensor (x may be handed over: the composed form rotates it in
-    place); dst / pool: the rows also written to pool[dst]. One Triton kernel with the two kernels' bits
+    place); dst / pool: the rows also written to pool[dst] (packed where the pool is uint8: reference.
+    fp4_pack_rows_ref). One Triton kernel with the two kernels' bits
     (triton_rope_fp4) where its rules hold, else the two ops and the write."""
     if use_fast(x):
         from . import triton_rope_fp4 as fused
@@ -1304,7 +1309,7 @@ def rope_fp4_quant(x: torch.Tensor, cis: torch.Tensor, block: int, dst: torch.Te
             return fused.rope_fp4_quant(x, cis, block, dst, pool)
     out = fp4_quant(rope(x, cis, inplace=True), block)
     if pool is not None:
-        pool[dst] = out.to(pool.dtype)
+        pool[dst] = _ref.fp4_pack_rows_ref(out) if pool.dtype == torch.uint8 else out.to(pool.dtype)
     return out
 
 

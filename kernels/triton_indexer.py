@@ -32,6 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import fp4_rows_width
+from .triton_quant import _fp4_unpack_rows
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -47,15 +50,27 @@ def _key_rows(rows_ptr, kbase, re, e_ok, epb, nb, BLOCKED: tl.constexpr):
 
 
 @triton.jit
+def _load_keys(k_ptr, krow, e_ok, rd, ID: tl.constexpr, PACKED: tl.constexpr, KW: tl.constexpr):
+    """Key rows krow [BE] -> [BE, ID] bf16: plain bf16 rows, or PACKED uint8 rows of KW bytes
+    (reference.fp4_pack_rows_ref: the values exactly, a third of the bytes)."""
+    if PACKED:
+        k = _fp4_unpack_rows(k_ptr + krow * KW, e_ok, rd, ID)
+    else:
+        k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
+    return k
+
+
+@triton.jit
 def _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, epb, nb, ID: tl.constexpr, PAGED: tl.constexpr,
-                    UPCAST: tl.constexpr, BLOCKED: tl.constexpr = False):
+                    UPCAST: tl.constexpr, BLOCKED: tl.constexpr = False, PACKED: tl.constexpr = False,
+                    KW: tl.constexpr = 0):
     """q [rows, ID] against the key block re (pool rows _key_rows(...) when PAGED, else kbase + re):
     the fp32 dot rounded to bf16, relu'd (the reference's first rounding)."""
     if PAGED:
         krow = _key_rows(rows_ptr, kbase, re, e_ok, epb, nb, BLOCKED)
-        k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
     else:
-        k = tl.load(k_ptr + (kbase + re[:, None].to(tl.int64)) * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
+        krow = kbase + re.to(tl.int64)
+    k = _load_keys(k_ptr, krow, e_ok, rd, ID, PACKED, KW)
     if UPCAST:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:
@@ -68,7 +83,7 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, rows_ptr,
                         IH: tl.constexpr, ID: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                         HAS_LENS: tl.constexpr, UPCAST: tl.constexpr, PER_TOKEN_KEYS: tl.constexpr,
                         PAGED: tl.constexpr = False, tok_ptr=None, HAS_TOKENS: tl.constexpr = False,
-                        BLOCKED: tl.constexpr = False):
+                        BLOCKED: tl.constexpr = False, PACKED: tl.constexpr = False, KW: tl.constexpr = 0):
     """PER_TOKEN_KEYS (BT == 1): query t reads keys rows ks[t] .. ks[t] + E of a shared pool (one
     sequence's keys per decode token), else all queries share keys[0:E]. PAGED: those are entries of
     a row table, key e of query t is pool row rows[ks[t] + e] (the cache pool read in place, no
@@ -96,7 +111,8 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, rows_ptr,
     kbase = 0
     if PER_TOKEN_KEYS:
         kbase = tl.load(ks_ptr + pid_t).to(tl.int64) * ks_mul
-    s = _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, epb, nb, ID, PAGED, UPCAST, BLOCKED)   # [BT*IH, BE]
+    s = _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, epb, nb, ID, PAGED, UPCAST, BLOCKED,
+                        PACKED, KW)                                                     # [BT*IH, BE]
     w = tl.load(w_ptr + rq, mask=q_ok, other=0.0).to(tl.float32)
     s = (s * w[:, None]).to(tl.bfloat16).to(tl.float32)
     tot = tl.sum(tl.reshape(s, (BT, IH, BE)), axis=1)          # [BT, BE]
@@ -111,7 +127,8 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, rows_ptr,
 def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, rows_ptr, epb, nb, o_ptr, E, NB,
                                IH: tl.constexpr, ID: tl.constexpr, BE: tl.constexpr, HAS_LENS: tl.constexpr,
                                UPCAST: tl.constexpr, PAGED: tl.constexpr, STAGES: tl.constexpr,
-                               tok_ptr=None, HAS_TOKENS: tl.constexpr = False, BLOCKED: tl.constexpr = False):
+                               tok_ptr=None, HAS_TOKENS: tl.constexpr = False, BLOCKED: tl.constexpr = False,
+                               PACKED: tl.constexpr = False, KW: tl.constexpr = 0):
     """Per-token keys (index_scores_kernel's PER_TOKEN_KEYS form, BT == 1), one program per (query,
     run of NB key blocks): q [IH, ID] and w loaded once, the key blocks walked in a pipelined loop.
     Each block's arithmetic is index_scores_kernel's, step for step (same dot shape, roundings and
@@ -137,7 +154,8 @@ def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, ro
     for j in tl.range(0, n_live, num_stages=STAGES):
         re = (b0 + j) * BE + tl.arange(0, BE)
         e_ok = re < E
-        s = _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, epb, nb, ID, PAGED, UPCAST, BLOCKED)   # [IH, BE]
+        s = _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, epb, nb, ID, PAGED, UPCAST, BLOCKED,
+                            PACKED, KW)                                                 # [IH, BE]
         s = (s * w[:, None]).to(tl.bfloat16).to(tl.float32)
         tot = tl.sum(tl.reshape(s, (1, IH, BE)), axis=1)       # [1, BE], index_scores_kernel's tile
         if HAS_LENS:
@@ -153,7 +171,8 @@ def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, ro
 def index_scores_runs_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, rows_ptr, epb, nb, run_t0_ptr, run_n_ptr,
                              o_ptr, E,
                              IH: tl.constexpr, ID: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-                             UPCAST: tl.constexpr, PAGED: tl.constexpr, BLOCKED: tl.constexpr = False):
+                             UPCAST: tl.constexpr, PAGED: tl.constexpr, BLOCKED: tl.constexpr = False,
+                             PACKED: tl.constexpr = False, KW: tl.constexpr = 0):
     """Program (run r, key block): queries run_t0[r] .. + run_n[r] (<= BT, one sequence: they share
     key_start) against keys pid_e * BE .. + BE, with lens."""
     pid_r = tl.program_id(0)
@@ -177,8 +196,7 @@ def index_scores_runs_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, rows
             krow = _key_rows(rows_ptr, kbase, re, e_ok, epb, nb, BLOCKED)
         else:
             krow = kbase + re.to(tl.int64)
-        k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
-        kt = tl.trans(k)
+        kt = tl.trans(_load_keys(k_ptr, krow, e_ok, rd, ID, PACKED, KW))
         acc = tl.zeros((BT, BE), tl.float32)
         for h in range(IH):
             qh = tl.load(q_ptr + (rt[:, None] * IH + h) * ID + rd[None, :], mask=t_ok[:, None], other=0.0)
@@ -255,7 +273,9 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
     (no [B, E] row table: at batch 64 and 8k entries 4 MB written and read a step). runs (with
     key_start and lens): query_runs(cu) as device tensors (run starts, run lengths, other queries).
     blocks_per_program: key blocks per program of the per-token queries (the decode form; None:
-    decode_blocks_per_program, 0: index_scores_kernel, one block each); the same bits either way."""
+    decode_blocks_per_program, 0: index_scores_kernel, one block each); the same bits either way. keys
+    (or the pool) as uint8 rows of fp4_rows_width(ID) bytes: reference.fp4_pack_rows_ref's packed keys,
+    unpacked in the kernel to the same bf16 values (the same scores, a third of the bytes read)."""
     n, ih, idim = q.shape
     E = keys.shape[0] if key_start is None else num_keys
     out = torch.empty(n, E, dtype=torch.bfloat16, device=q.device)
@@ -274,6 +294,10 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
     rows_t = rows.contiguous() if paged else ks
     epb, nbt = (entries_per_block, block_table.shape[1]) if blocked else (1, 1)
     q, w, keys = q.contiguous(), w.contiguous(), keys.contiguous()
+    packed = keys.dtype == torch.uint8                  # rows of reference.fp4_pack_rows_ref
+    if packed:
+        assert keys.shape[-1] == fp4_rows_width(idim), (tuple(keys.shape), idim)
+    pk = dict(PACKED=packed, KW=keys.shape[-1] if packed else 0)
     grid_t, tokens = triton.cdiv(n, bt), None
     if runs is not None:
         assert key_start is not None and lens is not None, "runs score per-sequence keys under a causal length"
@@ -281,7 +305,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
         if run_t0.numel():
             index_scores_runs_kernel[(run_t0.numel(), triton.cdiv(E, be))](
                 q, w, keys, lens_t, ks, key_start_scale, rows_t, epb, nbt, run_t0, run_n, out, E, IH=ih, ID=idim,
-                BT=RUN_BT, BE=be, UPCAST=INTERPRET, PAGED=paged, BLOCKED=blocked, num_warps=RUN_WARPS)
+                BT=RUN_BT, BE=be, UPCAST=INTERPRET, PAGED=paged, BLOCKED=blocked, num_warps=RUN_WARPS, **pk)
         grid_t = tokens.numel()
     num_blocks = triton.cdiv(E, be)
     if grid_t and key_start is not None and blocks_per_program != 0:
@@ -290,12 +314,12 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
         index_scores_decode_kernel[(grid_t, triton.cdiv(num_blocks, nb))](
             q, w, keys, lens_t, ks, key_start_scale, rows_t, epb, nbt, out, E, nb, IH=ih, ID=idim, BE=be,
             HAS_LENS=lens is not None, UPCAST=INTERPRET, PAGED=paged, STAGES=DECODE_STAGES, tok_ptr=tokens,
-            HAS_TOKENS=tokens is not None, BLOCKED=blocked, num_warps=DECODE_WARPS)
+            HAS_TOKENS=tokens is not None, BLOCKED=blocked, num_warps=DECODE_WARPS, **pk)
     elif grid_t:
         index_scores_kernel[(grid_t, num_blocks)](
             q, w, keys, lens_t, ks, key_start_scale, rows_t, epb, nbt, out, n, E, IH=ih, ID=idim, BT=bt,
             BE=be, HAS_LENS=lens is not None, UPCAST=INTERPRET, PER_TOKEN_KEYS=key_start is not None, PAGED=paged,
-            tok_ptr=tokens, HAS_TOKENS=tokens is not None, BLOCKED=blocked, num_warps=4)
+            tok_ptr=tokens, HAS_TOKENS=tokens is not None, BLOCKED=blocked, num_warps=4, **pk)
     return out
 
 

@@ -132,6 +132,35 @@ def _fp4_round(x, BM: tl.constexpr, BK: tl.constexpr, BLOCK: tl.constexpr, MANUA
     return tl.reshape(q, (BM, BK))
 
 
+@triton.jit
+def _fp4_pack_rows(r, BM: tl.constexpr, D: tl.constexpr):
+    """r [BM, D] fp32 on the FP4 grid of 32-blocks with power-of-two scales -> (codes [BM, D / 2] uint8,
+    E8M0 scales [BM, D / 32] uint8): reference.fp4_pack_rows_ref's bytes (the scale from the values, the
+    sign bit kept for zeros)."""
+    g = tl.reshape(r, (BM, D // 32, 32))
+    s, inv = _pow2_ceil(tl.maximum(tl.max(tl.abs(g), axis=2), 6.0 * 2.0 ** -126) * (1.0 / 6.0))
+    a = tl.abs(g) * inv[:, :, None]
+    code = tl.where(a < 2.0, a * 2.0, tl.where(a < 4.0, a + 2.0, a * 0.5 + 4.0)).to(tl.int32)
+    code = tl.reshape(code | (((g.to(tl.int32, bitcast=True) >> 31) & 1) << 3), (BM, D // 2, 2))
+    lo, hi = tl.split(code)
+    return (lo | (hi << 4)).to(tl.uint8), ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _fp4_unpack_rows(row_ptr, rows_ok, rd, D: tl.constexpr):
+    """Packed rows at row_ptr [R] (fp4_pack_rows_ref's bytes) -> their values [R, D] bf16, exact; rows
+    past rows_ok read as zeros. Each code byte and scale byte is loaded once per value that uses it
+    (the repeats are L1 hits): no join or reshape of the nibbles."""
+    m2 = rows_ok[:, None]
+    b = tl.load(row_ptr[:, None] + (rd // 2)[None, :], mask=m2, other=0).to(tl.int32)
+    code = (b >> ((rd % 2) * 4)[None, :]) & 0xF
+    e = tl.load(row_ptr[:, None] + (D // 2 + rd // 32)[None, :], mask=m2, other=127).to(tl.int32)
+    m = (code & 7).to(tl.float32)
+    mag = tl.where(m < 4.0, m * 0.5, tl.where(m < 6.0, m - 2.0, (m - 4.0) * 2.0))
+    v = mag * (e << 23).to(tl.float32, bitcast=True)
+    return tl.where((code & 8) != 0, -v, v).to(tl.bfloat16)
+
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

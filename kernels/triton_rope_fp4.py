@@ -5,7 +5,9 @@ compressed entries' latents and index keys: Indexer.queries, Attention._compress
         = fp4_quant(rope(x, cis), block) of the two Triton kernels (triton_rope, triton_quant), bit for bit: the
         rotated pairs rounded to bf16 as rope stores them, then fp4_quant_kernel's block arithmetic; every row
         of x's middle dims (heads) takes its token's cis row
-        with pool [R, D] and dst [T] row ids (x 2-D): the rows also stored at pool[dst] (the pool's index_put)
+        with pool [R, D] and dst [T] row ids (x 2-D): the rows also stored at pool[dst] (the pool's index_put);
+        a uint8 pool [R, fp4_rows_width(D)] (block 32) gets them packed (reference.fp4_pack_rows_ref: the
+        indexer's keys, a third of the bytes)
 
 Why: two or three launches a compressed layer and an indexer layer each step for a few KB (H200, 2026-12-04:
 RoPE 47 us in 24 calls of a batch-64 step). Rules: D a power of two <= MAX_D, 2 * rd/2 <= D, rd/2 a power of
@@ -18,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_quant import INTERPRET, _fp4_round
+from .reference import fp4_rows_width
+from .triton_quant import INTERPRET, _fp4_pack_rows, _fp4_round
 from .triton_rope import _rotate
 
 MAX_D = 4096
@@ -27,7 +30,8 @@ MAX_D = 4096
 @triton.jit
 def rope_fp4_quant_kernel(x_ptr, cis_ptr, y_ptr, dst_ptr, pool_ptr, M, HEADS, stride_c,
                           D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                          FMA: tl.constexpr, MANUAL_RNE: tl.constexpr, HAS_POOL: tl.constexpr):
+                          FMA: tl.constexpr, MANUAL_RNE: tl.constexpr, HAS_POOL: tl.constexpr,
+                          PACKED: tl.constexpr = False, PW: tl.constexpr = 0):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, D)
     r_ok = rows < M
@@ -48,7 +52,15 @@ def rope_fp4_quant_kernel(x_ptr, cis_ptr, y_ptr, dst_ptr, pool_ptr, M, HEADS, st
     tl.store(y_ptr + rows64 * D + cols[None, :], out, mask=r_ok[:, None])
     if HAS_POOL:
         dst = tl.load(dst_ptr + rows, mask=r_ok, other=0).to(tl.int64)[:, None]
-        tl.store(pool_ptr + dst * D + cols[None, :], out, mask=r_ok[:, None])
+        if PACKED:                        # a uint8 pool of PW-byte rows (reference.fp4_pack_rows_ref)
+            codes, scales = _fp4_pack_rows(out.to(tl.float32), BLOCK_M, D)
+            tl.store(pool_ptr + dst * PW + tl.arange(0, D // 2)[None, :], codes, mask=r_ok[:, None])
+            tl.store(pool_ptr + dst * PW + D // 2 + tl.arange(0, D // 32)[None, :], scales, mask=r_ok[:, None])
+            pad = D // 2 + D // 32 + tl.arange(0, 16)            # the row's padding to 16 bytes: zeros
+            tl.store(pool_ptr + dst * PW + pad[None, :], tl.zeros((BLOCK_M, 16), tl.uint8),
+                     mask=r_ok[:, None] & (pad < PW)[None, :])
+        else:
+            tl.store(pool_ptr + dst * D + cols[None, :], out, mask=r_ok[:, None])
 
 
 def shape_ok(x: torch.Tensor, cis: torch.Tensor, block: int, dst=None, pool=None) -> bool:
@@ -57,9 +69,11 @@ def shape_ok(x: torch.Tensor, cis: torch.Tensor, block: int, dst=None, pool=None
           and block in (16, 32) and half & (half - 1) == 0 and 0 < 2 * half <= D and cis.dim() == 2
           and cis.dtype == torch.complex64 and cis.shape[0] == x.shape[0])
     if pool is not None:
-        ok = ok and (x.dim() == 2 and pool.dim() == 2 and pool.dtype == torch.bfloat16 and pool.shape[1] == D
-                     and pool.is_contiguous() and dst is not None and dst.shape == (x.shape[0],)
-                     and not dst.is_floating_point())
+        packed = pool.dtype == torch.uint8
+        ok = ok and (x.dim() == 2 and pool.dim() == 2 and pool.is_contiguous() and dst is not None
+                     and dst.shape == (x.shape[0],) and not dst.is_floating_point()
+                     and (pool.dtype == torch.bfloat16 and pool.shape[1] == D
+                          or packed and block == 32 and pool.shape[1] == fp4_rows_width(D)))
     return ok
 
 
@@ -78,5 +92,6 @@ def rope_fp4_quant(x: torch.Tensor, cis: torch.Tensor, block: int, dst: torch.Te
     rope_fp4_quant_kernel[(triton.cdiv(M, block_m),)](
         x2, cf, y, x2 if dst is None else dst.contiguous(), x2 if pool is None else pool, M, heads, cf.stride(0),
         D=D, HALF=cis.shape[-1], BLOCK=block, BLOCK_M=block_m, FMA=x.is_cuda, MANUAL_RNE=INTERPRET,
-        HAS_POOL=pool is not None, num_warps=4)
+        HAS_POOL=pool is not None, PACKED=pool is not None and pool.dtype == torch.uint8,
+        PW=pool.shape[1] if pool is not None else 0, num_warps=4)
     return y

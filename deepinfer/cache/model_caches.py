@@ -11,7 +11,9 @@ Three kinds, all explicit tensors handed to `Transformer.forward` (no hidden mod
                    same addressing, so a group of `ratio` positions that straddles two steps pools
                    correctly, also after a rollback.
   compressed pools per KV source: compressed KV [num_blocks, block_tokens // ratio, head_dim] and, for sources
-                   with an indexer, index keys [num_blocks, block_tokens // ratio, index_head_dim]. A
+                   with an indexer, index keys [num_blocks, block_tokens // ratio, fp4_rows_width(index_head_dim)]
+                   uint8 (packed FP4 rows: reference.fp4_pack_rows_ref; write_entries / read_entries
+                   pack and unpack them). A
                    sequence's block table row covers `block_tokens` token positions per block for every
                    source: entry j (covering positions j*ratio ..) is at
                    [block_table[j*ratio // block_tokens], j % (block_tokens // ratio)].
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kernels.reference import fp4_pack_rows_ref, fp4_rows_dim, fp4_rows_width, fp4_unpack_rows_ref
+
 
 @dataclass
 class ModelCaches:
@@ -38,7 +42,7 @@ class ModelCaches:
     carry_kv: dict[int, torch.Tensor]              # ratio>1 source -> [slots, RING, head_dim] fp32
     carry_score: dict[int, torch.Tensor]           # ratio>1 source -> [slots, RING, head_dim] fp32
     compressed_kv: dict[int, torch.Tensor]         # source -> [num_blocks, block_tokens // ratio, head_dim]
-    index_k: dict[int, torch.Tensor]               # source with indexer -> [num_blocks, block_tokens // ratio, index_head_dim]
+    index_k: dict[int, torch.Tensor]               # source with indexer -> [num_blocks, block_tokens // ratio, row bytes]
     ratios: dict[int, int]                         # source -> compress ratio
     # one ring slot and one pool block that no sequence owns (allocate(scratch=True)): the padding
     # rows of a static decode step (CUDA graphs) write there; -1 = none
@@ -64,7 +68,9 @@ class ModelCaches:
         carry_kv = {s: torch.zeros(num_ring_slots, ring, D, device=device) for s, r in ratios.items() if r > 1}
         carry_score = {s: torch.zeros(num_ring_slots, ring, D, device=device) for s, r in ratios.items() if r > 1}
         ckv = {s: torch.zeros(num_blocks, block_tokens // r, D, dtype=dtype, device=device) for s, r in ratios.items()}
-        ik = {s: torch.zeros(num_blocks, block_tokens // r, ID, dtype=dtype, device=device)
+        # index keys as packed FP4 rows (their values are FP4 in 32-blocks: reference.fp4_pack_rows_ref),
+        # a third of bf16's bytes to hold and to read each decode step
+        ik = {s: torch.zeros(num_blocks, block_tokens // r, fp4_rows_width(ID), dtype=torch.uint8, device=device)
               for s, r in ratios.items() if s in args.index_source_layers}
         return cls(ring, block_tokens, window, carry_kv, carry_score, ckv, ik, ratios,
                    scratch_slot=slots if scratch else -1, scratch_block=blocks if scratch else -1)
@@ -84,7 +90,7 @@ class ModelCaches:
             per = block_tokens // args.compress_ratios[s]
             total += per * args.head_dim * es
             if s in args.index_source_layers:
-                total += per * args.index_head_dim * es
+                total += per * fp4_rows_width(args.index_head_dim)
         return total
 
     # ---- access (used by the model) -----------------------------------------------------------
@@ -106,10 +112,14 @@ class ModelCaches:
     def write_entries(self, pool: dict[int, torch.Tensor], src: int, block_table: torch.Tensor,
                       entries: torch.Tensor, values: torch.Tensor) -> None:
         b, o = self._addr(src, block_table, entries)
-        pool[src][b, o] = values.to(pool[src].dtype)
+        if pool[src].dtype == torch.uint8:                   # packed FP4 rows (the index keys)
+            pool[src][b, o] = fp4_pack_rows_ref(values)
+        else:
+            pool[src][b, o] = values.to(pool[src].dtype)
 
     def read_entries(self, pool: dict[int, torch.Tensor], src: int, block_table: torch.Tensor,
                      num_entries: int) -> torch.Tensor:
         entries = torch.arange(num_entries, device=block_table.device)
         b, o = self._addr(src, block_table, entries)
-        return pool[src][b, o]
+        rows = pool[src][b, o]
+        return fp4_unpack_rows_ref(rows, fp4_rows_dim(rows.shape[-1])) if rows.dtype == torch.uint8 else rows

@@ -317,6 +317,8 @@ class Attention(nn.Module):
         keys = None
         for src in np.unique(owners).tolist():
             k = caches.index_k[src].flatten(0, 1)[meta.entry_rows(caches.entries_per_block(src), E)]
+            if k.dtype == torch.uint8:                                   # packed FP4 rows
+                k = ops.fp4_unpack_rows(k, self.args.index_head_dim)
             if keys is None:
                 keys = k
             else:

@@ -39,7 +39,7 @@ def check(device, shapes, nbs) -> int:
     """Per shape: the decode form at every NB in nbs (None: the host's choice) equals the old kernel's
     bits, paged and on the gathered copy, with and without lens; and the reference within tolerance."""
     from deepinfer.kernels import triton_indexer as ti
-    from deepinfer.kernels.reference import index_scores_paged_ref
+    from deepinfer.kernels.reference import fp4_pack_rows_ref, index_scores_paged_ref
     tol = 2e-2 if device == "cpu" else 5e-3          # the interpreter's fp32 dot against the CPU einsum
     n = 0
     for seed, (lens, E, ih, idim) in enumerate(shapes):
@@ -58,6 +58,12 @@ def check(device, shapes, nbs) -> int:
                                                      blocks_per_program=0)), (lens, E)
         paged = ti.index_scores(q, w, pool, ln, key_start=ks, num_keys=E, rows=rows.flatten())
         assert torch.equal(paged, gathered), (lens, E)
+        # the cache's packed FP4 rows (reference.fp4_pack_rows_ref) give the bf16 rows' bits in every form
+        packed = fp4_pack_rows_ref(pool)
+        for nb in (0, None):
+            assert torch.equal(ti.index_scores(q, w, packed, ln, key_start=ks, num_keys=E, rows=rows.flatten(),
+                                               blocks_per_program=nb), paged), (lens, E, nb, "packed")
+        assert torch.equal(ti.index_scores(q, w, packed[rows].flatten(0, 1), ln, key_start=ks, num_keys=E), gathered)
         ref = index_scores_paged_ref(q, w, pool[rows], seq_of, torch.zeros_like(seq_of), 1, ln)
         fin = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(paged), fin), (lens, E)

@@ -42,13 +42,18 @@ def case(q_lens, E, ih, idim, device, seed):
 
 def check(device, shapes) -> int:
     from deepinfer.kernels import triton_indexer as ti
-    from deepinfer.kernels.reference import index_scores_paged_ref
+    from deepinfer.kernels.reference import fp4_pack_rows_ref, index_scores_paged_ref
     n, tol = 0, 2e-2 if device == "cpu" else 5e-3     # the interpreter's fp32 dot against the CPU einsum
     for seed, (q_lens, E, ih, idim) in enumerate(shapes):
         cu, q, w, pool, rows, seq_of, row_in_seq, lens = case(q_lens, E, ih, idim, device, seed)
         runs = tuple(torch.from_numpy(a).to(device) for a in ti.query_runs(cu))
         got = ti.index_scores(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten(), runs=runs)
         per_token = ti.index_scores(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten())
+        packed = fp4_pack_rows_ref(pool)            # the cache's packed FP4 rows: the same bits in both forms
+        assert torch.equal(got, ti.index_scores(q, w, packed, lens, key_start=seq_of * E, num_keys=E,
+                                                rows=rows.flatten(), runs=runs))
+        assert torch.equal(per_token, ti.index_scores(q, w, packed, lens, key_start=seq_of * E, num_keys=E,
+                                                      rows=rows.flatten()))
         # select.index_scores_pool's form: the product in the kernel, int32 lens read as they are
         assert torch.equal(got, ti.index_scores(q, w, pool, lens.to(torch.int32), key_start=seq_of, key_start_scale=E,
                                                 num_keys=E, rows=rows.flatten(), runs=runs))

@@ -123,7 +123,7 @@ def test_index_scores_pool_reads_through_block_tables(B, E, epb):
     """select.index_scores_pool (the model's path): keys read through the block tables, the rows computed
     in the kernel, give the row table's bits (reference.block_rows_ref), with unallocated blocks and a
     table narrower than E; int32 and int64 lens alike."""
-    from deepinfer.kernels.reference import block_rows_ref
+    from deepinfer.kernels.reference import block_rows_ref, fp4_pack_rows_ref
     from deepinfer.kernels.select import index_scores_pool
     from deepinfer.kernels.triton_indexer import index_scores
     width = max(1, (E - 1) // epb)                 # one column short: the last one serves the tail
@@ -140,6 +140,8 @@ def test_index_scores_pool_reads_through_block_tables(B, E, epb):
     for ln in (lens, lens.to(torch.int32)):
         got = index_scores_pool(q, w, pool, bt, epb, E, seq_of, torch.zeros_like(seq_of), 1, ln)
         assert torch.equal(got, want)
+    packed = fp4_pack_rows_ref(pool)                 # the cache's form: packed FP4 rows, the same bits
+    assert torch.equal(index_scores_pool(q, w, packed, bt, epb, E, seq_of, torch.zeros_like(seq_of), 1, lens), want)
 
 
 # ---- hc_mixes_pre launch variants (triton_mhc.mix_variant; perf/bench_mhc_variants.py times them) ----

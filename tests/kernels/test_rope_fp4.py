@@ -24,6 +24,7 @@ def _case(T, heads, D, half, device, seed):
 
 def check(device, shapes=SHAPES):
     from deepinfer.kernels import select, triton_quant, triton_rope
+    from deepinfer.kernels.reference import fp4_pack_rows_ref, fp4_rows_width, fp4_unpack_rows_ref
     from deepinfer.kernels.triton_rope_fp4 import rope_fp4_quant, shape_ok
     for seed, (T, heads, D, half, block, write) in enumerate(shapes):
         x, cis = _case(T, heads, D, half, device, seed)
@@ -43,6 +44,17 @@ def check(device, shapes=SHAPES):
             pool2 = before.clone()
             out2 = select.rope_fp4_quant(x.clone(), cis, block, dst, pool2)     # the kernel on a GPU, else the ops
             assert torch.equal(pool2[dst], out2) and torch.equal(pool2[others], before[others])
+            if block == 32:                           # the cache's index keys: packed FP4 rows
+                packed = torch.randint(0, 256, (pool.shape[0], fp4_rows_width(D)), dtype=torch.uint8, device=device)
+                p_before = packed.clone()
+                assert shape_ok(x, cis, block, dst, packed)
+                rope_fp4_quant(x, cis, block, dst, packed)
+                assert torch.equal(packed[dst], fp4_pack_rows_ref(got)), (T, D, "packed")
+                assert torch.equal(fp4_unpack_rows_ref(packed[dst], D).view(torch.int16), got.view(torch.int16))
+                assert torch.equal(packed[others], p_before[others])
+                packed2 = p_before.clone()
+                out2 = select.rope_fp4_quant(x.clone(), cis, block, dst, packed2)
+                assert torch.equal(packed2[dst], fp4_pack_rows_ref(out2)) and torch.equal(packed2[others], p_before[others])
     assert not shape_ok(x[..., :48], cis, 16) and not shape_ok(x, cis, 8)
 
 

@@ -123,3 +123,29 @@ def test_mhc_last_tail():
             x, fn, scale, base, pre, 20, 1e-6, 1e-20, tail="last"))
         _compile(triton_mhc, ["hc_mixes_pre_kernel", "hc_reduce_sinkhorn_kernel"], lambda: triton_mhc.hc_mixes_pre(
             x, fn, scale, base, pre, 20, 1e-6, 1e-20, tail="fused"))
+
+
+def test_packed_index_keys():
+    """The index keys as packed FP4 rows (the cache's form): the RoPE + FP4 kernel's packing pool write and the
+    three score kernels' unpacking loads."""
+    import numpy as np
+    from deepinfer.kernels import triton_indexer, triton_rope_fp4
+    from deepinfer.kernels.reference import fp4_rows_width
+    k = torch.randn(64, 128).bfloat16()
+    pool = torch.zeros(4096, fp4_rows_width(128), dtype=torch.uint8)
+    _compile(triton_rope_fp4, ["rope_fp4_quant_kernel"], lambda: triton_rope_fp4.rope_fp4_quant(
+        k, _cis(64), 32, torch.arange(64), pool))
+    q = torch.randn(64, 64, 128).bfloat16()
+    w = torch.randn(64, 64).bfloat16()
+    bt = torch.randint(0, 64, (64, 33), dtype=torch.int32)
+    lens = torch.full((64,), 2000, dtype=torch.int32)
+    _compile(triton_indexer, ["index_scores_decode_kernel"], lambda: triton_indexer.index_scores(
+        q, w, pool, lens, key_start=torch.arange(64), num_keys=2048, block_table=bt, entries_per_block=64))
+    _compile(triton_indexer, ["index_scores_kernel"], lambda: triton_indexer.index_scores(
+        q, w, pool, lens, key_start=torch.arange(64), num_keys=2048, block_table=bt, entries_per_block=64,
+        blocks_per_program=0))
+    cu = np.array([0, 64])
+    runs = tuple(torch.from_numpy(a) for a in triton_indexer.query_runs(cu))
+    _compile(triton_indexer, ["index_scores_runs_kernel"], lambda: triton_indexer.index_scores(
+        q, w, pool, torch.arange(64, dtype=torch.int32) // 4 + 1, key_start=torch.zeros(64, dtype=torch.int64),
+        num_keys=2048, block_table=bt[:1], entries_per_block=64, runs=runs))
