@@ -54,7 +54,7 @@ def _load_keys(k_ptr, krow, e_ok, rd, ID: tl.constexpr, PACKED: tl.constexpr, KW
     """Key rows krow [BE] -> [BE, ID] bf16: plain bf16 rows, or PACKED uint8 rows of KW bytes
     (reference.fp4_pack_rows_ref: the values exactly, a third of the bytes)."""
     if PACKED:
-        k = _fp4_unpack_rows(k_ptr + krow * KW, e_ok, rd, ID)
+        k = _fp4_unpack_rows(k_ptr + krow * KW, e_ok, ID)
     else:
         k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
     return k
