@@ -18,7 +18,10 @@ bits; writes indexer_decode.json. Without CUDA and with TRITON_INTERPRET=1: the 
 the CPU (small sizes).
 
     python perf/bench_indexer.py --decode-batches 1 16 64 128 --ctx 8192 --graph-entries 4096 --ratio 2 \
-        [--heads 64] [--head-dim 128] [--nb auto 4 8 16] [--stages 3] [--warps 4]
+        [--heads 64] [--head-dim 128] [--nb auto 4 8 16] [--stages 3] [--warps 4] [--packed]
+
+--packed: also the host's form on the keys as packed FP4 rows (the cache's form under
+ModelArgs.index_k_packed; bytes counted as the packed rows), same bits as the bf16 rows required.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchutil import copies_for, measure_ceilings, save_json, time_calls, time_eager  # noqa: E402
+from deepinfer.kernels.reference import fp4_pack_rows_ref, fp4_quant_ref, fp4_rows_width  # noqa: E402
 
 IH, ID = 32, 128
 FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
@@ -45,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=["64x4", "64x8", "128x8", "32x4"], help="run height x warps")
     p.add_argument("--ratio", type=int, default=2,
                    help="compression ratio of the scored layer (the release's index layers: 2 and 1; 4 in the first run)")
+    p.add_argument("--packed", action="store_true",
+                   help="decode mode: also the keys as the cache's packed FP4 rows (ModelArgs.index_k_packed)")
     p.add_argument("--decode-batches", nargs="+", type=int, default=None,
                    help="decode mode: these batch sizes (one query per request) instead of the prefill cases")
     p.add_argument("--ctx", type=int, default=8192, help="decode: tokens of context per request")
@@ -121,7 +127,7 @@ def decode_case(B: int, ctx: int, ratio: int, graph_entries: int | None, ih: int
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, ih, idim, generator=g).bfloat16()
     w = (torch.randn(B, ih, generator=g) * 0.02).bfloat16()
-    pool = torch.randn(B * E + 7, idim, generator=g).bfloat16()
+    pool = fp4_quant_ref(torch.randn(B * E + 7, idim, generator=g).bfloat16(), 32)     # the keys' values: FP4
     rows = torch.randperm(B * E + 7, generator=g)[:B * E]
     lens = (live - torch.randint(0, min(128, live), (B,), generator=g)).clamp(0, E).to(torch.int32)
     to = lambda t: t.to(device)  # noqa: E731
@@ -186,6 +192,17 @@ def decode(a: argparse.Namespace) -> None:
             rows_out.append(dict(batch=B, E=E, form=name, nb=nb_used, stages=st, warps=wp, us=t and t * 1e6,
                                  bytes=nbytes, of_copy=t and nbytes / t / copy_bw, new_over_old=t and t / t_old,
                                  same_bits=same))
+        if a.packed:        # the cache's packed FP4 rows (ModelArgs.index_k_packed): the host's form on them
+            pk = [((x[0], x[1], fp4_pack_rows_ref(x[2]), x[3]), kw_) for x, kw_ in sets]
+            new = ti.index_scores(*pk[0][0], **pk[0][1])
+            same = torch.equal(new, old)
+            all_same &= same
+            t = time_calls([lambda s=s: ti.index_scores(*s[0], **s[1]) for s in pk]) if cuda else None
+            pbytes = nbytes - int(args[3].sum()) * (args[2].shape[1] * 2 - fp4_rows_width(args[2].shape[1]))
+            timing = (f"{t * 1e6:8.1f} us  {pbytes / t / copy_bw:5.2f} of copy  {t / t_old:5.2f}x old" if cuda else "")
+            print(f"{head} {'packed keys':<18}         {timing}  {'same bits' if same else 'BITS DIFFER'}", flush=True)
+            rows_out.append(dict(batch=B, E=E, form="packed", us=t and t * 1e6, bytes=pbytes,
+                                 of_copy=t and pbytes / t / copy_bw, new_over_old=t and t / t_old, same_bits=same))
     path = save_json("indexer_decode.json", dict(rows=rows_out, copy_bw=copy_bw, ctx=a.ctx, ratio=a.ratio,
                                                  graph_entries=a.graph_entries, heads=a.heads, head_dim=a.head_dim,
                                                  device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)"))

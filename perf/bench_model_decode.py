@@ -26,6 +26,7 @@ dispatch/combine, DSpark drafting and Engram lookups are not in it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -180,6 +181,9 @@ def main() -> None:
     p.add_argument("--moe-paths", nargs="+", default=["default"], choices=["default", "w8a16", "fp8"],
                    help="the masked MoE's GEMMs compared in one run: W8A16 or the CUDA FP8 x FP8 masked form "
                         "(select.MOE_FP8_DECODE; default: as configured)")
+    p.add_argument("--index-k", nargs="+", default=["bf16"], choices=["bf16", "packed"],
+                   help="the cache's index keys compared in one run: bf16 rows or packed FP4 rows "
+                        "(ModelArgs.index_k_packed)")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights made on the device from the preset's config (no checkpoint)")
     a = p.parse_args()
@@ -203,8 +207,13 @@ def main() -> None:
     copy_bw = ceil["copy_bw"]
     block_tokens, max_len = 64, a.ctx + 64
     bmax = max(a.batches)
-    caches = ModelCaches.allocate(model.args, bmax, bmax * -(-max_len // block_tokens), block_tokens, "cuda",
-                                  scratch=True)
+    def allocate(index_k: str):
+        args = dataclasses.replace(model.args, index_k_packed=index_k == "packed")
+        return ModelCaches.allocate(args, bmax, bmax * -(-max_len // block_tokens), block_tokens, "cuda",
+                                    scratch=True)
+
+    caches_of = {k: allocate(k) for k in a.index_k}
+    caches = caches_of[a.index_k[0]]
     # the head alone (bf16 or FP8 [V, dim]): subtracted to get the per-layer time
     rows = []
     print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'graph x':>8} {'MB':>8} {'of copy':>8} "
@@ -213,9 +222,10 @@ def main() -> None:
     mhc = mhc_variants(a.mhc_variants)
     tables = [None if t == "default" else t for t in (a.skinny_tables or ["default"])]
     moes = a.moe_paths
-    runs = [(B, mi, ti, oi) for B in a.batches for mi in range(len(mhc)) for ti in range(len(tables))
-            for oi in range(len(moes))]
-    for B, mi, ti, oi in runs:
+    runs = [(B, mi, ti, oi, ki) for B in a.batches for mi in range(len(mhc)) for ti in range(len(tables))
+            for oi in range(len(moes)) for ki in a.index_k]
+    for B, mi, ti, oi, ki in runs:
+        caches = caches_of[ki]
         with torch.inference_mode(), use_mhc_variant(triton_mhc.DECODE_VARIANT, mhc[mi]), \
                 use_skinny_table(tables[ti]), use_moe_path(moes[oi]):
             step = decode_step(model, caches, B, a.ctx, max_len, block_tokens)
@@ -227,20 +237,22 @@ def main() -> None:
         frac = nb["total"] / graph / copy_bw
         layer = (graph - head) / model.args.n_layers
         ep8_step = FULL_LAYERS * layer + head
-        row = dict(batch=B, mhc_variant=mhc[mi], skinny_table=tables[ti], moe_path=moes[oi], eager_ms=eager * 1e3,
+        row = dict(batch=B, mhc_variant=mhc[mi], skinny_table=tables[ti], moe_path=moes[oi], index_k=ki,
+                   eager_ms=eager * 1e3,
                    graph_ms=graph * 1e3,
                    graph_speedup=eager / graph,
                    bytes=nb, of_copy=frac, head_ms=head * 1e3, layer_us=layer * 1e6,
                    ep8_tok_s_per_gpu=B / ep8_step)
         rows.append(row)
         tag = ('' if len(mhc) == 1 else f' m{mi}') + ('' if len(tables) == 1 else f' t{ti}') + \
-            ('' if len(moes) == 1 else f' {moes[oi]}')
+            ('' if len(moes) == 1 else f' {moes[oi]}') + ('' if len(a.index_k) == 1 else f' {ki}')
         print(f"{B:>5}{tag} {eager * 1e3:>9.2f} {graph * 1e3:>9.2f} {eager / graph:>8.2f} {nb['total'] / 1e6:>8.0f} "
               f"{frac:>8.2f} {head * 1e3:>8.2f} {layer * 1e6:>9.0f} {B / ep8_step:>14.0f}", flush=True)
     save_json("model_decode.json", dict(checkpoint=ckpt, ctx=a.ctx, ceilings=ceil, rows=rows))
     if len(tables) > 1:
         print("skinny tables: " + ", ".join(f"t{i} {t if t is not None else 'default'!r}" for i, t in enumerate(tables)))
-    plot([r for r in rows if r["mhc_variant"] == mhc[0] and r["skinny_table"] == tables[0] and r["moe_path"] == moes[0]],
+    plot([r for r in rows if r["mhc_variant"] == mhc[0] and r["skinny_table"] == tables[0] and r["moe_path"] == moes[0]
+          and r["index_k"] == a.index_k[0]],
          os.path.join(out_dir(), "model_decode.png"))
     if a.profile:
         with torch.inference_mode():

@@ -11,9 +11,9 @@ Three kinds, all explicit tensors handed to `Transformer.forward` (no hidden mod
                    same addressing, so a group of `ratio` positions that straddles two steps pools
                    correctly, also after a rollback.
   compressed pools per KV source: compressed KV [num_blocks, block_tokens // ratio, head_dim] and, for sources
-                   with an indexer, index keys [num_blocks, block_tokens // ratio, fp4_rows_width(index_head_dim)]
-                   uint8 (packed FP4 rows: reference.fp4_pack_rows_ref; write_entries / read_entries
-                   pack and unpack them). A
+                   with an indexer, index keys [num_blocks, block_tokens // ratio, index_head_dim], or with
+                   ModelArgs.index_k_packed [.., fp4_rows_width(index_head_dim)] uint8 (packed FP4 rows:
+                   reference.fp4_pack_rows_ref; write_entries / read_entries pack and unpack them). A
                    sequence's block table row covers `block_tokens` token positions per block for every
                    source: entry j (covering positions j*ratio ..) is at
                    [block_table[j*ratio // block_tokens], j % (block_tokens // ratio)].
@@ -68,9 +68,10 @@ class ModelCaches:
         carry_kv = {s: torch.zeros(num_ring_slots, ring, D, device=device) for s, r in ratios.items() if r > 1}
         carry_score = {s: torch.zeros(num_ring_slots, ring, D, device=device) for s, r in ratios.items() if r > 1}
         ckv = {s: torch.zeros(num_blocks, block_tokens // r, D, dtype=dtype, device=device) for s, r in ratios.items()}
-        # index keys as packed FP4 rows (their values are FP4 in 32-blocks: reference.fp4_pack_rows_ref),
-        # a third of bf16's bytes to hold and to read each decode step
-        ik = {s: torch.zeros(num_blocks, block_tokens // r, fp4_rows_width(ID), dtype=torch.uint8, device=device)
+        # index keys in dtype, or (ModelArgs.index_k_packed) as packed FP4 rows: their values are FP4 in
+        # 32-blocks (reference.fp4_pack_rows_ref), in under a third of bf16's bytes
+        ik_shape, ik_dtype = ((fp4_rows_width(ID), torch.uint8) if args.index_k_packed else (ID, dtype))
+        ik = {s: torch.zeros(num_blocks, block_tokens // r, ik_shape, dtype=ik_dtype, device=device)
               for s, r in ratios.items() if s in args.index_source_layers}
         return cls(ring, block_tokens, window, carry_kv, carry_score, ckv, ik, ratios,
                    scratch_slot=slots if scratch else -1, scratch_block=blocks if scratch else -1)
@@ -90,7 +91,7 @@ class ModelCaches:
             per = block_tokens // args.compress_ratios[s]
             total += per * args.head_dim * es
             if s in args.index_source_layers:
-                total += per * fp4_rows_width(args.index_head_dim)
+                total += per * (fp4_rows_width(args.index_head_dim) if args.index_k_packed else args.index_head_dim * es)
         return total
 
     # ---- access (used by the model) -----------------------------------------------------------

@@ -208,3 +208,27 @@ def test_dense_weights_bf16_matches_fp8_on_cuda(tiny_engine_args):
     for a, b in zip(res["fp8"], res["bf16"]):
         assert a.token_ids[:6] == b.token_ids[:6]
         np.testing.assert_allclose(b.logits, a.logits, atol=0.05 * float(a.logits.std()))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_packed_index_keys_give_the_same_logits(tiny_engine_args, device):
+    """ModelArgs.index_k_packed (EngineArgs.model_overrides): the cache holds the index keys as packed FP4 rows
+    and every reader unpacks them to the values the bf16 pool held, so teacher-forced logits are bit for bit
+    the bf16 pool's (a 300-token prompt: compressed entries and their index keys in prefill and decode)."""
+    import numpy as np
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    prompts = [list(range(100, 400)), [7, 8, 9]]
+    forced = [[21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36]]
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    res = {}
+    for packed in (False, True):
+        llm = LLM(**{**tiny_engine_args, "device": device, "model_overrides": {"index_k_packed": packed}})
+        pools = llm.engine.caches.index_k
+        assert pools and all((t.dtype == torch.uint8) == packed for t in pools.values())
+        res[packed] = llm.generate(prompts, params, forced_token_ids=forced, return_logits=True)
+        if packed:
+            assert any(t.any() for t in pools.values())                 # keys were written, packed
+    for a, b in zip(res[False], res[True]):
+        assert a.token_ids == b.token_ids and np.array_equal(a.logits, b.logits)
