@@ -13,9 +13,10 @@ fn's matching columns (fp32-accurate dot: tf32x3, or bf16x3 on fn split into thr
 to the 24 mixes, and pre_prev-weighted sums to y. A second tiny kernel sums each token's column-range
 partials (one tree, fixed by d and the launch constants) and applies the norm; the Sinkhorn pass is a
 third on [T, 24] (pre / post / comb live in registers as 16 [BT] vectors); tail "fused" does both in one
-launch (hc_reduce_sinkhorn_kernel), tail "last" in the mixes kernel itself: each token tile's last program
-to finish (an arrival counter a tile) sums the tile's partials in chunk order and runs the Sinkhorn pass
-(one launch in all; at decode sizes each launch after the mixes costs more than its work). mix_variant picks the
+launch (hc_reduce_sinkhorn_kernel: the chunk sums in chunk order, then Sinkhorn). A third form, the mixes
+kernel's last program of each token tile doing both (an arrival counter a tile: no launch after the mixes),
+was measured slower on an H100 (2026-12-05: +0.1-0.28 ms a decode step, a longer critical path than two
+small kernels) and removed. mix_variant picks the
 launch constants (PREFILL_VARIANT for prefill sizes; perf/bench_mhc_variants.py sweeps them).
 """
 
@@ -63,9 +64,7 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
                         HC: tl.constexpr, MIX: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                         CH: tl.constexpr, MIXP: tl.constexpr, PREC: tl.constexpr = "tf32x3",
                         MEAN: tl.constexpr = False, SPLIT3: tl.constexpr = False, UPCAST: tl.constexpr = False,
-                        STACKED: tl.constexpr = False, LAST: tl.constexpr = False, cnt_ptr=None, mix_ptr=None,
-                        scale_ptr=None, base_ptr=None, pre_out=None, post_ptr=None, comb_ptr=None, NC=1,
-                        inv_hd=1.0, norm_eps=0.0, iters=1, eps=0.0, UNROLL: tl.constexpr = 1):
+                        STACKED: tl.constexpr = False):
     """Grid (T/BT, d/CH): a program walks CH / BK column chunks of BK (a loop Triton can pipeline when
     num_stages > 1). The fp32 product: 3-pass tf32 (error ~ fp32's), or SPLIT3 (see _mix_dot). x [T, HC, d]
     bf16, fn [MIX, HC*d] f32 (SPLIT3: [3, MIX, HC*d] bf16), pre [T, HC] f32 -> partial mixes
@@ -74,12 +73,7 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
     STACKED (dot "bf16x3n"): SPLIT3's parts loaded as one [4 * MIXP, BK] operand (row p * MIXP + j: part
     p of mix j; masked rows zero), so each stream's chunk is one [BT, BK] x [BK, 4 * MIXP] MMA reading the
     x tile once (SPLIT3's three N = 32 MMAs re-read it from shared memory each), accumulated over the
-    program's whole walk; the parts are summed once at the end.
-    LAST (tail "last"): the token tile's last program to finish (a counter a tile, cnt_ptr[pid], bumped
-    after a barrier with acq_rel order and re-armed to 0 by that program) sums the tile's NC partials in
-    chunk order (a plain loop: the order is fixed by NC alone, whatever layout the compiler picks for T),
-    applies the norm, writes mix [T, MIXP] and runs the Sinkhorn pass on its BT tokens: no reduce and
-    Sinkhorn launches after this one."""
+    program's whole walk; the parts are summed once at the end."""
     pid = tl.program_id(0)
     pc = tl.program_id(1)
     rt = pid * BT + tl.arange(0, BT)
@@ -125,23 +119,17 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
     base = pc.to(tl.int64) * T + rt
     tl.store(mixp_ptr + base[:, None] * MIXP + rj[None, :], acc, mask=t_ok[:, None])
     tl.store(sqp_ptr + base, sq, mask=t_ok)
-    if LAST:
-        tl.debug_barrier()                  # every thread's partials issued before the release below
-        if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu") == NC - 1:
-            tl.debug_barrier()
-            _last_tail(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_out, post_ptr, comb_ptr, rt, t_ok, T,
-                       NC, inv_hd, norm_eps, iters, eps, MIXP, HC, UNROLL)
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")   # re-armed for the next launch
 
 
 @triton.jit
-def _last_tail(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, t_ok, T, NC,
-               inv_hd, norm_eps, iters, eps, MIXP: tl.constexpr, HC: tl.constexpr, UNROLL: tl.constexpr):
-    """Tokens rt's NC column-chunk partials summed chunk by chunk (.cg: read at L2, where the other
-    programs wrote them), the norm applied -> mix rows, then the Sinkhorn pass on them. UNROLL chunks'
-    loads a turn, issued before their adds (one chunk a turn waited on L2 once per chunk: 80 chunks at
-    d 5,120 made the tail slower than the launches it replaced); the adds stay in chunk order, and a
-    masked chunk past NC adds +0.0 to a sum that started at +0.0 (no bit changes)."""
+def _chunk_sums_sinkhorn(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, t_ok,
+                         T, NC, inv_hd, norm_eps, iters, eps, MIXP: tl.constexpr, HC: tl.constexpr,
+                         UNROLL: tl.constexpr):
+    """Tokens rt's NC column-chunk partials summed chunk by chunk (a plain loop: the order is fixed by NC,
+    whatever layout the compiler picks for T), the norm applied -> mix rows, then the Sinkhorn pass on
+    them. UNROLL chunks' loads a turn, issued before their adds (one chunk a turn waits on L2 once per
+    chunk); the adds stay in chunk order, and a masked chunk past NC adds +0.0 to a sum that started at
+    +0.0 (no bit changes)."""
     rj = tl.arange(0, MIXP)
     acc = tl.zeros((rt.shape[0], MIXP), tl.float32)
     sq = tl.zeros((rt.shape[0],), tl.float32)
@@ -150,9 +138,8 @@ def _last_tail(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
         for u in tl.static_range(UNROLL):
             row = (c0 + u) * T + rt64
             ok = t_ok & (rt64 * 0 + (c0 + u) < NC)           # (a tensor compare: the interpreter masks no Python bool)
-            acc += tl.load(mixp_ptr + row[:, None] * MIXP + rj[None, :], mask=ok[:, None], other=0.0,
-                           cache_modifier=".cg")
-            sq += tl.load(sqp_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
+            acc += tl.load(mixp_ptr + row[:, None] * MIXP + rj[None, :], mask=ok[:, None], other=0.0)
+            sq += tl.load(sqp_ptr + row, mask=ok, other=0.0)
     rs = 1.0 / tl.sqrt_rn(sq * inv_hd + norm_eps)
     tl.store(mix_ptr + rt[:, None] * MIXP + rj[None, :], acc * rs[:, None], mask=t_ok[:, None])
     tl.debug_barrier()                      # the rows just written, read back by other threads of this program
@@ -203,11 +190,11 @@ def hc_reduce_sinkhorn_kernel(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, p
                               MIXP: tl.constexpr, HC: tl.constexpr, BT: tl.constexpr, UNROLL: tl.constexpr):
     """hc_mix_reduce_kernel and hc_sinkhorn_kernel as one launch (the mixes' "fused" tail): a program
     sums BT tokens' column-chunk partials in chunk order, applies the norm, writes the mixes to `mix`
-    and runs the Sinkhorn pass on them (_last_tail, the "last" tail's code). One launch fewer per
+    and runs the Sinkhorn pass on them (_chunk_sums_sinkhorn). One launch fewer per
     sublayer: at decode sizes the two kernels are launch-bound."""
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
-    _last_tail(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, rt < T, T, NC,
-               inv_hd, norm_eps, iters, eps, MIXP, HC, UNROLL)
+    _chunk_sums_sinkhorn(mixp_ptr, sqp_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, rt < T,
+                         T, NC, inv_hd, norm_eps, iters, eps, MIXP, HC, UNROLL)
 
 
 @triton.jit
@@ -378,9 +365,7 @@ SIZE_VARIANTS: list = [(1, 4095, {"bt": 64, "bk": 64}),
                        (4096, None, {"bt": 128, "bk": 64, "num_warps": 8, "num_stages": 2, "chunks_per_program": 8})]
 
 MIX_DOTS = ("tf32x3", "bf16x3", "bf16x3n")
-# after the mixes pass: reduce + Sinkhorn kernels, one kernel doing both, or the mixes kernel's last program
-# of each token tile doing both (no launch after it)
-MIX_TAILS = ("split", "fused", "last")
+MIX_TAILS = ("split", "fused")   # after the mixes pass: reduce + Sinkhorn kernels, or one kernel doing both
 
 
 def mix_variant(T: int, d: int, batch_invariant: bool = False, **kw) -> dict:
@@ -443,29 +428,10 @@ def _fn_parts(fn: torch.Tensor) -> torch.Tensor:
 
 
 def _tail_unroll(bt: int, num_warps: int) -> int:
-    """Chunks a turn of _last_tail's loads: ~64 partial values a thread in flight (bt 16 at 4 warps: 16
-    chunks; bt 64: 4)."""
+    """Chunks a turn of _chunk_sums_sinkhorn's loads: ~64 partial values a thread in flight (bt 16 at 4
+    warps: 16 chunks; bt 64: 4)."""
     per_thread = max(1, bt * MIX_PAD // (32 * num_warps))
     return max(1, min(16, 64 // per_thread))
-
-
-TILE_COUNTERS = 1 << 16          # token tiles a launch of the "last" tail may have (T <= 1M tokens at bt 16)
-_COUNTERS: dict = {}             # device -> int32 [TILE_COUNTERS], all zero between launches
-
-
-def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The "last" tail's per-tile arrival counters on `device`: zero before a launch, and re-armed to zero
-    by each tile's last program, so one buffer serves every launch on the device's stream (the engine runs
-    a device's model on one stream; two concurrent launches on two streams would share counters). Made
-    outside graph capture and kept; a first use inside a capture gets a buffer of its own, zeroed by
-    the graph (not kept: it lives in the graph's pool)."""
-    assert tiles <= TILE_COUNTERS, f"{tiles} token tiles > TILE_COUNTERS"
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        buf = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _COUNTERS[device] = buf
-    return buf
 
 
 def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -483,8 +449,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     chunks_per_program bk-chunks walked by one program, num_warps / num_stages, dot "tf32x3" or
     "bf16x3" (fn split into three exact bf16 parts, bf16 MMAs on x as loaded) or "bf16x3n" (those parts
     loaded as one N = 128 operand: one MMA a stream and chunk); tail "split" (the chunk sums and the
-    Sinkhorn pass as two kernels), "fused" (hc_reduce_sinkhorn_kernel: one) or "last" (each token tile's
-    last mixes program does both: nothing launched after the mixes kernel)."""
+    Sinkhorn pass as two kernels) or "fused" (hc_reduce_sinkhorn_kernel: one)."""
     T, hc, d = x.shape
     mix = fn.shape[0]
     assert fn.shape[1] == hc * d and mix <= MIX_PAD and mix == (2 + hc) * hc
@@ -504,20 +469,6 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     split3, stacked = v["dot"] == "bf16x3", v["dot"] == "bf16x3n"
     w = _fn_parts(fn) if split3 or stacked else fn.float().contiguous()
     mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
-    if v["tail"] == "last":
-        pre, post, comb = _sinkhorn_outputs(T, hc, x.device)
-        tiles = triton.cdiv(T, v["bt"])
-        hc_mixes_pre_kernel[(tiles, nc)](x, w, pre_prev.float().contiguous(), mixp, sqp, y, avg, T, d,
-                                         HC=hc, MIX=mix, BT=v["bt"], BK=bk, CH=ch, MIXP=MIX_PAD,
-                                         PREC="ieee" if INTERPRET else "tf32x3", MEAN=mean, SPLIT3=split3,
-                                         UPCAST=INTERPRET, STACKED=stacked, LAST=True,
-                                         cnt_ptr=tile_counters(x.device, tiles), mix_ptr=mixes,
-                                         scale_ptr=scale.float().contiguous(), base_ptr=base.float().contiguous(),
-                                         pre_out=pre, post_ptr=post, comb_ptr=comb, NC=nc, inv_hd=1.0 / (hc * d),
-                                         norm_eps=float(norm_eps), iters=int(iters), eps=float(hc_eps),
-                                         UNROLL=_tail_unroll(v["bt"], v["num_warps"]),
-                                         num_warps=v["num_warps"], num_stages=v["num_stages"])
-        return (pre, post, comb, y) + ((avg,) if mean else ())
     # num_stages 1 (default): one column chunk per program leaves nothing to pipeline, and 3 stages at
     # BT=64 asked 288 KB of shared memory
     hc_mixes_pre_kernel[(triton.cdiv(T, v["bt"]), nc)](x, w, pre_prev.float().contiguous(), mixp, sqp, y, avg, T, d,

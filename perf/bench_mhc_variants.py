@@ -210,8 +210,8 @@ def main():
     ap.add_argument("--dots", nargs="+", default=["tf32x3", "bf16x3"], choices=["tf32x3", "bf16x3", "bf16x3n"])
     ap.add_argument("--bts", type=int, nargs="+", default=[16, 32, 64, 128], help="token tiles (256: 8 warps)")
     ap.add_argument("--wide", action="store_true", help="also walks of 8-10 column chunks a program")
-    ap.add_argument("--tails", nargs="+", default=["split"], choices=["split", "fused", "last"],
-                    help="the chunk sums + Sinkhorn: two kernels, one, or in the mixes kernel's last programs")
+    ap.add_argument("--tails", nargs="+", default=["split"], choices=["split", "fused"],
+                    help="the chunk sums + Sinkhorn as two kernels and / or one")
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1), help="compile processes (0: none)")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes, 3 variants")
     ap.add_argument("--out", default=None)

@@ -112,15 +112,13 @@ def test_engram_compress_indexer_kernels():
         key_start=torch.arange(64), num_keys=2048, block_table=bt, entries_per_block=64))
 
 
-def test_mhc_last_tail():
-    """The mixes kernel with its in-kernel tail (tail "last": arrival counters, the chunk-ordered sums and the
-    Sinkhorn pass in each token tile's last program) and the fused tail on the same loop, at decode and prefill tiles."""
+def test_mhc_fused_tail():
+    """The mixes' fused tail (the chunk sums in chunk order, then Sinkhorn, in one kernel) at decode and
+    prefill sizes."""
     from deepinfer.kernels import triton_mhc
     from test_mhc_indexer import _mhc_case
     for T in (64, 300):
         x, fn, scale, base, pre = _mhc_case(T, 5120, "cpu")
-        _compile(triton_mhc, ["hc_mixes_pre_kernel"], lambda: triton_mhc.hc_mixes_pre(
-            x, fn, scale, base, pre, 20, 1e-6, 1e-20, tail="last"))
         _compile(triton_mhc, ["hc_mixes_pre_kernel", "hc_reduce_sinkhorn_kernel"], lambda: triton_mhc.hc_mixes_pre(
             x, fn, scale, base, pre, 20, 1e-6, 1e-20, tail="fused"))
 
