@@ -51,6 +51,10 @@ def main(ckpt: str) -> None:
         if hasattr(ops, name):
             setattr(ops, name, fn)
     fast = run(model, prompt, 3)
+    model.args.index_k_packed = True          # the index keys as packed FP4 rows: the same bits on the fast path
+    packed = run(model, prompt, 3)
+    model.args.index_k_packed = False
+    assert all(torch.equal(a, b) for a, b in zip(fast, packed)), "packed index keys moved the fast path's logits"
     select.KERNELS = "ref"
     ref = run(model, prompt, 3)
     print("fast calls per op:", calls)
