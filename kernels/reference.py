@@ -128,14 +128,11 @@ def fp4_pack_rows_ref(r: torch.Tensor) -> torch.Tensor:
 
 
 def fp4_unpack_rows_ref(p: torch.Tensor, d: int) -> torch.Tensor:
-    """fp4_pack_rows_ref's rows [..., fp4_rows_width(d)] uint8 -> the values [..., d] bf16 (exact)."""
-    b = p[..., : d // 2].to(torch.int32)
-    code = torch.stack((b & 0xF, b >> 4), -1).flatten(-2)                              # [..., d]
-    m = code & 7
-    mag = torch.where(m < 4, m * 0.5, torch.where(m < 6, m - 2.0, (m - 4) * 2.0))
-    s = (p[..., d // 2: d // 2 + d // 32].to(torch.int32) << 23).view(torch.float32)
-    v = mag.float() * s.repeat_interleave(32, -1)
-    return torch.where((code & 8) != 0, -v, v).bfloat16()
+    """fp4_pack_rows_ref's rows [..., fp4_rows_width(d)] uint8 -> the values [..., d] bf16 (exact): the
+    release's MXFP4 layout, so dequant_fp4_ref decodes it."""
+    rows = p.reshape(-1, p.shape[-1])
+    v = dequant_fp4_ref(rows[:, : d // 2], rows[:, d // 2: d // 2 + d // 32])
+    return v.bfloat16().reshape(*p.shape[:-1], d)
 
 
 def e8m0_to_float(raw: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .reference import fp4_rows_width
-from .triton_quant import _fp4_unpack_rows
+from .triton_gemm import _fp4_nibbles_ref
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -47,6 +47,22 @@ def _key_rows(rows_ptr, kbase, re, e_ok, epb, nb, BLOCKED: tl.constexpr):
         blk = tl.load(rows_ptr + kbase + tl.minimum(re // epb, nb - 1), mask=e_ok, other=0).to(tl.int64)
         return tl.maximum(blk, 0) * epb + re % epb
     return tl.load(rows_ptr + kbase + re, mask=e_ok, other=0).to(tl.int64)
+
+
+@triton.jit
+def _fp4_unpack_rows(row_ptr, rows_ok, D: tl.constexpr):
+    """Packed rows at row_ptr [R] (reference.fp4_pack_rows_ref's bytes) -> their values [R, D] bf16, exact;
+    rows past rows_ok read as zeros. One vector load of the codes and one of the scales a row, each byte's
+    nibbles decoded by the W4A16 reference decode (triton_gemm._fp4_nibbles_ref) and joined back (a load
+    a value, each byte twice, cost more than the bytes saved: H100, 2026-12-05)."""
+    R: tl.constexpr = row_ptr.shape[0]
+    m2 = rows_ok[:, None]
+    b = tl.load(row_ptr[:, None] + tl.arange(0, D // 2)[None, :], mask=m2, other=0).to(tl.int32)
+    e = tl.load(row_ptr[:, None] + D // 2 + tl.arange(0, D // 32)[None, :], mask=m2, other=127).to(tl.int32)
+    s = tl.reshape(tl.broadcast_to((e << 23).to(tl.float32, bitcast=True)[:, :, None], (R, D // 32, 16)),
+                   (R, D // 2))                                             # each byte's block scale
+    lo, hi = _fp4_nibbles_ref(b, s)
+    return tl.reshape(tl.join(lo, hi), (R, D)).to(tl.bfloat16)             # value 2j low, 2j + 1 high
 
 
 @triton.jit

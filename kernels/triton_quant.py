@@ -146,29 +146,6 @@ def _fp4_pack_rows(r, BM: tl.constexpr, D: tl.constexpr):
     return (lo | (hi << 4)).to(tl.uint8), ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
 
 
-@triton.jit
-def _e2m1_value(code):
-    """e2m1 codes (int32, 0..15) -> their values (fp32; code 8 is -0.0)."""
-    m = (code & 7).to(tl.float32)
-    mag = tl.where(m < 4.0, m * 0.5, tl.where(m < 6.0, m - 2.0, (m - 4.0) * 2.0))
-    return tl.where((code & 8) != 0, -mag, mag)
-
-
-@triton.jit
-def _fp4_unpack_rows(row_ptr, rows_ok, D: tl.constexpr):
-    """Packed rows at row_ptr [R] (fp4_pack_rows_ref's bytes) -> their values [R, D] bf16, exact; rows
-    past rows_ok read as zeros. One 16-byte-vector load of the codes and one of the scales a row; the
-    nibbles interleaved back by a join (a load a value, each byte twice, cost more than the bytes saved:
-    H100, 2026-12-05)."""
-    R: tl.constexpr = row_ptr.shape[0]
-    m2 = rows_ok[:, None]
-    b = tl.load(row_ptr[:, None] + tl.arange(0, D // 2)[None, :], mask=m2, other=0).to(tl.int32)
-    v = tl.reshape(tl.join(_e2m1_value(b & 0xF), _e2m1_value(b >> 4)), (R, D))     # value 2j low, 2j + 1 high
-    e = tl.load(row_ptr[:, None] + D // 2 + tl.arange(0, D // 32)[None, :], mask=m2, other=127).to(tl.int32)
-    v = tl.reshape(v, (R, D // 32, 32)) * (e << 23).to(tl.float32, bitcast=True)[:, :, None]
-    return tl.reshape(v, (R, D)).to(tl.bfloat16)
-
-
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

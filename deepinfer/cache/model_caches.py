@@ -91,7 +91,8 @@ class ModelCaches:
             per = block_tokens // args.compress_ratios[s]
             total += per * args.head_dim * es
             if s in args.index_source_layers:
-                total += per * (fp4_rows_width(args.index_head_dim) if args.index_k_packed else args.index_head_dim * es)
+                row = fp4_rows_width(args.index_head_dim) if args.index_k_packed else args.index_head_dim * es
+                total += per * row
         return total
 
     # ---- access (used by the model) -----------------------------------------------------------
