@@ -165,6 +165,7 @@ class MoE(nn.Module):
         # the masked form: None = on CUDA for steps up to MASKED_MAX_PAIRS; True = every step (a
         # CPU runs it too: tests); False = never
         self.masked: bool | None = None
+        self._ahead = False                               # dequant_ahead queued this step's stacks
 
     def shared_input_linear(self) -> Linear | None:
         """The fused shared w1 / w3 (Block: ffn_norm.with_rounded hands it rounded rows), or None."""
@@ -178,11 +179,16 @@ class MoE(nn.Module):
         if self.ep is not None:
             return self._forward_ep(x, image_mask, x_rounded)
         weights, indices = self.gate(x, image_mask)
-        if self._use_masked(x, indices):
+        ahead, self._ahead = self._ahead, False
+        if self._use_masked(x, indices.numel()):
             out, slot = self._masked_experts(x, weights, indices)
-            return ops.moe_combine(out, slot, indices, self._shared(x, x_rounded))
-        if self._use_contiguous(x):
+        elif self._use_contiguous(x):
             out, slot = self._contiguous_experts(x, weights, indices)
+        else:
+            out = None
+        if ahead:          # stacks dequantized ahead and not taken must not reach a later step (none, by design)
+            ops.stack_prefetch.drop(x.device)
+        if out is not None:
             return ops.moe_combine(out, slot, indices, self._shared(x, x_rounded))
         T, K = indices.shape
         outs = self._routed(x, weights, indices)
@@ -226,14 +232,33 @@ class MoE(nn.Module):
         xp = local.x[local.pair_token]
         return self._routed(xp, local.pair_weight[:, None].float(), local.pair_expert[:, None])[:, 0]
 
-    def _use_masked(self, x, indices) -> bool:
-        """The masked form: FP8 stacks, and forced (self.masked) or a CUDA step of at most
-        MASKED_MAX_PAIRS pairs (and below CONTIGUOUS_FROM_PAIRS where the contiguous form takes it)."""
+    def dequant_ahead(self, x: torch.Tensor) -> None:
+        """Start the dequant of this layer's expert stacks on the side stream (kernels/stack_prefetch.py)
+        where this step's MoE will take the bf16 grouped GEMM, so it runs beside the attention: x [T, ...]
+        the block's input, read for its row count and device only. The forward's own choice of
+        form, made early: not the masked form, the contiguous one, and its GEMMs on the bf16 path."""
+        st = self.stacks
+        if st is None or self.ep is not None or not ops.stack_prefetch.enabled() or not x.is_cuda:
+            return
+        xr = torch.empty(0, self.dim, dtype=ACT, device=x.device)      # the MoE input's kind, for the checks
+        pairs = x.shape[0] * self.gate.topk
+        if self._use_masked(xr, pairs) or not self._use_contiguous(xr):
+            return
+        w13, s13, w2, s2 = st.masked_weights()
+        plan = [(w, ops.bf16_stack_dequant(xr, pairs, w, s)) for w, s in ((w13, s13), (w2, s2))]
+        if any(p is None for _, p in plan):
+            return
+        ops.stack_prefetch.start(x.device, [(w, shape, dequant) for w, (shape, dequant) in plan])
+        self._ahead = True
+
+    def _use_masked(self, x, pairs: int) -> bool:
+        """The masked form for a step of `pairs` token-expert pairs: FP8 stacks, and forced (self.masked)
+        or a CUDA step of at most MASKED_MAX_PAIRS pairs (and below CONTIGUOUS_FROM_PAIRS where the
+        contiguous form takes it)."""
         if self.stacks is None or self.masked is False:
             return False
         if self.masked:
             return True
-        pairs = indices.numel()
         if CONTIGUOUS_FROM_PAIRS is not None and pairs >= CONTIGUOUS_FROM_PAIRS and self._use_contiguous(x):
             return False
         return self.grouped_ok and x.is_cuda and pairs <= MASKED_MAX_PAIRS
@@ -269,7 +294,7 @@ class MoE(nn.Module):
         every form gives the same bits: tests/model/test_moe_grouped.py, test_moe_masked.py)."""
         pairs = indices.numel()
         if self.stacks is not None:
-            if self._use_masked(x, indices):
+            if self._use_masked(x, indices.numel()):
                 return self._routed_masked(x, weights, indices)
             return self._routed_loop(x, weights, indices)
         if self.grouped_ok and pairs <= GROUPED_MAX_PAIRS and self._stacked(x.device) is not None:
