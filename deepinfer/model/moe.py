@@ -176,19 +176,23 @@ class MoE(nn.Module):
         """x [T, d] bf16 -> [T, d] bf16. Routed outputs are summed per token in ascending expert id
         order in fp32 (the reference's accumulation order), then the shared expert is added.
         x_rounded: act_quant(x) from the norm's launch, read by the fused shared w1 / w3."""
-        if self.ep is not None:
-            return self._forward_ep(x, image_mask, x_rounded)
-        weights, indices = self.gate(x, image_mask)
         ahead, self._ahead = self._ahead, False
+        try:
+            if self.ep is not None:
+                return self._forward_ep(x, image_mask, x_rounded)
+            return self._forward(x, image_mask, x_rounded)
+        finally:
+            if ahead:      # stacks dequantized ahead and not taken must not reach a later step
+                ops.stack_prefetch.drop(x.device)
+
+    def _forward(self, x: torch.Tensor, image_mask: torch.Tensor | None,
+                 x_rounded: torch.Tensor | None) -> torch.Tensor:
+        weights, indices = self.gate(x, image_mask)
         if self._use_masked(x, indices.numel()):
             out, slot = self._masked_experts(x, weights, indices)
-        elif self._use_contiguous(x):
+            return ops.moe_combine(out, slot, indices, self._shared(x, x_rounded))
+        if self._use_contiguous(x):
             out, slot = self._contiguous_experts(x, weights, indices)
-        else:
-            out = None
-        if ahead:          # stacks dequantized ahead and not taken must not reach a later step (none, by design)
-            ops.stack_prefetch.drop(x.device)
-        if out is not None:
             return ops.moe_combine(out, slot, indices, self._shared(x, x_rounded))
         T, K = indices.shape
         outs = self._routed(x, weights, indices)
@@ -238,9 +242,11 @@ class MoE(nn.Module):
         the block's input, read for its row count and device only. The forward's own choice of
         form, made early: not the masked form, the contiguous one, and its GEMMs on the bf16 path."""
         st = self.stacks
-        if st is None or self.ep is not None or not ops.stack_prefetch.enabled() or not x.is_cuda:
+        if st is None or not ops.stack_prefetch.enabled() or not x.is_cuda:
             return
         xr = torch.empty(0, self.dim, dtype=ACT, device=x.device)      # the MoE input's kind, for the checks
+        # expert parallel: the pairs this rank will receive are not known yet; its own tokens' picks are
+        # the balanced count (a wrong guess costs a dequant not taken, or one in line)
         pairs = x.shape[0] * self.gate.topk
         if self._use_masked(xr, pairs) or not self._use_contiguous(xr):
             return
@@ -294,8 +300,11 @@ class MoE(nn.Module):
         every form gives the same bits: tests/model/test_moe_grouped.py, test_moe_masked.py)."""
         pairs = indices.numel()
         if self.stacks is not None:
-            if self._use_masked(x, indices.numel()):
+            if self._use_masked(x, pairs):
                 return self._routed_masked(x, weights, indices)
+            if self._use_contiguous(x):        # an EP rank's received pairs of a prefill step
+                out, slot = self._contiguous_experts(x, weights, indices)
+                return out.reshape(-1, self.dim)[slot].view(*indices.shape, self.dim)
             return self._routed_loop(x, weights, indices)
         if self.grouped_ok and pairs <= GROUPED_MAX_PAIRS and self._stacked(x.device) is not None:
             return self._routed_grouped(x, weights, indices)

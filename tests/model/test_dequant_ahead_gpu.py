@@ -98,3 +98,23 @@ def test_off_and_short_steps_queue_nothing(moe, monkeypatch):
     monkeypatch.setattr(stack_prefetch, "MODE", "low")
     moe.dequant_ahead(x[:2])                            # a decode-sized step: the masked form, no dequant
     assert not stack_prefetch._QUEUED.get(x.device)
+
+
+@pytest.mark.parametrize("P", [5, 300])
+def test_received_pairs_take_the_contiguous_form(moe, long_steps, monkeypatch, P):
+    """An EP rank's received pairs (MoE._routed with one pick a row, as _local_pairs calls it) run the
+    grouped contiguous GEMMs where the step is long, not the per-expert loop; same outputs as the loop
+    to the GEMMs' summation order."""
+    gen = torch.Generator(device="cuda").manual_seed(P)
+    x = torch.randn(P, moe.dim, device="cuda", generator=gen).bfloat16()
+    weights = torch.rand(P, 1, device="cuda", generator=gen)
+    experts = torch.randint(0, moe.n_experts, (P, 1), device="cuda", generator=gen)
+    calls = []
+    real = moe._contiguous_experts
+    monkeypatch.setattr(moe, "_contiguous_experts", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        got = moe._routed(x, weights, experts).float()
+        want = moe._routed_loop(x, weights, experts).float()
+    assert calls == [1]
+    assert got.shape == (P, 1, moe.dim)
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
