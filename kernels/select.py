@@ -470,14 +470,12 @@ def grouped_mm_token_major(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _bf16_grouped_contiguous_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                                rows: int | None = None) -> bool:
+def _bf16_grouped_contiguous_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
     """The MoE's grouped contiguous step takes the bf16 grouped GEMM: auto (or bf16) with at least
-    BF16_MOE_MIN_ROWS rows (x's, or `rows`), a CUDA tensor of an SM90+ device outside graph capture (the
-    scratch buffer), not batch-invariant mode, N and K multiples of 8 (the grouped GEMM's 16-byte rows),
-    and every w * scale of the stack a bf16 value."""
-    rows = x.shape[0] if rows is None else rows
-    if PREFILL_GEMM not in ("bf16", "auto") or BF16_MOE_MIN_ROWS <= 0 or rows < BF16_MOE_MIN_ROWS \
+    BF16_MOE_MIN_ROWS rows, a CUDA tensor of an SM90+ device outside graph capture (the scratch buffer),
+    not batch-invariant mode, N and K multiples of 8 (the grouped GEMM's 16-byte rows), and every
+    w * scale of the stack a bf16 value."""
+    if PREFILL_GEMM not in ("bf16", "auto") or BF16_MOE_MIN_ROWS <= 0 or x.shape[0] < BF16_MOE_MIN_ROWS \
             or _batch_invariant() or not x.is_cuda or not use_fast(x) or x.dtype != torch.bfloat16 \
             or w.dim() != 3 or torch.cuda.is_current_stream_capturing():
         return False
@@ -490,46 +488,12 @@ def _bf16_grouped_contiguous_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch
 
 def _bf16_grouped_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                              counts: torch.Tensor) -> torch.Tensor:
-    """grouped_fp8_linear_contiguous on the bf16 path: the whole stack dequantized (ahead, on the side
-    stream, where the block started it: stack_prefetch; else into this stream's scratch buffer), then one
-    grouped GEMM over the experts' row ranges (no host read of counts)."""
+    """grouped_fp8_linear_contiguous on the bf16 path: the whole stack dequantized into this stream's
+    scratch buffer, then one grouped GEMM over the experts' row ranges (no host read of counts)."""
     from .grouped_bf16 import bf16_grouped_contiguous
-    return bf16_grouped_contiguous(x, _stack_bf16(x, w, w_scale), counts)
-
-
-def _stack_dequant(w: torch.Tensor, w_scale: torch.Tensor):
-    """((E, N, K), dequant(out [E*N, K] bf16)) for an expert stack: FP8 (w [E, N, K] e4m3, scales as
-    grouped_fp8_linear_contiguous takes them) or FP4 (w [E, N, K/2] uint8 in fp4_kernel_layout, E8M0
-    [E, N, K/32]); every w * scale a bf16 value (the callers' rule)."""
-    from .triton_dequant import dequant_fp4_bf16, dequant_fp8_bf16
-    if w.dtype == torch.uint8:
-        e, n, k = w.shape[0], w.shape[1], w.shape[2] * 2
-        return (e, n, k), lambda out: dequant_fp4_bf16(w.view(e * n, k // 2), w_scale.view(e * n, k // 32), out=out)
     e, n, k = w.shape
-    return (e, n, k), lambda out: dequant_fp8_bf16(w.view(e * n, k), w_scale.flatten(0, 1), out=out)
-
-
-def _stack_bf16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """The stack's bf16 values [E, N, K]: what stack_prefetch dequantized ahead, else dequantized now
-    into this stream's scratch buffer."""
-    from . import stack_prefetch
-    ahead = stack_prefetch.take(w)
-    if ahead is not None:
-        return ahead
-    (e, n, k), dequant = _stack_dequant(w, w_scale)
-    return dequant(_bf16_scratch(x, e * n * k).view(e * n, k)).view(e, n, k)
-
-
-def bf16_stack_dequant(x: torch.Tensor, rows: int, w: torch.Tensor, w_scale: torch.Tensor):
-    """_stack_dequant's pair if grouped_fp8_linear_contiguous, given `rows` rows of x's kind (device,
-    dtype) on this stack, will take the bf16 path (the whole stack dequantized), else None: what a block
-    may dequantize ahead (stack_prefetch)."""
-    k = w.shape[-1] * (2 if w.dtype == torch.uint8 else 1)
-    if w.dtype == torch.uint8:
-        ok = _fp4_contiguous_ok(x, k, k)
-    else:
-        ok = _contiguous_kernel(x, k, k) == "w8a16" and _bf16_grouped_contiguous_ok(x, w, w_scale, rows)
-    return _stack_dequant(w, w_scale) if ok else None
+    wd = _bf16_dequant_scratch(x, w.view(e * n, k), w_scale.flatten(0, 1)).view(e, n, k)
+    return bf16_grouped_contiguous(x, wd, counts)
 
 
 def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
@@ -758,13 +722,15 @@ def _contiguous_ref(x: torch.Tensor, counts: torch.Tensor, n: int, weight_of) ->
 def _fp4_grouped_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                             counts: torch.Tensor) -> torch.Tensor:
     """grouped_fp8_linear_contiguous on FP4 stacks (w [E, N, K/2] in fp4_kernel_layout, E8M0 [E, N, K/32]):
-    the whole stack dequantized (triton_dequant.dequant_fp4_bf16: every w * scale a bf16 value; ahead where
-    the block started it, as _bf16_grouped_contiguous), one bf16 grouped GEMM; elsewhere expert by expert
-    on the reference."""
-    n, k = w.shape[1], w.shape[2] * 2
+    the whole stack dequantized into the stream's scratch buffer (triton_dequant.dequant_fp4_bf16: every
+    w * scale a bf16 value), one bf16 grouped GEMM; elsewhere expert by expert on the reference."""
+    e, n, k = w.shape[0], w.shape[1], w.shape[2] * 2
     if _fp4_contiguous_ok(x, k, k):
         from .grouped_bf16 import bf16_grouped_contiguous
-        return bf16_grouped_contiguous(x, _stack_bf16(x, w, w_scale), counts)
+        from .triton_dequant import dequant_fp4_bf16
+        buf = _bf16_scratch(x, e * n * k)
+        wd = dequant_fp4_bf16(w.view(e * n, k // 2), w_scale.view(e * n, k // 32), out=buf.view(e * n, k))
+        return bf16_grouped_contiguous(x, wd.view(e, n, k), counts)
     return _contiguous_ref(x, counts, n, lambda g: _fp4_dense(w[g], w_scale[g]))
 
 

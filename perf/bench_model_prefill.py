@@ -258,10 +258,6 @@ def main() -> None:
     p.add_argument("--mhc-variants", nargs="+", default=["{}"],
                    help="hc_mixes_pre launch constants for T >= 1,024 (JSON, merged over triton_mhc.PREFILL_VARIANT) "
                         "to compare in one run, e.g. '{}' '{\"bt\": 128}' (perf/bench_mhc_variants.py's best)")
-    p.add_argument("--dequant-ahead", nargs="+", default=None, choices=["0", "low", "high"],
-                   help="the MoE's stack dequant ahead on a side stream (kernels/stack_prefetch.py) to compare in "
-                        "one run: 0 (in line, as before), low / high (the side stream's priority); default: the "
-                        "process's DEEPINFER_MOE_DEQUANT_AHEAD")
     a = p.parse_args()
 
     from deepinfer.cache.model_caches import ModelCaches
@@ -282,15 +278,11 @@ def main() -> None:
     _BF16_DEFAULT = select.BF16_AUTO_MIN_M
     defaults = select.PREFILL_GEMM, select.MOE_CONTIGUOUS
     mhc = mhc_variants(a.mhc_variants)
-    from deepinfer.kernels import stack_prefetch
-    aheads = a.dequant_ahead or [stack_prefetch.MODE]
-    runs = [(g, i, d) for g in a.gemms for i in range(len(mhc)) for d in aheads]
+    runs = [(g, i) for g in a.gemms for i in range(len(mhc))]
     for case in a.cases:
-        for gemm, mi, ahead in runs:
+        for gemm, mi in runs:
             select.PREFILL_GEMM, select.MOE_CONTIGUOUS = gemm_mode(gemm)
-            stack_prefetch.MODE = ahead
             gemm = gemm if len(mhc) == 1 else f"{gemm}/m{mi}"
-            gemm = gemm if len(aheads) == 1 else f"{gemm}/{ahead}"
             try:
                 with torch.inference_mode(), use_mhc_variant(triton_mhc.PREFILL_VARIANT, mhc[mi]):
                     fn, T = run_case(model, caches, case, nb)
@@ -306,11 +298,6 @@ def main() -> None:
             print(f"{case:>8} {gemm:>6} {row['ms']:8.1f} {row['tok_s']:8.0f} {row['linear_tflops']:9.0f} "
                   f"{row['of_fp8_peak']:6.2f} {row['of_bf16_peak']:6.2f} {row['est40_tok_s']:14.0f}", flush=True)
         mine = {r["gemm"]: r for r in rows if r["case"] == case}
-        if len(aheads) > 1:
-            base = next((r for g, r in mine.items() if g.endswith("/0")), None)
-            if base is not None:
-                print(f"{case:>8}  speed vs the in-line dequant: " + ", ".join(
-                    f"{g} {base['ms'] / r['ms']:.3f}x" for g, r in mine.items() if r is not base), flush=True)
         if "w8a16" in mine:
             print(f"{case:>8}  speed vs w8a16: " + ", ".join(f"{g} {mine['w8a16']['ms'] / r['ms']:.2f}x"
                                                            for g, r in mine.items() if g != "w8a16"), flush=True)

@@ -59,7 +59,6 @@ class Block(nn.Module):
         for the next block).
         tap: gets x.mean(dim=1) appended (a DSpark tap, from the read the attention mixes make anyway)."""
         res = x
-        self.ffn.dequant_ahead(x)             # a long step's expert stacks dequantize beside the attention
         a_pre, a_post, a_comb, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
         if tap is not None:
             tap.append(mean[0])

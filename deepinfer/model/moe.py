@@ -165,7 +165,6 @@ class MoE(nn.Module):
         # the masked form: None = on CUDA for steps up to MASKED_MAX_PAIRS; True = every step (a
         # CPU runs it too: tests); False = never
         self.masked: bool | None = None
-        self._ahead = False                               # dequant_ahead queued this step's stacks
 
     def shared_input_linear(self) -> Linear | None:
         """The fused shared w1 / w3 (Block: ffn_norm.with_rounded hands it rounded rows), or None."""
@@ -176,17 +175,8 @@ class MoE(nn.Module):
         """x [T, d] bf16 -> [T, d] bf16. Routed outputs are summed per token in ascending expert id
         order in fp32 (the reference's accumulation order), then the shared expert is added.
         x_rounded: act_quant(x) from the norm's launch, read by the fused shared w1 / w3."""
-        ahead, self._ahead = self._ahead, False
-        try:
-            if self.ep is not None:
-                return self._forward_ep(x, image_mask, x_rounded)
-            return self._forward(x, image_mask, x_rounded)
-        finally:
-            if ahead:      # stacks dequantized ahead and not taken must not reach a later step
-                ops.stack_prefetch.drop(x.device)
-
-    def _forward(self, x: torch.Tensor, image_mask: torch.Tensor | None,
-                 x_rounded: torch.Tensor | None) -> torch.Tensor:
+        if self.ep is not None:
+            return self._forward_ep(x, image_mask, x_rounded)
         weights, indices = self.gate(x, image_mask)
         if self._use_masked(x, indices.numel()):
             out, slot = self._masked_experts(x, weights, indices)
@@ -235,27 +225,6 @@ class MoE(nn.Module):
             return torch.empty(0, self.dim, dtype=ACT, device=local.x.device)
         xp = local.x[local.pair_token]
         return self._routed(xp, local.pair_weight[:, None].float(), local.pair_expert[:, None])[:, 0]
-
-    def dequant_ahead(self, x: torch.Tensor) -> None:
-        """Start the dequant of this layer's expert stacks on the side stream (kernels/stack_prefetch.py)
-        where this step's MoE will take the bf16 grouped GEMM, so it runs beside the attention: x [T, ...]
-        the block's input, read for its row count and device only. The forward's own choice of
-        form, made early: not the masked form, the contiguous one, and its GEMMs on the bf16 path."""
-        st = self.stacks
-        if st is None or not ops.stack_prefetch.enabled() or not x.is_cuda:
-            return
-        xr = torch.empty(0, self.dim, dtype=ACT, device=x.device)      # the MoE input's kind, for the checks
-        # expert parallel: the pairs this rank will receive are not known yet; its own tokens' picks are
-        # the balanced count (a wrong guess costs a dequant not taken, or one in line)
-        pairs = x.shape[0] * self.gate.topk
-        if self._use_masked(xr, pairs) or not self._use_contiguous(xr):
-            return
-        w13, s13, w2, s2 = st.masked_weights()
-        plan = [(w, ops.bf16_stack_dequant(xr, pairs, w, s)) for w, s in ((w13, s13), (w2, s2))]
-        if any(p is None for _, p in plan):
-            return
-        ops.stack_prefetch.start(x.device, [(w, shape, dequant) for w, (shape, dequant) in plan])
-        self._ahead = True
 
     def _use_masked(self, x, pairs: int) -> bool:
         """The masked form for a step of `pairs` token-expert pairs: FP8 stacks, and forced (self.masked)

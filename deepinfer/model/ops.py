@@ -15,11 +15,9 @@ from deepinfer.kernels import (  # noqa: F401
     rope_freqs_ref as rope_freqs,
     topk_ids_ref as topk_ids,
 )
-from deepinfer.kernels import stack_prefetch  # noqa: F401
 from deepinfer.kernels.grouped_rows import GroupedRows  # noqa: F401
 from deepinfer.kernels.select import (  # noqa: F401
     act_quant,
-    bf16_stack_dequant,
     candidate_blocks,
     compress_members,
     dense_linear,

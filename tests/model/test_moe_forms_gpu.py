@@ -44,3 +44,35 @@ def test_contiguous_from_pairs_matches_masked_in_a_graph(model, monkeypatch, T):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, moe(static))
+
+
+@pytest.fixture(scope="module", params=["fp8", "fp4"])
+def stacked_moe(request, small_checkpoint):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    model = load_model(small_checkpoint, device="cuda", progress=False, expert_format=request.param)
+    layer = next(b.ffn for b in model.layers if b.ffn.stacks is not None)
+    assert layer.stacks.fp4 == (request.param == "fp4")
+    return layer
+
+
+@pytest.mark.parametrize("P", [5, 300])
+def test_received_pairs_take_the_contiguous_form(stacked_moe, monkeypatch, P):
+    """An EP rank's received pairs (MoE._routed with one pick a row, as _local_pairs calls it) of a step past
+    the masked form run the grouped contiguous GEMMs, not the per-expert loop (a host read a layer); same
+    outputs as the loop to the GEMMs' summation order. FP8 and FP4 stacks."""
+    moe = stacked_moe
+    monkeypatch.setattr(moe_mod, "MASKED_MAX_PAIRS", 0)
+    gen = torch.Generator(device="cuda").manual_seed(P)
+    x = torch.randn(P, moe.dim, device="cuda", generator=gen).bfloat16()
+    weights = torch.rand(P, 1, device="cuda", generator=gen)
+    experts = torch.randint(0, moe.n_experts, (P, 1), device="cuda", generator=gen)
+    calls = []
+    real = moe._contiguous_experts
+    monkeypatch.setattr(moe, "_contiguous_experts", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        got = moe._routed(x, weights, experts).float()
+        want = moe._routed_loop(x, weights, experts).float()
+    assert calls == [1]
+    assert got.shape == (P, 1, moe.dim)
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
