@@ -284,31 +284,37 @@ def moe_route_ref(indices: torch.Tensor, n_experts: int, contiguous: bool = Fals
         start      counts' exclusive cumsum: start[0] = 0, start[2] = 3, start[5] = 4
         rank       position - start[e_sorted] = 0 1 2 | 0 | 0 1
     No host read (scatter_add, not bincount). contiguous: slot[p] = the pair's sorted position itself
-    (start[e] + rank: the row of a slab that holds the pairs sorted by expert, no padding)."""
+    (start[e] + rank: the row of a slab that holds the pairs sorted by expert, no padding). A pick outside
+    [0, E) is dropped (an expert-parallel rank's picks of other ranks' experts): slot -1, counted nowhere."""
     T = indices.shape[0]
     flat = indices.flatten()
+    dropped = (flat < 0) | (flat >= n_experts)
+    flat = torch.where(dropped, n_experts, flat)                      # sorted after every real pick
     order = torch.argsort(flat, stable=True)
     e_sorted = flat[order]
-    counts = torch.zeros(n_experts, dtype=torch.int32, device=flat.device).scatter_add_(
+    counts = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     rank = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[e_sorted]
     slot = torch.empty_like(flat)
     slot[order] = torch.arange(flat.numel(), device=flat.device) if contiguous else e_sorted * T + rank
-    return counts, slot
+    return counts[:n_experts], slot.masked_fill_(dropped, -1)
 
 
 def moe_dispatch_ref(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int) -> torch.Tensor:
-    """x [T, d] -> xp [E, T, d] with row slot[p] = act_quant(x)[p // K] (other rows unset)."""
+    """x [T, d] -> xp [E, T, d] with row slot[p] = act_quant(x)[p // K] (other rows unset; a dropped pick,
+    slot -1, writes nothing)."""
     T, d = x.shape
     xp = x.new_empty(n_experts, T, d)
-    xp.view(-1, d)[slot] = act_quant_ref(x)[torch.arange(T * K, device=x.device) // K]
+    live = slot >= 0
+    xp.view(-1, d)[slot[live]] = act_quant_ref(x)[torch.arange(T * K, device=x.device)[live] // K]
     return xp
 
 
 def _swiglu_rows_ref(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
                      inter: int) -> torch.Tensor:
-    """[T*K, inter] in gu's dtype: each pair's clamped SwiGLU in fp32 times its routing weight, rounded."""
-    g = gu.reshape(-1, 2 * inter)[slot].float()                                # [T*K, 2 inter]
+    """[T*K, inter] in gu's dtype: each pair's clamped SwiGLU in fp32 times its routing weight, rounded
+    (a dropped pick's row, slot -1, is garbage: the callers store only live rows)."""
+    g = gu.reshape(-1, 2 * inter)[slot.clamp(min=0)].float()                  # [T*K, 2 inter]
     gate, up = g[:, :inter], g[:, inter:]
     if limit > 0:
         up = up.clamp(-limit, limit)
@@ -322,7 +328,8 @@ def moe_swiglu_quant_ref(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Te
     the routing weight, to bf16, then act_quant (Expert.forward's rounding points; rows unset elsewhere)."""
     E, T, _ = gu.shape
     hp = gu.new_empty(E, T, inter)
-    hp.view(-1, inter)[slot] = act_quant_ref(_swiglu_rows_ref(gu, slot, weights, limit, inter))
+    live = slot >= 0
+    hp.view(-1, inter)[slot[live]] = act_quant_ref(_swiglu_rows_ref(gu, slot, weights, limit, inter)[live])
     return hp
 
 
@@ -333,13 +340,14 @@ def slab_scales_ld(n_experts: int, T: int) -> int:
 
 def _fp8_slab_ref(rows: torch.Tensor, slot: torch.Tensor, E: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [P, n] (unrounded) -> (e4m3 slab [E, T, n] with act_quant_fp8(rows)[p] at row slot[p], its scales
-    transposed [n / 32, slab_scales_ld(E, T)] at column slot[p]; zero elsewhere)."""
+    transposed [n / 32, slab_scales_ld(E, T)] at column slot[p]; zero elsewhere; slot -1: dropped)."""
     n = rows.shape[-1]
-    q, s = act_quant_fp8_ref(rows)
+    live = slot >= 0
+    q, s = act_quant_fp8_ref(rows[live])
     xq = torch.zeros(E * T, n, dtype=torch.float8_e4m3fn, device=rows.device)
-    xq[slot] = q
+    xq[slot[live]] = q
     sa = torch.zeros(n // 32, slab_scales_ld(E, T), dtype=torch.float32, device=rows.device)
-    sa[:, slot] = s.T
+    sa[:, slot[live]] = s.T
     return xq.view(E, T, n), sa
 
 

@@ -71,20 +71,27 @@ def _round_bf16(v, MANUAL: tl.constexpr):
 
 
 @triton.jit
-def moe_route_kernel(idx_ptr, counts_ptr, slot_ptr, T, P, BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
+def moe_route_kernel(idx_ptr, counts_ptr, slot_ptr, T, P, E, BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
     """One program per expert e: a running inclusive cumsum of (idx == e) over the pairs in order
     gives each of e's pairs its rank (token order inside the group). CONTIGUOUS: the row is the pair's
     place in the stable sort by expert, first = the pairs of smaller experts (one more pass over the
-    ids) + rank, instead of e * T + rank (the contiguous MoE's slab: no cumsum and gathers after)."""
+    ids) + rank, instead of e * T + rank (the contiguous MoE's slab: no cumsum and gathers after).
+    A pick outside [0, E) is dropped (an expert-parallel rank's picks of other ranks' experts): program
+    0 gives it slot -1, and no expert counts it."""
     e = tl.program_id(0)
     first = tl.zeros((), dtype=tl.int64)
     if CONTIGUOUS:
         for start in range(0, P, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             idx = tl.load(idx_ptr + offs, mask=offs < P, other=2147483647)
-            first += tl.sum((idx < e).to(tl.int64), 0)
+            first += tl.sum(((idx < e) & (idx >= 0)).to(tl.int64), 0)
     else:
         first = e.to(tl.int64) * T
+    if e == 0:
+        for start in range(0, P, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            idx = tl.load(idx_ptr + offs, mask=offs < P, other=0)
+            tl.store(slot_ptr + offs, tl.full((BLOCK,), -1, tl.int64), mask=(offs < P) & ((idx < 0) | (idx >= E)))
     base = tl.zeros((), dtype=tl.int32)
     for start in range(0, P, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -101,22 +108,22 @@ def moe_route_kernel(idx_ptr, counts_ptr, slot_ptr, T, P, BLOCK: tl.constexpr, C
 def moe_dispatch_kernel(x_ptr, slot_ptr, xp_ptr, d, K, BD: tl.constexpr, MANUAL: tl.constexpr,
                         sa_ptr=None, S_LD=0, FP8: tl.constexpr = False):
     """Program (t, column chunk): act_quant of x[t] once, stored to the rows of t's K pairs (FP8: as e4m3
-    bytes, the scales transposed into sa [d / 32, S_LD] at the rows' columns)."""
+    bytes, the scales transposed into sa [d / 32, S_LD] at the rows' columns); a dropped pick (slot -1)
+    stores nothing."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
     m = cols < d
     x = tl.load(x_ptr + t.to(tl.int64) * d + cols, mask=m, other=0.0).to(tl.float32)
     if FP8:
         q, s = _quant_groups(x, BD, MANUAL)                     # once; stored to each of the K rows
-        one = tl.full((1,), 1, tl.int1)
         for k in range(K):
             r = tl.load(slot_ptr + t * K + k + tl.zeros((1,), tl.int32))
-            _store_fp8(q, s, r, cols, one, xp_ptr, sa_ptr, d, S_LD, BD, 1)
+            _store_fp8(q, s, tl.maximum(r, 0), cols, r >= 0, xp_ptr, sa_ptr, d, S_LD, BD, 1)
     else:
         q = _fake_quant(x, BD, MANUAL).to(xp_ptr.dtype.element_ty)
         for k in range(K):
-            r = tl.load(slot_ptr + t * K + k)
-            tl.store(xp_ptr + r * d + cols, q, mask=m)
+            r = tl.load(slot_ptr + t * K + k + tl.zeros((1,), tl.int32))
+            tl.store(xp_ptr + tl.maximum(r, 0)[:, None] * d + cols, q, mask=m & (r >= 0)[:, None])
 
 
 @triton.jit
@@ -131,7 +138,8 @@ def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, P,
                             DENSE: tl.constexpr = False, BR: tl.constexpr = 1, sa_ptr=None, S_LD=0,
                             FP8: tl.constexpr = False):
     """Program (BR pairs, column chunk): pair p at row r = slot[p]: clamped SwiGLU in fp32, times the
-    routing weight, rounded to bf16, FP8 fake-quantized per 32 -> hp[r]. DENSE: r = p and weight 1 (the
+    routing weight, rounded to bf16, FP8 fake-quantized per 32 -> hp[r] (a dropped pick, r = -1: nothing).
+    DENSE: r = p and weight 1 (the
     shared expert: every row, no routing weight). Several pairs a program and a chunk that divides
     inter: a pair's 2,304 columns were 3 programs of 1,024 lanes, the last a quarter full. FP8: hp holds the
     e4m3 bytes and sa [inter / 32, S_LD] the scales, transposed (column r)."""
@@ -143,7 +151,10 @@ def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, P,
         r = ps.to(tl.int64)
         w = tl.full((BR,), 1.0, tl.float32)
     else:
-        r = tl.load(slot_ptr + ps, mask=pm, other=0)
+        r = tl.load(slot_ptr + ps, mask=pm, other=-1)
+        pm = pm & (r >= 0)
+        m = m & pm[:, None]
+        r = tl.maximum(r, 0)
         w = tl.load(w_ptr + ps, mask=pm, other=0.0)
     row = gu_ptr + _slab_row(r, T, stride_e, stride_row)[:, None]
     gate = tl.load(row + cols, mask=m, other=0.0).to(tl.float32)
@@ -202,13 +213,13 @@ def _row_tile(n: int, lanes: int = 1024) -> tuple[int, int]:
 
 def moe_route(indices: torch.Tensor, n_experts: int, contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """indices [T, K] int -> (counts [E] int32, slot [T*K] int64 = e * T + rank of the pair in e, or
-    with contiguous the pair's place in the stable sort by expert)."""
+    with contiguous the pair's place in the stable sort by expert; -1 for a pick outside [0, E): dropped)."""
     T, _ = indices.shape
     flat = indices.reshape(-1).contiguous()
     counts = torch.empty(n_experts, dtype=torch.int32, device=indices.device)
     slot = torch.empty(flat.numel(), dtype=torch.int64, device=indices.device)
     block = min(4096, triton.next_power_of_2(max(1, flat.numel())))
-    moe_route_kernel[(n_experts,)](flat, counts, slot, T, flat.numel(), BLOCK=block, CONTIGUOUS=contiguous)
+    moe_route_kernel[(n_experts,)](flat, counts, slot, T, flat.numel(), n_experts, BLOCK=block, CONTIGUOUS=contiguous)
     return counts, slot
 
 

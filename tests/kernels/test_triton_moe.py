@@ -115,9 +115,62 @@ def check_kernels(device) -> None:
         padded = torch.zeros(E, T + 5, DIM, dtype=out.dtype, device=device)
         padded[:, :T] = out
         assert torch.equal(tm.moe_combine(padded[:, :T], slot, idx, shared), y), (T, K, E)
+    check_dropped_picks(device)
     big = torch.randint(0, 48, (700, 6), generator=torch.Generator().manual_seed(3)).to(device)   # > 4096 pairs
     assert all(torch.equal(a, b) for a, b in zip(tm.moe_route(big, 48), ref.moe_route_ref(big, 48)))
     assert all(torch.equal(a, b) for a, b in zip(tm.moe_route(big, 48, True), ref.moe_route_ref(big, 48, True)))
+
+
+def check_dropped_picks(device) -> None:
+    """Picks outside [0, E) (an expert-parallel rank's picks of other ranks' experts, and pad rows' -1) are
+    dropped: slot -1, counted nowhere, the live picks ranked as if the dropped ones were absent, and no
+    kernel writes a row for them. Every token's first pick is the last expert, so the slab's last row
+    (where a slot of -1 would land) belongs to the last token."""
+    from deepinfer.kernels import triton_moe as tm
+    from deepinfer.kernels import reference as ref
+    T, K, E = 7, 4, 6
+    x, w, _ = _case(T, K, 2 * E, device, seed=5)
+    g = torch.Generator().manual_seed(11)
+    others = torch.tensor([e for e in range(2 * E) if e != E - 1])          # K distinct experts a token
+    idx = torch.stack([torch.cat([torch.tensor([E - 1]), others[torch.randperm(len(others), generator=g)[:K - 1]]])
+                       for _ in range(T)])
+    idx[2, 1] = -1                                              # a pad row's pick
+    idx = idx.to(device)                                        # ids >= E: other ranks' experts
+    live = ((idx >= 0) & (idx < E)).flatten()
+    assert 0 < int(live.sum()) < T * K
+    counts, slot = tm.moe_route(idx, E)
+    rc, rs = ref.moe_route_ref(idx, E)
+    assert torch.equal(counts, rc) and torch.equal(slot, rs)
+    assert torch.equal(slot[~live], torch.full_like(slot[~live], -1))
+    flat = idx.flatten().tolist()
+    want = [e * T + sum(1 for q in range(p) if flat[q] == e) if 0 <= e < E else -1 for p, e in enumerate(flat)]
+    assert slot.tolist() == want
+    assert torch.equal(counts.long(), torch.bincount(idx.flatten()[live], minlength=E))
+    cc, cs = tm.moe_route(idx, E, contiguous=True)
+    assert torch.equal(cs, ref.moe_route_ref(idx, E, contiguous=True)[1]) and torch.equal(cc, rc)
+    assert torch.equal(torch.sort(cs[live]).values, torch.arange(int(live.sum()), device=cs.device))
+    assert torch.equal(cs[~live], torch.full_like(cs[~live], -1))
+    rows = slot[live]
+    last = E * T - 1
+    assert last in rows.tolist()
+    xq_ref = ref.act_quant_ref(x)
+    for fn in (tm.moe_dispatch, ref.moe_dispatch_ref):
+        xp = fn(x, slot, K, E).view(E * T, DIM)
+        assert torch.equal(xp[rows], xq_ref[torch.arange(T * K, device=x.device)[live] // K])
+        assert torch.equal(xp[last], xq_ref[T - 1])
+    for fn in (lambda *a: tm.moe_dispatch(*a, fp8=True), ref.moe_dispatch_fp8_ref):
+        xq, sa = fn(x, slot, K, E)
+        assert torch.equal(_fp8_rows(xq, sa, rows), xq_ref[torch.arange(T * K, device=x.device)[live] // K].float())
+    gu = (torch.randn(E, T, 2 * INTER, generator=g) * 4).bfloat16().to(device)
+    hp = tm.moe_swiglu_quant(gu, slot, w, 7.0, INTER).view(E * T, INTER)
+    rh = ref.moe_swiglu_quant_ref(gu, slot, w, 7.0, INTER).view(E * T, INTER)
+    _bf16_ulp_close(hp[rows], rh[rows], 2e-3)
+    alone = ref.moe_swiglu_quant_ref(gu, rows, w.flatten()[live], 7.0, INTER).view(E * T, INTER)   # live pairs only
+    assert torch.equal(rh[rows], alone[rows])
+    hq, sh = tm.moe_swiglu_quant(gu, slot, w, 7.0, INTER, fp8=True)
+    assert torch.equal(_fp8_rows(hq, sh, rows), hp[rows].float())
+    rq, rsh = ref.moe_swiglu_quant_fp8_ref(gu, slot, w, 7.0, INTER)
+    assert torch.equal(_fp8_rows(rq, rsh, rows), rh[rows].float())
 
 
 def check_moe_forward(ckpt: str) -> None:
