@@ -304,10 +304,14 @@ def moe_dispatch_ref(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int
     """x [T, d] -> xp [E, T, d] with row slot[p] = act_quant(x)[p // K] (other rows unset; a dropped pick,
     slot -1, writes nothing)."""
     T, d = x.shape
-    xp = x.new_empty(n_experts, T, d)
-    live = slot >= 0
-    xp.view(-1, d)[slot[live]] = act_quant_ref(x)[torch.arange(T * K, device=x.device)[live] // K]
-    return xp
+    xp = x.new_empty(n_experts * T + 1, d)                    # + one row the dropped picks land on
+    xp[_slab_rows(slot, n_experts * T)] = act_quant_ref(x)[torch.arange(T * K, device=x.device) // K]
+    return xp[:n_experts * T].view(n_experts, T, d)
+
+
+def _slab_rows(slot: torch.Tensor, rows: int) -> torch.Tensor:
+    """slot with a dropped pick's -1 sent to row `rows` (one past the slab: no boolean mask, no host read)."""
+    return torch.where(slot >= 0, slot, rows)
 
 
 def _swiglu_rows_ref(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, limit: float,
@@ -327,10 +331,9 @@ def moe_swiglu_quant_ref(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Te
     """gu [E, T, 2 inter] -> hp [E, T, inter]: at each pair's row, the clamped SwiGLU in fp32 times
     the routing weight, to bf16, then act_quant (Expert.forward's rounding points; rows unset elsewhere)."""
     E, T, _ = gu.shape
-    hp = gu.new_empty(E, T, inter)
-    live = slot >= 0
-    hp.view(-1, inter)[slot[live]] = act_quant_ref(_swiglu_rows_ref(gu, slot, weights, limit, inter)[live])
-    return hp
+    hp = gu.new_empty(E * T + 1, inter)
+    hp[_slab_rows(slot, E * T)] = act_quant_ref(_swiglu_rows_ref(gu, slot, weights, limit, inter))
+    return hp[:E * T].view(E, T, inter)
 
 
 def slab_scales_ld(n_experts: int, T: int) -> int:
@@ -342,13 +345,14 @@ def _fp8_slab_ref(rows: torch.Tensor, slot: torch.Tensor, E: int, T: int) -> tup
     """rows [P, n] (unrounded) -> (e4m3 slab [E, T, n] with act_quant_fp8(rows)[p] at row slot[p], its scales
     transposed [n / 32, slab_scales_ld(E, T)] at column slot[p]; zero elsewhere; slot -1: dropped)."""
     n = rows.shape[-1]
-    live = slot >= 0
-    q, s = act_quant_fp8_ref(rows[live])
-    xq = torch.zeros(E * T, n, dtype=torch.float8_e4m3fn, device=rows.device)
-    xq[slot[live]] = q
-    sa = torch.zeros(n // 32, slab_scales_ld(E, T), dtype=torch.float32, device=rows.device)
-    sa[:, slot[live]] = s.T
-    return xq.view(E, T, n), sa
+    q, s = act_quant_fp8_ref(rows)
+    at = _slab_rows(slot, E * T)
+    xq = torch.zeros(E * T + 1, n, dtype=torch.float8_e4m3fn, device=rows.device)
+    xq[at] = q
+    ld = slab_scales_ld(E, T)
+    sa = torch.zeros(n // 32, max(ld, E * T + 1), dtype=torch.float32, device=rows.device)
+    sa[:, at] = s.T
+    return xq[:E * T].view(E, T, n), sa[:, :ld].contiguous()
 
 
 def moe_dispatch_fp8_ref(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int

@@ -106,6 +106,13 @@ class ExpertStacks:
         return out
 
 
+def _pick_rows(out: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """[P, d]: each pick's output row of the slab out (row slot[p] of out viewed as [rows, d]); a dropped
+    pick (slot -1) gives zeros."""
+    rows = out.reshape(-1, out.shape[-1])[slot.clamp(min=0)]
+    return torch.where((slot >= 0)[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
 class Gate(nn.Module):
     def __init__(self, args, n_experts: int, topk: int):
         super().__init__()
@@ -208,14 +215,34 @@ class MoE(nn.Module):
             weights = torch.empty(0, K, device=x.device)
             indices = torch.empty(0, K, dtype=torch.long, device=x.device)
         self.ep.record(indices)
-        local, handle = self.ep.dispatcher.dispatch(x, self.ep.maps.to_physical(indices), weights)
-        outs = self.ep.dispatcher.combine(self._local_pairs(local), handle)      # [T, K, d]
+        outs = self._ep_dense(x, weights, indices)
+        if outs is None:
+            local, handle = self.ep.dispatcher.dispatch(x, self.ep.maps.to_physical(indices), weights)
+            outs = self.ep.dispatcher.combine(self._local_pairs(local), handle)  # [T, K, d]
         if T == 0:
             return x
         # the masked form's contract: out [K, T, d] with pair (t, k) at row k * T + t (a strided view, no copy)
         ar = torch.arange(T * K, device=x.device)
         slot = (ar % K) * T + ar // K
         return ops.moe_combine(outs.permute(1, 0, 2), slot, indices, self._shared(x, x_rounded))
+
+    def _ep_dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
+        """[T, K, d] bf16 through the dispatcher's fixed-shape form (no host read, fixed shapes: decode
+        steps), or None where it does not apply: every gathered token with its K picks, other ranks' picks
+        dropped by the masked form's routing, the pick outputs (zeros where dropped) reduce-scattered home.
+        Decided alike on every rank (M is the step's, the rest the layer's), so the collectives line up.
+        The bits equal the pair-list path's: a pick's output depends on its row and expert alone."""
+        disp, K = self.ep.dispatcher, self.gate.topk
+        if not getattr(disp, "dense", False) or self.stacks is None:
+            return None
+        M = disp.step_tokens(x.shape[0], x.device)
+        rows = disp.world_size * M
+        if M == 0 or not self._use_masked(x, rows * K):
+            return None
+        xs, local, ws, handle = disp.dispatch_dense(x, self.ep.maps.to_physical(indices), weights, M)
+        # the tile choice's pair count: this rank's share of the picks, as if balanced
+        out, slot = self._masked_experts(xs, ws, local, expected_pairs=M * K)
+        return disp.combine_dense(_pick_rows(out, slot).view(rows, K, self.dim), handle)
 
     def _local_pairs(self, local) -> torch.Tensor:
         """[P, d] bf16: each received (token, local slot, weight) pair through its expert, as a
@@ -344,7 +371,8 @@ class MoE(nn.Module):
             outs[t, k] = self.experts[e](x[t], weights[t, k, None])
         return outs
 
-    def _masked_experts(self, x, weights, indices) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masked_experts(self, x, weights, indices, expected_pairs: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [E, C, d] bf16, slot [T*K]) with no host read (CUDA-graph capturable): DeepGEMM's
         masked layout over the FP8 stacks with capacity C = T (an expert can take every token:
         nothing overflows). Pair p = t*K + k lives at row slot[p] = e*T + rank of the slabs (rank:
@@ -356,7 +384,7 @@ class MoE(nn.Module):
         T, K = indices.shape
         E, inter = self.n_experts, self.experts[0].w2.in_features
         counts, slot = ops.moe_route(indices, E)                                # [E] int32, [T*K]
-        expected_m = -(-T * K // E)                                             # host ints: tile choice
+        expected_m = -(-(T * K if expected_pairs is None else expected_pairs) // E)    # host ints: tile choice
         if ops.masked_moe_fp8_takes(x, st.w13, st.r13, st.w2, st.r2):
             # FP8 x FP8 on the row-scaled stacks: the slabs travel as e4m3 bytes + scales (same values)
             xq, sx = ops.moe_dispatch(x, slot, K, E, fp8=True)                  # [E, C, d] e4m3

@@ -37,6 +37,12 @@ class TimedDispatcher:
     def combine(self, y, handle):
         return self._timed(self.inner.combine, y, handle)
 
+    def dispatch_dense(self, x, topk_ids, topk_weights, max_tokens):
+        return self._timed(self.inner.dispatch_dense, x, topk_ids, topk_weights, max_tokens)
+
+    def combine_dense(self, y, handle):
+        return self._timed(self.inner.combine_dense, y, handle)
+
     def _timed(self, fn, *args):
         cuda = args[0].is_cuda
         if cuda:

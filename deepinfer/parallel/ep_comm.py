@@ -63,6 +63,14 @@ class ExpertDispatcher:
         """y [P, d] bf16 (LocalTokens order) -> [T, K, d] bf16: this rank's pairs in (t, k) layout."""
         raise NotImplementedError
 
+    # dispatch_dense / combine_dense: the fixed-shape form (allgather only)
+    dense = False
+
+    def step_tokens(self, num_tokens: int, device) -> int:
+        """M, the step's largest token count of any rank (every rank calls it: an all-reduce where the
+        driver did not set max_tokens)."""
+        return self._step_max_tokens(num_tokens, device)
+
     def _step_max_tokens(self, num_tokens: int, device) -> int:
         if self.max_tokens is None:
             return all_reduce_max(num_tokens, device, self.group)
@@ -136,8 +144,11 @@ class AllGatherDispatcher(ExpertDispatcher):
     Combine: pair outputs scattered into zeros [N * M, K, d], reduce-scattered (sum) back to the
     owners. Exact: each (t, k) is non-zero on exactly one rank, so the sum adds only zeros to it
     (an output of -0.0 comes back as +0.0: equal, not the same bits).
-    NOTE(graph): the collectives have fixed sizes; selecting the local pairs (nonzero) does not,
-    so a graph-captured step would need a padded pair list."""
+    NOTE(graph): the collectives have fixed sizes; selecting the local pairs (nonzero) does not (a host
+    read a layer). dispatch_dense / combine_dense keep every gathered pick instead, other ranks' as
+    dropped ids: fixed shapes, no host read (the MoE's masked form drops them, MoE._forward_ep)."""
+
+    dense = True
 
     def dispatch(self, x, topk_ids, topk_weights):
         T, K = topk_ids.shape
@@ -152,6 +163,25 @@ class AllGatherDispatcher(ExpertDispatcher):
         lt = LocalTokens(x_all, pair_q // K, ids.flatten()[pair_q] % self.num_local,
                          weights.flatten()[pair_q])
         return lt, GatherHandle(pair_q, M, T, K)
+
+    def dispatch_dense(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, max_tokens: int):
+        """The fixed-shape form: (x_all [N*M, d], local_ids [N*M, K] int64, weights [N*M, K] fp32, handle):
+        every rank's rows padded to M = max_tokens (step_tokens), each pick as this rank's local slot, or
+        num_local where another rank holds it (and on pad rows): the MoE's routing drops those."""
+        T, K = topk_ids.shape
+        M = max_tokens
+        x_all = all_gather_rows(_pad_rows(x, M, 0), self.group, self.world_size)        # [N*M, d]
+        meta = _pack_pairs(_pad_rows(topk_ids, M, -1), _pad_rows(topk_weights, M, 0))   # [M, 2, K]
+        meta = all_gather_rows(meta, self.group, self.world_size)                       # [N*M, 2, K]
+        ids, weights = meta[:, 0].long(), meta[:, 1].contiguous().view(torch.float32)   # [N*M, K]
+        mine = (ids >= 0) & (ids // self.num_local == self.rank)
+        local = torch.where(mine, ids % self.num_local, self.num_local)
+        return x_all, local, weights, GatherHandle(_empty_index(x), M, T, K)
+
+    def combine_dense(self, y: Tensor, h: GatherHandle) -> Tensor:
+        """y [N*M, K, d]: this rank's picks' outputs at their (row, k), zeros elsewhere -> [T, K, d]: the
+        sum over ranks (each pick non-zero on one rank only) of this rank's own rows."""
+        return reduce_scatter_rows(y, self.group, self.world_size)[:h.num_tokens]
 
     def combine(self, y, h):
         d = y.shape[-1]

@@ -73,6 +73,16 @@ def run_experts(lt: LocalTokens, rank: int, num_local: int, p2l: list[int]) -> t
     return y
 
 
+def run_experts_dense(x_all: torch.Tensor, local: torch.Tensor, w: torch.Tensor, rank: int, num_local: int,
+                      p2l: list[int]) -> torch.Tensor:
+    """[N*M, K, d] bf16: run_experts' map at each pick this rank holds (local < num_local), zeros elsewhere."""
+    y = torch.zeros(*local.shape, x_all.shape[1], dtype=torch.bfloat16)
+    for row, k in (local < num_local).nonzero().tolist():
+        a, b = expert_params(p2l[rank * num_local + int(local[row, k])])
+        y[row, k] = ((x_all[row].float() * a + b) * w[row, k]).to(torch.bfloat16)
+    return y
+
+
 def reference(data, p2l: list[int]) -> list[torch.Tensor]:
     """The local backend on every rank's tokens with every slot local, split back per rank."""
     x, ids, w = (torch.cat(parts) for parts in zip(*data))
@@ -99,6 +109,12 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 lt, h = disp.dispatch(*data[rank])
                 out = disp.combine(run_experts(lt, rank, NUM_LOCAL, p2l), h)
                 results[case, backend, mode] = (out, lt.x.shape[0], lt.pair_token.shape[0])
+                if disp.dense:
+                    M = disp.step_tokens(data[rank][0].shape[0], torch.device("cpu"))
+                    x_all, local, w, h = disp.dispatch_dense(*data[rank], M)
+                    live = int((local < NUM_LOCAL).sum())
+                    out = disp.combine_dense(run_experts_dense(x_all, local, w, rank, NUM_LOCAL, p2l), h)
+                    results[case, backend + "-dense", mode] = (out, x_all.shape[0], live)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -121,7 +137,7 @@ def world(request, tmp_path_factory):
 # --- the tests ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + ["allgather-dense"])
 @pytest.mark.parametrize("case", CASES)
 def test_matches_one_rank(world, case, backend, mode):
     n, results = world
