@@ -89,12 +89,12 @@ class ModelArgs:
     # for every step, so a prompt's logits do not depend on where the scheduler cut it (the engine's
     # batch-invariant mode sets it).
     step_shape_invariant: bool = False
-    # NOTE(model): runtime switch (EngineArgs(model_overrides={"index_k_packed": True})). The cache holds the
-    # index keys as packed FP4 rows (reference.fp4_pack_rows_ref: their values exactly, 80 bytes a 128-value
-    # key against 256 in bf16; the score kernels unpack them). Off by default: with the kernels' first
-    # unpacking the H100's decode step was 2-4% slower (perf/H200_NOTES.md, 2026-12-05); the memory is
-    # the gain (about a sixth of an indexer source's compressed pool).
-    index_k_packed: bool = False
+    # NOTE(model): runtime switch (EngineArgs(model_overrides={"index_k_packed": False}) restores bf16 keys).
+    # The cache holds the index keys as packed FP4 rows (reference.fp4_pack_rows_ref: their values exactly,
+    # 80 bytes a 128-value key against 256 in bf16; the score kernels unpack them to the same bits): about a
+    # sixth of an indexer source's compressed pool saved, and the decode step 1.006x / 1.018x at batch 64 /
+    # 128 (H100, 2026-12-05, evening, two runs in either order; perf/H200_NOTES.md).
+    index_k_packed: bool = True
     extra: dict = field(default_factory=dict, repr=False)
 
     # ---- derived layer roles -------------------------------------------------------------
