@@ -1,5 +1,5 @@
 """Grouped bars of bench_model_decode.py's rows (graph ms a step by batch), one bar a variant of the run
-(MoE path, mHC variant, skinny table), from the model_decode.json files a device call brought back:
+(MoE path, mHC variant, skinny table, index-key format), from the model_decode.json files a device call brought back:
 
     python perf/plot_decode_rows.py OUT.png model_decode.json [more.json ...] [--title TEXT]
 
@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def label(row: dict) -> str:
     parts = [row.get("moe_path") or "", json.dumps(row["mhc_variant"]) if row.get("mhc_variant") else "",
-             row.get("skinny_table") or ""]
+             row.get("skinny_table") or "", f"{row['index_k']} keys" if row.get("index_k") else ""]
     return " ".join(p for p in parts if p and p != "default") or "default"
 
 

@@ -22,6 +22,30 @@ FIXTURES = SHARED / "fixtures"
 _built: dict[tuple[str, str], Path] = {}
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now (process groups' rendezvous, servers)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def graph_replay_matches_eager(fn, static, fresh) -> None:
+    """fn(static) captured in a CUDA graph (after an eager warm-up), `fresh` copied into static and the
+    graph replayed: the replay's output equals an eager call on the same input (no host read, no stale
+    buffer; a capture with a host read raises)."""
+    import torch
+    fn(static)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn(static)
+    static.copy_(fresh)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fn(static))
+
+
 def need_shared() -> Path:
     if not (FIXTURES / "v41-tiny" / "recipe.json").is_file() or not (SHARED / "tools" / "make-fixture").is_file():
         pytest.skip(f"shared fixtures not found at {SHARED} (set DEEPINFER_SHARED to the shared folder)")

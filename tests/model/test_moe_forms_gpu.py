@@ -9,6 +9,7 @@ import torch
 
 import deepinfer.model.moe as moe_mod
 from deepinfer.model.loader import load_model
+from tests.conftest import graph_replay_matches_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -34,16 +35,7 @@ def test_contiguous_from_pairs_matches_masked_in_a_graph(model, monkeypatch, T):
         assert masked_ok and not moe._use_masked(x, idx.numel())
         got = moe(x).float()
         assert (got - want).abs().max() <= 2e-2 * want.abs().max()
-        static = x.clone()
-        moe(static)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = moe(static)
-        static.copy_(torch.randn_like(x))                      # other tokens, other routing
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, moe(static))
+        graph_replay_matches_eager(moe, x.clone(), torch.randn_like(x))      # other tokens, other routing
 
 
 @pytest.fixture(scope="module", params=["fp8", "fp4"])

@@ -5,12 +5,13 @@ spawned once per world size; every case runs inside the workers, results come ba
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.conftest import free_port
 
 from deepinfer.parallel.ep_comm import DISPATCHERS, LocalTokens, make_dispatcher
 
@@ -119,18 +120,12 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4])
 def world(request, tmp_path_factory):
     """(world_size, per rank {(case, backend, mode): (combined [T, K, d], rows received, pairs)})."""
     n = request.param
     out = tmp_path_factory.mktemp(f"ep{n}")
-    mp.spawn(_worker, args=(n, _free_port(), str(out)), nprocs=n, join=True)
+    mp.spawn(_worker, args=(n, free_port(), str(out)), nprocs=n, join=True)
     return n, [torch.load(out / f"rank{r}.pt") for r in range(n)]
 
 

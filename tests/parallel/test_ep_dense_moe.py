@@ -7,12 +7,13 @@ every expert, and the pair-list path never taken; without the masked form the pa
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.conftest import free_port
 
 SIZES = [5, 0, 3]           # tokens per rank (rank 1 idle)
 # (name, tokens x, MoE.masked): the masked form forced (a CPU runs it only so), at decode and prefill sizes;
@@ -63,17 +64,11 @@ def _worker(rank: int, world_size: int, port: int, ckpt: str, out_dir: str) -> N
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 3])
 def world(request, tiny_checkpoint, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"epdense{n}")
-    mp.spawn(_worker, args=(n, _free_port(), str(tiny_checkpoint), str(out)), nprocs=n, join=True)
+    mp.spawn(_worker, args=(n, free_port(), str(tiny_checkpoint), str(out)), nprocs=n, join=True)
     return n, [torch.load(out / f"rank{r}.pt") for r in range(n)]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import SHARED, build_fixture
+from tests.conftest import SHARED, build_fixture, free_port, graph_replay_matches_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -72,7 +72,6 @@ def test_dense_ep_moe_captures_in_a_graph(small_checkpoint):
     without expert parallelism (to the masked GEMMs' tile choice: the gathered slab is wider), no host
     read (it captures in a CUDA graph), and a replay with other tokens equals eager."""
     import datetime
-    import socket
 
     import torch.distributed as dist
 
@@ -82,10 +81,7 @@ def test_dense_ep_moe_captures_in_a_graph(small_checkpoint):
     from deepinfer.parallel.ep_comm import AllGatherDispatcher
     from deepinfer.parallel.placement import ExpertPlacement
     from deepinfer.parallel.state import ParallelState
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     try:
         args = ModelArgs.from_checkpoint(small_checkpoint)
@@ -106,16 +102,7 @@ def test_dense_ep_moe_captures_in_a_graph(small_checkpoint):
             with torch.inference_mode():
                 got, want = moe(x).float(), ref(x).float()
                 assert calls and (got - want).abs().max() <= 2e-2 * want.abs().max()
-                static = x.clone()
-                moe(static)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    out = moe(static)
-                static.copy_(torch.randn_like(x))
-                g.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(out, moe(static))
+                graph_replay_matches_eager(moe, x.clone(), torch.randn_like(x))
         finally:
             moe_mod.MoE._ep_dense = real
     finally:

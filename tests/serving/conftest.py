@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import free_port
 
 
 MAX_MODEL_LEN = 2048
@@ -25,12 +26,6 @@ def _has_batch_invariant_mode() -> bool:
 
 BATCH_INVARIANT = _has_batch_invariant_mode()
 ENGINE_ARGS = {"max_num_seqs": 40, **({"batch_invariant": True} if BATCH_INVARIANT else {})}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
