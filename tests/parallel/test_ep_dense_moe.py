@@ -2,7 +2,8 @@
 combine_dense, other ranks' picks dropped by the masked form's routing): no host read, fixed shapes, the
 path a graph-captured decode step needs. 2 and 3 gloo ranks, each with its own token count (one with none),
 every MoE layer of the tiny preset on FP8 stacks with the masked form: the same bits as one rank holding
-every expert, and the pair-list path never taken; without the masked form the pair list, same bits."""
+every expert, the pair-list path never taken and no host read (max_tokens set as the driver sets it); without
+the masked form the pair list (its nonzero a host read), same bits."""
 
 from __future__ import annotations
 
@@ -50,15 +51,20 @@ def _worker(rank: int, world_size: int, port: int, ckpt: str, out_dir: str) -> N
         return real_pairs(self, *a)
     moe_mod.MoE._ep_dense, moe_mod.MoE._local_pairs = dense, pairs
     results = {}
+    from tests.model.test_moe_masked import _host_reads
     with torch.inference_mode():
         for run, scale, masked in RUNS:
             g = torch.Generator().manual_seed(100 * scale + rank)
             T = SIZES[rank] * scale
+            ps.dispatcher.max_tokens = max(SIZES[:world_size]) * scale     # as the driver sets it
+            reads = []
             for i, (le, lo) in enumerate(zip(ep.layers, one.layers)):
                 le.ffn.masked = lo.ffn.masked = masked
                 x = torch.randn(T, args.dim, generator=g).bfloat16()
-                results[run, i] = (le.ffn(x), lo.ffn(x))
-            results[run, "taken"] = dict(taken)
+                got = []
+                reads += _host_reads(lambda: got.append(le.ffn(x)))
+                results[run, i] = (got[0], lo.ffn(x))
+            results[run, "taken"] = dict(taken, reads=reads)
             taken.update(dense=0, pairs=0)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -84,7 +90,9 @@ def test_ep_moe_equals_one_rank(world, run):
             assert got.shape == want.shape == (SIZES[r] * scale, want.shape[1])
             assert torch.equal(got, want), (r, key)
         taken = results[r][run, "taken"]
-        if run == "off":                          # no masked form: the pair list, every layer
+        if run == "off":                          # no masked form: the pair list, every layer (its nonzero)
             assert taken["dense"] == 0 and taken["pairs"] == len(layers), taken
-        else:                                     # the fixed-shape path, every layer, never the pair list
+            assert "aten::nonzero" in taken["reads"], taken
+        else:                                     # the fixed-shape path, every layer, never the pair list,
             assert taken["dense"] == len(layers) and taken["pairs"] == 0, taken
+            assert taken["reads"] == [], taken    # and no host read (what a CUDA graph needs)
