@@ -24,7 +24,6 @@ from .reference import (  # noqa: F401
     e2m1_round,
     e8m0_to_float,
     fp4_quant_ref,
-    fp4_rows_width,
     fp4_unpack_rows_ref,
     hc_split_sinkhorn_ref,
     index_scores_paged_ref,

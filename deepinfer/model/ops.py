@@ -10,7 +10,6 @@ from deepinfer.kernels import (  # noqa: F401
     dequant_fp4_ref as dequant_fp4,
     hc_pre_ref as hc_pre,
     e8m0_to_float,
-    fp4_rows_width,
     fp4_unpack_rows_ref as fp4_unpack_rows,
     rope_freqs_ref as rope_freqs,
     topk_ids_ref as topk_ids,

@@ -69,9 +69,6 @@ class ExpertDispatcher:
     def step_tokens(self, num_tokens: int, device) -> int:
         """M, the step's largest token count of any rank (every rank calls it: an all-reduce where the
         driver did not set max_tokens)."""
-        return self._step_max_tokens(num_tokens, device)
-
-    def _step_max_tokens(self, num_tokens: int, device) -> int:
         if self.max_tokens is None:
             return all_reduce_max(num_tokens, device, self.group)
         if num_tokens > self.max_tokens:
@@ -152,7 +149,7 @@ class AllGatherDispatcher(ExpertDispatcher):
 
     def dispatch(self, x, topk_ids, topk_weights):
         T, K = topk_ids.shape
-        M = self._step_max_tokens(T, x.device)
+        M = self.step_tokens(T, x.device)
         if M == 0:                                   # no rank has tokens: every rank skips alike
             return _empty_local(x), GatherHandle(_empty_index(x), 0, 0, K)
         x_all = all_gather_rows(_pad_rows(x, M, 0), self.group, self.world_size)        # [N*M, d]
