@@ -478,9 +478,15 @@ class _ExpertParallel:
         self.maps.log2phy, self.maps.logcnt = self.maps.log2phy.to(device), self.maps.logcnt.to(device)
 
     def record(self, indices: torch.Tensor) -> None:
+        """This layer's picks into the EPLB load window: no host read (a captured decode step records
+        too), padding rows of a captured step (recorder.real_rows) not counted."""
         rec = self.parallel.recorder
         if rec is not None:
-            rec.record(self.layer_id, torch.bincount(indices.flatten(), minlength=rec.num_experts))
+            flat = indices.flatten()
+            ones = torch.ones_like(flat) if rec.real_rows is None else \
+                rec.real_rows.to(flat.dtype).repeat_interleave(indices.shape[1])
+            rec.record(self.layer_id, torch.zeros(rec.num_experts, dtype=flat.dtype, device=flat.device)
+                       .index_add_(0, flat, ones))
 
     def local_logical(self) -> list[int]:
         return self.parallel.placement.local_logical(self.layer_id, self.parallel.rank)

@@ -20,6 +20,9 @@ layer's collectives line up) and only the sampled tokens come back.
     executor.py      MultiprocExecutor: spawns the rank workers, sends plans, gathers results,
                      notices a dead worker (its requests fail, nothing is left running)
     worker.py        the rank worker process: pins its GPU, joins the group, loads its shard, loops
+    lockstep.py      CUDA-graph decode across ranks: every rank replays the same captured size in a
+                     step (fewer requests padded, none: an all-padding replay) or all run eagerly,
+                     agreed by one host all-reduce
     planner.py       memory planner (deepinfer-plan): per-rank weight bytes, KV capacity, fits or not
 
 Attention stays data parallel: one latent KV head, so tensor parallelism would duplicate the cache

@@ -161,6 +161,7 @@ class MultiprocExecutor:
 
     # messages ----------------------------------------------------------------------------------------
     def _send(self, conn, msg) -> None:
+        self._check_alive()          # once failed, the workers are stopped (and their list emptied)
         try:
             conn.send(msg)
         except (OSError, EOFError):

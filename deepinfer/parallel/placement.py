@@ -122,17 +122,19 @@ class LayerPlacement:
     """One layer's maps on the device, for the MoE forward: logical top-k ids -> physical slots."""
 
     def __init__(self, placement: ExpertPlacement, layer: int, device) -> None:
-        self.log2phy = placement.log2phy[layer].to(device)     # [E, R]
-        self.logcnt = placement.logcnt[layer].to(device)       # [E]
+        # [E, R]: as many replica columns as any placement of these slots can need (1 + the redundant
+        # slots), so a rebalance rewrites the maps in place: a captured graph keeps reading these buffers
+        E = placement.num_logical
+        self.log2phy = torch.full((E, placement.num_physical - E + 1), -1, dtype=torch.long, device=device)
+        self.logcnt = torch.zeros(E, dtype=torch.long, device=device)
+        self.update(placement, layer)
 
     def update(self, placement: ExpertPlacement, layer: int) -> None:
-        """New maps in place where the shape allows (a captured graph keeps reading the same buffers)."""
-        log2phy, logcnt = placement.log2phy[layer], placement.logcnt[layer]
-        if log2phy.shape == self.log2phy.shape:
-            self.log2phy.copy_(log2phy)
-        else:
-            self.log2phy = log2phy.to(self.log2phy.device)
-        self.logcnt.copy_(logcnt)
+        """The new maps, written in place."""
+        log2phy = placement.log2phy[layer]
+        self.log2phy.fill_(-1)
+        self.log2phy[:, :log2phy.shape[1]].copy_(log2phy)
+        self.logcnt.copy_(placement.logcnt[layer])
 
     def to_physical(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """[T, K] logical -> [T, K] physical: pair (t, k) takes replica (t + k) mod logcnt."""

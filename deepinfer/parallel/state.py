@@ -23,6 +23,14 @@ class ParallelState:
     # equal-size collectives pad to it; None = found by an all-reduce (deepinfer-score's steps)
     step_max_tokens: int | None = None
 
+    def set_step_tokens(self, n: int | None) -> None:
+        """The step's largest rank size (None: found by an all-reduce), for every equal-size collective."""
+        self.step_max_tokens = n
+        if self.dispatcher is not None:
+            self.dispatcher.max_tokens = n
+        if self.recorder is not None:
+            self.recorder.real_rows = None        # an eager step: every row is a request's
+
     @property
     def is_parallel(self) -> bool:
         return self.world_size > 1

@@ -7,13 +7,15 @@ Messages from the driver (a duplex Pipe; replies in request order):
     ("launch", SchedulerOutput, max_rank_tokens, [CPShare])   no reply. CP shares first: this rank's
                  chunks of long prompts' prefills (parallel/cp.py; every rank has one of each). Then
                  the runner launches the plan; a rank with no tokens of its own while others have
-                 some runs the idle step (every MoE layer's collectives). max_rank_tokens == 0:
+                 some runs the idle step (every MoE layer's collectives: the captured size the others
+                 replay, all padding, or the eager idle forward; lockstep.py). max_rank_tokens == 0:
                  nothing runs anywhere (state only).
     ("resolve",)          -> ("result", ModelRunnerOutput) of the oldest launched step
     ("rebalance",)        -> ("ok", stats): EPLB over the ranks' summed load window, weights moved
     ("score", jobs, num_forwards, opts) -> ("result", [dict]): deepinfer-score's per-prompt outputs
                  for this rank's prompts, each rank running the same number of forwards
-    ("ping",)             -> ("ok", gauges)
+    ("ping",)             -> ("ok", gauges: EPLB moves, CP shares, step and collective seconds, the
+                 CUDA-graph steps (padding-only ones apart) and the steps lockstep sent to eager)
     ("shutdown",)         the loop ends, the group is destroyed, the process exits
 Any exception -> ("error", traceback text), and the worker exits: a rank that failed inside a
 step may have left its peers inside a collective, so the driver tears all of them down.
@@ -155,15 +157,15 @@ class _Rank:
         if max_rank_tokens == 0:
             return                                   # no forward anywhere: nothing to resolve
         if launched is None:
-            self.rt.model.idle_forward()
+            self.rt.runner.idle_step()
         if self.parallel.recorder is not None:
             self.parallel.recorder.end_step()
         self.in_flight.append(launched)
 
     def _set_step_max(self, max_rank_tokens: int | None) -> None:
-        self.parallel.step_max_tokens = max_rank_tokens
-        if self.ep:
-            self.parallel.dispatcher.max_tokens = max_rank_tokens
+        self.parallel.set_step_tokens(max_rank_tokens)
+        if self.rt.runner.lockstep is not None:
+            self.rt.runner.lockstep.max_rank_tokens = max_rank_tokens or 0
 
     def _prefill_share(self, share) -> None:
         """This rank's rows of a balanced-CP prefill (every rank runs the same layers' collectives)."""
@@ -189,9 +191,7 @@ class _Rank:
         import torch
 
         from deepinfer.cli.score import score_prompt
-        self.parallel.step_max_tokens = None
-        if self.ep:
-            self.parallel.dispatcher.max_tokens = None
+        self.parallel.set_step_tokens(None)
         out = [score_prompt(self.rt.model, ids, opts["steps"], forced, opts["dump_hidden"], opts["dspark"],
                             opts["draft_steps"], torch.device(self.rt.device)) for ids, forced in jobs]
         for _ in range((num_prompts - len(jobs)) * (1 + opts["steps"])):
@@ -199,8 +199,11 @@ class _Rank:
         return out
 
     def _gauges(self) -> dict:
-        d = self.parallel.dispatcher
-        return {"pid": os.getpid(), "num_rebalances": self.num_rebalances, "num_moved": self.num_moved,
+        d, g, lock = self.parallel.dispatcher, self.rt.runner.graphs, self.rt.runner.lockstep
+        return {"graph_steps": 0 if g is None else g.num_steps, "graph_replays": 0 if g is None else g.num_replays,
+                "graph_padding_steps": 0 if g is None else g.num_padding_steps,
+                "lockstep_eager_steps": 0 if lock is None else lock.num_eager_steps,
+                "pid": os.getpid(), "num_rebalances": self.num_rebalances, "num_moved": self.num_moved,
                 "num_cp_prefills": self.num_cp_prefills,
                 "step_seconds": self.step_seconds, "num_steps": self.num_steps,
                 "comm_seconds": getattr(d, "seconds", None),

@@ -49,14 +49,15 @@ DRAFT_ROOM = 64
 
 def graph_sizes(args, model_args, device: str) -> tuple[int, ...]:
     """Decode batch sizes to capture for EngineArgs `args`; () = eager only. Off for enforce_eager,
-    batch_invariant (row-by-row GEMMs) and the index-key alias emulation (per-sequence host-side key
-    owners). cuda_graph_sizes None: DEFAULT_SIZES on CUDA, none on CPU; sizes given on a CPU run the
-    padded step eagerly (a test mode)."""
-    if args.enforce_eager or args.batch_invariant or model_args.emulate_index_k_alias:
+    batch_invariant on CUDA (row-by-row GEMMs) and the index-key alias emulation (per-sequence host-side
+    key owners). cuda_graph_sizes None: DEFAULT_SIZES on CUDA, none on CPU; sizes given on a CPU run the
+    padded step eagerly (a test mode; under batch_invariant row by row, so padding changes no bit)."""
+    cuda = device.startswith("cuda")
+    if args.enforce_eager or (args.batch_invariant and cuda) or model_args.emulate_index_k_alias:
         return ()
     sizes = args.cuda_graph_sizes
     if sizes is None:
-        sizes = DEFAULT_SIZES if device.startswith("cuda") else ()
+        sizes = DEFAULT_SIZES if cuda else ()
     sizes = sorted(set(int(s) for s in sizes))
     if any(s < 1 for s in sizes):
         raise ValueError(f"cuda_graph_sizes must be >= 1, got {sizes}")
@@ -119,8 +120,11 @@ class DecodeGraphs:
 
     def __init__(self, model, caches, input_batch, sizes, max_model_len: int, block_tokens: int, device,
                  enabled: bool | None = None, max_len: int | None = None, lengths: tuple[int, ...] = (1,),
-                 packed: bool = False):
+                 packed: bool = False, before_forward=None):
         self.model, self.caches, self.device = model, caches, torch.device(device)
+        # rank workers (parallel/lockstep.py): told the padded step's rows before each forward (capture,
+        # warm-up and CPU runs), the size the step's collectives gather from every rank
+        self.before_forward = before_forward
         if caches.scratch_slot < 0:
             raise ValueError("CUDA-graph decode needs caches allocated with scratch=True")
         args = model.args
@@ -148,6 +152,7 @@ class DecodeGraphs:
         self._next_host = 0
         self.num_steps = 0            # steps served (graph replays, or eager runs of the padded step)
         self.num_verify_steps = 0     # of them, steps with drafts (L > 1)
+        self.num_padding_steps = 0    # of them, steps with no real row (padding_step)
 
     # construction ------------------------------------------------------------------------------
     def _capture(self) -> None:
@@ -172,12 +177,25 @@ class DecodeGraphs:
     def _inputs(self, bs: int, q: int = 1) -> tuple[DecodeStepBuffers]:
         """Static buffers of size bs x q holding an all-padding step (what warm-up and capture run)."""
         bufs = self.new_buffers(bs, q)
+        self._fill_padding(bufs)
+        return (bufs,)
+
+    def _fill_padding(self, bufs: DecodeStepBuffers) -> None:
         host = np.zeros(bufs.numel, dtype=np.int64)
         h = self._layout["ngram_width"]
         bufs.fill(host, positions=[], input_ids=[], ngram_history=np.zeros((0, h), dtype=np.int64),
                   ring_slots=[], block_tables=np.zeros((0, 0), dtype=np.int64), pending_src=[])
         bufs.flat.copy_(torch.from_numpy(host))
-        return (bufs,)
+
+    def padding_step(self, key: tuple[int, int]) -> None:
+        """Replay key's step with no real row (a rank worker with no request while the others replay that
+        size: parallel/lockstep.py); its writes go to the scratch slot and block, its outputs unread."""
+        bs, q = key
+        runner = self.runners[q]
+        self._fill_padding(runner.static_in[bs][0])     # synchronous: a small buffer, and the host is idle
+        runner.run(bs)
+        self.num_steps += 1
+        self.num_padding_steps += 1
 
     def new_buffers(self, bs: int, q: int) -> DecodeStepBuffers:
         """The static buffers of key (bs, q): bs x q padded, or (packed verify) bs requests of up to
@@ -280,6 +298,8 @@ class DecodeGraphs:
     def _forward(self, bufs: DecodeStepBuffers):
         """The captured function: ([B * L, V] fp32 logits, [B * L, .] DSpark input rows | None) of the
         padded step."""
+        if self.before_forward is not None:
+            self.before_forward(bufs)
         with torch.inference_mode():
             out = self.model(bufs.forward_batch(), self.caches, meta=bufs.metadata(self.max_pos))
             return out.logits, out.main_hidden

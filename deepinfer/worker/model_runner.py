@@ -41,6 +41,8 @@ CUDA graphs (graph_sizes, worker/graph_step.py): a decode or verify step (every 
 next token and its drafts, if any) that a captured (batch size, tokens per request) holds replays
 the captured forward instead of step 3; prefill chunks and mixed steps run eagerly. The DSpark
 drafting pass with greedy drafts replays its own graphs (graph_step.DraftGraphs, in the proposer).
+On a rank worker (`lockstep`, parallel/lockstep.py) the ranks agree first: every rank replays the size
+holding the largest rank's decode step (idle_step: all padding where it has none), or all run eagerly.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import torch
 from dataclasses import dataclass
 
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
+from deepinfer.parallel import lockstep as lockstep_mod
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.spec.device_resolution import resolve_on_device
 from deepinfer.host_copy import to_device
@@ -104,7 +107,7 @@ class ModelRunner:
                  block_tokens: int, ngram_width: int = 3, sampler=None, batch_invariant: bool = False,
                  proposer=None, graph_sizes: tuple[int, ...] = (), graph_max_len: int = 8192,
                  num_snapshot_slots: int = 0, num_host_slots: int = 0, yoco_keep_tokens: int = 0,
-                 disk_cache_dir: str | None = None, packed_verify: bool = True) -> None:
+                 disk_cache_dir: str | None = None, packed_verify: bool = True, lockstep=None) -> None:
         self.model = model
         self.proposer = proposer      # deepinfer.spec.DSparkProposer; None = no drafts
         self.batch_invariant = batch_invariant   # torch path: row-by-row GEMMs (kernels/batch_invariant.py)
@@ -139,13 +142,16 @@ class ModelRunner:
         self._draft_probs: dict[str, torch.Tensor] = {}   # req_id -> q [k, V] of its sampled drafts ("sampled" rule)
         self._replay_len: dict[str, int] = {}             # req_id -> replayed accepted length (benchmark mode)
         self.graphs = None            # DecodeGraphs: captured pure-decode steps (needs scratch caches)
+        # a rank worker's: every rank takes the same captured size in a step, or none does (parallel/lockstep.py)
+        self.lockstep = lockstep
         if graph_sizes:
             from deepinfer.worker.graph_step import DecodeGraphs
             self.graphs = DecodeGraphs(model, caches, self.input_batch, graph_sizes, max_model_len,
                                        block_tokens, self.device, max_len=graph_max_len,
                                        lengths=(1,) if proposer is None else
                                        tuple(range(1, proposer.num_speculative_tokens + 2)),
-                                       packed=packed_verify)
+                                       packed=packed_verify,
+                                       before_forward=None if lockstep is None else lockstep.before_forward)
             if proposer is not None and self.graphs.graphs is not None:
                 from deepinfer.worker.graph_step import DraftGraphs
                 proposer.graphs = DraftGraphs(model, caches, graph_sizes, self.graphs.max_pos, self.device)
@@ -398,23 +404,47 @@ class ModelRunner:
         step is a pure decode step a captured size holds, else the eager forward."""
         ib = self.input_batch
         rows = ib.decode_rows(req_ids, q_lens, num_spec) if self.graphs is not None else None
+        key = None
         if rows is not None:
             length = int(q_lens.max())
             key = self.graphs.serves(len(rows), int((ib.num_computed[rows] + q_lens).max()) - 1, length,
                                      rows=int(q_lens.sum()))
-            if key is not None and key[1] == 1 and self.proposer is None:
+        if self.lockstep is not None:     # the size every rank takes, or eager everywhere
+            key = self._lockstep_key(len(rows) if key is not None else lockstep_mod.NOT_A_GRAPH_STEP)
+        if key is not None:     # batch_invariant: the padded step run eagerly (a CPU's test mode) row by row
+            with batch_invariant_mode(self.batch_invariant):
+                if key[1] > 1 or self.proposer is not None:
+                    return self._verify_graph_step(rows, q_lens, key)
                 batch, logits, _, _ = self.graphs.step(ib.decode_inputs(rows), self._prev_sampled, key)
-                if ib.return_logits:      # kept until resolve(): the next replay overwrites the static output
-                    logits = logits.clone()
-                return batch, rows, np.ones(len(rows), dtype=np.int64), logits, None
-            if key is not None:
-                return self._verify_graph_step(rows, q_lens, key)
+            if ib.return_logits:      # kept until resolve(): the next replay overwrites the static output
+                logits = logits.clone()
+            return batch, rows, np.ones(len(rows), dtype=np.int64), logits, None
         batch, rows, num_logits = ib.build(req_ids, q_lens, num_spec, self.device, self._prev_sampled)
         if self.images is not None and self.images.has_any():
             batch.image_rows, batch.image_embeds = self.images.gather(req_ids, batch.start_pos.numpy(), q_lens)
         with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
             out = self.model(batch, self.caches)
         return batch, rows, num_logits, out.logits, out.main_hidden
+
+    def _lockstep_key(self, local: int) -> tuple[int, int] | None:
+        """The decode key every rank takes this step (the smallest captured size holding the largest
+        rank's rows), or None: every rank runs eagerly."""
+        rows = self.lockstep.agree(local)
+        return None if rows is None else self.graphs.keys.key(rows, 1)
+
+    def idle_step(self) -> None:
+        """A rank worker with no request this step while others have some: the step's collectives with no
+        tokens of its own: the captured size the other ranks replay (all padding rows), or the eager
+        idle forward."""
+        key = None
+        if self.lockstep is not None:
+            key = self._lockstep_key(lockstep_mod.IDLE if self.graphs.graphs is not None
+                                     else lockstep_mod.NOT_A_GRAPH_STEP)
+        if key is None:
+            self.model.idle_forward()
+            return
+        with batch_invariant_mode(self.batch_invariant):
+            self.graphs.padding_step(key)
 
     def _verify_graph_step(self, rows: np.ndarray, q_lens: np.ndarray, key: tuple[int, int]):
         """A verify step (some request has drafts) through the captured (batch, L) graph: the real

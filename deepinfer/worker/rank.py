@@ -89,7 +89,15 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     if nvcc is not None:
         nvcc.join()
     model_args = model.args
-    sizes = graph_sizes(args, model_args, device) if parallel is None or not parallel.is_parallel else ()
+    lockstep = None
+    if parallel is None or not parallel.is_parallel:
+        sizes = graph_sizes(args, model_args, device)
+    else:       # every rank replays the same captured size in a step (parallel/lockstep.py)
+        from deepinfer.parallel.lockstep import GraphLockstep, host_group, rank_graph_sizes
+        sizes = rank_graph_sizes(args, model_args, device, parallel.world_size)
+        collectives = parallel.placement is not None or parallel.engram_sharded
+        if sizes and collectives:    # the same on every rank: the group is made on all of them or none
+            lockstep = GraphLockstep(parallel, host_group(), max(sizes))
     num_blocks = args.num_cache_blocks
     if num_blocks is None:
         if device.startswith("cuda"):
@@ -128,7 +136,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                          num_host_slots=num_host_slots(args, model_args),
                          yoco_keep_tokens=args.yoco_prefill_keep_tokens,
                          disk_cache_dir=args.disk_cache_dir if disk_blocks else None,
-                         packed_verify=args.spec_packed_verify)
+                         packed_verify=args.spec_packed_verify, lockstep=lockstep)
     if overlap:
         from deepinfer.spec.overlap import ring_fits
         if ring_fits(model, caches, args.num_speculative_tokens):

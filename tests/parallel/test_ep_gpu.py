@@ -107,3 +107,59 @@ def test_dense_ep_moe_captures_in_a_graph(small_checkpoint):
             moe_mod.MoE._ep_dense = real
     finally:
         dist.destroy_process_group()
+
+
+def test_lockstep_decode_step_captures_over_nccl(small_checkpoint):
+    """A rank worker's captured decode step (parallel/lockstep.py) on the GPU, over a 1-rank NCCL group:
+    the whole padded step with the expert-parallel MoE on the allgather dispatcher's fixed-shape form and
+    the EPLB recorder captures; a replay gives the same logits and expert loads as the same padded step
+    run eagerly, the loads count the real rows only, and an all-padding replay (an idle rank's) adds none."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from deepinfer.model.args import ModelArgs
+    from deepinfer.model.loader import load_model
+    from deepinfer.parallel.ep_comm import AllGatherDispatcher
+    from deepinfer.parallel.eplb.recorder import ExpertLoadRecorder
+    from deepinfer.parallel.lockstep import GraphLockstep
+    from deepinfer.parallel.placement import ExpertPlacement
+    from deepinfer.parallel.state import ParallelState
+    from deepinfer.worker.graph_step import DecodeGraphs
+    from deepinfer.worker.input_batch import InputBatch
+    from deepinfer.worker.loading import allocate_caches
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        args = ModelArgs.from_checkpoint(small_checkpoint)
+        placement = ExpertPlacement.initial(args.n_layers, args.n_routed_experts, 0, 1)
+        rec = ExpertLoadRecorder(args.n_layers, args.n_routed_experts, 4, device="cuda")
+        ps = ParallelState(placement=placement, dispatcher=AllGatherDispatcher(placement.num_local, 0, 1, None),
+                           recorder=rec)
+        model = load_model(small_checkpoint, "cuda", progress=False, parallel=ps)
+        caches = allocate_caches(model.args, 4, 16, 64, "cuda", "bfloat16", scratch=True)
+        width = max(model.args.engram_max_ngram_size - 1, 0)
+        ib = InputBatch(4, 1024, 16, width, window=caches.ring_len // 2)
+        lock = GraphLockstep(ps, dist.new_group(backend="gloo"), 4)
+        graphs = DecodeGraphs(model, caches, ib, (2, 4), 1024, 64, "cuda", before_forward=lock.before_forward)
+        assert graphs.graphs is not None and graphs.graphs.enabled, "capture failed (see the log)"
+        n = 3
+        host = dict(positions=np.array([5, 9, 17]), input_ids=np.array([3, 4, 5]),
+                    ngram_history=np.full((n, width), 7), ring_slots=np.arange(n),
+                    block_tables=np.arange(n)[:, None], pending_src=np.full(n, -1))
+        rec._open.zero_()
+        _, logits, _, _ = graphs.step(host, None, (4, 1))
+        got, loads = logits.clone(), rec._open.clone()
+        rec._open.zero_()
+        with torch.inference_mode():
+            want, _ = graphs._forward(graphs.runners[1].static_in[4][0])     # the same padded step, eagerly
+        assert graphs.num_replays == 1
+        assert torch.equal(got, want[:n])
+        assert torch.equal(loads, rec._open)
+        ep_layers = sum(layer.ffn.ep is not None for layer in model.layers)
+        assert loads.sum().item() == n * args.n_activated_experts * ep_layers      # real rows only
+        rec._open.zero_()
+        graphs.padding_step((4, 1))
+        assert graphs.num_replays == 2 and rec._open.sum().item() == 0
+    finally:
+        dist.destroy_process_group()

@@ -32,6 +32,9 @@ class ExpertLoadRecorder:
         self.num_experts = num_experts
         self.window = window
         self.num_steps = 0                  # steps closed since construction or reset()
+        # [T] bool: which rows of the running forward are requests' (a captured decode step's padding rows
+        # are not, parallel/lockstep.py); None = every row. The MoE layers weight their picks by it.
+        self.real_rows: Tensor | None = None
         # allocated on the first record() when no device is given: the caller need not know where
         # the router runs
         self._open: Tensor | None = None    # [L, E]
