@@ -214,6 +214,9 @@ def _encode_map_2d(t: torch.Tensor, box_inner: int, box_outer: int, swizzle: int
 
 
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+# programmatic dependent launch: the kernel may start before the one ahead of it in the stream ends (its
+# griddepcontrol.wait holds what reads that kernel's output); in a captured graph, a programmatic edge
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -229,15 +232,25 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
-def _launch_ex(lib, func, grid: tuple[int, int], block: int, smem: int, stream, params, cluster: int) -> int:
-    """cuLaunchKernelEx with a (cluster, 1, 1) cluster-dimension attribute; its CUresult."""
+def _launch_ex(lib, func, grid: tuple[int, int, int], block: int, smem: int, stream, params, cluster: int = 1,
+               pdl: bool = False) -> int:
+    """cuLaunchKernelEx with a (cluster, 1, 1) cluster-dimension attribute (cluster > 1) and / or programmatic
+    stream serialization (pdl); its CUresult."""
     fn = lib.cuLaunchKernelEx
     fn.argtypes, fn.restype = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                                ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int
-    attr = _LaunchAttribute()
-    attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1
-    cfg = _LaunchConfig(grid[0], grid[1], 1, block, 1, 1, smem, stream, ctypes.pointer(attr), 1)
+    attrs = (_LaunchAttribute * 2)()
+    n = 0
+    if cluster > 1:
+        attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attrs[n].value[0], attrs[n].value[1], attrs[n].value[2] = cluster, 1, 1
+        n += 1
+    if pdl:
+        attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[n].value[0] = 1
+        n += 1
+    cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, smem, stream,
+                        ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute)), n)
     return fn(ctypes.byref(cfg), func, params, None)
 
 
@@ -247,11 +260,14 @@ class Kernel:
     def __init__(self, func: ctypes.c_void_p, device: int):
         self.func, self.device = func, device
 
-    def launch(self, grid: int | tuple[int, ...], block: int, smem: int, args, cluster: int = 1) -> None:
+    def launch(self, grid: int | tuple[int, ...], block: int, smem: int, args, cluster: int = 1,
+               pdl: bool = False) -> None:
         """Launch on torch's current stream of the kernel's device. grid: x, (x, y) or (x, y, z). args in the kernel's
         order: TensorMap (by value), torch.Tensor or None (a pointer), int (int32). cluster > 1: a kernel
         compiled with __cluster_dims__(cluster, 1, 1) (cuLaunchKernel launches its clusters; where a driver
-        refuses that, cuLaunchKernelEx with the cluster-dimension attribute)."""
+        refuses that, cuLaunchKernelEx with the cluster-dimension attribute). pdl: a programmatic dependent
+        launch (a kernel whose griddepcontrol.wait guards every read of earlier kernels' outputs and every
+        global write)."""
         dims = (grid,) if isinstance(grid, int) else tuple(grid)
         gx, gy, gz = dims + (1,) * (3 - len(dims))
         lib = _libcuda()
@@ -271,10 +287,14 @@ class Kernel:
             ptrs.append(ctypes.addressof(v))
         params = (ctypes.c_void_p * len(ptrs))(*ptrs)
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        if pdl:
+            _check(lib, _launch_ex(lib, self.func, (gx, gy, gz), block, smem, stream, params, cluster, pdl=True),
+                   "cuLaunchKernelEx (programmatic dependent launch)")
+            return
         res = lib.cuLaunchKernel(self.func, gx, gy, gz, block, 1, 1, smem, ctypes.c_void_p(stream), params, None)
         if res != 0 and cluster > 1:
             assert gz == 1, "cluster launches are 2-D"
-            res_ex = _launch_ex(lib, self.func, (gx, gy), block, smem, stream, params, cluster)
+            res_ex = _launch_ex(lib, self.func, (gx, gy, 1), block, smem, stream, params, cluster)
             _check(lib, res_ex, f"cuLaunchKernelEx (cluster {cluster}, after cuLaunchKernel's error {res})")
             return
         _check(lib, res, "cuLaunchKernel")

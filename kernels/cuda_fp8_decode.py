@@ -72,6 +72,10 @@ E8M0 = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
 # select.fp8_linear's other FP8 paths' (perf/bench_fp8_decode.py --forms --write-table); "" = no table
 TABLE_PATH = os.environ.get("DEEPINFER_FP8_DECODE_TABLE", os.path.join(os.path.dirname(__file__), "fp8_decode_table.json"))
 WIN_MARGIN = 1.03        # a path is replaced only where the kernel is at least this much faster
+# programmatic dependent launch of act_quant -> GEMM -> split-K reduce: the GEMM streams its first stages'
+# weights while act_quant ends, the reduce launches as the GEMM's CTAs reach their epilogue
+# (DEEPINFER_FP8_DECODE_PDL=0: plain stream order; the bench times both)
+PDL = os.environ.get("DEEPINFER_FP8_DECODE_PDL", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,11 +251,11 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     tsb = cuda_driver.tensor_map_2d(kernel_scales(sb), rows // per, 4, swizzle=0)   # [4 slices, the CTA's rows / per]
     grid = (-(-n // (64 * CONSUMERS * rb)), splits, -(-m // bt))
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else None
-    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, tsb, out, ws, m, n, k, per])
+    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, tsb, out, ws, m, n, k, per], pdl=PDL)
     if ws is None:
         return out
     from .cuda_fp8_gemm import splitk_reduce
-    return splitk_reduce(SRC, ws, out)
+    return splitk_reduce(SRC, ws, out, pdl=PDL)
 
 
 def fp8_decode_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, entry: str | None = None,
@@ -261,7 +265,7 @@ def fp8_decode_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, e
     from .triton_quant import act_quant_fp8
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    a, sa_t = act_quant_fp8(x2, scales_ld=-(-m // 4) * 4)
+    a, sa_t = act_quant_fp8(x2, scales_ld=-(-m // 4) * 4, pdl=PDL)
     return fp8_decode_gemm(a, sa_t, w, w_scale, entry, splits).view(*x.shape[:-1], w.shape[0])
 
 

@@ -253,13 +253,14 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     return splitk_reduce(SRC, ws, out)
 
 
-def splitk_reduce(src: str, ws: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def splitk_reduce(src: str, ws: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """out (bf16, M x N) = the fp32 partials ws [splits, M, N] summed in split order, by src's copy of
-    fp8_splitk_reduce (sm90_common.cuh: every CUDA source that splits K carries one)."""
+    fp8_splitk_reduce (sm90_common.cuh: every CUDA source that splits K carries one). pdl: launched
+    programmatically behind the GEMM (it waits for the GEMM's end before reading ws)."""
     dev = out.device.index
     total = out.numel()
     red = cuda_driver.kernel(src, REDUCE, 0, dev)
-    red.launch(min(-(-total // 256), 8 * _num_sms(dev)), 256, 0, [ws, out, ws.shape[0], total])
+    red.launch(min(-(-total // 256), 8 * _num_sms(dev)), 256, 0, [ws, out, ws.shape[0], total], pdl=pdl)
     return out
 
 

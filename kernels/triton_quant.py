@@ -22,6 +22,11 @@ import triton.language as tl
 
 from .reference import act_quant_ref, fp4_quant_ref  # noqa: F401  (the references these follow)
 
+try:                     # programmatic dependent launch's trigger (Triton >= 3.3; a no-op where nothing waits on it)
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:      # pragma: no cover
+    gdc_launch_dependents = None
+
 
 @triton.jit
 def _pow2_ceil(t):
@@ -75,9 +80,13 @@ def _e2m1_round(v):
 @triton.jit
 def act_quant_kernel(x_ptr, y_ptr, s_ptr, M, K,
                      BM: tl.constexpr, BK: tl.constexpr, BLOCK: tl.constexpr, FAKE: tl.constexpr,
-                     MANUAL_RNE: tl.constexpr = False, S_LD=0, S_T: tl.constexpr = False):
+                     MANUAL_RNE: tl.constexpr = False, S_LD=0, S_T: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     """x [M, K] -> FAKE: y bf16 [M, K] fake-quantized; else y e4m3 [M, K] and s fp32 [M, K/BLOCK]
-    (S_T: transposed, s [K/BLOCK, S_LD])."""
+    (S_T: transposed, s [K/BLOCK, S_LD]). PDL: the next kernel, launched programmatically (the CUDA decode
+    GEMM), may start now: it streams its weights and waits for this grid's end before reading y and s."""
+    if PDL:
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -170,23 +179,26 @@ def act_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return y.view(x.shape)
 
 
-def act_quant_fp8(x: torch.Tensor, block: int = 32, scales_ld: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant_fp8(x: torch.Tensor, block: int = 32, scales_ld: int | None = None,
+                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (e4m3 [M, K], fp32 pow2 scales [M, K/block]) with M = prod(leading dims).
-    scales_ld (>= M): the scales transposed instead, [K/block, scales_ld], columns past M zero (the CUDA
-    decode GEMM's token-scale layout, cuda_fp8_decode)."""
+    scales_ld (>= M): the scales transposed instead, [K/block, scales_ld], columns past M unset (the CUDA
+    decode GEMM's token-scale layout, cuda_fp8_decode). pdl: let a programmatically launched next kernel
+    start at once (triggered at the kernel's start)."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = x2.shape
     y = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     if scales_ld is None:
         s = torch.empty(M, K // block, dtype=torch.float32, device=x.device)
-    else:
+    else:      # columns M .. scales_ld - 1 left unset: they scale token columns no GEMM stores (no memset launch)
         assert scales_ld >= M, (scales_ld, M)
-        s = torch.zeros(K // block, scales_ld, dtype=torch.float32, device=x.device)
+        s = torch.empty(K // block, scales_ld, dtype=torch.float32, device=x.device)
     if M:
         bm, bk = _tiles(K, block)
         act_quant_kernel[(triton.cdiv(M, bm), K // bk)](x2, y, s, M, K, BM=bm, BK=bk, BLOCK=block, FAKE=False,
                                                          MANUAL_RNE=INTERPRET, S_LD=scales_ld or 0,
-                                                         S_T=scales_ld is not None)
+                                                         S_T=scales_ld is not None,
+                                                         PDL=pdl and gdc_launch_dependents is not None and not INTERPRET)
     return y, s
 
 

@@ -8,7 +8,8 @@ over rotating weight copies (each set at least 4x the L2).
     python perf/bench_fp8_decode.py [--m 1 16 64 128] [--forms [--write-table]]
 
 Prints per (linear, M): microseconds, the share of the copy bandwidth on the FP8 weight bytes, and the decode
-kernel's speed as a ratio to DeepGEMM and to the bf16-held path; --forms also times every row-block form
+kernel's speed as a ratio to DeepGEMM and to the bf16-held path (and the decode path without programmatic
+dependent launch beside it); --forms also times every row-block form
 and a few split counts. Writes bench_fp8_decode.json and fp8_decode_h200.png ($OUT or perf/results/).
 --write-table (with --forms): kernels/fp8_decode_table.json, which select reads on the GPU model it names: per
 (N, K, measured M) the best form and split count and the times of the paths it would replace (a call takes the
@@ -56,6 +57,17 @@ def check(x, w, s) -> None:
 
 
 @contextlib.contextmanager
+def pdl_off():
+    """The decode path in plain stream order (no programmatic dependent launch) meanwhile."""
+    from deepinfer.kernels import cuda_fp8_decode
+    saved, cuda_fp8_decode.PDL = cuda_fp8_decode.PDL, False
+    try:
+        yield
+    finally:
+        cuda_fp8_decode.PDL = saved
+
+
+@contextlib.contextmanager
 def table_off():
     """cuda_fp8_decode without its measured table (select never routes to the kernel by it) meanwhile."""
     from deepinfer.kernels import cuda_fp8_decode
@@ -89,6 +101,8 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool) -> list
         entry, splits = plan(m, n, k, sms)
         r = {"name": name, "n": n, "k": k, "m": m, "entry": entry, "splits": splits}
         r["decode_us"] = time_calls([lambda w=w, s=s: fp8_decode_linear(x, w, s) for w, s in ws]) * 1e6
+        with pdl_off():
+            r["decode_no_pdl_us"] = time_calls([lambda w=w, s=s: fp8_decode_linear(x, w, s) for w, s in ws]) * 1e6
         r["bf16_held_us"] = time_calls([lambda h=h: select.dense_linear(act_quant(x), h) for h in held]) * 1e6
         with table_off():        # select.fp8_linear's other FP8 paths (the table would send it here)
             r["fp8_select_us"] = time_calls([lambda w=w, s=s: select.fp8_linear(x, w, s) for w, s in ws]) * 1e6
@@ -109,7 +123,8 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool) -> list
         if dg:
             r["x_deepgemm"] = r["deepgemm_us"] / r["decode_us"]
         best = min((v, key) for key, v in r.items() if key.startswith("form ")) if forms else None
-        print(f"{name:11s} M {m:4d}: decode {r['decode_us']:7.1f} us ({r['decode_of_copy']:.2f} of copy, {entry} x{splits})"
+        print(f"{name:11s} M {m:4d}: decode {r['decode_us']:7.1f} us ({r['decode_of_copy']:.2f} of copy, {entry} x{splits};"
+              f" no PDL {r['decode_no_pdl_us']:.1f})"
               f"  DeepGEMM {r.get('deepgemm_us', float('nan')):7.1f} (x {r.get('x_deepgemm', float('nan')):.2f})"
               f"  bf16 held {r['bf16_held_us']:7.1f} (x {r['x_bf16_held']:.2f})  fp8 select {r['fp8_select_us']:7.1f}"
               + (f"  best form {best[1][5:-3]} {best[0]:.1f}" if best else ""), flush=True)

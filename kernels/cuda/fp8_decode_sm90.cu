@@ -26,6 +26,9 @@
 // are masked. Split-K: gridDim.y splits take equal runs of the K stages; with more than one the CTA stores
 // fp32 partials to ws [splits, M, N] and fp8_splitk_reduce sums them in split order (summing them in the
 // kernel, by each tile's last split, was slower from 64 tokens: H200_NOTES, 2026-12-04 afternoon).
+// Programmatic dependent launch (cuda_fp8_decode.PDL): the producer issues the first stages' weight loads,
+// then waits on the kernel ahead (act_quant, which triggers at its start) before the token loads; consumers
+// wait before anything they write; the epilogue lets the split-K reduce launch.
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -188,6 +191,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     const int n0 = blockIdx.x * ROWS, t0 = blockIdx.z * BT;
     int row_base = 0, tok_base = 0;          // the expert's first weight row / token row in the maps (MASKED)
     if constexpr (MASKED) {
+        grid_dependency_wait();              // masked_m is the routing's (never launched programmatically yet)
         const int g = blockIdx.y;
         M = min(masked_m[g], C);
         if (t0 >= M) return;                 // the whole CTA: before any barrier
@@ -215,9 +219,24 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
             tma_prefetch(tmap_sa);
             if constexpr (!EPI_ROW) tma_prefetch(tmap_sb);
             const uint32_t bytes = W_BYTES + X_BYTES + SA_BYTES + (EPI_ROW ? 0 : SLICES * sbc * 4);
-            int stage = 0;
-            uint32_t phase = 0;
-            for (int kb = kb0; kb < kb1; ++kb) {
+            // the first stages' weights (and their scales: made once, at load) before waiting on the kernel that
+            // wrote the tokens: under a programmatic launch they stream while it ends (its stages start empty)
+            const int ahead = min(kb1 - kb0, STAGES);
+            for (int j = 0; j < ahead; ++j) {
+                mbar_arrive_expect_tx(ring.full(j), bytes);
+                tma_load_2d(w_smem + j * W_BYTES, tmap_w, ring.full(j), (kb0 + j) * BK, row_base + n0);
+                if constexpr (!EPI_ROW)
+                    tma_load_2d(sb_smem + j * SB_BYTES, tmap_sb, ring.full(j), (row_base + n0) / sb_rows,
+                                (kb0 + j) * SLICES);
+            }
+            grid_dependency_wait();
+            for (int j = 0; j < ahead; ++j) {
+                tma_load_2d(x_smem + j * X_BYTES, tmap_x, ring.full(j), (kb0 + j) * BK, tok_base + t0);
+                tma_load_2d(sa_smem + j * SA_BYTES, tmap_sa, ring.full(j), tok_base + t0, (kb0 + j) * SLICES);
+            }
+            int stage = ahead % STAGES;
+            uint32_t phase = ahead == STAGES ? 1 : 0;
+            for (int kb = kb0 + ahead; kb < kb1; ++kb) {
                 mbar_wait_or_trap(ring.empty(stage), phase ^ 1);
                 mbar_arrive_expect_tx(ring.full(stage), bytes);
                 tma_load_2d(w_smem + stage * W_BYTES, tmap_w, ring.full(stage), kb * BK, row_base + n0);
@@ -237,6 +256,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     }
 
     split_registers<OCC>(false);
+    grid_dependency_wait();                  // every global write after the kernel ahead has ended (PDL)
     const int warp = tid / 32, lane = tid % 32, q = lane % 4;
     // this thread's weight rows: row block rb's r0 = row0 + 64 rb, r1 = r0 + 8 (one 32-row block: same scale)
     const int row0 = n0 + 64 * RB * wg + 16 * warp + lane / 4;
@@ -339,6 +359,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     }
 
     // epilogue, masked: C[token, row] bf16 (round to nearest even) or ws [split, token, row] fp32
+    launch_dependents();                     // the split-K reduce may launch (it waits for this grid's end)
     const bool split = !MASKED && gridDim.y > 1;
 #pragma unroll
     for (int rb = 0; rb < RB; ++rb) {

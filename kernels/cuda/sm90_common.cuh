@@ -182,12 +182,19 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
     asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
 }
 
+// Programmatic dependent launch (PTX griddepcontrol, sm_90). grid_dependency_wait: the grids this one depends
+// on have completed and their writes are visible (at once where it was launched without the attribute);
+// launch_dependents: the stream's next kernel, if launched with it, may start once every CTA got here or ended.
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
 }  // namespace fp8sm90
 
 // c [total] bf16 = sum over s of ws [s, total], summed in split order (deterministic; the split-K forms'
 // second launch, triton_gemm.splitk_reduce_kernel's contract).
 extern "C" __global__ void __launch_bounds__(256) fp8_splitk_reduce(const float* __restrict__ ws, __nv_bfloat16* __restrict__ c,
                                                                     int splits, int total) {
+    fp8sm90::grid_dependency_wait();       // launched programmatically behind the GEMM that writes ws
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
         float acc = 0.f;
         for (int s = 0; s < splits; ++s) acc += ws[static_cast<int64_t>(s) * total + i];

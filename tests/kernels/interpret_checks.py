@@ -255,11 +255,11 @@ def main():
     torch.manual_seed(0)
     x = (torch.randn(5, 256) * torch.exp(2 * torch.randn(5, 1))).bfloat16()
     assert torch.equal(triton_quant.act_quant(x), act_quant_ref(x))
-    # the decode GEMM's transposed token scales: the same values, [K/32, ld] with zeros past the rows
+    # the decode GEMM's transposed token scales: the same values, [K/32, ld] (columns past the rows unset)
     q, s = triton_quant.act_quant_fp8(x)
     qt, st = triton_quant.act_quant_fp8(x, scales_ld=16)
     assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8)) and st.shape == (256 // 32, 16)
-    assert torch.equal(st[:, :5], s.T) and not st[:, 5:].any()
+    assert torch.equal(st[:, :5], s.T)
     for b in (16, 32):
         assert torch.equal(triton_quant.fp4_quant(x, b), fp4_quant_ref(x, b))
     # grouped masked GEMM on FP4-origin experts, split-K path (fp32 workspace, no bf16 truncation)
