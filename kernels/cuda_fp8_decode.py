@@ -68,8 +68,9 @@ TOKEN_TILES = (16, 32, 64, 128)
 SPLIT_MAX = 16
 FORCE_RB = int(os.environ.get("DEEPINFER_CUDA_DECODE_RB", "0") or 0)
 E8M0 = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
-# per (N, K, measured M): the kernel's best form and split count and its time beside the bf16-held path's and
-# select.fp8_linear's other FP8 paths' (perf/bench_fp8_decode.py --forms --write-table); "" = no table
+# per GPU model and (N, K, measured M): the kernel's best form and split count and its time beside the bf16-held
+# path's and select.fp8_linear's other FP8 paths' (perf/bench_fp8_decode.py --forms --write-table adds or
+# replaces the table of the GPU it runs on); "" = no table
 TABLE_PATH = os.environ.get("DEEPINFER_FP8_DECODE_TABLE", os.path.join(os.path.dirname(__file__), "fp8_decode_table.json"))
 WIN_MARGIN = 1.03        # a path is replaced only where the kernel is at least this much faster
 # programmatic dependent launch of act_quant -> GEMM -> split-K reduce: the GEMM streams its first stages'
@@ -79,10 +80,10 @@ PDL = os.environ.get("DEEPINFER_FP8_DECODE_PDL", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
-def _table() -> tuple[str | None, dict]:
-    """(the GPU model it was measured on, {(N, K): [row, ...] by ascending measured M}); a form since renamed
-    is not taken."""
-    return rows_by_shape(TABLE_PATH, lambda r: r if r["entry"] in FORMS else None)
+def _table(device_name: str) -> dict:
+    """{(N, K): [row, ...] by ascending measured M} of the table measured on this GPU model ({} where none
+    was); a form since renamed is not taken."""
+    return rows_by_shape(TABLE_PATH, lambda r: r if r["entry"] in FORMS else None, device=device_name)[1]
 
 
 def reload_table() -> None:
@@ -92,11 +93,8 @@ def reload_table() -> None:
 
 def table_row(m: int, n: int, k: int, device_name: str) -> dict | None:
     """The table's row for [m, k] x [n, k]^T on this GPU model: the smallest measured M at or above m (None
-    where none covers m or the table is another GPU's)."""
-    measured, rows = _table()
-    if measured != device_name:
-        return None
-    return next((r for r in rows.get((n, k), ()) if m <= r["m"]), None)
+    where none covers m or no table was measured on this GPU model)."""
+    return next((r for r in _table(device_name).get((n, k), ()) if m <= r["m"]), None)
 
 
 def table_choice(m: int, n: int, k: int, device_name: str, against: str = "bf16_held") -> tuple[str, int] | None:

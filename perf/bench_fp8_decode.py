@@ -142,9 +142,13 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool) -> list
 
 
 def write_table(rows: list[dict], device: str) -> None:
-    """cuda_fp8_decode.TABLE_PATH from --forms rows (a copy to out_dir()): each (N, K, M)'s fastest form and
-    split count with its time beside the bf16-held, select.fp8_linear and DeepGEMM times of the same run."""
-    from deepinfer.kernels.cuda_fp8_decode import TABLE_PATH
+    """This GPU model's table in cuda_fp8_decode.TABLE_PATH (other models' tables kept; the file also copied to
+    out_dir()) from --forms rows: each (N, K, M)'s fastest form and split count with its time beside the
+    bf16-held, select.fp8_linear and DeepGEMM times of the same run."""
+    import shutil
+
+    from deepinfer.kernels.cuda_fp8_decode import PDL, TABLE_PATH
+    from deepinfer.kernels.measured_table import merge_table
     out = []
     for r in rows:
         best_us, key = min((v, key) for key, v in r.items() if key.startswith("form "))
@@ -152,12 +156,11 @@ def write_table(rows: list[dict], device: str) -> None:
         out.append(dict(n=r["n"], k=r["k"], m=r["m"], entry=f"fp8_decode_sm90_{form}", splits=int(split),
                         decode_us=round(best_us, 2), bf16_held_us=round(r["bf16_held_us"], 2),
                         fp8_select_us=round(r["fp8_select_us"], 2), deepgemm_us=round(r.get("deepgemm_us", 0.0), 2)))
-    doc = {"measured": "perf/bench_fp8_decode.py --forms --write-table", "device": device, "rows": out}
-    for p in (TABLE_PATH, os.path.join(out_dir(), os.path.basename(TABLE_PATH))):
-        with open(p, "w") as f:
-            json.dump(doc, f, indent=1)
+    merge_table(TABLE_PATH, {"measured": "perf/bench_fp8_decode.py --forms --write-table", "device": device,
+                             "pdl": PDL, "rows": out})
+    shutil.copy(TABLE_PATH, os.path.join(out_dir(), os.path.basename(TABLE_PATH)))
     wins = sum(r["bf16_held_us"] >= 1.03 * r["decode_us"] for r in out)
-    print(f"wrote {TABLE_PATH}: the kernel beat the bf16-held path at {wins} of {len(out)} (N, K, M)")
+    print(f"wrote {device}'s table in {TABLE_PATH}: the kernel beat the bf16-held path at {wins} of {len(out)} (N, K, M)")
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -202,6 +202,34 @@ def test_table_takes_the_measured_winner_at_the_covering_m(tmp_path, monkeypatch
         cfd.reload_table()
 
 
+def test_tables_of_several_gpu_models_live_in_one_file(tmp_path, monkeypatch):
+    """merge_table adds a GPU model's table beside the others (a one-table file included) and replaces only its
+    own; table_row reads the table of the GPU it is asked about."""
+    from deepinfer.kernels import cuda_fp8_decode as cfd
+    from deepinfer.kernels.measured_table import merge_table
+
+    def table(device, entry, us):
+        return {"device": device, "rows": [dict(n=64, k=256, m=16, entry=entry, splits=1, decode_us=us,
+                                                bf16_held_us=9.0, fp8_select_us=9.0)]}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table("GPU A", "fp8_decode_sm90_t16_rb2", 5.0)))       # the one-table form
+    merge_table(str(path), table("GPU B", "fp8_decode_sm90_t16_rb1_x2", 4.0))
+    monkeypatch.setattr(cfd, "TABLE_PATH", str(path))
+    cfd.reload_table()
+    try:
+        assert cfd.table_choice(8, 64, 256, "GPU A") == ("fp8_decode_sm90_t16_rb2", 1)
+        assert cfd.table_choice(8, 64, 256, "GPU B") == ("fp8_decode_sm90_t16_rb1_x2", 1)
+        assert cfd.table_row(8, 64, 256, "GPU C") is None
+        merge_table(str(path), table("GPU A", "fp8_decode_sm90_t16_rb1", 20.0))           # re-measured: replaced
+        cfd.reload_table()
+        assert cfd.table_choice(8, 64, 256, "GPU A") is None                              # 9.0 < 1.03 x 20.0
+        assert cfd.table_choice(8, 64, 256, "GPU B") == ("fp8_decode_sm90_t16_rb1_x2", 1)
+        assert len(json.loads(path.read_text())["tables"]) == 2
+    finally:
+        monkeypatch.undo()
+        cfd.reload_table()
+
+
 @pytest.mark.parametrize("G,C,n,k", [(1, 1, 32, 32), (3, 17, 200, 160), (4, 5, 64, 1312)])
 def test_masked_reference_is_the_float64_product_on_ternary_data(G, C, n, k):
     """reference.fp8_masked_moe_gemm_ref (what a CPU runs, and the masked CUDA form's reference): each expert's
