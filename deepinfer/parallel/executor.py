@@ -51,7 +51,9 @@ class MultiprocExecutor:
         self._graceful = [True]          # False once a rank failed: the others are killed, not asked
         self._steps = 0
         self.last_rebalance: dict | None = None
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._graceful)
+        from .lockstep import HostAgreement
+        self.agreement = HostAgreement.create(self.world_size)     # the ranks' per-step graph agreement
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._graceful, self.agreement)
         self._start(args, facts, device)
 
     # start and stop ------------------------------------------------------------------------------
@@ -69,7 +71,7 @@ class MultiprocExecutor:
         self.conns.extend(c for _, c in sorted(conns, key=lambda rc: rc[0]))
         for r, conn in enumerate(self.conns):
             spec = WorkerSpec(r, self.world_size, init, backend, f"cuda:{r}" if device.startswith("cuda") else "cpu",
-                              threads, os.getpid())
+                              threads, os.getpid(), self.agreement)
             self._send(conn, (spec, args, facts))
         try:
             infos = self._gather("ready")
@@ -213,9 +215,9 @@ class MultiprocExecutor:
             raise EngineDeadError(self.dead)
 
 
-def _stop(procs: list, conns: list, graceful: list) -> None:
+def _stop(procs: list, conns: list, graceful: list, agreement: str | None = None) -> None:
     """Ask every rank to stop (gracefully, unless one failed: its peers may sit in a collective),
-    then kill what did not: no orphan processes."""
+    then kill what did not: no orphan processes; then the ranks' agreement segment goes."""
     if graceful[0]:
         for conn in conns:
             try:
@@ -235,6 +237,9 @@ def _stop(procs: list, conns: list, graceful: list) -> None:
     for p in procs:
         p.close()
     procs.clear()
+    if agreement is not None:
+        from .lockstep import HostAgreement
+        HostAgreement.unlink(agreement)
 
 
 class _WorkerProcess:

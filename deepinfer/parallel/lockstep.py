@@ -9,23 +9,28 @@ graph's idle step), and one rank that cannot take a graph (a prefill chunk, a se
 max_seq_len_to_capture, a replay rule in reach) sends every rank to the eager forward.
 
     sizes = rank_graph_sizes(args, model_args, device, world_size)    # () = eager only, with the reason logged
-    lock = GraphLockstep(parallel, host_group, max(sizes))
+    name = HostAgreement.create(world_size)       # the driver, before the ranks start (unlink() at the end)
+    lock = GraphLockstep(parallel, HostAgreement(name, rank, world_size), max(sizes))
     lock.max_rank_tokens = n          # each step, from the driver's plan (every rank gets the same n)
     rows = lock.agree(local)          # local: this rank's decode rows (> 0), 0 = idle, -1 = not a graph step
                                       # -> the largest rank's rows, or None: every rank runs eagerly
-    lock.before_forward(bs)           # DecodeGraphs' captured function: the collectives' per-rank size
+    lock.before_forward(bufs)         # DecodeGraphs' captured function: the collectives' per-rank size
 
-The agreement is one all-reduce of two integers on a host (gloo) group, so it reads nothing from the
-GPU and waits for no step in flight; it runs only when the step could take a graph at all (the
-driver's largest rank size within the captured sizes), which every rank knows alike from the plan.
+The agreement reads nothing from the GPU and waits for no step in flight: the ranks (one host, as the
+executor starts them) post two integers each to a shared-memory segment and read everyone's, a few
+microseconds where a gloo all-reduce takes hundreds (perf/bench_lockstep.py measures both). It runs
+only when the step could take a graph at all (the driver's largest rank size within the captured
+sizes), which every rank knows alike from the plan.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import mmap
+import secrets
 
-import torch
-import torch.distributed as dist
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +64,76 @@ def rank_graph_sizes(args, model_args, device: str, world_size: int) -> tuple[in
     return sizes
 
 
-def host_group():
-    """A gloo group over every rank for the agreement (None: the default group, already on the host).
-    Collective: every rank calls it once, in the same order."""
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+SHM_DIR = "/dev/shm"      # a file there is shared memory on Linux (the engine's ranks share one host)
+
+
+def _map(name: str, size: int = 0) -> mmap.mmap:
+    """Map the segment `name` (size > 0: create it, zeroed). A plain file under SHM_DIR rather than
+    multiprocessing.shared_memory, whose resource tracker (before Python 3.13) unlinks a segment when any
+    process that attached it exits: the driver unlinks this one when the engine stops."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if size else 0), 0o600)
+    try:
+        if size:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size or os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+class HostAgreement:
+    """The ranks' (flag, rows) pairs combined by max, through a shared-memory segment: each rank posts its
+    pair packed with the step's sequence number in one aligned 64-bit store (atomic), then reads until every
+    rank has posted that number. Two banks by the number's parity: a rank that finished step g may post
+    g + 1 while a slower one still reads g's bank, never g + 2 (that needs everyone's g + 1 first)."""
+
+    SPINS_BEFORE_YIELD = 200        # then sched_yield between reads (more ranks than cores: let them run)
+    _ROWS_BITS = 23                  # rows < 2^23, the flag one bit above, the sequence number above that
+
+    def __init__(self, name: str, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.map = _map(name)
+        self.banks = np.ndarray((2, world_size), dtype=np.int64, buffer=self.map)
+        self.seq = 0
+
+    @classmethod
+    def create(cls, world_size: int) -> str:
+        """A zeroed segment for world_size ranks (the driver, before they start); its name."""
+        name = f"deepinfer-lockstep-{os.getpid()}-{secrets.token_hex(4)}"
+        _map(name, size=2 * world_size * 8).close()
+        return name
+
+    @staticmethod
+    def unlink(name: str) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+
+    def max2(self, flag: int, rows: int) -> tuple[int, int]:
+        """(max flag, max rows) over every rank; each rank calls it once a step, in the same order."""
+        assert flag in (0, 1) and 0 <= rows < 1 << self._ROWS_BITS, (flag, rows)
+        self.seq += 1
+        bank = self.banks[self.seq & 1]
+        bank[self.rank] = (self.seq << (self._ROWS_BITS + 1)) | (flag << self._ROWS_BITS) | rows
+        spins = 0
+        while True:
+            posted = bank.copy()
+            if ((posted >> (self._ROWS_BITS + 1)) == self.seq).all():
+                break
+            spins += 1
+            if spins > self.SPINS_BEFORE_YIELD:
+                os.sched_yield()
+        return int((posted >> self._ROWS_BITS).max() & 1), int((posted & ((1 << self._ROWS_BITS) - 1)).max())
+
+    def close(self) -> None:
+        del self.banks
+        self.map.close()
 
 
 class GraphLockstep:
-    def __init__(self, parallel, group, max_size: int) -> None:
-        self.parallel, self.group, self.max_size = parallel, group, max_size
+    def __init__(self, parallel, agreement: HostAgreement, max_size: int) -> None:
+        self.parallel, self.agreement, self.max_size = parallel, agreement, max_size
         self.max_rank_tokens = 0        # the step's largest rank size (the driver's plan), set every step
         self.num_graph_steps = 0        # steps every rank took through a graph
         self.num_eager_steps = 0        # steps that could have and did not (some rank could not)
@@ -78,13 +144,12 @@ class GraphLockstep:
         holding it), else None. Called by every rank in every forward step, in the same order."""
         if not 0 < self.max_rank_tokens <= self.max_size:
             return None                                   # decided alike everywhere from the plan
-        t = torch.tensor([int(local < 0), max(local, 0)], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        if t[0] or not t[1]:
+        not_graph, rows = self.agreement.max2(int(local < 0), max(local, 0))
+        if not_graph or not rows:
             self.num_eager_steps += 1
             return None
         self.num_graph_steps += 1
-        return int(t[1])
+        return rows
 
     def before_forward(self, bufs) -> None:
         """Before the padded step's forward (DecodeStepBuffers `bufs`: captured, warmed up, or run eagerly on

@@ -22,6 +22,9 @@ class ParallelState:
     # step-scoped: the largest token count of any rank this step (the driver knows every plan); the
     # equal-size collectives pad to it; None = found by an all-reduce (deepinfer-score's steps)
     step_max_tokens: int | None = None
+    # the shared-memory segment the ranks agree on each step's CUDA graph through (lockstep.HostAgreement;
+    # the executor makes it); None: rank workers decode eagerly
+    host_agreement: str | None = None
 
     def set_step_tokens(self, n: int | None) -> None:
         """The step's largest rank size (None: found by an all-reduce), for every equal-size collective."""

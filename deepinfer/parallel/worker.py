@@ -49,6 +49,7 @@ class WorkerSpec:
     device: str               # "cpu" | "cuda:<rank>"
     threads: int | None       # torch threads (CPU ranks)
     parent_pid: int
+    agreement: str | None = None   # lockstep.HostAgreement's segment (the executor's)
 
 
 def main(rank: int) -> None:
@@ -97,6 +98,7 @@ def _start_rank(spec: WorkerSpec, args, facts) -> "_Rank":
     from .setup import parallel_state
     from deepinfer.worker.rank import build_rank
     parallel = parallel_state(args, facts.model_args, spec.rank, spec.world_size)
+    parallel.host_agreement = spec.agreement
     rt = build_rank(args, facts, parallel=parallel, device=spec.device)
     return _Rank(spec, args, parallel, rt)
 

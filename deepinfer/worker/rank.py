@@ -93,11 +93,11 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     if parallel is None or not parallel.is_parallel:
         sizes = graph_sizes(args, model_args, device)
     else:       # every rank replays the same captured size in a step (parallel/lockstep.py)
-        from deepinfer.parallel.lockstep import GraphLockstep, host_group, rank_graph_sizes
-        sizes = rank_graph_sizes(args, model_args, device, parallel.world_size)
-        collectives = parallel.placement is not None or parallel.engram_sharded
-        if sizes and collectives:    # the same on every rank: the group is made on all of them or none
-            lockstep = GraphLockstep(parallel, host_group(), max(sizes))
+        from deepinfer.parallel.lockstep import GraphLockstep, HostAgreement, rank_graph_sizes
+        sizes = rank_graph_sizes(args, model_args, device, parallel.world_size) if parallel.host_agreement else ()
+        if sizes and (parallel.placement is not None or parallel.engram_sharded):    # collectives in a step
+            lockstep = GraphLockstep(parallel, HostAgreement(parallel.host_agreement, parallel.rank,
+                                                             parallel.world_size), max(sizes))
     num_blocks = args.num_cache_blocks
     if num_blocks is None:
         if device.startswith("cuda"):

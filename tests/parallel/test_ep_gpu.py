@@ -122,7 +122,7 @@ def test_lockstep_decode_step_captures_over_nccl(small_checkpoint):
     from deepinfer.model.loader import load_model
     from deepinfer.parallel.ep_comm import AllGatherDispatcher
     from deepinfer.parallel.eplb.recorder import ExpertLoadRecorder
-    from deepinfer.parallel.lockstep import GraphLockstep
+    from deepinfer.parallel.lockstep import GraphLockstep, HostAgreement
     from deepinfer.parallel.placement import ExpertPlacement
     from deepinfer.parallel.state import ParallelState
     from deepinfer.worker.graph_step import DecodeGraphs
@@ -140,7 +140,9 @@ def test_lockstep_decode_step_captures_over_nccl(small_checkpoint):
         caches = allocate_caches(model.args, 4, 16, 64, "cuda", "bfloat16", scratch=True)
         width = max(model.args.engram_max_ngram_size - 1, 0)
         ib = InputBatch(4, 1024, 16, width, window=caches.ring_len // 2)
-        lock = GraphLockstep(ps, dist.new_group(backend="gloo"), 4)
+        name = HostAgreement.create(1)
+        lock = GraphLockstep(ps, HostAgreement(name, 0, 1), 4)
+        HostAgreement.unlink(name)            # attached: the mapping outlives the name
         graphs = DecodeGraphs(model, caches, ib, (2, 4), 1024, 64, "cuda", before_forward=lock.before_forward)
         assert graphs.graphs is not None and graphs.graphs.enabled, "capture failed (see the log)"
         n = 3

@@ -7,7 +7,11 @@ a GPU (tests/parallel/test_ep_gpu.py)."""
 
 from __future__ import annotations
 
+import os
+import time
 from types import SimpleNamespace
+
+import torch.multiprocessing as mp
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineArgs
 from deepinfer.parallel.eplb.recorder import ExpertLoadRecorder
-from deepinfer.parallel.lockstep import rank_graph_sizes
+from deepinfer.parallel.lockstep import HostAgreement, rank_graph_sizes
 from deepinfer.parallel.placement import ExpertPlacement, LayerPlacement
 from tests.conftest import build_fixture
 from tests.parallel.test_dp_engine import PROMPTS
@@ -31,7 +35,40 @@ def _run(ckpt: str, params, ref_kw: dict, **extra):
         pings = llm.engine.runner.ping()
     finally:
         llm.engine.shutdown()
-    return ref, outs, pings
+    return ref, outs, pings, llm
+
+
+def _post(name: str, rank: int, world: int, steps: int, out) -> None:
+    import random
+    agree = HostAgreement(name, rank, world)
+    rnd = random.Random(rank)
+    got = []
+    for step in range(steps):
+        if rnd.random() < 0.3:
+            time.sleep(rnd.random() * 1e-3)          # ranks arrive in every order
+        got.append(agree.max2(int((step * 7 + rank) % 11 == 0), (step * 13 + rank * 5) % 97))
+    out.put((rank, got))
+
+
+def test_host_agreement_gives_every_rank_each_steps_maxima():
+    """Three processes, 300 steps, arrivals in random order (a fast rank posts the next step while a slow
+    one still reads this one): every rank gets every step's (max flag, max rows)."""
+    ctx = mp.get_context("spawn")
+    name = HostAgreement.create(3)
+    try:
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_post, args=(name, r, 3, 300, q)) for r in range(3)]
+        for p in procs:
+            p.start()
+        got = dict(q.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(30)
+    finally:
+        HostAgreement.unlink(name)
+    want = [(max(int((s * 7 + r) % 11 == 0) for r in range(3)), max((s * 13 + r * 5) % 97 for r in range(3)))
+            for s in range(300)]
+    assert got[0] == got[1] == got[2] == want
+    assert not os.path.exists(f"/dev/shm/{name}")
 
 
 @pytest.mark.parametrize("extra", [{}, {"async_scheduling": True}])
@@ -43,9 +80,10 @@ def test_lockstep_graph_steps_give_one_ranks_tokens(extra, tmp_path_factory):
     ckpt = str(build_fixture("v41-tiny", tmp_path_factory))
     params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0 if i % 2 else 0.9, top_p=0.95, seed=5 + i,
                              ignore_eos=True) for i in range(len(PROMPTS))]
-    ref, outs, pings = _run(ckpt, params, dict(max_num_seqs=4, max_num_batched_tokens=4, batch_invariant=True,
+    ref, outs, pings, llm = _run(ckpt, params, dict(max_num_seqs=4, max_num_batched_tokens=4, batch_invariant=True,
                                                device="cpu"), **extra)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert not os.path.exists(f"/dev/shm/{llm.engine.runner.agreement}")       # the segment went with the ranks
     steps = [p["graph_steps"] for p in pings]
     assert steps[0] == steps[1] > 10, pings                       # every graph step ran on both ranks
     assert sum(p["graph_padding_steps"] for p in pings) > 0, pings  # a rank with nothing replayed padding
@@ -58,7 +96,7 @@ def test_lockstep_graph_steps_with_live_rebalance(tmp_path_factory):
     rewritten in place (the graph's buffers), the tokens stay one rank's, the placement did change."""
     ckpt = str(build_fixture("v41-tiny", tmp_path_factory))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    ref, outs, pings = _run(ckpt, params, dict(max_num_seqs=6, batch_invariant=True, device="cpu"),
+    ref, outs, pings, llm = _run(ckpt, params, dict(max_num_seqs=6, batch_invariant=True, device="cpu"),
                             num_redundant_experts=2, enable_eplb=True, eplb_step_interval=4, eplb_window_size=4)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert all(p["num_rebalances"] >= 3 and p["graph_steps"] > 5 for p in pings), pings
