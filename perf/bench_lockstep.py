@@ -1,7 +1,7 @@
 """What the rank workers' CUDA-graph agreement costs a step (deepinfer/parallel/lockstep.py): N processes on one
 host call GraphLockstep.agree back to back (each rank's rows drawn at random, a rank in ten not a graph step)
-through the shared-memory HostAgreement the engine uses, and the same two integers through a gloo all-reduce
-(the obvious alternative, on the ranks' own host group) in the same run.
+through the shared-memory HostAgreement the engine uses, then (a phase of its own, same run) the same two
+integers through a gloo all-reduce, the obvious alternative.
 
     python perf/bench_lockstep.py [--ranks 2 4 8] [--steps 2000]
 
@@ -38,17 +38,17 @@ def _rank(rank: int, world: int, port: int, name: str, steps: int, out) -> None:
     lock.max_rank_tokens = 64
     rnd = random.Random(rank)
     times = {"shm": [], "gloo": []}
-    for i in range(steps + 100):                  # the first 100: warm-up
-        local = NOT_A_GRAPH_STEP if rnd.random() < 0.1 else rnd.randint(0, 64)
-        t = time.perf_counter()
-        lock.agree(local)
-        a = time.perf_counter() - t
-        t = time.perf_counter()
+
+    def gloo(local: int) -> None:
         dist.all_reduce(torch.tensor([int(local < 0), max(local, 0)]), op=dist.ReduceOp.MAX)
-        b = time.perf_counter() - t
-        if i >= 100:
-            times["shm"].append(a)
-            times["gloo"].append(b)
+    for kind, agree in (("shm", lock.agree), ("gloo", gloo)):       # each in its own phase: no skew carried over
+        dist.barrier()
+        for i in range(steps + 100):                  # the first 100: warm-up
+            local = NOT_A_GRAPH_STEP if rnd.random() < 0.1 else rnd.randint(0, 64)
+            t = time.perf_counter()
+            agree(local)
+            if i >= 100:
+                times[kind].append(time.perf_counter() - t)
     out.put((rank, times))
     dist.destroy_process_group()
 
