@@ -65,6 +65,11 @@ MOE_FORMS = {"fp8_moe_sm90_t16_rb1_x2": (16, 1, 4, 2),
              "fp8_moe_sm90_t128_rb1_p": (128, 1, 6, 1)}
 REDUCE = "fp8_splitk_reduce"
 TOKEN_TILES = (16, 32, 64, 128)
+# plan's forms at 33-64 / 65-128 tokens, from the H100 and H200 tables (2026-12-04 / 05): at 128 t128_rb1_p won
+# all 12 (linear, GPU) rows; at 64 the pipelined one-row-block form or one within 2% of the winner where the
+# 128-row tiles fit one wave, two row blocks a consumer where they do not (wq_b: 256 tiles, the rb2_p form
+# 0.98-1.0x the best, the rb1 forms 0.81x); the wave model's split counts match the measured best on 5 of 6
+PLAN_WIDE = {64: ("fp8_decode_sm90_t64_rb1_p2", "fp8_decode_sm90_t64_rb2_p"), 128: ("fp8_decode_sm90_t128_rb1_p",) * 2}
 SPLIT_MAX = 16
 FORCE_RB = int(os.environ.get("DEEPINFER_CUDA_DECODE_RB", "0") or 0)
 E8M0 = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
@@ -117,15 +122,17 @@ def entry_name(bt: int, rb: int) -> str:
 
 
 def plan(m: int, n: int, k: int, sms: int, rb: int | None = None) -> tuple[str, int]:
-    """(entry, K splits): the token tile for m; up to 32 tokens the two-CTAs-a-SM form (one row block a
-    consumer: H200, 2026-12-04, 1.0-1.5x the one-CTA forms at 1 / 16 tokens, the kernel being latency-bound),
-    else two row blocks a consumer (256 weight rows a CTA: the tokens' tile is re-read once per 256 rows) up
-    to 64 tokens, one at 128 (registers); rb forces the one-CTA form of that many row blocks. The split
-    count of split_cost's least cost (counted in one-CTA waves: what the H200 runs measured best), each
-    split at least two 128-K stages, none empty."""
+    """(entry, K splits) where no measured table covers the call: the token tile for m; up to 32 tokens the
+    two-CTAs-a-SM form (one row block a consumer: H200, 2026-12-04, 1.0-1.5x the one-CTA forms at 1 / 16
+    tokens, the kernel being latency-bound), at 64 and 128 the pipelined forms of PLAN_WIDE (one row block a
+    consumer, two where one-row-block tiles overflow a wave); rb forces the one-CTA form of that many row blocks.
+    The split count of split_cost's least cost (counted in one-CTA waves: the measured best counts of those
+    forms), each split at least two 128-K stages, none empty."""
     bt = token_tile(m)
     rb = rb or FORCE_RB
     name = entry_name(bt, 1) + "_x2" if not rb and bt <= 32 else None
+    if name not in FORMS and not rb and bt in PLAN_WIDE:
+        name = PLAN_WIDE[bt][-(-n // 128) * -(-m // bt) > sms]
     if name not in FORMS:
         rb = rb or (2 if bt <= 64 else 1)
         name = entry_name(bt, rb) if entry_name(bt, rb) in FORMS else entry_name(bt, 1)

@@ -170,9 +170,13 @@ def plot(rows: list[dict], path: str) -> None:
     ms = sorted({r["m"] for r in rows})
     names = list(dict.fromkeys(r["name"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for m in ms:
+    for i, m in enumerate(ms):
         sel = {r["name"]: r for r in rows if r["m"] == m}
-        axes[0].plot(names, [sel[n].get("x_deepgemm", float("nan")) for n in names], "o-", label=f"M {m}")
+        line = axes[0].plot(names, [sel[n].get("x_deepgemm", float("nan")) for n in names], "o-", label=f"M {m}")
+        best = [min((v for k, v in sel[n].items() if k.startswith("form ")), default=float("nan")) for n in names]
+        if any(b == b for b in best):      # --forms: the best form's speed (what a measured table picks), dashed
+            axes[0].plot(names, [sel[n].get("deepgemm_us", float("nan")) / b for n, b in zip(names, best)], "s--",
+                         color=line[0].get_color(), label=f"M {m}, best form")
         axes[1].plot(names, [sel[n]["decode_of_copy"] for n in names], "o-", label=f"M {m}")
     axes[0].axhline(0.9, color="gray", ls="--", lw=1)
     axes[0].set(title="CUDA FP8 decode GEMM / DeepGEMM (speed)", ylabel="x DeepGEMM")
@@ -190,7 +194,13 @@ def main() -> None:
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128])
     p.add_argument("--forms", action="store_true", help="also every row-block form and split counts")
     p.add_argument("--write-table", action="store_true", help="(with --forms) write kernels/fp8_decode_table.json")
+    p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a saved run (its bench_fp8_decode JSON)")
+    p.add_argument("--plot-out", default=None, help="(with --replot) the PNG's path")
     a = p.parse_args()
+    if a.replot:
+        with open(a.replot) as f:
+            plot(json.load(f)["rows"], a.plot_out or os.path.join(out_dir(), "fp8_decode_h200.png"))
+        return
     if a.write_table and not a.forms:
         p.error("--write-table needs --forms")
     peaks = measure_ceilings()

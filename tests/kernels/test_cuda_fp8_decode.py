@@ -100,11 +100,14 @@ def test_plan_covers_k_without_empty_splits(m, n, k):
 
 
 def test_plan_fills_the_sms_where_the_rows_do_not():
-    # wo_b at 64 tokens: 20 CTAs of 256 rows, split 6 ways (120 CTAs on 132 SMs)
-    assert plan(64, 5120, 8192, 132) == ("fp8_decode_sm90_t64_rb2", 6)
-    # wq_b: 128 CTAs already cover the SMs
-    assert plan(64, 32768, 1280, 132)[1] == 1
-    assert plan(128, 5120, 8192, 132)[0] == "fp8_decode_sm90_t128_rb1"
+    # wo_b at 64 tokens: 40 CTAs of 128 rows, split 3 ways (120 CTAs on 132 SMs), the pipelined form
+    assert plan(64, 5120, 8192, 132) == ("fp8_decode_sm90_t64_rb1_p2", 3)
+    # wq_b: 128-row tiles would take two waves: 128 CTAs of 256 rows cover the SMs, no split
+    assert plan(64, 32768, 1280, 132) == ("fp8_decode_sm90_t64_rb2_p", 1)
+    assert plan(128, 5120, 8192, 132)[0] == "fp8_decode_sm90_t128_rb1_p"
+    # the shared expert's w13 / the indexer's wq_b: the measured best split counts (H100 and H200 tables)
+    assert plan(64, 4608, 5120, 132)[1] == plan(64, 4096, 1280, 132)[1] == 3
+    assert plan(64, 1792, 5120, 132)[1] == 6
     # up to 32 tokens two CTAs a SM; a forced row-block count takes the one-CTA forms
     assert plan(16, 5120, 8192, 132)[0] == "fp8_decode_sm90_t16_rb1_x2"
     assert plan(16, 5120, 8192, 132, rb=2)[0] == "fp8_decode_sm90_t16_rb2"
