@@ -260,7 +260,8 @@ def splitk_reduce(src: str, ws: torch.Tensor, out: torch.Tensor, pdl: bool = Fal
     dev = out.device.index
     total = out.numel()
     red = cuda_driver.kernel(src, REDUCE, 0, dev)
-    red.launch(min(-(-total // 256), 8 * _num_sms(dev)), 256, 0, [ws, out, ws.shape[0], total], pdl=pdl)
+    per_thread = 4 if total % 4 == 0 else 1                 # the kernel's vector form (same sums)
+    red.launch(min(-(-total // (256 * per_thread)), 8 * _num_sms(dev)), 256, 0, [ws, out, ws.shape[0], total], pdl=pdl)
     return out
 
 

@@ -191,11 +191,31 @@ __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontr
 }  // namespace fp8sm90
 
 // c [total] bf16 = sum over s of ws [s, total], summed in split order (deterministic; the split-K forms'
-// second launch, triton_gemm.splitk_reduce_kernel's contract).
+// second launch, triton_gemm.splitk_reduce_kernel's contract). Four outputs a thread (16-byte loads, 8-byte
+// stores) where total % 4 == 0 (each split's block then stays 16-byte aligned), one at a time otherwise: the
+// same adds in the same order either way.
 extern "C" __global__ void __launch_bounds__(256) fp8_splitk_reduce(const float* __restrict__ ws, __nv_bfloat16* __restrict__ c,
                                                                     int splits, int total) {
     fp8sm90::grid_dependency_wait();       // launched programmatically behind the GEMM that writes ws
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+    const int stride = gridDim.x * blockDim.x;
+    if (total % 4 == 0) {
+        const int total4 = total / 4;
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total4; i += stride) {
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int s = 0; s < splits; ++s) {
+                const float4 v = reinterpret_cast<const float4*>(ws + static_cast<int64_t>(s) * total)[i];
+                acc.x += v.x;
+                acc.y += v.y;
+                acc.z += v.z;
+                acc.w += v.w;
+            }
+            __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(c) + 2 * static_cast<int64_t>(i);
+            out[0] = __floats2bfloat162_rn(acc.x, acc.y);
+            out[1] = __floats2bfloat162_rn(acc.z, acc.w);
+        }
+        return;
+    }
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         float acc = 0.f;
         for (int s = 0; s < splits; ++s) acc += ws[static_cast<int64_t>(s) * total + i];
         c[i] = __float2bfloat16_rn(acc);
