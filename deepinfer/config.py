@@ -85,9 +85,9 @@ class EngineArgs:
     # captured at start (x verified lengths 1 .. num_speculative_tokens + 1 with speculative="dspark");
     # None = (1, 2, 4, .., 128) on CUDA and none on CPU (sizes given on a CPU run the padded step
     # eagerly: a test mode). Off with enforce_eager, batch_invariant on CUDA and the index-key alias
-    # emulation. Rank workers (data_parallel_size > 1) capture decode steps in lockstep (every rank the
-    # same size a step: parallel/lockstep.py), not with DSpark or the all-to-all dispatcher, and on CUDA
-    # only sizes whose gathered picks fit the masked MoE form (EP 8, top-6: up to 64).
+    # emulation. Rank workers (data_parallel_size > 1) capture decode and verify steps in lockstep (every
+    # rank the same key a step: parallel/lockstep.py), not with the all-to-all dispatcher, and on CUDA only
+    # sizes whose gathered picks fit the masked MoE form (EP 8, top-6: up to 64).
     cuda_graph_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False             # never use CUDA graphs (vLLM's flag)
     # a decode step takes a graph only while every sequence is shorter than this (vLLM's knob): the

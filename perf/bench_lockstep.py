@@ -34,8 +34,9 @@ def _rank(rank: int, world: int, port: int, name: str, steps: int, out) -> None:
     from deepinfer.parallel.state import ParallelState
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    lock = GraphLockstep(ParallelState(rank=rank, world_size=world), HostAgreement(name, rank, world), 64)
-    lock.max_rank_tokens = 64
+    lock = GraphLockstep(ParallelState(rank=rank, world_size=world),
+                         HostAgreement(name, rank, world, GraphLockstep.FIELDS))
+    lock.max_rows = lock.max_rank_tokens = 64
     rnd = random.Random(rank)
     times = {"shm": [], "gloo": []}
 

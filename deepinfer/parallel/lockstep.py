@@ -10,11 +10,16 @@ max_seq_len_to_capture, a replay rule in reach) sends every rank to the eager fo
 
     sizes = rank_graph_sizes(args, model_args, device, world_size)    # () = eager only, with the reason logged
     name = HostAgreement.create(world_size)       # the driver, before the ranks start (unlink() at the end)
-    lock = GraphLockstep(parallel, HostAgreement(name, rank, world_size), max(sizes))
+    lock = GraphLockstep(parallel, HostAgreement(name, rank, world_size, GraphLockstep.FIELDS))
     lock.max_rank_tokens = n          # each step, from the driver's plan (every rank gets the same n)
-    rows = lock.agree(local)          # local: this rank's decode rows (> 0), 0 = idle, -1 = not a graph step
-                                      # -> the largest rank's rows, or None: every rank runs eagerly
+    most = lock.agree(n, length, rows)   # this rank's step (requests, tokens per request, rows); n = 0 idle,
+                                      # -1 not a graph step -> the most of every rank's, or None: all eager
     lock.before_forward(bufs)         # DecodeGraphs' captured function: the collectives' per-rank size
+
+DSpark's verify steps take the same path: the key holding the most requests, tokens per request and rows
+of any rank holds every rank's step (packed verify keys); a rank verifying nothing pads its decode rows into
+it. The drafting pass runs each rank's own graphs (the draft blocks' experts are whole on every rank: no
+collective there).
 
 The agreement reads nothing from the GPU and waits for no step in flight: the ranks (one host, as the
 executor starts them) post two integers each to a shared-memory segment and read everyone's, a few
@@ -26,8 +31,8 @@ sizes), which every rank knows alike from the plan.
 from __future__ import annotations
 
 import logging
-import os
 import mmap
+import os
 import secrets
 
 import numpy as np
@@ -40,16 +45,14 @@ NOT_A_GRAPH_STEP = -1
 
 def rank_graph_sizes(args, model_args, device: str, world_size: int) -> tuple[int, ...]:
     """The decode batch sizes every rank captures (the same on every rank: the arguments are), or () where
-    a captured step could not hold its collectives: DSpark (its verify and drafting steps stay eager
-    across ranks), the all-to-all dispatcher (host-read split sizes), and on CUDA sizes whose gathered
-    picks (world_size x size x top-k) pass the MoE's masked form (the fixed-shape form a graph holds)."""
+    a captured step could not hold its collectives: the all-to-all dispatcher (host-read split sizes), and
+    on CUDA sizes whose gathered picks (world_size x size x top-k) pass the MoE's masked form (the
+    fixed-shape form a graph holds; DSpark's verify keys are capped the same way, DecodeGraphs
+    gathered_ranks); none past GraphLockstep.FIELDS' widths."""
     from deepinfer.model.moe import MASKED_MAX_PAIRS
     from deepinfer.worker.graph_step import graph_sizes
-    sizes = graph_sizes(args, model_args, device)
+    sizes = tuple(s for s in graph_sizes(args, model_args, device) if s < 1 << GraphLockstep.FIELDS[1])
     if not sizes:
-        return ()
-    if args.speculative is not None:
-        logger.info("CUDA graphs off on the rank workers: speculative decoding across ranks runs eagerly")
         return ()
     if args.expert_parallel and args.ep_backend != "allgather":
         logger.info("CUDA graphs off on the rank workers: ep_backend=%r reads split sizes on the host", args.ep_backend)
@@ -82,16 +85,17 @@ def _map(name: str, size: int = 0) -> mmap.mmap:
 
 
 class HostAgreement:
-    """The ranks' (flag, rows) pairs combined by max, through a shared-memory segment: each rank posts its
-    pair packed with the step's sequence number in one aligned 64-bit store (atomic), then reads until every
-    rank has posted that number. Two banks by the number's parity: a rank that finished step g may post
-    g + 1 while a slower one still reads g's bank, never g + 2 (that needs everyone's g + 1 first)."""
+    """The ranks' small non-negative integers combined by max, field by field, through a shared-memory segment:
+    each rank posts its fields packed with the step's sequence number in one aligned 64-bit store (atomic),
+    then reads until every rank has posted that number. Two banks by the number's parity: a rank that finished
+    step g may post g + 1 while a slower one still reads g's bank, never g + 2 (that needs everyone's g + 1)."""
 
     SPINS_BEFORE_YIELD = 200        # then sched_yield between reads (more ranks than cores: let them run)
-    _ROWS_BITS = 23                  # rows < 2^23, the flag one bit above, the sequence number above that
 
-    def __init__(self, name: str, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, name: str, rank: int, world_size: int, bits: tuple[int, ...] = (1, 23)) -> None:
+        """bits: each field's width (low fields last), the sequence number in the rest of the 63 bits."""
+        assert sum(bits) <= 40, bits
+        self.rank, self.world_size, self.bits = rank, world_size, bits
         self.map = _map(name)
         self.banks = np.ndarray((2, world_size), dtype=np.int64, buffer=self.map)
         self.seq = 0
@@ -110,21 +114,30 @@ class HostAgreement:
         except FileNotFoundError:
             pass
 
-    def max2(self, flag: int, rows: int) -> tuple[int, int]:
-        """(max flag, max rows) over every rank; each rank calls it once a step, in the same order."""
-        assert flag in (0, 1) and 0 <= rows < 1 << self._ROWS_BITS, (flag, rows)
+    def max_fields(self, *values: int) -> tuple[int, ...]:
+        """Each field's max over every rank; each rank calls it once a step, in the same order."""
+        assert len(values) == len(self.bits), (values, self.bits)
+        word = 0
+        for v, b in zip(values, self.bits):
+            assert 0 <= v < 1 << b, (values, self.bits)
+            word = (word << b) | v
+        width = sum(self.bits)
         self.seq += 1
         bank = self.banks[self.seq & 1]
-        bank[self.rank] = (self.seq << (self._ROWS_BITS + 1)) | (flag << self._ROWS_BITS) | rows
+        bank[self.rank] = (self.seq << width) | word
         spins = 0
         while True:
             posted = bank.copy()
-            if ((posted >> (self._ROWS_BITS + 1)) == self.seq).all():
+            if ((posted >> width) == self.seq).all():
                 break
             spins += 1
             if spins > self.SPINS_BEFORE_YIELD:
                 os.sched_yield()
-        return int((posted >> self._ROWS_BITS).max() & 1), int((posted & ((1 << self._ROWS_BITS) - 1)).max())
+        out, shift = [], width
+        for b in self.bits:
+            shift -= b
+            out.append(int(((posted >> shift) & ((1 << b) - 1)).max()))
+        return tuple(out)
 
     def close(self) -> None:
         del self.banks
@@ -132,24 +145,33 @@ class HostAgreement:
 
 
 class GraphLockstep:
-    def __init__(self, parallel, agreement: HostAgreement, max_size: int) -> None:
-        self.parallel, self.agreement, self.max_size = parallel, agreement, max_size
+    # the agreement's fields: not-a-graph-step flag, requests, tokens per request, rows (their widths in bits)
+    FIELDS = (1, 10, 4, 14)
+
+    def __init__(self, parallel, agreement: HostAgreement) -> None:
+        self.parallel, self.agreement = parallel, agreement
+        self.max_rows = 0               # the captured steps' most rows (the runner sets it once they exist)
         self.max_rank_tokens = 0        # the step's largest rank size (the driver's plan), set every step
         self.num_graph_steps = 0        # steps every rank took through a graph
         self.num_eager_steps = 0        # steps that could have and did not (some rank could not)
 
-    def agree(self, local: int) -> int | None:
-        """local: this rank's rows of a graph-ready decode step (> 0), IDLE, or NOT_A_GRAPH_STEP. -> the
-        largest rank's rows where every rank can take a graph (the caller pads to the captured size
-        holding it), else None. Called by every rank in every forward step, in the same order."""
-        if not 0 < self.max_rank_tokens <= self.max_size:
+    def agree(self, n: int, length: int = 1, rows: int | None = None) -> tuple[int, int, int] | None:
+        """This rank's step: n requests of up to `length` tokens, `rows` in all (default n x length) where a
+        captured key holds it, n = IDLE (no request) or NOT_A_GRAPH_STEP. -> (the most requests, tokens per
+        request, rows of any rank) where every rank can take a graph (the caller takes the captured key
+        holding them: it holds every rank's step), else None. Every rank calls it in every forward step."""
+        if not 0 < self.max_rank_tokens <= self.max_rows:
             return None                                   # decided alike everywhere from the plan
-        not_graph, rows = self.agreement.max2(int(local < 0), max(local, 0))
-        if not_graph or not rows:
+        if n < 0:
+            local = (1, 0, 0, 0)
+        else:
+            local = (0, n, length if n else 0, (n * length if rows is None else rows) if n else 0)
+        not_graph, n, length, rows = self.agreement.max_fields(*local)
+        if not_graph or not n:
             self.num_eager_steps += 1
             return None
         self.num_graph_steps += 1
-        return rows
+        return n, length, rows
 
     def before_forward(self, bufs) -> None:
         """Before the padded step's forward (DecodeStepBuffers `bufs`: captured, warmed up, or run eagerly on

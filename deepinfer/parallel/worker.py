@@ -204,6 +204,7 @@ class _Rank:
         d, g, lock = self.parallel.dispatcher, self.rt.runner.graphs, self.rt.runner.lockstep
         return {"graph_steps": 0 if g is None else g.num_steps, "graph_replays": 0 if g is None else g.num_replays,
                 "graph_padding_steps": 0 if g is None else g.num_padding_steps,
+                "graph_verify_steps": 0 if g is None else g.num_verify_steps,
                 "lockstep_eager_steps": 0 if lock is None else lock.num_eager_steps,
                 "pid": os.getpid(), "num_rebalances": self.num_rebalances, "num_moved": self.num_moved,
                 "num_cp_prefills": self.num_cp_prefills,

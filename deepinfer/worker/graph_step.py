@@ -120,7 +120,7 @@ class DecodeGraphs:
 
     def __init__(self, model, caches, input_batch, sizes, max_model_len: int, block_tokens: int, device,
                  enabled: bool | None = None, max_len: int | None = None, lengths: tuple[int, ...] = (1,),
-                 packed: bool = False, before_forward=None):
+                 packed: bool = False, before_forward=None, gathered_ranks: int = 1):
         self.model, self.caches, self.device = model, caches, torch.device(device)
         # rank workers (parallel/lockstep.py): told the padded step's rows before each forward (capture,
         # warm-up and CPU runs), the size the step's collectives gather from every rank
@@ -140,7 +140,9 @@ class DecodeGraphs:
         cuda = self.device.type == "cuda"
         on = cuda if enabled is None else enabled and cuda
         from deepinfer.model.moe import MASKED_MAX_PAIRS
-        self.keys = VerifyKeys(sizes, lengths, max_tokens=MASKED_MAX_PAIRS // max(args.n_activated_experts, 1),
+        # gathered_ranks: a rank worker's MoE gathers every rank's rows (the fixed-shape EP form)
+        self.keys = VerifyKeys(sizes, lengths,
+                               max_tokens=MASKED_MAX_PAIRS // (max(args.n_activated_experts, 1) * gathered_ranks),
                                packed=packed)
         self.max_q = max(self.keys.lengths)           # a packed verify graph's longest request
         # one runner per verified length (the static buffers differ), one memory pool for all
@@ -195,6 +197,7 @@ class DecodeGraphs:
         self._fill_padding(runner.static_in[bs][0])     # synchronous: a small buffer, and the host is idle
         runner.run(bs)
         self.num_steps += 1
+        self.num_verify_steps += q > 1
         self.num_padding_steps += 1
 
     def new_buffers(self, bs: int, q: int) -> DecodeStepBuffers:

@@ -41,8 +41,8 @@ CUDA graphs (graph_sizes, worker/graph_step.py): a decode or verify step (every 
 next token and its drafts, if any) that a captured (batch size, tokens per request) holds replays
 the captured forward instead of step 3; prefill chunks and mixed steps run eagerly. The DSpark
 drafting pass with greedy drafts replays its own graphs (graph_step.DraftGraphs, in the proposer).
-On a rank worker (`lockstep`, parallel/lockstep.py) the ranks agree first: every rank replays the size
-holding the largest rank's decode step (idle_step: all padding where it has none), or all run eagerly.
+On a rank worker (`lockstep`, parallel/lockstep.py) the ranks agree first: every rank replays the key
+holding every rank's decode or verify step (idle_step: all padding where it has none), or all run eagerly.
 """
 
 from __future__ import annotations
@@ -151,7 +151,10 @@ class ModelRunner:
                                        lengths=(1,) if proposer is None else
                                        tuple(range(1, proposer.num_speculative_tokens + 2)),
                                        packed=packed_verify,
-                                       before_forward=None if lockstep is None else lockstep.before_forward)
+                                       before_forward=None if lockstep is None else lockstep.before_forward,
+                                       gathered_ranks=1 if lockstep is None else lockstep.parallel.world_size)
+            if lockstep is not None:
+                lockstep.max_rows = max((b * q for b, q in self.graphs.keys.pairs), default=0)
             if proposer is not None and self.graphs.graphs is not None:
                 from deepinfer.worker.graph_step import DraftGraphs
                 proposer.graphs = DraftGraphs(model, caches, graph_sizes, self.graphs.max_pos, self.device)
@@ -409,8 +412,9 @@ class ModelRunner:
             length = int(q_lens.max())
             key = self.graphs.serves(len(rows), int((ib.num_computed[rows] + q_lens).max()) - 1, length,
                                      rows=int(q_lens.sum()))
-        if self.lockstep is not None:     # the size every rank takes, or eager everywhere
-            key = self._lockstep_key(len(rows) if key is not None else lockstep_mod.NOT_A_GRAPH_STEP)
+        if self.lockstep is not None:     # the key every rank takes, or eager everywhere
+            key = (self._lockstep_key(len(rows), int(q_lens.max()), int(q_lens.sum())) if key is not None
+                   else self._lockstep_key(lockstep_mod.NOT_A_GRAPH_STEP))
         if key is not None:     # batch_invariant: the padded step run eagerly (a CPU's test mode) row by row
             with batch_invariant_mode(self.batch_invariant):
                 if key[1] > 1 or self.proposer is not None:
@@ -426,11 +430,11 @@ class ModelRunner:
             out = self.model(batch, self.caches)
         return batch, rows, num_logits, out.logits, out.main_hidden
 
-    def _lockstep_key(self, local: int) -> tuple[int, int] | None:
-        """The decode key every rank takes this step (the smallest captured size holding the largest
-        rank's rows), or None: every rank runs eagerly."""
-        rows = self.lockstep.agree(local)
-        return None if rows is None else self.graphs.keys.key(rows, 1)
+    def _lockstep_key(self, n: int, length: int = 1, rows: int | None = None) -> tuple[int, int] | None:
+        """The key every rank takes this step (the captured key holding the most requests, tokens per
+        request and rows of any rank), or None: every rank runs eagerly."""
+        most = self.lockstep.agree(n, length, rows)
+        return None if most is None else self.graphs.keys.key(*most)
 
     def idle_step(self) -> None:
         """A rank worker with no request this step while others have some: the step's collectives with no

@@ -97,7 +97,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
         sizes = rank_graph_sizes(args, model_args, device, parallel.world_size) if parallel.host_agreement else ()
         if sizes and (parallel.placement is not None or parallel.engram_sharded):    # collectives in a step
             lockstep = GraphLockstep(parallel, HostAgreement(parallel.host_agreement, parallel.rank,
-                                                             parallel.world_size), max(sizes))
+                                                             parallel.world_size, GraphLockstep.FIELDS))
     num_blocks = args.num_cache_blocks
     if num_blocks is None:
         if device.startswith("cuda"):

@@ -141,7 +141,7 @@ def test_lockstep_decode_step_captures_over_nccl(small_checkpoint):
         width = max(model.args.engram_max_ngram_size - 1, 0)
         ib = InputBatch(4, 1024, 16, width, window=caches.ring_len // 2)
         name = HostAgreement.create(1)
-        lock = GraphLockstep(ps, HostAgreement(name, 0, 1), 4)
+        lock = GraphLockstep(ps, HostAgreement(name, 0, 1, GraphLockstep.FIELDS))
         HostAgreement.unlink(name)            # attached: the mapping outlives the name
         graphs = DecodeGraphs(model, caches, ib, (2, 4), 1024, 64, "cuda", before_forward=lock.before_forward)
         assert graphs.graphs is not None and graphs.graphs.enabled, "capture failed (see the log)"

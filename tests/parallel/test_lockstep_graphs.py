@@ -46,7 +46,7 @@ def _post(name: str, rank: int, world: int, steps: int, out) -> None:
     for step in range(steps):
         if rnd.random() < 0.3:
             time.sleep(rnd.random() * 1e-3)          # ranks arrive in every order
-        got.append(agree.max2(int((step * 7 + rank) % 11 == 0), (step * 13 + rank * 5) % 97))
+        got.append(agree.max_fields(int((step * 7 + rank) % 11 == 0), (step * 13 + rank * 5) % 97))
     out.put((rank, got))
 
 
@@ -91,6 +91,27 @@ def test_lockstep_graph_steps_give_one_ranks_tokens(extra, tmp_path_factory):
     assert pings[0]["lockstep_eager_steps"] == pings[1]["lockstep_eager_steps"] > 0, pings
 
 
+def test_lockstep_verify_steps_give_one_ranks_tokens(tmp_path_factory):
+    """DSpark across 2 ranks with the captured steps: verify steps take the packed key holding both ranks'
+    steps (a rank verifying fewer drafts, or none, padded into it), the drafting pass each rank's own; the
+    tokens equal one rank's without speculation ("identical" acceptance), drafts were verified."""
+    ckpt = str(build_fixture("v41-tiny", tmp_path_factory))
+    params = [SamplingParams(max_tokens=8 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    kw = dict(max_num_seqs=4, batch_invariant=True, device="cpu")
+    ref = LLM(ckpt, **kw).generate(PROMPTS, params)
+    llm = LLM(ckpt, data_parallel_size=2, worker_threads=1, cuda_graph_sizes=SIZES, speculative="dspark",
+              spec_policy="threshold", spec_confidence_threshold=0.0, **kw)
+    try:
+        outs = llm.generate(PROMPTS, params)
+        pings = llm.engine.runner.ping()
+        verified = llm.stats()["counters"]["spec_draft_tokens_proposed_total"]
+    finally:
+        llm.engine.shutdown()
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert verified > 0
+    assert pings[0]["graph_verify_steps"] == pings[1]["graph_verify_steps"] > 3, pings
+
+
 def test_lockstep_graph_steps_with_live_rebalance(tmp_path_factory):
     """EPLB moving experts between ranks while decode steps take the padded captured step: the maps are
     rewritten in place (the graph's buffers), the tokens stay one rank's, the placement did change."""
@@ -110,8 +131,10 @@ def test_rank_graph_sizes_follow_what_a_captured_step_can_hold():
     assert rank_graph_sizes(EngineArgs(**base), margs, "cuda:0", 8) == (1, 2, 4, 8, 16, 32, 64)
     assert rank_graph_sizes(EngineArgs(**base), margs, "cuda:0", 2) == (1, 2, 4, 8, 16, 32, 64, 128)
     assert rank_graph_sizes(EngineArgs(**base, expert_parallel=False), margs, "cuda:0", 8)[-1] == 128
-    for off in (dict(speculative="dspark"), dict(ep_backend="alltoall"), dict(enforce_eager=True)):
+    for off in (dict(ep_backend="alltoall"), dict(enforce_eager=True)):
         assert rank_graph_sizes(EngineArgs(**base, **off), margs, "cuda:0", 8) == ()
+    # DSpark: the decode sizes as without it (its verify keys are capped by DecodeGraphs' gathered_ranks)
+    assert rank_graph_sizes(EngineArgs(**base, speculative="dspark"), margs, "cuda:0", 8)[-1] == 64
     assert rank_graph_sizes(EngineArgs(**base), margs, "cpu", 8) == ()                  # CPU: only when asked
     assert rank_graph_sizes(EngineArgs(**base, cuda_graph_sizes=(3, 1)), margs, "cpu", 8) == (1, 3)
 
