@@ -22,10 +22,10 @@ it. The drafting pass runs each rank's own graphs (the draft blocks' experts are
 collective there).
 
 The agreement reads nothing from the GPU and waits for no step in flight: the ranks (one host, as the
-executor starts them) post two integers each to a shared-memory segment and read everyone's, a few
-microseconds where a gloo all-reduce takes hundreds (perf/bench_lockstep.py measures both). It runs
-only when the step could take a graph at all (the driver's largest rank size within the captured
-sizes), which every rank knows alike from the plan.
+executor starts them) post their step's four small integers, packed in one word, to a shared-memory
+segment and read everyone's, a few microseconds where a gloo all-reduce takes hundreds
+(perf/bench_lockstep.py measures both). It runs only when the step could take a graph at all (the
+driver's largest rank size within the captured steps' rows), which every rank knows alike from the plan.
 """
 
 from __future__ import annotations

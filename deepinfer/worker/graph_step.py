@@ -184,17 +184,22 @@ class DecodeGraphs:
 
     def _fill_padding(self, bufs: DecodeStepBuffers) -> None:
         host = np.zeros(bufs.numel, dtype=np.int64)
-        h = self._layout["ngram_width"]
-        bufs.fill(host, positions=[], input_ids=[], ngram_history=np.zeros((0, h), dtype=np.int64),
-                  ring_slots=[], block_tables=np.zeros((0, 0), dtype=np.int64), pending_src=[])
+        bufs.fill(host, **self._no_rows())
         bufs.flat.copy_(torch.from_numpy(host))
+
+    def _no_rows(self) -> dict[str, np.ndarray]:
+        """DecodeStepBuffers.fill's arguments of a step with no real row."""
+        empty = np.zeros(0, dtype=np.int64)
+        return dict(positions=empty, input_ids=empty, ngram_history=np.zeros((0, self._layout["ngram_width"]),
+                    dtype=np.int64), ring_slots=empty, block_tables=np.zeros((0, 0), dtype=np.int64), pending_src=empty)
 
     def padding_step(self, key: tuple[int, int]) -> None:
         """Replay key's step with no real row (a rank worker with no request while the others replay that
-        size: parallel/lockstep.py); its writes go to the scratch slot and block, its outputs unread."""
+        size: parallel/lockstep.py); its writes go to the scratch slot and block, its outputs unread. The
+        buffers are loaded as a real step's (pinned, no wait on the step in flight)."""
         bs, q = key
         runner = self.runners[q]
-        self._fill_padding(runner.static_in[bs][0])     # synchronous: a small buffer, and the host is idle
+        self._load(runner.static_in[bs][0], self._no_rows())
         runner.run(bs)
         self.num_steps += 1
         self.num_verify_steps += q > 1
