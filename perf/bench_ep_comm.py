@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchutil import save_json  # noqa: E402
 from deepinfer.parallel.ep_comm import make_dispatcher  # noqa: E402
+from deepinfer.parallel.executor import free_port  # noqa: E402
 
 BACKENDS = ["allgather", "alltoall"]
 
@@ -91,16 +91,10 @@ def _worker(rank: int, n: int, port: int, a, queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(n: int, a) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(n, _free_port(), a, queue), nprocs=n, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(n, free_port(), a, queue), nprocs=n, join=True, start_method="spawn")
     return queue.get()
 
 

@@ -58,7 +58,7 @@ def measure(world: int, steps: int) -> dict:
     import statistics
 
     from deepinfer.parallel.lockstep import HostAgreement
-    from tests.conftest import free_port
+    from deepinfer.parallel.executor import free_port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port, name = free_port(), HostAgreement.create(world)

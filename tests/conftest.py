@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from deepinfer.parallel.executor import free_port  # noqa: F401  (tests' process groups and servers)
+
 # pytest-xdist (`make test` runs two workers, one per core of a CI machine): one torch thread in each
 # worker and in the processes its tests start, so two workers never run four spinning threads
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -22,12 +24,6 @@ FIXTURES = SHARED / "fixtures"
 _built: dict[tuple[str, str], Path] = {}
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now (process groups' rendezvous, servers)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def graph_replay_matches_eager(fn, static, fresh) -> None:

@@ -59,7 +59,7 @@ class MultiprocExecutor:
     # start and stop ------------------------------------------------------------------------------
     def _start(self, args, facts, device: str) -> None:
         backend = args.distributed_backend or ("nccl" if device.startswith("cuda") else "gloo")
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         threads = args.worker_threads or max(1, (os.cpu_count() or 1) // self.world_size)
         authkey = secrets.token_bytes(16)
         with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
@@ -314,7 +314,8 @@ def _check_memory(args, model_args) -> None:
     check_fits(plan)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on now (the ranks' rendezvous; tests' process groups and servers)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

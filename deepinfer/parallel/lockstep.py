@@ -139,10 +139,6 @@ class HostAgreement:
             out.append(int(((posted >> shift) & ((1 << b) - 1)).max()))
         return tuple(out)
 
-    def close(self) -> None:
-        del self.banks
-        self.map.close()
-
 
 class GraphLockstep:
     # the agreement's fields: not-a-graph-step flag, requests, tokens per request, rows (their widths in bits)
@@ -162,10 +158,10 @@ class GraphLockstep:
         holding them: it holds every rank's step), else None. Every rank calls it in every forward step."""
         if not 0 < self.max_rank_tokens <= self.max_rows:
             return None                                   # decided alike everywhere from the plan
-        if n < 0:
-            local = (1, 0, 0, 0)
+        if n <= 0:                                        # not a graph step / idle: no rows of its own
+            local = (int(n < 0), 0, 0, 0)
         else:
-            local = (0, n, length if n else 0, (n * length if rows is None else rows) if n else 0)
+            local = (0, n, length, n * length if rows is None else rows)
         not_graph, n, length, rows = self.agreement.max_fields(*local)
         if not_graph or not n:
             self.num_eager_steps += 1
