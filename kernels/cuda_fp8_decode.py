@@ -159,17 +159,19 @@ def smem_bytes(name: str) -> int:
 
 
 def kernel_scales(sb: torch.Tensor) -> torch.Tensor:
-    """The kernel's weight scales for E8M0 sb [rows, K/32]: sbT [K/32, ld] f32 (their values transposed, ld the
-    rows rounded up to 4 for TMA's 16-byte row stride, zero padded), computed once and kept on sb (recomputed
-    where sb changed in place). Never computed inside a CUDA graph capture (select.fp8_decode_takes declines
-    there; the eager warm-up fills it)."""
+    """The kernels' weight scales for sb [..., rows, K/32] (E8M0 bytes or f32; a grouped stack's leading dims
+    fold into the rows): sbT [K/32, ld] f32 (their values transposed, ld the rows rounded up to 4 for TMA's
+    16-byte row stride, zero padded), computed once and kept on sb (recomputed where sb changed in place).
+    Shared by this decode GEMM and cuda_fp8_gemm's scale-tile forms. Never computed inside a CUDA graph
+    capture (select.fp8_decode_takes declines there; the eager warm-up fills it)."""
     cached = getattr(sb, "_decode_scales_t", None)
     if cached is not None and cached[0] == sb._version:
         return cached[1]
     if sb.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("cuda_fp8_decode.kernel_scales: not prepared before CUDA graph capture")
-    rows, ks = sb.shape
-    vals = e8m0_to_float(sb).float()
+    ks = sb.shape[-1]
+    vals = (sb if sb.dtype == torch.float32 else e8m0_to_float(sb)).float().reshape(-1, ks)
+    rows = vals.shape[0]
     out = torch.zeros(ks, -(-rows // 4) * 4, dtype=torch.float32, device=sb.device)
     out[:, :rows] = vals.T
     sb._decode_scales_t = (sb._version, out)

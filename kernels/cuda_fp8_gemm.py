@@ -23,6 +23,13 @@ Entry points (FORMS; FORM_KIND gives each one's weight-scale layout and split-K)
     tile, each CTA loading half and multicasting it: half the B traffic from L2; entry= / FORCE only)
   per-row [N, 1] (the MoE's row-scaled expert stacks): fp8_gemm_sm90_bn128_row, fp8_gemm_sm90_bm64_row
   per-(row, 32) [N, K/32] (wo_a's groups): fp8_gemm_sm90_bn128_rowk, fp8_gemm_sm90_bm64_rowk
+  scale tiles (SCALE_TILES, `_ts`): the producer TMA-loads each stage's activation scales ([BM, 4] of sa) and
+    block scales ([4, BN/32] of kernel_scales' transposed sbT) beside A and B, the consumers read them from
+    shared memory, and the K loop runs in turns of two stages (slice i's wgmma under slice i-1's promotion
+    across the stage boundary): ~350 instructions a stage a warp against ~700 (perf/sass_issue_model.py).
+    K a multiple of 128; 32x32 blocks (bn128_ts, bn128_ts1: turns of one stage, bn192_ts, bm64_ts,
+    bn128_ts_splitk) and per-row scales (bn128_row_ts, bm64_row_ts). DEEPINFER_CUDA_FP8_TS=1 makes the
+    automatic choice take them (TS_TWIN).
 DEEPINFER_CUDA_FP8_DEBUG=1 runs every 32x32-block call on the debugging form, DEEPINFER_CUDA_FP8_FORM=<entry>
 every call whose scales have that entry's layout on that entry: a wrong result the debugging form fixes
 is in the overlap, one bm64 fixes is in the two-consumer split, one they all keep is in the pipeline
@@ -56,10 +63,26 @@ FORMS = {"fp8_gemm_sm90_bn128": (128, 128, 5, 384),
          "fp8_gemm_sm90_bn128_row": (128, 128, 5, 384),
          "fp8_gemm_sm90_bm64_row": (64, 128, 6, 256),
          "fp8_gemm_sm90_bn128_rowk": (128, 128, 5, 384),
-         "fp8_gemm_sm90_bm64_rowk": (64, 128, 6, 256)}
+         "fp8_gemm_sm90_bm64_rowk": (64, 128, 6, 256),
+         # the scale-tile forms (FP8_GEMM_TS_ENTRY): each stage's scales TMA-loaded beside its tiles
+         "fp8_gemm_sm90_bn128_ts": (128, 128, 5, 384),
+         "fp8_gemm_sm90_bn128_ts1": (128, 128, 5, 384),
+         "fp8_gemm_sm90_bn192_ts": (128, 192, 4, 384),
+         "fp8_gemm_sm90_bm64_ts": (64, 128, 6, 256),
+         "fp8_gemm_sm90_bn128_ts_splitk": (128, 128, 5, 384),
+         "fp8_gemm_sm90_bn128_row_ts": (128, 128, 5, 384),
+         "fp8_gemm_sm90_bm64_row_ts": (64, 128, 6, 256)}
 # entry point -> (weight-scale layout, split-K); must match FP8_GEMM_ENTRY's SBMODE and SPLITK
-FORM_KIND = {name: ("row" if name.endswith("_row") else "rowk" if name.endswith("_rowk") else "block",
+FORM_KIND = {name: ("row" if "_row" in name and "_rowk" not in name else "rowk" if name.endswith("_rowk") else "block",
                     name.endswith("_splitk")) for name in FORMS}
+# the scale-tile forms: K a multiple of 128 (TMA's 16-byte rows of sa [M, K/32]); their plain twins
+SCALE_TILES = {name for name in FORMS if "_ts" in name}
+TS_TWIN = {"fp8_gemm_sm90_bn128": "fp8_gemm_sm90_bn128_ts", "fp8_gemm_sm90_bn192": "fp8_gemm_sm90_bn192_ts",
+           "fp8_gemm_sm90_bm64": "fp8_gemm_sm90_bm64_ts", "fp8_gemm_sm90_bn128_splitk": "fp8_gemm_sm90_bn128_ts_splitk",
+           "fp8_gemm_sm90_bn128_row": "fp8_gemm_sm90_bn128_row_ts", "fp8_gemm_sm90_bm64_row": "fp8_gemm_sm90_bm64_row_ts"}
+# DEEPINFER_CUDA_FP8_TS=1: the automatic choice takes a form's scale-tile twin where K allows (off until measured
+# on a GPU: perf/sass_issue_model.py has their issue ceilings, 0.73 / 0.82 of the FP8 peak against 0.36 / 0.68)
+TS_ON = os.environ.get("DEEPINFER_CUDA_FP8_TS", "0") == "1"
 # entry point -> CTAs per cluster (FP8_GEMM_ENTRY's CLUSTER): 2 shares each B tile between the CTAs of two
 # adjacent M tiles (TMA multicast, half each); the launch pads the M tiles to even and boxes B by BN / 2
 CLUSTER = {name: 2 if name.endswith("_mc2") else 1 for name in FORMS}
@@ -99,14 +122,27 @@ def splitk_count(m: int, n: int, k: int, name: str, sms: int) -> int:
 
 
 def form(m: int | None = None, kind: str = "block", splitk: bool = False, n: int | None = None,
-         sms: int | None = None) -> str:
+         sms: int | None = None, k: int | None = None, scale_tiles: bool | None = None) -> str:
     """The entry point for m rows with `kind` weight scales: one consumer warpgroup (BM 64) up to 64 rows
     (decode), two above; the split-K form where `splitk` (32x32 blocks); for blocks above 64 rows, BN 192
     where it takes fewer waves of CTAs (wide_tile_pays, given n and the SM count); FORCE's
     (DEEPINFER_CUDA_FP8_FORM) where its layout is `kind`, or the debugging form (DEEPINFER_CUDA_FP8_DEBUG=1)
-    for blocks."""
-    if FORCE is not None and FORM_KIND[FORCE][0] == kind:
+    for blocks. scale_tiles (default TS_ON): the pick's scale-tile twin where it has one and k % 128 == 0."""
+    if FORCE is not None and FORM_KIND[FORCE][0] == kind and (FORCE not in SCALE_TILES or (k or 1) % BK == 0):
         return FORCE
+    name = _plain_form(m, kind, splitk, n, sms)
+    twin = TS_TWIN.get(name)
+    if twin is not None and (TS_ON if scale_tiles is None else scale_tiles) and k is not None and k % BK == 0:
+        return twin
+    return name
+
+
+def entry_takes(entry: str, k: int) -> bool:
+    """Whether forced entry point `entry` takes K = k (the scale-tile forms: multiples of 128)."""
+    return entry not in SCALE_TILES or k % BK == 0
+
+
+def _plain_form(m, kind, splitk, n, sms) -> str:
     small = m is not None and m <= 64
     if kind == "block":
         if DEBUG:
@@ -133,9 +169,25 @@ def wide_tile_pays(m: int, n: int, sms: int) -> bool:
 
 
 def smem_bytes(name: str) -> int:
-    """1024 bytes of alignment slack + the stages' A and B tiles + 2 mbarriers per stage."""
+    """1024 bytes of alignment slack + the stages' A and B tiles (+ the scale-tile forms' scale tiles:
+    ts_stage_scale_bytes in the .cu) + 2 mbarriers per stage."""
     bm, bn, stages, _ = FORMS[name]
-    return 1024 + stages * (bm + bn) * BK + 16 * stages
+    return 1024 + stages * ((bm + bn) * BK + stage_scale_bytes(name)) + 16 * stages
+
+
+def sb_tile_cols(bn: int) -> int:
+    """Columns of a stage's block-scale tile (the .cu's sb_tile_cols): BN/32 rounded up to 4 (16-byte rows)."""
+    return -(-(bn // 32) // 4) * 4
+
+
+def stage_scale_bytes(name: str) -> int:
+    """A scale-tile form's scale bytes a stage: [BM, 4] activation scales, and for 32x32 blocks a [4, SBW]
+    weight-scale tile padded to 128 bytes (0 for the other forms)."""
+    if name not in SCALE_TILES:
+        return 0
+    bm, bn, _, _ = FORMS[name]
+    sb = -(-(4 * sb_tile_cols(bn) * 4) // 128) * 128 if FORM_KIND[name][0] == "block" else 0
+    return bm * 16 + sb
 
 
 def _sm90(device) -> bool:
@@ -222,6 +274,8 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     kind = scale_kind(n, k, sb)
     if entry is not None and FORM_KIND[entry][0] != kind:
         raise ValueError(f"entry {entry} takes {FORM_KIND[entry][0]} weight scales, sb {tuple(sb.shape)} is {kind}")
+    if entry is not None and not entry_takes(entry, k):
+        raise ValueError(f"entry {entry} needs K a multiple of {BK}, got {k}")
     a, b = a.contiguous(), b.contiguous()
     sa = sa.contiguous()
     _check_operands(a, sa, b, k)
@@ -232,7 +286,10 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     if m == 0 or n == 0:
         return out
     dev = a.device.index
-    name = entry or form(m, kind, kind == "block" and _splitk_wanted(m, n, k, dev), n, _num_sms(dev))
+    name = entry or form(m, kind, kind == "block" and _splitk_wanted(m, n, k, dev), n, _num_sms(dev), k,
+                         None if _tiles_ready(sb, kind) else False)
+    if name in SCALE_TILES:
+        return _gemm_scale_tiles(name, a, sa, b, sb, out, kind)
     bm, bn, _, threads = FORMS[name]
     smem = smem_bytes(name)
     kern = cuda_driver.kernel(SRC, name, smem, dev)
@@ -250,6 +307,50 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     splits = splitk_count(m, n, k, name, _num_sms(dev))
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
     kern.launch((grid, splits), threads, smem, [ta, tb, sa, scales, out, None, ws, m, n, k, tiles_m, sb_ld])
+    return splitk_reduce(SRC, ws, out)
+
+
+def _tiles_ready(sb: torch.Tensor, kind: str) -> bool:
+    """Whether a scale-tile form may run now: outside a graph capture, or with sb's transposed scales made
+    (kernel_scales is never computed inside a capture)."""
+    from .cuda_fp8_decode import scales_ready
+    return kind != "block" or not torch.cuda.is_current_stream_capturing() or scales_ready(sb)
+
+
+def _scale_maps(name: str, sa: torch.Tensor, sb: torch.Tensor, kind: str):
+    """(tmap_sa, tmap_sb, sb_row) of a scale-tile form: sa [M, K/32] boxed [BM rows, 4 slices]; for 32x32
+    blocks kernel_scales' sbT [K/32, ld] boxed [4 slices, sb_tile_cols(BN)] (a grouped stack's scales
+    [E, ceil(N/32), K/32] fold into its columns); for row scales [.., N, 1] the flat [E * N] row scales
+    (the unused sb map: the sa map again)."""
+    from .cuda_fp8_decode import kernel_scales
+    bm, bn, _, _ = FORMS[name]
+    assert sa.data_ptr() % 16 == 0 and sa.shape[1] % 4 == 0, "TMA: 16-byte aligned scale rows"
+    tsa = cuda_driver.tensor_map_2d(sa, 4, bm, swizzle=0)
+    if kind == "block":
+        return tsa, cuda_driver.tensor_map_2d(kernel_scales(sb), sb_tile_cols(bn), 4, swizzle=0), None
+    return tsa, tsa, _f32_scale(sb).reshape(-1).contiguous()
+
+
+def _gemm_scale_tiles(name: str, a, sa, b, sb, out, kind, tiles=None, tiles_m=None) -> torch.Tensor:
+    """Launch a scale-tile form (dense, or grouped with the host's tile map `tiles`); split-K forms sum their
+    fp32 partials with fp8_splitk_reduce."""
+    m, k = a.shape
+    n = out.shape[1]
+    bm, bn, _, threads = FORMS[name]
+    smem = smem_bytes(name)
+    kern = cuda_driver.kernel(SRC, name, smem, a.device.index)
+    ta = cuda_driver.tensor_map_2d(a, BK, bm)
+    tb = cuda_driver.tensor_map_2d(b, BK, bn)
+    tsa, tsb, sb_row = _scale_maps(name, sa, sb, kind)
+    if tiles_m is None:
+        tiles_m = -(-m // bm)
+    grid = tiles_m * -(-n // bn)
+    if not FORM_KIND[name][1]:
+        kern.launch(grid, threads, smem, [ta, tb, tsa, tsb, sb_row, out, tiles, None, m, n, k, tiles_m])
+        return out
+    splits = splitk_count(m, n, k, name, _num_sms(a.device.index))
+    ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
+    kern.launch((grid, splits), threads, smem, [ta, tb, tsa, tsb, sb_row, out, None, ws, m, n, k, tiles_m])
     return splitk_reduce(SRC, ws, out)
 
 
@@ -286,10 +387,13 @@ def fp8_grouped_contiguous_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tens
     if p == 0 or n == 0:
         return out
     # a forced split-K or cluster form: its plain twin (grouped tiles have neither: each tile its expert)
-    name = form(None, kind).replace("_splitk", "").replace("_mc2", "")
+    name = form(None, kind, k=k, scale_tiles=None if _tiles_ready(sb, kind) else False)
+    name = name.replace("_ts1", "_ts").replace("_ts_splitk", "_ts").replace("_splitk", "").replace("_mc2", "")
     bm, bn, _, threads = FORMS[name]
     smem = smem_bytes(name)
     tiles, t = rows.tiles(bm, p)
+    if name in SCALE_TILES:
+        return _gemm_scale_tiles(name, a, sa, b2, sb, out, kind, tiles, t)
     kern = cuda_driver.kernel(SRC, name, smem, a.device.index)
     ta = cuda_driver.tensor_map_2d(a, BK, bm)
     tb = cuda_driver.tensor_map_2d(b2, BK, bn)

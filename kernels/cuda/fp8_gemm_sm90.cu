@@ -23,6 +23,11 @@
 //
 // Tails: TMA zero-fills out-of-bounds rows and K columns; slices past K/32 and scale blocks past N get
 // scale 0 (never read out of bounds); stores are masked.
+// The scale-tile forms (gemm_body_ts, FP8_GEMM_TS_ENTRY: K a multiple of 128) TMA-load each stage's scales
+// into shared memory beside A and B and run the K loop in turns of two stages: half the instructions a
+// stage of gemm_body's consumers (perf/sass_issue_model.py), the same arithmetic in the same order.
+
+#include <type_traits>
 
 #include "sm90_common.cuh"
 
@@ -101,6 +106,77 @@ __device__ __forceinline__ void promote_cols(float (&acc)[R], const float (&tmp)
     }
 }
 
+// The output tile of this CTA and its run of K stages. Dense: GROUP_M M tiles share each N tile in
+// launch order (B tiles stay hot in L2). Grouped contiguous (tiles != nullptr): the M tile's (first row,
+// row end, expert) from the host's map (expert -1: an unused tile). Split-K: blockIdx.y's equal run of
+// the K stages [kb0, kb1).
+struct TileAt {
+    int m0, m_end, n0, expert, kb0, kb1;
+};
+
+template <int BN, bool SPLITK>
+__device__ __forceinline__ TileAt tile_at(const int* __restrict__ tiles, int M, int N, int K, int tiles_m, int BM) {
+    const int tiles_n = (N + BN - 1) / BN;
+    const int pid = blockIdx.x, per_group = GROUP_M * tiles_n;
+    const int first_m = (pid / per_group) * GROUP_M;
+    const int group_rows = min(tiles_m - first_m, GROUP_M);
+    const int pm = first_m + (pid % per_group) % group_rows, pn = (pid % per_group) / group_rows;
+    const int nkb = (K + BK - 1) / BK;
+    TileAt t{pm * BM, M, pn * BN, 0, 0, nkb};
+    if constexpr (SPLITK) {
+        const int per = (nkb + gridDim.y - 1) / gridDim.y;
+        t.kb0 = min(nkb, static_cast<int>(blockIdx.y) * per);
+        t.kb1 = min(nkb, t.kb0 + per);
+    }
+    if (tiles != nullptr) {
+        t.m0 = tiles[3 * pm];
+        t.m_end = tiles[3 * pm + 1];
+        t.expert = tiles[3 * pm + 2];
+    }
+    return t;
+}
+
+// The consumer's epilogue, masked: its rows r0 / r0 + 8 of the m64nR*2 fragment as bf16 (round to nearest
+// even), or fp32 partials into ws [splits, M, N] for split-K; SB_ROW multiplies each column by its row
+// scale sb_row[col] first (exact: a power of two).
+template <int R, int SBMODE, bool SPLITK>
+__device__ __forceinline__ void store_tile(const float (&acc)[R], int r0, int m_end, int n0, int q, int M, int N,
+                                           const float* __restrict__ sb_row, __nv_bfloat16* __restrict__ c,
+                                           float* __restrict__ ws) {
+    const bool pairs = (N % 2) == 0;              // 4 / 8-byte aligned pairs
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + 8 * h;
+        if (row >= m_end) continue;
+#pragma unroll
+        for (int j = 0; j < R / 4; ++j) {
+            const int col = n0 + 8 * j + 2 * q;
+            float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+            if constexpr (SBMODE == SB_ROW) {
+                v0 *= col < N ? __ldg(sb_row + col) : 0.f;
+                v1 *= col + 1 < N ? __ldg(sb_row + col + 1) : 0.f;
+            }
+            if constexpr (SPLITK) {
+                float* wrow = ws + (static_cast<int64_t>(blockIdx.y) * M + row) * N;
+                if (pairs) {
+                    if (col < N) *reinterpret_cast<float2*>(wrow + col) = make_float2(v0, v1);
+                } else {
+                    if (col < N) wrow[col] = v0;
+                    if (col + 1 < N) wrow[col + 1] = v1;
+                }
+            } else {
+                __nv_bfloat16* crow = c + static_cast<int64_t>(row) * N;
+                if (pairs) {
+                    if (col < N) *reinterpret_cast<__nv_bfloat162*>(crow + col) = __floats2bfloat162_rn(v0, v1);
+                } else {
+                    if (col < N) crow[col] = __float2bfloat16_rn(v0);
+                    if (col + 1 < N) crow[col + 1] = __float2bfloat16_rn(v1);
+                }
+            }
+        }
+    }
+}
+
 // BN: 128 or 192 (the wide tile: one temporary, acc + tmp = 192 floats). OVERLAP: two temporaries, slice
 // s-1 promoted while slice s runs (BN 128 only); else one temporary waited on per slice, the other
 // consumer warpgroup's wgmmas filling the tensor cores meanwhile. SPLITK: blockIdx.y of gridDim.y splits
@@ -132,28 +208,10 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
     const uint32_t bars = b_smem + STAGES * B_BYTES;  // full[STAGES], then empty[STAGES]
     const StageRing<STAGES> ring{bars};
 
-    // Tile: GROUP_M M tiles share each N tile in launch order.
-    const int tiles_n = (N + BN - 1) / BN;
-    const int pid = blockIdx.x, per_group = GROUP_M * tiles_n;
-    const int first_m = (pid / per_group) * GROUP_M;
-    const int group_rows = min(tiles_m - first_m, GROUP_M);
-    const int pm = first_m + (pid % per_group) % group_rows, pn = (pid % per_group) / group_rows;
-    const int n0 = pn * BN;
-    const int ks = K / 32, nkb = (K + BK - 1) / BK, nblk32 = (N + 31) / 32;
-    // this CTA's K stages [kb0, kb1): all of them, or split blockIdx.y's equal run
-    int kb0 = 0, kb1 = nkb;
-    if constexpr (SPLITK) {
-        const int per = (nkb + gridDim.y - 1) / gridDim.y;
-        kb0 = min(nkb, static_cast<int>(blockIdx.y) * per);
-        kb1 = min(nkb, kb0 + per);
-    }
-    int m0 = pm * BM, m_end = M, expert = 0;
-    if (tiles != nullptr) {  // grouped contiguous: (first row, row end, expert) of this M tile
-        m0 = tiles[3 * pm];
-        m_end = tiles[3 * pm + 1];
-        expert = tiles[3 * pm + 2];
-        if (expert < 0) return;  // an unused tile: the whole CTA, before any barrier is used
-    }
+    const TileAt t = tile_at<BN, SPLITK>(tiles, M, N, K, tiles_m, BM);
+    if (t.expert < 0) return;  // an unused tile: the whole CTA, before any barrier is used
+    const int n0 = t.n0, m0 = t.m0, m_end = t.m_end, expert = t.expert, kb0 = t.kb0, kb1 = t.kb1;
+    const int ks = K / 32, nblk32 = (N + 31) / 32;
 
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     if (threadIdx.x == 0) {
@@ -280,43 +338,188 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
             if (++stage == STAGES) stage = 0, phase ^= 1;
         }
 
-        // epilogue, masked: bf16 (round to nearest even), or fp32 partials for split-K
-        const bool pairs = (N % 2) == 0;              // 4 / 8-byte aligned pairs
-        const float* sb_row = sb + static_cast<int64_t>(expert) * N;   // SB_ROW: [E * N]
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = h == 0 ? r0 : r1;
-            if (row >= m_end) continue;
-#pragma unroll
-            for (int j = 0; j < R / 4; ++j) {
-                const int col = n0 + 8 * j + 2 * q;
-                float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-                if constexpr (SBMODE == SB_ROW) {
-                    v0 *= col < N ? __ldg(sb_row + col) : 0.f;
-                    v1 *= col + 1 < N ? __ldg(sb_row + col + 1) : 0.f;
-                }
-                if constexpr (SPLITK) {
-                    float* wrow = ws + (static_cast<int64_t>(blockIdx.y) * M + row) * N;
-                    if (pairs) {
-                        if (col < N) *reinterpret_cast<float2*>(wrow + col) = make_float2(v0, v1);
-                    } else {
-                        if (col < N) wrow[col] = v0;
-                        if (col + 1 < N) wrow[col + 1] = v1;
-                    }
-                } else {
-                    __nv_bfloat16* crow = c + static_cast<int64_t>(row) * N;
-                    if (pairs) {
-                        if (col < N) *reinterpret_cast<__nv_bfloat162*>(crow + col) = __floats2bfloat162_rn(v0, v1);
-                    } else {
-                        if (col < N) crow[col] = __float2bfloat16_rn(v0);
-                        if (col + 1 < N) crow[col + 1] = __float2bfloat16_rn(v1);
-                    }
-                }
-            }
-        }
+        store_tile<R, SBMODE, SPLITK>(acc, r0, m_end, n0, q, M, N, sb + static_cast<int64_t>(expert) * N, c, ws);
     }
     // neither CTA exits while the peer may still arrive on its barriers (its last releases)
     if constexpr (CLUSTER > 1) cluster_sync();
+}
+
+
+// ---- The scale-tile forms (the _ts entries) -------------------------------------------------------
+// gemm_body's consumers spent ~450 of a stage's ~700 instructions a warp on the scales (24 predicated
+// global loads with their addresses, prefetches, bounds checks) against 256 FFMAs of promotion: an SM90
+// sub-partition issues one instruction a cycle and the stage's wgmmas keep its tensor core busy 256
+// cycles, so that kernel could not pass ~0.36 of the FP8 peak (perf/sass_issue_model.py). Here the
+// producer TMA-loads each stage's scales beside its A and B tiles:
+//   sa [M, K/32] f32 (row-major, K a multiple of 128: 16-byte rows)  -> [BM rows][4 slices], a float4 a row
+//   sbT [K/32, ld] f32 (cuda_fp8_decode.kernel_scales: the 32x32-block scales transposed, grouped stacks as
+//       [E * ceil(N/32)] columns)                                    -> [4 slices][SBW blocks]
+// rows past M, slices past K/32 and blocks past the map read as zeros. A consumer thread reads its two
+// rows' float4s once a stage and one float4 (BN 128) of block scales a slice, all from shared memory.
+// SB_ROW (per-row weight scales, the MoE's row-scaled stacks) loads no weight-scale tile: the epilogue
+// multiplies by the row scale. The K loop runs in turns of PIPE stages: slice i's wgmma runs while slice
+// i-1 is promoted across the turn's stage boundaries too (a stage is released once its last slice is
+// promoted); only a turn's last slice waits on its own wgmma (wait 0 before the loop's back edge, C7514).
+template <int BN>
+__host__ __device__ constexpr int sb_tile_cols() { return ((BN / 32 + 3) / 4) * 4; }   // the box's columns: 16-byte multiples
+
+template <int BN, int BM, int SBMODE>
+__host__ __device__ constexpr uint32_t ts_stage_scale_bytes() {
+    return BM * 16 + (SBMODE == SB_BLOCK ? ((SLICES * sb_tile_cols<BN>() * 4 + 127) / 128) * 128 : 0);
+}
+
+template <int BN, int STAGES, int NCONS, int PIPE, int SBMODE, bool SPLITK>
+__device__ __forceinline__ void gemm_body_ts(const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
+                                             const CUtensorMap* tmap_sa, const CUtensorMap* tmap_sb,
+                                             const float* __restrict__ sb_row, __nv_bfloat16* __restrict__ c,
+                                             const int* __restrict__ tiles, float* __restrict__ ws, int M, int N,
+                                             int K, int tiles_m) {
+    static_assert(BN == 128 || BN == 192, "the m64n128 and m64n192 wgmma");
+    static_assert(SBMODE == SB_BLOCK || SBMODE == SB_ROW, "per-(row, 32) scales keep gemm_body");
+    static_assert(PIPE == 1 || PIPE == 2, "turns of one or two stages");
+    constexpr int BM = 64 * NCONS;
+    constexpr int R = BN / 2;                          // accumulator floats per thread
+    constexpr int NB = BN / 32;                        // 32-column weight blocks a tile
+    constexpr int SBW = sb_tile_cols<BN>();
+    constexpr bool TWO = BN == 128;                    // two temporaries fit beside acc at BN 128 only
+    constexpr uint32_t A_BYTES = BM * BK, B_BYTES = BN * BK;
+    constexpr uint32_t SA_BYTES = BM * 16, SB_BYTES = ts_stage_scale_bytes<BN, BM, SBMODE>() - SA_BYTES;
+    constexpr uint32_t TX_BYTES = A_BYTES + B_BYTES + SA_BYTES + (SBMODE == SB_BLOCK ? SLICES * SBW * 4 : 0);
+
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t base = (raw + 1023u) & ~1023u;      // the SW128 atom (1024 bytes of launch slack)
+    const uint32_t a_smem = base, b_smem = base + STAGES * A_BYTES;
+    const uint32_t sa_smem = b_smem + STAGES * B_BYTES, sb_smem = sa_smem + STAGES * SA_BYTES;
+    const uint32_t bars = sb_smem + STAGES * SB_BYTES;   // full[STAGES], then empty[STAGES]
+    const StageRing<STAGES> ring{bars};
+    const float* sa_tiles = reinterpret_cast<const float*>(smem_raw + (sa_smem - raw));
+    const float* sb_tiles = reinterpret_cast<const float*>(smem_raw + (sb_smem - raw));
+
+    const TileAt t = tile_at<BN, SPLITK>(tiles, M, N, K, tiles_m, BM);
+    if (t.expert < 0) return;  // an unused tile: the whole CTA, before any barrier is used
+    const int nblk32 = (N + 31) / 32;
+
+    // warp-uniform (a shuffle from lane 0): the wgmma descriptors stay in uniform registers
+    const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+    const int tid = threadIdx.x % 128;
+    if (threadIdx.x == 0) ring.init(1, 4 * NCONS);     // empty: one arrival per consumer warp
+    __syncthreads();
+
+    if (wg == NCONS) {  // producer warpgroup (the last one)
+        setmaxnreg_producer();
+        if (tid == 0) {
+            tma_prefetch(tmap_a);
+            tma_prefetch(tmap_b);
+            tma_prefetch(tmap_sa);
+            if constexpr (SBMODE == SB_BLOCK) tma_prefetch(tmap_sb);
+            const int b_row = t.expert * N + t.n0, sb_col = t.expert * nblk32 + t.n0 / 32;
+            int stage = 0;
+            uint32_t phase = 0;
+            for (int kb = t.kb0; kb < t.kb1; ++kb) {
+                mbar_wait_or_trap(ring.empty(stage), phase ^ 1);
+                mbar_arrive_expect_tx(ring.full(stage), TX_BYTES);
+                tma_load_2d(a_smem + stage * A_BYTES, tmap_a, ring.full(stage), kb * BK, t.m0);
+                tma_load_2d(b_smem + stage * B_BYTES, tmap_b, ring.full(stage), kb * BK, b_row);
+                tma_load_2d(sa_smem + stage * SA_BYTES, tmap_sa, ring.full(stage), kb * SLICES, t.m0);
+                if constexpr (SBMODE == SB_BLOCK)
+                    tma_load_2d(sb_smem + stage * SB_BYTES, tmap_sb, ring.full(stage), sb_col, kb * SLICES);
+                if (++stage == STAGES) stage = 0, phase ^= 1;
+            }
+            const int nloads = t.kb1 - t.kb0;   // the consumers' releases of the last loads (the hang check)
+            for (int j = max(0, nloads - STAGES); j < nloads; ++j)
+                mbar_wait_or_trap(ring.empty(j % STAGES), (j / STAGES) & 1);
+        }
+        return;
+    }
+
+    setmaxnreg_consumer<NCONS>();
+    const int warp = tid / 32, lane = tid % 32, q = lane % 4;
+    const int lrow = 64 * wg + 16 * warp + lane / 4;   // this thread's rows lrow, lrow + 8 of the tile
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] = 0.f;
+
+    // slice j's scales for this thread: its rows' (a.x .. a.w: slices 0-3) times the slice's block scales
+    auto promote_from = [&](const float (&tmp)[R], int st, int j, float a0, float a1) {
+        SliceScales<NB> sc;
+        sc.a0 = a0;
+        sc.a1 = a1;
+        if constexpr (SBMODE == SB_BLOCK) {
+            const float* b = sb_tiles + st * (SB_BYTES / 4) + j * SBW;
+#pragma unroll
+            for (int cb = 0; cb < NB; cb += 2) {
+                const float2 v = *reinterpret_cast<const float2*>(b + cb);
+                sc.b[cb] = v.x;
+                sc.b[cb + 1] = v.y;
+            }
+        } else {
+#pragma unroll
+            for (int cb = 0; cb < NB; ++cb) sc.b[cb] = 1.f;
+        }
+        promote(acc, tmp, sc);
+    };
+    auto comp = [](const float4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; };
+
+    int stage = 0;
+    uint32_t phase = 0;
+    float tmp[TWO ? 2 : 1][R];
+    // one turn: NS stages' 4 NS slices; slice i into tmp[i & 1] (TWO) while slice i-1 is promoted
+    auto turn = [&](auto ns_tag) {
+        constexpr int NS = decltype(ns_tag)::value;
+        int st[NS];
+        float4 a0v[NS], a1v[NS];
+#pragma unroll
+        for (int si = 0; si < NS; ++si) {
+            st[si] = stage;
+            mbar_wait(ring.full(stage), phase);
+            if (++stage == STAGES) stage = 0, phase ^= 1;
+            a0v[si] = *reinterpret_cast<const float4*>(sa_tiles + st[si] * (SA_BYTES / 4) + 4 * lrow);
+            a1v[si] = *reinterpret_cast<const float4*>(sa_tiles + st[si] * (SA_BYTES / 4) + 4 * (lrow + 8));
+            __syncwarp();                              // converged for the .aligned wgmma instructions
+            const uint64_t da = sw128_desc(a_smem + st[si] * A_BYTES + wg * 64 * BK);
+            const uint64_t db = sw128_desc(b_smem + st[si] * B_BYTES);
+#pragma unroll
+            for (int j = 0; j < SLICES; ++j) {
+                const int i = si * SLICES + j;
+                float(&cur)[R] = tmp[TWO ? (i & 1) : 0];
+                wgmma_fence();
+                fence_regs(cur);
+                wgmma_e4m3<BN>(cur, da + 2 * j, db + 2 * j);   // + 32 bytes a slice (>> 4)
+                wgmma_commit();
+                if constexpr (TWO) {
+                    if (i == 0) continue;
+                    wgmma_wait<1>();                   // slice i-1 done; slice i runs on the tensor cores
+                    const int ps = (i - 1) / SLICES, pj = (i - 1) % SLICES;
+                    float(&prev)[R] = tmp[(i - 1) & 1];
+                    fence_regs(prev);
+                    promote_from(prev, st[ps], pj, comp(a0v[ps], pj), comp(a1v[ps], pj));
+                    if (pj == SLICES - 1 && lane == 0) mbar_arrive(ring.empty(st[ps]));   // its last slice
+                } else {
+                    // one temporary: wait for this slice (the other consumer's wgmmas fill the tensor cores)
+                    wgmma_wait<0>();
+                    fence_regs(cur);
+                    promote_from(cur, st[si], j, comp(a0v[si], j), comp(a1v[si], j));
+                    if (j == SLICES - 1 && lane == 0) mbar_arrive(ring.empty(st[si]));
+                }
+            }
+        }
+        if constexpr (TWO) {
+            wgmma_wait<0>();
+            float(&last)[R] = tmp[(NS * SLICES - 1) & 1];
+            fence_regs(last);
+            promote_from(last, st[NS - 1], SLICES - 1, comp(a0v[NS - 1], SLICES - 1), comp(a1v[NS - 1], SLICES - 1));
+            if (lane == 0) mbar_arrive(ring.empty(st[NS - 1]));
+        }
+    };
+    int kb = t.kb0;
+    for (; kb + PIPE <= t.kb1; kb += PIPE) turn(std::integral_constant<int, PIPE>{});
+    if constexpr (PIPE == 2) {
+        if (kb < t.kb1) turn(std::integral_constant<int, 1>{});
+    }
+
+    store_tile<R, SBMODE, SPLITK>(acc, t.m0 + lrow, t.m_end, t.n0, q, M, N,
+                                  sb_row + static_cast<int64_t>(t.expert) * N, c, ws);
 }
 
 }  // namespace fp8sm90
@@ -355,5 +558,27 @@ FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_row, 128, 5, 2, true, SB_ROW, false, 1)     /
 FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64_row, 128, 6, 1, true, SB_ROW, false, 1)
 FP8_GEMM_ENTRY(fp8_gemm_sm90_bn128_rowk, 128, 5, 2, false, SB_ROWK, false, 1)  // [N, K/32] per-(row, 32) scales
 FP8_GEMM_ENTRY(fp8_gemm_sm90_bm64_rowk, 128, 6, 1, false, SB_ROWK, false, 1)
+
+// The scale-tile forms: tmap_sa over sa [M, K/32] f32, box (4, BM); tmap_sb over sbT [K/32, ld] f32, box
+// (sb_tile_cols(BN), 4) (SB_BLOCK; a placeholder map for SB_ROW); sb_row: SB_ROW's [E * N] row scales (else
+// unused). K a multiple of 128. Dynamic shared memory 1024 + STAGES * ((BM + BN) * 128 + ts_stage_scale_bytes)
+// + 16 * STAGES.
+#define FP8_GEMM_TS_ENTRY(NAME, BN, STAGES, NCONS, PIPE, SBMODE, SPLITK)                                     \
+    extern "C" __global__ void __launch_bounds__(128 * (NCONS + 1), 1)                                        \
+        NAME(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,          \
+             const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_sb,        \
+             const float* __restrict__ sb_row, __nv_bfloat16* __restrict__ c, const int* __restrict__ tiles,   \
+             float* __restrict__ ws, int M, int N, int K, int tiles_m) {                                      \
+        fp8sm90::gemm_body_ts<BN, STAGES, NCONS, PIPE, fp8sm90::SBMODE, SPLITK>(                              \
+            &tmap_a, &tmap_b, &tmap_sa, &tmap_sb, sb_row, c, tiles, ws, M, N, K, tiles_m);                    \
+    }
+
+FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bn128_ts, 128, 5, 2, 2, SB_BLOCK, false)
+FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bn128_ts1, 128, 5, 2, 1, SB_BLOCK, false)     // turns of one stage
+FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bn192_ts, 192, 4, 2, 1, SB_BLOCK, false)
+FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bm64_ts, 128, 6, 1, 2, SB_BLOCK, false)
+FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bn128_ts_splitk, 128, 5, 2, 2, SB_BLOCK, true)
+FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bn128_row_ts, 128, 5, 2, 2, SB_ROW, false)
+FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bm64_row_ts, 128, 6, 1, 2, SB_ROW, false)
 
 // fp8_splitk_reduce (the split-K forms' second launch) is in sm90_common.cuh.

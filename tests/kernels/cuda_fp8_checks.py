@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fp8_prefill_checks import e8m0, outside_fp8_mma_bound, pow2, ref_gemm, ternary  # noqa: E402
 
-from deepinfer.kernels.cuda_fp8_gemm import (FORM_KIND, FORMS, fp8_gemm_cuda,  # noqa: E402
+from deepinfer.kernels.cuda_fp8_gemm import (FORM_KIND, FORMS, entry_takes, fp8_gemm_cuda,  # noqa: E402
                                              fp8_grouped_contiguous_cuda, fp8_linear_cuda)
 from deepinfer.kernels.triton_fp8_prefill import fp8_prefill_linear_ref  # noqa: E402
 
@@ -90,7 +90,9 @@ def smoke(entry: str, device="cuda") -> int:
     ok = True
     kind = FORM_KIND[entry][0]
     for m, n, k in ((128, 128, 128), (17, 128, 160), (300, 576, 1280), (64, 4128, 5120), (200, 4128, 5120),
-                    (1, 1792, 5120)):
+                    (1, 1792, 5120), (100, 4128, 384)):     # 384: an odd stage count (a two-stage turn, then one)
+        if not entry_takes(entry, k):
+            continue
         a, sa, b, sb = ternary_case(m, n, k, gen, device, kind)
         y = fp8_gemm_cuda(a, sa, b, sb, entry=entry)
         torch.cuda.synchronize()
@@ -230,7 +232,7 @@ def check_grouped(device="cuda"):
     print("grouped contiguous: ok")
 
 
-def check_forms_exact(device="cuda", ms=(1, 17, 64, 128, 300), ns=(128, 576, 4128), ks=(128, 160, 1280, 5120),
+def check_forms_exact(device="cuda", ms=(1, 17, 64, 128, 300), ns=(128, 576, 4128), ks=(128, 160, 640, 1280, 5120),
                       entries=tuple(FORMS)):
     """Every entry point forced (its own weight-scale layout) bit-exact on ternary data over a grid with
     tails in every tile dimension; the split-K forms at every M (one split where K has < 4 stages). Each
@@ -248,7 +250,7 @@ def check_forms_exact(device="cuda", ms=(1, 17, 64, 128, 300), ns=(128, 576, 412
                     a = ternary((m, k), gen, device).to(torch.float8_e4m3fn)
                     sa = pow2((m, k // 32), -3, 3, gen, device)
                     r = ref_gemm(a.float(), sa, b, sb)
-                    for entry in of_kind:
+                    for entry in (e for e in of_kind if entry_takes(e, k)):
                         y = fp8_gemm_cuda(a, sa, b, sb, entry=entry)
                         assert torch.equal(y, r), (entry, m, n, k, diagnose(y, r))
     print(f"forms exact ({len(entries)} entries x {len(ms) * len(ns) * len(ks)} shapes): ok")
@@ -265,11 +267,51 @@ def check_forms_random(device="cuda", entries=tuple(FORMS)):
             q, s = random_weight(kind, n, k, gen, device)
             a, sa = act_quant_fp8(x)
             r = fp8_prefill_linear_ref(x, q, s).float()
-            for entry in (e for e in entries if FORM_KIND[e][0] == kind):
+            for entry in (e for e in entries if FORM_KIND[e][0] == kind and entry_takes(e, k)):
                 y = fp8_gemm_cuda(a, sa, q, s, entry=entry).float()
                 bad = outside_fp8_mma_bound(y, r, x, q, s)
                 assert not bad.any(), (entry, m, n, k, (y - r).abs().max().item(), int(bad.sum()))
     print(f"forms random ({len(entries)} entries): ok")
+
+
+def check_scale_tiles_match_plain(device="cuda"):
+    """Each scale-tile form (TS_TWIN) gives its plain twin's bits on random data: the same slice products,
+    promoted in the same order with the same scale products, only read from shared memory instead of global;
+    at the release linears (M 300 and 2048, and an odd stage count) and on the grouped contiguous form with
+    block and per-row scales (the automatic choice with DEEPINFER_CUDA_FP8_TS on and off)."""
+    from deepinfer.kernels import cuda_fp8_gemm
+    from deepinfer.kernels.cuda_fp8_gemm import TS_TWIN
+    from deepinfer.kernels.triton_quant import act_quant_fp8
+    gen = torch.Generator().manual_seed(11)
+    for n, k in RELEASE + ((4128, 384),):
+        for kind in ("block", "row"):
+            q, s = random_weight(kind, n, k, gen, device)
+            for m in (300, 2048):
+                a, sa = act_quant_fp8(torch.randn(m, k, generator=gen).bfloat16().to(device))
+                for plain, twin in TS_TWIN.items():
+                    if FORM_KIND[plain][0] != kind:
+                        continue
+                    y0 = fp8_gemm_cuda(a, sa, q, s, entry=plain)
+                    y1 = fp8_gemm_cuda(a, sa, q, s, entry=twin)
+                    assert torch.equal(y0, y1), (plain, twin, m, n, k, diagnose(y1, y0))
+    saved = cuda_fp8_gemm.TS_ON
+    try:
+        for kind, (E, n, k, counts) in (("block", (6, 576, 1280, [0, 200, 1, 129, 0, 300])),
+                                        ("row", (4, 4608, 5120, [700, 0, 33, 1300]))):
+            P = sum(counts)
+            a, sa = act_quant_fp8(torch.randn(P, k, generator=gen).bfloat16().to(device))
+            ws = [random_weight(kind, n, k, gen, device) for _ in range(E)]
+            b = torch.stack([w for w, _ in ws])
+            sb = torch.stack([sc for _, sc in ws])
+            c = torch.tensor(counts, device=device)
+            outs = []
+            for on in (False, True):
+                cuda_fp8_gemm.TS_ON = on
+                outs.append(fp8_grouped_contiguous_cuda(a, sa, b, sb, c))
+            assert torch.equal(outs[0], outs[1]), (kind, diagnose(outs[1], outs[0]))
+    finally:
+        cuda_fp8_gemm.TS_ON = saved
+    print("scale tiles match their plain twins: ok")
 
 
 def check_splitk_decode(device="cuda"):
@@ -399,6 +441,7 @@ def main(mode: str = "all"):
     form_sections = [("forms exact", lambda: check_forms_exact(ms=(17, 300) if quick else (1, 17, 64, 128, 300),
                                                                entries=good)),
                      ("forms random", lambda: check_forms_random(entries=good)),
+                     ("scale tiles = plain", check_scale_tiles_match_plain),
                      ("split-K decode", check_splitk_decode)]
     if rows_ok:                              # (select's check takes per-(row, 32) scales on the CUDA kernel)
         form_sections += [("grouped row scales", check_grouped_row_scales), ("select", check_select_decline)]

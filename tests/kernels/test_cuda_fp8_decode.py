@@ -172,6 +172,19 @@ def test_kernel_scales_are_the_e8m0_values_transposed_and_cached(rows, ks):
     assert t2 is not t and t2[0, 0].item() == 1.0
 
 
+def test_kernel_scales_of_f32_and_stacked_scales():
+    """f32 scales are taken as values (not E8M0 bytes), and a grouped stack [E, rows, K/32] folds its experts into
+    the columns (expert e's block b at column e * rows + b: cuda_fp8_gemm's scale-tile forms' grouped layout)."""
+    f = torch.exp2(torch.randint(-9, 3, (5, 12)).float())
+    assert torch.equal(kernel_scales(f)[:, :5], f.T)
+    st = torch.randint(100, 140, (3, 5, 12), dtype=torch.uint8)
+    t = kernel_scales(st)
+    assert t.shape == (12, 16) and not t[:, 15:].any()
+    for e in range(3):
+        assert torch.equal(t[:, 5 * e:5 * e + 5], e8m0_to_float(st[e]).T)
+    assert kernel_scales(st) is t
+
+
 def test_table_takes_the_measured_winner_at_the_covering_m(tmp_path, monkeypatch):
     """table_row: the smallest measured M at or above m, on the GPU model the table names only; table_choice:
     the form and splits where the kernel beat the path it would replace by WIN_MARGIN, else None; a form no

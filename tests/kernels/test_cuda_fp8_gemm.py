@@ -19,9 +19,13 @@ import pytest
 import torch
 
 from deepinfer.kernels import cuda_driver
-from deepinfer.kernels.cuda_fp8_gemm import (CLUSTER, FORM_KIND, FORMS, REDUCE, SRC, decline_reason, form,
-                                             scale_kind, smem_bytes, splitk_count, wide_tile_pays)
+from deepinfer.kernels.cuda_fp8_gemm import (CLUSTER, FORM_KIND, FORMS, REDUCE, SCALE_TILES, SRC, TS_TWIN,
+                                             decline_reason, entry_takes, form, scale_kind, smem_bytes,
+                                             splitk_count, wide_tile_pays)
 from deepinfer.kernels.grouped_rows import grouped_tiles  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+import sass_issue_model  # noqa: E402
 
 needs_nvcc = pytest.mark.skipif(cuda_driver.find_nvcc() is None, reason="no nvcc")
 
@@ -69,10 +73,8 @@ def test_compiles_without_spills_or_serialized_wgmma(compiled):
 
 
 def _cuobjdump() -> str | None:
-    nvcc = cuda_driver.find_nvcc()
-    cand = [os.path.join(os.path.dirname(nvcc), "cuobjdump")] if nvcc else []
-    cand.append(shutil.which("cuobjdump") or "")
-    return next((c for c in cand if c and os.access(c, os.X_OK)), None)
+    """cuobjdump next to nvcc, on PATH or in Triton's wheel (sass_issue_model.find_cuobjdump)."""
+    return sass_issue_model.find_cuobjdump()
 
 
 def sass_by_function(cubin: str) -> dict[str, str]:
@@ -91,16 +93,22 @@ def sass_by_function(cubin: str) -> dict[str, str]:
 def test_sass_has_fp8_gmma_overlapped(compiled):
     sass = sass_by_function(compiled[0])
     tool = _cuobjdump()
+    pipe = _ts_pipes()
     for name in FORMS:
         code = sass[name]
-        # FP8 wgmma (QGMMA: the e4m3 form of HGMMA) of the form's width, 4 slices per stage
-        assert code.count(f"QGMMA.64x{FORMS[name][1]}x32.F32.E4M3.E4M3") == 4, name
+        # FP8 wgmma (QGMMA: the e4m3 form of HGMMA) of the form's width, 4 slices per stage (the scale-tile
+        # forms with turns of two stages: a two-stage turn's 8 and a one-stage tail turn's 4)
+        turns = pipe.get(name, 1)
+        slices = 4 * turns + (4 if turns == 2 else 0)
+        assert code.count(f"QGMMA.64x{FORMS[name][1]}x32.F32.E4M3.E4M3") == slices, name
         assert "UTMALDG.2D" in code and "USETMAXREG" in code, name
-        # the two-temporary forms keep one slice in flight during a promotion (3 of the 4 waits); the
-        # one-temporary forms (debug, bn192, bm64 split-K, per-(row, 32)) wait on each
+        # the two-temporary forms keep one slice in flight during a promotion (all but each turn's last
+        # wait); the one-temporary forms (debug, bn192, bm64 split-K, per-(row, 32)) wait on each
         overlapped = name in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64", "fp8_gemm_sm90_bn128_splitk",
-                              "fp8_gemm_sm90_bn128_row", "fp8_gemm_sm90_bm64_row", "fp8_gemm_sm90_bn128_mc2")
-        assert code.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == (3 if overlapped else 0), name
+                              "fp8_gemm_sm90_bn128_row", "fp8_gemm_sm90_bm64_row", "fp8_gemm_sm90_bn128_mc2") \
+            or (name in SCALE_TILES and FORMS[name][1] == 128)
+        turn_count = 2 if turns == 2 else 1
+        assert code.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == ((slices - turn_count) if overlapped else 0), name
         # the cluster forms: B multicast (UTMALDG's .MULTICAST form), the peer's empty barrier released
         # remotely, no multicast elsewhere
         assert ("MULTICAST" in code) == (CLUSTER[name] == 2), name
@@ -187,18 +195,74 @@ def test_select_cuda_mode_on_cpu():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def _ts_entries():
+    """FP8_GEMM_TS_ENTRY(NAME, BN, STAGES, NCONS, PIPE, SBMODE, SPLITK) of the .cu."""
+    return re.findall(r"^FP8_GEMM_TS_ENTRY\((\w+), (\d+), (\d+), (\d+), (\d), (SB_\w+), (true|false)\)",
+                      Path(SRC).read_text(), re.M)
+
+
+def _ts_pipes() -> dict[str, int]:
+    return {name: int(pipe) for name, _, _, _, pipe, _, _ in _ts_entries()}
+
+
 def test_forms_match_the_entry_points():
     """cuda_fp8_gemm.FORMS (the launch: BM, BN, stages, threads) and FORM_KIND (scale layout, split-K)
-    against FP8_GEMM_ENTRY in the .cu."""
+    against FP8_GEMM_ENTRY and FP8_GEMM_TS_ENTRY in the .cu; SCALE_TILES is the second macro's entries."""
     src = Path(SRC).read_text()
     entries = re.findall(r"^FP8_GEMM_ENTRY\((\w+), (\d+), (\d+), (\d+), (true|false), (SB_\w+), (true|false), (\d)\)",
                          src, re.M)
+    ts = _ts_entries()
     got = {name: (64 * int(ncons), int(bn), int(stages), 128 * (int(ncons) + 1))
-           for name, bn, stages, ncons, *_ in entries}
+           for name, bn, stages, ncons, *_ in entries + ts}
     assert got == FORMS
     layout = {"SB_BLOCK": "block", "SB_ROW": "row", "SB_ROWK": "rowk"}
-    assert {name: (layout[sb], sk == "true") for name, *_, sb, sk, _ in entries} == FORM_KIND
-    assert {name: int(cl) for name, *_, cl in entries} == CLUSTER
+    assert {name: (layout[sb], sk == "true") for name, *_, sb, sk, _ in entries} | \
+        {name: (layout[sb], sk == "true") for name, *_, sb, sk in ts} == FORM_KIND
+    assert {name: int(cl) for name, *_, cl in entries} == {n: c for n, c in CLUSTER.items() if n not in SCALE_TILES}
+    assert {name for name, *_ in ts} == SCALE_TILES
+    # each twin keeps its plain form's tile, scale layout and split-K
+    for plain, twin in TS_TWIN.items():
+        assert twin in SCALE_TILES and plain not in SCALE_TILES
+        assert FORMS[plain][:2] == FORMS[twin][:2] and FORM_KIND[plain] == FORM_KIND[twin], (plain, twin)
+
+
+def test_scale_tile_twins_are_picked_only_where_k_allows(monkeypatch):
+    """form(): a pick's scale-tile twin where asked (or DEEPINFER_CUDA_FP8_TS=1) and K % 128 == 0, else the
+    plain pick; a forced scale-tile entry gives way to the automatic choice where K does not allow it."""
+    from deepinfer.kernels import cuda_fp8_gemm
+    for m, n in ((8192, 4608), (48, 4608), (100, 1792), (2048, 32768)):
+        for splitk in (False, True):
+            plain = form(m, "block", splitk, n, 132, 5120, scale_tiles=False)
+            assert form(m, "block", splitk, n, 132, 5120, scale_tiles=True) == TS_TWIN.get(plain, plain)
+            assert form(m, "block", splitk, n, 132, 5248 - 96, scale_tiles=True) == plain   # K % 128 == 32
+    assert form(8192, "row", k=2304, scale_tiles=True) == "fp8_gemm_sm90_bn128_row_ts"
+    assert form(8192, "rowk", k=2304, scale_tiles=True) == "fp8_gemm_sm90_bn128_rowk"        # no twin
+    assert form(8192, "block", False, 4608, 132, 5120) == form(8192, "block", False, 4608, 132, 5120, scale_tiles=False)
+    monkeypatch.setattr(cuda_fp8_gemm, "FORCE", "fp8_gemm_sm90_bn128_ts1")
+    assert form(8192, "block", k=5120) == "fp8_gemm_sm90_bn128_ts1"
+    assert form(8192, "block", k=160) == "fp8_gemm_sm90_bn128"
+    assert entry_takes("fp8_gemm_sm90_bn128_ts", 1280) and not entry_takes("fp8_gemm_sm90_bn128_ts", 1312)
+    assert entry_takes("fp8_gemm_sm90_bn128", 1312)
+
+
+@needs_nvcc
+def test_scale_tile_forms_issue_half_the_instructions(compiled):
+    """The static issue model (perf/sass_issue_model.py) of each scale-tile form's K loop against its plain
+    twin: an SM90 sub-partition issues one instruction a cycle, so a stage's instructions a warp over its
+    tensor cycles bound the fraction of the FP8 peak. The block-scale forms' global scale loads (~450 of
+    ~700 instructions a stage) must stay gone: at most 0.65x the plain form's and an issue ceiling >= 0.7;
+    the row-scale forms fewer than their twins' and >= 0.8."""
+    if _cuobjdump() is None:
+        pytest.skip("no cuobjdump")
+    for plain, twin in TS_TWIN.items():
+        p, t = sass_issue_model.loop_mix(compiled[0], plain), sass_issue_model.loop_mix(compiled[0], twin)
+        assert p["found"] and t["found"], (plain, twin)
+        assert t["ffma_per_stage"] == p["ffma_per_stage"] == FORMS[plain][1] * 2, (plain, t["ops"])  # promotion alone
+        if FORM_KIND[plain][0] == "block":
+            assert t["per_stage"] <= 0.65 * p["per_stage"] and t["ceiling"] >= 0.7, (twin, t["per_stage"], p["per_stage"])
+        else:
+            assert t["per_stage"] < p["per_stage"] and t["ceiling"] >= 0.8, (twin, t["per_stage"], p["per_stage"])
+        assert "LDG" not in t["ops"], (twin, t["ops"])              # every scale from shared memory
 
 
 def test_scale_kind():
