@@ -214,9 +214,6 @@ class EngineArgs:
             raise ValueError(f"context_parallel_size must be 1 (off) or equal data_parallel_size "
                              f"({self.data_parallel_size}): balanced CP runs over the DP ranks; got "
                              f"{self.context_parallel_size}")
-        if self.context_parallel_size > 1 and self.speculative is not None:
-            raise ValueError("context_parallel_size > 1 does not combine with speculative decoding yet "
-                             "(the DSpark rings need every prompt row's hidden state on the owner rank)")
         if self.cp_min_prompt_tokens < 1:
             raise ValueError(f"cp_min_prompt_tokens must be >= 1, got {self.cp_min_prompt_tokens}")
         if self.context_parallel_size > 1 and self.cp_min_prompt_tokens > self.max_num_batched_tokens:

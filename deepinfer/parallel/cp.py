@@ -25,7 +25,8 @@ compressed KV, index keys) and which decodes it; the other ranks write into bloc
 borrowed for this step and dropped after it (DataParallelScheduler takes and returns them). The
 CP pass runs positions 0..n-1 with n = L - 1; the prompt's last token then runs in the owner's
 ordinary step as a one-token chunk continuing the cache, so sampling, logits and async scheduling
-need nothing new.
+need nothing new. With DSpark, the DSpark inputs of the prefix's last ring_len positions are gathered
+to the owner (draft_ring_tail), which absorbs them into its draft rings before that step.
 """
 
 from __future__ import annotations
@@ -125,9 +126,11 @@ class _Gather:
         return self.rows(kv), raw
 
 
-def prefill_share(model, caches, share: CPShare, group=None) -> None:
+def prefill_share(model, caches, share: CPShare, group=None) -> torch.Tensor | None:
     """Run this rank's rows of the CP prefill through every layer (no logits): the caches at
-    share.block_ids / share.ring_slot end up holding positions 0..n-1 as a 1-rank prefill leaves them."""
+    share.block_ids / share.ring_slot end up holding positions 0..n-1 as a 1-rank prefill leaves them.
+    -> the rows' DSpark inputs (ModelOutput.main_hidden, in split.positions(rank) order; None without
+    DSpark layers)."""
     dev = model.embed.weight.device
     split, n = share.split, len(share.token_ids)
     ids = torch.from_numpy(np.ascontiguousarray(share.token_ids, dtype=np.int64))
@@ -141,7 +144,32 @@ def prefill_share(model, caches, share: CPShare, group=None) -> None:
     ratios = sorted({r for r in model.args.compress_ratios if r})
     meta = share_metadata(whole, split.positions(share.rank), ratios, _Gather(whole, split, group))
     width = max(model.args.engram_max_ngram_size - 1, 0)
-    model(share_batch(share, whole_batch, width), caches, meta=meta)
+    return model(share_batch(share, whole_batch, width), caches, meta=meta).main_hidden
+
+
+def draft_ring_tail(main_hidden: torch.Tensor, share: CPShare, ring_len: int, group) -> tuple[torch.Tensor, np.ndarray]:
+    """The DSpark inputs of the prefix's last ring_len positions, on every rank: each rank's rows among them
+    (its split rows at or past n - ring_len: the tail of its second chunk, or of both near the middle)
+    padded to ring_len rows and all-gathered (one equal-size collective), then put in position order.
+    A DSpark ring holds the last ring_len positions only (dspark_absorb), so the owner absorbs these and
+    its rings are what a 1-rank prefill's absorb leaves; the prompt's last token then goes through the
+    owner's ordinary step, which absorbs it and drafts. -> (rows [R, k*dim], positions [R]),
+    R = min(n, ring_len)."""
+    split, n = share.split, len(share.token_ids)
+    lo = max(0, n - ring_len)
+    R = n - lo
+    own = split.positions(share.rank)
+    mine = np.nonzero(own >= lo)[0]
+    pad = main_hidden.new_zeros((R, main_hidden.shape[1]))
+    if len(mine):
+        pad[:len(mine)] = main_hidden[torch.from_numpy(mine).to(main_hidden.device)]
+    gathered = all_gather_rows(pad, group, split.cp_size)
+    row_of = np.empty(R, dtype=np.int64)          # position lo + i -> its row in the gathered buffer
+    for r in range(split.cp_size):
+        pos = split.positions(r)
+        tail = pos[pos >= lo]
+        row_of[tail - lo] = r * R + np.arange(len(tail))
+    return gathered[torch.from_numpy(row_of).to(gathered.device)], np.arange(lo, n, dtype=np.int64)
 
 
 def share_batch(share: CPShare, whole: ForwardBatch, width: int) -> ForwardBatch:

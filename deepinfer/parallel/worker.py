@@ -170,13 +170,25 @@ class _Rank:
             self.rt.runner.lockstep.max_rank_tokens = max_rank_tokens or 0
 
     def _prefill_share(self, share) -> None:
-        """This rank's rows of a balanced-CP prefill (every rank runs the same layers' collectives)."""
+        """This rank's rows of a balanced-CP prefill (every rank runs the same layers' collectives); with
+        DSpark, the prefix's last ring_len positions' draft inputs gathered and absorbed by the owner."""
+        import torch
+
         from deepinfer.kernels.batch_invariant import batch_invariant_mode
 
-        from .cp import prefill_share
+        from .cp import draft_ring_tail, prefill_share
         self._set_step_max(share.split.max_rows)
+        proposer = self.rt.runner.proposer
         with batch_invariant_mode(self.rt.runner.batch_invariant):
-            prefill_share(self.rt.model, self.rt.caches, share, self.parallel.group)
+            hidden = prefill_share(self.rt.model, self.rt.caches, share, self.parallel.group)
+            if proposer is not None:
+                if hidden is None:
+                    raise RuntimeError("speculative decoding needs the checkpoint's DSpark layers")
+                rows, pos = draft_ring_tail(hidden, share, self.rt.caches.ring_len, self.parallel.group)
+                if share.owner == share.rank:
+                    n = len(share.token_ids)
+                    proposer.absorb(rows, torch.from_numpy(pos).to(rows.device), [share.ring_slot], [0, len(pos)],
+                                    max_pos=n)
         self.num_cp_prefills += 1
 
     def _rebalance(self) -> dict:

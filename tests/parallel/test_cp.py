@@ -52,8 +52,7 @@ def test_bad_cp_sizes_fail_at_start_with_one_clear_error():
         EngineArgs(data_parallel_size=2, context_parallel_size=3)
     with pytest.raises(ValueError, match=r"equal data_parallel_size \(1\).*got 2"):
         EngineArgs(context_parallel_size=2)
-    with pytest.raises(ValueError, match="speculative"):
-        EngineArgs(data_parallel_size=2, context_parallel_size=2, speculative="dspark", max_num_batched_tokens=8192)
+    EngineArgs(data_parallel_size=2, context_parallel_size=2, speculative="dspark", max_num_batched_tokens=8192)
     with pytest.raises(ValueError, match="cp_min_prompt_tokens must be >= 1, got 0"):
         EngineArgs(data_parallel_size=2, context_parallel_size=2, cp_min_prompt_tokens=0)
     with pytest.raises(ValueError, match="cp_min_prompt_tokens=8192 exceeds max_num_batched_tokens=2048"):
@@ -161,19 +160,71 @@ def test_cp_tokens_equal_one_rank_and_decode_stays_on_owner(ranks, extra, one_ra
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == one_rank_tokens
 
 
+def _run_recording_drafts(engine, prompts, params) -> tuple[list[list[int]], dict[str, list]]:
+    """Every prompt added at once, stepped to the end: (tokens per request, per request each proposal
+    (tokens so far, drafts) its scheduler's DraftBook held after a step)."""
+    tokens: dict[str, list[int]] = {}
+    drafts: dict[str, list] = {}
+    scheds = getattr(engine.scheduler, "schedulers", [engine.scheduler])
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params[i])
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        for s in scheds:
+            for rid in s.requests:
+                if s.draft_book.pending(rid):
+                    drafts.setdefault(rid, []).append((len(tokens.get(rid, [])), tuple(s.draft_book.pending(rid))))
+    return [tokens[f"r{i}"] for i in range(len(prompts))], drafts
+
+
+def test_cp_with_dspark_gives_one_ranks_tokens_and_drafts(one_rank_tokens, tmp_path_factory):
+    """DSpark with balanced CP over 2 ranks (batch_invariant, every draft verified): the owner's draft rings
+    get the prefix's last ring rows from the ranks that prefilled them (draft_ring_tail), so the tokens are
+    one rank's without speculation and every draft block proposed is the one a 1-rank DSpark run proposes
+    at the same point (the drafts read the rings: without the tail's rows they differ)."""
+    import torch
+    ckpt = build_fixture("v41-tiny", tmp_path_factory)
+    prompts, params = _prompts(ckpt)[:3], _params(3)
+    kw = dict(checkpoint=str(ckpt), max_num_seqs=8, max_num_batched_tokens=1024, batch_invariant=True, device="cpu",
+              speculative="dspark", spec_policy="threshold", spec_confidence_threshold=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ref = Engine(EngineArgs(**kw))
+    try:
+        want, want_drafts = _run_recording_drafts(ref, prompts, params)
+    finally:
+        ref.shutdown()
+        torch.set_num_threads(threads)
+    engine = Engine(EngineArgs(**kw, data_parallel_size=2, context_parallel_size=2, cp_min_prompt_tokens=8,
+                               worker_threads=1))
+    try:
+        got, got_drafts = _run_recording_drafts(engine, prompts, params)
+        cp = engine.scheduler.cp_prefills
+    finally:
+        engine.shutdown()
+    assert sorted(n for _, _, n in cp) == sorted(len(p) - 1 for p in prompts)     # every prompt took CP
+    assert want == got == one_rank_tokens[:3]
+    assert set(want_drafts) == set(got_drafts) == {"r0", "r1", "r2"}
+    for rid in want_drafts:
+        assert got_drafts[rid] == want_drafts[rid], rid
+
+
 # ---- the model hook, in process (one rank: the CP share is every position) -------------------------
 def cp_share_matches_plain_prefill(ckpt, device: str, backend: str) -> None:
     """prefill_share over a 1-rank group (its rows: both mirror chunks = every position, through the
     CP metadata, the per-layer gathers and the two-chunk Engram history) leaves exactly the caches a
-    plain prefill leaves, and the prompt's last token then gets the same logits from both."""
+    plain prefill leaves, the DSpark draft rings included (the plain prefill's rows absorbed against
+    draft_ring_tail's), and the prompt's last token then gets the same logits from both."""
     import socket
 
     import torch
     import torch.distributed as dist
 
     from deepinfer.model.batch import ForwardBatch
+    from deepinfer.model.dspark import dspark_absorb
     from deepinfer.model.loader import load_model
-    from deepinfer.parallel.cp import CPShare, prefill_share
+    from deepinfer.parallel.cp import CPShare, draft_ring_tail, prefill_share
     from deepinfer.worker.loading import allocate_caches
     tokens = np.asarray(_prompts(ckpt)[1], dtype=np.int64)                      # 300 tokens
     n = len(tokens) - 1
@@ -200,8 +251,16 @@ def cp_share_matches_plain_prefill(ckpt, device: str, backend: str) -> None:
                                 block_tables=torch.tensor([blocks], device=dev),
                                 logits_indices=torch.tensor([len(ids) - 1], device=dev))
         with torch.inference_mode():
-            model(batch(0, tokens[:n]), caches[0])
-            prefill_share(model, caches[1], CPShare("r", 0, 0, 1, tokens[:n], blocks, slot))
+            plain = model(batch(0, tokens[:n]), caches[0]).main_hidden
+            share = CPShare("r", 0, 0, 1, tokens[:n], blocks, slot)
+            hidden = prefill_share(model, caches[1], share)
+            rows, pos = draft_ring_tail(hidden, share, caches[1].ring_len, None)
+            lo = n - caches[1].ring_len
+            assert lo > 0 and np.array_equal(pos, np.arange(lo, n)) and torch.equal(rows, plain[lo:])
+            for c, h in ((caches[0], plain[lo:]), (caches[1], rows)):     # same rows, same row count: same bits
+                dspark_absorb(model, h, torch.from_numpy(pos).to(dev), [slot], [0, len(pos)], c)
+            drafts = [m.layer_id for m in model.mtp]
+            assert drafts and all(caches[0].window_kv[i].any() for i in drafts)   # the rings were written
             for kind in ("window_kv", "carry_kv", "carry_score", "compressed_kv", "index_k"):
                 a, b = getattr(caches[0], kind), getattr(caches[1], kind)
                 for key in (range(len(a)) if isinstance(a, list) else a):
