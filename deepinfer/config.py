@@ -233,9 +233,6 @@ class EngineArgs:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.window_snapshot_ttl_s <= 0:
             raise ValueError(f"window_snapshot_ttl_s must be > 0, got {self.window_snapshot_ttl_s}")
-        if self.enable_prefix_caching and self.context_parallel_size > 1:
-            raise ValueError("enable_prefix_caching does not combine with context_parallel_size > 1 yet (a CP "
-                             "prefill writes the owner's blocks through borrowed ones on the other ranks)")
         if self.kv_role not in ("both", "prefill", "decode"):
             raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}")
         if self.kv_role != "both" and self.data_parallel_size > 1:

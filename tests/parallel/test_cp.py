@@ -210,6 +210,46 @@ def test_cp_with_dspark_gives_one_ranks_tokens_and_drafts(one_rank_tokens, tmp_p
         assert got_drafts[rid] == want_drafts[rid], rid
 
 
+def test_cp_with_prefix_caching_second_turn_hits_its_snapshot(tmp_path_factory):
+    """Prefix caching on with CP over 2 ranks (batch_invariant): turn 1's 300-token prompt is prefilled with
+    CP (its blocks registered and its window snapshot kept on the owner as after an ordinary prefill; the
+    borrowed copies never enter the cache), gives one rank's tokens; turn 2 (turn 1 + its answer + 13 new
+    tokens) is placed on that owner, hits the snapshot (no CP: it starts past 0) and gives a cold 1-rank
+    run's tokens bit for bit."""
+    import torch
+    ckpt = build_fixture("v41-tiny", tmp_path_factory)
+    p1 = _prompts(ckpt)[1]
+    extra = [(37 * i) % 900 + 11 for i in range(13)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=1024, batch_invariant=True, device="cpu")
+    llm = LLM(str(ckpt), **kw, data_parallel_size=2, context_parallel_size=2, cp_min_prompt_tokens=64,
+              enable_prefix_caching=True, worker_threads=1)
+    try:
+        t1 = llm.generate(p1, greedy)[0].token_ids
+        p2 = p1 + t1 + extra
+        hot = llm.generate(p2, greedy)[0]
+        counters = llm.stats()["counters"]
+        cp = llm.engine.scheduler.cp_prefills
+        dps = llm.engine.scheduler
+        llm.engine.kv_cache.check()
+        assert all(not k.startswith(BORROW_PREFIX) for s in dps.schedulers for k in s.kv_cache.block_ids)
+        assert dps.num_prefix_placements == 1                     # turn 2 went to turn 1's owner
+    finally:
+        llm.engine.shutdown()
+    assert [(n) for _, _, n in cp] == [len(p1) - 1]               # turn 1 only took CP
+    assert counters["prefix_cache_snapshot_hits_total"] == 1 and counters["prefix_cache_replayed_tokens_total"] == 0
+    assert hot.num_cached_tokens == len(p1) + len(t1) - 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cold = LLM(str(ckpt), **kw)
+        want1 = cold.generate(p1, greedy)[0].token_ids
+        want2 = cold.generate(p2, greedy)[0].token_ids
+    finally:
+        torch.set_num_threads(threads)
+    assert t1 == want1 and hot.token_ids == want2
+
+
 # ---- the model hook, in process (one rank: the CP share is every position) -------------------------
 def cp_share_matches_plain_prefill(ckpt, device: str, backend: str) -> None:
     """prefill_share over a 1-rank group (its rows: both mirror chunks = every position, through the
