@@ -390,7 +390,7 @@ class Engine:
         if sched_out is None:
             sched_out = self.scheduler.schedule()
         try:
-            if getattr(sched_out, "overlapped", False):     # one rank only: a DP step has no such field
+            if getattr(sched_out, "overlapped", False):     # DP: some rank overlaps (ParallelSchedulerOutput)
                 launched = self.runner.launch_overlapped(sched_out, self._in_flight[1])
             else:
                 launched = self.runner.launch(sched_out)

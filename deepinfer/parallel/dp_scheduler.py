@@ -41,8 +41,13 @@ class ParallelSchedulerOutput:
     cp: list[list[CPShare]] | None = None  # rank r's shares of this step's balanced-CP prefills, in order
 
     def rank_tokens(self, rank: int) -> int:
-        """Tokens rank's ordinary forward runs (a CP prefill's prefix is not among the owner's)."""
-        n = self.per_rank[rank].total_num_scheduled_tokens
+        """Tokens rank's ordinary forward runs (a CP prefill's prefix is not among the owner's; an overlapped
+        verify step runs its static n x L layout, every request padded to the longest: overlapped_step.py)."""
+        so = self.per_rank[rank]
+        if so.overlapped:
+            q = so.num_scheduled_tokens.values()
+            return len(q) * max(q, default=0)
+        n = so.total_num_scheduled_tokens
         for share in (self.cp[rank] if self.cp is not None else []):
             if share.owner == rank:
                 n -= len(share.token_ids)
@@ -68,6 +73,11 @@ class ParallelSchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return all(o.is_empty for o in self.per_rank)
+
+    @property
+    def overlapped(self) -> bool:
+        """A verify step scheduled with the step in flight unresolved (spec/overlap.py) on some rank."""
+        return any(o.overlapped for o in self.per_rank)
 
 
 class _PoolView:
@@ -200,6 +210,24 @@ class DataParallelScheduler:
         if self.cp_min_prompt_tokens is not None:
             out.cp = self._plan_cp(out)
         return out
+
+    def schedule_overlapped(self, in_flight: dict[str, int], num_speculative_tokens: int) -> ParallelSchedulerOutput | None:
+        """The next verify step of every rank while the one in flight is unresolved (Scheduler.schedule_overlapped
+        per rank; in_flight: every rank's requests -> the drafts they verify there): each rank with requests
+        overlaps, a rank with none gets its empty plan; or None (nothing changed) where any rank has a
+        request waiting or cannot overlap, so that every rank resolves first and schedules normally."""
+        if any(s.waiting for s in self.schedulers):
+            return None
+        plans = []
+        for s in self.schedulers:
+            plan = s.overlap_plan(in_flight, num_speculative_tokens) if s.running else None
+            if s.running and plan is None:
+                return None
+            plans.append(plan)
+        if all(p is None for p in plans):
+            return None
+        return ParallelSchedulerOutput([s.commit_overlapped(p) if p is not None else s.schedule()
+                                        for s, p in zip(self.schedulers, plans)])
 
     def _plan_cp(self, out: ParallelSchedulerOutput) -> list[list[CPShare]] | None:
         """Every prompt this step starts whole from position 0 with at least cp_min_prompt_tokens tokens,

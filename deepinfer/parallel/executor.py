@@ -50,6 +50,7 @@ class MultiprocExecutor:
         self.dead: str | None = None
         self._graceful = [True]          # False once a rank failed: the others are killed, not asked
         self._steps = 0
+        self._overlap_answers: tuple | None = None   # (the launched plan, each rank's answer about it)
         self.last_rebalance: dict | None = None
         from .lockstep import HostAgreement
         self.agreement = HostAgreement.create(self.world_size)     # the ranks' per-step graph agreement
@@ -121,7 +122,39 @@ class MultiprocExecutor:
             self.rebalance()
         return plan
 
+    def launch_overlapped(self, plan: ParallelSchedulerOutput, prev):
+        """A verify step scheduled with `prev` unresolved: each rank builds its part from its own launched
+        step's device state (a rank's plan says whether it overlaps, SchedulerOutput.overlapped)."""
+        return self.launch(plan)
+
+    def must_resolve_before_next(self, handle) -> bool:
+        """Speculation: whether some rank's launched step samples (its next step's positions and drafts
+        follow from its accepted counts); one round trip to the ranks, whose answers overlap_drafts reuses."""
+        return handle is not None and any(a[0] for a in self._overlap_state(handle))
+
+    def overlap_drafts(self, handle) -> dict[str, int] | None:
+        """req_id -> drafts it verifies, over every rank's launched step, where each rank's requests
+        drafted on the device (the next verify step may overlap it); None: resolve first."""
+        if handle is None:
+            return None
+        merged: dict[str, int] = {}
+        for _, drafts, has_step in self._overlap_state(handle):
+            if has_step and drafts is None:
+                return None
+            merged.update(drafts or {})
+        return merged
+
+    def _overlap_state(self, handle) -> list:
+        """Each rank's (must resolve first, overlap drafts, launched a step) about its newest launched step."""
+        if self._overlap_answers is None or self._overlap_answers[0] is not handle:
+            for conn in self.conns:
+                self._send(conn, ("overlap",))
+            self._overlap_answers = (handle, self._gather("ok"))
+        return self._overlap_answers[1]
+
     def resolve(self, handle):
+        if self._overlap_answers is not None and self._overlap_answers[0] is handle:
+            self._overlap_answers = None
         if handle is None:
             from deepinfer.outputs import ModelRunnerOutput
             return [ModelRunnerOutput([], []) for _ in range(self.world_size)]

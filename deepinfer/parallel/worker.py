@@ -11,6 +11,10 @@ Messages from the driver (a duplex Pipe; replies in request order):
                  replay, all padding, or the eager idle forward; lockstep.py). max_rank_tokens == 0:
                  nothing runs anywhere (state only).
     ("resolve",)          -> ("result", ModelRunnerOutput) of the oldest launched step
+    ("overlap",)          -> ("ok", (must resolve first, drafts it verifies per request or None, launched a
+                 step)) about the newest launched step: the engine's question before scheduling a verify
+                 step that overlaps it (spec/overlap.py; a plan with SchedulerOutput.overlapped is then
+                 launched from that step's device state)
     ("rebalance",)        -> ("ok", stats): EPLB over the ranks' summed load window, weights moved
     ("score", jobs, num_forwards, opts) -> ("result", [dict]): deepinfer-score's per-prompt outputs
                  for this rank's prompts, each rank running the same number of forwards
@@ -145,6 +149,8 @@ class _Rank:
                 conn.send(("result", self._score(*msg[1:])))
             elif kind == "ping":
                 conn.send(("ok", self._gauges()))
+            elif kind == "overlap":
+                conn.send(("ok", self._overlap_state()))
             else:
                 raise ValueError(f"unknown message {kind!r}")
 
@@ -155,7 +161,10 @@ class _Rank:
             if share.owner == share.rank:
                 precomputed[share.req_id] = len(share.token_ids)
         self._set_step_max(max_rank_tokens)
-        launched = self.rt.runner.launch(sched_out, precomputed)
+        if sched_out.overlapped:     # a verify step built from the unresolved one's device state
+            launched = self.rt.runner.launch_overlapped(sched_out, self.in_flight[-1])
+        else:
+            launched = self.rt.runner.launch(sched_out, precomputed)
         if max_rank_tokens == 0:
             return                                   # no forward anywhere: nothing to resolve
         if launched is None:
@@ -163,6 +172,13 @@ class _Rank:
         if self.parallel.recorder is not None:
             self.parallel.recorder.end_step()
         self.in_flight.append(launched)
+
+    def _overlap_state(self) -> tuple:
+        """(must resolve before the next schedule, req_id -> drafts or None, launched a step) of this rank's
+        newest launched step (the executor's overlap questions; spec/overlap.py)."""
+        step = self.in_flight[-1] if self.in_flight else None
+        runner = self.rt.runner
+        return runner.must_resolve_before_next(step), runner.overlap_drafts(step), step is not None
 
     def _set_step_max(self, max_rank_tokens: int | None) -> None:
         self.parallel.set_step_tokens(max_rank_tokens)

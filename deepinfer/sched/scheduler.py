@@ -143,6 +143,12 @@ class Scheduler:
         ones a step later (_advance). None (nothing changed): schedule normally after resolving -
         a request waits, one may be done under the worst case, the pool or the budget is short,
         or prefix caching is on (its block registration reads computed positions)."""
+        plan = self.overlap_plan(in_flight, num_speculative_tokens)
+        return None if plan is None else self.commit_overlapped(plan)
+
+    def overlap_plan(self, in_flight: dict[str, int], num_speculative_tokens: int):
+        """schedule_overlapped's decision, changing nothing: (each running request's K', the device half's
+        verify rule) or None. DataParallelScheduler asks every rank before any commits."""
         if self.waiting or not self.running or self.prefix is not None:
             return None
         if any(r.request_id not in in_flight for r in self.running):
@@ -153,14 +159,16 @@ class Scheduler:
             return None
         book = self.draft_book     # the policy's host half (spec/overlap_verify.py): B from the older confidences
         ks, verify = plan_overlapped(book.policy, ks, [book.last_confidences(r.request_id) for r in self.running])
-        plan, need, total = [], 0, 0
-        for req, k in zip(self.running, ks):
-            end = req.num_computed_tokens + 1 + k
-            need += max(self.kv_cache.num_blocks_for(end) - len(self.kv_cache.block_ids[req.request_id]), 0)
-            total += 1 + k
-            plan.append((req, k))
-        if need > self.kv_cache.num_free_blocks or total > self.max_num_batched_tokens:
+        need = sum(max(self.kv_cache.num_blocks_for(req.num_computed_tokens + 1 + k)
+                       - len(self.kv_cache.block_ids[req.request_id]), 0) for req, k in zip(self.running, ks))
+        if need > self.kv_cache.num_free_blocks or sum(ks) + len(ks) > self.max_num_batched_tokens:
             return None
+        return list(zip(self.running, ks)), verify
+
+    def commit_overlapped(self, plan) -> SchedulerOutput:
+        """The overlapped step of overlap_plan's answer: reservations made, positions advanced."""
+        plan, verify = plan
+        total = sum(1 + k for _, k in plan)
         out = SchedulerOutput([], [], {}, total, finished_req_ids=self._finished_for_runner, overlapped=True,
                               overlap_verify=verify, draft_after=self._draft_after())
         self._finished_for_runner = set()

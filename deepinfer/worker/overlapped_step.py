@@ -23,6 +23,7 @@ import torch
 
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
 from deepinfer.host_copy import to_device
+from deepinfer.parallel import lockstep as lockstep_mod
 from deepinfer.spec.overlap import step_inputs
 from deepinfer.spec.device_verify import verified_counts
 from deepinfer.worker.input_batch import _ragged_arange
@@ -202,6 +203,9 @@ class OverlappedSteps:
         n, L = len(rows), int(q_lens.max())
         end = int((ib.num_computed[rows] + q_lens).max())   # scheduled positions: the worst case, an upper bound
         key = r.graphs.serves(n, end - 1, L, rows=int(q_lens.sum())) if r.graphs is not None else None
+        if r.lockstep is not None:     # rank workers: the key every rank takes, or eager everywhere
+            key = (r._lockstep_key(n, L, int(q_lens.sum())) if key is not None
+                   else r._lockstep_key(lockstep_mod.NOT_A_GRAPH_STEP))
         if key is not None:
             bufs, logits, hidden = r.graphs.step_on_device(inputs, key)
         else:

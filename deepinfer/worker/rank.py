@@ -107,13 +107,13 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                                                   args.block_tokens)
     max_model_len = min(args.max_model_len or facts.max_position, facts.max_position, num_blocks * args.block_tokens)
     # overlapped verify steps (spec/overlap.py) run the static step form: padding writes need scratch rows
-    # (not with prefix caching: Scheduler.schedule_overlapped refuses it, drafting on the device would not pay)
+    # (not with prefix caching: Scheduler.schedule_overlapped refuses it, drafting on the device would not pay);
+    # on rank workers each rank's from its own launched step (DataParallelScheduler.schedule_overlapped)
     # speculation pipelines like plain decoding: async on CUDA unless turned off (H200, 2026-12-02,
     # full-width-ep8: overlapped verify steps 1.43-1.79x the synchronous engine's tok/s at batch 1-64)
     spec_async = args.async_scheduling is True or (args.async_scheduling is None and device.startswith("cuda"))
     overlap = (args.speculative == "dspark" and spec_async and args.spec_async_overlap
-               and not args.enable_prefix_caching
-               and (parallel is None or not parallel.is_parallel) and args.data_parallel_size == 1)
+               and not args.enable_prefix_caching)
     caches = allocate_caches(model_args, args.max_num_seqs, num_blocks, args.block_tokens, device, args.dtype,
                              scratch=bool(sizes) or overlap)
     async_scheduling = args.async_scheduling if args.async_scheduling is not None else device.startswith("cuda")
@@ -124,8 +124,8 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                                   replay_accepted_length=args.spec_replay_accepted_length, seed=args.seed,
                                   replay_concentration=args.spec_replay_concentration,
                                   replay_regime_tokens=args.spec_replay_regime_tokens)
-        # never across data-parallel ranks (the executor holds no launched step to ask about)
-        async_scheduling = spec_async and args.data_parallel_size == 1
+        # across data-parallel ranks too: the executor asks every rank about its launched step
+        async_scheduling = spec_async
     from deepinfer.worker.model_runner import ModelRunner
     sampler = make_sampler(args.checkpoint, facts.vocab_size)
     runner = ModelRunner(model, caches, device, args.max_num_seqs, max_model_len, args.block_tokens,
