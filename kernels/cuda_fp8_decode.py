@@ -158,10 +158,13 @@ def smem_bytes(name: str) -> int:
     return 1024 + stages * ((rows + bt) * BK + 16 * bt + 16 * rows + 16)
 
 
+TAIL = 8       # kernel_scales' zero columns past the last row
+
+
 def kernel_scales(sb: torch.Tensor) -> torch.Tensor:
     """The kernels' weight scales for sb [..., rows, K/32] (E8M0 bytes or f32; a grouped stack's leading dims
-    fold into the rows): sbT [K/32, ld] f32 (their values transposed, ld the rows rounded up to 4 for TMA's
-    16-byte row stride, zero padded), computed once and kept on sb (recomputed where sb changed in place).
+    fold into the rows): sbT [K/32, ld] f32 (their values transposed, zero padded to ld = rows + TAIL rounded
+    up to 4: TMA's 16-byte row stride), computed once and kept on sb (recomputed where sb changed in place).
     Shared by this decode GEMM and cuda_fp8_gemm's scale-tile forms. Never computed inside a CUDA graph
     capture (select.fp8_decode_takes declines there; the eager warm-up fills it)."""
     cached = getattr(sb, "_decode_scales_t", None)
@@ -172,7 +175,9 @@ def kernel_scales(sb: torch.Tensor) -> torch.Tensor:
     ks = sb.shape[-1]
     vals = (sb if sb.dtype == torch.float32 else e8m0_to_float(sb)).float().reshape(-1, ks)
     rows = vals.shape[0]
-    out = torch.zeros(ks, -(-rows // 4) * 4, dtype=torch.float32, device=sb.device)
+    # TAIL zero columns past the rows: a tile's box (cuda_fp8_gemm: up to 8 columns from any block) never
+    # leaves the tensor along its rows (a scale box running past the map's inner dimension faulted, H100, 2026-12-05)
+    out = torch.zeros(ks, -(-(rows + TAIL) // 4) * 4, dtype=torch.float32, device=sb.device)
     out[:, :rows] = vals.T
     sb._decode_scales_t = (sb._version, out)
     return out
