@@ -71,7 +71,9 @@ FORMS = {"fp8_gemm_sm90_bn128": (128, 128, 5, 384),
          "fp8_gemm_sm90_bm64_ts": (64, 128, 6, 256),
          "fp8_gemm_sm90_bn128_ts_splitk": (128, 128, 5, 384),
          "fp8_gemm_sm90_bn128_row_ts": (128, 128, 5, 384),
-         "fp8_gemm_sm90_bm64_row_ts": (64, 128, 6, 256)}
+         "fp8_gemm_sm90_bm64_row_ts": (64, 128, 6, 256),
+         "fp8_gemm_sm90_bm192_ts": (192, 128, 4, 512),        # three consumers, one temporary each
+         "fp8_gemm_sm90_bm192_row_ts": (192, 128, 4, 512)}
 # entry point -> (weight-scale layout, split-K); must match FP8_GEMM_ENTRY's SBMODE and SPLITK
 FORM_KIND = {name: ("row" if "_row" in name and "_rowk" not in name else "rowk" if name.endswith("_rowk") else "block",
                     name.endswith("_splitk")) for name in FORMS}

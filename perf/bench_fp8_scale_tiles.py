@@ -74,6 +74,13 @@ def rows_for(ms, peaks: dict, ceilings: dict) -> list[dict]:
                 r[f"{key}_of_fp8_peak"] = r[f"{key}_tflops"] * 1e12 / peaks["fp8_flops"]
             r["twin_vs_plain"] = r["plain_us"] / r["twin_us"]
             r["twin_vs_bf16"] = r["bf16_us"] / r["twin_us"]
+            three = "fp8_gemm_sm90_bm192_row_ts" if kind == "row" else "fp8_gemm_sm90_bm192_ts"
+            if m >= 192:           # three consumer warpgroups, one temporary each: more warps to hide latency
+                y3 = fp8_gemm_cuda(a, sa, w, s, entry=three)
+                r["three_bits_equal"] = torch.equal(y3, fp8_gemm_cuda(a, sa, w, s, entry=twin))
+                r["three_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s, entry=three)]) * 1e6
+                r["three_tflops"] = flops / r["three_us"] / 1e6
+                r["three_of_fp8_peak"] = r["three_tflops"] * 1e12 / peaks["fp8_flops"]
             for key, e in (("plain", plain), ("twin", twin)):
                 if e in ceilings:
                     r[f"{key}_ceiling"] = ceilings[e]
@@ -81,7 +88,9 @@ def rows_for(ms, peaks: dict, ceilings: dict) -> list[dict]:
             print(f"{name:11s} m {m:5d} {kind:5s}: twin {r['twin_tflops']:6.0f} TF ({r['twin_of_fp8_peak']:.2f} of FP8 peak, "
                   f"ceiling {r.get('twin_ceiling', float('nan')):.2f}) | plain {r['plain_tflops']:6.0f} "
                   f"({r['plain_of_fp8_peak']:.2f}, ceiling {r.get('plain_ceiling', float('nan')):.2f}) | bf16 "
-                  f"{r['bf16_tflops']:6.0f} | twin {r['twin_vs_plain']:.2f}x plain, {r['twin_vs_bf16']:.2f}x bf16"
+                  f"{r['bf16_tflops']:6.0f} | twin {r['twin_vs_plain']:.2f}x plain, {r['twin_vs_bf16']:.2f}x bf16 | "
+                  f"3 consumers {r.get('three_tflops', float('nan')):6.0f}"
+                  f"{'' if r.get('three_bits_equal', True) else ' (BITS DIFFER)'}"
                   f"{'' if same else '  BITS DIFFER: not a valid twin'}", flush=True)
             rows.append(r)
             del x, a, sa

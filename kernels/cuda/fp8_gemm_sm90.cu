@@ -381,7 +381,8 @@ __device__ __forceinline__ void gemm_body_ts(const CUtensorMap* tmap_a, const CU
     constexpr int R = BN / 2;                          // accumulator floats per thread
     constexpr int NB = BN / 32;                        // 32-column weight blocks a tile
     constexpr int SBW = sb_tile_cols<BN>();
-    constexpr bool TWO = BN == 128;                    // two temporaries fit beside acc at BN 128 only
+    // two temporaries fit beside acc at BN 128 with at most two consumers (three: 160 registers a thread)
+    constexpr bool TWO = BN == 128 && NCONS <= 2;
     constexpr uint32_t A_BYTES = BM * BK, B_BYTES = BN * BK;
     constexpr uint32_t SA_BYTES = BM * 16, SB_BYTES = ts_stage_scale_bytes<BN, BM, SBMODE>() - SA_BYTES;
     constexpr uint32_t TX_BYTES = A_BYTES + B_BYTES + SA_BYTES + (SBMODE == SB_BLOCK ? SLICES * SBW * 4 : 0);
@@ -407,7 +408,7 @@ __device__ __forceinline__ void gemm_body_ts(const CUtensorMap* tmap_a, const CU
     __syncthreads();
 
     if (wg == NCONS) {  // producer warpgroup (the last one)
-        setmaxnreg_producer();
+        setmaxnreg_producer<NCONS>();
         if (tid == 0) {
             tma_prefetch(tmap_a);
             tma_prefetch(tmap_b);
@@ -580,5 +581,7 @@ FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bm64_ts, 128, 6, 1, 2, SB_BLOCK, false)
 FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bn128_ts_splitk, 128, 5, 2, 2, SB_BLOCK, true)
 FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bn128_row_ts, 128, 5, 2, 2, SB_ROW, false)
 FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bm64_row_ts, 128, 6, 1, 2, SB_ROW, false)
+FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bm192_ts, 128, 4, 3, 1, SB_BLOCK, false)     // three consumers, one temporary each
+FP8_GEMM_TS_ENTRY(fp8_gemm_sm90_bm192_row_ts, 128, 4, 3, 1, SB_ROW, false)
 
 // fp8_splitk_reduce (the split-K forms' second launch) is in sm90_common.cuh.

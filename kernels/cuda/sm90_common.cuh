@@ -164,15 +164,24 @@ __device__ __forceinline__ void wgmma_m64n192k32_e4m3(float (&d)[96], uint64_t d
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-// The producer keeps 40 registers so that the consumers can hold acc + two temporaries (3 x 64).
+// The producer keeps 40 registers so that the consumers can hold acc + two temporaries (3 x 64); 24 beside
+// three consumers.
+template <int NCONS = 2>
 __device__ __forceinline__ void setmaxnreg_producer() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if constexpr (NCONS == 3) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    } else {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    }
 }
-// 232 with two consumers (128 x 40 + 256 x 232 <= 64K registers); 248 with one (as DeepGEMM does).
+// 232 with two consumers (128 x 40 + 256 x 232 <= 64K registers); 248 with one (as DeepGEMM does); 160 with
+// three (128 x 24 + 384 x 160 <= 64K: acc + one temporary).
 template <int NCONS>
 __device__ __forceinline__ void setmaxnreg_consumer() {
     if constexpr (NCONS == 1) {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 248;\n" ::: "memory");
+    } else if constexpr (NCONS == 3) {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     }

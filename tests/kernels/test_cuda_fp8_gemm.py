@@ -106,7 +106,7 @@ def test_sass_has_fp8_gmma_overlapped(compiled):
         # wait); the one-temporary forms (debug, bn192, bm64 split-K, per-(row, 32)) wait on each
         overlapped = name in ("fp8_gemm_sm90_bn128", "fp8_gemm_sm90_bm64", "fp8_gemm_sm90_bn128_splitk",
                               "fp8_gemm_sm90_bn128_row", "fp8_gemm_sm90_bm64_row", "fp8_gemm_sm90_bn128_mc2") \
-            or (name in SCALE_TILES and FORMS[name][1] == 128)
+            or (name in SCALE_TILES and FORMS[name][1] == 128 and FORMS[name][0] <= 128)
         turn_count = 2 if turns == 2 else 1
         assert code.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == ((slices - turn_count) if overlapped else 0), name
         # the cluster forms: B multicast (UTMALDG's .MULTICAST form), the peer's empty barrier released
