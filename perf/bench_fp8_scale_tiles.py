@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_fp8_prefill import DENSE, weight  # noqa: E402
-from benchutil import measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
+from benchutil import measure_ceilings, out_dir, panels_by_m, save_json, time_calls  # noqa: E402
 
 ROW_SCALED = {"moe_w13": (4608, 5120), "moe_w2": (5120, 2304)}
 
@@ -99,13 +99,8 @@ def rows_for(ms, peaks: dict, ceilings: dict) -> list[dict]:
 
 
 def plot(rows: list[dict], peaks: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    ms = sorted({r["m"] for r in rows})
-    fig, axes = plt.subplots(1, len(ms), figsize=(7 * len(ms), 4.5), squeeze=False)
-    for ax, m in zip(axes[0], ms):
-        sub = [r for r in rows if r["m"] == m]
+    _, fig, panels = panels_by_m(rows, 7, 4.5)
+    for ax, m, sub in panels:
         xs = range(len(sub))
         for i, (key, label) in enumerate((("plain", "plain (scales from global)"), ("twin", "scale tiles (TMA)"),
                                           ("bf16", "cuBLAS bf16"))):
@@ -118,7 +113,7 @@ def plot(rows: list[dict], peaks: dict, path: str) -> None:
         ax.set_ylabel("fraction of the FP8 peak measured in the run")
         ax.set_title(f"exact FP8 x FP8 GEMM, M = {m}")
         ax.set_ylim(0, 1)
-    axes[0][0].legend(fontsize=8, loc="upper left")
+    panels[0][0].legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from benchutil import copies_for, measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
+from benchutil import copies_for, measure_ceilings, out_dir, panels_by_m, save_json, time_calls  # noqa: E402
 
 # (name, N, K): the full-width decode step's dense linears (perf/bench_model_decode.py's profile)
 SHAPES = (("wqkv_a", 1792, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("shared_w13", 4608, 5120),
@@ -133,13 +133,8 @@ def main() -> None:
 
 
 def plot(rows, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    ms = sorted({r["m"] for r in rows})
-    fig, axes = plt.subplots(1, len(ms), figsize=(5 * len(ms), 4), squeeze=False)
-    for ax, m in zip(axes[0], ms):
-        rs = [r for r in rows if r["m"] == m]
+    _, fig, panels = panels_by_m(rows)
+    for ax, m, rs in panels:
         xs = range(len(rs))
         ax.bar([i - 0.2 for i in xs], [r["cublas_of_copy"] for r in rs], 0.4, label="cuBLAS")
         ax.bar([i + 0.2 for i in xs], [r["best_of_copy"] for r in rs], 0.4, label="Triton skinny (best)")

@@ -120,6 +120,17 @@ def plot_per_proj(rows, projs: dict, x_key: str, series, xlabel: str, ylabel: st
     fig.savefig(path, dpi=120)
 
 
+def panels_by_m(rows, panel_width: float = 5, height: float = 4):
+    """(pyplot, figure, [(axes, m, that m's rows)]): one panel per distinct row["m"], ascending (the
+    per-shape bar charts of the GEMM benches)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ms = sorted({r["m"] for r in rows})
+    fig, axes = plt.subplots(1, len(ms), figsize=(panel_width * len(ms), height), squeeze=False)
+    return plt, fig, [(ax, m, [r for r in rows if r["m"] == m]) for ax, m in zip(axes[0], ms)]
+
+
 def save_json(name: str, obj) -> str:
     p = os.path.join(out_dir(), name)
     with open(p, "w") as f:
