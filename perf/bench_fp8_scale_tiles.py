@@ -46,12 +46,14 @@ def issue_ceilings() -> dict[str, float]:
     return out
 
 
-def rows_for(ms, peaks: dict, ceilings: dict) -> list[dict]:
+def rows_for(ms, peaks: dict, ceilings: dict) -> tuple[list[dict], list]:
+    """(a row per shape and M: twin / plain / three consumers / bf16, the shapes where the wave rule takes the
+    wide tile with their operands, for wide_rows)."""
     from deepinfer.kernels.cuda_fp8_gemm import TS_TWIN, form, fp8_gemm_cuda, num_sms
     from deepinfer.kernels.triton_fp8_prefill import as_f32_scale
     from deepinfer.kernels.triton_quant import act_quant_fp8
     sms = num_sms(torch.device("cuda"))
-    rows = []
+    rows, wide = [], []
     shapes = [(name, n, k, "block") for name, (n, k) in DENSE.items()] + \
              [(name, n, k, "row") for name, (n, k) in ROW_SCALED.items()]
     for name, n, k, kind in shapes:
@@ -61,7 +63,7 @@ def rows_for(ms, peaks: dict, ceilings: dict) -> list[dict]:
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             a, sa = act_quant_fp8(x)
-            plain = form(m, kind, False, n, sms, k, scale_tiles=False)
+            plain = form(m, kind, False, n, None, k, scale_tiles=False)     # BN 128 (the wide tile: last)
             twin = TS_TWIN[plain]
             same = torch.equal(fp8_gemm_cuda(a, sa, w, s, entry=plain), fp8_gemm_cuda(a, sa, w, s, entry=twin))
             flops = 2.0 * m * n * k
@@ -85,6 +87,8 @@ def rows_for(ms, peaks: dict, ceilings: dict) -> list[dict]:
                 if e in ceilings:
                     r[f"{key}_ceiling"] = ceilings[e]
                     r[f"{key}_of_ceiling"] = r[f"{key}_of_fp8_peak"] / ceilings[e]
+            if kind == "block" and form(m, kind, False, n, sms, k, scale_tiles=False) == "fp8_gemm_sm90_bn192":
+                wide.append((r, a, sa, w, s, flops))     # timed after every other row: a fault there loses nothing
             print(f"{name:11s} m {m:5d} {kind:5s}: twin {r['twin_tflops']:6.0f} TF ({r['twin_of_fp8_peak']:.2f} of FP8 peak, "
                   f"ceiling {r.get('twin_ceiling', float('nan')):.2f}) | plain {r['plain_tflops']:6.0f} "
                   f"({r['plain_of_fp8_peak']:.2f}, ceiling {r.get('plain_ceiling', float('nan')):.2f}) | bf16 "
@@ -93,9 +97,22 @@ def rows_for(ms, peaks: dict, ceilings: dict) -> list[dict]:
                   f"{'' if r.get('three_bits_equal', True) else ' (BITS DIFFER)'}"
                   f"{'' if same else '  BITS DIFFER: not a valid twin'}", flush=True)
             rows.append(r)
-            del x, a, sa
-        del w, s, wb
-    return rows
+            del x
+        del wb
+    return rows, wide
+
+
+def wide_rows(wide: list) -> None:
+    """The 128 x 192 tile's two forms where the wave rule takes it (run after everything else is saved)."""
+    from deepinfer.kernels.cuda_fp8_gemm import fp8_gemm_cuda
+    for r, a, sa, w, s, flops in wide:
+        y = fp8_gemm_cuda(a, sa, w, s, entry="fp8_gemm_sm90_bn192")
+        r["wide_bits_equal"] = torch.equal(y, fp8_gemm_cuda(a, sa, w, s, entry="fp8_gemm_sm90_bn192_ts"))
+        for key, e in (("wide_plain", "fp8_gemm_sm90_bn192"), ("wide_twin", "fp8_gemm_sm90_bn192_ts")):
+            r[f"{key}_us"] = time_calls([lambda: fp8_gemm_cuda(a, sa, w, s, entry=e)]) * 1e6
+            r[f"{key}_tflops"] = flops / r[f"{key}_us"] / 1e6
+        print(f"{r['name']:11s} m {r['m']:5d} wide tile (BN 192): twin {r['wide_twin_tflops']:6.0f} TF, plain "
+              f"{r['wide_plain_tflops']:6.0f}{'' if r['wide_bits_equal'] else '  BITS DIFFER'}", flush=True)
 
 
 def plot(rows: list[dict], peaks: dict, path: str) -> None:
@@ -125,13 +142,18 @@ def main() -> None:
     peaks = measure_ceilings()
     print(f"peaks: FP8 {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s, bf16 {peaks['bf16_flops'] / 1e12:.0f}", flush=True)
     ceilings = issue_ceilings()
-    rows = rows_for(args.m, peaks, ceilings)
-    save_json("bench_fp8_scale_tiles.json", {"peaks": peaks, "ceilings": ceilings, "rows": rows,
-                                             "device": torch.cuda.get_device_name()})
+    rows, wide = rows_for(args.m, peaks, ceilings)
+
+    def save():
+        save_json("bench_fp8_scale_tiles.json", {"peaks": peaks, "ceilings": ceilings, "rows": rows,
+                                                 "device": torch.cuda.get_device_name()})
+    save()
     plot(rows, peaks, os.path.join(out_dir(), "fp8_scale_tiles.png"))
     bad = [r for r in rows if not r["bits_equal"]]
     print(f"{len(rows) - len(bad)} of {len(rows)} twins bit-equal to their plain forms; twin / plain speed: "
-          + ", ".join(f"{r['name']}@{r['m']} {r['twin_vs_plain']:.2f}" for r in rows))
+          + ", ".join(f"{r['name']}@{r['m']} {r['twin_vs_plain']:.2f}" for r in rows), flush=True)
+    wide_rows(wide)
+    save()
 
 
 if __name__ == "__main__":

@@ -110,9 +110,6 @@ def test_salts_isolate_and_bad_salt_is_refused(tiny_checkpoint):
 def test_replay_below_the_window_is_refused_at_start(tiny_checkpoint):
     with pytest.raises(ValueError, match="swa_replay_tokens"):
         llm(tiny_checkpoint, enable_prefix_caching=True, swa_replay_tokens=64)
-    with pytest.raises(ValueError, match="context_parallel_size"):
-        llm(tiny_checkpoint, enable_prefix_caching=True, data_parallel_size=2, context_parallel_size=2,
-            cp_min_prompt_tokens=256)
 
 
 def test_host_tier_brings_evicted_blocks_back(tiny_checkpoint, turns):
