@@ -162,8 +162,8 @@ TAIL = 8       # kernel_scales' zero columns past the last row
 
 
 def kernel_scales(sb: torch.Tensor) -> torch.Tensor:
-    """The kernels' weight scales for sb [..., rows, K/32] (E8M0 bytes or f32; a grouped stack's leading dims
-    fold into the rows): sbT [K/32, ld] f32 (their values transposed, zero padded to ld = rows + TAIL rounded
+    """The kernels' weight scales for sb [rows, K/32] or a stack [E, rows, K/32] (E8M0 bytes or f32; a stack's
+    experts fold into the columns, each starting on a multiple of 4: e * round_up(rows, 4)): sbT [K/32, ld] f32 (their values transposed, zero padded to ld = rows + TAIL rounded
     up to 4: TMA's 16-byte row stride), computed once and kept on sb (recomputed where sb changed in place).
     Shared by this decode GEMM and cuda_fp8_gemm's scale-tile forms. Never computed inside a CUDA graph
     capture (select.fp8_decode_takes declines there; the eager warm-up fills it)."""
@@ -173,7 +173,11 @@ def kernel_scales(sb: torch.Tensor) -> torch.Tensor:
     if sb.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("cuda_fp8_decode.kernel_scales: not prepared before CUDA graph capture")
     ks = sb.shape[-1]
-    vals = (sb if sb.dtype == torch.float32 else e8m0_to_float(sb)).float().reshape(-1, ks)
+    vals = (sb if sb.dtype == torch.float32 else e8m0_to_float(sb)).float()
+    if vals.dim() == 3:         # a stack: each expert's rows start on a 4-column boundary (TMA's 16-byte coordinates)
+        e, r = vals.shape[:2]
+        vals = torch.cat([vals, vals.new_zeros(e, -r % 4, ks)], dim=1)
+    vals = vals.reshape(-1, ks)
     rows = vals.shape[0]
     # TAIL zero columns past the rows: a tile's box (cuda_fp8_gemm: up to 8 columns from any block) never
     # leaves the tensor along its rows (a scale box running past the map's inner dimension faulted, H100, 2026-12-05)

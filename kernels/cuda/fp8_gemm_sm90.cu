@@ -352,8 +352,8 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap* tmap_a, const CUten
 // cycles, so that kernel could not pass ~0.36 of the FP8 peak (perf/sass_issue_model.py). Here the
 // producer TMA-loads each stage's scales beside its A and B tiles:
 //   sa [M, K/32] f32 (row-major, K a multiple of 128: 16-byte rows)  -> [BM rows][4 slices], a float4 a row
-//   sbT [K/32, ld] f32 (cuda_fp8_decode.kernel_scales: the 32x32-block scales transposed, grouped stacks as
-//       [E * ceil(N/32)] columns)                                    -> [4 slices][SBW blocks]
+//   sbT [K/32, ld] f32 (cuda_fp8_decode.kernel_scales: the 32x32-block scales transposed, grouped stacks with
+//       each expert's ceil(N/32) columns padded to 4)                -> [4 slices][SBW blocks]
 // rows past M, slices past K/32 and blocks past the map read as zeros. A consumer thread reads its two
 // rows' float4s once a stage and one float4 (BN 128) of block scales a slice, all from shared memory.
 // SB_ROW (per-row weight scales, the MoE's row-scaled stacks) loads no weight-scale tile: the epilogue
@@ -399,7 +399,10 @@ __device__ __forceinline__ void gemm_body_ts(const CUtensorMap* tmap_a, const CU
 
     const TileAt t = tile_at<BN, SPLITK>(tiles, M, N, K, tiles_m, BM);
     if (t.expert < 0) return;  // an unused tile: the whole CTA, before any barrier is used
-    const int nblk32 = (N + 31) / 32;
+    // the tile's first block scale column in sbT (an expert's blocks start on a 4-column boundary) and how far
+    // past the 4-aligned box start it lies: 0 at BN 128, 0 or 2 at BN 192 (6 blocks a tile)
+    const int sb_col = t.expert * (((N + 31) / 32 + 3) & ~3) + t.n0 / 32, sb_off = sb_col & 3;
+    static_assert(sb_tile_cols<BN>() >= BN / 32 + (BN == 192 ? 2 : 0), "the box holds the tile's blocks past sb_off");
 
     // warp-uniform (a shuffle from lane 0): the wgmma descriptors stay in uniform registers
     const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
@@ -414,7 +417,10 @@ __device__ __forceinline__ void gemm_body_ts(const CUtensorMap* tmap_a, const CU
             tma_prefetch(tmap_b);
             tma_prefetch(tmap_sa);
             if constexpr (SBMODE == SB_BLOCK) tma_prefetch(tmap_sb);
-            const int b_row = t.expert * N + t.n0, sb_col = t.expert * nblk32 + t.n0 / 32;
+            // TMA's innermost coordinate must be 16-byte aligned (4 floats; an unaligned one faults with an
+            // illegal instruction, H100, 2026-12-05): the box starts at the 4-column boundary at or below the
+            // tile's first block (kernel_scales pads each expert's blocks to 4 columns), sb_off columns before it
+            const int b_row = t.expert * N + t.n0;
             int stage = 0;
             uint32_t phase = 0;
             for (int kb = t.kb0; kb < t.kb1; ++kb) {
@@ -424,7 +430,7 @@ __device__ __forceinline__ void gemm_body_ts(const CUtensorMap* tmap_a, const CU
                 tma_load_2d(b_smem + stage * B_BYTES, tmap_b, ring.full(stage), kb * BK, b_row);
                 tma_load_2d(sa_smem + stage * SA_BYTES, tmap_sa, ring.full(stage), kb * SLICES, t.m0);
                 if constexpr (SBMODE == SB_BLOCK)
-                    tma_load_2d(sb_smem + stage * SB_BYTES, tmap_sb, ring.full(stage), sb_col, kb * SLICES);
+                    tma_load_2d(sb_smem + stage * SB_BYTES, tmap_sb, ring.full(stage), sb_col - sb_off, kb * SLICES);
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             const int nloads = t.kb1 - t.kb0;   // the consumers' releases of the last loads (the hang check)
@@ -447,7 +453,7 @@ __device__ __forceinline__ void gemm_body_ts(const CUtensorMap* tmap_a, const CU
         sc.a0 = a0;
         sc.a1 = a1;
         if constexpr (SBMODE == SB_BLOCK) {
-            const float* b = sb_tiles + st * (SB_BYTES / 4) + j * SBW;
+            const float* b = sb_tiles + st * (SB_BYTES / 4) + j * SBW + sb_off;   // sb_off even: float2 aligned
 #pragma unroll
             for (int cb = 0; cb < NB; cb += 2) {
                 const float2 v = *reinterpret_cast<const float2*>(b + cb);

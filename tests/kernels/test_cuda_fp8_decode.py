@@ -174,14 +174,15 @@ def test_kernel_scales_are_the_e8m0_values_transposed_and_cached(rows, ks):
 
 def test_kernel_scales_of_f32_and_stacked_scales():
     """f32 scales are taken as values (not E8M0 bytes), and a grouped stack [E, rows, K/32] folds its experts into
-    the columns (expert e's block b at column e * rows + b: cuda_fp8_gemm's scale-tile forms' grouped layout)."""
+    the columns, each on a 4-column boundary (expert e's block b at column e * round_up(rows, 4) + b: TMA's
+    innermost coordinates must be 16-byte aligned; cuda_fp8_gemm's scale-tile forms' grouped layout)."""
     f = torch.exp2(torch.randint(-9, 3, (5, 12)).float())
     assert torch.equal(kernel_scales(f)[:, :5], f.T)
     st = torch.randint(100, 140, (3, 5, 12), dtype=torch.uint8)
     t = kernel_scales(st)
-    assert t.shape == (12, 24) and not t[:, 15:].any()
+    assert t.shape == (12, 32) and not t[:, 5:8].any() and not t[:, 21:].any()
     for e in range(3):
-        assert torch.equal(t[:, 5 * e:5 * e + 5], e8m0_to_float(st[e]).T)
+        assert torch.equal(t[:, 8 * e:8 * e + 5], e8m0_to_float(st[e]).T)
     assert kernel_scales(st) is t
 
 
