@@ -163,8 +163,9 @@ TAIL = 8       # kernel_scales' zero columns past the last row
 
 def kernel_scales(sb: torch.Tensor) -> torch.Tensor:
     """The kernels' weight scales for sb [rows, K/32] or a stack [E, rows, K/32] (E8M0 bytes or f32; a stack's
-    experts fold into the columns, each starting on a multiple of 4: e * round_up(rows, 4)): sbT [K/32, ld] f32 (their values transposed, zero padded to ld = rows + TAIL rounded
-    up to 4: TMA's 16-byte row stride), computed once and kept on sb (recomputed where sb changed in place).
+    experts fold into the columns, each starting on a multiple of 4: e * round_up(rows, 4)): sbT [K/32, ld]
+    f32 (their values transposed, zero padded to ld = rows + TAIL rounded up to 4: TMA's 16-byte row
+    stride), computed once and kept on sb (recomputed where sb changed in place).
     Shared by this decode GEMM and cuda_fp8_gemm's scale-tile forms. Never computed inside a CUDA graph
     capture (select.fp8_decode_takes declines there; the eager warm-up fills it)."""
     cached = getattr(sb, "_decode_scales_t", None)
@@ -179,8 +180,8 @@ def kernel_scales(sb: torch.Tensor) -> torch.Tensor:
         vals = torch.cat([vals, vals.new_zeros(e, -r % 4, ks)], dim=1)
     vals = vals.reshape(-1, ks)
     rows = vals.shape[0]
-    # TAIL zero columns past the rows: a tile's box (cuda_fp8_gemm: up to 8 columns from any block) never
-    # leaves the tensor along its rows (a scale box running past the map's inner dimension faulted, H100, 2026-12-05)
+    # TAIL zero columns past the rows: a scale-tile box (cuda_fp8_gemm: 8 columns at BN 192) is never wider than
+    # the map, which TMA's descriptors require, even for a weight of one or two 32-row blocks
     out = torch.zeros(ks, -(-(rows + TAIL) // 4) * 4, dtype=torch.float32, device=sb.device)
     out[:, :rows] = vals.T
     sb._decode_scales_t = (sb._version, out)

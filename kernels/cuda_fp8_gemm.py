@@ -28,8 +28,8 @@ Entry points (FORMS; FORM_KIND gives each one's weight-scale layout and split-K)
     shared memory, and the K loop runs in turns of two stages (slice i's wgmma under slice i-1's promotion
     across the stage boundary): ~350 instructions a stage a warp against ~700 (perf/sass_issue_model.py).
     K a multiple of 128; 32x32 blocks (bn128_ts, bn128_ts1: turns of one stage, bn192_ts, bm64_ts,
-    bn128_ts_splitk) and per-row scales (bn128_row_ts, bm64_row_ts). DEEPINFER_CUDA_FP8_TS=1 makes the
-    automatic choice take them (TS_TWIN).
+    bn128_ts_splitk, bm192_ts: three consumers with one temporary each) and per-row scales (bn128_row_ts,
+    bm64_row_ts, bm192_row_ts). DEEPINFER_CUDA_FP8_TS=1 makes the automatic choice take them (TS_TWIN).
 DEEPINFER_CUDA_FP8_DEBUG=1 runs every 32x32-block call on the debugging form, DEEPINFER_CUDA_FP8_FORM=<entry>
 every call whose scales have that entry's layout on that entry: a wrong result the debugging form fixes
 is in the overlap, one bm64 fixes is in the two-consumer split, one they all keep is in the pipeline
@@ -82,8 +82,8 @@ SCALE_TILES = {name for name in FORMS if "_ts" in name}
 TS_TWIN = {"fp8_gemm_sm90_bn128": "fp8_gemm_sm90_bn128_ts", "fp8_gemm_sm90_bn192": "fp8_gemm_sm90_bn192_ts",
            "fp8_gemm_sm90_bm64": "fp8_gemm_sm90_bm64_ts", "fp8_gemm_sm90_bn128_splitk": "fp8_gemm_sm90_bn128_ts_splitk",
            "fp8_gemm_sm90_bn128_row": "fp8_gemm_sm90_bn128_row_ts", "fp8_gemm_sm90_bm64_row": "fp8_gemm_sm90_bm64_row_ts"}
-# DEEPINFER_CUDA_FP8_TS=1: the automatic choice takes a form's scale-tile twin where K allows (off until measured
-# on a GPU: perf/sass_issue_model.py has their issue ceilings, 0.73 / 0.82 of the FP8 peak against 0.36 / 0.68)
+# DEEPINFER_CUDA_FP8_TS=1: the automatic choice takes a form's scale-tile twin where K allows. Off: 1.5-1.8x the
+# plain forms but 0.64-0.92x cuBLAS bf16, which the default prefill path runs (H100, 2026-12-05, late night)
 TS_ON = os.environ.get("DEEPINFER_CUDA_FP8_TS", "0") == "1"
 # entry point -> CTAs per cluster (FP8_GEMM_ENTRY's CLUSTER): 2 shares each B tile between the CTAs of two
 # adjacent M tiles (TMA multicast, half each); the launch pads the M tiles to even and boxes B by BN / 2
@@ -302,14 +302,24 @@ def fp8_gemm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     tiles_m += -tiles_m % cluster            # whole clusters: a padding tile reads zeros, stores nothing
     grid = tiles_m * -(-n // bn)
     scales, sb_ld = _kernel_scales(sb, kind, n, bn)
+    return _launch(kern, name, grid, threads, smem, [ta, tb, sa, scales, out, None, None, m, n, k, tiles_m, sb_ld],
+                   6, out, k, cluster)
+
+
+def _launch(kern, name: str, grid: int, threads: int, smem: int, args: list, ws_slot: int, out: torch.Tensor,
+            k: int, cluster: int = 1) -> torch.Tensor:
+    """Launch entry `name` with its arguments (args[ws_slot]: the workspace, None); a split-K form gets an
+    fp32 workspace [splits, M, N] there and a second grid dimension, its partials summed into out by
+    fp8_splitk_reduce."""
     if not FORM_KIND[name][1]:
-        kern.launch(grid, threads, smem, [ta, tb, sa, scales, out, None, None, m, n, k, tiles_m, sb_ld],
-                    cluster=cluster)
+        kern.launch(grid, threads, smem, args, cluster=cluster)
         return out
-    splits = splitk_count(m, n, k, name, _num_sms(dev))
-    ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
-    kern.launch((grid, splits), threads, smem, [ta, tb, sa, scales, out, None, ws, m, n, k, tiles_m, sb_ld])
-    return splitk_reduce(SRC, ws, out)
+    m, n = out.shape
+    splits = splitk_count(m, n, k, name, _num_sms(out.device.index))
+    args = list(args)
+    args[ws_slot] = torch.empty(splits, m, n, dtype=torch.float32, device=out.device)
+    kern.launch((grid, splits), threads, smem, args)
+    return splitk_reduce(SRC, args[ws_slot], out)
 
 
 def _tiles_ready(sb: torch.Tensor, kind: str) -> bool:
@@ -347,13 +357,8 @@ def _gemm_scale_tiles(name: str, a, sa, b, sb, out, kind, tiles=None, tiles_m=No
     if tiles_m is None:
         tiles_m = -(-m // bm)
     grid = tiles_m * -(-n // bn)
-    if not FORM_KIND[name][1]:
-        kern.launch(grid, threads, smem, [ta, tb, tsa, tsb, sb_row, out, tiles, None, m, n, k, tiles_m])
-        return out
-    splits = splitk_count(m, n, k, name, _num_sms(a.device.index))
-    ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
-    kern.launch((grid, splits), threads, smem, [ta, tb, tsa, tsb, sb_row, out, None, ws, m, n, k, tiles_m])
-    return splitk_reduce(SRC, ws, out)
+    return _launch(kern, name, grid, threads, smem, [ta, tb, tsa, tsb, sb_row, out, tiles, None, m, n, k, tiles_m],
+                   7, out, k)
 
 
 def splitk_reduce(src: str, ws: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:

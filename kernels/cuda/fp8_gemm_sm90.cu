@@ -399,8 +399,10 @@ __device__ __forceinline__ void gemm_body_ts(const CUtensorMap* tmap_a, const CU
 
     const TileAt t = tile_at<BN, SPLITK>(tiles, M, N, K, tiles_m, BM);
     if (t.expert < 0) return;  // an unused tile: the whole CTA, before any barrier is used
-    // the tile's first block scale column in sbT (an expert's blocks start on a 4-column boundary) and how far
-    // past the 4-aligned box start it lies: 0 at BN 128, 0 or 2 at BN 192 (6 blocks a tile)
+    // the tile's first block scale column in sbT (kernel_scales starts an expert's blocks on a 4-column boundary)
+    // and how far past the box's start it lies: TMA's innermost coordinate must be 16-byte aligned (4 floats; an
+    // unaligned one faulted with an illegal instruction, H100, 2026-12-05), so the box starts at the 4-column
+    // boundary at or below it: sb_off is 0 at BN 128, 0 or 2 at BN 192 (6 blocks a tile)
     const int sb_col = t.expert * (((N + 31) / 32 + 3) & ~3) + t.n0 / 32, sb_off = sb_col & 3;
     static_assert(sb_tile_cols<BN>() >= BN / 32 + (BN == 192 ? 2 : 0), "the box holds the tile's blocks past sb_off");
 
@@ -417,9 +419,6 @@ __device__ __forceinline__ void gemm_body_ts(const CUtensorMap* tmap_a, const CU
             tma_prefetch(tmap_b);
             tma_prefetch(tmap_sa);
             if constexpr (SBMODE == SB_BLOCK) tma_prefetch(tmap_sb);
-            // TMA's innermost coordinate must be 16-byte aligned (4 floats; an unaligned one faults with an
-            // illegal instruction, H100, 2026-12-05): the box starts at the 4-column boundary at or below the
-            // tile's first block (kernel_scales pads each expert's blocks to 4 columns), sb_off columns before it
             const int b_row = t.expert * N + t.n0;
             int stage = 0;
             uint32_t phase = 0;
