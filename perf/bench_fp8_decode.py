@@ -5,7 +5,7 @@ select.dense_linear; the FP8 weight on select.fp8_linear's W8A16 / Triton FP8 ke
 measured in the same run. Each path includes its activation quantization; every timing is a CUDA-graph replay
 over rotating weight copies (each set at least 4x the L2).
 
-    python perf/bench_fp8_decode.py [--m 1 16 64 128] [--forms [--write-table]]
+    python perf/bench_fp8_decode.py [--m 1 16 64 128] [--forms [--write-table]] [--breakdown] [--only w13 w2]
 
 Prints per (linear, M): microseconds, the share of the copy bandwidth on the FP8 weight bytes, and the decode
 kernel's speed as a ratio to DeepGEMM and to the bf16-held path (and the decode path without programmatic
@@ -81,7 +81,7 @@ def table_off():
         cuda_fp8_decode.reload_table()
 
 
-def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool) -> list[dict]:
+def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: bool = False) -> list[dict]:
     from deepinfer.kernels import deepgemm, select
     from deepinfer.kernels.cuda_fp8_decode import FORMS, entry_name, fp8_decode_linear, kernel_scales, plan, token_tile
     from deepinfer.kernels.triton_dequant import dequant_fp8_bf16
@@ -135,10 +135,44 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool) -> list
                     f = key[5:-3].rsplit("/", 1)[0]
                     per[f] = min(per.get(f, v), v)
             print("    forms: " + ", ".join(f"{f} {v:.1f}" for f, v in sorted(per.items(), key=lambda kv: kv[1])))
+        if parts:
+            r["parts"] = breakdown(name, n, k, m, ws, tiles)
         out.append(r)
     del ws, held, tiles
     torch.cuda.empty_cache()
     return out
+
+
+def breakdown(name: str, n: int, k: int, m: int, ws, tiles) -> dict:
+    """Where a call's time goes (graph replays, each part alone): our act_quant, the GEMM with its split-K
+    reduce, the reduce alone, at the form and split count a call takes (the table's, else plan's); DeepGEMM's
+    two quantization passes and its GEMM alone."""
+    from deepinfer.kernels import cuda_fp8_decode as dec
+    from deepinfer.kernels.cuda_fp8_gemm import splitk_reduce
+    from deepinfer.kernels.triton_quant import act_quant_fp8
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ld = -(-m // 4) * 4
+    row = dec.table_row(m, n, k, torch.cuda.get_device_name(0))
+    entry, splits = (row["entry"], row["splits"]) if row else dec.plan(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    a, sa_t = act_quant_fp8(x, scales_ld=ld, pdl=dec.PDL)
+    r = {"name": name, "m": m, "entry": entry, "splits": splits,
+         "quant_us": time_calls([lambda: act_quant_fp8(x, scales_ld=ld, pdl=dec.PDL)]) * 1e6,
+         "gemm_us": time_calls([lambda w=w, s=s: dec.fp8_decode_gemm(a, sa_t, w, s, entry, splits) for w, s in ws]) * 1e6,
+         "gemm_1split_us": time_calls([lambda w=w, s=s: dec.fp8_decode_gemm(a, sa_t, w, s, entry, 1) for w, s in ws]) * 1e6}
+    if splits > 1:
+        part = torch.randn(splits, m, n, device="cuda")
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        r["reduce_us"] = time_calls([lambda: splitk_reduce(dec.SRC, part, out, pdl=dec.PDL)]) * 1e6
+    if tiles:
+        from deepinfer.kernels.deepgemm import act_quant_128, fp8_gemm_nt
+        q, sq = act_quant_128(x)
+        r["dg_quant_us"] = time_calls([lambda: act_quant_128(x)]) * 1e6
+        r["dg_gemm_us"] = time_calls([lambda p=p: fp8_gemm_nt(q, sq, *p) for p in tiles]) * 1e6
+    print(f"    parts ({entry} x{splits}): act_quant {r['quant_us']:.1f} us, GEMM + reduce {r['gemm_us']:.1f}"
+          f" (one split {r['gemm_1split_us']:.1f}), reduce alone {r.get('reduce_us', 0.0):.1f};"
+          f" DeepGEMM quant {r.get('dg_quant_us', float('nan')):.1f}, GEMM {r.get('dg_gemm_us', float('nan')):.1f}",
+          flush=True)
+    return r
 
 
 def write_table(rows: list[dict], device: str) -> None:
@@ -193,6 +227,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128])
     p.add_argument("--forms", action="store_true", help="also every row-block form and split counts")
+    p.add_argument("--breakdown", action="store_true", help="also time each part of a call alone (quant, GEMM, reduce)")
+    p.add_argument("--only", nargs="+", default=None, help="only these linears (names of bench_fp8_prefill.DENSE)")
     p.add_argument("--write-table", action="store_true", help="(with --forms) write kernels/fp8_decode_table.json")
     p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a saved run (its bench_fp8_decode JSON)")
     p.add_argument("--plot-out", default=None, help="(with --replot) the PNG's path")
@@ -207,7 +243,8 @@ def main() -> None:
     print(f"copy {peaks['copy_bw'] / 1e12:.2f} TB/s, FP8 peak {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s")
     rows = []
     for name, (n, k) in DENSE.items():
-        rows += rows_for(name, n, k, a.m, peaks["copy_bw"], a.forms)
+        if a.only is None or name in a.only:
+            rows += rows_for(name, n, k, a.m, peaks["copy_bw"], a.forms, a.breakdown)
     save_json("bench_fp8_decode", {"peaks": peaks, "rows": rows})
     if a.write_table:
         write_table(rows, torch.cuda.get_device_name(0))
