@@ -41,6 +41,10 @@ class DiskTierIndex:
             return True
         return False
 
+    def __contains__(self, block_hash: bytes) -> bool:
+        """Held here (a look: the LRU order stays)."""
+        return block_hash in self._lru
+
     def put(self, block_hash: bytes) -> list[bytes] | None:
         """Room for this hash's file: -> the hashes whose files to drop for it (LRU first), or None
         when it is held already or the tier has no room at all."""

@@ -43,6 +43,10 @@ class HostTierIndex:
             self._lru.move_to_end(block_hash)
         return slot
 
+    def __contains__(self, block_hash: bytes) -> bool:
+        """Held here (a look: the LRU order stays)."""
+        return block_hash in self._lru
+
     def put(self, block_hash: bytes) -> int | None:
         """A slot for this hash's content (the LRU entry's when full); None without slots."""
         if self.num_slots == 0:

@@ -115,6 +115,18 @@ class KVCacheManager:
             hit.append(b)
         return hit
 
+    def tiered_run(self, block_hashes: list[bytes], start: int, max_blocks: int) -> int:
+        """How many blocks of the chain from `start` (past the device hit) the host / disk tiers hold in a
+        row: what an admission's onload would bring back. A look: no LRU moves, nothing copied."""
+        if self.host is None:
+            return 0
+        n = 0
+        for h in block_hashes[start:max_blocks]:
+            if h not in self.host and (self.disk is None or h not in self.disk):
+                break
+            n += 1
+        return n
+
     def cache_full_blocks(self, req_id: str, block_hashes: list[bytes], num_tokens: int) -> None:
         """Register the request's blocks that are full and written below position num_tokens (the
         caller passes min(computed, known) tokens) under their chain hashes."""

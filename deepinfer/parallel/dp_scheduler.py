@@ -5,7 +5,8 @@ A new request goes to the rank with the least load, 4 * waiting + running (vLLM'
 ../shared/docs/PARALLEL.md), ties to the lowest rank, and stays there for its life (its caches live
 on that rank). With prefix caching each rank keeps its own cache (blocks, snapshots, host tier), and
 placement is prefix-aware: the request goes to the rank that holds the longest prefix of it
-(cached, or being computed by a request placed there: a conversation's turns and requests sent
+(cached on the device or in that rank's host / disk tiers, which its admission onloads, or being
+computed by a request placed there: a conversation's turns and requests sent
 together with a shared prefix land together), among the ranks whose load is within
 `prefix_load_slack` of the least (a prefix every request shares must not pile them all on one
 rank); ties and no prefix anywhere: least loaded. Each step every rank schedules its own requests under its own budget and caps; the

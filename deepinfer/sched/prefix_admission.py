@@ -112,13 +112,15 @@ class PrefixCaching:
         return s
 
     def cached_tokens(self, req: Request, also: set | None = None) -> int:
-        """Prompt positions this rank could serve from its cache now (device blocks, or a longer
-        window snapshot), for placement (parallel/dp_scheduler.py). `also`: block hashes counted
-        as cached (being computed by requests placed here). Changes nothing but a snapshot's LRU place."""
+        """Prompt positions this rank could serve from its cache now (device blocks, then the blocks its
+        host / disk tiers hold past them, which an admission onloads; or a longer window snapshot), for
+        placement (parallel/dp_scheduler.py). `also`: block hashes counted as cached (being computed by
+        requests placed here). Changes nothing but a snapshot's LRU place."""
         B, N = self.block_tokens, req.num_tokens
         hashes = self._hashes(req)
         max_blocks = (N - 1) // B
         k = len(self.kv.find_cached_blocks(hashes, max_blocks))
+        k += self.kv.tiered_run(hashes, k, max_blocks)
         if also:
             while k < max_blocks and hashes[k] in also:
                 k += 1

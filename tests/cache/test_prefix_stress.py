@@ -35,6 +35,7 @@ class SimDevice:
         self.content: dict[int, dict[int, tuple]] = {}
         self.snap_tail: dict[int, dict[int, tuple]] = {}
         self.host: dict[int, dict[int, tuple]] = {}
+        self.disk: dict[str, dict[int, tuple]] = {}      # block files by name
         self.tables: dict[str, list[int]] = {}
         self.write_from: dict[str, int] = {}
         self.violations: list[str] = []
@@ -42,11 +43,18 @@ class SimDevice:
     def run(self, out) -> ModelRunnerOutput:
         for save in out.snapshot_saves:
             self.snap_tail[save.snapshot_slot] = dict(self.content.get(save.tail_block, {})) if save.tail_block >= 0 else {}
-        for copy in out.block_copies:                 # the host tier, in decision order
+        for copy in out.block_copies:                 # the host and disk tiers, in decision order
             if copy.kind == "offload":
                 self.host[copy.host_slot] = dict(self.content.get(copy.block, {}))
-            else:
+            elif copy.kind == "onload":
                 self.content[copy.block] = dict(self.host[copy.host_slot])
+            elif copy.kind == "spill":
+                self.disk[copy.key] = dict(self.host[copy.host_slot])
+            elif copy.kind == "disk_onload":
+                self.content[copy.block] = dict(self.disk[copy.key])
+            else:
+                assert copy.kind == "disk_drop", copy
+                del self.disk[copy.key]
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.tables.pop(rid, None)
         starts = {}
