@@ -28,7 +28,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from .gateway_limits import RateLimiter, RateLimits, Refusal, retry_after_header
+from .gateway_limits import RateLimiter, RateLimits, Refusal, estimate_tokens, retry_after_header
 
 log = logging.getLogger("deepinfer.gateway")
 
@@ -135,14 +135,26 @@ def make_guard(cfg: GuardConfig, metrics):
         if limiter is None or request.path not in ROUTES:
             return await handler(request)
         client = presented_key(request) if cfg.api_keys else (request.remote or "")
-        refused = limiter.admit(client)
+        # under a token budget the request reserves its estimate up front (aiohttp keeps the body read here
+        # for the handler)
+        reserved = estimate_tokens(await request.read()) if cfg.limits.tokens_per_minute is not None else 0
+        refused = limiter.admit(client, reserved)
         if refused is not None:
             return rate_limited(api, refused, cfg.limits)
+        settled = []
+
+        def charge(tokens: int) -> None:          # the answer's tokens, in place of the reservation
+            if not settled:
+                settled.append(tokens)
+                limiter.charge(client, tokens, reserved)
+
         # the handler charges the answer's tokens to this client when it knows them (Gateway._answered)
-        request[CHARGE_TOKENS] = lambda tokens: limiter.charge(client, tokens)
+        request[CHARGE_TOKENS] = charge
         try:
             return await handler(request)         # a stream's handler returns after its last byte
         finally:
+            if not settled:
+                limiter.refund(client, reserved)
             limiter.release(client)
 
     @web.middleware

@@ -2,11 +2,14 @@
 
 A client is its API key, or its address where the gateway takes no keys. Three limits, each off unless
 set: requests per minute, a bucket holding `rpm` requests (a burst of up to a minute's worth) refilled
-continuously; tokens per minute, a bucket of `tpm` tokens refilled the same way, charged with each
-answered request's prompt + generated tokens when the answer ends (the prompt's count is known only
-once the recipe has tokenized it, the output's only at its end), so one request may overdraw the
-bucket and the client then waits until it is positive again; and requests in flight (a stream counts
-until its last byte). A request over any is answered 429 in its API's own format with Retry-After: the
+continuously; tokens per minute, a bucket of `tpm` tokens refilled the same way: an admitted request
+reserves its estimate at once (the output tokens it asks for at most, plus its prompt's text at ~4
+bytes a token: estimate_tokens), so a client's concurrent requests see each other's share before any
+answer ends, and the answer's real prompt + generated tokens replace the reservation when it ends (the
+prompt's count is known only once the recipe has tokenized it, the output's only at its end; a request
+that ends with no answer gives its reservation back); one request may overdraw the bucket and the
+client then waits until it is positive again; and requests in flight (a stream counts until its last
+byte). A request over any is answered 429 in its API's own format with Retry-After: the
 seconds until the bucket admits again, or 1 for the in-flight limit (a slot frees when any of the
 client's answers ends). Only the three API routes count; /health, /metrics and /v1/models never do.
 
@@ -16,7 +19,9 @@ with nothing in flight are forgotten (they would be admitted anyway).
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 from dataclasses import dataclass
 
@@ -76,9 +81,30 @@ class _Bucket:
                 del self.levels[client]
 
 
+# the fields that cap a request's output tokens, per API (Chat Completions' newer name first)
+MAX_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+_DATA_URL = re.compile(rb'"data:[^"]*"')
+BYTES_PER_TOKEN = 4
+
+
+def estimate_tokens(body: bytes) -> int:
+    """A request's token reservation: the output cap it asks for (0 where it sets none: the answer's
+    tokens are charged when it ends) plus its body's bytes / 4 with inline data URLs (images, files:
+    their tokens are not their base64 bytes) left out."""
+    try:
+        fields = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        fields = None
+    caps = [fields[f] for f in MAX_OUTPUT_FIELDS if isinstance(fields, dict)
+            and isinstance(fields.get(f), int) and not isinstance(fields[f], bool)]
+    out = max(0, caps[0]) if caps else 0
+    return out + len(_DATA_URL.sub(b'""', body)) // BYTES_PER_TOKEN
+
+
 class RateLimiter:
-    """admit(client) before a request, charge(client, tokens) when its answer ends, release(client)
-    after it (charge and release only for admitted requests). Single-threaded (the gateway's event loop)."""
+    """admit(client, reserve) before a request, charge(client, tokens, reserved) when its answer ends (or
+    refund(client, reserved) where it ends with none), release(client) after it (charge, refund and release
+    only for admitted requests). Single-threaded (the gateway's event loop)."""
 
     def __init__(self, limits: RateLimits, clock=time.monotonic) -> None:
         self.limits, self.clock = limits, clock
@@ -87,9 +113,9 @@ class RateLimiter:
         self._tokens = _Bucket(tpm, clock) if tpm is not None else None
         self._in_flight: dict[str, int] = {}
 
-    def admit(self, client: str) -> Refusal | None:
-        """None: admitted (a request taken from its bucket, one more in flight); else why not and when
-        to retry."""
+    def admit(self, client: str, reserve: int = 0) -> Refusal | None:
+        """None: admitted (a request taken from its bucket, `reserve` tokens from the token budget, one more
+        in flight); else why not and when to retry (nothing taken)."""
         cap = self.limits.max_in_flight
         if cap is not None and self._in_flight.get(client, 0) >= cap:
             return Refusal(1.0, "in_flight")
@@ -99,16 +125,22 @@ class RateLimiter:
             if self._requests.level(client) < 1.0:
                 return Refusal(self._requests.seconds_until(client, 1.0), "rpm")
             self._requests.take(client, 1.0)
+        if self._tokens is not None and reserve > 0:
+            self._tokens.take(client, float(reserve))
         self._in_flight[client] = self._in_flight.get(client, 0) + 1
         if sum(len(b.levels) for b in self._budgets()) + len(self._in_flight) > MAX_CLIENTS:
             for b in self._budgets():
                 b.forget_full(self._in_flight)
         return None
 
-    def charge(self, client: str, tokens: int) -> None:
-        """An admitted request's prompt + generated tokens, when its answer ends."""
-        if self._tokens is not None and tokens > 0:
-            self._tokens.take(client, float(tokens))
+    def charge(self, client: str, tokens: int, reserved: int = 0) -> None:
+        """An admitted request's prompt + generated tokens, when its answer ends, in place of what it reserved."""
+        if self._tokens is not None and tokens != reserved:
+            self._tokens.take(client, float(max(0, tokens) - reserved))
+
+    def refund(self, client: str, reserved: int) -> None:
+        """An admitted request that ended with no answer: its reservation back."""
+        self.charge(client, 0, reserved)
 
     def release(self, client: str) -> None:
         n = self._in_flight.get(client, 0) - 1
