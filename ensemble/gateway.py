@@ -49,8 +49,8 @@ from aiohttp import web
 from . import contract as c
 from .client import _input_tensor, decode_result
 from .engine_watch import EngineDead, EngineWatch
-from .gateway_guard import (CHARGE_TOKENS, ROUTES, GuardConfig, error_body, json_protocol_errors, json_response,
-                            make_guard, read_body)
+from .gateway_guard import (CHARGE_TOKENS, REQUEST_ID, ROUTES, GuardConfig, error_body, json_protocol_errors,
+                            json_response, make_guard, read_body)
 from .gateway_limits import RateLimits
 from .gateway_metrics import GatewayMetrics
 
@@ -236,7 +236,7 @@ class Gateway:
         raw = await read_body(request, self.guard, api)
         if isinstance(raw, web.Response):
             return raw
-        key = "gw-" + request["request_id"].removeprefix("req_")
+        key = "gw-" + request[REQUEST_ID].removeprefix("req_")
         inputs = {"request": raw, "api": api, "request_key": key}
         if request.headers.get(KV_TRANSFER_HEADER):
             inputs["kv_transfer_params"] = request.headers[KV_TRANSFER_HEADER]
@@ -268,7 +268,7 @@ class Gateway:
 
     async def _stream(self, request: web.Request, api: str, call: EnsembleCall, first: dict) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Accel-Buffering": "no", "x-request-id": request["request_id"]})
+                                               "X-Accel-Buffering": "no", "x-request-id": request[REQUEST_ID]})
         await response.prepare(request)
         out, last = first, first
         try:

@@ -123,8 +123,11 @@ def rate_limited(api: str, refused: Refusal, limits: RateLimits) -> web.Response
     return response
 
 
-OPEN_PATHS = ("/health", "/metrics")
-CHARGE_TOKENS = "charge_tokens"        # request key: tokens -> None, set for requests under the limiter   # probes and Prometheus scrape without a key
+OPEN_PATHS = ("/health", "/metrics")      # probes and Prometheus scrape without a key
+# request keys (aiohttp's typed request storage): the guard's request id, and tokens -> None for requests under
+# the limiter
+REQUEST_ID = web.RequestKey("request_id", str)
+CHARGE_TOKENS = web.RequestKey("charge_tokens", object)
 
 
 def make_guard(cfg: GuardConfig, metrics):
@@ -160,7 +163,7 @@ def make_guard(cfg: GuardConfig, metrics):
     @web.middleware
     async def guard(request: web.Request, handler):
         request_id = "req_" + uuid.uuid4().hex
-        request["request_id"] = request_id
+        request[REQUEST_ID] = request_id
         api, t0 = api_of(request), time.monotonic()
         try:
             if cfg.api_keys and request.path not in OPEN_PATHS and not _authorized(cfg, presented_key(request)):
