@@ -19,8 +19,9 @@ from deepinfer.stats import EngineStats
 from tests.cache.test_prefix_stress import BT, SimDevice
 
 
-def rank(host_slots: int, disk_blocks: int):
-    host = HostTierIndex(host_slots)
+def rank(host_slots: int = 0, disk_blocks: int = 0):
+    """One rank's Scheduler with prefix caching (host / disk tiers where given slots) and its simulated device."""
+    host = HostTierIndex(host_slots) if host_slots else None
     disk = DiskTierIndex(disk_blocks) if disk_blocks else None
     kv = KVCacheManager(10, BT, num_ring_slots=4, enable_prefix_caching=True, host_tier=host, disk_tier=disk)
     sched = Scheduler(4, 64, 10 * BT, kv, EngineStats(),
@@ -81,12 +82,7 @@ def test_next_turn_goes_to_the_rank_whose_tiers_hold_its_prefix(host_slots, disk
 
 def test_without_tiers_placement_falls_back_to_the_least_loaded_rank():
     """The same story with no host tier: the evicted prefix is gone, so the next turn is placed by load."""
-    def bare():
-        kv = KVCacheManager(10, BT, num_ring_slots=4, enable_prefix_caching=True)
-        sched = Scheduler(4, 64, 10 * BT, kv, EngineStats(),
-                          prefix=PrefixCaching(kv, replay_tokens=4, snapshots=None, stats=EngineStats()))
-        return sched, SimDevice(sched)
-    (s0, d0), (s1, d1) = bare(), bare()
+    (s0, d0), (s1, d1) = rank(), rank()
     dp = DataParallelScheduler([s0, s1])
     turn1 = list(range(10, 30))
     story(dp, [d0, d1], turn1)
