@@ -8,9 +8,11 @@ masked form was 35% of that step's kernel time.
     python perf/bench_moe_forms.py [--tokens 64 128 256 384 512 682]
     python perf/bench_moe_forms.py --prefill [--tokens 2048 4096 8192]
 
---prefill: the grouped contiguous form at prefill sizes on its two GEMM paths, timed eagerly (the bf16
-path declines inside a graph capture): the CUDA FP8 x FP8 kernel against the whole stack dequantized to
-bf16 and one bf16 grouped GEMM (select.BF16_MOE_MIN_ROWS picks between them by token-expert rows).
+--prefill: the grouped contiguous form at prefill sizes on its GEMM paths, timed eagerly (the bf16
+path declines inside a graph capture): the CUDA FP8 x FP8 kernel (plain forms and scale-tile twins,
+whose bits must agree) against the whole stack dequantized to bf16 and one bf16 grouped GEMM
+(select.BF16_MOE_MIN_ROWS picks between them by token-expert rows; the ts/fp8 and ts/bf16 columns: how many times
+faster the twins are).
 
 Prints per token count: ms of each form, contiguous / masked speed, and the largest difference of
 the two outputs relative to their scale (both compute the release's products; they sum in other
@@ -32,25 +34,31 @@ from benchutil import dummy_model, save_json, time_calls, time_eager  # noqa: E4
 
 
 def prefill_paths(model, moe, tokens) -> list:
-    """The grouped contiguous MoE layer per token count: FP8 kernel vs bf16 grouped GEMM, side by side."""
-    from deepinfer.kernels import select
+    """The grouped contiguous MoE layer per token count on its three GEMM paths, side by side: the CUDA
+    FP8 x FP8 kernel's plain forms, its scale-tile twins (same bits), and the bf16 grouped GEMM."""
+    from deepinfer.kernels import cuda_fp8_gemm, select
     rows = []
-    print(f"{'tokens':>6} {'pairs':>6} {'fp8 ms':>8} {'bf16 ms':>8} {'speed':>6} {'max diff':>9}")
+    print(f"{'tokens':>6} {'pairs':>6} {'fp8 ms':>8} {'fp8_ts ms':>9} {'bf16 ms':>8} {'ts/fp8':>6} {'ts/bf16':>7} "
+          f"{'ts==fp8':>7} {'max diff':>9}")
     g = torch.Generator(device="cuda").manual_seed(1)
-    saved = select.BF16_MOE_MIN_ROWS
+    saved = select.BF16_MOE_MIN_ROWS, cuda_fp8_gemm.TS_ON
+    paths = (("fp8", 0, False), ("fp8_ts", 0, True), ("bf16", 1, False))
     for t in tokens:
         x = torch.randn(t, model.args.dim, device="cuda", generator=g).bfloat16()
         outs, ms = {}, {}
-        for path, min_rows in (("fp8", 0), ("bf16", 1)):
-            select.BF16_MOE_MIN_ROWS = min_rows
+        for path, min_rows, ts in paths:
+            select.BF16_MOE_MIN_ROWS, cuda_fp8_gemm.TS_ON = min_rows, ts
             with torch.inference_mode():
                 outs[path] = moe(x).float()
                 ms[path] = time_eager(lambda: moe(x), iters=10) * 1e3
-        select.BF16_MOE_MIN_ROWS = saved
+        select.BF16_MOE_MIN_ROWS, cuda_fp8_gemm.TS_ON = saved
         diff = float((outs["fp8"] - outs["bf16"]).abs().max() / outs["fp8"].abs().max())
+        same = bool(torch.equal(outs["fp8"], outs["fp8_ts"]))
         pairs = t * model.args.n_activated_experts
-        rows.append(dict(tokens=t, pairs=pairs, fp8_ms=ms["fp8"], bf16_ms=ms["bf16"], max_rel_diff=diff))
-        print(f"{t:6d} {pairs:6d} {ms['fp8']:8.3f} {ms['bf16']:8.3f} {ms['fp8'] / ms['bf16']:5.2f}x {diff:9.2e}",
+        rows.append(dict(tokens=t, pairs=pairs, fp8_ms=ms["fp8"], fp8_ts_ms=ms["fp8_ts"], bf16_ms=ms["bf16"],
+                         ts_equal_plain=same, max_rel_diff=diff))
+        print(f"{t:6d} {pairs:6d} {ms['fp8']:8.3f} {ms['fp8_ts']:9.3f} {ms['bf16']:8.3f} "
+              f"{ms['fp8'] / ms['fp8_ts']:5.2f}x {ms['bf16'] / ms['fp8_ts']:6.2f}x {str(same):>7} {diff:9.2e}",
               flush=True)
     return rows
 
