@@ -49,15 +49,24 @@ def gemm_mode(mode: str) -> tuple[str, bool]:
     >= 32 rows and the MoE's contiguous form on it), cuda (the warp-specialized CUDA FP8 GEMM,
     kernels/cuda_fp8_gemm.py, for the dense FP8 linears; cuda+moe: the MoE's contiguous form too), bf16
     (every dense FP8 linear dequantized to bf16 and on cuBLAS, kernels/triton_dequant.py), auto_fp8
-    (auto without that bf16 path: the default before 2026-12-03). Sets select.BF16_AUTO_MIN_M too."""
-    from deepinfer.kernels import select
-    base, _, moe = mode.partition("+")
-    if base not in ("w8a16", "fp8", "cuda", "auto", "auto_fp8", "bf16") + select.FP8_VARIANTS or moe not in ("", "moe"):
+    (auto without that bf16 path: the default before 2026-12-03). Sets select.BF16_AUTO_MIN_M too.
+    Suffixes after ':' change one setting for that entry, so that paths compare in one process:
+    ':ts' / ':plain' the CUDA FP8 kernel's scale-tile twins on / off (cuda_fp8_gemm.TS_ON), ':fp8moe' the
+    MoE's long steps on it too (select.BF16_MOE_MIN_ROWS = 0: no bf16 grouped GEMM), e.g. auto+moe:ts:fp8moe."""
+    from deepinfer.kernels import cuda_fp8_gemm, select
+    name, *flags = mode.split(":")
+    base, _, moe = name.partition("+")
+    if base not in ("w8a16", "fp8", "cuda", "auto", "auto_fp8", "bf16") + select.FP8_VARIANTS or moe not in ("", "moe") \
+            or set(flags) - {"ts", "plain", "fp8moe"}:
         raise SystemExit(f"--gemms: unknown mode {mode!r}")
     select.BF16_AUTO_MIN_M = 0 if base == "auto_fp8" else _BF16_DEFAULT
+    cuda_fp8_gemm.TS_ON = True if "ts" in flags else False if "plain" in flags else _TS_DEFAULT
+    select.BF16_MOE_MIN_ROWS = 0 if "fp8moe" in flags else _BF16_MOE_DEFAULT
     return ("auto" if base == "auto_fp8" else base), moe == "moe"
 
 _BF16_DEFAULT = 1024            # select.BF16_AUTO_MIN_M as the process started (main sets it)
+_TS_DEFAULT = False             # cuda_fp8_gemm.TS_ON as the process started (main sets it)
+_BF16_MOE_DEFAULT = 16384       # select.BF16_MOE_MIN_ROWS as the process started (main sets it)
 FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
 
@@ -274,8 +283,9 @@ def main() -> None:
     caches = ModelCaches.allocate(model.args, 16, 16 * nb, 64, "cuda")
     rows = []
     print(f"{'case':>8} {'gemm':>6} {'ms':>8} {'tok/s':>8} {'lin TF/s':>9} {'/FP8':>6} {'/bf16':>6} {'40L tok/s/GPU':>14}")
-    global _BF16_DEFAULT
-    _BF16_DEFAULT = select.BF16_AUTO_MIN_M
+    global _BF16_DEFAULT, _TS_DEFAULT, _BF16_MOE_DEFAULT
+    from deepinfer.kernels import cuda_fp8_gemm
+    _BF16_DEFAULT, _TS_DEFAULT, _BF16_MOE_DEFAULT = select.BF16_AUTO_MIN_M, cuda_fp8_gemm.TS_ON, select.BF16_MOE_MIN_ROWS
     defaults = select.PREFILL_GEMM, select.MOE_CONTIGUOUS
     mhc = mhc_variants(a.mhc_variants)
     runs = [(g, i) for g in a.gemms for i in range(len(mhc))]
@@ -298,11 +308,12 @@ def main() -> None:
             print(f"{case:>8} {gemm:>6} {row['ms']:8.1f} {row['tok_s']:8.0f} {row['linear_tflops']:9.0f} "
                   f"{row['of_fp8_peak']:6.2f} {row['of_bf16_peak']:6.2f} {row['est40_tok_s']:14.0f}", flush=True)
         mine = {r["gemm"]: r for r in rows if r["case"] == case}
-        if "w8a16" in mine:
-            print(f"{case:>8}  speed vs w8a16: " + ", ".join(f"{g} {mine['w8a16']['ms'] / r['ms']:.2f}x"
-                                                           for g, r in mine.items() if g != "w8a16"), flush=True)
+        if len(mine) > 1:       # the first --gemms entry is the base of the ratios
+            first, *others = mine
+            print(f"{case:>8}  speed vs {first}: " + ", ".join(f"{g} {mine[first]['ms'] / mine[g]['ms']:.2f}x"
+                                                            for g in others), flush=True)
     select.PREFILL_GEMM, select.MOE_CONTIGUOUS = defaults
-    select.BF16_AUTO_MIN_M = _BF16_DEFAULT
+    select.BF16_AUTO_MIN_M, cuda_fp8_gemm.TS_ON, select.BF16_MOE_MIN_ROWS = _BF16_DEFAULT, _TS_DEFAULT, _BF16_MOE_DEFAULT
     top = []
     if a.profile:
         try:
