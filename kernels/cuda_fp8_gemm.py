@@ -29,7 +29,7 @@ Entry points (FORMS; FORM_KIND gives each one's weight-scale layout and split-K)
     across the stage boundary): ~350 instructions a stage a warp against ~700 (perf/sass_issue_model.py).
     K a multiple of 128; 32x32 blocks (bn128_ts, bn128_ts1: turns of one stage, bn192_ts, bm64_ts,
     bn128_ts_splitk, bm192_ts: three consumers with one temporary each) and per-row scales (bn128_row_ts,
-    bm64_row_ts, bm192_row_ts). DEEPINFER_CUDA_FP8_TS=1 makes the automatic choice take them (TS_TWIN).
+    bm64_row_ts, bm192_row_ts). The automatic choice takes them (TS_TWIN; DEEPINFER_CUDA_FP8_TS=0: the plain forms).
 DEEPINFER_CUDA_FP8_DEBUG=1 runs every 32x32-block call on the debugging form, DEEPINFER_CUDA_FP8_FORM=<entry>
 every call whose scales have that entry's layout on that entry: a wrong result the debugging form fixes
 is in the overlap, one bm64 fixes is in the two-consumer split, one they all keep is in the pipeline
@@ -82,9 +82,11 @@ SCALE_TILES = {name for name in FORMS if "_ts" in name}
 TS_TWIN = {"fp8_gemm_sm90_bn128": "fp8_gemm_sm90_bn128_ts", "fp8_gemm_sm90_bn192": "fp8_gemm_sm90_bn192_ts",
            "fp8_gemm_sm90_bm64": "fp8_gemm_sm90_bm64_ts", "fp8_gemm_sm90_bn128_splitk": "fp8_gemm_sm90_bn128_ts_splitk",
            "fp8_gemm_sm90_bn128_row": "fp8_gemm_sm90_bn128_row_ts", "fp8_gemm_sm90_bm64_row": "fp8_gemm_sm90_bm64_row_ts"}
-# DEEPINFER_CUDA_FP8_TS=1: the automatic choice takes a form's scale-tile twin where K allows. Off: 1.5-1.8x the
-# plain forms but 0.64-0.92x cuBLAS bf16, which the default prefill path runs (H100, 2026-12-05, late night)
-TS_ON = os.environ.get("DEEPINFER_CUDA_FP8_TS", "0") == "1"
+# DEEPINFER_CUDA_FP8_TS (default 1): the automatic choice takes a form's scale-tile twin where K allows (0: the
+# plain forms). The twins give their plain forms' bits at 1.5-1.8x their speed (block scales; 1.1-1.3x row
+# scales: the MoE's stacks), 16 of 16 release shapes (H100, 2026-12-05, late night); where this kernel runs by
+# default (the MoE's mid-size steps) that is pure gain. Dense prefill linears stay on cuBLAS bf16 (0.64-0.92x).
+TS_ON = os.environ.get("DEEPINFER_CUDA_FP8_TS", "1") == "1"
 # entry point -> CTAs per cluster (FP8_GEMM_ENTRY's CLUSTER): 2 shares each B tile between the CTAs of two
 # adjacent M tiles (TMA multicast, half each); the launch pads the M tiles to even and boxes B by BN / 2
 CLUSTER = {name: 2 if name.endswith("_mc2") else 1 for name in FORMS}

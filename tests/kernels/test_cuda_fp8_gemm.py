@@ -227,7 +227,7 @@ def test_forms_match_the_entry_points():
 
 
 def test_scale_tile_twins_are_picked_only_where_k_allows(monkeypatch):
-    """form(): a pick's scale-tile twin where asked (or DEEPINFER_CUDA_FP8_TS=1) and K % 128 == 0, else the
+    """form(): a pick's scale-tile twin where asked (DEEPINFER_CUDA_FP8_TS, on by default) and K % 128 == 0, else the
     plain pick; a forced scale-tile entry gives way to the automatic choice where K does not allow it."""
     from deepinfer.kernels import cuda_fp8_gemm
     for m, n in ((8192, 4608), (48, 4608), (100, 1792), (2048, 32768)):
@@ -237,7 +237,9 @@ def test_scale_tile_twins_are_picked_only_where_k_allows(monkeypatch):
             assert form(m, "block", splitk, n, 132, 5248 - 96, scale_tiles=True) == plain   # K % 128 == 32
     assert form(8192, "row", k=2304, scale_tiles=True) == "fp8_gemm_sm90_bn128_row_ts"
     assert form(8192, "rowk", k=2304, scale_tiles=True) == "fp8_gemm_sm90_bn128_rowk"        # no twin
-    assert form(8192, "block", False, 4608, 132, 5120) == form(8192, "block", False, 4608, 132, 5120, scale_tiles=False)
+    for on in (True, False):            # unasked, the pick follows DEEPINFER_CUDA_FP8_TS
+        monkeypatch.setattr(cuda_fp8_gemm, "TS_ON", on)
+        assert form(8192, "block", False, 4608, 132, 5120) == form(8192, "block", False, 4608, 132, 5120, scale_tiles=on)
     monkeypatch.setattr(cuda_fp8_gemm, "FORCE", "fp8_gemm_sm90_bn128_ts1")
     assert form(8192, "block", k=5120) == "fp8_gemm_sm90_bn128_ts1"
     assert form(8192, "block", k=160) == "fp8_gemm_sm90_bn128"
