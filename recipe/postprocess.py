@@ -113,7 +113,7 @@ class ResponseStream:
     def _emit(self, protocol_chunks: list, out: StepOutput) -> None:
         texts = []
         for chunk in protocol_chunks:
-            data = clamp_reasoning_tokens(chunk.to_json())
+            data = mend_usage(chunk.to_json())
             texts.append(answer_text(self.ctx.api, data))
             if self.response is not None:
                 self.response.accumulate(chunk)
@@ -124,14 +124,18 @@ class ResponseStream:
             self._pending_input_text = ""
         out.text = "".join(texts)
         if self.response is not None and out.done:
-            out.chunks.append(clamp_reasoning_tokens(self.response.to_json()))
+            out.chunks.append(mend_usage(self.response.to_json()))
 
 
-def clamp_reasoning_tokens(data: str) -> str:
-    """NOTE: deepseek-recipe 0.2.0 counts a token that decodes to an invalid UTF-8 sequence twice in
-    `reasoning_tokens` (one id -> 2), so usage could say 33 reasoning tokens of 32; reasoning tokens
-    are a part of the completion tokens, so cap them there (the official APIs' invariant)."""
-    if "reasoning_tokens" not in data:
+def mend_usage(data: str) -> str:
+    """Two mends of deepseek-recipe 0.2.0's usage objects, in every chunk, event and response:
+    - it counts a token that decodes to an invalid UTF-8 sequence twice in `reasoning_tokens` (one id ->
+      2), so usage could say 33 reasoning tokens of 32; reasoning tokens are a part of the completion
+      tokens, so cap them there (the official APIs' invariant);
+    - its Responses usage has no `input_tokens_details.cache_write_tokens`, which the OpenAI SDK (3.5x on)
+      declares required (reading it raised AttributeError): 0, as OpenAI reports for its automatic prompt
+      caching, whose writes are free; the prefix cache is automatic (the reads stay in `cached_tokens`)."""
+    if "reasoning_tokens" not in data and "input_tokens_details" not in data:
         return data
     obj = json.loads(data)
     for usage in _usages(obj):
@@ -139,6 +143,8 @@ def clamp_reasoning_tokens(data: str) -> str:
         total = usage.get("completion_tokens", usage.get("output_tokens"))
         if isinstance(details, dict) and isinstance(total, int) and (details.get("reasoning_tokens") or 0) > total:
             details["reasoning_tokens"] = total
+        if isinstance(usage.get("input_tokens_details"), dict):
+            usage["input_tokens_details"].setdefault("cache_write_tokens", 0)
     return json.dumps(obj, ensure_ascii=False)
 
 

@@ -204,3 +204,23 @@ def test_reasoning_tokens_never_exceed_completion_tokens(pre, stream):
         assert usage["completion_tokens"] == 32
         worst = max(worst, usage["completion_tokens_details"]["reasoning_tokens"])
     assert worst == 32
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_usage_validates_against_the_openai_sdk(pre, stream):
+    """Every Responses event and response validates strictly against the OpenAI SDK's types, whose
+    usage declares input_tokens_details.cache_write_tokens required (the recipe leaves it out): 0, the
+    prefix cache's reads in cached_tokens."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+    p = pre.prepare("responses", json.dumps(BODIES["responses"](stream=stream)))
+    s = ResponseStream(p.context, pre.tokenizer, cached_tokens=5)
+    ids = answer_ids(pre)
+    outs = [s.push(ids, None, "stop")]
+    chunks = [c for o in outs for c in o.chunks]
+    if stream:
+        final = [TypeAdapter(ResponseStreamEvent).validate_json(c) for c in chunks][-1].response
+    else:
+        final = Response.model_validate_json(chunks[-1])
+    details = final.usage.input_tokens_details
+    assert details.cache_write_tokens == 0 and details.cached_tokens == 5
