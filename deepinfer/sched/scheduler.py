@@ -141,15 +141,17 @@ class Scheduler:
         (spec/overlap_verify.py; the newest confidences are not on the host yet). Positions, tokens and blocks are
         counted as if every draft in flight were accepted; update_from_output trims the rejected
         ones a step later (_advance). None (nothing changed): schedule normally after resolving -
-        a request waits, one may be done under the worst case, the pool or the budget is short,
-        or prefix caching is on (its block registration reads computed positions)."""
+        a request waits, one may be done under the worst case, or the pool or the budget is short.
+        With prefix caching on, blocks are registered as their tokens reach the host (min of the
+        optimistic computed count and the known tokens, PrefixCaching.after_step): a block whose last
+        KV the step in flight writes is read only by later steps on the same stream."""
         plan = self.overlap_plan(in_flight, num_speculative_tokens)
         return None if plan is None else self.commit_overlapped(plan)
 
     def overlap_plan(self, in_flight: dict[str, int], num_speculative_tokens: int):
         """schedule_overlapped's decision, changing nothing: (each running request's K', the device half's
         verify rule) or None. DataParallelScheduler asks every rank before any commits."""
-        if self.waiting or not self.running or self.prefix is not None:
+        if self.waiting or not self.running:
             return None
         if any(r.request_id not in in_flight for r in self.running):
             return None
@@ -172,6 +174,8 @@ class Scheduler:
         out = SchedulerOutput([], [], {}, total, finished_req_ids=self._finished_for_runner, overlapped=True,
                               overlap_verify=verify, draft_after=self._draft_after())
         self._finished_for_runner = set()
+        if self.prefix is not None:     # requests ended at the last resolve: saved before their slots are reused
+            out.snapshot_saves = self.prefix.take_saves()
         for req, k in plan:
             rid = req.request_id
             new_blocks = reserve(self.kv_cache, req, k)

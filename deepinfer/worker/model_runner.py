@@ -166,19 +166,7 @@ class ModelRunner:
     def launch(self, sched_out: SchedulerOutput, precomputed: dict[str, int] | None = None) -> _InFlight | None:
         """precomputed: req_id -> leading scheduled tokens already in the caches (a balanced-CP prefill,
         deepinfer/parallel/cp.py, ran them on every rank just before): only the rest runs here."""
-        for save in sched_out.snapshot_saves:      # before this step reuses their slots and blocks
-            self.snapshots.save(save.ring_slot, save.tail_block, save.snapshot_slot)
-        for copy in sched_out.block_copies:        # in decision order: an offload before its block's reuse
-            if copy.kind == "offload":
-                self.host_blocks.offload(copy.block, copy.host_slot)
-            elif copy.kind == "onload":
-                self.host_blocks.onload(copy.host_slot, copy.block)
-            elif copy.kind == "spill":
-                self.disk_blocks.spill(copy.host_slot, copy.key)
-            elif copy.kind == "disk_onload":
-                self.disk_blocks.onload(copy.key, copy.block)
-            else:
-                self.disk_blocks.drop(copy.key)
+        self._cache_copies(sched_out)
         self._update_states(sched_out)
         if sched_out.is_empty:
             return None
@@ -252,6 +240,23 @@ class ModelRunner:
                          replay_dev=replay_dev, verified_host=verified_host, draft_probs_dev=draft_probs,
                          draft_after=draft_after)
 
+    def _cache_copies(self, sched_out: SchedulerOutput) -> None:
+        """The prefix cache's copies a step starts with (on the stream, so after every step launched
+        before it): ended requests' window snapshots, then the tiers' block copies."""
+        for save in sched_out.snapshot_saves:      # before this step reuses their slots and blocks
+            self.snapshots.save(save.ring_slot, save.tail_block, save.snapshot_slot)
+        for copy in sched_out.block_copies:        # in decision order: an offload before its block's reuse
+            if copy.kind == "offload":
+                self.host_blocks.offload(copy.block, copy.host_slot)
+            elif copy.kind == "onload":
+                self.host_blocks.onload(copy.host_slot, copy.block)
+            elif copy.kind == "spill":
+                self.disk_blocks.spill(copy.host_slot, copy.key)
+            elif copy.kind == "disk_onload":
+                self.disk_blocks.onload(copy.key, copy.block)
+            else:
+                self.disk_blocks.drop(copy.key)
+
     # verify steps that overlap (spec/overlap.py, worker/overlapped_step.py) ----------------------
     def enable_overlap(self) -> None:
         from deepinfer.worker.overlapped_step import OverlappedSteps
@@ -268,6 +273,7 @@ class ModelRunner:
         """A verify step scheduled with `prev` unresolved (SchedulerOutput.overlapped): each request runs
         prev's anchor and the first K' of the drafts prev proposed on the device, from prev's next_pos,
         with the step's metadata filled on the device (no host read of prev)."""
+        self._cache_copies(sched_out)
         self._update_states(sched_out)
         if sched_out.is_empty:
             return None

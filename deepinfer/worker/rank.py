@@ -107,13 +107,12 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                                                   args.block_tokens)
     max_model_len = min(args.max_model_len or facts.max_position, facts.max_position, num_blocks * args.block_tokens)
     # overlapped verify steps (spec/overlap.py) run the static step form: padding writes need scratch rows
-    # (not with prefix caching: Scheduler.schedule_overlapped refuses it, drafting on the device would not pay);
+    # (with prefix caching too: steps with a row under bounded replay resolve first, spec/overlap.py);
     # on rank workers each rank's from its own launched step (DataParallelScheduler.schedule_overlapped)
     # speculation pipelines like plain decoding: async on CUDA unless turned off (H200, 2026-12-02,
     # full-width-ep8: overlapped verify steps 1.43-1.79x the synchronous engine's tok/s at batch 1-64)
     spec_async = args.async_scheduling is True or (args.async_scheduling is None and device.startswith("cuda"))
-    overlap = (args.speculative == "dspark" and spec_async and args.spec_async_overlap
-               and not args.enable_prefix_caching)
+    overlap = args.speculative == "dspark" and spec_async and args.spec_async_overlap
     caches = allocate_caches(model_args, args.max_num_seqs, num_blocks, args.block_tokens, device, args.dtype,
                              scratch=bool(sizes) or overlap)
     async_scheduling = args.async_scheduling if args.async_scheduling is not None else device.startswith("cuda")

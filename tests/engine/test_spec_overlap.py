@@ -39,14 +39,21 @@ def _budget_policy():
     return VerifyBudgetPolicy(StepTimeModel(sizes, list(range(6)), seconds))
 
 
-def oracle_drafts(engine: Engine, ref: dict[str, list[int]]) -> None:
+def numbered(prompts: list[list[int]], first: int = 0) -> dict[str, list[int]]:
+    """Request ids (numbers: the oracle corrupts by them) -> prompts."""
+    return {str(first + i): p for i, p in enumerate(prompts)}
+
+
+def oracle_drafts(engine: Engine, ref: dict[str, list[int]], prompts: dict[str, list[int]] | None = None) -> None:
     """Both drafting paths propose the reference continuation, one draft in four corrupted (by
-    request and position), so verify steps accept 0..K drafts."""
+    request and position), so verify steps accept 0..K drafts. prompts: request id -> prompt
+    (default: PROMPTS as "0".."3")."""
     runner, vocab = engine.runner, engine.vocab_size
+    prompts = prompts or numbered(PROMPTS)
 
     def token(req_id: str, pos: int) -> int:
         i = int(req_id)
-        full = PROMPTS[i] + ref[req_id]
+        full = prompts[req_id] + ref[req_id]
         tok = full[pos] if pos < len(full) else 0
         return (tok + 1) % vocab if (3 * pos + i) % 4 == 0 else tok
 
@@ -78,13 +85,15 @@ def oracle_drafts(engine: Engine, ref: dict[str, list[int]]) -> None:
     runner.overlapped.draft = draft_on_device
 
 
-def run(engine: Engine, plist, abort=None):
+def run(engine: Engine, plist, abort=None, prompts: dict[str, list[int]] | None = None):
     """Step to the end; abort = (req_id, n): abort it right after the step() in which it has received
-    n tokens; -> (tokens, finish reasons, whether the step in flight at the abort held it and was
-    an overlapped one, the requests that stopped with an overlapped step holding them in flight)."""
-    for i, sp in enumerate(plist):
-        engine.add_request(str(i), PROMPTS[i], sp)
-    got, reasons, abort_in_overlap, stopped_in_overlap = {str(i): [] for i in range(len(plist))}, {}, None, set()
+    n tokens; prompts: request id -> prompt, in plist's order (default: PROMPTS as "0".."3"); -> (tokens,
+    finish reasons, whether the step in flight at the abort held it and was an overlapped one, the
+    requests that stopped with an overlapped step holding them in flight)."""
+    prompts = prompts or numbered(PROMPTS)
+    for (rid, prompt), sp in zip(prompts.items(), plist):
+        engine.add_request(rid, prompt, sp)
+    got, reasons, abort_in_overlap, stopped_in_overlap = {rid: [] for rid in prompts}, {}, None, set()
     while engine.has_unfinished_requests():
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
@@ -305,7 +314,7 @@ def test_overlapped_build_does_not_sync_on_cuda(tiny_engine_args, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("policy", ["all", "scheduler", "pause"])
+@pytest.mark.parametrize("policy", ["all", "scheduler", "pause", "prefix"])
 def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     """The whole launch of an overlapped verify step on the GPU (the build, the captured verify
     graph's replay, the greedy sample, the device-side resolution, the DSpark absorb of every row
@@ -313,8 +322,11 @@ def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     launch_overlapped under sync debug mode "error"; every overlapped step replays its graph.
     "scheduler": the host's split of its budget lays out fewer drafts than the block (packed steps:
     the device verifies every draft laid out). "pause": steps scheduled with draft_after=False
-    (spec/pause.py) absorb on the device and propose nothing, inside the same strict launch."""
+    (spec/pause.py) absorb on the device and propose nothing, inside the same strict launch. "prefix":
+    "all" with prefix caching on (the window snapshots' copies to pinned memory in the launch)."""
     args = _cuda_args(tiny_engine_args)
+    if policy == "prefix":
+        args = {**args, "enable_prefix_caching": True}
     e = Engine(EngineArgs(**args))
     K = e.args.num_speculative_tokens
     if policy == "scheduler":

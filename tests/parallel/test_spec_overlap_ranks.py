@@ -3,7 +3,7 @@ asks every rank about its launched step (MultiprocExecutor.must_resolve_before_n
 round trip), DataParallelScheduler.schedule_overlapped plans every rank's next verify step before any
 commits, and each rank launches its part from its own step's device state. Real gloo rank workers on a
 CPU under batch_invariant=True: the tokens are one rank's without speculation, verify steps did overlap,
-with the captured steps' padded protocol (lockstep) and without."""
+with the captured steps' padded protocol (lockstep) and without, and with prefix caching on."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def one_rank(ckpt):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("extra", [{}, {"cuda_graph_sizes": (2, 4)}])
+@pytest.mark.parametrize("extra", [{}, {"cuda_graph_sizes": (2, 4)}, {"enable_prefix_caching": True}])
 def test_overlapped_verify_steps_across_ranks_give_one_ranks_tokens(ckpt, one_rank, extra):
     params, want = one_rank
     llm = LLM(ckpt, max_num_seqs=4, batch_invariant=True, device="cpu", data_parallel_size=2, worker_threads=1,
