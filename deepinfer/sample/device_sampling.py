@@ -6,9 +6,11 @@ arange, drafts and q = N's device proposal), so this module does the same draws 
     uniforms_on_device   random.uniforms bit for bit: SplitMix64 in int64 tensor arithmetic
                          (wrapping multiply and add, logical shifts by masking)
     sample_on_device     the Sampler's draw for rows that need only temperature / top-k / top-p /
-                         min-p (no logprobs, penalties or grammar): greedy rows argmax, sampled rows
+                         min-p (no penalties or grammar): greedy rows argmax, sampled rows
                          inverse CDF at the SAMPLE stream; rows that verify a sampled draft ("sampled"
                          rule) accept with min(1, p/q) or resample the residual (rejection.py)
+    logprobs_on_device   the Sampler's logprobs of those rows (raw log_softmax, the sampled token's and
+                         the top 20), copied to the host at launch (DeviceLogprobs)
 
 The per-request seed stream key is made on the host (the seed is host-known); only the position
 mixing runs on the device. Same filters, same inverse CDF, same rejection code as the Sampler, so
@@ -56,10 +58,42 @@ def uniforms_on_device(seeds: list[int], positions: torch.Tensor, purpose: int =
 
 
 def device_samplable(p: SamplingParams | None) -> bool:
-    """The request's token needs nothing but its logits, seed and position (no logprobs, penalties
-    or grammar, which read host state)."""
-    return p is not None and p.logprobs is None and p.constraint is None and not (
-        p.presence_penalty or p.frequency_penalty)
+    """The request's token (and its logprobs, logprobs_on_device) needs nothing but its logits, seed and
+    position (no penalties or grammar, which read host state)."""
+    return p is not None and p.constraint is None and not (p.presence_penalty or p.frequency_penalty)
+
+
+@dataclass
+class DeviceLogprobs:
+    """The Sampler's logprobs of a step's rows, computed on the device (raw_logprobs) and copied to the
+    host at launch: rows idx asked, top_n alternatives each; rows() once the launch's event fired."""
+    num_rows: int
+    idx: list[int]
+    top_n: list[int]
+    sampled: torch.Tensor       # [n] the sampled token's logprob (host copies)
+    top_ids: torch.Tensor       # [n, MAX_TOP_LOGPROBS]
+    top_vals: torch.Tensor      # [n, MAX_TOP_LOGPROBS]
+
+    def rows(self) -> list:
+        from deepinfer.sample.sampler import token_logprobs
+        return token_logprobs(self.num_rows, self.idx, self.top_n, self.sampled.tolist(), self.top_ids.tolist(),
+                              self.top_vals.tolist())
+
+
+def logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams | None],
+                       to_host) -> DeviceLogprobs | None:
+    """logits [N, V] fp32, tokens [N] (device), params [N] per row -> the rows' logprobs as the Sampler
+    gives them, with no host read: to_host(tensor) starts a copy (the launch's event covers it); None
+    where no row asks."""
+    from deepinfer.sample.sampler import raw_logprobs
+    idx = [i for i, p in enumerate(params) if p is not None and p.logprobs is not None]
+    if not idx:
+        return None
+    rows = host_tensor(idx, torch.int64, logits.device)
+    lp, top = raw_logprobs(logits[rows])
+    sampled = lp.gather(1, tokens[rows].to(torch.int64)[:, None])[:, 0]
+    return DeviceLogprobs(len(params), idx, [params[i].logprobs for i in idx], to_host(sampled),
+                          to_host(top.indices), to_host(top.values))
 
 
 @dataclass

@@ -45,6 +45,22 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]
 
 
+def raw_logprobs(logits: torch.Tensor):
+    """logits [n, V] -> (log_softmax [n, V], its top MAX_TOP_LOGPROBS): the raw model distribution's
+    logprobs (as vLLM v1), a fixed k so that a row's alternatives do not depend on the batch."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return lp, torch.topk(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]), dim=-1)
+
+
+def token_logprobs(num_rows: int, idx: list[int], top_n: list[int], sampled: list[float],
+                   top_ids: list[list[int]], top_vals: list[list[float]]) -> list[TokenLogprob | None]:
+    """Per row of a step: rows idx[j] asked for top_n[j] alternatives (the others None)."""
+    out: list[TokenLogprob | None] = [None] * num_rows
+    for j, i in enumerate(idx):
+        out[i] = TokenLogprob(sampled[j], list(zip(top_ids[j][:top_n[j]], top_vals[j][:top_n[j]])))
+    return out
+
+
 @dataclass
 class SamplingState:
     """Per request, made once at admission by Sampler.new_state (which compiles the constraint)."""
@@ -144,21 +160,15 @@ class Sampler:
         idx = [i for i, r in enumerate(rows) if r.state.params.logprobs is not None]
         if not idx:
             return None
-        lp = torch.log_softmax(logits[idx], dim=-1)                                  # [n, V]
-        top = torch.topk(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]), dim=-1)           # fixed k: batch-invariant
-        return idx, lp, top
+        return (idx,) + raw_logprobs(logits[idx])
 
     def _finish_logprobs(self, logprobs, token_ids: torch.Tensor, rows) -> list[TokenLogprob | None]:
-        out: list[TokenLogprob | None] = [None] * len(rows)
         if logprobs is None:
-            return out
+            return [None] * len(rows)
         idx, lp, top = logprobs
-        sampled = lp.gather(1, token_ids[idx].to(lp.device)[:, None])[:, 0].tolist()
-        top_ids, top_vals = top.indices.tolist(), top.values.tolist()
-        for j, i in enumerate(idx):
-            n = rows[i].state.params.logprobs
-            out[i] = TokenLogprob(sampled[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
-        return out
+        sampled = lp.gather(1, token_ids[idx].to(lp.device)[:, None])[:, 0]
+        return token_logprobs(len(rows), idx, [rows[i].state.params.logprobs for i in idx], sampled.tolist(),
+                              top.indices.tolist(), top.values.tolist())
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -57,6 +57,7 @@ from deepinfer.parallel import lockstep as lockstep_mod
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.spec.device_resolution import resolve_on_device
 from deepinfer.host_copy import to_device
+from deepinfer.sample.device_sampling import DeviceLogprobs, logprobs_on_device
 from deepinfer.spec.overlap import can_draft_on_device
 from deepinfer.worker.input_batch import InputBatch, _ragged_arange
 
@@ -77,7 +78,8 @@ class _InFlight:
     done: object | None         # CUDA event after the device-to-host copy; None on CPU
     fed: torch.Tensor | None    # [N] token fed at each logits row (draft verification only)
     logits: torch.Tensor | None # [N, V] fp32, only when some request returns logits
-    logprobs: list | None = None  # [N] TokenLogprob | None per logits row (Sampler)
+    logprobs: "list | DeviceLogprobs | None" = None  # [N] TokenLogprob | None per logits row (Sampler), or
+                                                     # their host copies (an overlapped step's, on the device)
     seq: int = 0                # launch sequence number
     spec: "_SpecInputs | None" = None   # what the DSpark proposer needs (speculative decoding only)
     # speculation: accepted counts / new tokens / next positions on the device (spec/device_resolution.py),
@@ -278,14 +280,17 @@ class ModelRunner:
         if sched_out.is_empty:
             return None
         f = self.overlapped.forward(sched_out, prev)
+        ib = self.input_batch
         with torch.inference_mode():
             sampled = self.overlapped.sample(f, prev)
+            row_params = [ib.params[r] for r in np.repeat(f.rows, f.q_lens).tolist()]   # per logits row
+            logprobs = logprobs_on_device(f.logits, sampled, row_params, lambda t: self._to_host(t)[0])
         self.input_batch.pending_index[:] = -1
         self._prev_sampled = sampled
         replayed = None if prev.replay_dev is None else torch.where(
             to_device(f.q_lens, self.device) > 1, prev.replay_dev[to_device(f.prev_index, self.device)], -1)
         return self._finish_launch(f.req_ids, f.rows, f.q_lens.copy(), f.q_lens - 1, f.q_lens, f.start,
-                                   f.positions, sampled, f.fed, None, None, f.main_hidden, replayed,
+                                   f.positions, sampled, f.fed, None, logprobs, f.main_hidden, replayed,
                                    verified=f.num_verified, draft_after=sched_out.draft_after)
 
     def must_resolve_before_next(self, step: _InFlight | None) -> bool:
@@ -545,9 +550,10 @@ class ModelRunner:
     def _per_request_logprobs(step: _InFlight, per_req: list[list[int]]):
         if step.logprobs is None:
             return None
+        rows = step.logprobs.rows() if isinstance(step.logprobs, DeviceLogprobs) else step.logprobs
         res, off = [], 0
         for n, toks in zip(step.num_logits.tolist(), per_req):
-            lps = step.logprobs[off:off + len(toks)]
+            lps = rows[off:off + len(toks)]
             res.append(lps if n and any(lp is not None for lp in lps) else None)
             off += n
         return res

@@ -85,11 +85,13 @@ def oracle_drafts(engine: Engine, ref: dict[str, list[int]], prompts: dict[str, 
     runner.overlapped.draft = draft_on_device
 
 
-def run(engine: Engine, plist, abort=None, prompts: dict[str, list[int]] | None = None):
+def run(engine: Engine, plist, abort=None, prompts: dict[str, list[int]] | None = None,
+        logprobs: dict[str, list] | None = None):
     """Step to the end; abort = (req_id, n): abort it right after the step() in which it has received
     n tokens; prompts: request id -> prompt, in plist's order (default: PROMPTS as "0".."3"); -> (tokens,
     finish reasons, whether the step in flight at the abort held it and was an overlapped one, the
-    requests that stopped with an overlapped step holding them in flight)."""
+    requests that stopped with an overlapped step holding them in flight). logprobs: filled with each
+    request's token logprobs."""
     prompts = prompts or numbered(PROMPTS)
     for (rid, prompt), sp in zip(prompts.items(), plist):
         engine.add_request(rid, prompt, sp)
@@ -97,6 +99,8 @@ def run(engine: Engine, plist, abort=None, prompts: dict[str, list[int]] | None 
     while engine.has_unfinished_requests():
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
+            if logprobs is not None:
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs or [])
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
                 f = engine._in_flight
@@ -166,6 +170,29 @@ def test_sampled_requests_beside_greedy_ones(args, ref):
     got = run(a, plist)[0]
     assert got == want and got["0"] == ref["0"] and got["3"] == ref["3"]
     assert a.num_verify_steps_overlapped > 0 and a.num_resolved_before_schedule > 0
+
+
+@pytest.mark.parametrize("rule", ["identical", "sampled"])
+def test_logprobs_requests_overlap(args, ref, rule):
+    """Requests asking for logprobs (greedy, and one at temperature > 0) overlap their verify steps: the
+    logprobs come from the device (raw log_softmax, the sampled token's and the top n) and equal the
+    synchronous engine's Sampler's, as do the tokens."""
+    plist = [greedy(N_OUT, logprobs=3), greedy(N_OUT), greedy(N_OUT, logprobs=0),
+             SamplingParams(max_tokens=N_OUT, temperature=8.0, top_p=0.95, seed=7, ignore_eos=True, logprobs=2)]
+    want_lp, got_lp = {}, {}
+    sync = Engine(EngineArgs(**args, spec_acceptance=rule))
+    oracle_drafts(sync, ref)          # the same drafts: a sampled row's token depends on the draft it verifies
+    want = run(sync, plist, logprobs=want_lp)[0]
+    a = Engine(EngineArgs(**args, spec_acceptance=rule, async_scheduling=True))
+    oracle_drafts(a, ref)
+    got = run(a, plist, logprobs=got_lp)[0]
+    assert got == want and got["0"] == ref["0"]
+    assert a.num_verify_steps_overlapped >= 4
+    for rid in ("0", "2", "3"):
+        assert len(got_lp[rid]) == len(got[rid]) and all(lp is not None for lp in got_lp[rid])
+        assert got_lp[rid] == want_lp[rid], rid
+    assert [len(lp.top) for lp in got_lp["0"]] == [3] * N_OUT and all(not lp.top for lp in got_lp["2"])
+    assert not any(got_lp.get("1") or [])
 
 
 def _sampled_plist(n, stop=None):
@@ -314,7 +341,7 @@ def test_overlapped_build_does_not_sync_on_cuda(tiny_engine_args, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("policy", ["all", "scheduler", "pause", "prefix"])
+@pytest.mark.parametrize("policy", ["all", "scheduler", "pause", "prefix", "logprobs"])
 def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     """The whole launch of an overlapped verify step on the GPU (the build, the captured verify
     graph's replay, the greedy sample, the device-side resolution, the DSpark absorb of every row
@@ -323,7 +350,8 @@ def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     "scheduler": the host's split of its budget lays out fewer drafts than the block (packed steps:
     the device verifies every draft laid out). "pause": steps scheduled with draft_after=False
     (spec/pause.py) absorb on the device and propose nothing, inside the same strict launch. "prefix":
-    "all" with prefix caching on (the window snapshots' copies to pinned memory in the launch)."""
+    "all" with prefix caching on (the window snapshots' copies to pinned memory in the launch). "logprobs":
+    "all" with every request asking for logprobs (computed and copied at the launch)."""
     args = _cuda_args(tiny_engine_args)
     if policy == "prefix":
         args = {**args, "enable_prefix_caching": True}
@@ -346,8 +374,11 @@ def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     # long outputs: max_tokens caps the drafts of a request's last steps under every policy (on the H200 the
     # tiny model accepts so much that 20 tokens took ~4 steps, half of them capped, under "all")
     n_out = 3 * N_OUT
-    ref = run(Engine(EngineArgs(**{**args, "async_scheduling": False})), [greedy(n_out) for _ in PROMPTS])[0]
-    got = run(e, [greedy(n_out) for _ in PROMPTS])[0]
+    lp = {"logprobs": 2} if policy == "logprobs" else {}
+    ref = run(Engine(EngineArgs(**{**args, "async_scheduling": False})), [greedy(n_out, **lp) for _ in PROMPTS])[0]
+    got_lp = {}
+    got = run(e, [greedy(n_out, **lp) for _ in PROMPTS], logprobs=got_lp)[0]
+    assert all(len(got_lp.get(r, [])) == (n_out if lp else 0) for r in ref)
     assert e.num_verify_steps_overlapped > 0 and len(replays) == e.num_verify_steps_overlapped
     assert all(r == 1 for r in replays), replays          # every overlapped step replayed its graph
     assert (sum(cuts) / len(cuts) > 0.5) == (policy == "scheduler"), cuts

@@ -13,7 +13,7 @@ import torch
 from deepinfer.sample.device_sampling import DeviceRows, device_samplable, sample_on_device, uniforms_on_device
 from deepinfer.sample.random import ACCEPT, DRAFT, RESIDUAL, SAMPLE, uniforms
 from deepinfer.sample.sampler import Sampler, SamplingRow
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import OutputConstraint, SamplingParams
 
 
 def test_uniforms_on_device_equal_the_host_streams():
@@ -60,7 +60,8 @@ def test_device_sample_equals_the_sampler():
 
 def test_device_samplable():
     assert device_samplable(SamplingParams(temperature=0.8, top_p=0.9, seed=1))
-    assert not device_samplable(SamplingParams(temperature=0.8, logprobs=2))
+    assert device_samplable(SamplingParams(temperature=0.8, logprobs=2))      # logprobs_on_device
+    assert not device_samplable(SamplingParams(temperature=0.8, constraint=OutputConstraint("regex", "a+")))
     assert not device_samplable(SamplingParams(temperature=0.8, presence_penalty=0.5))
     assert not device_samplable(None)
 
@@ -78,3 +79,28 @@ def test_top_p_without_host_read_equals_the_host_cut():
         assert torch.equal(filtered_probs(x.clone(), params, no_host_read=True), want)
         if scale < 0.1:
             assert int((want[2] > 0).sum()) > TOP_P_FIRST_K      # the wide-nucleus case happened
+
+
+def test_logprobs_on_device_are_the_samplers():
+    """logprobs_on_device: rows that ask get the sampled token's logprob and their first n alternatives of
+    the raw log_softmax (the Sampler's helpers), other rows None; nothing read on the host before rows()."""
+    from deepinfer.sample.device_sampling import logprobs_on_device
+    from deepinfer.sample.sampler import TokenLogprob
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=g) * 4
+    tokens = torch.randint(0, 50, (6,), generator=g)
+    ns = [None, 0, 3, None, 20, 5]
+    params = [SamplingParams(logprobs=n) for n in ns]
+    copies = []
+    out = logprobs_on_device(logits, tokens, params, lambda t: copies.append(t) or t)
+    assert len(copies) == 3
+    rows = out.rows()
+    lp = torch.log_softmax(logits, dim=-1)
+    for i, n in enumerate(ns):
+        if n is None:
+            assert rows[i] is None
+            continue
+        order = torch.argsort(lp[i], descending=True)[:n].tolist()
+        assert isinstance(rows[i], TokenLogprob) and rows[i].logprob == lp[i, tokens[i]].item()
+        assert [t for t, _ in rows[i].top] == order and [v for _, v in rows[i].top] == lp[i, order].tolist()
+    assert logprobs_on_device(logits, tokens, [SamplingParams()] * 6, lambda t: t) is None
