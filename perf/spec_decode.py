@@ -264,6 +264,8 @@ def measure_all(ckpt: str, a, meta: dict) -> dict:
         # second engine ran out of memory building itself (the first's was not all returned)
         per_request = -(-(a.prompt_len + a.output_len + 16) // 64) + 1
         base["num_cache_blocks"] = max(a.batches) * per_request + 64
+    if a.prefix_caching:        # every engine with the prefix cache on (distinct prompts: no hits, the bookkeeping)
+        base["enable_prefix_caching"] = True
     res = {}
     chosen = configs(a)
     if a.policies:
@@ -487,6 +489,9 @@ def main() -> None:
                     help="also run the scheduler with this acceptance floor (EngineArgs.spec_acceptance_floor), "
                          "as the policy 'sched floor F'")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="every engine with enable_prefix_caching (with --async-overlap: 'all async' is how DSpark ran "
+                         "with the cache on before 2026-12-06, every verify step resolved first)")
     ap.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
     ap.add_argument("--num-cache-blocks", type=int,
                     help="cache blocks per engine (default on CUDA: the workload's, 64-token blocks; CPU: the engine's sizing)")

@@ -6,9 +6,10 @@ arange, drafts and q = N's device proposal), so this module does the same draws 
     uniforms_on_device   random.uniforms bit for bit: SplitMix64 in int64 tensor arithmetic
                          (wrapping multiply and add, logical shifts by masking)
     sample_on_device     the Sampler's draw for rows that need only temperature / top-k / top-p /
-                         min-p (no penalties or grammar): greedy rows argmax, sampled rows
+                         min-p (no grammar): greedy rows argmax, sampled rows
                          inverse CDF at the SAMPLE stream; rows that verify a sampled draft ("sampled"
                          rule) accept with min(1, p/q) or resample the residual (rejection.py)
+    penalize_on_device   the Sampler's presence / frequency penalties, the history partly on the device
     logprobs_on_device   the Sampler's logprobs of those rows (raw log_softmax, the sampled token's and
                          the top 20), copied to the host at launch (DeviceLogprobs)
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer.host_copy import host_tensor
@@ -58,9 +60,39 @@ def uniforms_on_device(seeds: list[int], positions: torch.Tensor, purpose: int =
 
 
 def device_samplable(p: SamplingParams | None) -> bool:
-    """The request's token (and its logprobs, logprobs_on_device) needs nothing but its logits, seed and
-    position (no penalties or grammar, which read host state)."""
-    return p is not None and p.constraint is None and not (p.presence_penalty or p.frequency_penalty)
+    """The request's token (its logprobs: logprobs_on_device; its penalties: penalize_on_device) needs
+    nothing but its logits, seed, position and the tokens so far (no grammar, whose state is the host's)."""
+    return p is not None and p.constraint is None
+
+
+def penalized(p: SamplingParams | None) -> bool:
+    return p is not None and bool(p.presence_penalty or p.frequency_penalty)
+
+
+def penalize_on_device(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                       known: list[list[int]], new: torch.Tensor, lookahead: torch.Tensor,
+                       lookahead_len: list[int]) -> torch.Tensor:
+    """The Sampler's presence / frequency penalties (Sampler._apply_penalties) for logits rows `rows` of
+    [N, V] logits, whose output tokens so far are partly on the device -> the penalized copy. Row i's
+    history: known[i] (the host's, a list), then new[i] (device, -1 = none: the previous step's new
+    tokens), then lookahead[i, :lookahead_len[i]] (device: the drafts the row's step fed before it)."""
+    dev = logits.device
+    n, vocab = len(rows), logits.shape[1]
+    counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
+    pairs = [(i, t) for i, toks in enumerate(known) for t in toks]
+    if pairs:
+        at = host_tensor(np.asarray(pairs, dtype=np.int64).T, torch.int64, dev)
+        counts.index_put_((at[0], at[1]), torch.ones(len(pairs), device=dev), accumulate=True)
+    counts.scatter_add_(1, new.clamp(min=0), (new >= 0).float())
+    j = torch.arange(lookahead.shape[1], device=dev)
+    upto = host_tensor(lookahead_len, torch.int64, dev)
+    counts.scatter_add_(1, lookahead.to(torch.int64).clamp(min=0), (j[None, :] < upto[:, None]).float())
+    freq = host_tensor([p.frequency_penalty for p in params], torch.float32, dev)
+    pres = host_tensor([p.presence_penalty for p in params], torch.float32, dev)
+    out = logits.clone()
+    at = host_tensor(rows, torch.int64, dev)
+    out[at] = logits[at] - (freq[:, None] * counts + pres[:, None] * (counts > 0))
+    return out
 
 
 @dataclass

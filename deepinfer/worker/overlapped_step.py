@@ -115,12 +115,13 @@ class OverlappedSteps:
         sample at the row's position (f.positions + 1, device), or ("sampled" rule) the accept /
         residual draw of the draft the row verifies with prev's device q (sample/device_sampling.py).
         can_draft_on_device admitted only requests that need nothing else."""
-        from deepinfer.sample.device_sampling import DeviceRows, sample_on_device
+        from deepinfer.sample.device_sampling import DeviceRows, penalized, sample_on_device
         r = self.runner
         ib, dev = r.input_batch, r.device
         params = [ib.params[row] for row in f.rows.tolist()]
+        logits = self._penalized(f, prev, params) if any(penalized(p) for p in params) else f.logits
         if all(p is None or p.greedy for p in params):
-            return f.logits.argmax(dim=-1)
+            return logits.argmax(dim=-1)
         seeds = []
         for row, p in zip(f.rows.tolist(), params):
             if ib.sampling_state[row] is None and not p.greedy:
@@ -138,7 +139,32 @@ class OverlappedSteps:
             b = to_device(f.prev_index, dev)[req_d]
             rows.draft_probs = q[b, j.clamp(max=q.shape[1] - 1)]
         with torch.inference_mode():
-            return sample_on_device(f.logits, rows)
+            return sample_on_device(logits, rows)
+
+    def _penalized(self, f: "OverlappedForward", prev, params) -> torch.Tensor:
+        """f's logits with the presence / frequency penalties of the requests that ask for them: row j of
+        request i counts i's outputs the host knows, prev's new tokens for it (on the device: prev is
+        unresolved) and the j drafts fed before row j in this step (sample/device_sampling.py)."""
+        from deepinfer.sample.device_sampling import penalize_on_device, penalized
+        ib = self.runner.input_batch
+        cu = np.concatenate([[0], np.cumsum(f.q_lens)])
+        rows, row_params, known, req, j = [], [], [], [], []
+        for i, (row, p) in enumerate(zip(f.rows.tolist(), params)):
+            if not penalized(p):
+                continue
+            outs = ib.token_ids[row, ib.num_prompt[row]:ib.num_tokens[row]].tolist()
+            for k in range(int(f.q_lens[i])):
+                rows.append(int(cu[i]) + k)
+                row_params.append(p)
+                known.append(outs)
+                req.append(i)
+                j.append(k)
+        dev = f.logits.device
+        new = prev.resolution.tokens[to_device(f.prev_index[req], dev)]              # [n, L_prev], -1 past the end
+        L = int(f.q_lens.max())
+        take = np.minimum(cu[req][:, None] + 1 + np.arange(L)[None, :], cu[-1] - 1)  # the drafts fed after row 0
+        lookahead = f.fed[to_device(take, dev)]
+        return penalize_on_device(f.logits, rows, row_params, known, new, lookahead, j)
 
     def _draft_buffers(self, n: int):
         if n not in self._static_drafts:

@@ -195,6 +195,27 @@ def test_logprobs_requests_overlap(args, ref, rule):
     assert not any(got_lp.get("1") or [])
 
 
+@pytest.mark.parametrize("rule", ["identical", "sampled"])
+def test_penalized_requests_overlap(args, ref, rule):
+    """Requests with presence / frequency penalties (greedy, and one at temperature > 0, with logprobs)
+    overlap their verify steps: each row's counts are the host's outputs, the unresolved step's new tokens
+    and the drafts fed before it, all on the device; the tokens equal the synchronous engine's Sampler's (the
+    tiny model's random outputs seldom repeat a token: large negative penalties make them repeat)."""
+    plist = [greedy(N_OUT, presence_penalty=-60.0), greedy(N_OUT), greedy(N_OUT, frequency_penalty=-40.0, logprobs=1),
+             SamplingParams(max_tokens=N_OUT, temperature=8.0, top_p=0.95, seed=7, ignore_eos=True,
+                            presence_penalty=30.0, frequency_penalty=20.0)]
+    sync = Engine(EngineArgs(**args, spec_acceptance=rule))
+    oracle_drafts(sync, ref)
+    want_lp, got_lp = {}, {}
+    want = run(sync, plist, logprobs=want_lp)[0]
+    a = Engine(EngineArgs(**args, spec_acceptance=rule, async_scheduling=True))
+    oracle_drafts(a, ref)
+    got = run(a, plist, logprobs=got_lp)[0]
+    assert got == want and got_lp["2"] == want_lp["2"]
+    assert got["0"] != ref["0"] and got["2"] != ref["2"]        # the penalties changed the greedy tokens
+    assert a.num_verify_steps_overlapped >= 4
+
+
 def _sampled_plist(n, stop=None):
     """Requests at temperature > 0 only: top-p (conftest.sampled) and one with top-k and min-p."""
     plist = [sampled(n, 11 + i) for i in range(len(PROMPTS))]
@@ -351,7 +372,8 @@ def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     the device verifies every draft laid out). "pause": steps scheduled with draft_after=False
     (spec/pause.py) absorb on the device and propose nothing, inside the same strict launch. "prefix":
     "all" with prefix caching on (the window snapshots' copies to pinned memory in the launch). "logprobs":
-    "all" with every request asking for logprobs (computed and copied at the launch)."""
+    "all" with every request asking for logprobs (computed and copied at the launch) and penalties (their
+    counts built on the device)."""
     args = _cuda_args(tiny_engine_args)
     if policy == "prefix":
         args = {**args, "enable_prefix_caching": True}
@@ -374,7 +396,7 @@ def test_overlapped_launch_does_not_sync_on_cuda(tiny_engine_args, policy):
     # long outputs: max_tokens caps the drafts of a request's last steps under every policy (on the H200 the
     # tiny model accepts so much that 20 tokens took ~4 steps, half of them capped, under "all")
     n_out = 3 * N_OUT
-    lp = {"logprobs": 2} if policy == "logprobs" else {}
+    lp = {"logprobs": 2, "presence_penalty": 0.5, "frequency_penalty": 0.25} if policy == "logprobs" else {}
     ref = run(Engine(EngineArgs(**{**args, "async_scheduling": False})), [greedy(n_out, **lp) for _ in PROMPTS])[0]
     got_lp = {}
     got = run(e, [greedy(n_out, **lp) for _ in PROMPTS], logprobs=got_lp)[0]

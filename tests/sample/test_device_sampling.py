@@ -62,7 +62,7 @@ def test_device_samplable():
     assert device_samplable(SamplingParams(temperature=0.8, top_p=0.9, seed=1))
     assert device_samplable(SamplingParams(temperature=0.8, logprobs=2))      # logprobs_on_device
     assert not device_samplable(SamplingParams(temperature=0.8, constraint=OutputConstraint("regex", "a+")))
-    assert not device_samplable(SamplingParams(temperature=0.8, presence_penalty=0.5))
+    assert device_samplable(SamplingParams(temperature=0.8, presence_penalty=0.5))  # penalize_on_device
     assert not device_samplable(None)
 
 
@@ -104,3 +104,29 @@ def test_logprobs_on_device_are_the_samplers():
         assert isinstance(rows[i], TokenLogprob) and rows[i].logprob == lp[i, tokens[i]].item()
         assert [t for t, _ in rows[i].top] == order and [v for _, v in rows[i].top] == lp[i, order].tolist()
     assert logprobs_on_device(logits, tokens, [SamplingParams()] * 6, lambda t: t) is None
+
+
+def test_penalties_on_device_are_the_samplers():
+    """penalize_on_device: a row's history split into the host's part, the previous step's new tokens
+    (device, -1 padded) and the drafts fed before it gives the Sampler's penalized logits bit for bit."""
+    from deepinfer.sample.device_sampling import penalize_on_device
+    from deepinfer.sample.sampler import SamplingState
+    g = torch.Generator().manual_seed(5)
+    V = 40
+    logits = torch.randn(5, V, generator=g) * 3
+    known = [[1, 2, 2], [], [7, 7, 7, 3], [5]]
+    new = torch.tensor([[4, 2, -1], [-1, -1, -1], [9, 9, 3], [1, -1, -1]])
+    look = torch.tensor([[8, 8], [0, 0], [3, 11], [6, 1]])
+    look_len = [2, 0, 1, 2]
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), SamplingParams(presence_penalty=1.0),
+              SamplingParams(frequency_penalty=-0.75), SamplingParams(presence_penalty=2.0, frequency_penalty=1.0)]
+    rows = [0, 2, 3, 4]                            # logits row 1 asks for none
+    got = penalize_on_device(logits, rows, params, known, new, look, look_len)
+    hist = [k + [t for t in n.tolist() if t >= 0] + look[i, :look_len[i]].tolist()
+            for i, (k, n) in enumerate(zip(known, new))]
+    sampler_rows = [SamplingRow(SamplingState(p, 0), h, 0) for p, h in zip(params, hist)]
+    want = logits.clone()
+    sub = want[rows].clone()
+    Sampler._apply_penalties(sub, sampler_rows)
+    want[rows] = sub
+    assert torch.equal(got, want) and not torch.equal(got, logits)
