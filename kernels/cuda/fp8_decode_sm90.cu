@@ -219,7 +219,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     }
     const int nkb = (K + BK - 1) / BK;
     // the CTA's run [u0, u1) of units u = tile * nkb + K stage: one tile's K split (gridDim.y equal runs), or SK's
-    int u0, u1, kb0 = 0, kb1 = 0;          // kb0 / kb1: the split's K stages (not SK)
+    int u0, u1;
     if constexpr (SK) {
         const int64_t units = static_cast<int64_t>((N + ROWS - 1) / ROWS) * nkb;
         u0 = static_cast<int>(units * blockIdx.x / gridDim.x);
@@ -227,10 +227,9 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     } else {
         const int nsplit = MASKED ? 1 : gridDim.y, split_id = MASKED ? 0 : blockIdx.y;
         const int per = (nkb + nsplit - 1) / nsplit;
-        kb0 = min(nkb, split_id * per);
-        kb1 = min(nkb, kb0 + per);
+        const int kb0 = min(nkb, split_id * per);
         u0 = blockIdx.x * nkb + kb0;
-        u1 = blockIdx.x * nkb + kb1;
+        u1 = blockIdx.x * nkb + min(nkb, kb0 + per);
     }
     constexpr int sbc = ONE ? ROWS / 32 : ROWS;         // the scale tile's columns (the map's box)
 
@@ -419,15 +418,15 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     if constexpr (SK) {
         const int tiles = (N + ROWS - 1) / ROWS;
         for (int u = u0; u < u1;) {            // a run's part of each tile it crosses
-            const int tile = u / nkb, k0 = u % nkb, k1 = min(nkb, k0 + (u1 - u));
-            run_stages(k0, k1);
-            u += k1 - k0;
+            const int tile = u / nkb, kb0 = u % nkb, kb1 = min(nkb, kb0 + (u1 - u));
+            run_stages(kb0, kb1);
+            u += kb1 - kb0;
             if (u == u1) launch_dependents();  // the reduce may launch (it waits for this grid's end)
             store(tile * ROWS, blockIdx.x - sk_first_cta(tile, nkb, tiles, gridDim.x), true);
         }
     } else {
         // one tile's split, stored even where it is empty (its ws slot then holds the zeros the reduce adds)
-        run_stages(kb0, kb1);
+        run_stages(u0 - blockIdx.x * nkb, u1 - blockIdx.x * nkb);
         launch_dependents();                   // the split-K reduce may launch (it waits for this grid's end)
         store(blockIdx.x * ROWS, blockIdx.y, !MASKED && gridDim.y > 1);
     }
