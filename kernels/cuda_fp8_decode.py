@@ -13,9 +13,6 @@ e4m3 weights and their E8M0 scales per 32x32 block or per (row, 32).
                                                 whether it beat the bf16-held / other FP8 paths (select's rule)
     decline_reason(m, n, k, w, sb, device)      None where it takes the call, else the rule it breaks
     FORMS                                       entry -> (token tile, 64-row blocks a consumer, stages, CTAs a SM)
-    STREAM_K / stream_k(entry)                  the stream-K forms (*_sk): "splits" is their CTA count, equal
-                                                runs of (row tile, K stage) units, summed by fp8_sk_reduce
-    sk_ctas / sk_slots                          a stream-K form's default CTA count and its ws slots
     fp8_masked_moe_gemm(a, sa_t, w, w_rows, masked_m, expected_m)   the MoE's masked layout (DeepGEMM's): a
                                                 [G, C, K] e4m3 slab, a row-scaled e4m3 stack w [G, N, K] -> [G, C, N]
                                                 bf16, rows past masked_m[g] unset; no host read (graph capturable)
@@ -58,11 +55,6 @@ PIPELINED = {"_p": ("t16_rb2", "t32_rb2", "t64_rb2", "t16_rb1", "t32_rb1", "t64_
              "_p2": ("t16_rb2", "t32_rb2", "t16_rb1", "t32_rb1", "t64_rb1", "t128_rb1", "t16_rb1_x2", "t32_rb1_x2")}
 FORMS.update({f"fp8_decode_sm90_{base}{sfx}": FORMS[f"fp8_decode_sm90_{base}"]
               for sfx, bases in PIPELINED.items() for base in bases})
-# stream-K forms (FP8_DECODE_ENTRY_SK): their "splits" are the CTAs, which take equal runs of the (row tile,
-# 128-K stage) units, a run crossing tile boundaries: every SM streams the same bytes where whole-tile K splits
-# left SMs idle (36 tiles x 3 splits = 108 of 132). Their partials go through fp8_sk_reduce.
-STREAM_K = ("t16_rb1_x2_p2", "t32_rb1_x2_p2", "t64_rb1_p2", "t64_rb2_p", "t128_rb1_p")
-FORMS.update({f"fp8_decode_sm90_{base}_sk": FORMS[f"fp8_decode_sm90_{base}"] for base in STREAM_K})
 # the masked MoE forms (FP8_MOE_ENTRY): entry -> (token tile, row blocks, stages, CTAs a SM)
 MOE_FORMS = {"fp8_moe_sm90_t16_rb1_x2": (16, 1, 4, 2),
              "fp8_moe_sm90_t32_rb1_x2": (32, 1, 4, 2),
@@ -72,7 +64,6 @@ MOE_FORMS = {"fp8_moe_sm90_t16_rb1_x2": (16, 1, 4, 2),
              "fp8_moe_sm90_t64_rb2_p": (64, 2, 5, 1),
              "fp8_moe_sm90_t128_rb1_p": (128, 1, 6, 1)}
 REDUCE = "fp8_splitk_reduce"
-SK_REDUCE = "fp8_sk_reduce"
 TOKEN_TILES = (16, 32, 64, 128)
 # plan's forms at 33-64 / 65-128 tokens, from the H100 and H200 tables (2026-12-04 / 05): at 128 t128_rb1_p won
 # all 12 (linear, GPU) rows; at 64 the pipelined one-row-block form or one within 2% of the winner where the
@@ -149,26 +140,6 @@ def plan(m: int, n: int, k: int, sms: int, rb: int | None = None) -> tuple[str, 
     nkb = -(-k // BK)
     counts = {-(-nkb // -(-nkb // s)) for s in range(1, max(1, min(nkb // 2, SPLIT_MAX)) + 1)}   # none empty
     return name, min(sorted(counts), key=lambda s: split_cost(s, tiles, m, k, sms))
-
-
-def stream_k(name: str) -> bool:
-    return name.endswith("_sk")
-
-
-def sk_ctas(name: str, m: int, n: int, k: int, sms: int) -> int:
-    """A stream-K form's default CTA count: every SM (twice for the two-CTAs-a-SM forms), at most one a unit."""
-    bt, rb, _, occ = FORMS[name]
-    return max(1, min(occ * sms, -(-n // (64 * CONSUMERS * rb)) * -(-k // BK)))
-
-
-def sk_slots(rows: int, n: int, k: int, ctas: int) -> int:
-    """ws slots a stream-K launch needs: the most runs that reach one tile (the .cu's sk_first_cta /
-    sk_last_cta: CTA i takes units [i U / ctas, (i + 1) U / ctas) of U = tiles x K stages)."""
-    tiles, nkb = -(-n // rows), -(-k // BK)
-    units = tiles * nkb
-    first = [((t * nkb + 1) * ctas - 1) // units for t in range(tiles)]
-    last = [((t + 1) * nkb * ctas - 1) // units for t in range(tiles)]
-    return max(b - a + 1 for a, b in zip(first, last))
 
 
 def split_cost(s: int, tiles: int, m: int, k: int, sms: int) -> float:
@@ -281,11 +252,7 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     if row is not None:                  # the measured best form and split count at this M
         entry, splits = row["entry"], splits or row["splits"]
     name, s = plan(m, n, k, _num_sms(dev))
-    if entry is not None and stream_k(entry):
-        name, splits = entry, min(splits or sk_ctas(entry, m, n, k, _num_sms(dev)),
-                                  -(-n // (64 * CONSUMERS * FORMS[entry][1])) * -(-k // BK))
-    else:
-        name, splits = entry or name, splits or s
+    name, splits = entry or name, splits or s
     bt, rb, _, _ = FORMS[name]
     m_ld = sa_t.shape[1]
     assert sa_t.shape[0] == k // 32 and m_ld >= m and m_ld % 4 == 0 and sa_t.dtype == torch.float32 \
@@ -299,15 +266,6 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     tx = cuda_driver.tensor_map_2d(a, BK, bt)
     tsa = cuda_driver.tensor_map_2d(sa_t, bt, 4, swizzle=0)      # [4 slices, BT tokens] a stage
     tsb = cuda_driver.tensor_map_2d(kernel_scales(sb), rows // per, 4, swizzle=0)   # [4 slices, the CTA's rows / per]
-    if stream_k(name):       # splits = CTAs; every run's part of a tile to its ws slot, then fp8_sk_reduce
-        ws = torch.empty(sk_slots(rows, n, k, splits), m, n, dtype=torch.float32, device=a.device)
-        kern.launch((splits, 1, -(-m // bt)), 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, tsb, out, ws, m, n, k, per],
-                    pdl=PDL)
-        red = cuda_driver.kernel(SRC, SK_REDUCE, 0, dev)
-        vec = 4 if n % 4 == 0 else 1
-        red.launch(min(-(-(m * n) // (256 * vec)), 8 * _num_sms(dev)), 256, 0,
-                   [ws, out, m, n, rows, -(-k // BK), splits], pdl=PDL)
-        return out
     grid = (-(-n // (64 * CONSUMERS * rb)), splits, -(-m // bt))
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else None
     kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, tsb, out, ws, m, n, k, per], pdl=PDL)

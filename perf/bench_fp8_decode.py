@@ -83,8 +83,7 @@ def table_off():
 
 def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: bool = False) -> list[dict]:
     from deepinfer.kernels import deepgemm, select
-    from deepinfer.kernels.cuda_fp8_decode import (FORMS, entry_name, fp8_decode_linear, kernel_scales, plan, sk_ctas,
-                                                   stream_k, token_tile)
+    from deepinfer.kernels.cuda_fp8_decode import FORMS, entry_name, fp8_decode_linear, kernel_scales, plan, token_tile
     from deepinfer.kernels.triton_dequant import dequant_fp8_bf16
     from deepinfer.kernels.triton_quant import act_quant
     nbytes = n * k * (1 + 1 / 1024)
@@ -114,9 +113,7 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: 
             for name_f in FORMS:
                 if FORMS[name_f][0] != bt:
                     continue
-                sps = ({sk_ctas(name_f, m, n, k, sms)} if stream_k(name_f)      # stream-K: CTAs, not splits
-                       else {1, max(1, splits // 2), splits, 2 * splits})
-                for sp in sorted(sps):
+                for sp in sorted({1, max(1, splits // 2), splits, 2 * splits}):
                     key = f"{name_f[len('fp8_decode_sm90_'):]}/s{sp}"
                     r[f"form {key}_us"] = time_calls([lambda w=w, s=s: fp8_decode_linear(x, w, s, name_f, sp)
                                                       for w, s in ws]) * 1e6

@@ -25,8 +25,7 @@
 // Tails: TMA zero-fills rows past N / M, K columns past K and scale rows past K/32 (zero scales); stores
 // are masked. Split-K: gridDim.y splits take equal runs of the K stages; with more than one the CTA stores
 // fp32 partials to ws [splits, M, N] and fp8_splitk_reduce sums them in split order (summing them in the
-// kernel, by each tile's last split, was slower from 64 tokens: H200_NOTES, 2026-12-04 afternoon). The
-// stream-K forms (SK) take gridDim.x CTAs instead, each an equal run of the (tile, stage) units.
+// kernel, by each tile's last split, was slower from 64 tokens: H200_NOTES, 2026-12-04 afternoon).
 // Programmatic dependent launch (cuda_fp8_decode.PDL): the producer issues the first stages' weight loads,
 // then waits on the kernel ahead (act_quant, which triggers at its start) before the token loads; consumers
 // wait before anything they write; the epilogue lets the split-K reduce launch.
@@ -165,24 +164,7 @@ __device__ __forceinline__ void split_registers(bool producer) {
 // tokens past M read the next expert's rows (or TMA's zeros): their products land in outputs never stored.
 // EPI_ROW: one pow2 weight scale a row (wrow [G N] f32: the row-scaled expert stacks), multiplied in the
 // epilogue (exact: a power of two), no weight-scale tiles loaded.
-// The first CTA of a stream-K grid of `ctas` whose run reaches tile t: the largest i with floor(i U / ctas) <=
-// t nkb (U = tiles nkb units); the kernel's ws slot of a tile's part and fp8_sk_reduce's count both follow it.
-__host__ __device__ __forceinline__ int sk_first_cta(int t, int nkb, int tiles, int ctas) {
-    const int64_t units = static_cast<int64_t>(tiles) * nkb;
-    return static_cast<int>(((static_cast<int64_t>(t) * nkb + 1) * ctas - 1) / units);
-}
-// ... and the last: the CTA whose run holds tile t's last unit (the tile has last - first + 1 ws slots).
-__host__ __device__ __forceinline__ int sk_last_cta(int t, int nkb, int tiles, int ctas) {
-    const int64_t units = static_cast<int64_t>(tiles) * nkb;
-    return static_cast<int>(((static_cast<int64_t>(t) + 1) * nkb * ctas - 1) / units);
-}
-
-// SK (stream-K): gridDim.x CTAs take equal runs of the (tile, 128-K stage) units, tile-major, a run crossing
-// tile boundaries where it ends past one: every SM streams the same bytes where whole-tile splits left SMs idle
-// (w13 at 64 tokens: 36 tiles x 3 splits = 108 CTAs of 14 stages against 132 of ~11). Each run's part of a tile
-// goes to ws slot (CTA - the tile's first CTA); fp8_sk_reduce sums a tile's slots in order (sk_first_cta).
-template <int BT, int RB, int STAGES, int OCC, int PIPE, bool ONE, bool MASKED = false, bool EPI_ROW = false,
-          bool SK = false>
+template <int BT, int RB, int STAGES, int OCC, int PIPE, bool ONE, bool MASKED = false, bool EPI_ROW = false>
 __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUtensorMap* tmap_x,
                                             const CUtensorMap* tmap_sa, const CUtensorMap* tmap_sb,
                                             __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N,
@@ -206,7 +188,7 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     const float* sb_tiles = reinterpret_cast<const float*>(smem_raw + (sb_smem - smem_u32(smem_raw)));
     const StageRing<STAGES> ring{bars};
 
-    const int t0 = blockIdx.z * BT;
+    const int n0 = blockIdx.x * ROWS, t0 = blockIdx.z * BT;
     int row_base = 0, tok_base = 0;          // the expert's first weight row / token row in the maps (MASKED)
     if constexpr (MASKED) {
         grid_dependency_wait();              // masked_m is the routing's (never launched programmatically yet)
@@ -218,19 +200,9 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
         c += static_cast<int64_t>(g) * C * N;
     }
     const int nkb = (K + BK - 1) / BK;
-    // the CTA's run [u0, u1) of units u = tile * nkb + K stage: one tile's K split (gridDim.y equal runs), or SK's
-    int u0, u1;
-    if constexpr (SK) {
-        const int64_t units = static_cast<int64_t>((N + ROWS - 1) / ROWS) * nkb;
-        u0 = static_cast<int>(units * blockIdx.x / gridDim.x);
-        u1 = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
-    } else {
-        const int nsplit = MASKED ? 1 : gridDim.y, split_id = MASKED ? 0 : blockIdx.y;
-        const int per = (nkb + nsplit - 1) / nsplit;
-        const int kb0 = min(nkb, split_id * per);
-        u0 = blockIdx.x * nkb + kb0;
-        u1 = blockIdx.x * nkb + min(nkb, kb0 + per);
-    }
+    const int nsplit = MASKED ? 1 : gridDim.y, split_id = MASKED ? 0 : blockIdx.y;
+    const int per = (nkb + nsplit - 1) / nsplit;
+    const int kb0 = min(nkb, split_id * per), kb1 = min(nkb, kb0 + per);
     constexpr int sbc = ONE ? ROWS / 32 : ROWS;         // the scale tile's columns (the map's box)
 
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
@@ -249,36 +221,34 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
             const uint32_t bytes = W_BYTES + X_BYTES + SA_BYTES + (EPI_ROW ? 0 : SLICES * sbc * 4);
             // the first stages' weights (and their scales: made once, at load) before waiting on the kernel that
             // wrote the tokens: under a programmatic launch they stream while it ends (its stages start empty)
-            const int nloads = u1 - u0;
-            const int ahead = min(nloads, STAGES);
+            const int ahead = min(kb1 - kb0, STAGES);
             for (int j = 0; j < ahead; ++j) {
-                const int kb = (u0 + j) % nkb, row = row_base + (u0 + j) / nkb * ROWS;
                 mbar_arrive_expect_tx(ring.full(j), bytes);
-                tma_load_2d(w_smem + j * W_BYTES, tmap_w, ring.full(j), kb * BK, row);
+                tma_load_2d(w_smem + j * W_BYTES, tmap_w, ring.full(j), (kb0 + j) * BK, row_base + n0);
                 if constexpr (!EPI_ROW)
-                    tma_load_2d(sb_smem + j * SB_BYTES, tmap_sb, ring.full(j), row / sb_rows, kb * SLICES);
+                    tma_load_2d(sb_smem + j * SB_BYTES, tmap_sb, ring.full(j), (row_base + n0) / sb_rows,
+                                (kb0 + j) * SLICES);
             }
             grid_dependency_wait();
             for (int j = 0; j < ahead; ++j) {
-                const int kb = (u0 + j) % nkb;
-                tma_load_2d(x_smem + j * X_BYTES, tmap_x, ring.full(j), kb * BK, tok_base + t0);
-                tma_load_2d(sa_smem + j * SA_BYTES, tmap_sa, ring.full(j), tok_base + t0, kb * SLICES);
+                tma_load_2d(x_smem + j * X_BYTES, tmap_x, ring.full(j), (kb0 + j) * BK, tok_base + t0);
+                tma_load_2d(sa_smem + j * SA_BYTES, tmap_sa, ring.full(j), tok_base + t0, (kb0 + j) * SLICES);
             }
             int stage = ahead % STAGES;
             uint32_t phase = ahead == STAGES ? 1 : 0;
-            for (int u = u0 + ahead; u < u1; ++u) {
-                const int kb = u % nkb, row = row_base + u / nkb * ROWS;
+            for (int kb = kb0 + ahead; kb < kb1; ++kb) {
                 mbar_wait_or_trap(ring.empty(stage), phase ^ 1);
                 mbar_arrive_expect_tx(ring.full(stage), bytes);
-                tma_load_2d(w_smem + stage * W_BYTES, tmap_w, ring.full(stage), kb * BK, row);
+                tma_load_2d(w_smem + stage * W_BYTES, tmap_w, ring.full(stage), kb * BK, row_base + n0);
                 tma_load_2d(x_smem + stage * X_BYTES, tmap_x, ring.full(stage), kb * BK, tok_base + t0);
                 // slices past K/32, rows past N read as zero scales (the maps end there)
                 tma_load_2d(sa_smem + stage * SA_BYTES, tmap_sa, ring.full(stage), tok_base + t0, kb * SLICES);
                 if constexpr (!EPI_ROW)
-                    tma_load_2d(sb_smem + stage * SB_BYTES, tmap_sb, ring.full(stage), row / sb_rows, kb * SLICES);
+                    tma_load_2d(sb_smem + stage * SB_BYTES, tmap_sb, ring.full(stage), (row_base + n0) / sb_rows,
+                                kb * SLICES);
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
-            // the consumers' releases of the last loads (the hang check)
+            const int nloads = kb1 - kb0;   // the consumers' releases of the last loads (the hang check)
             for (int j = max(0, nloads - STAGES); j < nloads; ++j)
                 mbar_wait_or_trap(ring.empty(j % STAGES), (j / STAGES) & 1);
         }
@@ -288,147 +258,128 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     split_registers<OCC>(false);
     grid_dependency_wait();                  // every global write after the kernel ahead has ended (PDL)
     const int warp = tid / 32, lane = tid % 32, q = lane % 4;
-    // this thread's weight rows in its tile: row block rb's r0 = lrow + 64 rb, r1 = r0 + 8 (one 32-row block)
-    const int lrow = 64 * RB * wg + 16 * warp + lane / 4;
+    // this thread's weight rows: row block rb's r0 = row0 + 64 rb, r1 = r0 + 8 (one 32-row block: same scale)
+    const int row0 = n0 + 64 * RB * wg + 16 * warp + lane / 4;
     RowScales rs[RB];
 #pragma unroll
     for (int rb = 0; rb < RB; ++rb) {
-        const int l0 = lrow + 64 * rb;
+        const int l0 = row0 + 64 * rb - n0;
         rs[rb] = ONE ? RowScales{l0 / 32, l0 / 32} : RowScales{l0, l0 + 8};
     }
 
     float acc[RB][R];
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+        for (int i = 0; i < R; ++i) acc[rb][i] = 0.f;
     auto sa_at = [&](int st, int j) { return sa_tiles + st * (SA_BYTES / 4) + j * BT + 2 * q; };
     auto sb_at = [&](int st, int j) { return sb_tiles + st * (SB_BYTES / 4) + j * sbc; };
 
     int stage = 0;
     uint32_t phase = 0;
-    // one tile's K stages [kb0, kb1) into acc (the ring's stage and phase run on across calls)
-    auto run_stages = [&](const int kb0, const int kb1) {
+    if constexpr (PIPE > 0) {
+        // Turns of PIPE stages: slice i's wgmmas run while slice i-1 is promoted, across the turn's stage
+        // boundary too (a stage is released once its last slice is promoted); only the turn's last slice
+        // waits on its own wgmma (wait 0 before the loop's back edge: ptxas cannot follow a wgmma in flight
+        // across it and would serialize every one, C7514).
+        float tmp[2][RB][R];
+        auto turn = [&](auto ns_tag) {
+            constexpr int NS = decltype(ns_tag)::value;
+            int st[NS];
 #pragma unroll
-        for (int rb = 0; rb < RB; ++rb)
-#pragma unroll
-            for (int i = 0; i < R; ++i) acc[rb][i] = 0.f;
-        if constexpr (PIPE > 0) {
-            // Turns of PIPE stages: slice i's wgmmas run while slice i-1 is promoted, across the turn's stage
-            // boundary too (a stage is released once its last slice is promoted); only the turn's last slice
-            // waits on its own wgmma (wait 0 before the loop's back edge: ptxas cannot follow a wgmma in flight
-            // across it and would serialize every one, C7514).
-            float tmp[2][RB][R];
-            auto turn = [&](auto ns_tag) {
-                constexpr int NS = decltype(ns_tag)::value;
-                int st[NS];
-#pragma unroll
-                for (int sidx = 0; sidx < NS; ++sidx) {
-                    st[sidx] = stage;
-                    mbar_wait(ring.full(stage), phase);
-                    __syncwarp();                          // converged for the .aligned wgmma instructions
-                    if (++stage == STAGES) stage = 0, phase ^= 1;
-                    const uint64_t dw = sw128_desc(w_smem + st[sidx] * W_BYTES + 64 * RB * wg * BK);
-                    const uint64_t dx = sw128_desc(x_smem + st[sidx] * X_BYTES);
-#pragma unroll
-                    for (int j = 0; j < SLICES; ++j) {
-                        const int i = sidx * SLICES + j;
-#pragma unroll
-                        for (int rb = 0; rb < RB; ++rb) {
-                            wgmma_fence();
-                            fence_regs(tmp[i & 1][rb]);
-                            wgmma_tokens<BT>(tmp[i & 1][rb], dw + (64 * BK >> 4) * rb + 2 * j, dx + 2 * j);
-                            wgmma_commit();
-                        }
-                        if (i == 0) continue;
-                        wgmma_wait<RB>();                  // slice i-1 done, slice i runs
-                        const int ps = st[(i - 1) / SLICES], pj = (i - 1) % SLICES;
-                        promote_slice<BT, RB, ONE, EPI_ROW>(acc, tmp[(i - 1) & 1], sa_at(ps, pj), sb_at(ps, pj), rs);
-                        if (j == 0 && lane == 0) mbar_arrive(ring.empty(ps));   // its last slice is promoted
-                    }
-                }
-                wgmma_wait<0>();
-                promote_slice<BT, RB, ONE, EPI_ROW>(acc, tmp[(NS * SLICES - 1) & 1], sa_at(st[NS - 1], SLICES - 1),
-                                      sb_at(st[NS - 1], SLICES - 1), rs);
-                if (lane == 0) mbar_arrive(ring.empty(st[NS - 1]));
-            };
-            int kb = kb0;
-            for (; kb + PIPE <= kb1; kb += PIPE) turn(Stages<PIPE>{});
-            if constexpr (PIPE == 2) {
-                if (kb < kb1) turn(Stages<1>{});
-            }
-        } else {
-            // per slice: every row block's wgmma in flight, then each promoted as it completes; the other
-            // consumer's wgmmas fill the tensor cores meanwhile
-            float tmp[RB][R];
-            for (int kb = kb0; kb < kb1; ++kb) {
+            for (int sidx = 0; sidx < NS; ++sidx) {
+                st[sidx] = stage;
                 mbar_wait(ring.full(stage), phase);
-                __syncwarp();                              // converged for the .aligned wgmma instructions
-                const uint64_t dw = sw128_desc(w_smem + stage * W_BYTES + 64 * RB * wg * BK);
-                const uint64_t dx = sw128_desc(x_smem + stage * X_BYTES);
+                __syncwarp();                          // converged for the .aligned wgmma instructions
+                if (++stage == STAGES) stage = 0, phase ^= 1;
+                const uint64_t dw = sw128_desc(w_smem + st[sidx] * W_BYTES + 64 * RB * wg * BK);
+                const uint64_t dx = sw128_desc(x_smem + st[sidx] * X_BYTES);
 #pragma unroll
                 for (int j = 0; j < SLICES; ++j) {
+                    const int i = sidx * SLICES + j;
 #pragma unroll
                     for (int rb = 0; rb < RB; ++rb) {
                         wgmma_fence();
-                        fence_regs(tmp[rb]);
-                        wgmma_tokens<BT>(tmp[rb], dw + (64 * BK >> 4) * rb + 2 * j, dx + 2 * j);   // + 32 bytes a slice
+                        fence_regs(tmp[i & 1][rb]);
+                        wgmma_tokens<BT>(tmp[i & 1][rb], dw + (64 * BK >> 4) * rb + 2 * j, dx + 2 * j);
                         wgmma_commit();
                     }
-                    float2 ts[R / 4];                      // tokens 8f + 2q, + 1 of slice j
-                    const float* sa_p = sa_at(stage, j);
-                    const float* sb_p = sb_at(stage, j);
-#pragma unroll
-                    for (int f = 0; f < R / 4; ++f) ts[f] = *reinterpret_cast<const float2*>(sa_p + 8 * f);
-#pragma unroll
-                    for (int rb = 0; rb < RB; ++rb) {
-                        if (rb == RB - 1) wgmma_wait<0>();
-                        else wgmma_wait<RB - 1>();         // RB <= 2: row block 0 done, row block 1 may run
-                        fence_regs(tmp[rb]);
-                        promote_tokens<ONE || EPI_ROW>(acc[rb], tmp[rb], slice_wscale<EPI_ROW>(sb_p, rs[rb].off0),
-                                                       slice_wscale<EPI_ROW>(sb_p, rs[rb].off1), ts);
-                    }
-                }
-                if (lane == 0) mbar_arrive(ring.empty(stage));  // every wgmma and scale read of this stage is done
-                if (++stage == STAGES) stage = 0, phase ^= 1;
-            }
-        }
-    };
-
-    // epilogue, masked: C[token, row] bf16 (round to nearest even) or ws [slot, token, row] fp32
-    auto store = [&](const int n0, const int slot, const bool to_ws) {
-#pragma unroll
-        for (int rb = 0; rb < RB; ++rb) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = n0 + lrow + 64 * rb + 8 * h;
-                if (row >= N) continue;
-                const float rscale = EPI_ROW ? wrow[row_base + row] : 1.f;
-#pragma unroll
-                for (int f = 0; f < R / 4; ++f) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int tok = t0 + 8 * f + 2 * q + e;
-                        if (tok >= M) continue;
-                        const float v = EPI_ROW ? acc[rb][4 * f + 2 * h + e] * rscale : acc[rb][4 * f + 2 * h + e];
-                        if (to_ws) ws[(static_cast<int64_t>(slot) * M + tok) * N + row] = v;
-                        else c[static_cast<int64_t>(tok) * N + row] = __float2bfloat16_rn(v);
-                    }
+                    if (i == 0) continue;
+                    wgmma_wait<RB>();                  // slice i-1 done, slice i runs
+                    const int ps = st[(i - 1) / SLICES], pj = (i - 1) % SLICES;
+                    promote_slice<BT, RB, ONE, EPI_ROW>(acc, tmp[(i - 1) & 1], sa_at(ps, pj), sb_at(ps, pj), rs);
+                    if (j == 0 && lane == 0) mbar_arrive(ring.empty(ps));   // its last slice is promoted
                 }
             }
-        }
-    };
-
-    if constexpr (SK) {
-        const int tiles = (N + ROWS - 1) / ROWS;
-        for (int u = u0; u < u1;) {            // a run's part of each tile it crosses
-            const int tile = u / nkb, kb0 = u % nkb, kb1 = min(nkb, kb0 + (u1 - u));
-            run_stages(kb0, kb1);
-            u += kb1 - kb0;
-            if (u == u1) launch_dependents();  // the reduce may launch (it waits for this grid's end)
-            store(tile * ROWS, blockIdx.x - sk_first_cta(tile, nkb, tiles, gridDim.x), true);
+            wgmma_wait<0>();
+            promote_slice<BT, RB, ONE, EPI_ROW>(acc, tmp[(NS * SLICES - 1) & 1], sa_at(st[NS - 1], SLICES - 1),
+                                  sb_at(st[NS - 1], SLICES - 1), rs);
+            if (lane == 0) mbar_arrive(ring.empty(st[NS - 1]));
+        };
+        int kb = kb0;
+        for (; kb + PIPE <= kb1; kb += PIPE) turn(Stages<PIPE>{});
+        if constexpr (PIPE == 2) {
+            if (kb < kb1) turn(Stages<1>{});
         }
     } else {
-        // one tile's split, stored even where it is empty (its ws slot then holds the zeros the reduce adds)
-        run_stages(u0 - blockIdx.x * nkb, u1 - blockIdx.x * nkb);
-        launch_dependents();                   // the split-K reduce may launch (it waits for this grid's end)
-        store(blockIdx.x * ROWS, blockIdx.y, !MASKED && gridDim.y > 1);
+        // per slice: every row block's wgmma in flight, then each promoted as it completes; the other
+        // consumer's wgmmas fill the tensor cores meanwhile
+        float tmp[RB][R];
+        for (int kb = kb0; kb < kb1; ++kb) {
+            mbar_wait(ring.full(stage), phase);
+            __syncwarp();                              // converged for the .aligned wgmma instructions
+            const uint64_t dw = sw128_desc(w_smem + stage * W_BYTES + 64 * RB * wg * BK);
+            const uint64_t dx = sw128_desc(x_smem + stage * X_BYTES);
+#pragma unroll
+            for (int j = 0; j < SLICES; ++j) {
+#pragma unroll
+                for (int rb = 0; rb < RB; ++rb) {
+                    wgmma_fence();
+                    fence_regs(tmp[rb]);
+                    wgmma_tokens<BT>(tmp[rb], dw + (64 * BK >> 4) * rb + 2 * j, dx + 2 * j);   // + 32 bytes a slice
+                    wgmma_commit();
+                }
+                float2 ts[R / 4];                      // tokens 8f + 2q, + 1 of slice j
+                const float* sa_p = sa_at(stage, j);
+                const float* sb_p = sb_at(stage, j);
+#pragma unroll
+                for (int f = 0; f < R / 4; ++f) ts[f] = *reinterpret_cast<const float2*>(sa_p + 8 * f);
+#pragma unroll
+                for (int rb = 0; rb < RB; ++rb) {
+                    if (rb == RB - 1) wgmma_wait<0>();
+                    else wgmma_wait<RB - 1>();         // RB <= 2: row block 0 done, row block 1 may run
+                    fence_regs(tmp[rb]);
+                    promote_tokens<ONE || EPI_ROW>(acc[rb], tmp[rb], slice_wscale<EPI_ROW>(sb_p, rs[rb].off0),
+                                                   slice_wscale<EPI_ROW>(sb_p, rs[rb].off1), ts);
+                }
+            }
+            if (lane == 0) mbar_arrive(ring.empty(stage));  // every wgmma and scale read of this stage is done
+            if (++stage == STAGES) stage = 0, phase ^= 1;
+        }
+    }
+
+    // epilogue, masked: C[token, row] bf16 (round to nearest even) or ws [split, token, row] fp32
+    launch_dependents();                     // the split-K reduce may launch (it waits for this grid's end)
+    const bool split = !MASKED && gridDim.y > 1;
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 64 * rb + 8 * h;
+            if (row >= N) continue;
+            const float rscale = EPI_ROW ? wrow[row_base + row] : 1.f;
+#pragma unroll
+            for (int f = 0; f < R / 4; ++f) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int tok = t0 + 8 * f + 2 * q + e;
+                    if (tok >= M) continue;
+                    const float v = EPI_ROW ? acc[rb][4 * f + 2 * h + e] * rscale : acc[rb][4 * f + 2 * h + e];
+                    if (split) ws[(static_cast<int64_t>(blockIdx.y) * M + tok) * N + row] = v;
+                    else c[static_cast<int64_t>(tok) * N + row] = __float2bfloat16_rn(v);
+                }
+            }
+        }
     }
 }
 
@@ -439,17 +390,16 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
 // 1024 + STAGES * ((128 RB + BT) * 128 + 16 BT + 16 * 128 RB + 16) (kernels/cuda_fp8_decode.py FORMS must match).
 // tmap_sa: the token scales saT [K/32, m_ld] f32, box (BT, 4); tmap_sb: the weight scales sbT [K/32, sb_ld] f32,
 // box (128 RB / sb_rows, 4). sb_rows: 32 (one scale per 32x32 block) or 1 (per (row, 32)).
-#define FP8_DECODE_ENTRY_SK(NAME, BT, RB, STAGES, OCC, PIPE, SK)                                                   \
+#define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES, OCC, PIPE)                                                           \
     extern "C" __global__ void __launch_bounds__(384, OCC)                                                     \
         NAME(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,         \
              const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_sb,                    \
              __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N, int K, int sb_rows) {      \
         if (sb_rows == 32)                                                                                      \
-            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, true, false, false, SK>(&tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 32); \
+            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, true>(&tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 32); \
         else                                                                                                    \
-            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, false, false, false, SK>(&tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 1); \
+            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, false>(&tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 1); \
     }
-#define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES, OCC, PIPE) FP8_DECODE_ENTRY_SK(NAME, BT, RB, STAGES, OCC, PIPE, false)
 
 FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2, 16, 2, 5, 1, 0)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb2, 32, 2, 5, 1, 0)
@@ -480,44 +430,6 @@ FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1_p2, 64, 1, 8, 1, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1_p2, 128, 1, 6, 1, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_x2_p2, 16, 1, 4, 2, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_x2_p2, 32, 1, 4, 2, 2)
-// stream-K (SK): gridDim.x CTAs (the launch's "splits"), ws [slots, M, N] summed by fp8_sk_reduce
-FP8_DECODE_ENTRY_SK(fp8_decode_sm90_t16_rb1_x2_p2_sk, 16, 1, 4, 2, 2, true)
-FP8_DECODE_ENTRY_SK(fp8_decode_sm90_t32_rb1_x2_p2_sk, 32, 1, 4, 2, 2, true)
-FP8_DECODE_ENTRY_SK(fp8_decode_sm90_t64_rb1_p2_sk, 64, 1, 8, 1, 2, true)
-FP8_DECODE_ENTRY_SK(fp8_decode_sm90_t64_rb2_p_sk, 64, 2, 5, 1, 1, true)
-FP8_DECODE_ENTRY_SK(fp8_decode_sm90_t128_rb1_p_sk, 128, 1, 6, 1, 1, true)
-
-// The stream-K partials' sum: out[m, n] = the ws slots of n's tile (its runs' parts, first CTA first) added in
-// order, bf16. Four outputs a thread where N % 4 == 0 (a tile's rows come in fours), one otherwise.
-extern "C" __global__ void __launch_bounds__(256) fp8_sk_reduce(const float* __restrict__ ws, __nv_bfloat16* __restrict__ c,
-                                                                int M, int N, int rows, int nkb, int ctas) {
-    fp8sm90::grid_dependency_wait();       // launched programmatically behind the GEMM that writes ws
-    const int tiles = (N + rows - 1) / rows;
-    const int64_t total = static_cast<int64_t>(M) * N;
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    const int vec = N % 4 == 0 ? 4 : 1;
-    for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * vec; i < total; i += stride * vec) {
-        const int t = static_cast<int>(i % N) / rows;
-        const int first = fp8dec::sk_first_cta(t, nkb, tiles, ctas), last = fp8dec::sk_last_cta(t, nkb, tiles, ctas);
-        if (vec == 4) {
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int s = 0; s <= last - first; ++s) {
-                const float4 v = *reinterpret_cast<const float4*>(ws + s * total + i);
-                acc.x += v.x;
-                acc.y += v.y;
-                acc.z += v.z;
-                acc.w += v.w;
-            }
-            __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(c + i);
-            out[0] = __floats2bfloat162_rn(acc.x, acc.y);
-            out[1] = __floats2bfloat162_rn(acc.z, acc.w);
-        } else {
-            float acc = 0.f;
-            for (int s = 0; s <= last - first; ++s) acc += ws[s * total + i];
-            c[i] = __float2bfloat16_rn(acc);
-        }
-    }
-}
 
 // The masked MoE forms (MASKED, EPI_ROW above: the row-scaled FP8 expert stacks). Launch: grid
 // (ceil(N / (128 RB)), G, ceil(C / BT)), block 384, the shared memory of the dense form of the tile. tmap_w over

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import cuda_driver
-from deepinfer.kernels.cuda_fp8_decode import (FORMS, MOE_FORMS, REDUCE, SK_REDUCE, SRC, sk_ctas, sk_slots, decline_reason, kernel_scales,
+from deepinfer.kernels.cuda_fp8_decode import (FORMS, MOE_FORMS, REDUCE, SRC, decline_reason, kernel_scales,
                                                masked_decline_reason, masked_plan, plan, scales_ready, smem_bytes,
                                                split_cost, token_tile)
 from deepinfer.kernels.reference import e8m0_to_float
@@ -34,8 +34,8 @@ def compiled(tmp_path_factory):
 def test_compiles_without_spills_or_serialized_wgmma(compiled):
     cubin, log = compiled
     funcs = _functions(log)
-    assert set(FORMS) | set(MOE_FORMS) | {REDUCE, SK_REDUCE} <= set(funcs), sorted(funcs)
-    for name in (*FORMS, *MOE_FORMS, REDUCE, SK_REDUCE):
+    assert set(FORMS) | set(MOE_FORMS) | {REDUCE} <= set(funcs), sorted(funcs)
+    for name in (*FORMS, *MOE_FORMS, REDUCE):
         assert "0 bytes spill stores, 0 bytes spill loads" in funcs[name], (name, funcs[name])
     assert "C7514" not in log and "C7515" not in log and "serialized" not in log, log
     assert "C7508" not in log, log
@@ -51,7 +51,7 @@ def test_sass_has_the_token_wide_fp8_gmma(compiled):
         code = sass[name]
         # RB row blocks x 4 slices a stage (the _p2 forms: a turn of two stages and the one-stage tail turn),
         # weights (A) and tokens (B) both from shared memory
-        per_stage = 3 if "_p2" in name else 1
+        per_stage = 3 if name.endswith("_p2") else 1
         assert code.count(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3") == 2 * 4 * rb * per_stage, name   # two bodies: block / row scales
         assert "UTMALDG.2D" in code and "USETMAXREG" in code, name
     for name, (bt, rb, _, _) in MOE_FORMS.items():
@@ -276,42 +276,3 @@ def test_masked_form_refuses_unaligned_slabs():
     with pytest.raises(ValueError, match="multiple of 4"):
         cuda_fp8_decode.fp8_masked_moe_gemm(a, transposed_scales(sa), w, e8m0_to_float(rows_e).float().contiguous(),
                                             mm, 5)
-
-
-@pytest.mark.parametrize("n,k,ctas", [(4608, 5120, 132), (5120, 2304, 132), (1792, 5120, 264), (200, 300, 7),
-                                      (128, 128, 1), (32768, 1280, 132), (300, 4096, 5)])
-def test_stream_k_runs_cover_each_tile_once_in_slot_order(n, k, ctas):
-    """The stream-K split (the .cu's unit runs, sk_first_cta / sk_last_cta): every (tile, K stage) unit in
-    exactly one CTA's run, each tile's parts in ascending K from slot 0 up, no more slots than sk_slots, and
-    the CTAs' runs within one stage of each other (the balance the forms are for)."""
-    rows, bk = 128, 128
-    tiles, nkb = -(-n // rows), -(-k // bk)
-    units = tiles * nkb
-    ctas = min(ctas, units)
-    parts: dict[int, list] = {}
-    lengths = []
-    for i in range(ctas):
-        u0, u1 = units * i // ctas, units * (i + 1) // ctas
-        lengths.append(u1 - u0)
-        u = u0
-        while u < u1:
-            t, kb0 = divmod(u, nkb)
-            kb1 = min(nkb, kb0 + (u1 - u))
-            first = ((t * nkb + 1) * ctas - 1) // units
-            parts.setdefault(t, []).append((i - first, kb0, kb1))
-            u += kb1 - kb0
-    assert max(lengths) - min(lengths) <= 1 and min(lengths) >= 1
-    for t in range(tiles):
-        got = parts[t]
-        assert [slot for slot, _, _ in got] == list(range(len(got))), (t, got)
-        assert got[0][1] == 0 and got[-1][2] == nkb and all(a[2] == b[1] for a, b in zip(got, got[1:]))
-        assert len(got) == ((t + 1) * nkb * ctas - 1) // units - ((t * nkb + 1) * ctas - 1) // units + 1
-        assert len(got) <= sk_slots(rows, n, k, ctas)
-    assert max(len(v) for v in parts.values()) == sk_slots(rows, n, k, ctas)
-
-
-def test_stream_k_forms_default_to_every_sm_and_at_most_a_cta_a_unit():
-    assert sk_ctas("fp8_decode_sm90_t64_rb1_p2_sk", 64, 4608, 5120, 132) == 132
-    assert sk_ctas("fp8_decode_sm90_t16_rb1_x2_p2_sk", 16, 4608, 5120, 132) == 264     # two CTAs a SM
-    assert sk_ctas("fp8_decode_sm90_t64_rb1_p2_sk", 64, 256, 256, 132) == 4             # 2 tiles x 2 stages
-    assert sk_ctas("fp8_decode_sm90_t64_rb2_p_sk", 64, 512, 256, 132) == 4              # 256-row tiles
