@@ -6,7 +6,7 @@ default), W8A16 with the MoE in the grouped contiguous form (DEEPINFER_MOE_CONTI
 FP8 per-32-promotion kernels (DEEPINFER_PREFILL_GEMM=fp8, kernels/triton_fp8_prefill.py).
 
     python perf/bench_model_prefill.py [--cases 1x8192 4x2048 16x512 chunked] [--profile] [--gemms w8a16 lag_blocks ...]
-                                       (model_prefill.json / .png in $OUT, the plot also as perf/figures/model_prefill_h200.png)
+                                       (model_prefill.json / .png in $OUT, the plot also as perf/figures/model_prefill_<gpu>.png)
 
 Printed per case and GEMM path: milliseconds, tokens/s, the linear work's TFLOP/s and its share of the
 FP8 and bf16 peaks measured in the same run (benchutil.measure_ceilings: torch._scaled_mm per-tensor FP8
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import (dummy_model, measure_ceilings, mhc_variants, out_dir, save_json, time_eager,  # noqa: E402
+from benchutil import (dummy_model, gpu_model, measure_ceilings, mhc_variants, out_dir, save_json, time_eager,  # noqa: E402
                        use_mhc_variant)
 
 FULL_LAYERS = 40
@@ -328,9 +328,10 @@ def main() -> None:
     print("declined fast paths:", sorted(select.declined()))
     save_json("model_prefill.json", dict(preset=a.preset, peaks=peaks, rows=rows, profile_top=top))
     os.makedirs(FIGURES, exist_ok=True)
-    for path in (os.path.join(out_dir(), "model_prefill.png"), os.path.join(FIGURES, "model_prefill_h200.png")):
+    gpu = gpu_model()
+    for path in (os.path.join(out_dir(), "model_prefill.png"), os.path.join(FIGURES, f"model_prefill_{gpu.lower()}.png")):
         try:
-            plot(rows, path, f"H200 prefill, {a.preset} ({model.args.n_layers} layers, "
+            plot(rows, path, f"{gpu} prefill, {a.preset} ({model.args.n_layers} layers, "
                              f"{model.args.n_routed_experts} local experts"
                              + (", 40-layer time scaled)" if model.args.n_layers != FULL_LAYERS else ")"))
         except OSError:

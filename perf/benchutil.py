@@ -19,6 +19,16 @@ def out_dir() -> str:
     return d
 
 
+def gpu_model() -> str:
+    """The GPU's short model name for plot titles and file names ("H200", "H100"; "GPU" where unknown):
+    the pool lends either, and a figure must say which one measured it."""
+    import re
+    import torch
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    found = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", name)
+    return found.group(1) if found else "GPU"
+
+
 def copies_for(nbytes: float, cap: int = 16) -> int:
     """How many distinct input sets make one graph replay stream at least ~4x the L2 size."""
     return int(max(1, min(cap, -(-4 * L2_BYTES // max(1, int(nbytes))))))
