@@ -363,29 +363,34 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
         }
     }
 
-    // epilogue, masked: C[token, row] bf16 (round to nearest even) or ws [split, token, row] fp32
-    launch_dependents();                     // the split-K reduce may launch (it waits for this grid's end)
-    const bool split = !MASKED && gridDim.y > 1;
+    // each output this thread holds: fn(its accumulator, weight row, token), rows past N and tokens past M skipped
+    auto for_each_output = [&](auto&& fn) {
 #pragma unroll
-    for (int rb = 0; rb < RB; ++rb) {
+        for (int rb = 0; rb < RB; ++rb) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + 64 * rb + 8 * h;
-            if (row >= N) continue;
-            const float rscale = EPI_ROW ? wrow[row_base + row] : 1.f;
+            for (int h = 0; h < 2; ++h) {
+                const int row = row0 + 64 * rb + 8 * h;
+                if (row >= N) continue;
 #pragma unroll
-            for (int f = 0; f < R / 4; ++f) {
+                for (int f = 0; f < R / 4; ++f) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int tok = t0 + 8 * f + 2 * q + e;
-                    if (tok >= M) continue;
-                    const float v = EPI_ROW ? acc[rb][4 * f + 2 * h + e] * rscale : acc[rb][4 * f + 2 * h + e];
-                    if (split) ws[(static_cast<int64_t>(blockIdx.y) * M + tok) * N + row] = v;
-                    else c[static_cast<int64_t>(tok) * N + row] = __float2bfloat16_rn(v);
+                    for (int e = 0; e < 2; ++e) {
+                        const int tok = t0 + 8 * f + 2 * q + e;
+                        if (tok < M) fn(acc[rb][4 * f + 2 * h + e], row, tok);
+                    }
                 }
             }
         }
-    }
+    };
+
+    // epilogue, masked: C[token, row] bf16 (round to nearest even) or ws [split, token, row] fp32
+    launch_dependents();                     // the split-K reduce may launch (it waits for this grid's end)
+    const bool split = !MASKED && gridDim.y > 1;
+    for_each_output([&](float a, int row, int tok) {
+        const float v = EPI_ROW ? a * wrow[row_base + row] : a;
+        if (split) ws[(static_cast<int64_t>(blockIdx.y) * M + tok) * N + row] = v;
+        else c[static_cast<int64_t>(tok) * N + row] = __float2bfloat16_rn(v);
+    });
     if constexpr (FIXUP) {
         if (!split) return;
         __shared__ int last_split;
@@ -399,26 +404,12 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
         asm volatile("bar.sync 1, 256;\n" ::: "memory");
         if (!last_split) return;
         __threadfence();                                      // the other splits' partials, after their arrivals
-#pragma unroll
-        for (int rb = 0; rb < RB; ++rb) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = row0 + 64 * rb + 8 * h;
-                if (row >= N) continue;
-#pragma unroll
-                for (int f = 0; f < R / 4; ++f) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int tok = t0 + 8 * f + 2 * q + e;
-                        if (tok >= M) continue;
-                        float v = 0.f;
-                        for (int sp = 0; sp < static_cast<int>(gridDim.y); ++sp)
-                            v += __ldcg(ws + (static_cast<int64_t>(sp) * M + tok) * N + row);
-                        c[static_cast<int64_t>(tok) * N + row] = __float2bfloat16_rn(v);
-                    }
-                }
-            }
-        }
+        for_each_output([&](float, int row, int tok) {
+            float v = 0.f;
+            for (int sp = 0; sp < static_cast<int>(gridDim.y); ++sp)
+                v += __ldcg(ws + (static_cast<int64_t>(sp) * M + tok) * N + row);
+            c[static_cast<int64_t>(tok) * N + row] = __float2bfloat16_rn(v);
+        });
     }
 }
 
