@@ -12,8 +12,7 @@ e4m3 weights and their E8M0 scales per 32x32 block or per (row, 32).
                                                 (fp8_decode_table.json, written by the bench), and
                                                 whether it beat the bf16-held / other FP8 paths (select's rule)
     decline_reason(m, n, k, w, sb, device)      None where it takes the call, else the rule it breaks
-    FORMS                                       entry -> (token tile, 64-row blocks a consumer, stages, CTAs a SM);
-                                                FIXUP: the forms that sum split-K in the kernel (no second launch)
+    FORMS                                       entry -> (token tile, 64-row blocks a consumer, stages, CTAs a SM)
     fp8_masked_moe_gemm(a, sa_t, w, w_rows, masked_m, expected_m)   the MoE's masked layout (DeepGEMM's): a
                                                 [G, C, K] e4m3 slab, a row-scaled e4m3 stack w [G, N, K] -> [G, C, N]
                                                 bf16, rows past masked_m[g] unset; no host read (graph capturable)
@@ -56,12 +55,6 @@ PIPELINED = {"_p": ("t16_rb2", "t32_rb2", "t64_rb2", "t16_rb1", "t32_rb1", "t64_
              "_p2": ("t16_rb2", "t32_rb2", "t16_rb1", "t32_rb1", "t64_rb1", "t128_rb1", "t16_rb1_x2", "t32_rb1_x2")}
 FORMS.update({f"fp8_decode_sm90_{base}{sfx}": FORMS[f"fp8_decode_sm90_{base}"]
               for sfx, bases in PIPELINED.items() for base in bases})
-# the fixup forms (FP8_DECODE_ENTRY_F, `_f`): the split-K sum in each tile's last-arriving split CTA instead of
-# fp8_splitk_reduce's second launch (the same adds in the same order: the same bits)
-FIXUP = {f"fp8_decode_sm90_{base}_f" for base in ("t16_rb1_x2_p2", "t32_rb1_x2_p2", "t64_rb1_p2", "t64_rb1_p",
-                                                   "t64_rb2_p", "t128_rb1_p")}
-FORMS.update({name: FORMS[name[:-2]] for name in FIXUP})
-TILE_COUNTS = 1 << 16     # the fixup forms' per-tile arrival counters (one int a tile, left zero by each call)
 # the masked MoE forms (FP8_MOE_ENTRY): entry -> (token tile, row blocks, stages, CTAs a SM)
 MOE_FORMS = {"fp8_moe_sm90_t16_rb1_x2": (16, 1, 4, 2),
              "fp8_moe_sm90_t32_rb1_x2": (32, 1, 4, 2),
@@ -255,8 +248,6 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     if m == 0 or n == 0:
         return out
     dev = a.device.index
-    if not torch.cuda.is_current_stream_capturing():
-        _tile_counts(dev)                # made eagerly, so that a capture finds it
     row = table_row(m, n, k, torch.cuda.get_device_name(dev)) if entry is None else None
     if row is not None:                  # the measured best form and split count at this M
         entry, splits = row["entry"], splits or row["splits"]
@@ -277,24 +268,11 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     tsb = cuda_driver.tensor_map_2d(kernel_scales(sb), rows // per, 4, swizzle=0)   # [4 slices, the CTA's rows / per]
     grid = (-(-n // (64 * CONSUMERS * rb)), splits, -(-m // bt))
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else None
-    args = [tw, tx, tsa, tsb, out, ws, m, n, k, per]
-    if name in FIXUP:
-        assert grid[0] * grid[2] <= TILE_COUNTS, grid
-        args.append(_tile_counts(dev))
-    kern.launch(grid, 128 * (CONSUMERS + 1), smem, args, pdl=PDL)
-    if ws is None or name in FIXUP:
+    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, tsb, out, ws, m, n, k, per], pdl=PDL)
+    if ws is None:
         return out
     from .cuda_fp8_gemm import splitk_reduce
     return splitk_reduce(SRC, ws, out, pdl=PDL)
-
-
-@functools.lru_cache(maxsize=None)
-def _tile_counts(device_index: int) -> torch.Tensor:
-    """The fixup forms' arrival counters on this GPU (zero; each call leaves them zero). Made on the first
-    eager call: a CUDA graph capture must not be the first."""
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("cuda_fp8_decode: the fixup forms' counters are made before CUDA graph capture")
-    return torch.zeros(TILE_COUNTS, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
 def fp8_decode_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, entry: str | None = None,

@@ -164,17 +164,12 @@ __device__ __forceinline__ void split_registers(bool producer) {
 // tokens past M read the next expert's rows (or TMA's zeros): their products land in outputs never stored.
 // EPI_ROW: one pow2 weight scale a row (wrow [G N] f32: the row-scaled expert stacks), multiplied in the
 // epilogue (exact: a power of two), no weight-scale tiles loaded.
-// FIXUP (split-K only): no second launch; each CTA stores its partials to ws, and the last of a tile's splits
-// to arrive (a counter a tile, tile_count, reset by that CTA) sums the tile's splits in split order from ws
-// into C: fp8_splitk_reduce's adds in its order, so the same bits.
-template <int BT, int RB, int STAGES, int OCC, int PIPE, bool ONE, bool MASKED = false, bool EPI_ROW = false,
-          bool FIXUP = false>
+template <int BT, int RB, int STAGES, int OCC, int PIPE, bool ONE, bool MASKED = false, bool EPI_ROW = false>
 __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUtensorMap* tmap_x,
                                             const CUtensorMap* tmap_sa, const CUtensorMap* tmap_sb,
                                             __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N,
                                             int K, int sb_rows, const int* __restrict__ masked_m = nullptr,
-                                            int C = 0, const float* __restrict__ wrow = nullptr,
-                                            int* __restrict__ tile_count = nullptr) {
+                                            int C = 0, const float* __restrict__ wrow = nullptr) {
     constexpr int NCONS = 2;
     constexpr int ROWS = 64 * RB * NCONS;     // weight rows a CTA
     constexpr int R = BT / 2;                 // floats a thread per row block
@@ -391,26 +386,6 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
         if (split) ws[(static_cast<int64_t>(blockIdx.y) * M + tok) * N + row] = v;
         else c[static_cast<int64_t>(tok) * N + row] = __float2bfloat16_rn(v);
     });
-    if constexpr (FIXUP) {
-        if (!split) return;
-        __shared__ int last_split;
-        __threadfence();                                      // this CTA's partials, before its arrival
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");     // both consumer warpgroups stored theirs
-        if (threadIdx.x == 0) {
-            const int tile = blockIdx.z * gridDim.x + blockIdx.x;
-            last_split = atomicAdd(tile_count + tile, 1) == static_cast<int>(gridDim.y) - 1;
-            if (last_split) tile_count[tile] = 0;             // every split has arrived: ready for the next call
-        }
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        if (!last_split) return;
-        __threadfence();                                      // the other splits' partials, after their arrivals
-        for_each_output([&](float, int row, int tok) {
-            float v = 0.f;
-            for (int sp = 0; sp < static_cast<int>(gridDim.y); ++sp)
-                v += __ldcg(ws + (static_cast<int64_t>(sp) * M + tok) * N + row);
-            c[static_cast<int64_t>(tok) * N + row] = __float2bfloat16_rn(v);
-        });
-    }
 }
 
 }  // namespace fp8dec
@@ -460,29 +435,6 @@ FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1_p2, 64, 1, 8, 1, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1_p2, 128, 1, 6, 1, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_x2_p2, 16, 1, 4, 2, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_x2_p2, 32, 1, 4, 2, 2)
-
-// The fixup forms (_f: FIXUP above): the split-K sum in the last split's CTA of each tile, no second launch.
-// tile_count: one int a (row tile, token tile), zero between calls (each call leaves it zero).
-#define FP8_DECODE_ENTRY_F(NAME, BT, RB, STAGES, OCC, PIPE)                                                         \
-    extern "C" __global__ void __launch_bounds__(384, OCC)                                                     \
-        NAME(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,         \
-             const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_sb,                    \
-             __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N, int K, int sb_rows,         \
-             int* __restrict__ tile_count) {                                                                  \
-        if (sb_rows == 32)                                                                                      \
-            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, true, false, false, true>(                          \
-                &tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 32, nullptr, 0, nullptr, tile_count);     \
-        else                                                                                                    \
-            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, false, false, false, true>(                         \
-                &tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 1, nullptr, 0, nullptr, tile_count);      \
-    }
-
-FP8_DECODE_ENTRY_F(fp8_decode_sm90_t16_rb1_x2_p2_f, 16, 1, 4, 2, 2)
-FP8_DECODE_ENTRY_F(fp8_decode_sm90_t32_rb1_x2_p2_f, 32, 1, 4, 2, 2)
-FP8_DECODE_ENTRY_F(fp8_decode_sm90_t64_rb1_p2_f, 64, 1, 8, 1, 2)
-FP8_DECODE_ENTRY_F(fp8_decode_sm90_t64_rb1_p_f, 64, 1, 8, 1, 1)
-FP8_DECODE_ENTRY_F(fp8_decode_sm90_t64_rb2_p_f, 64, 2, 5, 1, 1)
-FP8_DECODE_ENTRY_F(fp8_decode_sm90_t128_rb1_p_f, 128, 1, 6, 1, 1)
 
 // The masked MoE forms (MASKED, EPI_ROW above: the row-scaled FP8 expert stacks). Launch: grid
 // (ceil(N / (128 RB)), G, ceil(C / BT)), block 384, the shared memory of the dense form of the tile. tmap_w over
