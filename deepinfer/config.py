@@ -77,8 +77,8 @@ class EngineArgs:
     spec_replay_regime_tokens: int = 0
     # with async scheduling: verify steps overlap (spec/overlap.py): the next one is scheduled with
     # the worst-case reservation and launched from the device-side resolution before this one's
-    # accepted counts reach the host (greedy or seeded temperature > 0 requests without logprobs,
-    # penalties or grammar; anything else is resolved first); False = every
+    # accepted counts reach the host (greedy or seeded temperature > 0 requests, with logprobs or
+    # penalties too, without a grammar; anything else is resolved first); False = every
     # step that samples is resolved before the next schedule
     spec_async_overlap: bool = True
     # CUDA graphs for decode steps and DSpark verify steps (deepinfer/worker/graph_step.py): batch sizes
