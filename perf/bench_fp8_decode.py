@@ -10,7 +10,7 @@ over rotating weight copies (each set at least 4x the L2).
 Prints per (linear, M): microseconds, the share of the copy bandwidth on the FP8 weight bytes, and the decode
 kernel's speed as a ratio to DeepGEMM and to the bf16-held path (and the decode path without programmatic
 dependent launch beside it); --forms also times every row-block form
-and a few split counts. Writes bench_fp8_decode.json and fp8_decode_h200.png ($OUT or perf/results/).
+and a few split counts. Writes bench_fp8_decode.json and fp8_decode_<gpu>.png ($OUT or perf/results/).
 --write-table (with --forms): kernels/fp8_decode_table.json, which select reads on the GPU model it names: per
 (N, K, measured M) the best form and split count and the times of the paths it would replace (a call takes the
 row of the smallest measured M at or above its own; the kernel only where it won by cuda_fp8_decode.WIN_MARGIN).
@@ -33,7 +33,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "kernels"))
 
 from bench_fp8_prefill import DENSE  # noqa: E402
-from benchutil import copies_for, measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
+from benchutil import copies_for, gpu_model, measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
 
 
 def weights(n: int, k: int, copies: int):
@@ -248,7 +248,7 @@ def main() -> None:
     save_json("bench_fp8_decode", {"peaks": peaks, "rows": rows})
     if a.write_table:
         write_table(rows, torch.cuda.get_device_name(0))
-    plot(rows, os.path.join(out_dir(), "fp8_decode_h200.png"))
+    plot(rows, os.path.join(out_dir(), f"fp8_decode_{gpu_model().lower()}.png"))
 
 
 if __name__ == "__main__":

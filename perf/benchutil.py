@@ -25,7 +25,7 @@ def gpu_model() -> str:
     import re
     import torch
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    found = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", name)
+    found = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
     return found.group(1) if found else "GPU"
 
 
