@@ -70,19 +70,22 @@ def penalized(p: SamplingParams | None) -> bool:
 
 
 def penalize_on_device(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
-                       known: list[list[int]], new: torch.Tensor, lookahead: torch.Tensor,
+                       known: list[np.ndarray], owner: list[int], new: torch.Tensor, lookahead: torch.Tensor,
                        lookahead_len: list[int]) -> torch.Tensor:
     """The Sampler's presence / frequency penalties (Sampler._apply_penalties) for logits rows `rows` of
     [N, V] logits, whose output tokens so far are partly on the device -> the penalized copy. Row i's
-    history: known[i] (the host's, a list), then new[i] (device, -1 = none: the previous step's new
-    tokens), then lookahead[i, :lookahead_len[i]] (device: the drafts the row's step fed before it)."""
+    history: known[owner[i]] (its request's outputs the host has, int64 arrays, counted once a request),
+    then new[i] (device, -1 = none: the previous step's new tokens), then lookahead[i, :lookahead_len[i]]
+    (device: the drafts the row's step fed before it). Counts are whole numbers: any order of adds is exact."""
     dev = logits.device
-    n, vocab = len(rows), logits.shape[1]
-    counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
-    pairs = [(i, t) for i, toks in enumerate(known) for t in toks]
-    if pairs:
-        at = host_tensor(np.asarray(pairs, dtype=np.int64).T, torch.int64, dev)
-        counts.index_put_((at[0], at[1]), torch.ones(len(pairs), device=dev), accumulate=True)
+    vocab = logits.shape[1]
+    per_request = torch.zeros(len(known), vocab, dtype=torch.float32, device=dev)
+    sizes = [len(k) for k in known]
+    if sum(sizes):
+        req = host_tensor(np.repeat(np.arange(len(known)), sizes), torch.int64, dev)
+        tok = host_tensor(np.concatenate(known).astype(np.int64), torch.int64, dev)
+        per_request.index_put_((req, tok), torch.ones(len(tok), device=dev), accumulate=True)
+    counts = per_request[host_tensor(owner, torch.int64, dev)]
     counts.scatter_add_(1, new.clamp(min=0), (new >= 0).float())
     j = torch.arange(lookahead.shape[1], device=dev)
     upto = host_tensor(lookahead_len, torch.int64, dev)

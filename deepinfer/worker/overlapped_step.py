@@ -148,15 +148,15 @@ class OverlappedSteps:
         from deepinfer.sample.device_sampling import penalize_on_device, penalized
         ib = self.runner.input_batch
         cu = np.concatenate([[0], np.cumsum(f.q_lens)])
-        rows, row_params, known, req, j = [], [], [], [], []
+        rows, row_params, known, owner, req, j = [], [], [], [], [], []
         for i, (row, p) in enumerate(zip(f.rows.tolist(), params)):
             if not penalized(p):
                 continue
-            outs = ib.token_ids[row, ib.num_prompt[row]:ib.num_tokens[row]].tolist()
+            known.append(ib.token_ids[row, ib.num_prompt[row]:ib.num_tokens[row]])
             for k in range(int(f.q_lens[i])):
                 rows.append(int(cu[i]) + k)
                 row_params.append(p)
-                known.append(outs)
+                owner.append(len(known) - 1)
                 req.append(i)
                 j.append(k)
         dev = f.logits.device
@@ -164,7 +164,7 @@ class OverlappedSteps:
         L = int(f.q_lens.max())
         take = np.minimum(cu[req][:, None] + 1 + np.arange(L)[None, :], cu[-1] - 1)  # the drafts fed after row 0
         lookahead = f.fed[to_device(take, dev)]
-        return penalize_on_device(f.logits, rows, row_params, known, new, lookahead, j)
+        return penalize_on_device(f.logits, rows, row_params, known, owner, new, lookahead, j)
 
     def _draft_buffers(self, n: int):
         if n not in self._static_drafts:

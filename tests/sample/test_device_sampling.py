@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import torch
 
 from deepinfer.sample.device_sampling import DeviceRows, device_samplable, sample_on_device, uniforms_on_device
@@ -107,23 +108,27 @@ def test_logprobs_on_device_are_the_samplers():
 
 
 def test_penalties_on_device_are_the_samplers():
-    """penalize_on_device: a row's history split into the host's part, the previous step's new tokens
-    (device, -1 padded) and the drafts fed before it gives the Sampler's penalized logits bit for bit."""
+    """penalize_on_device: a row's history split into its request's outputs on the host (counted once a
+    request; two rows of one request here), the previous step's new tokens (device, -1 padded) and the
+    drafts fed before it gives the Sampler's penalized logits bit for bit."""
     from deepinfer.sample.device_sampling import penalize_on_device
     from deepinfer.sample.sampler import SamplingState
     g = torch.Generator().manual_seed(5)
     V = 40
     logits = torch.randn(5, V, generator=g) * 3
-    known = [[1, 2, 2], [], [7, 7, 7, 3], [5]]
-    new = torch.tensor([[4, 2, -1], [-1, -1, -1], [9, 9, 3], [1, -1, -1]])
-    look = torch.tensor([[8, 8], [0, 0], [3, 11], [6, 1]])
-    look_len = [2, 0, 1, 2]
+    known = [[1, 2, 2], [], [7, 7, 7, 3]]          # per request
+    owner = [0, 1, 2, 2]                           # per penalized row
+    new = torch.tensor([[4, 2, -1], [-1, -1, -1], [9, 9, 3], [9, 9, 3]])
+    look = torch.tensor([[8, 8], [0, 0], [3, 11], [3, 11]])
+    look_len = [2, 0, 0, 1]
+    p2 = SamplingParams(frequency_penalty=-0.75, presence_penalty=0.5)
     params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), SamplingParams(presence_penalty=1.0),
-              SamplingParams(frequency_penalty=-0.75), SamplingParams(presence_penalty=2.0, frequency_penalty=1.0)]
+              p2, p2]
     rows = [0, 2, 3, 4]                            # logits row 1 asks for none
-    got = penalize_on_device(logits, rows, params, known, new, look, look_len)
-    hist = [k + [t for t in n.tolist() if t >= 0] + look[i, :look_len[i]].tolist()
-            for i, (k, n) in enumerate(zip(known, new))]
+    got = penalize_on_device(logits, rows, params, [np.asarray(k, dtype=np.int64) for k in known], owner, new,
+                             look, look_len)
+    hist = [known[o] + [t for t in new[i].tolist() if t >= 0] + look[i, :look_len[i]].tolist()
+            for i, o in enumerate(owner)]
     sampler_rows = [SamplingRow(SamplingState(p, 0), h, 0) for p, h in zip(params, hist)]
     want = logits.clone()
     sub = want[rows].clone()
