@@ -280,11 +280,13 @@ class ModelRunner:
         if sched_out.is_empty:
             return None
         f = self.overlapped.forward(sched_out, prev)
-        ib = self.input_batch
+        params = [self.input_batch.params[r] for r in f.rows.tolist()]
+        logprobs = None
         with torch.inference_mode():
             sampled = self.overlapped.sample(f, prev)
-            row_params = [ib.params[r] for r in np.repeat(f.rows, f.q_lens).tolist()]   # per logits row
-            logprobs = logprobs_on_device(f.logits, sampled, row_params, lambda t: self._to_host(t)[0])
+            if any(p is not None and p.logprobs is not None for p in params):   # else no per-row work
+                row_params = [p for p, n in zip(params, f.q_lens.tolist()) for _ in range(n)]
+                logprobs = logprobs_on_device(f.logits, sampled, row_params, lambda t: self._to_host(t)[0])
         self.input_batch.pending_index[:] = -1
         self._prev_sampled = sampled
         replayed = None if prev.replay_dev is None else torch.where(
