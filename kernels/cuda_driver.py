@@ -232,24 +232,18 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
-def cluster_dims(cluster: int | tuple[int, int, int]) -> tuple[int, int, int]:
-    """A launch's cluster shape: n -> (n, 1, 1); a 3-tuple as given."""
-    return (cluster, 1, 1) if isinstance(cluster, int) else tuple(cluster)
-
-
-def _launch_ex(lib, func, grid: tuple[int, int, int], block: int, smem: int, stream, params,
-               cluster: int | tuple[int, int, int] = 1, pdl: bool = False) -> int:
-    """cuLaunchKernelEx with a cluster-dimension attribute (cluster_dims(cluster), where it has more than one CTA)
-    and / or programmatic stream serialization (pdl); its CUresult."""
+def _launch_ex(lib, func, grid: tuple[int, int, int], block: int, smem: int, stream, params, cluster: int = 1,
+               pdl: bool = False) -> int:
+    """cuLaunchKernelEx with a (cluster, 1, 1) cluster-dimension attribute (cluster > 1) and / or programmatic
+    stream serialization (pdl); its CUresult."""
     fn = lib.cuLaunchKernelEx
     fn.argtypes, fn.restype = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                                ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int
     attrs = (_LaunchAttribute * 2)()
     n = 0
-    dims = cluster_dims(cluster)
-    if dims != (1, 1, 1):
+    if cluster > 1:
         attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attrs[n].value[0], attrs[n].value[1], attrs[n].value[2] = dims
+        attrs[n].value[0], attrs[n].value[1], attrs[n].value[2] = cluster, 1, 1
         n += 1
     if pdl:
         attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -266,13 +260,12 @@ class Kernel:
     def __init__(self, func: ctypes.c_void_p, device: int):
         self.func, self.device = func, device
 
-    def launch(self, grid: int | tuple[int, ...], block: int, smem: int, args,
-               cluster: int | tuple[int, int, int] = 1, pdl: bool = False) -> None:
+    def launch(self, grid: int | tuple[int, ...], block: int, smem: int, args, cluster: int = 1,
+               pdl: bool = False) -> None:
         """Launch on torch's current stream of the kernel's device. grid: x, (x, y) or (x, y, z). args in the kernel's
-        order: TensorMap (by value), torch.Tensor or None (a pointer), int (int32). cluster n > 1: a kernel
-        compiled with __cluster_dims__(n, 1, 1) (cuLaunchKernel launches its clusters; where a driver
-        refuses that, cuLaunchKernelEx with the cluster-dimension attribute); a 3-tuple: a cluster shape chosen
-        at launch (always cuLaunchKernelEx; each grid dimension a multiple of it). pdl: a programmatic dependent
+        order: TensorMap (by value), torch.Tensor or None (a pointer), int (int32). cluster > 1: a kernel
+        compiled with __cluster_dims__(cluster, 1, 1) (cuLaunchKernel launches its clusters; where a driver
+        refuses that, cuLaunchKernelEx with the cluster-dimension attribute). pdl: a programmatic dependent
         launch (a kernel whose griddepcontrol.wait guards every read of earlier kernels' outputs and every
         global write)."""
         dims = (grid,) if isinstance(grid, int) else tuple(grid)
@@ -294,9 +287,9 @@ class Kernel:
             ptrs.append(ctypes.addressof(v))
         params = (ctypes.c_void_p * len(ptrs))(*ptrs)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        if pdl or not isinstance(cluster, int):
-            _check(lib, _launch_ex(lib, self.func, (gx, gy, gz), block, smem, stream, params, cluster, pdl=pdl),
-                   f"cuLaunchKernelEx (cluster {cluster_dims(cluster)}, programmatic {pdl})")
+        if pdl:
+            _check(lib, _launch_ex(lib, self.func, (gx, gy, gz), block, smem, stream, params, cluster, pdl=True),
+                   "cuLaunchKernelEx (programmatic dependent launch)")
             return
         res = lib.cuLaunchKernel(self.func, gx, gy, gz, block, 1, 1, smem, ctypes.c_void_p(stream), params, None)
         if res != 0 and cluster > 1:

@@ -12,16 +12,13 @@ e4m3 weights and their E8M0 scales per 32x32 block or per (row, 32).
                                                 (fp8_decode_table.json, written by the bench), and
                                                 whether it beat the bf16-held / other FP8 paths (select's rule)
     decline_reason(m, n, k, w, sb, device)      None where it takes the call, else the rule it breaks
-    FORMS                                       entry -> (token tile, 64-row blocks a consumer, stages, CTAs a SM);
-                                                CLUSTER_SUM: the forms whose splits sum over DSMEM in a cluster
+    FORMS                                       entry -> (token tile, 64-row blocks a consumer, stages, CTAs a SM)
     fp8_masked_moe_gemm(a, sa_t, w, w_rows, masked_m, expected_m)   the MoE's masked layout (DeepGEMM's): a
                                                 [G, C, K] e4m3 slab, a row-scaled e4m3 stack w [G, N, K] -> [G, C, N]
                                                 bf16, rows past masked_m[g] unset; no host read (graph capturable)
     masked_decline_reason(w, w_rows, device)    None where the masked form takes the stack, else the rule
 
-Split-K: fp32 partials in a workspace and fp8_splitk_reduce's second launch, or (the _c forms, CLUSTER_SUM) a
-tile's splits launched as one cluster, split 0 summing its peers' accumulators from their shared memory in
-the same order (the same bits, nothing through global memory). Split-K's sum order follows M (the token tile) and the split count: deterministic per shape, not
+Split-K's sum order follows M (the token tile) and the split count: deterministic per shape, not
 batch-invariant (select never sends batch-invariant mode here). DEEPINFER_CUDA_DECODE_RB=1 / 2 forces
 the row blocks (the bench's comparison)."""
 
@@ -58,13 +55,6 @@ PIPELINED = {"_p": ("t16_rb2", "t32_rb2", "t64_rb2", "t16_rb1", "t32_rb1", "t64_
              "_p2": ("t16_rb2", "t32_rb2", "t16_rb1", "t32_rb1", "t64_rb1", "t128_rb1", "t16_rb1_x2", "t32_rb1_x2")}
 FORMS.update({f"fp8_decode_sm90_{base}{sfx}": FORMS[f"fp8_decode_sm90_{base}"]
               for sfx, bases in PIPELINED.items() for base in bases})
-# the cluster-sum forms (FP8_DECODE_ENTRY_C, `_c`): a tile's splits as one cluster, summed over DSMEM by split 0 in
-# fp8_splitk_reduce's order (the same bits) instead of fp32 partials and the reduce's launch; at most CLUSTER_MAX
-# splits (the portable cluster size)
-CLUSTER_SUM = {f"fp8_decode_sm90_{base}_c" for base in ("t16_rb1_x2_p2", "t32_rb1_x2_p2", "t32_rb1_p2", "t64_rb1_p2",
-                                                         "t64_rb1_p", "t64_rb2_p", "t128_rb1_p")}
-FORMS.update({name: FORMS[name[:-2]] for name in CLUSTER_SUM})
-CLUSTER_MAX = 8
 # the masked MoE forms (FP8_MOE_ENTRY): entry -> (token tile, row blocks, stages, CTAs a SM)
 MOE_FORMS = {"fp8_moe_sm90_t16_rb1_x2": (16, 1, 4, 2),
              "fp8_moe_sm90_t32_rb1_x2": (32, 1, 4, 2),
@@ -264,9 +254,6 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     name, s = plan(m, n, k, _num_sms(dev))
     name, splits = entry or name, splits or s
     bt, rb, _, _ = FORMS[name]
-    cluster_sum = name in CLUSTER_SUM and splits > 1
-    if cluster_sum and splits > CLUSTER_MAX:
-        raise ValueError(f"{name} sums at most {CLUSTER_MAX} splits in a cluster, not {splits}")
     m_ld = sa_t.shape[1]
     assert sa_t.shape[0] == k // 32 and m_ld >= m and m_ld % 4 == 0 and sa_t.dtype == torch.float32 \
         and sa_t.is_contiguous() and sa_t.data_ptr() % 16 == 0, (sa_t.shape, m, bt)
@@ -280,9 +267,8 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     tsa = cuda_driver.tensor_map_2d(sa_t, bt, 4, swizzle=0)      # [4 slices, BT tokens] a stage
     tsb = cuda_driver.tensor_map_2d(kernel_scales(sb), rows // per, 4, swizzle=0)   # [4 slices, the CTA's rows / per]
     grid = (-(-n // (64 * CONSUMERS * rb)), splits, -(-m // bt))
-    ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 and not cluster_sum else None
-    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, tsb, out, ws, m, n, k, per],
-                cluster=(1, splits, 1) if cluster_sum else 1, pdl=PDL)
+    ws = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else None
+    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, tsb, out, ws, m, n, k, per], pdl=PDL)
     if ws is None:
         return out
     from .cuda_fp8_gemm import splitk_reduce

@@ -83,8 +83,7 @@ def table_off():
 
 def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: bool = False) -> list[dict]:
     from deepinfer.kernels import deepgemm, select
-    from deepinfer.kernels.cuda_fp8_decode import (CLUSTER_MAX, CLUSTER_SUM, FORMS, entry_name, fp8_decode_linear,
-                                                   kernel_scales, plan, token_tile)
+    from deepinfer.kernels.cuda_fp8_decode import FORMS, entry_name, fp8_decode_linear, kernel_scales, plan, token_tile
     from deepinfer.kernels.triton_dequant import dequant_fp8_bf16
     from deepinfer.kernels.triton_quant import act_quant
     nbytes = n * k * (1 + 1 / 1024)
@@ -114,9 +113,7 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: 
             for name_f in FORMS:
                 if FORMS[name_f][0] != bt:
                     continue
-                for sp in sorted({1, max(1, splits // 2), splits, splits + 1, 2 * splits}):
-                    if name_f in CLUSTER_SUM and sp > CLUSTER_MAX:
-                        continue
+                for sp in sorted({1, max(1, splits // 2), splits, 2 * splits}):
                     key = f"{name_f[len('fp8_decode_sm90_'):]}/s{sp}"
                     r[f"form {key}_us"] = time_calls([lambda w=w, s=s: fp8_decode_linear(x, w, s, name_f, sp)
                                                       for w, s in ws]) * 1e6
@@ -162,7 +159,7 @@ def breakdown(name: str, n: int, k: int, m: int, ws, tiles) -> dict:
          "quant_us": time_calls([lambda: act_quant_fp8(x, scales_ld=ld, pdl=dec.PDL)]) * 1e6,
          "gemm_us": time_calls([lambda w=w, s=s: dec.fp8_decode_gemm(a, sa_t, w, s, entry, splits) for w, s in ws]) * 1e6,
          "gemm_1split_us": time_calls([lambda w=w, s=s: dec.fp8_decode_gemm(a, sa_t, w, s, entry, 1) for w, s in ws]) * 1e6}
-    if splits > 1 and entry not in dec.CLUSTER_SUM:      # a cluster sum has no reduce launch
+    if splits > 1:
         part = torch.randn(splits, m, n, device="cuda")
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         r["reduce_us"] = time_calls([lambda: splitk_reduce(dec.SRC, part, out, pdl=dec.PDL)]) * 1e6

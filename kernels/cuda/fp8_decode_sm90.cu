@@ -25,11 +25,7 @@
 // Tails: TMA zero-fills rows past N / M, K columns past K and scale rows past K/32 (zero scales); stores
 // are masked. Split-K: gridDim.y splits take equal runs of the K stages; with more than one the CTA stores
 // fp32 partials to ws [splits, M, N] and fp8_splitk_reduce sums them in split order (summing them in the
-// kernel, by each tile's last split, was slower from 64 tokens: H200_NOTES, 2026-12-04 afternoon). The
-// cluster-sum forms (_c, CLUSTER_K) launch a tile's splits as one thread-block cluster (1, splits, 1): splits
-// 1.. leave their accumulators in their own shared memory, split 0 reads them over DSMEM and adds them to its
-// own in split order (fp8_splitk_reduce's adds, so its bits) and stores C: no partials in global memory, no
-// second launch.
+// kernel, by each tile's last split, was slower from 64 tokens: H200_NOTES, 2026-12-04 afternoon).
 // Programmatic dependent launch (cuda_fp8_decode.PDL): the producer issues the first stages' weight loads,
 // then waits on the kernel ahead (act_quant, which triggers at its start) before the token loads; consumers
 // wait before anything they write; the epilogue lets the split-K reduce launch.
@@ -168,9 +164,7 @@ __device__ __forceinline__ void split_registers(bool producer) {
 // tokens past M read the next expert's rows (or TMA's zeros): their products land in outputs never stored.
 // EPI_ROW: one pow2 weight scale a row (wrow [G N] f32: the row-scaled expert stacks), multiplied in the
 // epilogue (exact: a power of two), no weight-scale tiles loaded.
-// CLUSTER_K: the splits of a tile are one cluster (the _c forms, header): the split-K sum over DSMEM.
-template <int BT, int RB, int STAGES, int OCC, int PIPE, bool ONE, bool MASKED = false, bool EPI_ROW = false,
-          bool CLUSTER_K = false>
+template <int BT, int RB, int STAGES, int OCC, int PIPE, bool ONE, bool MASKED = false, bool EPI_ROW = false>
 __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUtensorMap* tmap_x,
                                             const CUtensorMap* tmap_sa, const CUtensorMap* tmap_sb,
                                             __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N,
@@ -214,12 +208,8 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     if (threadIdx.x == 0) {
         ring.init(1, 4 * NCONS);   // empty: one arrival per consumer warp
-        // a cluster sum needs the tile's splits in one cluster (launched (1, splits, 1)): anything else reads
-        // a peer that is not there
-        if (CLUSTER_K && nsplit > 1 && cluster_nctarank() != static_cast<uint32_t>(nsplit)) __trap();
     }
     __syncthreads();
-    const bool cluster_sum = CLUSTER_K && nsplit > 1;
 
     if (wg == NCONS) {  // producer warpgroup
         split_registers<OCC>(true);
@@ -261,10 +251,6 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
             const int nloads = kb1 - kb0;   // the consumers' releases of the last loads (the hang check)
             for (int j = max(0, nloads - STAGES); j < nloads; ++j)
                 mbar_wait_or_trap(ring.empty(j % STAGES), (j / STAGES) & 1);
-        }
-        if (cluster_sum) {                   // every thread of the cluster meets the sum's two barriers
-            cluster_sync();
-            cluster_sync();
         }
         return;
     }
@@ -392,47 +378,9 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
         }
     };
 
-    if (cluster_sum) {
-        // Splits 1.. leave their accumulators in their weight stages (all consumed: both consumers past their last
-        // wgmma), float4 v of consumer thread ct at [v][ct]; split 0 adds them to its own in split order, starting
-        // from 0 as fp8_splitk_reduce does (0 + -0 is +0), and alone stores C.
-        constexpr int V = RB * R / 4;        // float4 v: acc[4v / R][4v % R ..] (constant indices: registers)
-        static_assert(R % 4 == 0 && V * 256 * 16 <= STAGES * W_BYTES, "the accumulators fit the weight stages");
-        const int ct = threadIdx.x;          // 0..255: the consumers
-        if (split_id != 0) {
-            asm volatile("bar.sync 1, 256;\n" ::: "memory");
-#pragma unroll
-            for (int v = 0; v < V; ++v) {
-                const float* a = &acc[4 * v / R][4 * v % R];
-                st_shared_f4(w_smem + (v * 256 + ct) * 16, make_float4(a[0], a[1], a[2], a[3]));
-            }
-        }
-        cluster_sync();                      // the peers' accumulators are in their shared memory
-        if (split_id == 0) {
-#pragma unroll
-            for (int rb = 0; rb < RB; ++rb)
-#pragma unroll
-                for (int i = 0; i < R; ++i) acc[rb][i] = __fadd_rn(0.f, acc[rb][i]);
-            for (int sp = 1; sp < nsplit; ++sp) {
-                const uint32_t peer = mapa_shared(w_smem, sp);
-#pragma unroll
-                for (int v = 0; v < V; ++v) {
-                    const float4 p = ld_cluster_f4(peer + (v * 256 + ct) * 16);
-                    float* a = &acc[4 * v / R][4 * v % R];
-                    a[0] = __fadd_rn(a[0], p.x);
-                    a[1] = __fadd_rn(a[1], p.y);
-                    a[2] = __fadd_rn(a[2], p.z);
-                    a[3] = __fadd_rn(a[3], p.w);
-                }
-            }
-        }
-        cluster_sync();                      // split 0 has read them: the peers may exit
-        if (split_id != 0) return;
-    }
-
     // epilogue, masked: C[token, row] bf16 (round to nearest even) or ws [split, token, row] fp32
     launch_dependents();                     // the split-K reduce may launch (it waits for this grid's end)
-    const bool split = !MASKED && !cluster_sum && gridDim.y > 1;
+    const bool split = !MASKED && gridDim.y > 1;
     for_each_output([&](float a, int row, int tok) {
         const float v = EPI_ROW ? a * wrow[row_base + row] : a;
         if (split) ws[(static_cast<int64_t>(blockIdx.y) * M + tok) * N + row] = v;
@@ -487,29 +435,6 @@ FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1_p2, 64, 1, 8, 1, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1_p2, 128, 1, 6, 1, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_x2_p2, 16, 1, 4, 2, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_x2_p2, 32, 1, 4, 2, 2)
-
-// The cluster-sum forms (_c: CLUSTER_K above): launched with a (1, splits, 1) cluster dimension (splits <= 8, the
-// portable cluster size), no workspace, no fp8_splitk_reduce; splits 1 a plain launch.
-#define FP8_DECODE_ENTRY_C(NAME, BT, RB, STAGES, OCC, PIPE)                                                         \
-    extern "C" __global__ void __launch_bounds__(384, OCC)                                                     \
-        NAME(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,         \
-             const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_sb,        \
-             __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N, int K, int sb_rows) {      \
-        if (sb_rows == 32)                                                                                      \
-            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, true, false, false, true>(                          \
-                &tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 32);                                      \
-        else                                                                                                    \
-            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, false, false, false, true>(                         \
-                &tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 1);                                       \
-    }
-
-FP8_DECODE_ENTRY_C(fp8_decode_sm90_t16_rb1_x2_p2_c, 16, 1, 4, 2, 2)
-FP8_DECODE_ENTRY_C(fp8_decode_sm90_t32_rb1_x2_p2_c, 32, 1, 4, 2, 2)
-FP8_DECODE_ENTRY_C(fp8_decode_sm90_t32_rb1_p2_c, 32, 1, 8, 1, 2)
-FP8_DECODE_ENTRY_C(fp8_decode_sm90_t64_rb1_p2_c, 64, 1, 8, 1, 2)
-FP8_DECODE_ENTRY_C(fp8_decode_sm90_t64_rb1_p_c, 64, 1, 8, 1, 1)
-FP8_DECODE_ENTRY_C(fp8_decode_sm90_t64_rb2_p_c, 64, 2, 5, 1, 1)
-FP8_DECODE_ENTRY_C(fp8_decode_sm90_t128_rb1_p_c, 128, 1, 6, 1, 1)
 
 // The masked MoE forms (MASKED, EPI_ROW above: the row-scaled FP8 expert stacks). Launch: grid
 // (ceil(N / (128 RB)), G, ceil(C / BT)), block 384, the shared memory of the dense form of the tile. tmap_w over
