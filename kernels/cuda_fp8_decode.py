@@ -55,11 +55,6 @@ PIPELINED = {"_p": ("t16_rb2", "t32_rb2", "t64_rb2", "t16_rb1", "t32_rb1", "t64_
              "_p2": ("t16_rb2", "t32_rb2", "t16_rb1", "t32_rb1", "t64_rb1", "t128_rb1", "t16_rb1_x2", "t32_rb1_x2")}
 FORMS.update({f"fp8_decode_sm90_{base}{sfx}": FORMS[f"fp8_decode_sm90_{base}"]
               for sfx, bases in PIPELINED.items() for base in bases})
-# deeper forms (_d2 / _d3: that many slices' wgmmas in flight while one is promoted, DEPTH + 1 temporaries; _p4:
-# turns of four stages): the tiles whose temporaries fit a consumer's registers
-DEEP = {"t16_rb1_x2_p2_d2": "t16_rb1_x2", "t32_rb1_x2_p2_d2": "t32_rb1_x2", "t32_rb1_p2_d2": "t32_rb1",
-        "t32_rb2_p2_d2": "t32_rb2", "t64_rb1_p2_d2": "t64_rb1", "t64_rb1_p2_d3": "t64_rb1", "t64_rb1_p4_d2": "t64_rb1"}
-FORMS.update({f"fp8_decode_sm90_{name}": FORMS[f"fp8_decode_sm90_{base}"] for name, base in DEEP.items()})
 # the masked MoE forms (FP8_MOE_ENTRY): entry -> (token tile, row blocks, stages, CTAs a SM)
 MOE_FORMS = {"fp8_moe_sm90_t16_rb1_x2": (16, 1, 4, 2),
              "fp8_moe_sm90_t32_rb1_x2": (32, 1, 4, 2),

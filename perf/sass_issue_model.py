@@ -108,7 +108,7 @@ def loop_mix(cubin: str, entry: str) -> dict:
 
 def entries_of(src: str) -> list[str]:
     text = open(src).read()
-    return re.findall(r"^FP8_(?:GEMM|DECODE)(?:_TS)?_ENTRY(?:_DEPTH)?\((\w+),", text, flags=re.M)
+    return re.findall(r"^FP8_(?:GEMM|DECODE)(?:_TS)?_ENTRY\((\w+),", text, flags=re.M)
 
 
 def main() -> None:

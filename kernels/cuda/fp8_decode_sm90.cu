@@ -14,10 +14,8 @@
 // (128, 128 RB), tokens box (128, BT), both SW128, and the stage's two scale tiles) into a ring guarded by
 // full / empty mbarriers; each consumer warpgroup issues, per K = 32 slice, its RB wgmmas into RB temporaries
 // (one commit group each) and promotes them as they complete (acc += tmp * sw[row] * sa[token]); the other
-// consumer's wgmmas fill the tensor cores meanwhile. The pipelined forms (PIPE 1 / 2 / 4) keep DEPTH + 1
-// temporaries a row block and promote slice i - DEPTH while slices i - DEPTH + 1 .. i run, in turns of PIPE
-// stages (DEPTH 1: the _p / _p2 forms; the _d2 / _d3 forms keep more slices in flight where a slice's wgmma
-// latency, not the issue of its promotion, bounds a consumer). BT 128 takes RB 1.
+// consumer's wgmmas fill the tensor cores meanwhile. The pipelined forms (PIPE 1 / 2) keep two temporaries a
+// row block and promote slice i-1 while slice i's wgmmas run, in turns of PIPE stages. BT 128 takes RB 1.
 //
 // Scales, both TMA-loaded with each stage into shared memory (no global load in a consumer: from global
 // memory the promotions stalled on L1TEX / L2, the latency-bound pipeline Nsight showed):
@@ -166,8 +164,7 @@ __device__ __forceinline__ void split_registers(bool producer) {
 // tokens past M read the next expert's rows (or TMA's zeros): their products land in outputs never stored.
 // EPI_ROW: one pow2 weight scale a row (wrow [G N] f32: the row-scaled expert stacks), multiplied in the
 // epilogue (exact: a power of two), no weight-scale tiles loaded.
-template <int BT, int RB, int STAGES, int OCC, int PIPE, bool ONE, bool MASKED = false, bool EPI_ROW = false,
-          int DEPTH = 1>
+template <int BT, int RB, int STAGES, int OCC, int PIPE, bool ONE, bool MASKED = false, bool EPI_ROW = false>
 __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUtensorMap* tmap_x,
                                             const CUtensorMap* tmap_sa, const CUtensorMap* tmap_sb,
                                             __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N,
@@ -281,21 +278,14 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     int stage = 0;
     uint32_t phase = 0;
     if constexpr (PIPE > 0) {
-        // Turns of PIPE stages: slice i's wgmmas run while slice i - DEPTH is promoted, across the turn's stage
-        // boundaries too (a stage is released once its last slice is promoted); only the turn's last DEPTH
-        // slices wait on their own wgmmas (drained before the loop's back edge: ptxas cannot follow a wgmma in
-        // flight across it and would serialize every one, C7514).
-        static_assert(DEPTH >= 1 && DEPTH < SLICES, "slices in flight while one is promoted");
-        constexpr int NT = DEPTH + 1;            // temporaries a row block
-        float tmp[NT][RB][R];
+        // Turns of PIPE stages: slice i's wgmmas run while slice i-1 is promoted, across the turn's stage
+        // boundary too (a stage is released once its last slice is promoted); only the turn's last slice
+        // waits on its own wgmma (wait 0 before the loop's back edge: ptxas cannot follow a wgmma in flight
+        // across it and would serialize every one, C7514).
+        float tmp[2][RB][R];
         auto turn = [&](auto ns_tag) {
             constexpr int NS = decltype(ns_tag)::value;
             int st[NS];
-            auto promote_at = [&](int p) {       // slice p of the turn (constant after unrolling)
-                const int ps = st[p / SLICES], pj = p % SLICES;
-                promote_slice<BT, RB, ONE, EPI_ROW>(acc, tmp[p % NT], sa_at(ps, pj), sb_at(ps, pj), rs);
-                if (pj == SLICES - 1 && lane == 0) mbar_arrive(ring.empty(ps));   // its last slice is promoted
-            };
 #pragma unroll
             for (int sidx = 0; sidx < NS; ++sidx) {
                 st[sidx] = stage;
@@ -310,33 +300,26 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
 #pragma unroll
                     for (int rb = 0; rb < RB; ++rb) {
                         wgmma_fence();
-                        fence_regs(tmp[i % NT][rb]);
-                        wgmma_tokens<BT>(tmp[i % NT][rb], dw + (64 * BK >> 4) * rb + 2 * j, dx + 2 * j);
+                        fence_regs(tmp[i & 1][rb]);
+                        wgmma_tokens<BT>(tmp[i & 1][rb], dw + (64 * BK >> 4) * rb + 2 * j, dx + 2 * j);
                         wgmma_commit();
                     }
-                    if (i < DEPTH) continue;
-                    wgmma_wait<RB * DEPTH>();          // slice i - DEPTH done, the DEPTH after it run
-                    promote_at(i - DEPTH);
+                    if (i == 0) continue;
+                    wgmma_wait<RB>();                  // slice i-1 done, slice i runs
+                    const int ps = st[(i - 1) / SLICES], pj = (i - 1) % SLICES;
+                    promote_slice<BT, RB, ONE, EPI_ROW>(acc, tmp[(i - 1) & 1], sa_at(ps, pj), sb_at(ps, pj), rs);
+                    if (j == 0 && lane == 0) mbar_arrive(ring.empty(ps));   // its last slice is promoted
                 }
             }
-            // the turn's last DEPTH slices (fewer where the turn is shorter)
-            constexpr int LAST = NS * SLICES;
-            constexpr int FIRST = LAST - DEPTH < 0 ? 0 : LAST - DEPTH;
-            if constexpr (FIRST + 2 < LAST) {
-                wgmma_wait<RB * 2>();
-                promote_at(FIRST);
-            }
-            if constexpr (FIRST + 1 < LAST) {
-                wgmma_wait<RB>();
-                promote_at(LAST - 2);
-            }
             wgmma_wait<0>();
-            promote_at(LAST - 1);
+            promote_slice<BT, RB, ONE, EPI_ROW>(acc, tmp[(NS * SLICES - 1) & 1], sa_at(st[NS - 1], SLICES - 1),
+                                  sb_at(st[NS - 1], SLICES - 1), rs);
+            if (lane == 0) mbar_arrive(ring.empty(st[NS - 1]));
         };
         int kb = kb0;
         for (; kb + PIPE <= kb1; kb += PIPE) turn(Stages<PIPE>{});
-        if constexpr (PIPE > 1) {
-            for (; kb < kb1; ++kb) turn(Stages<1>{});
+        if constexpr (PIPE == 2) {
+            if (kb < kb1) turn(Stages<1>{});
         }
     } else {
         // per slice: every row block's wgmma in flight, then each promoted as it completes; the other
@@ -412,19 +395,16 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
 // 1024 + STAGES * ((128 RB + BT) * 128 + 16 BT + 16 * 128 RB + 16) (kernels/cuda_fp8_decode.py FORMS must match).
 // tmap_sa: the token scales saT [K/32, m_ld] f32, box (BT, 4); tmap_sb: the weight scales sbT [K/32, sb_ld] f32,
 // box (128 RB / sb_rows, 4). sb_rows: 32 (one scale per 32x32 block) or 1 (per (row, 32)).
-#define FP8_DECODE_ENTRY_DEPTH(NAME, BT, RB, STAGES, OCC, PIPE, DEPTH)                                             \
+#define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES, OCC, PIPE)                                                           \
     extern "C" __global__ void __launch_bounds__(384, OCC)                                                     \
         NAME(const __grid_constant__ CUtensorMap tmap_w, const __grid_constant__ CUtensorMap tmap_x,         \
-             const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_sb,        \
+             const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_sb,                    \
              __nv_bfloat16* __restrict__ c, float* __restrict__ ws, int M, int N, int K, int sb_rows) {      \
         if (sb_rows == 32)                                                                                      \
-            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, true, false, false, DEPTH>(                         \
-                &tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 32);                                      \
+            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, true>(&tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 32); \
         else                                                                                                    \
-            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, false, false, false, DEPTH>(                        \
-                &tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 1);                                       \
+            fp8dec::decode_body<BT, RB, STAGES, OCC, PIPE, false>(&tmap_w, &tmap_x, &tmap_sa, &tmap_sb, c, ws, M, N, K, 1); \
     }
-#define FP8_DECODE_ENTRY(NAME, BT, RB, STAGES, OCC, PIPE) FP8_DECODE_ENTRY_DEPTH(NAME, BT, RB, STAGES, OCC, PIPE, 1)
 
 FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb2, 16, 2, 5, 1, 0)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb2, 32, 2, 5, 1, 0)
@@ -455,15 +435,6 @@ FP8_DECODE_ENTRY(fp8_decode_sm90_t64_rb1_p2, 64, 1, 8, 1, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t128_rb1_p2, 128, 1, 6, 1, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t16_rb1_x2_p2, 16, 1, 4, 2, 2)
 FP8_DECODE_ENTRY(fp8_decode_sm90_t32_rb1_x2_p2, 32, 1, 4, 2, 2)
-// DEPTH 2 / 3 slices in flight while one is promoted (DEPTH + 1 temporaries a row block: the tiles whose
-// temporaries fit the consumer's registers)
-FP8_DECODE_ENTRY_DEPTH(fp8_decode_sm90_t16_rb1_x2_p2_d2, 16, 1, 4, 2, 2, 2)
-FP8_DECODE_ENTRY_DEPTH(fp8_decode_sm90_t32_rb1_x2_p2_d2, 32, 1, 4, 2, 2, 2)
-FP8_DECODE_ENTRY_DEPTH(fp8_decode_sm90_t32_rb1_p2_d2, 32, 1, 8, 1, 2, 2)
-FP8_DECODE_ENTRY_DEPTH(fp8_decode_sm90_t32_rb2_p2_d2, 32, 2, 5, 1, 2, 2)
-FP8_DECODE_ENTRY_DEPTH(fp8_decode_sm90_t64_rb1_p2_d2, 64, 1, 8, 1, 2, 2)
-FP8_DECODE_ENTRY_DEPTH(fp8_decode_sm90_t64_rb1_p2_d3, 64, 1, 8, 1, 2, 3)
-FP8_DECODE_ENTRY_DEPTH(fp8_decode_sm90_t64_rb1_p4_d2, 64, 1, 8, 1, 4, 2)
 
 // The masked MoE forms (MASKED, EPI_ROW above: the row-scaled FP8 expert stacks). Launch: grid
 // (ceil(N / (128 RB)), G, ceil(C / BT)), block 384, the shared memory of the dense form of the tile. tmap_w over
