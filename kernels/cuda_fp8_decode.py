@@ -11,6 +11,8 @@ e4m3 weights and their E8M0 scales per 32x32 block or per (row, 32).
     table_row / table_choice(m, n, k, device_name, against)   the measured best form and split count
                                                 (fp8_decode_table.json, written by the bench), and
                                                 whether it beat the bf16-held / other FP8 paths (select's rule)
+    form_for(m, n, k, device_name, sms)         a call's form: the table's row where measured at m's token
+                                                tile, else plan's
     decline_reason(m, n, k, w, sb, device)      None where it takes the call, else the rule it breaks
     FORMS                                       entry -> (token tile, 64-row blocks a consumer, stages, CTAs a SM)
     fp8_masked_moe_gemm(a, sa_t, w, w_rows, masked_m, expected_m)   the MoE's masked layout (DeepGEMM's): a
@@ -110,6 +112,17 @@ def table_choice(m: int, n: int, k: int, device_name: str, against: str = "bf16_
     if r is None or r[f"{against}_us"] < WIN_MARGIN * r["decode_us"]:
         return None
     return r["entry"], r["splits"]
+
+
+def form_for(m: int, n: int, k: int, device_name: str, sms: int) -> tuple[str, int]:
+    """(entry, splits) of a call with no forced form: the table's row covering m (table_row) where it was
+    measured at m's token tile, else plan's. A row of a wider tile (M = 64 covering 17..32 tokens where no
+    M = 32 was measured) runs half-empty tiles: on an H100 (2026-12-06) plan's 32-token form beat the M = 64
+    row's at 32 tokens on all six release shapes (w13 16.1 against 18.8 us)."""
+    row = table_row(m, n, k, device_name)
+    if row is not None and token_tile(row["m"]) == token_tile(m):
+        return row["entry"], row["splits"]
+    return plan(m, n, k, sms)
 
 
 def token_tile(m: int) -> int:
@@ -248,11 +261,8 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
     if m == 0 or n == 0:
         return out
     dev = a.device.index
-    row = table_row(m, n, k, torch.cuda.get_device_name(dev)) if entry is None else None
-    if row is not None:                  # the measured best form and split count at this M
-        entry, splits = row["entry"], splits or row["splits"]
-    name, s = plan(m, n, k, _num_sms(dev))
-    name, splits = entry or name, splits or s
+    name, s = form_for(m, n, k, torch.cuda.get_device_name(dev), _num_sms(dev)) if entry is None else (entry, None)
+    name, splits = name, splits or s or plan(m, n, k, _num_sms(dev))[1]
     bt, rb, _, _ = FORMS[name]
     m_ld = sa_t.shape[1]
     assert sa_t.shape[0] == k // 32 and m_ld >= m and m_ld % 4 == 0 and sa_t.dtype == torch.float32 \

@@ -5,7 +5,7 @@ select.dense_linear; the FP8 weight on select.fp8_linear's W8A16 / Triton FP8 ke
 measured in the same run. Each path includes its activation quantization; every timing is a CUDA-graph replay
 over rotating weight copies (each set at least 4x the L2).
 
-    python perf/bench_fp8_decode.py [--m 1 16 64 128] [--forms [--write-table]] [--breakdown] [--only w13 w2]
+    python perf/bench_fp8_decode.py [--m 1 16 32 64 128] [--forms [--write-table]] [--breakdown] [--only w13 w2]
 
 Prints per (linear, M): microseconds, the share of the copy bandwidth on the FP8 weight bytes, and the decode
 kernel's speed as a ratio to DeepGEMM and to the bf16-held path (and the decode path without programmatic
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -83,7 +84,7 @@ def table_off():
 
 def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: bool = False) -> list[dict]:
     from deepinfer.kernels import deepgemm, select
-    from deepinfer.kernels.cuda_fp8_decode import FORMS, entry_name, fp8_decode_linear, kernel_scales, plan, token_tile
+    from deepinfer.kernels.cuda_fp8_decode import FORMS, form_for, fp8_decode_linear, kernel_scales, token_tile
     from deepinfer.kernels.triton_dequant import dequant_fp8_bf16
     from deepinfer.kernels.triton_quant import act_quant
     nbytes = n * k * (1 + 1 / 1024)
@@ -98,7 +99,7 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: 
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         check(x, *ws[0])
-        entry, splits = plan(m, n, k, sms)
+        entry, splits = form_for(m, n, k, torch.cuda.get_device_name(0), sms)   # what a call runs
         r = {"name": name, "n": n, "k": k, "m": m, "entry": entry, "splits": splits}
         r["decode_us"] = time_calls([lambda w=w, s=s: fp8_decode_linear(x, w, s) for w, s in ws]) * 1e6
         with pdl_off():
@@ -152,8 +153,7 @@ def breakdown(name: str, n: int, k: int, m: int, ws, tiles) -> dict:
     from deepinfer.kernels.triton_quant import act_quant_fp8
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ld = -(-m // 4) * 4
-    row = dec.table_row(m, n, k, torch.cuda.get_device_name(0))
-    entry, splits = (row["entry"], row["splits"]) if row else dec.plan(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    entry, splits = dec.form_for(m, n, k, torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).multi_processor_count)
     a, sa_t = act_quant_fp8(x, scales_ld=ld, pdl=dec.PDL)
     r = {"name": name, "m": m, "entry": entry, "splits": splits,
          "quant_us": time_calls([lambda: act_quant_fp8(x, scales_ld=ld, pdl=dec.PDL)]) * 1e6,
@@ -191,7 +191,7 @@ def write_table(rows: list[dict], device: str) -> None:
                         decode_us=round(best_us, 2), bf16_held_us=round(r["bf16_held_us"], 2),
                         fp8_select_us=round(r["fp8_select_us"], 2), deepgemm_us=round(r.get("deepgemm_us", 0.0), 2)))
     merge_table(TABLE_PATH, {"measured": "perf/bench_fp8_decode.py --forms --write-table", "device": device,
-                             "pdl": PDL, "rows": out})
+                             "pdl": PDL, "date": datetime.date.today().isoformat(), "rows": out})
     shutil.copy(TABLE_PATH, os.path.join(out_dir(), os.path.basename(TABLE_PATH)))
     wins = sum(r["bf16_held_us"] >= 1.03 * r["decode_us"] for r in out)
     print(f"wrote {device}'s table in {TABLE_PATH}: the kernel beat the bf16-held path at {wins} of {len(out)} (N, K, M)")
@@ -225,7 +225,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     p.add_argument("--forms", action="store_true", help="also every row-block form and split counts")
     p.add_argument("--breakdown", action="store_true", help="also time each part of a call alone (quant, GEMM, reduce)")
     p.add_argument("--only", nargs="+", default=None, help="only these linears (names of bench_fp8_prefill.DENSE)")

@@ -214,6 +214,13 @@ def test_table_takes_the_measured_winner_at_the_covering_m(tmp_path, monkeypatch
         assert cfd.table_choice(100, 5120, 8192, "GPU A") is None          # bf16-held won at 128
         assert cfd.table_choice(100, 5120, 8192, "GPU A", against="fp8_select") == ("fp8_decode_sm90_t128_rb1_p2", 3)
         assert cfd.table_row(1, 4096, 1280, "GPU A") is None               # a renamed form reads as unmeasured
+        # the form a call runs: the row's where it was measured at the call's token tile, else plan's (17..32
+        # tokens on the M = 64 row would run half-empty 64-token tiles)
+        assert cfd.form_for(40, 5120, 8192, "GPU A", 132) == ("fp8_decode_sm90_t64_rb1_p2", 3)
+        assert cfd.form_for(9, 5120, 8192, "GPU A", 132) == ("fp8_decode_sm90_t16_rb1_x2_p2", 3)
+        assert cfd.form_for(20, 5120, 8192, "GPU A", 132) == cfd.plan(20, 5120, 8192, 132)
+        assert cfd.FORMS[cfd.form_for(20, 5120, 8192, "GPU A", 132)[0]][0] == 32
+        assert cfd.form_for(20, 5120, 8192, "GPU B", 132) == cfd.plan(20, 5120, 8192, 132)
     finally:
         monkeypatch.undo()
         cfd.reload_table()
