@@ -15,7 +15,8 @@ paths). Caches hold zeros: timing does not depend on their values; every sequenc
 full window and index_topk compressed picks, and the indexers score every entry below --ctx.
 
 Bytes counted per step (the floor a perfect kernel set would move): every weight of every layer
-(routed experts: only the expected number in use, E * (1 - (1 - k/E)^B) under uniform routing;
+(routed experts: those the step's picks name, counted from the gates in an eager run of the same step; the
+"uniform" column counts E * (1 - (1 - k/E)^B) of them, uniform routing, which random weights do not give;
 Engram tables: the rows looked up), the
 head and the batch's embedding rows, and per sequence and layer the window rows, the compressed
 picks and the index keys the indexers scan. The EP8 estimate scales the per-layer mean to the real
@@ -86,8 +87,48 @@ def module_bytes(mod, skip=()) -> int:
     return total
 
 
-def step_bytes(model, B: int, ctx: int) -> dict:
-    """What one decode step of B sequences at position ctx has to read, by part."""
+def routed_experts(model, step) -> dict[int, int]:
+    """Layer id -> how many distinct experts one run of step routes its tokens to (the gates' picks, hooked):
+    the experts a replay of the same step reads. Random weights do not route uniformly (the hash layers follow
+    the token ids, the score layers a random router), so the uniform expectation can count experts a step
+    never reads."""
+    used, hooks = {}, []
+    for layer in model.layers:
+        gate = getattr(layer.ffn, "gate", None)
+        if gate is not None:
+            hooks.append(gate.register_forward_hook(
+                lambda mod, inp, out, lid=layer.layer_id: used.__setitem__(lid, int(out[1].unique().numel()))))
+    try:
+        step()                              # (each hook's unique() waits for its gate)
+    finally:
+        for h in hooks:
+            h.remove()
+    return used
+
+
+def balance_routing(model) -> list:
+    """Forward hooks making every gate route its T tokens' k picks to experts (t k + j) mod E: each expert in
+    use once before any twice (what a load-balanced real router approaches; random weights route to a few
+    experts). Kept by a CUDA graph captured after them. Returns the handles (remove() undoes it)."""
+    hooks = []
+    for layer in model.layers:
+        moe = layer.ffn
+        if getattr(moe, "gate", None) is None:
+            continue
+        E = moe.n_experts
+
+        def balanced(mod, inp, out, E=E):
+            weights, indices = out
+            T, k = indices.shape
+            picks = torch.arange(T * k, device=indices.device).view(T, k) % E
+            return weights, picks.to(indices.dtype)
+        hooks.append(moe.gate.register_forward_hook(balanced))
+    return hooks
+
+
+def step_bytes(model, B: int, ctx: int, used: dict[int, int] | None = None) -> dict:
+    """What one decode step of B sequences at position ctx has to read, by part; the routed experts under
+    uniform routing, or (used: routed_experts') the experts the step's picks name."""
     a = model.args
     parts = {"attention+shared": 0, "experts": 0, "kv": 0, "head": 0}
     kv_row = a.head_dim * 2                                      # bf16 latent rows
@@ -97,7 +138,8 @@ def step_bytes(model, B: int, ctx: int) -> dict:
         routed = tensor_bytes([stacks.w13, stacks.s13, stacks.w2, stacks.s2]) if stacks is not None else \
             module_bytes(moe.experts)
         E, k = moe.n_experts, moe.gate.topk
-        parts["experts"] += routed * (1 - (1 - k / E) ** B)
+        seen = used.get(layer.layer_id) if used is not None else None
+        parts["experts"] += routed * (seen / E if seen is not None else 1 - (1 - k / E) ** B)
         parts["attention+shared"] += module_bytes(layer, skip=("ffn.experts", "engram.embed"))
         if layer.engram is not None:   # the table rows looked up, not the table
             t = layer.engram.embed
@@ -171,6 +213,9 @@ def main() -> None:
                     help="bf16 (the engine's CUDA default, EngineArgs.dense_weights=\"auto\"): the dense FP8 linears dequantized at load")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     p.add_argument("--ctx", type=int, default=8192)
+    p.add_argument("--routing", default="model", choices=["model", "balanced"],
+                   help="model: the gates' own picks (random weights pick few experts); balanced: every expert "
+                        "in use once before any twice (balance_routing), the load a real router approaches")
     p.add_argument("--profile", type=int, default=0, help="also profile one eager step at this batch size")
     p.add_argument("--mhc-variants", nargs="+", default=["{}"],
                    help="hc_mixes_pre launch constants below 1,024 tokens (JSON, merged over triton_mhc.DECODE_VARIANT) "
@@ -203,6 +248,8 @@ def main() -> None:
     stacks = [m.stacks for m in model.modules() if getattr(m, "stacks", None) is not None]
     print(f"expert stacks with one scale per row: w13 {sum(st.r13 is not None for st in stacks)}, "
           f"w2 {sum(st.r2 is not None for st in stacks)} of {len(stacks)}", flush=True)
+    if a.routing == "balanced":
+        balance_routing(model)
     ceil = measure_ceilings()
     copy_bw = ceil["copy_bw"]
     block_tokens, max_len = 64, a.ctx + 64
@@ -216,8 +263,8 @@ def main() -> None:
     caches = caches_of[a.index_k[0]]
     # the head alone (bf16 or FP8 [V, dim]): subtracted to get the per-layer time
     rows = []
-    print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'graph x':>8} {'MB':>8} {'of copy':>8} "
-          f"{'head ms':>8} {'layer us':>9} {'EP8 tok/s/GPU':>14}", flush=True)
+    print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'graph x':>8} {'MB':>8} {'of copy':>8} {'uniform':>8} "
+          f"{'experts':>8} {'head ms':>8} {'layer us':>9} {'EP8 tok/s/GPU':>14}", flush=True)
     from deepinfer.kernels import triton_mhc
     mhc = mhc_variants(a.mhc_variants)
     tables = [None if t == "default" else t for t in (a.skinny_tables or ["default"])]
@@ -229,11 +276,13 @@ def main() -> None:
         with torch.inference_mode(), use_mhc_variant(triton_mhc.DECODE_VARIANT, mhc[mi]), \
                 use_skinny_table(tables[ti]), use_moe_path(moes[oi]):
             step = decode_step(model, caches, B, a.ctx, max_len, block_tokens)
+            used = routed_experts(model, step)
             eager = time_eager(step, iters=5)
             graph = time_graph(step)
             x = torch.randn(B, model.args.dim, device="cuda").bfloat16()
             head = time_graph(lambda: model.head(x))
-        nb = step_bytes(model, B, a.ctx)
+        nb = step_bytes(model, B, a.ctx, used)                  # what this step reads, as routed
+        uniform = step_bytes(model, B, a.ctx)
         frac = nb["total"] / graph / copy_bw
         layer = (graph - head) / model.args.n_layers
         ep8_step = FULL_LAYERS * layer + head
@@ -241,13 +290,15 @@ def main() -> None:
                    eager_ms=eager * 1e3,
                    graph_ms=graph * 1e3,
                    graph_speedup=eager / graph,
-                   bytes=nb, of_copy=frac, head_ms=head * 1e3, layer_us=layer * 1e6,
+                   bytes=nb, of_copy=frac, bytes_uniform=uniform, of_copy_uniform=uniform["total"] / graph / copy_bw,
+                   experts_used=used, head_ms=head * 1e3, layer_us=layer * 1e6,
                    ep8_tok_s_per_gpu=B / ep8_step)
         rows.append(row)
         tag = ('' if len(mhc) == 1 else f' m{mi}') + ('' if len(tables) == 1 else f' t{ti}') + \
             ('' if len(moes) == 1 else f' {moes[oi]}') + ('' if len(a.index_k) == 1 else f' {ki}')
         print(f"{B:>5}{tag} {eager * 1e3:>9.2f} {graph * 1e3:>9.2f} {eager / graph:>8.2f} {nb['total'] / 1e6:>8.0f} "
-              f"{frac:>8.2f} {head * 1e3:>8.2f} {layer * 1e6:>9.0f} {B / ep8_step:>14.0f}", flush=True)
+              f"{frac:>8.2f} {row['of_copy_uniform']:>8.2f} {sum(used.values()) / max(len(used), 1):>8.1f} "
+              f"{head * 1e3:>8.2f} {layer * 1e6:>9.0f} {B / ep8_step:>14.0f}", flush=True)
     save_json("model_decode.json", dict(checkpoint=ckpt, ctx=a.ctx, ceilings=ceil, rows=rows))
     if len(tables) > 1:
         print("skinny tables: " + ", ".join(f"t{i} {t if t is not None else 'default'!r}" for i, t in enumerate(tables)))
