@@ -137,13 +137,14 @@ def entry_name(bt: int, rb: int) -> str:
 def plan(m: int, n: int, k: int, sms: int, rb: int | None = None) -> tuple[str, int]:
     """(entry, K splits) where no measured table covers the call: the token tile for m; up to 32 tokens the
     two-CTAs-a-SM form (one row block a consumer: H200, 2026-12-04, 1.0-1.5x the one-CTA forms at 1 / 16
-    tokens, the kernel being latency-bound), at 64 and 128 the pipelined forms of PLAN_WIDE (one row block a
+    tokens, the kernel being latency-bound), pipelined in turns of two stages (its plain twin won none of the
+    24 rows at 1-32 tokens of the H100 / H200 tables, 2026-12-05 / 06), at 64 and 128 the pipelined forms of PLAN_WIDE (one row block a
     consumer, two where one-row-block tiles overflow a wave); rb forces the one-CTA form of that many row blocks.
     The split count of split_cost's least cost (counted in one-CTA waves: the measured best counts of those
     forms), each split at least two 128-K stages, none empty."""
     bt = token_tile(m)
     rb = rb or FORCE_RB
-    name = entry_name(bt, 1) + "_x2" if not rb and bt <= 32 else None
+    name = entry_name(bt, 1) + "_x2_p2" if not rb and bt <= 32 else None
     if name not in FORMS and not rb and bt in PLAN_WIDE:
         name = PLAN_WIDE[bt][-(-n // 128) * -(-m // bt) > sms]
     if name not in FORMS:
@@ -262,7 +263,7 @@ def fp8_decode_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, sb: to
         return out
     dev = a.device.index
     name, s = form_for(m, n, k, torch.cuda.get_device_name(dev), _num_sms(dev)) if entry is None else (entry, None)
-    name, splits = name, splits or s or plan(m, n, k, _num_sms(dev))[1]
+    splits = splits or s or plan(m, n, k, _num_sms(dev))[1]
     bt, rb, _, _ = FORMS[name]
     m_ld = sa_t.shape[1]
     assert sa_t.shape[0] == k // 32 and m_ld >= m and m_ld % 4 == 0 and sa_t.dtype == torch.float32 \

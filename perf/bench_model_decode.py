@@ -110,18 +110,23 @@ def balance_routing(model) -> list:
     """Forward hooks making every gate route its T tokens' k picks to experts (t k + j) mod E: each expert in
     use once before any twice (what a load-balanced real router approaches; random weights route to a few
     experts). Kept by a CUDA graph captured after them. Returns the handles (remove() undoes it)."""
-    hooks = []
+    hooks, made = [], {}
+
+    def picks_for(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
+        # made once per shape, outside any capture: a replayed step launches nothing for them
+        key = (T, k, E, like.device, like.dtype)
+        if key not in made:
+            made[key] = (torch.arange(T * k, device=like.device).view(T, k) % E).to(like.dtype)
+        return made[key]
+
     for layer in model.layers:
         moe = layer.ffn
         if getattr(moe, "gate", None) is None:
             continue
-        E = moe.n_experts
 
-        def balanced(mod, inp, out, E=E):
+        def balanced(mod, inp, out, E=moe.n_experts):
             weights, indices = out
-            T, k = indices.shape
-            picks = torch.arange(T * k, device=indices.device).view(T, k) % E
-            return weights, picks.to(indices.dtype)
+            return weights, picks_for(*indices.shape, E, indices)
         hooks.append(moe.gate.register_forward_hook(balanced))
     return hooks
 
@@ -213,9 +218,10 @@ def main() -> None:
                     help="bf16 (the engine's CUDA default, EngineArgs.dense_weights=\"auto\"): the dense FP8 linears dequantized at load")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     p.add_argument("--ctx", type=int, default=8192)
-    p.add_argument("--routing", default="model", choices=["model", "balanced"],
-                   help="model: the gates' own picks (random weights pick few experts); balanced: every expert "
-                        "in use once before any twice (balance_routing), the load a real router approaches")
+    p.add_argument("--routing", default="balanced", choices=["balanced", "model"],
+                   help="balanced (the step the decode goals mean): every expert in use once before any twice "
+                        "(balance_routing), the load a trained, load-balanced router approaches; model: the gates' "
+                        "own picks (random weights send a step to a third of the experts)")
     p.add_argument("--profile", type=int, default=0, help="also profile one eager step at this batch size")
     p.add_argument("--mhc-variants", nargs="+", default=["{}"],
                    help="hc_mixes_pre launch constants below 1,024 tokens (JSON, merged over triton_mhc.DECODE_VARIANT) "

@@ -109,7 +109,8 @@ def test_plan_fills_the_sms_where_the_rows_do_not():
     assert plan(64, 4608, 5120, 132)[1] == plan(64, 4096, 1280, 132)[1] == 3
     assert plan(64, 1792, 5120, 132)[1] == 6
     # up to 32 tokens two CTAs a SM; a forced row-block count takes the one-CTA forms
-    assert plan(16, 5120, 8192, 132)[0] == "fp8_decode_sm90_t16_rb1_x2"
+    assert plan(16, 5120, 8192, 132)[0] == "fp8_decode_sm90_t16_rb1_x2_p2"
+    assert plan(20, 5120, 8192, 132)[0] == "fp8_decode_sm90_t32_rb1_x2_p2"
     assert plan(16, 5120, 8192, 132, rb=2)[0] == "fp8_decode_sm90_t16_rb2"
 
 
