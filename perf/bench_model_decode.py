@@ -232,9 +232,9 @@ def main() -> None:
     p.add_argument("--moe-paths", nargs="+", default=["default"], choices=["default", "w8a16", "fp8"],
                    help="the masked MoE's GEMMs compared in one run: W8A16 or the CUDA FP8 x FP8 masked form "
                         "(select.MOE_FP8_DECODE; default: as configured)")
-    p.add_argument("--index-k", nargs="+", default=["bf16"], choices=["bf16", "packed"],
+    p.add_argument("--index-k", nargs="+", default=["packed"], choices=["bf16", "packed"],
                    help="the cache's index keys compared in one run: bf16 rows or packed FP4 rows "
-                        "(ModelArgs.index_k_packed)")
+                        "(ModelArgs.index_k_packed; packed is the engine's default)")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights made on the device from the preset's config (no checkpoint)")
     a = p.parse_args()
