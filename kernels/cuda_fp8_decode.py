@@ -118,7 +118,8 @@ def form_for(m: int, n: int, k: int, device_name: str, sms: int) -> tuple[str, i
     """(entry, splits) of a call with no forced form: the table's row covering m (table_row) where it was
     measured at m's token tile, else plan's. A row of a wider tile (M = 64 covering 17..32 tokens where no
     M = 32 was measured) runs half-empty tiles: on an H100 (2026-12-06) plan's 32-token form beat the M = 64
-    row's at 32 tokens on all six release shapes (w13 16.1 against 18.8 us)."""
+    row's at 32 tokens on all six release shapes (w13 15.3 against 18.8 us; within 0-6% of the M = 32 rows
+    measured since)."""
     row = table_row(m, n, k, device_name)
     if row is not None and token_tile(row["m"]) == token_tile(m):
         return row["entry"], row["splits"]
@@ -137,9 +138,10 @@ def entry_name(bt: int, rb: int) -> str:
 def plan(m: int, n: int, k: int, sms: int, rb: int | None = None) -> tuple[str, int]:
     """(entry, K splits) where no measured table covers the call: the token tile for m; up to 32 tokens the
     two-CTAs-a-SM form (one row block a consumer: H200, 2026-12-04, 1.0-1.5x the one-CTA forms at 1 / 16
-    tokens, the kernel being latency-bound), pipelined in turns of two stages (its plain twin won none of the
-    24 rows at 1-32 tokens of the H100 / H200 tables, 2026-12-05 / 06), at 64 and 128 the pipelined forms of PLAN_WIDE (one row block a
-    consumer, two where one-row-block tiles overflow a wave); rb forces the one-CTA form of that many row blocks.
+    tokens, the kernel being latency-bound), pipelined in turns of two stages (its plain twin won none of
+    the 24 rows at 1-32 tokens of the H100 / H200 tables, 2026-12-05 / 06), at 64 and 128 the pipelined
+    forms of PLAN_WIDE (one row block a consumer, two where one-row-block tiles overflow a wave); rb forces
+    the one-CTA form of that many row blocks.
     The split count of split_cost's least cost (counted in one-CTA waves: the measured best counts of those
     forms), each split at least two 128-K stages, none empty."""
     bt = token_tile(m)
