@@ -300,6 +300,8 @@ def main() -> None:
                    experts_used=used, head_ms=head * 1e3, layer_us=layer * 1e6,
                    ep8_tok_s_per_gpu=B / ep8_step)
         rows.append(row)
+        if frac > 1.02:     # no step reads faster than a copy moves: the byte count is wrong, not the kernels fast
+            print(f"WARNING: batch {B} counts {frac:.2f} of copy: more bytes counted than the step reads", flush=True)
         tag = ('' if len(mhc) == 1 else f' m{mi}') + ('' if len(tables) == 1 else f' t{ti}') + \
             ('' if len(moes) == 1 else f' {moes[oi]}') + ('' if len(a.index_k) == 1 else f' {ki}')
         print(f"{B:>5}{tag} {eager * 1e3:>9.2f} {graph * 1e3:>9.2f} {eager / graph:>8.2f} {nb['total'] / 1e6:>8.0f} "
