@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import (dummy_model, measure_ceilings, mhc_variants, out_dir, save_json, time_eager,  # noqa: E402
-                       use_mhc_variant, use_skinny_table)
+from benchutil import (balance_routing, dummy_model, measure_ceilings, mhc_variants, out_dir,  # noqa: E402
+                       routed_experts, save_json, time_eager, use_mhc_variant, use_skinny_table)
 
 FULL_LAYERS = 40
 
@@ -85,50 +85,6 @@ def module_bytes(mod, skip=()) -> int:
         if isinstance(m, Linear):
             total += tensor_bytes(m.fp8) + tensor_bytes(m.packed) + tensor_bytes(m.fp8_blocks)
     return total
-
-
-def routed_experts(model, step) -> dict[int, int]:
-    """Layer id -> how many distinct experts one run of step routes its tokens to (the gates' picks, hooked):
-    the experts a replay of the same step reads. Random weights do not route uniformly (the hash layers follow
-    the token ids, the score layers a random router), so the uniform expectation can count experts a step
-    never reads."""
-    used, hooks = {}, []
-    for layer in model.layers:
-        gate = getattr(layer.ffn, "gate", None)
-        if gate is not None:
-            hooks.append(gate.register_forward_hook(
-                lambda mod, inp, out, lid=layer.layer_id: used.__setitem__(lid, int(out[1].unique().numel()))))
-    try:
-        step()                              # (each hook's unique() waits for its gate)
-    finally:
-        for h in hooks:
-            h.remove()
-    return used
-
-
-def balance_routing(model) -> list:
-    """Forward hooks making every gate route its T tokens' k picks to experts (t k + j) mod E: each expert in
-    use once before any twice (what a load-balanced real router approaches; random weights route to a few
-    experts). Kept by a CUDA graph captured after them. Returns the handles (remove() undoes it)."""
-    hooks, made = [], {}
-
-    def picks_for(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
-        # made once per shape, outside any capture: a replayed step launches nothing for them
-        key = (T, k, E, like.device, like.dtype)
-        if key not in made:
-            made[key] = (torch.arange(T * k, device=like.device).view(T, k) % E).to(like.dtype)
-        return made[key]
-
-    for layer in model.layers:
-        moe = layer.ffn
-        if getattr(moe, "gate", None) is None:
-            continue
-
-        def balanced(mod, inp, out, E=moe.n_experts):
-            weights, indices = out
-            return weights, picks_for(*indices.shape, E, indices)
-        hooks.append(moe.gate.register_forward_hook(balanced))
-    return hooks
 
 
 def step_bytes(model, B: int, ctx: int, used: dict[int, int] | None = None) -> dict:

@@ -18,7 +18,9 @@ at EP8 each GPU's experts see as many pairs as its own tokens pick) and the shar
 indexers, compressors, norms, mHC and the head are not counted. --profile: the top kernels of one
 1 x 8192 prefill (or --profile-case) on the default path (torch.profiler), and the host's time in it.
 --mhc-variants '{}' '{"bt": 128, ...}': hc_mixes_pre's prefill launch constants compared in the same run
-(each row's gemm column gets /m0, /m1, ...); the profile runs the last one.
+(each row's gemm column gets /m0, /m1, ...); the profile runs the last one. --routing balanced (the default
+since 2026-12-06) gives every expert an equal share of the picks; before, the random gates' skewed picks
+(--routing model) decided the experts' loads.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import (dummy_model, gpu_model, measure_ceilings, mhc_variants, out_dir, save_json, time_eager,  # noqa: E402
+from benchutil import (balance_routing, dummy_model, gpu_model, measure_ceilings, mhc_variants, out_dir, save_json, time_eager,  # noqa: E402
                        use_mhc_variant)
 
 FULL_LAYERS = 40
@@ -264,6 +266,9 @@ def main() -> None:
     p.add_argument("--profile-top", type=int, default=20, help="how many kernels the profile lists")
     p.add_argument("--gemms", nargs="+", default=list(GEMM_MODES),
                    help="GEMM paths to compare (gemm_mode): w8a16, w8a16+moe, fp8, auto[+moe], an FP8 variant name")
+    p.add_argument("--routing", default="balanced", choices=["balanced", "model"],
+                   help="balanced: each expert gets an equal share of the step's picks (benchutil.balance_routing, "
+                        "what a load-balanced router approaches); model: the random gates' own picks (skewed)")
     p.add_argument("--mhc-variants", nargs="+", default=["{}"],
                    help="hc_mixes_pre launch constants for T >= 1,024 (JSON, merged over triton_mhc.PREFILL_VARIANT) "
                         "to compare in one run, e.g. '{}' '{\"bt\": 128}' (perf/bench_mhc_variants.py's best)")
@@ -276,6 +281,8 @@ def main() -> None:
     model = dummy_model(a.preset, dense_weights=a.dense_weights, expert_format=a.expert_format)
     print(f"built {a.preset} (dummy weights) in {time.time() - t0:.0f} s; kernels: {select.capability_report()}",
           flush=True)
+    if a.routing == "balanced":
+        balance_routing(model)
     peaks = measure_ceilings()
     print(f"peaks (same run): FP8 {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s, bf16 {peaks['bf16_flops'] / 1e12:.0f}",
           flush=True)
@@ -326,7 +333,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             print(f"profile FAILED: {type(e).__name__}: {str(e)[:400]}")
     print("declined fast paths:", sorted(select.declined()))
-    save_json("model_prefill.json", dict(preset=a.preset, peaks=peaks, rows=rows, profile_top=top))
+    save_json("model_prefill.json", dict(preset=a.preset, routing=a.routing, peaks=peaks, rows=rows, profile_top=top))
     os.makedirs(FIGURES, exist_ok=True)
     gpu = gpu_model()
     for path in (os.path.join(out_dir(), "model_prefill.png"), os.path.join(FIGURES, f"model_prefill_{gpu.lower()}.png")):

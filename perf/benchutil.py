@@ -165,6 +165,50 @@ def dummy_model(preset: str, device: str = "cuda", dense_weights: str = "fp8", e
                       dense_fp8_copy=dense_weights == "bf16+fp8", expert_format=expert_format, **load_options)
 
 
+def routed_experts(model, step) -> dict[int, int]:
+    """Layer id -> how many distinct experts one run of step routes its tokens to (the gates' picks, hooked):
+    the experts a replay of the same step reads. Random weights do not route uniformly (the hash layers follow
+    the token ids, the score layers a random router), so the uniform expectation can count experts a step
+    never reads."""
+    used, hooks = {}, []
+    for layer in model.layers:
+        gate = getattr(layer.ffn, "gate", None)
+        if gate is not None:
+            hooks.append(gate.register_forward_hook(
+                lambda mod, inp, out, lid=layer.layer_id: used.__setitem__(lid, int(out[1].unique().numel()))))
+    try:
+        step()                              # (each hook's unique() waits for its gate)
+    finally:
+        for h in hooks:
+            h.remove()
+    return used
+
+
+def balance_routing(model) -> list:
+    """Forward hooks making every gate route its T tokens' k picks to experts (t k + j) mod E: each expert in
+    use once before any twice (what a load-balanced real router approaches; random weights route to a few
+    experts). Kept by a CUDA graph captured after them. Returns the handles (remove() undoes it)."""
+    hooks, made = [], {}
+
+    def picks_for(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
+        # made once per shape, outside any capture: a replayed step launches nothing for them
+        key = (T, k, E, like.device, like.dtype)
+        if key not in made:
+            made[key] = (torch.arange(T * k, device=like.device).view(T, k) % E).to(like.dtype)
+        return made[key]
+
+    for layer in model.layers:
+        moe = layer.ffn
+        if getattr(moe, "gate", None) is None:
+            continue
+
+        def balanced(mod, inp, out, E=moe.n_experts):
+            weights, indices = out
+            return weights, picks_for(*indices.shape, E, indices)
+        hooks.append(moe.gate.register_forward_hook(balanced))
+    return hooks
+
+
 def release_engine_memory() -> float:
     """After an engine's shutdown and the caller's `del` of its last references: collect the cycles and
     return the freed blocks to the device, so the next engine builds in the memory; the GiB still
