@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import (balance_routing, dummy_model, gpu_model, measure_ceilings, mhc_variants, out_dir, save_json, time_eager,  # noqa: E402
-                       use_mhc_variant)
+from benchutil import (balance_routing, dummy_model, gpu_model, measure_ceilings, mhc_variants, out_dir,  # noqa: E402
+                       save_json, time_eager, use_mhc_variant)
 
 FULL_LAYERS = 40
 # the prefill GEMM paths compared: W8A16 everywhere (the default: per-expert loop for large MoE steps),

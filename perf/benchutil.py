@@ -191,7 +191,7 @@ def balance_routing(model) -> list:
     hooks, made = [], {}
 
     def picks_for(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
-        # made once per shape, outside any capture: a replayed step launches nothing for them
+        # made once per shape by the first (eager) call: a graph captured later replays no kernel for them
         key = (T, k, E, like.device, like.dtype)
         if key not in made:
             made[key] = (torch.arange(T * k, device=like.device).view(T, k) % E).to(like.dtype)

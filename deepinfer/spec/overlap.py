@@ -24,8 +24,8 @@ sample at temperature > 0 with top-k / top-p / min-p (sample/device_sampling.py:
 the seeded streams, the drafts and, under spec_acceptance="sampled", the draft probabilities q come
 from N's device tensors; the drafts of such requests are sampled on the device too), logprobs and
 presence / frequency penalties included (logprobs_on_device, penalize_on_device), with no grammar (its
-state is the host's), teacher forcing, returned logits, images or bounded replay. Anything else is resolved before the
-next schedule, as before. Replayed acceptance (benchmark mode, spec/replay.py) draws each
+state is the host's), teacher forcing, returned logits, images or bounded replay. Anything else is
+resolved before the next schedule, as before. Replayed acceptance (benchmark mode, spec/replay.py) draws each
 proposal's outcome by (request, anchor position): with overlap the runner draws every position a
 request may reach when it is added (a device table by row and position), so a proposal made on the
 device reads the same outcome the host would have drawn.
