@@ -82,6 +82,5 @@ def test_balanced_routing_uses_every_expert_once_before_any_twice(model_and_cach
     finally:
         for h in hooks:
             h.remove()
-    with torch.inference_mode():     # removed: the gates route by their weights again
-        step = _step(model, caches, 8)
-        assert _gate_picks(model, step)[model.layers[0].layer_id].shape[0] == 8
+    # removed: no hook is left on any gate (they route by their weights again)
+    assert all(not layer.ffn.gate._forward_hooks for layer in model.layers)
