@@ -179,6 +179,7 @@ def main() -> None:
                         "(balance_routing), the load a trained, load-balanced router approaches; model: the gates' "
                         "own picks (random weights send a step to a third of the experts)")
     p.add_argument("--profile", type=int, default=0, help="also profile one eager step at this batch size")
+    p.add_argument("--profile-top", type=int, default=45, help="kernels and torch ops the profile lists")
     p.add_argument("--mhc-variants", nargs="+", default=["{}"],
                    help="hc_mixes_pre launch constants below 1,024 tokens (JSON, merged over triton_mhc.DECODE_VARIANT) "
                         "compared in one run, e.g. '{}' '{\"bt\": 16}' (perf/bench_mhc_variants.py's best)")
@@ -271,7 +272,7 @@ def main() -> None:
          os.path.join(out_dir(), "model_decode.png"))
     if a.profile:
         with torch.inference_mode():
-            profile(decode_step(model, caches, a.profile, a.ctx, max_len, block_tokens), a.profile)
+            profile(decode_step(model, caches, a.profile, a.ctx, max_len, block_tokens), a.profile, a.profile_top)
 
 
 class use_moe_path:
