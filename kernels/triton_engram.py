@@ -25,10 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
+
 
 @triton.jit
 def engram_gate_kernel(x_ptr, key_ptr, val_ptr, w_ptr, mask_ptr, out_ptr, d, eps, scale, stride_key, stride_val,
-                       HC: tl.constexpr, BD: tl.constexpr, HAS_MASK: tl.constexpr):
+                       HC: tl.constexpr, BD: tl.constexpr, HAS_MASK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     x_row = x_ptr + (t * HC + c) * d
@@ -72,7 +75,7 @@ def engram_gate(x: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torc
         mask = token_mask.to(torch.int8).contiguous() if token_mask is not None else x
         engram_gate_kernel[(T, hc)](x, key, value, w.float().contiguous(), mask, out, d, float(eps), float(d) ** -0.5,
                                     key.stride(0), value.stride(0), HC=hc, BD=min(1024, triton.next_power_of_2(d)),
-                                    HAS_MASK=token_mask is not None, num_warps=4)
+                                    HAS_MASK=token_mask is not None, num_warps=4, **pdl_args())
     return out
 
 
@@ -136,7 +139,8 @@ def ngram_hash(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, history: torch
 
 @triton.jit
 def engram_rows_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, N, COLS, stride_r, stride_c, D,
-                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < N
     row = tl.load(ids_ptr + (r // COLS) * stride_r + (r % COLS) * stride_c, mask=rm, other=0).to(tl.int64)
@@ -163,5 +167,5 @@ def engram_rows(weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) ->
     block_r = max(1, min(16, 4096 // block_d))
     engram_rows_kernel[(triton.cdiv(n, block_r),)](weight.view(torch.uint8), scale.view(torch.uint8), ids, out, n,
                                                    ids.shape[1], ids.stride(0), ids.stride(1), D,
-                                                   BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+                                                   BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, **pdl_args())
     return out

@@ -15,12 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
 from .triton_norm import MAX_D, _block_m
 
 
 @triton.jit
 def hc_pre_norm_kernel(x_ptr, pre_ptr, rows_ptr, w_ptr, y_ptr, n, d, inv_d, eps,
-                       HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr):
+                       HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     r_ok = r < n
@@ -57,5 +60,5 @@ def hc_pre_norm(x: torch.Tensor, pre: torch.Tensor, rows: torch.Tensor | None, w
     hc_pre_norm_kernel[(triton.cdiv(n, block_m),)](
         x, pre, x if rows is None else rows.contiguous(), weight.contiguous(), y, n, d, 1.0 / d, eps, HC=hc,
         BLOCK_M=block_m, BLOCK_D=block_d, HAS_ROWS=rows is not None,
-        num_warps=4 if block_d * block_m <= 4096 else 8)
+        num_warps=4 if block_d * block_m <= 4096 else 8, **pdl_args())
     return y

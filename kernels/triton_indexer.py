@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
 from .reference import fp4_rows_width
 from .triton_gemm import _fp4_nibbles_ref
 
@@ -144,12 +145,13 @@ def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, ro
                                IH: tl.constexpr, ID: tl.constexpr, BE: tl.constexpr, HAS_LENS: tl.constexpr,
                                UPCAST: tl.constexpr, PAGED: tl.constexpr, STAGES: tl.constexpr,
                                tok_ptr=None, HAS_TOKENS: tl.constexpr = False, BLOCKED: tl.constexpr = False,
-                               PACKED: tl.constexpr = False, KW: tl.constexpr = 0):
+                               PACKED: tl.constexpr = False, KW: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Per-token keys (index_scores_kernel's PER_TOKEN_KEYS form, BT == 1), one program per (query,
     run of NB key blocks): q [IH, ID] and w loaded once, the key blocks walked in a pipelined loop.
     Each block's arithmetic is index_scores_kernel's, step for step (same dot shape, roundings and
     head-sum tile), so the bits do not depend on NB. Blocks past lens[t] only write -inf (a second,
     store-only loop: no branch inside the pipelined one)."""
+    pdl_enter(PDL)
     pid_t = tl.program_id(0)
     if HAS_TOKENS:
         pid_t = tl.load(tok_ptr + pid_t)
@@ -330,7 +332,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
         index_scores_decode_kernel[(grid_t, triton.cdiv(num_blocks, nb))](
             q, w, keys, lens_t, ks, key_start_scale, rows_t, epb, nbt, out, E, nb, IH=ih, ID=idim, BE=be,
             HAS_LENS=lens is not None, UPCAST=INTERPRET, PAGED=paged, STAGES=DECODE_STAGES, tok_ptr=tokens,
-            HAS_TOKENS=tokens is not None, BLOCKED=blocked, num_warps=DECODE_WARPS, **pk)
+            HAS_TOKENS=tokens is not None, BLOCKED=blocked, num_warps=DECODE_WARPS, **pk, **pdl_args())
     elif grid_t:
         index_scores_kernel[(grid_t, num_blocks)](
             q, w, keys, lens_t, ks, key_start_scale, rows_t, epb, nbt, out, n, E, IH=ih, ID=idim, BT=bt,

@@ -21,13 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
 def pool_lists_kernel(win_ptr, wlen_ptr, topk_ptr, seq_ptr, bt_ptr, out_ptr, Lw, K, nb, stride_bt, epb, base,
-                      BL: tl.constexpr):
+                      BL: tl.constexpr, PDL: tl.constexpr = False):
     """Program t: out[t, j] for j < Lw + K, composed in registers (no overlapping stores)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BL)
     L = Lw + K
@@ -78,5 +81,5 @@ def pool_lists(win_pool: torch.Tensor, win_len: torch.Tensor, topk: torch.Tensor
         bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
         pool_lists_kernel[(T,)](win_pool.contiguous(), win_len.contiguous(), topk.contiguous(), seq_of.contiguous(),
                                 bt, out, Lw, K, bt.shape[1], bt.stride(0), epb, base,
-                                BL=triton.next_power_of_2(Lw + K), num_warps=4)
+                                BL=triton.next_power_of_2(Lw + K), num_warps=4, **pdl_args())
     return out

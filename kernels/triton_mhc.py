@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
 from .reference import hc_split_sinkhorn_ref  # noqa: F401  (the reference this follows)
 from .tensor_version import tensor_version
 
@@ -64,7 +65,7 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
                         HC: tl.constexpr, MIX: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                         CH: tl.constexpr, MIXP: tl.constexpr, PREC: tl.constexpr = "tf32x3",
                         MEAN: tl.constexpr = False, SPLIT3: tl.constexpr = False, UPCAST: tl.constexpr = False,
-                        STACKED: tl.constexpr = False):
+                        STACKED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (T/BT, d/CH): a program walks CH / BK column chunks of BK (a loop Triton can pipeline when
     num_stages > 1). The fp32 product: 3-pass tf32 (error ~ fp32's), or SPLIT3 (see _mix_dot). x [T, HC, d]
     bf16, fn [MIX, HC*d] f32 (SPLIT3: [3, MIX, HC*d] bf16), pre [T, HC] f32 -> partial mixes
@@ -74,6 +75,7 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
     p of mix j; masked rows zero), so each stream's chunk is one [BT, BK] x [BK, 4 * MIXP] MMA reading the
     x tile once (SPLIT3's three N = 32 MMAs re-read it from shared memory each), accumulated over the
     program's whole walk; the parts are summed once at the end."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     pc = tl.program_id(1)
     rt = pid * BT + tl.arange(0, BT)
@@ -161,11 +163,12 @@ def _norm4(a, b, c, d, eps):
 
 @triton.jit
 def hc_mix_reduce_kernel(mixp_ptr, sqp_ptr, mix_ptr, T, NC, inv_hd, norm_eps,
-                         NCP: tl.constexpr, MIXP: tl.constexpr):
+                         NCP: tl.constexpr, MIXP: tl.constexpr, PDL: tl.constexpr = False):
     """Program t: the NC column-chunk partials of token t [NC, MIXP] and its squares summed (one
     tree over the chunks: the order depends on d only), times rsqrt(mean square + norm_eps) ->
     mix [T, MIXP]. One coalesced tile load per token instead of a serial walk over the chunks
     inside the Sinkhorn kernel (there: 69 us per call at T=64, 12% of the decode step)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     rc = tl.arange(0, NCP)
     rj = tl.arange(0, MIXP)
@@ -178,8 +181,9 @@ def hc_mix_reduce_kernel(mixp_ptr, sqp_ptr, mix_ptr, T, NC, inv_hd, norm_eps,
 
 @triton.jit
 def hc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, iters, eps, stride,
-                       HC: tl.constexpr, BT: tl.constexpr):
+                       HC: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr = False):
     """mix [T, 24] (row stride `stride`) -> pre [T, 4], post [T, 4], comb [T, 4, 4] (HC == 4)."""
+    pdl_enter(PDL)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt, rt < T, iters, eps, stride, HC)
 
@@ -280,10 +284,11 @@ def _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt
 
 @triton.jit
 def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
-                   HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                   HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * res[t, i] (fp32, bf16 out). HC == 4 (the
     release): the four residual tiles are loaded once and held (a loop over j reloads each one HC times);
     any other HC takes that loop. The same sums in the same order either way."""
+    pdl_enter(PDL)
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     rt = pid_t * BT + tl.arange(0, BT)
@@ -326,7 +331,7 @@ def _sinkhorn_launch(mix, stride, scale, base, T, hc, iters, eps):
         bt = 128
         hc_sinkhorn_kernel[(triton.cdiv(T, bt),)](mix, scale.float().contiguous(), base.float().contiguous(),
                                                   pre, post, comb, T, iters, float(eps), stride, HC=hc, BT=bt,
-                                                  num_warps=4)
+                                                  num_warps=4, **pdl_args())
     return pre, post, comb
 
 
@@ -475,7 +480,8 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                                                        HC=hc, MIX=mix, BT=v["bt"], BK=bk, CH=ch, MIXP=MIX_PAD,
                                                        PREC="ieee" if INTERPRET else "tf32x3", MEAN=mean,
                                                        SPLIT3=split3, UPCAST=INTERPRET, STACKED=stacked,
-                                                       num_warps=v["num_warps"], num_stages=v["num_stages"])
+                                                       num_warps=v["num_warps"], num_stages=v["num_stages"],
+                                                       **pdl_args())
     if v["tail"] == "fused":
         pre, post, comb = _sinkhorn_outputs(T, hc, x.device)
         bt = 16
@@ -486,7 +492,7 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                                                          num_warps=4)
     else:
         hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=triton.next_power_of_2(nc),
-                                   MIXP=MIX_PAD, num_warps=4)
+                                   MIXP=MIX_PAD, num_warps=4, **pdl_args())
         pre, post, comb = _sinkhorn_launch(mixes, MIX_PAD, scale, base, T, hc, iters, hc_eps)
     return (pre, post, comb, y) + ((avg,) if mean else ())
 
@@ -499,7 +505,8 @@ def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
         bt, bd = 4, 512
         hc_post_kernel[(triton.cdiv(T, bt), triton.cdiv(d, bd))](y.contiguous(), res.contiguous(),
                                                                  post.float().contiguous(), comb.float().contiguous(),
-                                                                 out, T, d, HC=hc, BT=bt, BD=bd, num_warps=4)
+                                                                 out, T, d, HC=hc, BT=bt, BD=bd, num_warps=4,
+                                                                 **pdl_args())
     return out
 
 

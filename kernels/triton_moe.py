@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .pdl import pdl_args, pdl_enter
 from .triton_quant import _pow2_ceil, _to_e4m3
 from .reference import moe_combine_ref, moe_dispatch_ref, moe_route_ref, moe_swiglu_quant_ref  # noqa: F401
 from .reference import slab_scales_ld
@@ -71,13 +72,15 @@ def _round_bf16(v, MANUAL: tl.constexpr):
 
 
 @triton.jit
-def moe_route_kernel(idx_ptr, counts_ptr, slot_ptr, T, P, E, BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
+def moe_route_kernel(idx_ptr, counts_ptr, slot_ptr, T, P, E, BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     """One program per expert e: a running inclusive cumsum of (idx == e) over the pairs in order
     gives each of e's pairs its rank (token order inside the group). CONTIGUOUS: the row is the pair's
     place in the stable sort by expert, first = the pairs of smaller experts (one more pass over the
     ids) + rank, instead of e * T + rank (the contiguous MoE's slab: no cumsum and gathers after).
     A pick outside [0, E) is dropped (an expert-parallel rank's picks of other ranks' experts): program
     0 gives it slot -1, and no expert counts it."""
+    pdl_enter(PDL)
     e = tl.program_id(0)
     first = tl.zeros((), dtype=tl.int64)
     if CONTIGUOUS:
@@ -106,10 +109,11 @@ def moe_route_kernel(idx_ptr, counts_ptr, slot_ptr, T, P, E, BLOCK: tl.constexpr
 
 @triton.jit
 def moe_dispatch_kernel(x_ptr, slot_ptr, xp_ptr, d, K, BD: tl.constexpr, MANUAL: tl.constexpr,
-                        sa_ptr=None, S_LD=0, FP8: tl.constexpr = False):
+                        sa_ptr=None, S_LD=0, FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (t, column chunk): act_quant of x[t] once, stored to the rows of t's K pairs (FP8: as e4m3
     bytes, the scales transposed into sa [d / 32, S_LD] at the rows' columns); a dropped pick (slot -1)
     stores nothing."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
     m = cols < d
@@ -136,13 +140,14 @@ def _slab_row(slot, T, stride_e, stride_row):
 def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, P, stride_e, stride_row,
                             HAS_LIMIT: tl.constexpr, BI: tl.constexpr, MANUAL: tl.constexpr,
                             DENSE: tl.constexpr = False, BR: tl.constexpr = 1, sa_ptr=None, S_LD=0,
-                            FP8: tl.constexpr = False):
+                            FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (BR pairs, column chunk): pair p at row r = slot[p]: clamped SwiGLU in fp32, times the
     routing weight, rounded to bf16, FP8 fake-quantized per 32 -> hp[r] (a dropped pick, r = -1: nothing).
     DENSE: r = p and weight 1 (the
     shared expert: every row, no routing weight). Several pairs a program and a chunk that divides
     inter: a pair's 2,304 columns were 3 programs of 1,024 lanes, the last a quarter full. FP8: hp holds the
     e4m3 bytes and sa [inter / 32, S_LD] the scales, transposed (column r)."""
+    pdl_enter(PDL)
     ps = tl.program_id(0) * BR + tl.arange(0, BR)
     pm = ps < P
     cols = tl.program_id(1) * BI + tl.arange(0, BI)[None, :]
@@ -178,9 +183,11 @@ def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, P,
 
 @triton.jit
 def moe_combine_kernel(out_ptr, slot_ptr, idx_ptr, shared_ptr, y_ptr, d, T, stride_e, stride_row,
-                       K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, MANUAL: tl.constexpr):
+                       K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, MANUAL: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Program (t, column chunk): y = 0; y += out[slot] of t's picks in ascending expert id (rank =
     how many of t's picks have a smaller id: the experts are distinct); y += shared[t]; bf16."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     m = cols < d
@@ -219,7 +226,8 @@ def moe_route(indices: torch.Tensor, n_experts: int, contiguous: bool = False) -
     counts = torch.empty(n_experts, dtype=torch.int32, device=indices.device)
     slot = torch.empty(flat.numel(), dtype=torch.int64, device=indices.device)
     block = min(4096, triton.next_power_of_2(max(1, flat.numel())))
-    moe_route_kernel[(n_experts,)](flat, counts, slot, T, flat.numel(), n_experts, BLOCK=block, CONTIGUOUS=contiguous)
+    moe_route_kernel[(n_experts,)](flat, counts, slot, T, flat.numel(), n_experts, BLOCK=block, CONTIGUOUS=contiguous,
+                                   **pdl_args())
     return counts, slot
 
 
@@ -234,7 +242,7 @@ def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int, fp
     if T:
         bd = _chunk(d)
         moe_dispatch_kernel[(T, triton.cdiv(d, bd))](x.contiguous(), slot, xp, d, K, BD=bd, MANUAL=INTERPRET,
-                                                     sa_ptr=sa, S_LD=ld, FP8=fp8)
+                                                     sa_ptr=sa, S_LD=ld, FP8=fp8, **pdl_args())
     return (xp, sa) if fp8 else xp
 
 
@@ -254,7 +262,7 @@ def moe_swiglu_quant(gu: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor
         gu = gu if gu.stride(-1) == 1 else gu.contiguous()       # DeepGEMM's padded view: read in place
         moe_swiglu_quant_kernel[(triton.cdiv(P, br), triton.cdiv(inter, bi))](
             gu, slot, w, hp, float(limit), inter, T, P, gu.stride(0), gu.stride(1), HAS_LIMIT=limit > 0, BI=bi,
-            MANUAL=INTERPRET, BR=br, sa_ptr=sa, S_LD=ld, FP8=fp8)
+            MANUAL=INTERPRET, BR=br, sa_ptr=sa, S_LD=ld, FP8=fp8, **pdl_args())
     return (hp, sa) if fp8 else hp
 
 
@@ -269,7 +277,7 @@ def swiglu_quant(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:
         gu = gu if gu.stride(-1) == 1 else gu.contiguous()
         moe_swiglu_quant_kernel[(triton.cdiv(T, br), triton.cdiv(inter, bi))](
             gu, gu, gu, hp, float(limit), inter, T, T, 0, gu.stride(0), HAS_LIMIT=limit > 0, BI=bi,
-            MANUAL=INTERPRET, DENSE=True, BR=br)
+            MANUAL=INTERPRET, DENSE=True, BR=br, **pdl_args())
     return hp
 
 
@@ -286,5 +294,5 @@ def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, sh
         moe_combine_kernel[(T, triton.cdiv(d, bd))](out, slot, indices.contiguous(), shared.contiguous(), y, d,
                                                     T, out.stride(0),
                                                     out.stride(1), K=K, KP=triton.next_power_of_2(K), BD=bd,
-                                                    MANUAL=INTERPRET)
+                                                    MANUAL=INTERPRET, **pdl_args())
     return y

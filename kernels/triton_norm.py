@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
 from .reference import rms_norm_ref  # noqa: F401  (the reference this follows)
 from .triton_quant import INTERPRET, _pow2_ceil, _to_e4m3
 
@@ -30,7 +31,9 @@ MAX_D = 16384          # one block per row up to here (the model's widest norm i
 @triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, y_ptr, M, D, stride_x, inv_d, eps,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                    q_ptr=None, QUANT: tl.constexpr = False, MANUAL_RNE: tl.constexpr = False):
+                    q_ptr=None, QUANT: tl.constexpr = False, MANUAL_RNE: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < M) & (cols[None, :] < D)
@@ -70,7 +73,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool):
     num_warps = 4 if BLOCK_D * BLOCK_M <= 4096 else 8
     extra = dict(q_ptr=q, QUANT=True, MANUAL_RNE=INTERPRET) if quant else {}
     rms_norm_kernel[(triton.cdiv(M, BLOCK_M),)](x2, weight.contiguous(), y, M, D, x2.stride(0), 1.0 / D, eps,
-                                               BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=num_warps, **extra)
+                                               BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=num_warps, **extra,
+                                               **pdl_args())
     return y, q
 
 

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
 from .triton_norm import _block_m
 from .triton_quant import INTERPRET, _pow2_ceil, _to_e4m3
 from .triton_rope import _rotate
@@ -31,7 +32,9 @@ MAX_D = 4096
 @triton.jit
 def norm_rope_quant_kernel(x_ptr, w_ptr, cis_ptr, y_ptr, M, stride_x, stride_c, inv_d, eps,
                            D: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, FMA: tl.constexpr,
-                           MANUAL_RNE: tl.constexpr, ring_ptr=None, ring_rows_ptr=None, RING: tl.constexpr = False):
+                           MANUAL_RNE: tl.constexpr, ring_ptr=None, ring_rows_ptr=None, RING: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, D)
     rm = (rows < M)[:, None]
@@ -94,5 +97,5 @@ def norm_rope_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, cis: torc
     norm_rope_quant_kernel[(triton.cdiv(M, block_m),)](
         x, weight.contiguous(), cf, y, M, x.stride(0), cf.stride(0), 1.0 / D, eps, D=D, HALF=cis.shape[-1],
         BLOCK_M=block_m, FMA=x.is_cuda, MANUAL_RNE=INTERPRET, num_warps=4 if D * block_m <= 4096 else 8,
-        **({} if ring is None else dict(ring_ptr=ring[0], ring_rows_ptr=ring[1].contiguous(), RING=True)))
+        **({} if ring is None else dict(ring_ptr=ring[0], ring_rows_ptr=ring[1].contiguous(), RING=True)), **pdl_args())
     return y

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
 from .reference import rope_ref  # noqa: F401  (the reference this follows)
 
 
@@ -80,9 +81,10 @@ def rope_kernel(x_ptr, cis_ptr, y_ptr, T, H, sx_t, sx_h, sc_t,
 @triton.jit
 def rope_pairs_kernel(w_ptr, cis_ptr, R, H, sw_t, sw_h, sc_t,
                       WOFF: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr, FMA: tl.constexpr,
-                      BLOCK_R: tl.constexpr):
+                      BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
     """w_ptr: x viewed as int32 words (one bf16 (re, im) pair each); a program rotates BLOCK_R (token, head)
     rows of R = T * H, words WOFF .. WOFF + HALF of each row, in place."""
+    pdl_enter(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = (r < R)[:, None]
     t64 = (r // H).to(tl.int64)[:, None]
@@ -151,7 +153,7 @@ def rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: boo
         R = T * H
         rope_pairs_kernel[(triton.cdiv(R, PAIRS_ROWS),)](
             w, cr, R, H, w.stride(0), w.stride(1), cr.stride(0), WOFF=nope // 2, HALF=half, INVERSE=inverse,
-            FMA=x.is_cuda, BLOCK_R=PAIRS_ROWS, num_warps=4, enable_fp_fusion=False)
+            FMA=x.is_cuda, BLOCK_R=PAIRS_ROWS, num_warps=4, enable_fp_fusion=False, **pdl_args())
         return y
     bt, bh = _tile(H)
     rope_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](

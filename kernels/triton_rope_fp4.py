@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
 from .reference import fp4_rows_width
 from .triton_quant import INTERPRET, _fp4_pack_rows, _fp4_round
 from .triton_rope import _rotate
@@ -31,7 +32,8 @@ MAX_D = 4096
 def rope_fp4_quant_kernel(x_ptr, cis_ptr, y_ptr, dst_ptr, pool_ptr, M, HEADS, stride_c,
                           D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                           FMA: tl.constexpr, MANUAL_RNE: tl.constexpr, HAS_POOL: tl.constexpr,
-                          PACKED: tl.constexpr = False, PW: tl.constexpr = 0):
+                          PACKED: tl.constexpr = False, PW: tl.constexpr = 0, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, D)
     r_ok = rows < M
@@ -93,5 +95,5 @@ def rope_fp4_quant(x: torch.Tensor, cis: torch.Tensor, block: int, dst: torch.Te
         x2, cf, y, x2 if dst is None else dst.contiguous(), x2 if pool is None else pool, M, heads, cf.stride(0),
         D=D, HALF=cis.shape[-1], BLOCK=block, BLOCK_M=block_m, FMA=x.is_cuda, MANUAL_RNE=INTERPRET,
         HAS_POOL=pool is not None, PACKED=pool is not None and pool.dtype == torch.uint8,
-        PW=pool.shape[1] if pool is not None else 0, num_warps=4)
+        PW=pool.shape[1] if pool is not None else 0, num_warps=4, **pdl_args())
     return y

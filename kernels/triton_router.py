@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .pdl import pdl_args, pdl_enter
 from .reference import router_topk_ref  # noqa: F401
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -61,9 +62,11 @@ def _softplus(x, MANUAL: tl.constexpr):
 @triton.jit
 def router_topk_kernel(logits_ptr, bias_ptr, bias_alt_ptr, mask_ptr, w_ptr, idx_ptr, E, stride_l, temp,
                        route_scale, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                       HAS_ALT: tl.constexpr, NORM: tl.constexpr, RECIP: tl.constexpr, MANUAL: tl.constexpr):
+                       HAS_ALT: tl.constexpr, NORM: tl.constexpr, RECIP: tl.constexpr, MANUAL: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Program t: row t's scores, its K picks by descending (value, -id), their weights -> w[t, :K],
     idx[t, :K]. RECIP: temp holds fl(1 / temp), multiplied (torch's CUDA); else divided (its CPU)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     ids = tl.arange(0, BLOCK)
     valid = ids < E
@@ -139,5 +142,5 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, topk: int, temp: float
         alt_mask.contiguous().view(torch.uint8) if has_alt else bias, weights, indices, E, logits.stride(0),
         _f32_recip(float(temp)) if recip else float(temp), float(route_scale), K=topk,
         KP=triton.next_power_of_2(topk), BLOCK=block, HAS_ALT=has_alt, NORM=bool(norm) and topk > 1,
-        RECIP=recip, MANUAL=INTERPRET, num_warps=num_warps or max(1, min(8, block // 128)), **opts)
+        RECIP=recip, MANUAL=INTERPRET, num_warps=num_warps or max(1, min(8, block // 128)), **opts, **pdl_args())
     return weights, indices

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
 from .reference import sparse_attn_ref  # noqa: F401  (the reference this follows)
 from .triton_rope import _rotate
 
@@ -78,10 +79,11 @@ def sparse_attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
                        cis_ptr, stride_c,
                        D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                        UPCAST: tl.constexpr = False, SOURCES: tl.constexpr = 1, HALF: tl.constexpr = 0,
-                       FMA: tl.constexpr = False):
+                       FMA: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (n, H/BH, num_splits). SPLIT: write unnormalized acc [S, n, H, D] and (m, l) [S, n, H, 2]
     to the workspace; else write the normalized bf16 output with the sink. SOURCES > 1: the rows
     live in up to three tensors (_row_ptrs), read in place."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -124,8 +126,10 @@ def sparse_attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
 
 @triton.jit
 def sparse_attn_combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n, H, S, cis_ptr, stride_c,
-                               D: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr = 0, FMA: tl.constexpr = False):
+                               D: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr = 0, FMA: tl.constexpr = False,
+                               PDL: tl.constexpr = False):
     """Merge S splits in order: M = max m_s; out = sum acc_s e^(m_s-M) / (sum l_s e^(m_s-M) + e^(sink-M))."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     rh = hb * BH + tl.arange(0, BH)
@@ -214,14 +218,14 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor | tuple, sink: torch.Tensor, i
               num_stages=num_stages)
     if S == 1:
         sparse_attn_kernel[grid](q, kv, idxs, sink, out, out, out, n, H, L, blocks_per_split, float(scale),
-                                 *extra, *cis_args, SPLIT=False, **kw, **rope)
+                                 *extra, *cis_args, SPLIT=False, **kw, **rope, **pdl_args())
         return out
     acc = torch.empty(S, n, H, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(S, n, H, 2, dtype=torch.float32, device=q.device)
     sparse_attn_kernel[grid](q, kv, idxs, sink, out, acc, ml, n, H, L, blocks_per_split, float(scale),
-                             *extra, *cis_args, SPLIT=True, **kw)
+                             *extra, *cis_args, SPLIT=True, **kw, **pdl_args())
     sparse_attn_combine_kernel[(n, H // bh)](acc, ml, sink, out, n, H, S, *cis_args, D=D, BH=bh,
-                                             num_warps=num_warps, **rope)
+                                             num_warps=num_warps, **rope, **pdl_args())
     return out
 
 

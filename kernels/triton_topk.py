@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_enter
+
 # One row in registers. ptxas (sm_90a, Triton 3.6 and 3.9): no spills up to 16384 at 16 warps
 # (<= 128 registers); 32768 at 32 warps spills ~300 B per thread, still one launch per step.
 MAX_WIDTH = 1 << 15
@@ -39,7 +41,7 @@ KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_x, stride_c, stride_o,
                 BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, KEY_NINF: tl.constexpr, KEY_PINF: tl.constexpr,
                 HAS_CAND: tl.constexpr, HAS_LENS: tl.constexpr, EXPAND: tl.constexpr, EXPAND_P2: tl.constexpr,
-                BLOCK_MAX: tl.constexpr = False, score_width=0):
+                BLOCK_MAX: tl.constexpr = False, score_width=0, PDL: tl.constexpr = False):
     """EXPAND == 0: the picks' ids ascending to out[row, :k] (int64), -1 where the score is not above
     -inf or (HAS_LENS) the id >= lens[row]. EXPAND > 0: keep = pick and score > -inf, for block i
     written to out[row, i*EXPAND : (i+1)*EXPAND] (bool as int8), columns < out_width. KEY_NINF /
@@ -47,6 +49,7 @@ def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_
     and only the keys stay live through the search. BLOCK_MAX (EXPAND mode): x is a row of score_width
     scores; element i is the max over its EXPAND scores (a zero max as +0.0), +inf for the block holding score
     lens[row] - 1."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     ids = tl.arange(0, BLOCK)
     valid = ids < width
@@ -138,7 +141,7 @@ def index_topk(score: torch.Tensor, lens: torch.Tensor, topk: int,
     cand = candidates if candidates is not None else score
     topk_kernel[(n,)](score, cand, lens.contiguous(), out, width, k, k, score.stride(0), cand.stride(0),
                       out.stride(0), HAS_CAND=candidates is not None, HAS_LENS=True, EXPAND=0, EXPAND_P2=1,
-                      **_launch_cfg(width, score.dtype))
+                      **_launch_cfg(width, score.dtype), **pdl_args())
     return out
 
 
@@ -154,7 +157,7 @@ def topk_block_mask(b: torch.Tensor, k: int, block_size: int, width: int) -> tor
     b = _rows(b)
     topk_kernel[(n,)](b, b, b, out.view(torch.int8), nb, k, width, b.stride(0), 0, out.stride(0),
                       HAS_CAND=False, HAS_LENS=False, EXPAND=block_size,
-                      EXPAND_P2=triton.next_power_of_2(block_size), **_launch_cfg(nb, b.dtype))
+                      EXPAND_P2=triton.next_power_of_2(block_size), **_launch_cfg(nb, b.dtype), **pdl_args())
     return out
 
 
@@ -172,5 +175,5 @@ def candidate_blocks(score: torch.Tensor, lens: torch.Tensor, k: int, block_size
     topk_kernel[(n,)](score, score, lens.contiguous(), out.view(torch.int8), nb, k, width, score.stride(0), 0,
                       out.stride(0), HAS_CAND=False, HAS_LENS=False, EXPAND=block_size,
                       EXPAND_P2=triton.next_power_of_2(block_size), BLOCK_MAX=True, score_width=width,
-                      **_launch_cfg(nb, score.dtype))
+                      **_launch_cfg(nb, score.dtype), **pdl_args())
     return out

@@ -42,6 +42,21 @@ def graph_replay_matches_eager(fn, static, fresh) -> None:
     assert torch.equal(out, fn(static))
 
 
+def captured_graph(fn):
+    """(graph, its output): fn captured in a CUDA graph after one eager warm-up on another stream (the
+    engine's order: kernels compile and buffers settle outside the capture)."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def need_shared() -> Path:
     if not (FIXTURES / "v41-tiny" / "recipe.json").is_file() or not (SHARED / "tools" / "make-fixture").is_file():
         pytest.skip(f"shared fixtures not found at {SHARED} (set DEEPINFER_SHARED to the shared folder)")

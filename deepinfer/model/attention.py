@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import ops
+from . import ops, side_stream
 from .fused_linears import fuse_linears
 from .layers import ACT, Linear, RMSNorm
 from .step_metadata import StepMetadata
@@ -139,6 +139,12 @@ class Attention(nn.Module):
         wq_b too), q [T, H, D] (RoPE'd), kv [T, D] (RoPE'd, FP8-rounded over all D dims).
         x_rounded: act_quant(x) from the norm's launch (RMSNorm.with_rounded), read by the input linears.
         ring (ring rows [R, D], row ids [T]): kv also written there, by the kernel that makes it."""
+        qr, qr_rounded, kv = self.q_latent(x, x_rounded)
+        q, kv = self.q_heads(qr, qr_rounded, kv, cis, ring)
+        return qr, qr_rounded, q, kv
+
+    def q_latent(self, x: torch.Tensor, x_rounded: torch.Tensor | None = None):
+        """(qr, qr_rounded, the raw kv latent [T, D]): qkv's first half, what the indexer reads too."""
         xin = x if x_rounded is None else x_rounded
         if self.wqkv_a is not None:
             qa, kv = self.wqkv_a(xin, rounded=x_rounded is not None).split(
@@ -147,12 +153,15 @@ class Attention(nn.Module):
             qa, kv = self.wq_a(xin, rounded=x_rounded is not None), self.wkv(xin, rounded=x_rounded is not None)
         qr, qr_q = self.q_norm.with_rounded(qa, self.wq_b, self.indexer.wq_b if self.indexer is not None else None)
         qr_rounded = qr_q is not None
-        qr = qr_q if qr_rounded else qr
+        return (qr_q if qr_rounded else qr), qr_rounded, kv
+
+    def q_heads(self, qr: torch.Tensor, qr_rounded: bool, kv: torch.Tensor, cis: torch.Tensor, ring=None):
+        """(q [T, H, D] RoPE'd, kv [T, D] normed, RoPE'd, FP8-rounded): qkv's second half."""
         # in place: both are fresh outputs; only their rope dims are read and written
         q = ops.rope(self.wq_b(qr, rounded=qr_rounded).unflatten(-1, (self.n_heads, self.head_dim)), cis,
                      inplace=True)
         kv = ops.norm_rope_quant(kv, self.kv_norm.weight, self.kv_norm.eps, cis, ring)   # kv_norm, RoPE, act_quant
-        return qr, qr_rounded, q, kv
+        return q, kv
 
     def out(self, o: torch.Tensor, cis: torch.Tensor | None = None) -> torch.Tensor:
         """o [T, H, D] -> RoPE removed (here with cis; None: sparse_attn's unrope did it), grouped wo_a
@@ -179,25 +188,46 @@ class Attention(nn.Module):
         # replace: the ring holds 2 x window positions a sequence, the queries read the window - 1 before the
         # step's first, so runs of up to a window overwrite none of those (else: after the attention)
         early = meta.context_parallel is None and meta.ring_write_rows is None and meta.max_q <= self.window
-        qr, qr_rounded, q, kv = self.qkv(x, cis, x_rounded, (ring, meta.ring_write) if early else None)
-        raw = self.compressor.project(x) if self.compressor is not None else None
-        iq = self.indexer.queries(x, qr, cis, qr_rounded) if self.indexer is not None else None
-        whole = meta        # the rows the compressor and the ring see: the step's own, or (CP) every position
-        if meta.context_parallel is not None:   # a balanced-CP share (parallel/cp.py): gather the others' rows
-            whole = meta.context_parallel.whole
-            kv, raw = meta.context_parallel.gather(kv, raw)
-        E = 0
-        if self.ratio:
-            if self.is_kv_source:
-                self._compress(whole, raw, caches, rope_tables)
-            if self.is_index_source:
-                meta.topk[self.layer_id] = self._index(meta, iq, caches)
-            E = meta.plan(self.ratio).num_entries
+        ring_arg = (ring, meta.ring_write) if early else None
+        E = meta.plan(self.ratio).num_entries if self.ratio else 0
+        if meta.context_parallel is None and (self.compressor is not None or self.indexer is not None):
+            # the compressor and the indexer read x and qr, not q: in a small step they run on the side
+            # stream while the main stream makes q and the kv row (model/side_stream.py)
+            qr, qr_rounded, kv = self.q_latent(x, x_rounded)
+            index = side_stream.branch(self._compress_and_index, x, qr, qr_rounded, cis, meta, caches, rope_tables,
+                                       tokens=x.shape[0])
+            q, kv = self.q_heads(qr, qr_rounded, kv, cis, ring_arg)
+            index.wait()
+        else:
+            qr, qr_rounded, q, kv = self.qkv(x, cis, x_rounded, ring_arg)
+            raw = self.compressor.project(x) if self.compressor is not None else None
+            iq = self.indexer.queries(x, qr, cis, qr_rounded) if self.indexer is not None else None
+            whole = meta        # the rows the compressor sees: the step's own, or (CP) every position
+            if meta.context_parallel is not None:   # a balanced-CP share (parallel/cp.py): gather the others' rows
+                whole = meta.context_parallel.whole
+                kv, raw = meta.context_parallel.gather(kv, raw)
+            self._compress_and_index(x, qr, qr_rounded, cis, meta, caches, rope_tables, whole, raw, iq)
         o = self._attend_step(q, meta, caches, ring, kv, E, cis)
         if not early:
+            whole = meta if meta.context_parallel is None else meta.context_parallel.whole
             new = kv if whole.ring_write_rows is None else kv[whole.ring_write_rows]
             ring[whole.ring_write] = new.to(ring.dtype)
         return self.out(o)
+
+    def _compress_and_index(self, x, qr, qr_rounded: bool, cis, meta: StepMetadata, caches, rope_tables,
+                            whole: StepMetadata | None = None, raw=None, iq=None) -> None:
+        """This step's compressed entries into the pools (a KV source) and its picks into meta.topk (an index
+        source). whole / raw / iq: given by a context-parallel step (gathered rows), else made here."""
+        if whole is None:
+            whole = meta
+            raw = self.compressor.project(x) if self.compressor is not None else None
+            iq = self.indexer.queries(x, qr, cis, qr_rounded) if self.indexer is not None else None
+        if not self.ratio:
+            return
+        if self.is_kv_source:
+            self._compress(whole, raw, caches, rope_tables)
+        if self.is_index_source:
+            meta.topk[self.layer_id] = self._index(meta, iq, caches)
 
     def _attend_step(self, q, meta: StepMetadata, caches, ring, kv, E: int, cis) -> torch.Tensor:
         """The step's rows: [ring[ring_read] (B*Wr) | kv (T) | E > 0: compressed picks]. In-place attention

@@ -199,10 +199,16 @@ class Engram(nn.Module):
         self.register_buffer("q_weight", torch.ones(args.hc_mult, args.dim), persistent=False)
         self.register_buffer("k_weight", torch.ones(args.hc_mult, args.dim), persistent=False)
 
-    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-        """x [T, hc, d] bf16; hash_ids [T, cols] -> [T, hc, d]."""
+    def project(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """[T, (hc + 1) d]: the keys and the value of the step's rows. Reads only the hash ids, so a small
+        step makes it ahead of the layer, on the side stream (Transformer.forward)."""
+        return self.wkv(self.embed(hash_ids).flatten(-2))
+
+    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None,
+                kv: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hc, d] bf16; hash_ids [T, cols] -> [T, hc, d]. kv: project(hash_ids), if made ahead."""
         from . import ops
-        kv = self.wkv(self.embed(hash_ids).flatten(-2))
+        kv = self.project(hash_ids) if kv is None else kv
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         return ops.engram_gate(x, key, value, self._gate_weight(), self.eps, token_mask)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
+from . import ops, side_stream
 from .fused_linears import fuse_linears
 from .layers import ACT, Linear, linear_fp32
 
@@ -181,16 +181,22 @@ class MoE(nn.Module):
                 x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, d] bf16 -> [T, d] bf16. Routed outputs are summed per token in ascending expert id
         order in fp32 (the reference's accumulation order), then the shared expert is added.
-        x_rounded: act_quant(x) from the norm's launch, read by the fused shared w1 / w3."""
+        x_rounded: act_quant(x) from the norm's launch, read by the fused shared w1 / w3.
+        The shared expert reads only x: in a small step it runs on the side stream beside the router,
+        the dispatch and the routed experts (model/side_stream.py)."""
+        T = x.shape[0]
+        shared = side_stream.branch(self._shared, x, x_rounded, tokens=T) if T else None
         if self.ep is not None:
-            return self._forward_ep(x, image_mask, x_rounded)
+            return self._forward_ep(x, image_mask, shared)
+        if T == 0:
+            return x
         weights, indices = self.gate(x, image_mask)
         if self._use_masked(x, indices.numel()):
             out, slot = self._masked_experts(x, weights, indices)
-            return ops.moe_combine(out, slot, indices, self._shared(x, x_rounded))
+            return ops.moe_combine(out, slot, indices, shared.wait())
         if self._use_contiguous(x):
             out, slot = self._contiguous_experts(x, weights, indices)
-            return ops.moe_combine(out, slot, indices, self._shared(x, x_rounded))
+            return ops.moe_combine(out, slot, indices, shared.wait())
         T, K = indices.shape
         outs = self._routed(x, weights, indices)
         # per token: add in ascending expert id
@@ -199,11 +205,11 @@ class MoE(nn.Module):
         y = torch.zeros(T, self.dim, device=x.device)
         for k in range(K):
             y = y + outs[:, k].float()
-        y = y + self._shared(x, x_rounded).float()
+        y = y + shared.wait().float()
         return y.to(ACT)
 
     def _forward_ep(self, x: torch.Tensor, image_mask: torch.Tensor | None,
-                    x_rounded: torch.Tensor | None = None) -> torch.Tensor:
+                    shared: side_stream.Pending | None) -> torch.Tensor:
         """Expert parallel: route, send each pick to the rank holding its physical slot, compute the
         pairs this rank received, bring every pick's output back, then the same fp32 sum in ascending
         logical expert id + shared as one rank does (so outputs equal a 1-rank run's: each pair is
@@ -224,7 +230,7 @@ class MoE(nn.Module):
         # the masked form's contract: out [K, T, d] with pair (t, k) at row k * T + t (a strided view, no copy)
         ar = torch.arange(T * K, device=x.device)
         slot = (ar % K) * T + ar // K
-        return ops.moe_combine(outs.permute(1, 0, 2), slot, indices, self._shared(x, x_rounded))
+        return ops.moe_combine(outs.permute(1, 0, 2), slot, indices, shared.wait())
 
     def _ep_dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
         """[T, K, d] bf16 through the dispatcher's fixed-shape form (no host read, fixed shapes: decode

@@ -24,7 +24,7 @@ from .dspark import DSparkBlock
 from .layers import Embedding, Linear, RMSNorm, linear_fp32, rope_tables
 from .step_metadata import StepMetadata
 from .vision import VisionTower
-from . import ops, yoco
+from . import ops, side_stream, yoco
 
 
 @dataclass
@@ -101,11 +101,20 @@ class Transformer(nn.Module):
         taps, snaps, attn_outs = [], [], ([] if dump_hidden else None)
         compact = yoco.plan_compaction(batch)
         token_mask, num_rows = batch.token_mask, h.shape[0]
+        # Engram's projections read only the hash ids: in a small step the next layer's is made on the side
+        # stream beside this layer (model/side_stream.py); a sharded table's lookup is a collective: inline
+        ahead = hashes is not None and compact is None and side_stream.forks(h.device, num_rows)
+        engram_kv = {}
         for i, layer in enumerate(self.layers):
             if dump_hidden:
                 snaps.append(h.float())
+            for j in (i, i + 1) if ahead else ():
+                eg = self.layers[j].engram if j < len(self.layers) else None
+                if eg is not None and j not in engram_kv and not eg.embed.sharded:
+                    engram_kv[j] = side_stream.branch(eg.project, hashes[:, eg.hash_index], tokens=num_rows)
             if layer.engram is not None:
-                h = layer.engram(h, hashes[:, layer.engram.hash_index], token_mask)
+                kv = engram_kv.pop(i).wait() if i in engram_kv else None
+                h = layer.engram(h, hashes[:, layer.engram.hash_index], token_mask, kv)
             if compact is not None and i == self.decoder_start:
                 if dump_hidden:
                     raise ValueError("dump_hidden does not combine with YOCO prefill truncation")
