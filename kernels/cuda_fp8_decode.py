@@ -365,5 +365,5 @@ def fp8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_
     tx = cuda_driver.tensor_map_2d(a.view(G * C, k), BK, bt)
     tsa = cuda_driver.tensor_map_2d(sa_t, bt, 4, swizzle=0)
     grid = (-(-n // (64 * CONSUMERS * rb)), G, -(-C // bt))
-    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, out, masked_m, w_rows, C, n, k])
+    kern.launch(grid, 128 * (CONSUMERS + 1), smem, [tw, tx, tsa, out, masked_m, w_rows, C, n, k], pdl=PDL)
     return out

@@ -240,7 +240,7 @@ def main() -> None:
     mhc = mhc_variants(a.mhc_variants)
     tables = [None if t == "default" else t for t in (a.skinny_tables or ["default"])]
     moes = a.moe_paths
-    runs = [(B, mi, ti, oi, ki, ss) for B in a.batches for mi in range(len(mhc)) for ti in range(len(tables))
+    runs = [(B, mi, ti, oi, ki, ss, pd) for B in a.batches for mi in range(len(mhc)) for ti in range(len(tables))
             for oi in range(len(moes)) for ki in a.index_k for ss in a.side_streams for pd in a.triton_pdl]
     for B, mi, ti, oi, ki, ss, pd in runs:
         caches = caches_of[ki]

@@ -190,23 +190,28 @@ class Attention(nn.Module):
         early = meta.context_parallel is None and meta.ring_write_rows is None and meta.max_q <= self.window
         ring_arg = (ring, meta.ring_write) if early else None
         E = meta.plan(self.ratio).num_entries if self.ratio else 0
-        if meta.context_parallel is None and (self.compressor is not None or self.indexer is not None):
-            # the compressor and the indexer read x and qr, not q: in a small step they run on the side
-            # stream while the main stream makes q and the kv row (model/side_stream.py)
+        compresses, indexes = self.ratio and self.is_kv_source, self.ratio and self.is_index_source
+        if meta.context_parallel is None:
+            # the compressor reads x, the indexer x and qr, neither q: in a small step both run on the side
+            # stream (in that order: the indexer reads the keys the compressor writes) while the main stream
+            # makes qr, q and the kv row (model/side_stream.py)
+            T = x.shape[0]
+            pending = [side_stream.branch(self._compress_step, x, meta, caches, rope_tables, tokens=T)] \
+                if compresses else []
             qr, qr_rounded, kv = self.q_latent(x, x_rounded)
-            index = side_stream.branch(self._compress_and_index, x, qr, qr_rounded, cis, meta, caches, rope_tables,
-                                       tokens=x.shape[0])
+            if indexes:
+                pending.append(side_stream.branch(self._index_step, x, qr, qr_rounded, cis, meta, caches, tokens=T))
             q, kv = self.q_heads(qr, qr_rounded, kv, cis, ring_arg)
-            index.wait()
-        else:
+            for p in pending:
+                p.wait()
+        else:       # a balanced-CP share (parallel/cp.py): the compressor sees every position's rows, gathered
             qr, qr_rounded, q, kv = self.qkv(x, cis, x_rounded, ring_arg)
             raw = self.compressor.project(x) if self.compressor is not None else None
-            iq = self.indexer.queries(x, qr, cis, qr_rounded) if self.indexer is not None else None
-            whole = meta        # the rows the compressor sees: the step's own, or (CP) every position
-            if meta.context_parallel is not None:   # a balanced-CP share (parallel/cp.py): gather the others' rows
-                whole = meta.context_parallel.whole
-                kv, raw = meta.context_parallel.gather(kv, raw)
-            self._compress_and_index(x, qr, qr_rounded, cis, meta, caches, rope_tables, whole, raw, iq)
+            kv, raw = meta.context_parallel.gather(kv, raw)
+            if compresses:
+                self._compress(meta.context_parallel.whole, raw, caches, rope_tables)
+            if indexes:
+                self._index_step(x, qr, qr_rounded, cis, meta, caches)
         o = self._attend_step(q, meta, caches, ring, kv, E, cis)
         if not early:
             whole = meta if meta.context_parallel is None else meta.context_parallel.whole
@@ -214,20 +219,13 @@ class Attention(nn.Module):
             ring[whole.ring_write] = new.to(ring.dtype)
         return self.out(o)
 
-    def _compress_and_index(self, x, qr, qr_rounded: bool, cis, meta: StepMetadata, caches, rope_tables,
-                            whole: StepMetadata | None = None, raw=None, iq=None) -> None:
-        """This step's compressed entries into the pools (a KV source) and its picks into meta.topk (an index
-        source). whole / raw / iq: given by a context-parallel step (gathered rows), else made here."""
-        if whole is None:
-            whole = meta
-            raw = self.compressor.project(x) if self.compressor is not None else None
-            iq = self.indexer.queries(x, qr, cis, qr_rounded) if self.indexer is not None else None
-        if not self.ratio:
-            return
-        if self.is_kv_source:
-            self._compress(whole, raw, caches, rope_tables)
-        if self.is_index_source:
-            meta.topk[self.layer_id] = self._index(meta, iq, caches)
+    def _compress_step(self, x, meta: StepMetadata, caches, rope_tables) -> None:
+        """This step's compressed entries (a KV source) into the pools."""
+        self._compress(meta, self.compressor.project(x), caches, rope_tables)
+
+    def _index_step(self, x, qr, qr_rounded: bool, cis, meta: StepMetadata, caches) -> None:
+        """This step's picks (an index source) into meta.topk."""
+        meta.topk[self.layer_id] = self._index(meta, self.indexer.queries(x, qr, cis, qr_rounded), caches)
 
     def _attend_step(self, q, meta: StepMetadata, caches, ring, kv, E: int, cis) -> torch.Tensor:
         """The step's rows: [ring[ring_read] (B*Wr) | kv (T) | E > 0: compressed picks]. In-place attention

@@ -191,7 +191,8 @@ __device__ __forceinline__ void decode_body(const CUtensorMap* tmap_w, const CUt
     const int n0 = blockIdx.x * ROWS, t0 = blockIdx.z * BT;
     int row_base = 0, tok_base = 0;          // the expert's first weight row / token row in the maps (MASKED)
     if constexpr (MASKED) {
-        grid_dependency_wait();              // masked_m is the routing's (never launched programmatically yet)
+        grid_dependency_wait();              // masked_m is the routing's (launched programmatically: PDL)
+        launch_dependents();                 // the next kernel (SwiGLU, the combine) may be scheduled: it waits
         const int g = blockIdx.y;
         M = min(masked_m[g], C);
         if (t0 >= M) return;                 // the whole CTA: before any barrier

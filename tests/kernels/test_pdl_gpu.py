@@ -1,6 +1,7 @@
 """Programmatic dependent launch of the step's Triton kernels (kernels/pdl.py): a chain of dependent PDL
-kernels computes what the plain chain does, and the whole decode step with PDL on (eager and replayed
-from a CUDA graph) gives the logits of the step with PDL off, bit for bit, on the tiny and small presets."""
+kernels computes what the plain chain does, PDL is asked for only inside graph captures, and the decode
+step replayed from a graph captured with PDL gives the logits of the eager plain step bit for bit, on the
+tiny and small presets, as the caches fill."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import pdl
+from deepinfer.model import side_stream
 from deepinfer.model.loader import load_model
 from tests.conftest import captured_graph
 
@@ -29,8 +31,18 @@ def sm90():
 
 
 def test_pdl_chain_equals_plain_chain(sm90):
-    assert pdl.pdl_args() == {"PDL": True, "launch_pdl": True}
     bench_pdl_chain.check_chain(1 << 20, 51)       # raises where a kernel read its predecessor's buffer early
+
+
+def test_pdl_only_in_graph_captures(sm90):
+    assert pdl.pdl_args() == {}                    # eager: a plain launch
+    seen = []
+    g = torch.cuda.CUDAGraph()
+    x = torch.zeros(8, device="cuda")
+    with torch.cuda.graph(g):
+        seen.append(pdl.pdl_args())
+        x += 1
+    assert seen == [{"PDL": True, "launch_pdl": True}]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
@@ -38,18 +50,14 @@ def test_decode_step_with_pdl_equals_without(sm90, preset, tiny_checkpoint, smal
     from deepinfer.cache.model_caches import ModelCaches
     model = load_model(tiny_checkpoint if preset == "tiny" else small_checkpoint, device="cuda", progress=False)
     B = 24
-    logits = {}
-    for on in (False, True):
-        monkeypatch.setattr(pdl, "ENABLED", on)
-        caches = ModelCaches.allocate(model.args, B, B * 4, 64, "cuda", scratch=True)
-        with torch.inference_mode():
-            for i in range(6):          # fills the caches the later steps read
-                step = bench.decode_step(model, caches, B, 120 + i, 256, 64)
-                logits[on, i] = step().clone()
-            if on:
-                g, out = captured_graph(step)
-                g.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(out, logits[False, 5]), "the PDL graph's logits differ from the plain step's"
-    for i in range(6):
-        assert torch.equal(logits[True, i], logits[False, i]), f"step {i}: PDL changed the logits"
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(side_stream, "ENABLED", False)      # PDL alone (test_side_stream_gpu.py: the two together)
+    caches = ModelCaches.allocate(model.args, B, B * 4, 64, "cuda", scratch=True)
+    with torch.inference_mode():
+        for i in range(6):          # each step reads the caches the steps before it filled
+            step = bench.decode_step(model, caches, B, 120 + i, 256, 64)
+            want = step().clone()
+            g, out = captured_graph(step)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), f"step {i}: the PDL graph's logits differ from the plain step's"
