@@ -192,18 +192,19 @@ class Attention(nn.Module):
         E = meta.plan(self.ratio).num_entries if self.ratio else 0
         compresses, indexes = self.ratio and self.is_kv_source, self.ratio and self.is_index_source
         if meta.context_parallel is None:
-            # the compressor reads x, the indexer x and qr, neither q: in a small step both run on the side
-            # stream (in that order: the indexer reads the keys the compressor writes) while the main stream
+            # the compressor reads x, the indexer x and qr, neither q: in a small step they run on two side
+            # streams (the indexer's scores wait for the keys the compressor writes) while the main stream
             # makes qr, q and the kv row (model/side_stream.py)
             T = x.shape[0]
-            pending = [side_stream.branch(self._compress_step, x, meta, caches, rope_tables, tokens=T)] \
-                if compresses else []
+            comp = side_stream.branch(self._compress_step, x, meta, caches, rope_tables, tokens=T) \
+                if compresses else None
             qr, qr_rounded, kv = self.q_latent(x, x_rounded)
-            if indexes:
-                pending.append(side_stream.branch(self._index_step, x, qr, qr_rounded, cis, meta, caches, tokens=T))
+            index = side_stream.branch(self._index_step, x, qr, qr_rounded, cis, meta, caches, comp, tokens=T,
+                                       lane=1) if indexes else None
             q, kv = self.q_heads(qr, qr_rounded, kv, cis, ring_arg)
-            for p in pending:
-                p.wait()
+            for p in (comp, index):
+                if p is not None:
+                    p.wait()
         else:       # a balanced-CP share (parallel/cp.py): the compressor sees every position's rows, gathered
             qr, qr_rounded, q, kv = self.qkv(x, cis, x_rounded, ring_arg)
             raw = self.compressor.project(x) if self.compressor is not None else None
@@ -223,9 +224,14 @@ class Attention(nn.Module):
         """This step's compressed entries (a KV source) into the pools."""
         self._compress(meta, self.compressor.project(x), caches, rope_tables)
 
-    def _index_step(self, x, qr, qr_rounded: bool, cis, meta: StepMetadata, caches) -> None:
-        """This step's picks (an index source) into meta.topk."""
-        meta.topk[self.layer_id] = self._index(meta, self.indexer.queries(x, qr, cis, qr_rounded), caches)
+    def _index_step(self, x, qr, qr_rounded: bool, cis, meta: StepMetadata, caches,
+                    keys: side_stream.Pending | None = None) -> None:
+        """This step's picks (an index source) into meta.topk; keys: the compressor's branch writing this
+        step's keys, waited for after the queries are made."""
+        iq = self.indexer.queries(x, qr, cis, qr_rounded)
+        if keys is not None:
+            keys.wait()
+        meta.topk[self.layer_id] = self._index(meta, iq, caches)
 
     def _attend_step(self, q, meta: StepMetadata, caches, ring, kv, E: int, cis) -> torch.Tensor:
         """The step's rows: [ring[ring_read] (B*Wr) | kv (T) | E > 0: compressed picks]. In-place attention

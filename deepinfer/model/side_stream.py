@@ -30,15 +30,16 @@ import torch
 MAX_TOKENS = 512        # steps up to this many tokens fork (decode, DSpark verification, small chunks)
 ENABLED = os.environ.get("DEEPINFER_SIDE_STREAMS", "1") != "0"
 
-_streams: dict[int, torch.cuda.Stream] = {}
+LANES = 2               # side streams a device has: branches that do not wait for each other take different lanes
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 forked_branches = 0     # branches run on a side stream so far (tests and benchmarks read it)
 
 
-def _side(device: torch.device) -> torch.cuda.Stream:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _streams:
-        _streams[idx] = torch.cuda.Stream(device=idx)
-    return _streams[idx]
+def _side(device: torch.device, lane: int) -> torch.cuda.Stream:
+    key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
+    if key not in _streams:
+        _streams[key] = torch.cuda.Stream(device=key[0])
+    return _streams[key]
 
 
 def forks(device: torch.device, tokens: int) -> bool:
@@ -50,7 +51,8 @@ def forks(device: torch.device, tokens: int) -> bool:
 
 
 class Pending:
-    """A branch's value; `wait()` orders the main stream after the branch and returns it."""
+    """A branch's value; `wait()` orders the current stream (the main one, or another lane's branch that
+    reads it) after the branch and returns the value. It holds the branch's inputs while it lives."""
 
     def __init__(self, value: Any, done: torch.cuda.Event | None, keep: tuple):
         self._value, self._done, self._keep = value, done, keep
@@ -58,20 +60,19 @@ class Pending:
     def wait(self) -> Any:
         if self._done is not None:
             torch.cuda.current_stream().wait_event(self._done)
-            self._done, self._keep = None, ()
         return self._value
 
 
-def branch(fn: Callable, *args, tokens: int, device: torch.device | None = None) -> Pending:
-    """fn(*args) on the side stream after everything the current stream has enqueued; device: where the
-    step runs (default: the first tensor argument's)."""
+def branch(fn: Callable, *args, tokens: int, device: torch.device | None = None, lane: int = 0) -> Pending:
+    """fn(*args) on side stream `lane` after everything the current stream has enqueued (and what that lane
+    has); device: where the step runs (default: the first tensor argument's)."""
     if device is None:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     if not forks(device, tokens):
         return Pending(fn(*args), None, ())
     global forked_branches
     forked_branches += 1
-    main, side = torch.cuda.current_stream(device), _side(device)
+    main, side = torch.cuda.current_stream(device), _side(device, lane)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         value = fn(*args)
