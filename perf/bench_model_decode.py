@@ -179,9 +179,6 @@ def main() -> None:
                         "(balance_routing), the load a trained, load-balanced router approaches; model: the gates' "
                         "own picks (random weights send a step to a third of the experts)")
     p.add_argument("--profile", type=int, default=0, help="also profile one eager step at this batch size")
-    p.add_argument("--timeline", type=int, default=0,
-                   help="also profile one graph replay at this batch size: each stream's kernel time, the span, and "
-                        "the main stream's idle time (waiting on the side streams or between kernels)")
     p.add_argument("--profile-top", type=int, default=45, help="kernels and torch ops the profile lists")
     p.add_argument("--mhc-variants", nargs="+", default=["{}"],
                    help="hc_mixes_pre launch constants below 1,024 tokens (JSON, merged over triton_mhc.DECODE_VARIANT) "
@@ -285,10 +282,6 @@ def main() -> None:
           and r["index_k"] == a.index_k[0] and r["side_streams"] == a.side_streams[0]
           and r["triton_pdl"] == a.triton_pdl[0]],
          os.path.join(out_dir(), "model_decode.png"))
-    if a.timeline:
-        side_stream.ENABLED, pdl.ENABLED = a.side_streams[0] == "on", a.triton_pdl[0] == "on"
-        with torch.inference_mode():
-            timeline(decode_step(model, caches, a.timeline, a.ctx, max_len, block_tokens), a.timeline)
     if a.profile:
         side_stream.ENABLED, pdl.ENABLED = a.side_streams[0] == "on", a.triton_pdl[0] == "on"
         with torch.inference_mode():
@@ -312,43 +305,6 @@ class use_moe_path:
         from deepinfer.kernels import select
         select.MOE_FP8_DECODE = self.saved
         return False
-
-
-def timeline(step, B: int) -> None:
-    """One replay of the step's CUDA graph under the profiler: per stream, the kernels' summed time and span;
-    the replay's span; the main stream's idle share (gaps between its kernels: waits on side streams,
-    launch latency)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    g.replay()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        g.replay()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
-    by_stream: dict[int, list] = {}
-    for e in kernels:
-        by_stream.setdefault(getattr(e, "device_resource_id", 0), []).append(e.time_range)
-    t0 = min(r.start for rs in by_stream.values() for r in rs)
-    t1 = max(r.end for rs in by_stream.values() for r in rs)
-    main = max(by_stream, key=lambda k: len(by_stream[k]))
-    print(f"timeline batch {B}: replay span {(t1 - t0) / 1e3:.2f} ms, {len(kernels)} kernels")
-    for sid, rs in sorted(by_stream.items(), key=lambda kv: -len(kv[1])):
-        busy = sum(r.elapsed_us() for r in rs)
-        print(f"  stream {sid}{' (main)' if sid == main else ''}: {len(rs)} kernels, {busy / 1e3:.2f} ms of kernel time")
-    rs = sorted(by_stream[main], key=lambda r: r.start)
-    gaps = [max(0, b.start - a.end) for a, b in zip(rs, rs[1:])]
-    big = sorted(gaps, reverse=True)[:5]
-    print(f"  main stream idle {sum(gaps) / 1e3:.2f} ms ({sum(gaps) / (t1 - t0):.0%} of the span); largest gaps (us): "
-          + ", ".join(f"{x:.0f}" for x in big))
 
 
 def profile(step, B: int, top: int = 45) -> None:
