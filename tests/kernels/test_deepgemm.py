@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from deepinfer.kernels.reference import act_quant_ref, dequant_fp8_ref
+from tests.conftest import captured_graph
 
 from kernel_utils import rand_fp8_weight, rel_err
 
@@ -169,14 +170,7 @@ def test_deepgemm_backend_no_host_sync_and_graph_capture(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert (deepgemm.STATS["gemm_calls"], deepgemm.STATS["masked_calls"]) == (calls[0] + 1, calls[1] + 1)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_g, o_g = step()
+    graph, (y_g, o_g) = captured_graph(step)
     x.copy_(torch.randn(64, 5120, device="cuda").bfloat16())
     xp.copy_(act_quant_ref(torch.randn(8, 16, 2304, device="cuda").bfloat16()))
     graph.replay()
