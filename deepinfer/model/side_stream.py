@@ -1,9 +1,9 @@
-"""Independent branches of a small step on a second CUDA stream.
+"""Independent branches of a small step on side CUDA streams.
 
 A decode step is a few hundred kernels, many of them latency-bound (a few microseconds on a handful of
 SMs): the shared expert's GEMMs beside the router and the routed experts, the compressor and indexer
 beside the q path, Engram's projections (they read only the step's hash ids) ahead of their layers.
-Run on a side stream, such a branch fills the SMs and bandwidth the main stream leaves idle:
+Run on a side stream (one of LANES), such a branch fills the SMs and bandwidth the main stream leaves idle:
 
     pending = side_stream.branch(fn, *args, tokens=T)   # fn's kernels enqueued on the side stream
     ...                                                  # the main stream's own kernels
@@ -36,6 +36,7 @@ forked_branches = 0     # branches run on a side stream so far (tests and benchm
 
 
 def _side(device: torch.device, lane: int) -> torch.cuda.Stream:
+    assert 0 <= lane < LANES, lane
     key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
     if key not in _streams:
         _streams[key] = torch.cuda.Stream(device=key[0])
