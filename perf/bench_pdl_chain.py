@@ -26,16 +26,22 @@ def _chain_kernel(src, dst, n, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     x = tl.load(src + offs, mask=offs < n)
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(dst + offs, x * 0.5 + 1.0, mask=offs < n)
+    tl.store(dst + offs, x + 1.0, mask=offs < n)       # kernel i writes i + 1: a stale read shows
+
+
+def _launch_chain(bufs: list, n: int, kernels: int, pdl: bool, block: int = 1024) -> torch.Tensor:
+    """kernels dependent launches ping-ponging between bufs; the last one's output."""
+    for i in range(kernels):
+        _chain_kernel[(triton.cdiv(n, block),)](bufs[i % 2], bufs[(i + 1) % 2], n, BLOCK=block, USE_GDC=pdl,
+                                                launch_pdl=pdl)
+    return bufs[kernels % 2]
 
 
 def chain_us(n: int, kernels: int, pdl: bool, block: int = 1024) -> float:
     bufs = [torch.zeros(n, device="cuda") for _ in range(2)]
-    grid = (triton.cdiv(n, block),)
 
     def run():
-        for i in range(kernels):
-            _chain_kernel[grid](bufs[i % 2], bufs[(i + 1) % 2], n, BLOCK=block, USE_GDC=pdl, launch_pdl=pdl)
+        _launch_chain(bufs, n, kernels, pdl, block)
 
     run()
     torch.cuda.synchronize()
@@ -58,16 +64,12 @@ def chain_us(n: int, kernels: int, pdl: bool, block: int = 1024) -> float:
 
 
 def check_chain(n: int, kernels: int) -> None:
-    """The PDL chain computes what the plain one does (each kernel saw its predecessor's output)."""
-    outs = []
+    """The PDL chain computes what the plain one does: every element counts every kernel (each kernel read
+    its predecessor's output, not the value before it)."""
     for pdl in (False, True):
-        bufs = [torch.zeros(n, device="cuda") for _ in range(2)]
-        for i in range(kernels):
-            _chain_kernel[(triton.cdiv(n, 1024),)](bufs[i % 2], bufs[(i + 1) % 2], n, BLOCK=1024, USE_GDC=pdl,
-                                                   launch_pdl=pdl)
-        outs.append(bufs[kernels % 2])
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0], outs[1]), "the PDL chain differs from the plain one"
+        out = _launch_chain([torch.zeros(n, device="cuda") for _ in range(2)], n, kernels, pdl)
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.full_like(out, float(kernels))), f"the chain (pdl={pdl}) lost a step"
 
 
 def main() -> None:
