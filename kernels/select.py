@@ -810,39 +810,35 @@ LINEAR_FP32_MAX_M = 128         # decode; longer batches stay on cuBLAS (batch-i
 
 
 @functools.lru_cache(maxsize=None)
-def _skinny_table_file() -> tuple[str | None, dict]:
+def _skinny_table_file(device_name: str | None = None) -> tuple[str | None, dict]:
     """(the GPU model it was measured on, {(N, K): [(measured M, tiles or None), ...] ascending}) from
-    SKINNY_TABLE_PATH ((None, {}) if unset / absent)."""
-    return rows_by_shape(SKINNY_TABLE_PATH, lambda r: (r["m"], r["cfg"]))
-
-
-def _skinny_table() -> dict:
-    return _skinny_table_file()[1]
+    SKINNY_TABLE_PATH's table for GPU model device_name (None: the file's first table; (None, {}) if unset,
+    absent or not measured there)."""
+    return rows_by_shape(SKINNY_TABLE_PATH, lambda r: (r["m"], r["cfg"]), device=device_name)
 
 
 def reload_skinny_table() -> None:
     """Read SKINNY_TABLE_PATH again at the next call (tests and benchmarks swap tables)."""
     _skinny_table_file.cache_clear()
-    _skinny_device_ok.cache_clear()
+    _skinny_device_table.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
-def _skinny_device_ok(device_index: int) -> bool:
-    """The table's tiles were measured on this GPU model (its shared memory and SM count): elsewhere cuBLAS,
-    said once in the log."""
-    measured = _skinny_table_file()[0]
+def _skinny_device_table(device_index: int) -> dict:
+    """This GPU model's rows (tiles depend on its shared memory and SM count): none measured here means
+    cuBLAS for every dense linear, said once in the log."""
     name = torch.cuda.get_device_name(device_index)
-    ok = measured is not None and name == measured
-    if not ok and _skinny_table_file()[1]:
-        log.info("kernels: the skinny bf16 GEMM table was measured on %s, not %s: cuBLAS for the dense linears",
-                 measured, name)
-    return ok
+    measured, rows = _skinny_table_file(name)
+    if measured is None and _skinny_table_file()[1]:
+        log.info("kernels: the skinny bf16 GEMM table has no rows measured on %s: cuBLAS for the dense linears",
+                 name)
+    return rows
 
 
-def skinny_cfg(m: int, n: int, k: int) -> dict | None:
-    """The Triton skinny kernel's tiles for an [m, k] x [n, k]^T bf16 GEMM, or None (cuBLAS): the table row
-    of the smallest measured M at or above m, where the kernel won there."""
-    for mm, cfg in _skinny_table().get((n, k), ()):
+def skinny_cfg(m: int, n: int, k: int, table: dict | None = None) -> dict | None:
+    """The Triton skinny kernel's tiles for an [m, k] x [n, k]^T bf16 GEMM, or None (cuBLAS): the row of
+    `table` (default: the file's first table) at the smallest measured M at or above m, where the kernel won."""
+    for mm, cfg in (table if table is not None else _skinny_table_file()[1]).get((n, k), ()):
         if m <= mm:
             return cfg
     return None
@@ -853,11 +849,11 @@ def _skinny(x: torch.Tensor, w: torch.Tensor) -> dict | None:
     (the table picks tiles by M), bf16 operands, a contiguous 2-D weight, K % 32 == 0, the GPU model the
     table was measured on, and a table win."""
     if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.dim() != 2 \
-            or not w.is_contiguous() or w.shape[1] % 32 or not use_fast(x) or _batch_invariant() \
-            or not _skinny_device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+            or not w.is_contiguous() or w.shape[1] % 32 or not use_fast(x) or _batch_invariant():
         return None
+    table = _skinny_device_table(x.device.index if x.device.index is not None else torch.cuda.current_device())
     n, k = w.shape
-    return skinny_cfg(x.numel() // k, n, k)
+    return skinny_cfg(x.numel() // k, n, k, table) if table else None
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ writes skinny_bf16.json ($OUT or perf/results/) with a plot (skinny_bf16.png).
     python perf/bench_skinny_bf16.py [--m 16 64 128] [--variants] [--write-table]
     python perf/bench_skinny_bf16.py --table-from results/skinny_bf16.json   (the table from a saved run)
 
---write-table: kernels/skinny_bf16_table.json, which select.py reads on the GPU model it names ("device"): per
+--write-table: this GPU model's table in kernels/skinny_bf16_table.json (one table a model; select.py reads the
+one of the GPU it runs on): per
 (N, K, measured M) the fastest tiles where they beat cuBLAS by WIN_MARGIN, else null (cuBLAS); a call takes the
 row of the smallest measured M at or above its own, none above the largest.
 
@@ -23,6 +24,7 @@ import itertools
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -42,23 +44,21 @@ WIN_MARGIN = 1.03
 TABLE = os.path.join(os.path.dirname(HERE), "kernels", "skinny_bf16_table.json")
 
 
-def write_table(rows: list[dict], source: str, path: str = TABLE, device: str = "NVIDIA H200") -> None:
-    """select.py's table from measured rows: the best tiles where best_x >= WIN_MARGIN, else None; merged into
-    the table at path by (N, K, M) (a run of some M's keeps the others' rows); a copy goes to out_dir()."""
+def write_table(rows: list[dict], source: str, device: str, path: str = TABLE) -> None:
+    """select.py's table for GPU model `device` from measured rows: the best tiles where best_x >= WIN_MARGIN,
+    else None; merged by (N, K, M) into that model's rows at path (a run of some M's keeps the others'; the
+    other models' tables stay as they are); a copy goes to out_dir()."""
+    from deepinfer.kernels.measured_table import merge_table, rows_by_shape
     new = {(r["n"], r["k"], r["m"]): dict(n=r["n"], k=r["k"], m=r["m"], cfg=json.loads(r["best"].replace("'", '"'))
                                           if r["best_x"] >= WIN_MARGIN else None) for r in rows}
-    old = []
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)["rows"]
-    merged = {(r["n"], r["k"], r["m"]): r for r in old}
+    merged = {(n, k, r["m"]): r for (n, k), rs in rows_by_shape(path, device=device)[1].items() for r in rs}
     merged.update(new)
     out = [merged[key] for key in sorted(merged)]
-    for p in (path, os.path.join(out_dir(), os.path.basename(path))):
-        with open(p, "w") as f:
-            json.dump({"measured": source, "device": device, "win_margin": WIN_MARGIN, "rows": out}, f, indent=1)
-    print(f"wrote {path}: {sum(r['cfg'] is not None for r in out)} of {len(out)} (N, K, M) on the Triton kernel "
-          f"({len(new)} measured now)")
+    merge_table(path, {"measured": source, "device": device, "win_margin": WIN_MARGIN, "rows": out})
+    with open(path) as f, open(os.path.join(out_dir(), os.path.basename(path)), "w") as g:
+        g.write(f.read())
+    print(f"wrote {path} ({device}): {sum(r['cfg'] is not None for r in out)} of {len(out)} (N, K, M) on the "
+          f"Triton kernel ({len(new)} measured now)")
 
 
 def variants(m: int) -> list[dict]:
@@ -81,10 +81,11 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=None, help="names from SHAPES")
     p.add_argument("--write-table", action="store_true", help=f"write {os.path.relpath(TABLE, os.path.dirname(HERE))}")
     p.add_argument("--table-from", help="only write the table from a saved skinny_bf16.json")
+    p.add_argument("--device", default="NVIDIA H200", help="with --table-from: the GPU model it was measured on")
     a = p.parse_args()
     if a.table_from:
         with open(a.table_from) as f:
-            write_table(json.load(f)["rows"], f"H200 (perf/bench_skinny_bf16.py --variants, {a.table_from})")
+            write_table(json.load(f)["rows"], f"perf/bench_skinny_bf16.py --variants, {a.table_from}", a.device)
         return
     from deepinfer.kernels.triton_gemm import bf16_skinny_linear
     copy_bw = measure_ceilings()["copy_bw"]
@@ -124,8 +125,8 @@ def main() -> None:
                   f"  best {row['best_us']:7.1f} ({row['best_of_copy']:.2f}) {row['best_x']:.2f}x {best}", flush=True)
     save_json("skinny_bf16.json", dict(copy_bw=copy_bw, rows=rows))
     if a.write_table:
-        write_table(rows, f"{torch.cuda.get_device_name()} (perf/bench_skinny_bf16.py --variants)",
-                    device=torch.cuda.get_device_name())
+        write_table(rows, f"perf/bench_skinny_bf16.py --variants --m {' '.join(map(str, a.m))}, {time.strftime('%Y-%m-%d')}",
+                    torch.cuda.get_device_name())
     try:
         plot(rows, os.path.join(out_dir(), "skinny_bf16.png"))
     except Exception as e:  # noqa: BLE001
@@ -141,7 +142,7 @@ def plot(rows, path: str) -> None:
         ax.set_xticks(list(xs), [r["name"] for r in rs], rotation=45, ha="right", fontsize=7)
         ax.set(title=f"M = {m}", ylabel="weight bytes / time / copy")
         ax.legend(fontsize=7)
-    fig.suptitle("bf16 decode linears on the H200")
+    fig.suptitle(f"bf16 decode linears on the {torch.cuda.get_device_name()}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

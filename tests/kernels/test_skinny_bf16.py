@@ -40,31 +40,39 @@ def test_table_buckets(tmp_path, monkeypatch):
 
 
 def test_committed_table_is_valid():
-    """The committed table: measured decode sizes only, tiles the kernel accepts, K a multiple of its tile."""
+    """The committed tables, one a GPU model: measured decode sizes only, tiles the kernel accepts, K a multiple
+    of its tile."""
     with open(select.SKINNY_TABLE_PATH) as f:
-        t = json.load(f)
-    assert t["rows"] and t["win_margin"] >= 1.0 and t["device"]
-    for r in t["rows"]:
-        assert r["m"] <= 128 and r["k"] % 32 == 0
-        if r["cfg"] is not None:
-            assert set(r["cfg"]) <= {"BN", "BK", "NUM_STAGES", "SPLIT_K", "BM", "num_warps"} and r["k"] % r["cfg"]["BK"] == 0
-            assert r["cfg"]["BN"] in (64, 128) and r["cfg"]["BK"] in (32, 64, 128, 256)
+        tables = json.load(f)["tables"]
+    assert tables and len({t["device"] for t in tables}) == len(tables)
+    for t in tables:
+        assert t["rows"] and t["win_margin"] >= 1.0 and t["device"]
+        for r in t["rows"]:
+            assert r["m"] <= 128 and r["k"] % 32 == 0
+            if r["cfg"] is not None:
+                assert set(r["cfg"]) <= {"BN", "BK", "NUM_STAGES", "SPLIT_K", "BM", "num_warps"} and r["k"] % r["cfg"]["BK"] == 0
+                assert r["cfg"]["BN"] in (64, 128) and r["cfg"]["BK"] in (32, 64, 128, 256)
 
 
 def test_table_applies_on_its_gpu_model_only(tmp_path, monkeypatch):
-    """Tiles measured on one GPU model (shared memory, SM count) are not taken on another: cuBLAS there; a
-    table without a device field is taken nowhere."""
+    """Tiles measured on one GPU model (shared memory, SM count) are taken on that model only: each model of a
+    several-table file gets its own rows, another model none (cuBLAS); a table without a device field is taken
+    nowhere."""
     _table(tmp_path, monkeypatch, [dict(n=512, k=256, m=64, cfg={"BN": 64})])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H200")
-    assert not select._skinny_device_ok(0)
+    assert not select._skinny_device_table(0)
+    a, b = {"BN": 64, "BK": 128, "NUM_STAGES": 3}, {"BN": 128, "BK": 64, "NUM_STAGES": 4}
     path = tmp_path / "d.json"
-    path.write_text(json.dumps({"device": "NVIDIA H200", "rows": [dict(n=512, k=256, m=64, cfg={"BN": 64})]}))
+    path.write_text(json.dumps({"tables": [
+        {"device": "NVIDIA H200", "rows": [dict(n=512, k=256, m=64, cfg=a)]},
+        {"device": "NVIDIA H100 80GB HBM3", "rows": [dict(n=512, k=256, m=64, cfg=b), dict(n=64, k=64, m=16, cfg=a)]}]}))
     monkeypatch.setattr(select, "SKINNY_TABLE_PATH", str(path))
-    select.reload_skinny_table()
-    assert select._skinny_device_ok(0)
-    select.reload_skinny_table()
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA L40S")
-    assert not select._skinny_device_ok(0)
+    for name, want, shapes in (("NVIDIA H200", a, 1), ("NVIDIA H100 80GB HBM3", b, 2), ("NVIDIA L40S", None, 0)):
+        select.reload_skinny_table()
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None, name=name: name)
+        table = select._skinny_device_table(0)
+        assert len(table) == shapes, name
+        assert select.skinny_cfg(64, 512, 256, table) == want, name
 
 
 def test_cpu_and_fp32_paths_fall_back():
@@ -84,8 +92,11 @@ def test_skinny_on_gpu_matches_fp64(m, tmp_path, monkeypatch):
     real = triton_gemm.bf16_skinny_linear
     monkeypatch.setattr(triton_gemm, "bf16_skinny_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
     g = torch.Generator(device="cuda").manual_seed(m)
-    for (n, k), rows in select._skinny_table().items():
-        if n * k > 200_000_000 or select.skinny_cfg(m, n, k) is None:
+    table = select._skinny_device_table(torch.cuda.current_device())
+    if not table:
+        pytest.skip(f"no skinny table rows measured on {torch.cuda.get_device_name()}")
+    for (n, k), rows in table.items():
+        if n * k > 200_000_000 or select.skinny_cfg(m, n, k, table) is None:
             continue
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
