@@ -21,8 +21,7 @@ class EngineArgs:
     # longer chunks run faster (H200, the release's 40 layers, 2026-12-03: 8,192 prompt tokens in one step
     # 596-624 ms, in 2,048-token chunks 698-1,234 ms). None: PREFILL_ONLY_TOKENS_CUDA on CUDA (at least
     # max_num_batched_tokens), max_num_batched_tokens elsewhere. Such a step's activations (and, past ~2.7k
-    # tokens, the MoE's bf16 stacks: ~2.3 GB at full width, 3.4 GB where both are dequantized ahead beside
-    # the attention, model/moe.py DEQUANT_AHEAD) live in the memory the caches leave
+    # tokens, the MoE's bf16 stack scratch, ~2.3 GB at full width) live in the memory the caches leave
     # (1 - cache_memory_fraction); where that is tight, set it to max_num_batched_tokens
     max_prefill_only_tokens: int | None = None
     max_model_len: int | None = None        # prompt + output limit; None = the model's max_seq_len
