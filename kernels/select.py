@@ -487,39 +487,13 @@ def _bf16_grouped_contiguous_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch
 
 
 def _bf16_grouped_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                             counts: torch.Tensor, dequantized: torch.Tensor | None = None) -> torch.Tensor:
+                             counts: torch.Tensor) -> torch.Tensor:
     """grouped_fp8_linear_contiguous on the bf16 path: the whole stack dequantized into this stream's
-    scratch buffer (or given, dequantized ahead), then one grouped GEMM over the experts' row ranges (no
-    host read of counts)."""
+    scratch buffer, then one grouped GEMM over the experts' row ranges (no host read of counts)."""
     from .grouped_bf16 import bf16_grouped_contiguous
-    wd = dequantized if dequantized is not None else dequant_stack_bf16(w, w_scale, _bf16_scratch(x, w.numel()))
+    e, n, k = w.shape
+    wd = _bf16_dequant_scratch(x, w.view(e * n, k), w_scale.flatten(0, 1)).view(e, n, k)
     return bf16_grouped_contiguous(x, wd, counts)
-
-
-def dequant_stack_bf16(w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """An expert stack as exact bf16 weights [E, N, K] (into out's first E N K elements, else a new tensor):
-    e4m3 [E, N, K] with its [E, N, K/32] / [E, N/32, K/32] E8M0 scales, or FP4 [E, N, K/2] (fp4_layout's
-    kernel layout) with [E, N, K/32] E8M0 scales."""
-    from .triton_dequant import dequant_fp4_bf16, dequant_fp8_bf16
-    fp4 = w.dtype == torch.uint8
-    e, n, k = w.shape[0], w.shape[1], w.shape[2] * (2 if fp4 else 1)
-    out = (out if out is not None else torch.empty(e * n * k, dtype=torch.bfloat16, device=w.device))
-    out = out.view(-1)[:e * n * k].view(e * n, k)
-    if fp4:
-        return dequant_fp4_bf16(w.view(e * n, k // 2), w_scale.reshape(e * n, k // 32), out=out).view(e, n, k)
-    return dequant_fp8_bf16(w.view(e * n, k), w_scale.flatten(0, 1), out=out).view(e, n, k)
-
-
-def bf16_stack_ahead_ok(x: torch.Tensor, rows: int, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
-    """Whether a grouped contiguous GEMM of `rows` rows like x over this stack would take the bf16 grouped
-    GEMM (so dequantizing the stack ahead of it pays): FP4 stacks wherever their contiguous form runs, FP8
-    stacks on _bf16_grouped_contiguous_ok's rules."""
-    if w.dtype == torch.uint8:
-        return _fp4_contiguous_ok(x, w.shape[2] * 2, w.shape[2] * 2)
-    k = w.shape[-1]
-    if _contiguous_kernel(x, k, k) != "w8a16":
-        return False
-    return _bf16_grouped_contiguous_ok(x.new_empty(1, 1).expand(rows, k), w, w_scale)
 
 
 def _cuda_fp8_ok(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
@@ -701,19 +675,16 @@ def _contiguous_kernel(x: torch.Tensor, k1: int, k2: int) -> str | None:
 
 
 def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                                  counts: "torch.Tensor | GroupedRows",
-                                  dequantized: torch.Tensor | None = None) -> torch.Tensor:
+                                  counts: "torch.Tensor | GroupedRows") -> torch.Tensor:
     """x [P, K] bf16 FP8-rounded rows sorted by expert (counts [E] rows each, device), w [E, N, K] e4m3,
     w_scale [E, N, K/32] / [E, N/32, K/32] E8M0 or [E, N, 1] f32 -> [P, N] bf16 (DeepGEMM's grouped
     contiguous layout, with no alignment padding). Fast: one launch over every expert (no
     host read; FP8 x FP8 with DEEPINFER_PREFILL_GEMM=fp8, else W8A16). Reference: expert by expert
     (reads counts on the host). counts as grouped_rows.GroupedRows: the CUDA kernel's tile map is built
-    once for all the GEMMs given the same object (a MoE layer's two projections).
-    dequantized: the stack already in bf16 (dequant_stack_bf16, computed ahead: model/moe.py), used where the
-    bf16 grouped GEMM takes the call instead of dequantizing into the scratch buffer; ignored elsewhere."""
+    once for all the GEMMs given the same object (a MoE layer's two projections)."""
     rows, counts = counts, counts_of(counts)
     if w.dtype == torch.uint8:                                  # FP4 stacks (fp4_layout)
-        return _fp4_grouped_contiguous(x, w, w_scale, counts, dequantized)
+        return _fp4_grouped_contiguous(x, w, w_scale, counts)
     k = w.shape[-1]
     kernel = _contiguous_kernel(x, k, k)
     if kernel is not None:
@@ -726,7 +697,7 @@ def grouped_fp8_linear_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: tor
             from .triton_quant import act_quant_fp8
             return fp8_variant_grouped_contiguous(*act_quant_fp8(x), w, w_scale, counts, kernel)
         if kernel == "w8a16" and _bf16_grouped_contiguous_ok(x, w, w_scale):
-            return _bf16_grouped_contiguous(x, w, w_scale, counts, dequantized)
+            return _bf16_grouped_contiguous(x, w, w_scale, counts)
         if kernel == "w8a16" and _cuda_grouped_ok(x, w, w_scale):
             from .cuda_fp8_gemm import fp8_grouped_contiguous_cuda
             from .triton_quant import act_quant_fp8
@@ -749,16 +720,17 @@ def _contiguous_ref(x: torch.Tensor, counts: torch.Tensor, n: int, weight_of) ->
 
 
 def _fp4_grouped_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                            counts: torch.Tensor, dequantized: torch.Tensor | None = None) -> torch.Tensor:
+                            counts: torch.Tensor) -> torch.Tensor:
     """grouped_fp8_linear_contiguous on FP4 stacks (w [E, N, K/2] in fp4_kernel_layout, E8M0 [E, N, K/32]):
     the whole stack dequantized into the stream's scratch buffer (triton_dequant.dequant_fp4_bf16: every
-    w * scale a bf16 value) or given (dequantized ahead), one bf16 grouped GEMM; elsewhere expert by expert
-    on the reference."""
+    w * scale a bf16 value), one bf16 grouped GEMM; elsewhere expert by expert on the reference."""
     e, n, k = w.shape[0], w.shape[1], w.shape[2] * 2
     if _fp4_contiguous_ok(x, k, k):
         from .grouped_bf16 import bf16_grouped_contiguous
-        wd = dequantized if dequantized is not None else dequant_stack_bf16(w, w_scale, _bf16_scratch(x, e * n * k))
-        return bf16_grouped_contiguous(x, wd, counts)
+        from .triton_dequant import dequant_fp4_bf16
+        buf = _bf16_scratch(x, e * n * k)
+        wd = dequant_fp4_bf16(w.view(e * n, k // 2), w_scale.view(e * n, k // 32), out=buf.view(e * n, k))
+        return bf16_grouped_contiguous(x, wd.view(e, n, k), counts)
     return _contiguous_ref(x, counts, n, lambda g: _fp4_dense(w[g], w_scale[g]))
 
 

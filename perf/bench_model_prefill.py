@@ -54,20 +54,16 @@ def gemm_mode(mode: str) -> tuple[str, bool]:
     (auto without that bf16 path: the default before 2026-12-03). Sets select.BF16_AUTO_MIN_M too.
     Suffixes after ':' change one setting for that entry, so that paths compare in one process:
     ':ts' / ':plain' the CUDA FP8 kernel's scale-tile twins on / off (cuda_fp8_gemm.TS_ON), ':fp8moe' the
-    MoE's long steps on it too (select.BF16_MOE_MIN_ROWS = 0: no bf16 grouped GEMM), ':noahead' each expert
-    stack dequantized just before its grouped GEMM (moe.DEQUANT_AHEAD off: no side-stream dequant beside the
-    attention), e.g. auto+moe:ts:fp8moe."""
+    MoE's long steps on it too (select.BF16_MOE_MIN_ROWS = 0: no bf16 grouped GEMM), e.g. auto+moe:ts:fp8moe."""
     from deepinfer.kernels import cuda_fp8_gemm, select
-    from deepinfer.model import moe as moe_module
     name, *flags = mode.split(":")
     base, _, moe = name.partition("+")
     if base not in ("w8a16", "fp8", "cuda", "auto", "auto_fp8", "bf16") + select.FP8_VARIANTS or moe not in ("", "moe") \
-            or set(flags) - {"ts", "plain", "fp8moe", "noahead"}:
+            or set(flags) - {"ts", "plain", "fp8moe"}:
         raise SystemExit(f"--gemms: unknown mode {mode!r}")
     select.BF16_AUTO_MIN_M = 0 if base == "auto_fp8" else _BF16_DEFAULT
     cuda_fp8_gemm.TS_ON = True if "ts" in flags else False if "plain" in flags else _TS_DEFAULT
     select.BF16_MOE_MIN_ROWS = 0 if "fp8moe" in flags else _BF16_MOE_DEFAULT
-    moe_module.DEQUANT_AHEAD = "noahead" not in flags
     return ("auto" if base == "auto_fp8" else base), moe == "moe"
 
 _BF16_DEFAULT = 1024            # select.BF16_AUTO_MIN_M as the process started (main sets it)
@@ -324,8 +320,6 @@ def main() -> None:
             print(f"{case:>8}  speed vs {first}: " + ", ".join(f"{g} {mine[first]['ms'] / mine[g]['ms']:.2f}x"
                                                             for g in others), flush=True)
     select.PREFILL_GEMM, select.MOE_CONTIGUOUS = defaults
-    from deepinfer.model import moe as moe_module
-    moe_module.DEQUANT_AHEAD = os.environ.get("DEEPINFER_DEQUANT_AHEAD", "1") != "0"
     select.BF16_AUTO_MIN_M, cuda_fp8_gemm.TS_ON, select.BF16_MOE_MIN_ROWS = _BF16_DEFAULT, _TS_DEFAULT, _BF16_MOE_DEFAULT
     top = []
     if a.profile:

@@ -59,7 +59,6 @@ class Block(nn.Module):
         for the next block).
         tap: gets x.mean(dim=1) appended (a DSpark tap, from the read the attention mixes make anyway)."""
         res = x
-        ahead = self.ffn.dequant_ahead(x)       # a long step's expert stacks in bf16, beside the attention
         a_pre, a_post, a_comb, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
         if tap is not None:
             tap.append(mean[0])
@@ -71,7 +70,7 @@ class Block(nn.Module):
         res = x
         f_pre, f_post, f_comb, xf = self.mixes_pre(x, "ffn", a_pre)
         xn, xq = self.ffn_norm.with_rounded(xf, self.ffn.shared_input_linear())
-        y = self.ffn(xn, image_mask, xq, ahead)
+        y = self.ffn(xn, image_mask, xq)
         return ops.hc_post(y, res, f_post, f_comb), f_pre
 
     def mixes_pre(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor, mean: bool = False):

@@ -32,9 +32,6 @@ MASKED_MAX_PAIRS = 4096
 # masked one where it is on (DEEPINFER_MOE_CONTIGUOUS_FROM_PAIRS; unset: the masked form up to
 # MASKED_MAX_PAIRS). perf/bench_moe_forms.py measures the two side by side at verify-step sizes.
 CONTIGUOUS_FROM_PAIRS = int(os.environ.get("DEEPINFER_MOE_CONTIGUOUS_FROM_PAIRS") or 0) or None
-# a long step's expert stacks dequantized to bf16 on a side stream while the attention sublayer runs
-# (MoE.dequant_ahead): "0" dequantizes each stack just before its grouped GEMM, on the main stream
-DEQUANT_AHEAD = os.environ.get("DEEPINFER_DEQUANT_AHEAD", "1") != "0"
 
 
 @dataclass
@@ -180,37 +177,17 @@ class MoE(nn.Module):
         """The fused shared w1 / w3 (Block: ffn_norm.with_rounded hands it rounded rows), or None."""
         return self.shared_w13
 
-    def dequant_ahead(self, x: torch.Tensor) -> side_stream.Pending | None:
-        """For a step of x's T tokens whose grouped contiguous GEMMs dequantize the expert stacks to bf16
-        (FP4 stacks; FP8 stacks from select.BF16_MOE_MIN_ROWS pairs): both stacks dequantized now on a side
-        stream, beside the attention sublayer (compute-bound there, the dequant memory-bound: 1.3 ms of
-        a 40-layer 1 x 8k prefill's ~14 ms a layer on the H200), for forward(..., ahead=) -> (w13, w2) bf16.
-        None where the step takes another form, would not fork (a capture, DEEPINFER_SIDE_STREAMS=0) or
-        DEEPINFER_DEQUANT_AHEAD=0. Memory: the two bf16 stacks at once (the scratch path holds the larger one).
-        The values are the scratch path's: the same dequant kernel into another buffer."""
-        T, st = x.shape[0], self.stacks
-        pairs = T * self.gate.topk
-        if not DEQUANT_AHEAD or st is None or not side_stream.forks(x.device, T, long_step=True) \
-                or self._use_masked(x, pairs) or not self._use_contiguous(x):
-            return None
-        w13, s13, w2, s2 = st.masked_weights()
-        if not (ops.bf16_stack_ahead_ok(x, pairs, w13, s13) and ops.bf16_stack_ahead_ok(x, pairs, w2, s2)):
-            return None
-        return side_stream.branch(lambda: (ops.dequant_stack_bf16(w13, s13), ops.dequant_stack_bf16(w2, s2)),
-                                  tokens=T, device=x.device, long_step=True)
-
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
-                x_rounded: torch.Tensor | None = None, ahead: side_stream.Pending | None = None) -> torch.Tensor:
+                x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, d] bf16 -> [T, d] bf16. Routed outputs are summed per token in ascending expert id
         order in fp32 (the reference's accumulation order), then the shared expert is added.
         x_rounded: act_quant(x) from the norm's launch, read by the fused shared w1 / w3.
         The shared expert reads only x: in a small step it runs on the side stream beside the router,
-        the dispatch and the routed experts (model/side_stream.py).
-        ahead: dequant_ahead(x)'s bf16 stacks, taken by the grouped contiguous GEMMs where they run bf16."""
+        the dispatch and the routed experts (model/side_stream.py)."""
         T = x.shape[0]
         shared = side_stream.branch(self._shared, x, x_rounded, tokens=T) if T else None
         if self.ep is not None:
-            return self._forward_ep(x, image_mask, shared, ahead)
+            return self._forward_ep(x, image_mask, shared)
         if T == 0:
             return x
         weights, indices = self.gate(x, image_mask)
@@ -218,7 +195,7 @@ class MoE(nn.Module):
             out, slot = self._masked_experts(x, weights, indices)
             return ops.moe_combine(out, slot, indices, shared.wait())
         if self._use_contiguous(x):
-            out, slot = self._contiguous_experts(x, weights, indices, ahead)
+            out, slot = self._contiguous_experts(x, weights, indices)
             return ops.moe_combine(out, slot, indices, shared.wait())
         T, K = indices.shape
         outs = self._routed(x, weights, indices)
@@ -232,7 +209,7 @@ class MoE(nn.Module):
         return y.to(ACT)
 
     def _forward_ep(self, x: torch.Tensor, image_mask: torch.Tensor | None,
-                    shared: side_stream.Pending | None, ahead: side_stream.Pending | None = None) -> torch.Tensor:
+                    shared: side_stream.Pending | None) -> torch.Tensor:
         """Expert parallel: route, send each pick to the rank holding its physical slot, compute the
         pairs this rank received, bring every pick's output back, then the same fp32 sum in ascending
         logical expert id + shared as one rank does (so outputs equal a 1-rank run's: each pair is
@@ -247,7 +224,7 @@ class MoE(nn.Module):
         outs = self._ep_dense(x, weights, indices)
         if outs is None:
             local, handle = self.ep.dispatcher.dispatch(x, self.ep.maps.to_physical(indices), weights)
-            outs = self.ep.dispatcher.combine(self._local_pairs(local, ahead), handle)  # [T, K, d]
+            outs = self.ep.dispatcher.combine(self._local_pairs(local), handle)  # [T, K, d]
         if T == 0:
             return x
         # the masked form's contract: out [K, T, d] with pair (t, k) at row k * T + t (a strided view, no copy)
@@ -273,14 +250,14 @@ class MoE(nn.Module):
         out, slot = self._masked_experts(xs, ws, local, expected_pairs=M * K)
         return disp.combine_dense(_pick_rows(out, slot).view(rows, K, self.dim), handle)
 
-    def _local_pairs(self, local, ahead: side_stream.Pending | None = None) -> torch.Tensor:
+    def _local_pairs(self, local) -> torch.Tensor:
         """[P, d] bf16: each received (token, local slot, weight) pair through its expert, as a
         one-pick token (every form of _routed then applies unchanged)."""
         P = local.pair_token.shape[0]
         if P == 0:
             return torch.empty(0, self.dim, dtype=ACT, device=local.x.device)
         xp = local.x[local.pair_token]
-        return self._routed(xp, local.pair_weight[:, None].float(), local.pair_expert[:, None], ahead)[:, 0]
+        return self._routed(xp, local.pair_weight[:, None].float(), local.pair_expert[:, None])[:, 0]
 
     def _use_masked(self, x, pairs: int) -> bool:
         """The masked form for a step of `pairs` token-expert pairs: FP8 stacks, and forced (self.masked)
@@ -302,14 +279,12 @@ class MoE(nn.Module):
         return (st is not None and self.masked is not True and self.grouped_ok
                 and ops.grouped_contiguous_ok(x, self.dim, self.experts[0].w2.in_features, fp4=st.fp4))
 
-    def _contiguous_experts(self, x, weights, indices, ahead: side_stream.Pending | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _contiguous_experts(self, x, weights, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [K, T, d] bf16, slot [T*K]): pairs sorted by expert into one contiguous slab (pair p at
         flat row slot[p] = the rows of experts < e, + its rank among e's pairs in token order), one
         grouped GEMM per projection over all experts, the fused SwiGLU + weight + act_quant between
         them, and moe_combine after: no per-expert launch and no host read. Same rounding points as
-        Expert.forward (the masked form's kernels, on a [K, T] slab instead of [E, T]). ahead: the stacks
-        in bf16 (dequant_ahead), waited for just before the first GEMM."""
+        Expert.forward (the masked form's kernels, on a [K, T] slab instead of [E, T])."""
         st, ex = self.stacks, self.experts[0]
         T, K = indices.shape
         E, inter = self.n_experts, self.experts[0].w2.in_features
@@ -317,13 +292,12 @@ class MoE(nn.Module):
         xp = ops.moe_dispatch(x, slot, K, K).view(T * K, self.dim)              # act_quant(x) rows, sorted
         w13, s13, w2, s2 = st.masked_weights()
         rows = ops.GroupedRows(counts)                                          # one tile map for both GEMMs
-        w13_bf16, w2_bf16 = ahead.wait() if ahead is not None else (None, None)
-        gu = ops.grouped_fp8_linear_contiguous(xp, w13, s13, rows, w13_bf16)    # [T*K, 2 inter]
+        gu = ops.grouped_fp8_linear_contiguous(xp, w13, s13, rows)              # [T*K, 2 inter]
         hp = ops.moe_swiglu_quant(gu.view(K, T, 2 * inter), slot, weights, ex.limit, inter)
-        out = ops.grouped_fp8_linear_contiguous(hp.view(T * K, inter), w2, s2, rows, w2_bf16)     # [T*K, d]
+        out = ops.grouped_fp8_linear_contiguous(hp.view(T * K, inter), w2, s2, rows)     # [T*K, d]
         return out.view(K, T, self.dim), slot
 
-    def _routed(self, x, weights, indices, ahead: side_stream.Pending | None = None) -> torch.Tensor:
+    def _routed(self, x, weights, indices) -> torch.Tensor:
         """[T, K, d] bf16 in the form this step's size and the weight format call for (on a CPU
         every form gives the same bits: tests/model/test_moe_grouped.py, test_moe_masked.py)."""
         pairs = indices.numel()
@@ -331,7 +305,7 @@ class MoE(nn.Module):
             if self._use_masked(x, pairs):
                 return self._routed_masked(x, weights, indices)
             if self._use_contiguous(x):        # an EP rank's received pairs of a prefill step
-                out, slot = self._contiguous_experts(x, weights, indices, ahead)
+                out, slot = self._contiguous_experts(x, weights, indices)
                 return out.reshape(-1, self.dim)[slot].view(*indices.shape, self.dim)
             return self._routed_loop(x, weights, indices)
         if self.grouped_ok and pairs <= GROUPED_MAX_PAIRS and self._stacked(x.device) is not None:

@@ -15,10 +15,6 @@ stream joins the capture through its events). Only graph captures fork: inline (
 called) are eager steps (bound by the host: a fork costs host time, saves none), a CPU tensor, a step of
 more than MAX_TOKENS tokens (prefill fills the GPU on its own) and DEEPINFER_SIDE_STREAMS=0.
 
-A long eager step forks where asked (`branch(..., long_step=True)`): a memory-bound branch (the experts'
-dequant ahead of their GEMMs, model/moe.py) beside a compute-bound sublayer, whose milliseconds make the
-fork's ~0.1 ms of host time nothing.
-
 Memory: a Pending holds fn and its arguments until the main stream has waited, so nothing the branch
 reads is freed early; what the branch allocates belongs to the side stream and is next reused by a
 later branch, which starts after the main stream's work enqueued before it (the fork's event).
@@ -47,15 +43,12 @@ def _side(device: torch.device, lane: int) -> torch.cuda.Stream:
     return _streams[key]
 
 
-def forks(device: torch.device, tokens: int, long_step: bool = False) -> bool:
+def forks(device: torch.device, tokens: int) -> bool:
     """Whether a branch of a step of `tokens` tokens on `device` runs on the side stream: while a CUDA graph
     is captured (an eager step of this size is bound by the host, which a fork costs ~0.1 ms more a
-    step: perf/H200_NOTES.md, H100 2026-12-06); long_step: an eager step of any size (not in a capture)."""
-    if not ENABLED or device.type != "cuda" or tokens <= 0:
-        return False
-    if long_step:
-        return not torch.cuda.is_current_stream_capturing()
-    return tokens <= MAX_TOKENS and torch.cuda.is_current_stream_capturing()
+    step: perf/H200_NOTES.md, H100 2026-12-06)."""
+    return (ENABLED and device.type == "cuda" and 0 < tokens <= MAX_TOKENS
+            and torch.cuda.is_current_stream_capturing())
 
 
 class Pending:
@@ -71,14 +64,12 @@ class Pending:
         return self._value
 
 
-def branch(fn: Callable, *args, tokens: int, device: torch.device | None = None, lane: int = 0,
-           long_step: bool = False) -> Pending:
+def branch(fn: Callable, *args, tokens: int, device: torch.device | None = None, lane: int = 0) -> Pending:
     """fn(*args) on side stream `lane` after everything the current stream has enqueued (and what that lane
-    has); device: where the step runs (default: the first tensor argument's); long_step: fork in an eager
-    step too (forks)."""
+    has); device: where the step runs (default: the first tensor argument's)."""
     if device is None:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    if not forks(device, tokens, long_step):
+    if not forks(device, tokens):
         return Pending(fn(*args), None, ())
     global forked_branches
     forked_branches += 1
