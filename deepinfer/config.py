@@ -96,6 +96,11 @@ class EngineArgs:
     # weights: "safetensors" (the release shards) or "dummy" (random weights of the checkpoint folder's
     # config.json made on each rank's device, vLLM's flag: whole-model benchmarks with no weights on disk)
     load_format: str = "safetensors"
+    # load_format="dummy" only: "model" (the random gates' own picks: a step's tokens land on a few experts)
+    # or "balanced" (each expert once before any twice, the load a trained, load-balanced router approaches:
+    # model/balanced_routing.py; a token's experts then follow its row in the step, so outputs depend on
+    # the batch): what throughput benchmarks on dummy weights should read
+    dummy_routing: str = "model"
     # "fp8" (the release format on the device: FP8 kernels) or "bf16": the dense FP8 linears (not the
     # routed experts) dequantized exactly at load and run by act_quant + cuBLAS in every step, decode
     # graphs included; one more byte per dense weight element (~7.5 GB per GPU for the full model).
@@ -201,6 +206,10 @@ class EngineArgs:
             raise ValueError(f"dense_weights must be 'auto', 'fp8', 'bf16' or 'bf16+fp8', got {self.dense_weights!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.dummy_routing not in ("model", "balanced"):
+            raise ValueError(f"dummy_routing must be 'model' or 'balanced', got {self.dummy_routing!r}")
+        if self.dummy_routing == "balanced" and self.load_format != "dummy":
+            raise ValueError("dummy_routing='balanced' replaces the gates' picks: only with load_format='dummy'")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.ep_backend not in ("allgather", "alltoall"):

@@ -185,28 +185,11 @@ def routed_experts(model, step) -> dict[int, int]:
 
 
 def balance_routing(model) -> list:
-    """Forward hooks making every gate route its T tokens' k picks to experts (t k + j) mod E: each expert in
-    use once before any twice (what a load-balanced real router approaches; random weights route to a few
-    experts). Kept by a CUDA graph captured after them. Returns the handles (remove() undoes it)."""
-    hooks, made = [], {}
-
-    def picks_for(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
-        # made once per shape by the first (eager) call: a graph captured later replays no kernel for them
-        key = (T, k, E, like.device, like.dtype)
-        if key not in made:
-            made[key] = (torch.arange(T * k, device=like.device).view(T, k) % E).to(like.dtype)
-        return made[key]
-
-    for layer in model.layers:
-        moe = layer.ffn
-        if getattr(moe, "gate", None) is None:
-            continue
-
-        def balanced(mod, inp, out, E=moe.n_experts):
-            weights, indices = out
-            return weights, picks_for(*indices.shape, E, indices)
-        hooks.append(moe.gate.register_forward_hook(balanced))
-    return hooks
+    """Every gate routes each expert once before any twice (deepinfer/model/balanced_routing.py: what a
+    load-balanced real router approaches; random weights route to a few experts). Kept by a CUDA graph
+    captured after it. Returns the handles (remove() undoes it)."""
+    from deepinfer.model.balanced_routing import install
+    return install(model)
 
 
 def release_engine_memory() -> float:

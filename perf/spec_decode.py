@@ -256,7 +256,8 @@ def measure_all(ckpt: str, a, meta: dict) -> dict:
     """Every policy's runs; meta gets the scheduler's zero-draft step seconds per batch (the projection)."""
     from deepinfer import LLM
     base = dict(device=a.device, max_num_seqs=max(a.batches), max_num_batched_tokens=max(2048, 6 * max(a.batches)),
-                load_format=a.load_format, seed=0, enforce_eager=a.enforce_eager, dense_weights=a.dense_weights)
+                load_format=a.load_format, seed=0, enforce_eager=a.enforce_eager, dense_weights=a.dense_weights,
+                dummy_routing=a.routing if a.load_format == "dummy" else "model")
     if a.num_cache_blocks:
         base["num_cache_blocks"] = a.num_cache_blocks
     elif a.device.startswith("cuda"):
@@ -493,6 +494,9 @@ def main() -> None:
                     help="every engine with enable_prefix_caching (with --async-overlap: 'all async' is how DSpark ran "
                          "with the cache on before 2026-12-06, every verify step resolved first)")
     ap.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+    ap.add_argument("--routing", default="balanced", choices=["balanced", "model"],
+                    help="with --load-format dummy: EngineArgs.dummy_routing (balanced: every expert read, the load a "
+                         "trained router approaches; model: the random gates' few experts, as before 2026-12-06)")
     ap.add_argument("--num-cache-blocks", type=int,
                     help="cache blocks per engine (default on CUDA: the workload's, 64-token blocks; CPU: the engine's sizing)")
     ap.add_argument("--variants", action="store_true",
@@ -525,7 +529,8 @@ def main() -> None:
             ckpt = config_only_checkpoint(Path(tmp), a.preset)
         else:
             ckpt = default_checkpoint(Path(tmp), a.preset)
-        print(f"checkpoint {ckpt} ({a.load_format}), device {a.device}, prompt {a.prompt_len}, output {a.output_len}, "
+        routing = f", {a.routing} routing" if a.load_format == "dummy" else ""
+        print(f"checkpoint {ckpt} ({a.load_format}{routing}), device {a.device}, prompt {a.prompt_len}, output {a.output_len}, "
               f"replayed mean accepted length {a.accepted_length} of 5 (verify-all), temperature {a.temperature}, "
               f"acceptance {a.acceptance}", flush=True)
         meta = {"layers": checkpoint_layers(ckpt)}

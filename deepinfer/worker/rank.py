@@ -88,6 +88,9 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                        **({"expert_row_scales": False} if args.enable_eplb else {}), **model_overrides(args))
     if nvcc is not None:
         nvcc.join()
+    if args.dummy_routing == "balanced":        # before any graph is captured (they keep the picks)
+        from deepinfer.model.balanced_routing import install
+        install(model)
     model_args = model.args
     lockstep = None
     if parallel is None or not parallel.is_parallel:
