@@ -11,7 +11,8 @@ expert once before any twice, a token's k picks distinct while k <= E. The routi
     for h in handles: h.remove()    # the gates' own picks again
 
 A shape's picks are made by its first call (eager, or inside a capture, which then replays the arange) and
-reused by every later call of that shape.
+reused by every later call of that shape. Data-parallel ranks (rank r of world_size) start their picks at
+expert r E / world_size, so small steps on every rank do not all land on the first ranks' experts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 
-def install(model: nn.Module) -> list:
+def install(model: nn.Module, rank: int = 0, world_size: int = 1) -> list:
     """Forward hooks on every MoE gate of model (the main layers and DSpark's draft blocks); -> the handles."""
     from .moe import MoE
     made: dict[tuple, torch.Tensor] = {}
@@ -28,7 +29,8 @@ def install(model: nn.Module) -> list:
     def picks_for(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
         key = (T, k, E, like.device, like.dtype)
         if key not in made:
-            made[key] = (torch.arange(T * k, device=like.device).view(T, k) % E).to(like.dtype)
+            start = rank * E // world_size
+            made[key] = ((torch.arange(T * k, device=like.device).view(T, k) + start) % E).to(like.dtype)
         return made[key]
 
     def balanced(gate, inp, out):

@@ -90,7 +90,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
         nvcc.join()
     if args.dummy_routing == "balanced":        # before any graph is captured (they keep the picks)
         from deepinfer.model.balanced_routing import install
-        install(model)
+        install(model, *((parallel.rank, parallel.world_size) if parallel is not None else ()))
     model_args = model.args
     lockstep = None
     if parallel is None or not parallel.is_parallel:

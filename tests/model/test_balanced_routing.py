@@ -47,6 +47,22 @@ def test_engine_with_balanced_dummy_routing(tmp_path):
         assert torch.isfinite(weights).all() and weights.shape == (T, k)
 
 
+def test_rank_workers_route_balanced(tmp_path):
+    """Two gloo rank workers (attention data parallel, experts split) on dummy weights with balanced picks:
+    each rank installs its hooks at its own offset and the engine serves both requests to the end."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.checkpoint.generator import hf_config, text_config
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(text_config("tiny"))))
+    llm = LLM(str(tmp_path), load_format="dummy", dummy_routing="balanced", device="cpu", data_parallel_size=2,
+              worker_threads=1, max_num_seqs=4, num_cache_blocks=64, max_model_len=512)
+    try:
+        outs = llm.generate([[0, 5, 6, 7] * 8, [0, 9, 11]], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                           ignore_eos=True))
+        assert [len(o.token_ids) for o in outs] == [4, 4]
+    finally:
+        llm.engine.shutdown()
+
+
 def test_install_covers_every_gate_and_undoes(tiny_checkpoint):
     """The gates' own picks come back once the hooks are removed; the weights are the gates' own either way."""
     from deepinfer.model.loader import load_model
@@ -65,6 +81,25 @@ def test_install_covers_every_gate_and_undoes(tiny_checkpoint):
         h.remove()
     for m, (w_own, i_own) in zip(moes, own):
         assert torch.equal(m.gate(x, None)[1], i_own)
+
+
+def test_ranks_start_on_their_own_share(tiny_checkpoint):
+    """Rank r of w starts its picks at expert r E / w: small steps on every data-parallel rank together still
+    spread over the experts instead of all landing on the first ones."""
+    from deepinfer.model.loader import load_model
+    model = load_model(tiny_checkpoint, progress=False)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    E, k = moe.gate.weight.shape[0], moe.gate.topk
+    x = torch.randn(1, model.args.dim).bfloat16()
+    seen = []
+    for rank in range(2):
+        handles = balanced_routing.install(model, rank, 2)
+        seen.append(moe.gate(x, None)[1])
+        for h in handles:
+            h.remove()
+    for rank, picks in enumerate(seen):
+        assert torch.equal(picks[0], (torch.arange(k) + rank * E // 2) % E)
+    assert not set(seen[0].flatten().tolist()) & set(seen[1].flatten().tolist())
 
 
 def test_balanced_routing_needs_dummy_weights(tmp_path):
