@@ -186,9 +186,10 @@ def main() -> None:
     p.add_argument("--skinny-tables", nargs="+", default=None,
                    help="select.py's skinny-GEMM tables to compare in one run ('' = cuBLAS for every dense bf16 "
                         "linear; 'default' = kernels/skinny_bf16_table.json)")
-    p.add_argument("--moe-paths", nargs="+", default=["default"], choices=["default", "w8a16", "fp8"],
+    p.add_argument("--moe-paths", nargs="+", default=["default"], choices=["default", "w8a16", "fp8", "fp8-padded"],
                    help="the masked MoE's GEMMs compared in one run: W8A16 or the CUDA FP8 x FP8 masked form "
-                        "(select.MOE_FP8_DECODE; default: as configured)")
+                        "(select.MOE_FP8_DECODE; default: as configured); fp8-padded: batches not a multiple of 4 "
+                        "padded onto the FP8 form too (moe.PAD_MASKED_SLABS)")
     p.add_argument("--index-k", nargs="+", default=["packed"], choices=["bf16", "packed"],
                    help="the cache's index keys compared in one run: bf16 rows or packed FP4 rows "
                         "(ModelArgs.index_k_packed; packed is the engine's default)")
@@ -289,21 +290,26 @@ def main() -> None:
 
 
 class use_moe_path:
-    """with use_moe_path("w8a16" | "fp8" | "default"): select.MOE_FP8_DECODE inside the block, restored after."""
+    """with use_moe_path("w8a16" | "fp8" | "fp8-padded" | "default"): select.MOE_FP8_DECODE (and, fp8-padded,
+    moe.PAD_MASKED_SLABS: steps of a token count not a multiple of 4 padded onto the FP8 form) inside the
+    block, restored after."""
 
     def __init__(self, path: str):
         self.path = path
 
     def __enter__(self):
         from deepinfer.kernels import select
-        self.saved = select.MOE_FP8_DECODE
+        from deepinfer.model import moe
+        self.saved = select.MOE_FP8_DECODE, moe.PAD_MASKED_SLABS
         if self.path != "default":
-            select.MOE_FP8_DECODE = "1" if self.path == "fp8" else "0"
+            select.MOE_FP8_DECODE = "0" if self.path == "w8a16" else "1"
+            moe.PAD_MASKED_SLABS = self.path == "fp8-padded"
         return self
 
     def __exit__(self, *exc):
         from deepinfer.kernels import select
-        select.MOE_FP8_DECODE = self.saved
+        from deepinfer.model import moe
+        select.MOE_FP8_DECODE, moe.PAD_MASKED_SLABS = self.saved
         return False
 
 

@@ -32,6 +32,10 @@ MASKED_MAX_PAIRS = 4096
 # masked one where it is on (DEEPINFER_MOE_CONTIGUOUS_FROM_PAIRS; unset: the masked form up to
 # MASKED_MAX_PAIRS). perf/bench_moe_forms.py measures the two side by side at verify-step sizes.
 CONTIGUOUS_FROM_PAIRS = int(os.environ.get("DEEPINFER_MOE_CONTIGUOUS_FROM_PAIRS") or 0) or None
+# masked steps of a token count that is not a multiple of 4 (decode graphs of batch 1 and 2, odd packed verify
+# steps) padded to one so the FP8 x FP8 form takes them (its slab capacity C = T must be:
+# cuda_fp8_decode.MASKED_SLAB_RULE); else they run W8A16. "1" on; off until measured on a GPU (perf/round94.steps)
+PAD_MASKED_SLABS = os.environ.get("DEEPINFER_MOE_PAD_SLABS", "0") == "1"
 
 
 @dataclass
@@ -113,6 +117,11 @@ def _pick_rows(out: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     return torch.where((slot >= 0)[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
+def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """t with `pad` zero rows appended (t itself where pad is 0)."""
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
 class Gate(nn.Module):
     def __init__(self, args, n_experts: int, topk: int):
         super().__init__()
@@ -192,8 +201,10 @@ class MoE(nn.Module):
             return x
         weights, indices = self.gate(x, image_mask)
         if self._use_masked(x, indices.numel()):
-            out, slot = self._masked_experts(x, weights, indices)
-            return ops.moe_combine(out, slot, indices, shared.wait())
+            xs, ws, ids, pad = self._pad_slabs(x, weights, indices)
+            out, slot = self._masked_experts(xs, ws, ids, expected_pairs=indices.numel())
+            y = ops.moe_combine(out, slot, ids, _pad_rows(shared.wait(), pad))
+            return y[:T] if pad else y
         if self._use_contiguous(x):
             out, slot = self._contiguous_experts(x, weights, indices)
             return ops.moe_combine(out, slot, indices, shared.wait())
@@ -407,8 +418,24 @@ class MoE(nn.Module):
     def _routed_masked(self, x, weights, indices) -> torch.Tensor:
         """[T, K, d] bf16: the masked form's per-pair outputs (the forward combines them in place
         instead: ops.moe_combine)."""
-        out, slot = self._masked_experts(x, weights, indices)
-        return out.reshape(-1, self.dim)[slot].view(*indices.shape, self.dim)
+        xs, ws, ids, _ = self._pad_slabs(x, weights, indices)
+        out, slot = self._masked_experts(xs, ws, ids, expected_pairs=indices.numel())
+        return out.reshape(-1, self.dim)[slot[:indices.numel()]].view(*indices.shape, self.dim)
+
+    def _pad_slabs(self, x, weights, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(x, weights, indices, pad): the step padded by `pad` tokens to a multiple of 4 where that lets the
+        masked FP8 x FP8 form take it (PAD_MASKED_SLABS), else as given with pad 0. A padding token is a zero
+        row with the first token's picks (distinct experts) at weight 0; it adds rows to those experts' slabs,
+        each computed alone (a pair's output depends on its row and expert only), and its outputs are dropped.
+        The real pairs keep their slab rows' ranks (the padding comes after them in token order)."""
+        T, st = x.shape[0], self.stacks
+        pad = -T % 4
+        if not PAD_MASKED_SLABS or pad == 0 or T == 0 or st is None or \
+                not ops.masked_moe_fp8_takes(x.new_empty(1, 1).expand(T + pad, x.shape[1]), st.w13, st.r13,
+                                             st.w2, st.r2):
+            return x, weights, indices, 0
+        return (_pad_rows(x, pad), _pad_rows(weights, pad),
+                torch.cat([indices, indices[:1].expand(pad, indices.shape[1])]), pad)
 
     def _routed_grouped(self, x, weights, indices) -> torch.Tensor:
         """[T, K, d] bf16: token-expert pairs sorted by expert into padded groups [A, C, d] (A experts

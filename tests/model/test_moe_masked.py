@@ -165,6 +165,42 @@ def test_fp8_masked_form_same_bits_on_the_references(row_scaled, monkeypatch, T,
     assert ran, "no layer's stacks took one scale a row"
 
 
+@pytest.mark.parametrize("T", [1, 2, 3, 17])
+def test_odd_steps_padded_onto_the_fp8_form(row_scaled, monkeypatch, T):
+    """PAD_MASKED_SLABS: a step of T tokens (not a multiple of 4; the FP8 x FP8 form's slab rule) runs that form
+    padded to a multiple of 4 with zero-weight tokens (forced on a CPU with the GPU's rule, each op on its
+    reference): the W8A16 form's bits for the real tokens, through the forward's combine and the per-pair
+    outputs, with no host read; off, the step stays on W8A16."""
+    import deepinfer.model.moe as moe_mod
+    import deepinfer.model.ops as ops
+    torch.manual_seed(100 + T)
+    ran = 0
+    for layer in _layers(row_scaled):
+        moe = layer.ffn
+        if moe.stacks.r13 is None or moe.stacks.r2 is None:
+            continue
+        x = torch.randn(T, row_scaled.args.dim).to(torch.bfloat16)
+        w, idx = _routing(moe, x, "gate")
+        base, base_fwd = moe._routed_masked(x, w, idx), moe(x)
+        for pad_on in (False, True):
+            with monkeypatch.context() as m:
+                m.setattr(moe_mod, "PAD_MASKED_SLABS", pad_on)
+                m.setattr(ops, "masked_moe_fp8_takes", lambda x, *a: x.shape[0] % 4 == 0)    # the GPU's rule
+                gemms = []
+                m.setattr(ops, "fp8_masked_moe_gemm", lambda *a, _f=ops.fp8_masked_moe_gemm: gemms.append(a) or _f(*a))
+                got = moe._routed_masked(x, w, idx)
+                fwd = moe(x)
+                assert torch.equal(got, base) and torch.equal(fwd, base_fwd), (pad_on, T)
+                if pad_on:      # both projections on FP8 slabs of C = T rounded up to 4, in each of the two calls
+                    assert len(gemms) == 4 and all(a[0].dtype == torch.float8_e4m3fn and a[0].shape[1] == T + (-T % 4)
+                                                   for a in gemms), [tuple(a[0].shape) for a in gemms]
+                    assert _host_reads(lambda: moe(x)) == []
+                else:
+                    assert gemms == []
+        ran += 1
+    assert ran, "no layer's stacks took one scale a row"
+
+
 def test_row_scaled_stacks_same_bits(models, row_scaled):
     """Expert stacks re-expressed with one scale per row (what a CUDA load does: the masked GEMMs' K loop
     then reads no scale) hold the same values: the masked form, the loop over the experts' Linear views
