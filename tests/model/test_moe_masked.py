@@ -145,14 +145,7 @@ def test_fp8_masked_form_same_bits_on_the_references(row_scaled, monkeypatch, T,
     runs its reference: the W8A16 form's bits, and no host read."""
     import deepinfer.model.ops as ops
     torch.manual_seed(T)
-    ran = 0
-    for layer in _layers(row_scaled):
-        moe = layer.ffn
-        if moe.stacks.r13 is None or moe.stacks.r2 is None:
-            continue
-        x = torch.randn(T, row_scaled.args.dim).to(torch.bfloat16)
-        w, idx = _routing(moe, x, kind)
-        base, base_fwd = moe._routed_masked(x, w, idx), moe(x)
+    for moe, x, w, idx, base, base_fwd in _row_scaled_steps(row_scaled, T, kind):
         with monkeypatch.context() as m:
             m.setattr(ops, "masked_moe_fp8_takes", lambda *a: True)
             gemms = []
@@ -161,6 +154,19 @@ def test_fp8_masked_form_same_bits_on_the_references(row_scaled, monkeypatch, T,
             assert len(gemms) == 2 and all(a[0].dtype == torch.float8_e4m3fn for a in gemms)   # the FP8 form ran
             assert torch.equal(moe(x), base_fwd)
             assert _host_reads(lambda: moe(x)) == []
+
+
+def _row_scaled_steps(model, T: int, kind: str):
+    """(moe, x, weights, indices, the masked form's per-pair outputs, the forward's output) of a T-token step
+    through each layer whose stacks take one scale a row (at least one)."""
+    ran = 0
+    for layer in _layers(model):
+        moe = layer.ffn
+        if moe.stacks.r13 is None or moe.stacks.r2 is None:
+            continue
+        x = torch.randn(T, model.args.dim).to(torch.bfloat16)
+        w, idx = _routing(moe, x, kind)
+        yield moe, x, w, idx, moe._routed_masked(x, w, idx), moe(x)
         ran += 1
     assert ran, "no layer's stacks took one scale a row"
 
@@ -174,14 +180,7 @@ def test_odd_steps_padded_onto_the_fp8_form(row_scaled, monkeypatch, T):
     import deepinfer.model.moe as moe_mod
     import deepinfer.model.ops as ops
     torch.manual_seed(100 + T)
-    ran = 0
-    for layer in _layers(row_scaled):
-        moe = layer.ffn
-        if moe.stacks.r13 is None or moe.stacks.r2 is None:
-            continue
-        x = torch.randn(T, row_scaled.args.dim).to(torch.bfloat16)
-        w, idx = _routing(moe, x, "gate")
-        base, base_fwd = moe._routed_masked(x, w, idx), moe(x)
+    for moe, x, w, idx, base, base_fwd in _row_scaled_steps(row_scaled, T, "gate"):
         for pad_on in (False, True):
             with monkeypatch.context() as m:
                 m.setattr(moe_mod, "PAD_MASKED_SLABS", pad_on)
@@ -197,8 +196,6 @@ def test_odd_steps_padded_onto_the_fp8_form(row_scaled, monkeypatch, T):
                     assert _host_reads(lambda: moe(x)) == []
                 else:
                     assert gemms == []
-        ran += 1
-    assert ran, "no layer's stacks took one scale a row"
 
 
 def test_row_scaled_stacks_same_bits(models, row_scaled):
