@@ -39,8 +39,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import (balance_routing, dummy_model, measure_ceilings, mhc_variants, out_dir,  # noqa: E402
+from benchutil import (dummy_model, measure_ceilings, mhc_variants, out_dir,  # noqa: E402
                        routed_experts, save_json, time_eager, use_mhc_variant, use_skinny_table)
+from deepinfer.model.balanced_routing import install as balance_routing  # noqa: E402
 
 FULL_LAYERS = 40
 
@@ -176,7 +177,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--routing", default="balanced", choices=["balanced", "model"],
                    help="balanced (the step the decode goals mean): every expert in use once before any twice "
-                        "(balance_routing), the load a trained, load-balanced router approaches; model: the gates' "
+                        "(model/balanced_routing.py), the load a trained, load-balanced router approaches; model: the gates' "
                         "own picks (random weights send a step to a third of the experts)")
     p.add_argument("--profile", type=int, default=0, help="also profile one eager step at this batch size")
     p.add_argument("--profile-top", type=int, default=45, help="kernels and torch ops the profile lists")

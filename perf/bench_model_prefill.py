@@ -35,8 +35,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import (balance_routing, dummy_model, gpu_model, measure_ceilings, mhc_variants, out_dir,  # noqa: E402
+from benchutil import (dummy_model, gpu_model, measure_ceilings, mhc_variants, out_dir,  # noqa: E402
                        save_json, time_eager, use_mhc_variant)
+from deepinfer.model.balanced_routing import install as balance_routing  # noqa: E402
 
 FULL_LAYERS = 40
 # the prefill GEMM paths compared: W8A16 everywhere (the default: per-expert loop for large MoE steps),
@@ -267,7 +268,7 @@ def main() -> None:
     p.add_argument("--gemms", nargs="+", default=list(GEMM_MODES),
                    help="GEMM paths to compare (gemm_mode): w8a16, w8a16+moe, fp8, auto[+moe], an FP8 variant name")
     p.add_argument("--routing", default="balanced", choices=["balanced", "model"],
-                   help="balanced: each expert gets an equal share of the step's picks (benchutil.balance_routing, "
+                   help="balanced: each expert gets an equal share of the step's picks (model/balanced_routing.py, "
                         "what a load-balanced router approaches); model: the random gates' own picks (skewed)")
     p.add_argument("--mhc-variants", nargs="+", default=["{}"],
                    help="hc_mixes_pre launch constants for T >= 1,024 (JSON, merged over triton_mhc.PREFILL_VARIANT) "

@@ -23,6 +23,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -55,8 +56,7 @@ def write_table(rows: list[dict], source: str, device: str, path: str = TABLE) -
     merged.update(new)
     out = [merged[key] for key in sorted(merged)]
     merge_table(path, {"measured": source, "device": device, "win_margin": WIN_MARGIN, "rows": out})
-    with open(path) as f, open(os.path.join(out_dir(), os.path.basename(path)), "w") as g:
-        g.write(f.read())
+    shutil.copyfile(path, os.path.join(out_dir(), os.path.basename(path)))
     print(f"wrote {path} ({device}): {sum(r['cfg'] is not None for r in out)} of {len(out)} (N, K, M) on the "
           f"Triton kernel ({len(new)} measured now)")
 

@@ -184,14 +184,6 @@ def routed_experts(model, step) -> dict[int, int]:
     return used
 
 
-def balance_routing(model) -> list:
-    """Every gate routes each expert once before any twice (deepinfer/model/balanced_routing.py: what a
-    load-balanced real router approaches; random weights route to a few experts). Kept by a CUDA graph
-    captured after it. Returns the handles (remove() undoes it)."""
-    from deepinfer.model.balanced_routing import install
-    return install(model)
-
-
 def release_engine_memory() -> float:
     """After an engine's shutdown and the caller's `del` of its last references: collect the cycles and
     return the freed blocks to the device, so the next engine builds in the memory; the GiB still
