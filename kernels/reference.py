@@ -149,12 +149,19 @@ def dequant_fp8_ref(w: torch.Tensor, scale: torch.Tensor, block: int = 32) -> to
     return w.view(torch.float8_e4m3fn).float() * s
 
 
+def e2m1_values(code: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes 0..15 -> float32 (E2M1_GRID, bit 3 the sign), decoded arithmetically on the codes'
+    device: no host-made table, so it can run inside a CUDA graph capture (a table copied to the GPU cannot)."""
+    c = code.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).float()) * (1 + 0.5 * m))
+    return torch.where(c >= 8, -mag, mag)
+
+
 def dequant_fp4_ref(packed: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
     """[N, K/2] bytes of e2m1 pairs (element 2j in the low nibble) + E8M0 per 32 along K -> [N, K]."""
     u = packed.view(torch.uint8)
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=u.device)
-    table = torch.cat([grid, -grid])
-    w = torch.stack([table[(u & 15).long()], table[(u >> 4).long()]], -1).flatten(-2)
+    w = torch.stack([e2m1_values(u & 15), e2m1_values(u >> 4)], -1).flatten(-2)
     return w * e8m0_to_float(scale).repeat_interleave(block, 1)
 
 

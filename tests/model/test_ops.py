@@ -86,6 +86,19 @@ def test_fp8_and_fp4_weight_dequant_layout():
     assert d[0, 0] == 1 and d[0, 39] == 2 and d[39, 0] == 0.5 and d[39, 39] == 8
 
 
+def test_e2m1_decode_covers_every_code_without_a_table():
+    """e2m1_values (graph-capturable: no host table) gives E2M1_GRID's value for all 16 codes, bit 3 the
+    sign (code 8 is -0.0), and every packed byte decodes to its two nibbles in order."""
+    from deepinfer.kernels.reference import E2M1_GRID, e2m1_values
+    codes = torch.arange(16, dtype=torch.uint8)
+    want = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID))
+    got = e2m1_values(codes)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+    allbytes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(1, 256)
+    w = K.dequant_fp4_ref(allbytes, torch.full((1, 16), 127, dtype=torch.uint8))      # scale 2^0
+    assert torch.equal(w.view(256, 2), torch.stack([want[torch.arange(256) & 15], want[torch.arange(256) >> 4]], 1))
+
+
 def naive_sparse_attn(q, kv, sink, idx, scale, block=64):
     """Loop restatement of the kernel: blocks of 64 in list order, running max, P rounded to bf16
     for P.V, fp32 P summed in the denominator, exp(sink - m) added at the end."""
