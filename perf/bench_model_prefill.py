@@ -109,7 +109,33 @@ def run_case(model, caches, name: str, nb: int):
     return (lambda: model(b, caches)), seqs * tokens
 
 
-def profile(fn, top: int = 20, case: str = "1x8192") -> list[dict]:
+# kernel names of the linear work (cuBLAS / CUTLASS / our GEMMs) and of the exact bf16 path's weight dequant
+_LINEAR_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "w8a16", "w4a16")
+
+
+def linear_mfu_bound(kernels: list[dict], flops: float, fp8_peak: float) -> dict:
+    """How far whole-prefill linear MFU can go with these kernels (rows {name, us}): the linear GEMMs
+    replaced by ones at the FP8 peak (flops / fp8_peak each prefill), the rest (attention, indexers, norms,
+    mHC, the MoE's glue) as measured. Without the dequant: an FP8 GEMM would not need the exact path's
+    bf16 weights. other_ms_for_half: what the non-linear kernels may take for 0.5 of the FP8 peak."""
+    lin = sum(r["us"] for r in kernels if any(k in r["name"].lower() for k in _LINEAR_KERNELS)
+              and "dequant" not in r["name"].lower()) / 1e3
+    deq = sum(r["us"] for r in kernels if "dequant" in r["name"].lower()) / 1e3
+    other = sum(r["us"] for r in kernels) / 1e3 - lin - deq
+    at_peak = flops / fp8_peak * 1e3
+    return dict(linear_ms=lin, dequant_ms=deq, other_ms=other, linear_at_fp8_peak_ms=at_peak,
+                bound=at_peak / (other + at_peak), bound_with_dequant=at_peak / (other + deq + at_peak),
+                other_ms_for_half=at_peak)
+
+
+def print_mfu_bound(b: dict) -> None:
+    print(f"linear MFU bound: GEMM kernels {b['linear_ms']:.1f} ms, weight dequant {b['dequant_ms']:.1f}, the rest "
+          f"{b['other_ms']:.1f}; every linear at the FP8 peak would take {b['linear_at_fp8_peak_ms']:.1f} ms, so the "
+          f"whole prefill's linear MFU is at most {b['bound']:.2f} of the FP8 peak ({b['bound_with_dequant']:.2f} "
+          f"with the dequant); 0.5 needs the rest within {b['other_ms_for_half']:.1f} ms", flush=True)
+
+
+def profile(fn, top: int = 20, case: str = "1x8192", flops: float = 0.0, fp8_peak: float = 0.0):
     """Top kernels of one call, then where the host waited on the device inside it (device-to-host reads:
     each one drains the queue, so the GPU idles while the host launches what follows), by Python stack."""
     from torch.profiler import ProfilerActivity
@@ -126,6 +152,9 @@ def profile(fn, top: int = 20, case: str = "1x8192") -> list[dict]:
     print(f"profile {case} (default path): {total / 1e3:.1f} ms of kernel time; top {top}:")
     for r in rows[:top]:
         print(f"  {r['us'] / 1e3:8.2f} ms {100 * r['us'] / total:5.1f}%  {r['calls']:5d}x  {r['name']}")
+    bound = linear_mfu_bound(rows, flops, fp8_peak) if flops and fp8_peak else None
+    if bound:
+        print_mfu_bound(bound)
     # where the device time comes from, by aten op and the model's Python line (kernels launched by
     # torch ops carry no stack; their CPU op does): finds the glue kernels the top list names by template
     ops_ = [e for e in prof.key_averages(group_by_stack_n=8)
@@ -143,7 +172,7 @@ def profile(fn, top: int = 20, case: str = "1x8192") -> list[dict]:
     for e in waits[:12]:
         stack = " < ".join(f.split("/")[-1] for f in (e.stack or [])[:6] if "deepinfer" in f or "kernels" in f)
         print(f"  {e.count:4d}x {e.cpu_time_total / 1e3:7.2f} ms  {e.key}  {stack}")
-    return rows[:top]
+    return rows[:top], bound
 
 
 def idle_gaps(fn, top: int = 12) -> None:
@@ -322,19 +351,21 @@ def main() -> None:
                                                             for g in others), flush=True)
     select.PREFILL_GEMM, select.MOE_CONTIGUOUS = defaults
     select.BF16_AUTO_MIN_M, cuda_fp8_gemm.TS_ON, select.BF16_MOE_MIN_ROWS = _BF16_DEFAULT, _TS_DEFAULT, _BF16_MOE_DEFAULT
-    top = []
+    top, bound = [], None
     if a.profile:
         try:
             with torch.inference_mode(), use_mhc_variant(triton_mhc.PREFILL_VARIANT, mhc[-1]):   # the last one
-                fn, _ = run_case(model, caches, a.profile_case, nb)
-                top = profile(fn, top=a.profile_top, case=a.profile_case)
+                fn, T = run_case(model, caches, a.profile_case, nb)
+                top, bound = profile(fn, top=a.profile_top, case=a.profile_case,
+                                     flops=linear_flops(model.args, T), fp8_peak=peaks["fp8_flops"])
                 idle_gaps(fn)
                 sync_points(fn)
                 host_profile(fn)
         except Exception as e:  # noqa: BLE001
             print(f"profile FAILED: {type(e).__name__}: {str(e)[:400]}")
     print("declined fast paths:", sorted(select.declined()))
-    save_json("model_prefill.json", dict(preset=a.preset, routing=a.routing, peaks=peaks, rows=rows, profile_top=top))
+    save_json("model_prefill.json", dict(preset=a.preset, routing=a.routing, peaks=peaks, rows=rows, profile_top=top,
+                                         linear_mfu_bound=bound))
     os.makedirs(FIGURES, exist_ok=True)
     gpu = gpu_model()
     for path in (os.path.join(out_dir(), "model_prefill.png"), os.path.join(FIGURES, f"model_prefill_{gpu.lower()}.png")):
