@@ -349,6 +349,11 @@ def main() -> None:
             first, *others = mine
             print(f"{case:>8}  speed vs {first}: " + ", ".join(f"{g} {mine[first]['ms'] / mine[g]['ms']:.2f}x"
                                                             for g in others), flush=True)
+    st = torch.cuda.memory_stats()
+    # a retry frees the caching allocator's blocks to cudaMalloc again (a device sync: the GPU idles)
+    print(f"allocator: {st.get('num_alloc_retries', 0)} retries, {st.get('num_device_alloc', 0)} cudaMallocs, peak "
+          f"reserved {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB of "
+          f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f}", flush=True)
     select.PREFILL_GEMM, select.MOE_CONTIGUOUS = defaults
     select.BF16_AUTO_MIN_M, cuda_fp8_gemm.TS_ON, select.BF16_MOE_MIN_ROWS = _BF16_DEFAULT, _TS_DEFAULT, _BF16_MOE_DEFAULT
     top, bound = [], None
