@@ -231,18 +231,20 @@ def moe_route(indices: torch.Tensor, n_experts: int, contiguous: bool = False) -
     return counts, slot
 
 
-def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int, fp8: bool = False):
+def moe_dispatch(x: torch.Tensor, slot: torch.Tensor, K: int, n_experts: int, fp8: bool = False,
+                 tile: tuple[int, int] | None = None):
     """x [T, d] bf16 -> xp [E, T, d] with row slot[p] = act_quant(x)[p // K]; other rows unset. fp8: (xp as
-    e4m3 bytes, the scales transposed [d / 32, slab_scales_ld(E, T)], column = the row; others unset)."""
+    e4m3 bytes, the scales transposed [d / 32, slab_scales_ld(E, T)], column = the row; others unset).
+    tile: (columns a program, num_warps) (perf/bench_moe_glue.py; default _chunk(d) and 4 warps)."""
     T, d = x.shape
     assert d % QBLOCK == 0 and slot.numel() == T * K
     xp = torch.empty(n_experts, T, d, dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
     ld = slab_scales_ld(n_experts, T)
     sa = torch.empty(d // QBLOCK, ld, dtype=torch.float32, device=x.device) if fp8 else None
     if T:
-        bd = _chunk(d)
+        bd, warps = tile or (_chunk(d), 4)
         moe_dispatch_kernel[(T, triton.cdiv(d, bd))](x.contiguous(), slot, xp, d, K, BD=bd, MANUAL=INTERPRET,
-                                                     sa_ptr=sa, S_LD=ld, FP8=fp8, **pdl_args())
+                                                     sa_ptr=sa, S_LD=ld, FP8=fp8, num_warps=warps, **pdl_args())
     return (xp, sa) if fp8 else xp
 
 
@@ -281,18 +283,19 @@ def swiglu_quant(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:
     return hp
 
 
-def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor,
+                tile: tuple[int, int] | None = None) -> torch.Tensor:
     """out [E, T, d] bf16 -> y [T, d] bf16: per token, fp32 sum of its picks' rows in ascending
-    expert id, plus shared [T, d]."""
+    expert id, plus shared [T, d]. tile: as moe_dispatch's."""
     T, K = indices.shape
     d = out.shape[-1]
     assert out.dim() == 3 and out.shape[1] == T, (tuple(out.shape), T)
     y = torch.empty(T, d, dtype=shared.dtype, device=out.device)
     if T:
-        bd = _chunk(d)
+        bd, warps = tile or (_chunk(d), 4)
         out = out if out.stride(-1) == 1 else out.contiguous()   # DeepGEMM's padded view: read in place
         moe_combine_kernel[(T, triton.cdiv(d, bd))](out, slot, indices.contiguous(), shared.contiguous(), y, d,
                                                     T, out.stride(0),
                                                     out.stride(1), K=K, KP=triton.next_power_of_2(K), BD=bd,
-                                                    MANUAL=INTERPRET, **pdl_args())
+                                                    MANUAL=INTERPRET, num_warps=warps, **pdl_args())
     return y
