@@ -283,6 +283,13 @@ def swiglu_quant(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:
     return hp
 
 
+def _combine_tile(T: int, d: int) -> tuple[int, int]:
+    """moe_combine's (columns a program, num_warps): 2,048 x 4 warps from 1,024 tokens (perf/bench_moe_glue.py,
+    H100, 2026-12-06: 0.215 against 0.236 ms at 8,192 tokens, d 4,096, top-6; same bits); decode steps keep
+    1,024-column programs (twice the programs for their few tokens)."""
+    return (min(2048, _chunk(d, 2048)), 4) if T >= 1024 else (_chunk(d), 4)
+
+
 def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor,
                 tile: tuple[int, int] | None = None) -> torch.Tensor:
     """out [E, T, d] bf16 -> y [T, d] bf16: per token, fp32 sum of its picks' rows in ascending
@@ -292,7 +299,7 @@ def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, sh
     assert out.dim() == 3 and out.shape[1] == T, (tuple(out.shape), T)
     y = torch.empty(T, d, dtype=shared.dtype, device=out.device)
     if T:
-        bd, warps = tile or (_chunk(d), 4)
+        bd, warps = tile or _combine_tile(T, d)
         out = out if out.stride(-1) == 1 else out.contiguous()   # DeepGEMM's padded view: read in place
         moe_combine_kernel[(T, triton.cdiv(d, bd))](out, slot, indices.contiguous(), shared.contiguous(), y, d,
                                                     T, out.stride(0),

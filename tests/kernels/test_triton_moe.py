@@ -71,6 +71,8 @@ def check_kernels(device) -> None:
         assert torch.equal(torch.sort(cs).values, torch.arange(T * K, device=cs.device))
         valid = slot                                            # rows written; the rest are unset
         xp = tm.moe_dispatch(x, slot, K, E).view(E * T, DIM)[valid]
+        for tile in ((2048, 4), (32, 1)):                      # other launch tiles: the same rows
+            assert torch.equal(tm.moe_dispatch(x, slot, K, E, tile=tile).view(E * T, DIM)[valid], xp), tile
         assert torch.equal(xp, ref.moe_dispatch_ref(x, slot, K, E).view(E * T, DIM)[valid]), (T, K, E)
         # the FP8 form (the CUDA masked GEMM's input): bytes x transposed scales = the same values
         xq, sa = tm.moe_dispatch(x, slot, K, E, fp8=True)
@@ -115,6 +117,9 @@ def check_kernels(device) -> None:
         padded = torch.zeros(E, T + 5, DIM, dtype=out.dtype, device=device)
         padded[:, :T] = out
         assert torch.equal(tm.moe_combine(padded[:, :T], slot, idx, shared), y), (T, K, E)
+        # other launch tiles (moe_combine's prefill tile, narrower and masked ones): the same bits
+        for tile in ((2048, 4), (64, 2), (32, 1)):
+            assert torch.equal(tm.moe_combine(out, slot, idx, shared, tile=tile), y), (T, K, E, tile)
     check_dropped_picks(device)
     big = torch.randint(0, 48, (700, 6), generator=torch.Generator().manual_seed(3)).to(device)   # > 4096 pairs
     assert all(torch.equal(a, b) for a, b in zip(tm.moe_route(big, 48), ref.moe_route_ref(big, 48)))
