@@ -82,17 +82,21 @@ def matmul_rows_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # last ulp, so an element's sigmoid / exp / ... depends on where it falls in the tensor, i.e. on how
 # many rows share the call (measured: mHC pre/post of one token differ between a 7- and a 300-token
 # step). These run on a contiguous copy padded to whole vectors, so every element takes the body.
+# Which ops differ that way depends on the CPU and its libm (on an AVX-512 Xeon, 2026-12-06: softplus, gelu,
+# pow and exp2 too; tests/kernels/test_batch_invariant.py sweeps every op here over tensor lengths).
 _UNARY = {aten.sigmoid.default, aten.exp.default, aten.log.default, aten.rsqrt.default, aten.sqrt.default,
-          aten.tanh.default, aten.silu.default, aten.expm1.default, aten.log1p.default, aten.erf.default}
+          aten.tanh.default, aten.silu.default, aten.expm1.default, aten.log1p.default, aten.erf.default,
+          aten.softplus.default, aten.gelu.default, aten.pow.Tensor_Scalar, aten.exp2.default}
 _PAD = 256
 
 
-def unary_padded_ref(func, x: torch.Tensor) -> torch.Tensor:
-    """func(x) with every element in the kernel's vectorized body (see _UNARY)."""
+def unary_padded_ref(func, x: torch.Tensor, *scalars, **kwargs) -> torch.Tensor:
+    """func(x, *scalars, **kwargs) with every element in the kernel's vectorized body (see _UNARY);
+    scalars / kwargs: the op's non-tensor arguments (softplus's beta and threshold, gelu's approximate)."""
     flat = x.contiguous().view(-1)
     n = flat.numel()
     padded = torch.cat([flat, flat.new_zeros(-n % _PAD + _PAD)])   # never a tail, even for n = 0
-    return func(padded)[:n].view(x.shape)
+    return func(padded, *scalars, **kwargs)[:n].view(x.shape)
 
 
 def _add_scaled(rows_ref, bias, a, b, alpha=1, beta=1):
@@ -108,8 +112,9 @@ class BatchInvariantMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _UNARY and not kwargs and args[0].is_floating_point() and not args[0].is_cuda:
-            return unary_padded_ref(func, args[0])
+        if func in _UNARY and args[0].is_floating_point() and not args[0].is_cuda \
+                and not any(isinstance(a, torch.Tensor) for a in args[1:]):
+            return unary_padded_ref(func, *args, **kwargs)
         if func is aten.linear.default:
             return linear_rows_ref(*args, **kwargs)
         if func is aten.matmul.default:

@@ -3,8 +3,9 @@ has the host half and the layout): from the newest confidences, which only the d
 the overlapped step is built, the drafts k_i <= K'_i each request verifies, by tensor ops only (no
 host read: the build must not wait for the step in flight).
 
-Survivals are computed in float64 with the formula of policy._sigmoid, so the ranking and the
-threshold comparisons are the host's bit for bit (tests/spec/test_overlap_verify.py).
+Survivals are computed in float64 with the formula of policy._sigmoid and spec/portable_exp.py's exp (a
+library exp differs between devices in the last bit), so the ranking and the threshold comparisons are
+the host's bit for bit (tests/spec/test_overlap_verify.py).
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ from __future__ import annotations
 import torch
 
 from deepinfer.spec.overlap_verify import OverlapVerify
+from deepinfer.spec.portable_exp import exp_nonpositive_tensor
 
 
 def prefix_survival_on_device(confidence_logits: torch.Tensor) -> torch.Tensor:
     """[n, K] logits -> [n, K] float64 a_(i,j) = prod_{l<=j} sigmoid(c_(i,l)), as policy.prefix_survival."""
     x = confidence_logits.to(torch.float64)
-    pos = 1.0 / (1.0 + torch.exp(-x.clamp_min(0)))
-    e = torch.exp(x.clamp_max(0))
-    s = torch.where(x >= 0, pos, e / (1.0 + e))
-    return torch.cumprod(s, dim=1)
+    e = exp_nonpositive_tensor(-x.abs())
+    s = torch.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    # the host's running product, one column at a time (a device cumprod may scan in another order)
+    a = s.clone()
+    for j in range(1, a.shape[1]):
+        a[:, j] = a[:, j - 1] * s[:, j]
+    return a
 
 
 def split_budget_on_device(confidence_logits: torch.Tensor, num_drafts: torch.Tensor, budget: int) -> torch.Tensor:

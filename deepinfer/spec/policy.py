@@ -17,8 +17,9 @@ diagnostic baseline and verify-all DeepInfer's default.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from deepinfer.spec.portable_exp import exp_nonpositive
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,6 @@ class FixedDraftsPolicy:
 
 
 def _sigmoid(x: float) -> float:
-    if x >= 0:
-        return 1.0 / (1.0 + math.exp(-x))
-    e = math.exp(x)
-    return e / (1.0 + e)
+    """With portable_exp's exp (not libm's), so device_verify's tensor form gives the same bits."""
+    e = exp_nonpositive(-abs(x))
+    return 1.0 / (1.0 + e) if x >= 0 else e / (1.0 + e)
