@@ -162,9 +162,13 @@ def test_overlap_with_stop_and_abort_in_flight(args, ref):
 
 def test_sampled_requests_beside_greedy_ones(args, ref):
     """Requests at temperature > 0 (sampled rule) beside greedy ones, all under async + overlap:
-    every token equals the synchronous engine's."""
+    every token equals the synchronous engine's with the same drafts (under the sampled rule a token
+    depends on the drafts; the reference once drafted for real while this engine took the oracle's, and
+    the two agreed only by chance: not on an AVX-512 host, 2026-12-06)."""
     plist = [greedy(N_OUT), sampled(4, 1), sampled(3, 2), greedy(N_OUT)]
-    want = run(Engine(EngineArgs(**args, spec_acceptance="sampled")), plist)[0]
+    s = Engine(EngineArgs(**args, spec_acceptance="sampled"))
+    oracle_drafts(s, ref)
+    want = run(s, plist)[0]
     a = Engine(EngineArgs(**args, spec_acceptance="sampled", async_scheduling=True))
     oracle_drafts(a, ref)
     got = run(a, plist)[0]
@@ -540,3 +544,4 @@ def test_packed_verify_graphs_cost_the_rows_verified(args, ref, overlap, monkeyp
     assert keys_used and all(b >= n and b * q >= rows for n, _, rows, (b, q) in keys_used)
     assert any(b * q < n * length for n, length, _, (b, q) in keys_used)   # a step shorter than padded
     assert e.runner.graphs.num_verify_steps > 0
+
