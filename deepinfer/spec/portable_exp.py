@@ -32,6 +32,8 @@ COEFFS = tuple(1.0 / math.factorial(n) for n in range(13, -1, -1))
 
 
 def exp_nonpositive(t: float) -> float:
+    if t != t:                  # NaN (a broken confidence head) stays NaN, as libm's exp and the tensor form give
+        return t
     t = max(t, FLOOR)
     k = math.floor(t * INV_LN2 + 0.5)
     r = (t - k * LN2_HI) - k * LN2_LO

@@ -31,3 +31,8 @@ def test_within_two_ulp_of_exp():
         want = math.exp(max(t, -700.0))
         got = exp_nonpositive(t)
         assert abs(got - want) <= 2 * math.ulp(want), (t, got, want)
+
+
+def test_nan_stays_nan_in_both_forms():
+    assert math.isnan(exp_nonpositive(math.nan))
+    assert torch.isnan(exp_nonpositive_tensor(torch.tensor([math.nan], dtype=torch.float64))).all()
