@@ -88,6 +88,9 @@ _UNARY = {aten.sigmoid.default, aten.exp.default, aten.log.default, aten.rsqrt.d
           aten.tanh.default, aten.silu.default, aten.expm1.default, aten.log1p.default, aten.erf.default,
           aten.softplus.default, aten.gelu.default, aten.pow.Tensor_Scalar, aten.exp2.default}
 _PAD = 256
+# calls below torch's parallel grain (at::internal::GRAIN_SIZE, 32,768 elements) run on one thread: a longer
+# tensor goes in pieces of this many, else each thread's share would end in its own scalar tail
+_PIECE = 16384
 
 
 def unary_padded_ref(func, x: torch.Tensor, *scalars, **kwargs) -> torch.Tensor:
@@ -96,7 +99,10 @@ def unary_padded_ref(func, x: torch.Tensor, *scalars, **kwargs) -> torch.Tensor:
     flat = x.contiguous().view(-1)
     n = flat.numel()
     padded = torch.cat([flat, flat.new_zeros(-n % _PAD + _PAD)])   # never a tail, even for n = 0
-    return func(padded, *scalars, **kwargs)[:n].view(x.shape)
+    if padded.numel() <= _PIECE:
+        return func(padded, *scalars, **kwargs)[:n].view(x.shape)
+    out = torch.cat([func(p, *scalars, **kwargs) for p in padded.split(_PIECE)])
+    return out[:n].view(x.shape)
 
 
 def _add_scaled(rows_ref, bias, a, b, alpha=1, beta=1):

@@ -82,3 +82,19 @@ def test_elementwise_transcendentals_do_not_depend_on_the_tensor_length_in_mode(
         y = F.softplus(x)
     assert torch.equal(y[:992], F.softplus(x)[:992])
     print("tail-dependent outside the mode here:", sorted(f"{n}/{d}" for (n, d), v in outside.items() if v))
+
+
+def test_long_tensors_stay_invariant_with_several_threads():
+    """Past torch's parallel grain each thread's share of an elementwise call ends in its own scalar tail,
+    at a place set by the tensor's length; in the mode long tensors go in single-thread pieces."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(90_000, generator=g) * 3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        with torch.inference_mode(), batch_invariant_mode():
+            full = F.softplus(x)
+            for n in (40_001, 65_537, 77_777, 89_999):
+                assert torch.equal(F.softplus(x[:n]), full[:n]), n
+    finally:
+        torch.set_num_threads(threads)
