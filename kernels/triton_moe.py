@@ -287,7 +287,7 @@ def _combine_tile(T: int, d: int) -> tuple[int, int]:
     """moe_combine's (columns a program, num_warps): 2,048 x 4 warps from 1,024 tokens (perf/bench_moe_glue.py,
     H100, 2026-12-06: 0.215 against 0.236 ms at 8,192 tokens, d 4,096, top-6; same bits); decode steps keep
     1,024-column programs (twice the programs for their few tokens)."""
-    return (min(2048, _chunk(d, 2048)), 4) if T >= 1024 else (_chunk(d), 4)
+    return (_chunk(d, 2048), 4) if T >= 1024 else (_chunk(d), 4)
 
 
 def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor,

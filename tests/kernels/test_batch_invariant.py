@@ -67,21 +67,18 @@ def test_elementwise_transcendentals_do_not_depend_on_the_tensor_length_in_mode(
     """Whatever the CPU (which ops differ between a kernel's body and its tail depends on its vector units
     and libm: on an AVX-512 Xeon softplus, gelu, pow, exp2, sigmoid and silu did), every op the model uses
     gives an element the same bits at any tensor length inside the mode: a token's value does not depend on
-    how many others share the step. The same check outside the mode finds the difference on such a CPU."""
+    how many others share the step."""
     g = torch.Generator().manual_seed(5)
-    outside = {}
     for dt in (torch.float32, torch.float64, torch.bfloat16):
         x = (torch.randn(200, generator=g) * 3).to(dt)
         for name, f in _ELEMENTWISE.items():
             with torch.inference_mode(), batch_invariant_mode():
                 assert not _tail_dependent(f, x), (name, dt)
-            outside[name, dt] = _tail_dependent(f, x)
     # the mode's values are the plain op's (its vectorized body): same function, no other formula
     x = torch.randn(1000, generator=g)
     with torch.inference_mode(), batch_invariant_mode():
         y = F.softplus(x)
     assert torch.equal(y[:992], F.softplus(x)[:992])
-    print("tail-dependent outside the mode here:", sorted(f"{n}/{d}" for (n, d), v in outside.items() if v))
 
 
 def test_long_tensors_stay_invariant_with_several_threads():
