@@ -81,8 +81,7 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
                         CH: tl.constexpr, MIXP: tl.constexpr, PREC: tl.constexpr = "tf32x3",
                         MEAN: tl.constexpr = False, SPLIT3: tl.constexpr = False, UPCAST: tl.constexpr = False,
                         STACKED: tl.constexpr = False, PDL: tl.constexpr = False,
-                        POST: tl.constexpr = False, ypost_ptr=None, post_ptr=None, comb_ptr=None, xout_ptr=None,
-                        POST_PIECES: tl.constexpr = 1):
+                        POST: tl.constexpr = False, ypost_ptr=None, post_ptr=None, comb_ptr=None, xout_ptr=None):
     """Grid (T/BT, d/CH): a program walks CH / BK column chunks of BK (a loop Triton can pipeline when
     num_stages > 1). The fp32 product: 3-pass tf32 (error ~ fp32's), or SPLIT3 (see _mix_dot). x [T, HC, d]
     bf16, fn [MIX, HC*d] f32 (SPLIT3: [3, MIX, HC*d] bf16), pre [T, HC] f32 -> partial mixes
@@ -115,28 +114,20 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
         yacc = tl.zeros((BT, BK), tl.float32)
         macc = tl.zeros((BT, BK), tl.float32)
         if POST:
-            # the chunk's four stream tiles made and stored first, then read back below like x (from L1 / L2:
-            # made in registers and fed to the dot directly, they spilled ~2 KB a thread)
-            # (in POST_PIECES column pieces: the four residual tiles, y and their fp32 forms in registers at once)
-            for h in tl.static_range(POST_PIECES):
-                cols = c + h * (BK // POST_PIECES) + tl.arange(0, BK // POST_PIECES)
-                rows = rt[:, None].to(tl.int64) * hd + cols[None, :]
-                yp = tl.load(ypost_ptr + rt[:, None].to(tl.int64) * d + cols[None, :], mask=t_ok[:, None],
-                             other=0.0).to(tl.float32)
-                r0 = tl.load(x_ptr + rows, mask=t_ok[:, None], other=0.0)
-                r1 = tl.load(x_ptr + rows + d, mask=t_ok[:, None], other=0.0)
-                r2 = tl.load(x_ptr + rows + 2 * d, mask=t_ok[:, None], other=0.0)
-                r3 = tl.load(x_ptr + rows + 3 * d, mask=t_ok[:, None], other=0.0)
-                for k in tl.static_range(HC):
-                    tl.store(xout_ptr + rows + k * d,
-                             _post_stream(yp, r0, r1, r2, r3, post_ptr, comb_ptr, rt, t_ok, k, HC), mask=t_ok[:, None])
-            tl.debug_barrier()                # the tiles just stored, read back by other threads of this program
-            src_ptr = xout_ptr
-        else:
-            src_ptr = x_ptr
+            rows = rt[:, None].to(tl.int64) * hd + (c + rk)[None, :]
+            yp = tl.load(ypost_ptr + rt[:, None].to(tl.int64) * d + (c + rk)[None, :], mask=t_ok[:, None],
+                         other=0.0).to(tl.float32)
+            r0 = tl.load(x_ptr + rows, mask=t_ok[:, None], other=0.0)
+            r1 = tl.load(x_ptr + rows + d, mask=t_ok[:, None], other=0.0)
+            r2 = tl.load(x_ptr + rows + 2 * d, mask=t_ok[:, None], other=0.0)
+            r3 = tl.load(x_ptr + rows + 3 * d, mask=t_ok[:, None], other=0.0)
         for k in tl.static_range(HC):
             col = k * d + c + rk
-            xb = tl.load(src_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], mask=t_ok[:, None], other=0.0)
+            if POST:
+                xb = _post_stream(yp, r0, r1, r2, r3, post_ptr, comb_ptr, rt, t_ok, k, HC)
+                tl.store(xout_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], xb, mask=t_ok[:, None])
+            else:
+                xb = tl.load(x_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], mask=t_ok[:, None], other=0.0)
             xs = xb.to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
             if STACKED:
@@ -511,15 +502,6 @@ def hc_post_mixes_pre(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, co
                              batch_invariant, variant)
 
 
-def _post_pieces(bt: int, bk: int, num_warps: int) -> int:
-    """Column pieces of the fused post's tiles: at most 8 elements of a [bt, bk / pieces] tile a thread (the four
-    residual tiles, y and the fp32 sums live at once; 32 a thread spilled at bt 128 / 8 warps and bt 64 / 4)."""
-    pieces = 1
-    while bt * bk // (32 * num_warps * pieces) > 8 and bk // pieces > 16:
-        pieces *= 2
-    return pieces
-
-
 def _mixes_pre(x, post_args, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean, batch_invariant, variant):
     """hc_mixes_pre on x [T, hc, d], or (post_args = (y, post, comb, out)) on hc_post of the residual x."""
     T, hc, d = x.shape
@@ -539,20 +521,15 @@ def _mixes_pre(x, post_args, fn, scale, base, pre_prev, iters, hc_eps, norm_eps,
     split3, stacked = v["dot"] == "bf16x3", v["dot"] == "bf16x3n"
     w = _fn_parts(fn) if split3 or stacked else fn.float().contiguous()
     mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
-    stages = v["num_stages"]
-    post_kw = {}
-    if post_args is not None:
-        post_kw = dict(zip(("ypost_ptr", "post_ptr", "comb_ptr", "xout_ptr"), post_args), POST=True,
-                       POST_PIECES=_post_pieces(v["bt"], bk, v["num_warps"]))
-        # one stage: a pipelined loop would load the next chunk's stream tiles before this program made them
-        stages = 1
+    post_kw = {} if post_args is None else dict(zip(("ypost_ptr", "post_ptr", "comb_ptr", "xout_ptr"), post_args),
+                                                 POST=True)
     # num_stages 1 (default): one column chunk per program leaves nothing to pipeline, and 3 stages at
     # BT=64 asked 288 KB of shared memory
     hc_mixes_pre_kernel[(triton.cdiv(T, v["bt"]), nc)](x, w, pre_prev.float().contiguous(), mixp, sqp, y, avg, T, d,
                                                        HC=hc, MIX=mix, BT=v["bt"], BK=bk, CH=ch, MIXP=MIX_PAD,
                                                        PREC="ieee" if INTERPRET else "tf32x3", MEAN=mean,
                                                        SPLIT3=split3, UPCAST=INTERPRET, STACKED=stacked,
-                                                       num_warps=v["num_warps"], num_stages=stages,
+                                                       num_warps=v["num_warps"], num_stages=v["num_stages"],
                                                        **post_kw, **pdl_args())
     if v["tail"] == "fused":
         pre, post, comb = _sinkhorn_outputs(T, hc, x.device)
