@@ -25,11 +25,6 @@ class PendingPost(NamedTuple):
     post: torch.Tensor
     comb: torch.Tensor
 
-    @property
-    def shape(self) -> torch.Size:
-        """The stream's shape [T, hc, d] (what materialize() makes)."""
-        return self.res.shape
-
     def materialize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The stream [T, hc, d], or its rows `rows` only (the rest never made)."""
         if rows is None:
