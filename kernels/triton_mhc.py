@@ -5,8 +5,6 @@
         mixes = (x.flat @ fn^T) * rsqrt(mean(x.flat^2) + norm_eps), then pre / post / comb by
         Sinkhorn, and the collapse y = sum_k pre_prev[k] * x[k] (bf16) for the sublayer's input.
     hc_post(y, res, post, comb)  out[j] = post[j] * y + sum_i comb[i, j] * res[i]
-    hc_post_mixes_pre(y, res, post, comb, fn, ...)  hc_post, then hc_mixes_pre of its result, in the mixes
-        kernel's one pass (POST: each stream tile made from res and y instead of loaded): the same bits
     hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)  same contract as the reference.
 
 Dataflow of the mixes kernel: a program owns BT tokens and walks chunks_per_program column chunks
