@@ -115,9 +115,6 @@ MOE_FP8_DECODE = os.environ.get("DEEPINFER_MOE_FP8_DECODE", "1")
 # 1.09x at 24,576, 1.15x at 49,152
 BF16_MOE_MIN_ROWS = int(os.environ.get("DEEPINFER_BF16_MOE_MIN_ROWS", "16384"))
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
-# a sublayer's hc_post and the next sublayer's mixes as one pass over the residual stream
-# (triton_mhc.hc_post_mixes_pre, the same bits as the two kernels); "0": the two kernels
-MHC_FUSE_POST = os.environ.get("DEEPINFER_MHC_FUSE_POST", "1") != "0"
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # auto: the CUDA FP8 x FP8 kernel takes dense FP8 linears from this many rows (H200, 2026-12-02,
 # bench_fp8_prefill.py --cuda: 1.12-1.25x W8A16 on the six release linears at M = 8,192; 0.2-1.05x at
@@ -1263,18 +1260,6 @@ def hc_post(y, res, post, comb):
         from .triton_mhc import hc_post as fast
         return fast(y, res, post, comb)
     return _ref.hc_post_ref(y, res, post, comb)
-
-
-def hc_post_mixes_pre(y, res, post, comb, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False):
-    """x = hc_post(y, res, post, comb), then hc_mixes_pre(x, ...): -> (x,) + hc_mixes_pre's outputs. One Triton
-    kernel for both where hc_mixes_pre's rules hold (MHC_FUSE_POST), else the two ops."""
-    if MHC_FUSE_POST and _fast_for(res, "hc_mixes_pre", res.shape[1] == 4 and res.shape[-1] % 64 == 0,
-                                   "hc_mult 4 and dim a multiple of 64"):
-        from .triton_mhc import hc_post_mixes_pre as fast
-        return fast(y, res, post, comb, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean,
-                    batch_invariant=_batch_invariant())
-    x = hc_post(y, res, post, comb)
-    return (x,) + hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -61,25 +61,11 @@ def _mix_dot(acc, xs, xb, fn_ptr, f_off, f_ok, part, PREC: tl.constexpr, SPLIT3:
 
 
 @triton.jit
-def _post_stream(y, r0, r1, r2, r3, post_ptr, comb_ptr, rt, t_ok, j: tl.constexpr, HC: tl.constexpr):
-    """Stream j of hc_post (HC == 4) on one tile, as bf16: post[j] * y + sum_i comb[i, j] * r_i, the sums in
-    hc_post_kernel's order (y fp32, the r_i as loaded)."""
-    cb = comb_ptr + rt * (HC * HC) + j
-    acc = tl.load(cb, mask=t_ok, other=0.0)[:, None] * r0.to(tl.float32)
-    acc += tl.load(cb + HC, mask=t_ok, other=0.0)[:, None] * r1.to(tl.float32)
-    acc += tl.load(cb + 2 * HC, mask=t_ok, other=0.0)[:, None] * r2.to(tl.float32)
-    acc += tl.load(cb + 3 * HC, mask=t_ok, other=0.0)[:, None] * r3.to(tl.float32)
-    pj = tl.load(post_ptr + rt * HC + j, mask=t_ok, other=0.0)
-    return (pj[:, None] * y + acc).to(tl.bfloat16)
-
-
-@triton.jit
 def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_ptr, T, d,
                         HC: tl.constexpr, MIX: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                         CH: tl.constexpr, MIXP: tl.constexpr, PREC: tl.constexpr = "tf32x3",
                         MEAN: tl.constexpr = False, SPLIT3: tl.constexpr = False, UPCAST: tl.constexpr = False,
-                        STACKED: tl.constexpr = False, PDL: tl.constexpr = False,
-                        POST: tl.constexpr = False, ypost_ptr=None, post_ptr=None, comb_ptr=None, xout_ptr=None):
+                        STACKED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (T/BT, d/CH): a program walks CH / BK column chunks of BK (a loop Triton can pipeline when
     num_stages > 1). The fp32 product: 3-pass tf32 (error ~ fp32's), or SPLIT3 (see _mix_dot). x [T, HC, d]
     bf16, fn [MIX, HC*d] f32 (SPLIT3: [3, MIX, HC*d] bf16), pre [T, HC] f32 -> partial mixes
@@ -88,11 +74,7 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
     STACKED (dot "bf16x3n"): SPLIT3's parts loaded as one [4 * MIXP, BK] operand (row p * MIXP + j: part
     p of mix j; masked rows zero), so each stream's chunk is one [BT, BK] x [BK, 4 * MIXP] MMA reading the
     x tile once (SPLIT3's three N = 32 MMAs re-read it from shared memory each), accumulated over the
-    program's whole walk; the parts are summed once at the end.
-    POST (HC == 4): x is not read but made, hc_post_kernel's sums in its order: x_ptr is the previous
-    sublayer's residual res [T, HC, d], and each stream's tile x[k] = post[k] * ypost + sum_i comb[i, k] *
-    res[i] is rounded to bf16, stored to xout [T, HC, d] and used as if loaded (hc_post, then this
-    kernel, with one pass over res instead of a write and a read of x between them)."""
+    program's whole walk; the parts are summed once at the end."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     pc = tl.program_id(1)
@@ -111,21 +93,9 @@ def hc_mixes_pre_kernel(x_ptr, fn_ptr, pre_ptr, mixp_ptr, sqp_ptr, y_ptr, mean_p
     for c in range(pc * CH, pc * CH + CH, BK):
         yacc = tl.zeros((BT, BK), tl.float32)
         macc = tl.zeros((BT, BK), tl.float32)
-        if POST:
-            rows = rt[:, None].to(tl.int64) * hd + (c + rk)[None, :]
-            yp = tl.load(ypost_ptr + rt[:, None].to(tl.int64) * d + (c + rk)[None, :], mask=t_ok[:, None],
-                         other=0.0).to(tl.float32)
-            r0 = tl.load(x_ptr + rows, mask=t_ok[:, None], other=0.0)
-            r1 = tl.load(x_ptr + rows + d, mask=t_ok[:, None], other=0.0)
-            r2 = tl.load(x_ptr + rows + 2 * d, mask=t_ok[:, None], other=0.0)
-            r3 = tl.load(x_ptr + rows + 3 * d, mask=t_ok[:, None], other=0.0)
         for k in tl.static_range(HC):
             col = k * d + c + rk
-            if POST:
-                xb = _post_stream(yp, r0, r1, r2, r3, post_ptr, comb_ptr, rt, t_ok, k, HC)
-                tl.store(xout_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], xb, mask=t_ok[:, None])
-            else:
-                xb = tl.load(x_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], mask=t_ok[:, None], other=0.0)
+            xb = tl.load(x_ptr + rt[:, None].to(tl.int64) * hd + col[None, :], mask=t_ok[:, None], other=0.0)
             xs = xb.to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
             if STACKED:
@@ -328,21 +298,24 @@ def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
     rt64 = rt.to(tl.int64)
     y = tl.load(y_ptr + rt64[:, None] * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
     if HC == 4:
-        r0 = tl.load(res_ptr + (rt64[:, None] * HC + 0) * d + rd[None, :], mask=m, other=0.0)
-        r1 = tl.load(res_ptr + (rt64[:, None] * HC + 1) * d + rd[None, :], mask=m, other=0.0)
-        r2 = tl.load(res_ptr + (rt64[:, None] * HC + 2) * d + rd[None, :], mask=m, other=0.0)
-        r3 = tl.load(res_ptr + (rt64[:, None] * HC + 3) * d + rd[None, :], mask=m, other=0.0)
+        r0 = tl.load(res_ptr + (rt64[:, None] * HC + 0) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
+        r1 = tl.load(res_ptr + (rt64[:, None] * HC + 1) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
+        r2 = tl.load(res_ptr + (rt64[:, None] * HC + 2) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
+        r3 = tl.load(res_ptr + (rt64[:, None] * HC + 3) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
     for j in tl.static_range(HC):
         if HC == 4:
-            o = _post_stream(y, r0, r1, r2, r3, post_ptr, comb_ptr, rt, t_ok, j, HC)
+            cb = comb_ptr + rt * (HC * HC) + j
+            acc = tl.load(cb, mask=t_ok, other=0.0)[:, None] * r0
+            acc += tl.load(cb + HC, mask=t_ok, other=0.0)[:, None] * r1
+            acc += tl.load(cb + 2 * HC, mask=t_ok, other=0.0)[:, None] * r2
+            acc += tl.load(cb + 3 * HC, mask=t_ok, other=0.0)[:, None] * r3
         else:
             acc = tl.zeros((BT, BD), tl.float32)
             for i in tl.static_range(HC):
                 r = tl.load(res_ptr + (rt64[:, None] * HC + i) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
                 acc += tl.load(comb_ptr + rt * (HC * HC) + i * HC + j, mask=t_ok, other=0.0)[:, None] * r
-            pj = tl.load(post_ptr + rt * HC + j, mask=t_ok, other=0.0)
-            o = (pj[:, None] * y + acc).to(tl.bfloat16)
-        tl.store(out_ptr + (rt64[:, None] * HC + j) * d + rd[None, :], o, mask=m)
+        pj = tl.load(post_ptr + rt * HC + j, mask=t_ok, other=0.0)
+        tl.store(out_ptr + (rt64[:, None] * HC + j) * d + rd[None, :], (pj[:, None] * y + acc).to(tl.bfloat16), mask=m)
 
 
 def _sinkhorn_outputs(T, hc, dev):
@@ -468,7 +441,9 @@ def _tail_unroll(bt: int, num_warps: int) -> int:
 
 def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                  pre_prev: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, mean: bool = False,
-                 batch_invariant: bool = False, **variant):
+                 batch_invariant: bool = False, *, bt: int | None = None, bk: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 chunks_per_program: int | None = None, dot: str | None = None, tail: str | None = None):
     """x [T, hc, d] bf16 -> (pre, post, comb) of this sublayer and y = hc_pre(x, pre_prev) [T, d]
     (mean: and x.mean(dim=1) [T, d] bf16, a DSpark tap, from the same read). Replaces Block.hc_mixes(x)
     followed by Block.hc_pre(x, pre_prev) with one read of x. The column chunks (and so the summation
@@ -480,32 +455,12 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     "bf16x3" (fn split into three exact bf16 parts, bf16 MMAs on x as loaded) or "bf16x3n" (those parts
     loaded as one N = 128 operand: one MMA a stream and chunk); tail "split" (the chunk sums and the
     Sinkhorn pass as two kernels) or "fused" (hc_reduce_sinkhorn_kernel: one)."""
-    return _mixes_pre(x.contiguous(), None, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean,
-                      batch_invariant, variant)
-
-
-def hc_post_mixes_pre(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                      fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, pre_prev: torch.Tensor,
-                      iters: int, hc_eps: float, norm_eps: float, mean: bool = False, batch_invariant: bool = False,
-                      **variant):
-    """x = hc_post(y, res, post, comb) and hc_mixes_pre(x, ...) in one pass (hc_mult 4): -> (x, pre, post,
-    comb, collapsed input[, mean]), every output the bits of the two calls. Between a sublayer's output
-    and the next sublayer's input the residual stream is read once instead of written, then read again
-    (res [T, 4, d] bf16: 335 MB at 8,192 tokens and d 5,120), and one launch goes."""
-    T, hc, d = res.shape
-    assert hc == 4 and y.shape == (T, d), "the fused post is written for hc_mult 4"
-    x = torch.empty_like(res)
-    post_args = (y.contiguous(), post.float().contiguous(), comb.float().contiguous(), x)
-    return (x,) + _mixes_pre(res.contiguous(), post_args, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean,
-                             batch_invariant, variant)
-
-
-def _mixes_pre(x, post_args, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean, batch_invariant, variant):
-    """hc_mixes_pre on x [T, hc, d], or (post_args = (y, post, comb, out)) on hc_post of the residual x."""
     T, hc, d = x.shape
     mix = fn.shape[0]
     assert fn.shape[1] == hc * d and mix <= MIX_PAD and mix == (2 + hc) * hc
-    v = mix_variant(T, d, batch_invariant, **variant)
+    x = x.contiguous()
+    v = mix_variant(T, d, batch_invariant, bt=bt, bk=bk, num_warps=num_warps, num_stages=num_stages,
+                    chunks_per_program=chunks_per_program, dot=dot, tail=tail)
     bk = v["bk"]
     ch = bk * v["chunks_per_program"]
     nc = d // ch
@@ -519,8 +474,6 @@ def _mixes_pre(x, post_args, fn, scale, base, pre_prev, iters, hc_eps, norm_eps,
     split3, stacked = v["dot"] == "bf16x3", v["dot"] == "bf16x3n"
     w = _fn_parts(fn) if split3 or stacked else fn.float().contiguous()
     mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
-    post_kw = {} if post_args is None else dict(zip(("ypost_ptr", "post_ptr", "comb_ptr", "xout_ptr"), post_args),
-                                                 POST=True)
     # num_stages 1 (default): one column chunk per program leaves nothing to pipeline, and 3 stages at
     # BT=64 asked 288 KB of shared memory
     hc_mixes_pre_kernel[(triton.cdiv(T, v["bt"]), nc)](x, w, pre_prev.float().contiguous(), mixp, sqp, y, avg, T, d,
@@ -528,7 +481,7 @@ def _mixes_pre(x, post_args, fn, scale, base, pre_prev, iters, hc_eps, norm_eps,
                                                        PREC="ieee" if INTERPRET else "tf32x3", MEAN=mean,
                                                        SPLIT3=split3, UPCAST=INTERPRET, STACKED=stacked,
                                                        num_warps=v["num_warps"], num_stages=v["num_stages"],
-                                                       **post_kw, **pdl_args())
+                                                       **pdl_args())
     if v["tail"] == "fused":
         pre, post, comb = _sinkhorn_outputs(T, hc, x.device)
         bt = 16

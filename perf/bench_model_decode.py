@@ -200,16 +200,13 @@ def main() -> None:
     p.add_argument("--triton-pdl", nargs="+", default=["on"], choices=["on", "off"],
                    help="the step's Triton kernels launched programmatically (kernels/pdl.py) or plainly, compared in "
                         "one run")
-    p.add_argument("--mhc-fuse-post", nargs="+", default=["on"], choices=["on", "off"],
-                   help="each sublayer's hc_post fused into the next sublayer's mixes pass (select.MHC_FUSE_POST) or "
-                        "two kernels, compared in one run")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights made on the device from the preset's config (no checkpoint)")
     a = p.parse_args()
 
     from deepinfer.cache.model_caches import ModelCaches
     from deepinfer.kernels.select import capability_report
-    from deepinfer.kernels import pdl, select
+    from deepinfer.kernels import pdl
     from deepinfer.model import side_stream
     from deepinfer.model.loader import load_model
 
@@ -246,11 +243,10 @@ def main() -> None:
     tables = [None if t == "default" else t for t in (a.skinny_tables or ["default"])]
     moes = a.moe_paths
     runs = [(B, mi, ti, oi, ki, ss, pd) for B in a.batches for mi in range(len(mhc)) for ti in range(len(tables))
-            for oi in range(len(moes)) for ki in a.index_k for ss in a.side_streams for pd in a.triton_pdl
-            for fp in a.mhc_fuse_post]
-    for B, mi, ti, oi, ki, ss, pd, fp in runs:
+            for oi in range(len(moes)) for ki in a.index_k for ss in a.side_streams for pd in a.triton_pdl]
+    for B, mi, ti, oi, ki, ss, pd in runs:
         caches = caches_of[ki]
-        side_stream.ENABLED, pdl.ENABLED, select.MHC_FUSE_POST = ss == "on", pd == "on", fp == "on"
+        side_stream.ENABLED, pdl.ENABLED = ss == "on", pd == "on"
         with torch.inference_mode(), use_mhc_variant(triton_mhc.DECODE_VARIANT, mhc[mi]), \
                 use_skinny_table(tables[ti]), use_moe_path(moes[oi]):
             step = decode_step(model, caches, B, a.ctx, max_len, block_tokens)
@@ -265,7 +261,7 @@ def main() -> None:
         layer = (graph - head) / model.args.n_layers
         ep8_step = FULL_LAYERS * layer + head
         row = dict(batch=B, mhc_variant=mhc[mi], skinny_table=tables[ti], moe_path=moes[oi], index_k=ki, side_streams=ss,
-                   triton_pdl=pd, mhc_fuse_post=fp,
+                   triton_pdl=pd,
                    eager_ms=eager * 1e3,
                    graph_ms=graph * 1e3,
                    graph_speedup=eager / graph,
@@ -277,8 +273,7 @@ def main() -> None:
             print(f"WARNING: batch {B} counts {frac:.2f} of copy: more bytes counted than the step reads", flush=True)
         tag = ('' if len(mhc) == 1 else f' m{mi}') + ('' if len(tables) == 1 else f' t{ti}') + \
             ('' if len(moes) == 1 else f' {moes[oi]}') + ('' if len(a.index_k) == 1 else f' {ki}') + \
-            ('' if len(a.side_streams) == 1 else f' side {ss}') + ('' if len(a.triton_pdl) == 1 else f' pdl {pd}') + \
-            ('' if len(a.mhc_fuse_post) == 1 else f' fuse {fp}')
+            ('' if len(a.side_streams) == 1 else f' side {ss}') + ('' if len(a.triton_pdl) == 1 else f' pdl {pd}')
         print(f"{B:>5}{tag} {eager * 1e3:>9.2f} {graph * 1e3:>9.2f} {eager / graph:>8.2f} {nb['total'] / 1e6:>8.0f} "
               f"{frac:>8.3f} {row['of_copy_uniform']:>8.3f} {sum(used.values()) / max(len(used), 1):>8.1f} "
               f"{head * 1e3:>8.2f} {layer * 1e6:>9.0f} {B / ep8_step:>14.0f}", flush=True)
@@ -287,11 +282,10 @@ def main() -> None:
         print("skinny tables: " + ", ".join(f"t{i} {t if t is not None else 'default'!r}" for i, t in enumerate(tables)))
     plot([r for r in rows if r["mhc_variant"] == mhc[0] and r["skinny_table"] == tables[0] and r["moe_path"] == moes[0]
           and r["index_k"] == a.index_k[0] and r["side_streams"] == a.side_streams[0]
-          and r["triton_pdl"] == a.triton_pdl[0] and r["mhc_fuse_post"] == a.mhc_fuse_post[0]],
+          and r["triton_pdl"] == a.triton_pdl[0]],
          os.path.join(out_dir(), "model_decode.png"))
     if a.profile:
         side_stream.ENABLED, pdl.ENABLED = a.side_streams[0] == "on", a.triton_pdl[0] == "on"
-        select.MHC_FUSE_POST = a.mhc_fuse_post[0] == "on"
         with torch.inference_mode():
             profile(decode_step(model, caches, a.profile, a.ctx, max_len, block_tokens), a.profile, a.profile_top)
 

@@ -302,9 +302,6 @@ def main() -> None:
     p.add_argument("--mhc-variants", nargs="+", default=["{}"],
                    help="hc_mixes_pre launch constants for T >= 1,024 (JSON, merged over triton_mhc.PREFILL_VARIANT) "
                         "to compare in one run, e.g. '{}' '{\"bt\": 128}' (perf/bench_mhc_variants.py's best)")
-    p.add_argument("--mhc-fuse-post", nargs="+", default=["on"], choices=["on", "off"],
-                   help="each sublayer's hc_post fused into the next sublayer's mixes pass (select.MHC_FUSE_POST) or "
-                        "two kernels, compared in one run")
     a = p.parse_args()
 
     from deepinfer.cache.model_caches import ModelCaches
@@ -328,12 +325,11 @@ def main() -> None:
     _BF16_DEFAULT, _TS_DEFAULT, _BF16_MOE_DEFAULT = select.BF16_AUTO_MIN_M, cuda_fp8_gemm.TS_ON, select.BF16_MOE_MIN_ROWS
     defaults = select.PREFILL_GEMM, select.MOE_CONTIGUOUS
     mhc = mhc_variants(a.mhc_variants)
-    runs = [(g, i, fp) for g in a.gemms for i in range(len(mhc)) for fp in a.mhc_fuse_post]
+    runs = [(g, i) for g in a.gemms for i in range(len(mhc))]
     for case in a.cases:
-        for gemm, mi, fp in runs:
+        for gemm, mi in runs:
             select.PREFILL_GEMM, select.MOE_CONTIGUOUS = gemm_mode(gemm)
-            select.MHC_FUSE_POST = fp == "on"
-            gemm = (gemm if len(mhc) == 1 else f"{gemm}/m{mi}") + ("" if len(a.mhc_fuse_post) == 1 else f"/fuse-{fp}")
+            gemm = gemm if len(mhc) == 1 else f"{gemm}/m{mi}"
             try:
                 with torch.inference_mode(), use_mhc_variant(triton_mhc.PREFILL_VARIANT, mhc[mi]):
                     fn, T = run_case(model, caches, case, nb)
@@ -359,7 +355,6 @@ def main() -> None:
           f"reserved {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB of "
           f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f}", flush=True)
     select.PREFILL_GEMM, select.MOE_CONTIGUOUS = defaults
-    select.MHC_FUSE_POST = a.mhc_fuse_post[0] == "on"      # the profile's form: the first one
     select.BF16_AUTO_MIN_M, cuda_fp8_gemm.TS_ON, select.BF16_MOE_MIN_ROWS = _BF16_DEFAULT, _TS_DEFAULT, _BF16_MOE_DEFAULT
     top, bound = [], None
     if a.profile:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .args import ModelArgs
-from .block import Block, PendingPost, materialized
+from .block import Block
 from .batch import ForwardBatch
 from .engram import NgramHasher
 from .dspark import DSparkBlock
@@ -112,8 +112,6 @@ class Transformer(nn.Module):
                 eg = self.layers[j].engram if j < len(self.layers) else None
                 if eg is not None and j not in engram_kv and not eg.embed.sharded:
                     engram_kv[j] = side_stream.branch(eg.project, hashes[:, eg.hash_index], tokens=num_rows)
-            if layer.engram is not None or (compact is not None and i == self.decoder_start):
-                h = materialized(h)
             if layer.engram is not None:
                 kv = engram_kv.pop(i).wait() if i in engram_kv else None
                 h = layer.engram(h, hashes[:, layer.engram.hash_index], token_mask, kv)
@@ -130,17 +128,11 @@ class Transformer(nn.Module):
                 meta = self.step_metadata(batch, caches)
             attn_fn = lambda xn, xq=None, layer=layer: layer.attn(xn, meta, caches, self.rope, xq)  # noqa: E731
             # a DSpark target layer's tap (its input averaged over the hc copies) comes out of its mixes
-            # the block's last hc_post is left to the next block's mixes (one pass over the stream), except
-            # where the stream is read whole: hidden dumps
-            h, pre = layer(h, pre, attn_fn, image_mask, attn_outs, taps if i in args.dspark_target_layer_ids else None,
-                           defer_post=not dump_hidden)
+            h, pre = layer(h, pre, attn_fn, image_mask, attn_outs, taps if i in args.dspark_target_layer_ids else None)
         if dump_hidden:
             snaps.append(h.float())
         li = batch.logits_indices
-        if isinstance(h, PendingPost) and li is not None and 4 * li.numel() <= h.y.shape[0]:
-            # a prefill's logits read a few rows of the last stream: only those are expanded
-            h, pre, li = h.materialize(li), pre[li], None
-        x = ops.hc_pre_norm(materialized(h), pre, li, self.norm.weight, self.norm.eps)   # norm(hc_pre(h[li], pre[li]))
+        x = ops.hc_pre_norm(h, pre, li, self.norm.weight, self.norm.eps)   # norm(Block.hc_pre(h[li], pre[li]))
         if compact is not None and taps:    # DSpark rings get the kept rows (drafts read the last window only)
             taps = [t if t.shape[0] == num_rows else t.new_zeros(num_rows, t.shape[1]).index_copy_(0, compact.kept, t)
                     for t in taps]
