@@ -118,9 +118,11 @@ class EngineStats:
     # any thread ----------------------------------------------------------------------------
     def snapshot(self) -> dict:
         """{"counters": {...}, "gauges": {...}, "histograms": {name: {buckets, cumulative_counts, sum, count}}}"""
+        from . import host_gc      # the process's garbage-collector pauses (host_gc.pauses, when installed)
+        gc_counters = host_gc.pauses.counters() if host_gc.pauses.installed else {}
         with self._lock:
             return {
-                "counters": dict(self.counters),
+                "counters": {**self.counters, **gc_counters},
                 "gauges": dict(self.gauges),
                 "histograms": {k: h.snapshot() for k, h in self.histograms.items()},
             }

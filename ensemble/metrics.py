@@ -40,7 +40,10 @@ COUNTERS = {"prompt_tokens_total": "Prompt tokens of admitted requests",
             "kv_transfer_bytes_total": "Bytes of caches pulled from prefill instances",
             "kv_transfer_replayed_tokens_total": "Positions a decode instance replayed to rebuild the window (kv_transfer_window=False)",
             "kv_transfer_failures_total": "Pulls that failed (blocks gone, timeout, peer down)",
-            "kv_holds_expired_total": "Held prefill caches freed at kv_transfer_timeout_s (no decode pulled them)"}
+            "kv_holds_expired_total": "Held prefill caches freed at kv_transfer_timeout_s (no decode pulled them)",
+            "gc_collections_total": "Python garbage collections in the engine's process",
+            "gc_full_collections_total": "Full (generation-2) Python garbage collections in the engine's process",
+            "gc_pause_seconds_total": "Seconds the engine's process spent in Python garbage collections"}
 GAUGES = {"num_requests_running": "Requests in the running batch",
           "num_requests_waiting": "Requests waiting to be scheduled",
           "cache_usage": "Fraction of KV cache blocks in use",

@@ -71,6 +71,8 @@ def worker_main(spec: WorkerSpec, args, facts, conn) -> None:
     _watch_parent(spec.parent_pid)
     try:
         rank = _start_rank(spec, args, facts)
+        from deepinfer import host_gc
+        host_gc.freeze_startup_heap()     # a serving process from here: collections skip the rank's build
         conn.send(("ready", rank.info()))
         rank.serve(conn)
     except Exception:  # noqa: BLE001 - reported to the driver, then this process ends

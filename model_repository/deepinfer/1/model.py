@@ -10,7 +10,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from deepinfer import AsyncEngine, EngineArgs, OutputConstraint, SamplingParams
+from deepinfer import AsyncEngine, EngineArgs, OutputConstraint, SamplingParams, host_gc
 from deepinfer.ensemble import config, contract, triton_io
 from deepinfer.ensemble.engine_driver import EngineDriver, EngineRequest
 from deepinfer.ensemble.metrics import TritonMetrics
@@ -51,6 +51,8 @@ class TritonPythonModel:
         self.metrics = TritonMetrics(pb_utils, labels, self.engine.stats,
                                      num_ranks=self.engine.engine.args.data_parallel_size)
         self.driver = EngineDriver(self.engine, make_sampling_params, self.metrics)
+        host_gc.pauses.install()
+        host_gc.freeze_startup_heap()     # the engine built: later collections skip its objects
 
     def execute(self, requests):
         for request in requests:
@@ -67,3 +69,4 @@ class TritonPythonModel:
         self.driver.shutdown()
         self.engine.shutdown()
         self.metrics.close()
+        host_gc.unfreeze()                # the engine's cycles collectable again (a model unload)

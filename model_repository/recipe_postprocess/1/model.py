@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from deepinfer import host_gc
 from deepinfer.ensemble import config, contract, triton_io
 from deepinfer.recipe import Postprocessor
 
@@ -22,6 +23,8 @@ class TritonPythonModel:
         params = config.model_parameters(json.loads(args["model_config"]))
         checkpoint = Path(config.resolve_checkpoint(params.get("checkpoint", "")))
         self.post = Postprocessor(checkpoint / "tokenizer.json")
+        host_gc.pauses.install()
+        host_gc.freeze_startup_heap()     # the tokenizer built: later collections skip its objects
 
     def execute(self, requests):
         responses = []

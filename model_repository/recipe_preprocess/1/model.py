@@ -8,6 +8,7 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from deepinfer import host_gc
 from deepinfer.ensemble import config, contract, triton_io
 from deepinfer.model.vision.preprocess import checkpoint_image_preparer
 from deepinfer.recipe import TEXT_API, Preprocessor, prepare_inputs, preprocess_outputs
@@ -27,6 +28,8 @@ class TritonPythonModel:
         self.pre = Preprocessor(checkpoint / "tokenizer.json", int(max_model_len),
                                 limits=Limits.from_json(params.get("limits")),
                                 prepare_image=checkpoint_image_preparer(checkpoint), image_limits=limits)
+        host_gc.pauses.install()
+        host_gc.freeze_startup_heap()     # the tokenizer built: later collections skip its objects
 
     def execute(self, requests):
         responses = []
