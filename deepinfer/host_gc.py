@@ -1,13 +1,13 @@
 """Python's cyclic garbage collector in a serving process.
 
 A full (generation-2) collection walks every tracked object with the GIL held. With an engine built (its
-modules, tokenizer, grammar tables: ~290k objects on the tiny checkpoint) one took ~70 ms on a dev CPU
+modules, tokenizer, grammar tables: ~290k objects on the tiny checkpoint) one took 70-100 ms on a dev CPU
 (perf/host_gc_pause.py), and the interpreter starts one whenever enough survivors pile up: the engine thread
 stops launching a step's kernels and the frontends stop streaming for that long, at a moment nobody picks.
 
-    freeze_startup_heap()   once a serving process has built its engine: collect, then move every
-                            survivor to the permanent generation (gc.freeze), so later collections walk
-                            only what serving made. Reference counting still frees frozen objects; only
+    freeze_startup_heap()   once a serving process has built its engine: count its collections from then
+                            (pauses), collect, then move every survivor to the permanent generation
+                            (gc.freeze), so later collections walk only what serving made. Reference counting still frees frozen objects; only
                             their cycles wait for unfreeze() (model unload, shutdown).
     pauses                  the process's collections timed through gc.callbacks (counts and seconds per
                             generation), for EngineStats' counters and the metrics endpoint.
@@ -29,7 +29,6 @@ class GcPauses:
     def __init__(self) -> None:
         self.collections = [0, 0, 0]
         self.seconds = [0.0, 0.0, 0.0]
-        self.longest = 0.0
         self._start = 0.0
         self.installed = False
 
@@ -47,7 +46,6 @@ class GcPauses:
         g = min(int(info.get("generation", 2)), 2)
         self.collections[g] += 1
         self.seconds[g] += took
-        self.longest = max(self.longest, took)
 
     def counters(self) -> dict:
         """EngineStats counters: every collection, the full ones, and the seconds they took."""
@@ -59,8 +57,9 @@ pauses = GcPauses()
 
 
 def freeze_startup_heap() -> int:
-    """Collect, then freeze what survives (gc.freeze); -> the objects frozen. Call once the process's
-    engine is built (and its CUDA graphs captured), before serving."""
+    """Collections counted from here (pauses), then collect and freeze what survives (gc.freeze); -> the
+    objects frozen. Call once the process's engine is built (and its CUDA graphs captured), before serving."""
+    pauses.install()
     t = time.perf_counter()
     gc.collect()
     gc.freeze()

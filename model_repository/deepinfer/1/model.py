@@ -51,7 +51,6 @@ class TritonPythonModel:
         self.metrics = TritonMetrics(pb_utils, labels, self.engine.stats,
                                      num_ranks=self.engine.engine.args.data_parallel_size)
         self.driver = EngineDriver(self.engine, make_sampling_params, self.metrics)
-        host_gc.pauses.install()
         host_gc.freeze_startup_heap()     # the engine built: later collections skip its objects
 
     def execute(self, requests):

@@ -23,7 +23,6 @@ class TritonPythonModel:
         params = config.model_parameters(json.loads(args["model_config"]))
         checkpoint = Path(config.resolve_checkpoint(params.get("checkpoint", "")))
         self.post = Postprocessor(checkpoint / "tokenizer.json")
-        host_gc.pauses.install()
         host_gc.freeze_startup_heap()     # the tokenizer built: later collections skip its objects
 
     def execute(self, requests):

@@ -28,7 +28,6 @@ class TritonPythonModel:
         self.pre = Preprocessor(checkpoint / "tokenizer.json", int(max_model_len),
                                 limits=Limits.from_json(params.get("limits")),
                                 prepare_image=checkpoint_image_preparer(checkpoint), image_limits=limits)
-        host_gc.pauses.install()
         host_gc.freeze_startup_heap()     # the tokenizer built: later collections skip its objects
 
     def execute(self, requests):
