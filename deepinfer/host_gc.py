@@ -48,7 +48,9 @@ class GcPauses:
         self.seconds[g] += took
 
     def counters(self) -> dict:
-        """EngineStats counters: every collection, the full ones, and the seconds they took."""
+        """EngineStats counters: every collection, the full ones, and the seconds they took ({} until installed)."""
+        if not self.installed:
+            return {}
         return {"gc_collections_total": sum(self.collections), "gc_full_collections_total": self.collections[2],
                 "gc_pause_seconds_total": sum(self.seconds)}
 

@@ -10,6 +10,8 @@ import bisect
 import threading
 from dataclasses import dataclass, field
 
+from . import host_gc
+
 # seconds; Prometheus-style upper bounds (+Inf implied)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -118,8 +120,7 @@ class EngineStats:
     # any thread ----------------------------------------------------------------------------
     def snapshot(self) -> dict:
         """{"counters": {...}, "gauges": {...}, "histograms": {name: {buckets, cumulative_counts, sum, count}}}"""
-        from . import host_gc      # the process's garbage-collector pauses (host_gc.pauses, when installed)
-        gc_counters = host_gc.pauses.counters() if host_gc.pauses.installed else {}
+        gc_counters = host_gc.pauses.counters()    # the process's collections, where a serving process counts them
         with self._lock:
             return {
                 "counters": {**self.counters, **gc_counters},
