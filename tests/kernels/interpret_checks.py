@@ -190,6 +190,27 @@ def check_w4a16():
         assert torch.equal(dequant_fp4_bf16(pk, sk).float(), dequant_fp4_ref(packed, scale)), (n, k)
 
 
+def check_w4a16_contiguous():
+    """The FP4 stacks' prefill GEMM (triton_fp4_contiguous): rows sorted by expert, empty experts, an expert's
+    rows split over tiles and ending mid-tile, N and K off the tiles; integer-valued operands, so every fp32
+    sum is exact and the output is x @ w^T cast to bf16 bit for bit at every tile shape (BM 64 / 128, BN 64 /
+    128, BK 32 / 64 / 128; the interpreter's cast truncates where the GPU's rounds to nearest)."""
+    from deepinfer.kernels.triton_fp4_contiguous import w4a16_grouped_contiguous
+    counts = torch.tensor([70, 0, 3, 129, 0], dtype=torch.int32)
+    p = int(counts.sum())
+    for n, k in ((96, 256), (200, 160)):
+        xg, packed, scale, _ = w4a16_exact_case(5, p, n, k, seed=n + k)
+        x = xg[0]                                        # one row set, each row through its own expert
+        w = torch.stack([dequant_fp4_ref(triton_gemm.fp4_release_layout(packed[i]), scale[i]) for i in range(5)])
+        expert = torch.repeat_interleave(torch.arange(5), counts.long())
+        ref = torch.einsum("pk,pnk->pn", x.double(), w[expert].double()).float()
+        ref = (ref.view(torch.int32) & ~0xFFFF).view(torch.float32)           # truncated to bf16
+        for cfg in (None, dict(BM=64, BN=64, BK=32, NUM_STAGES=1, num_warps=4),
+                    dict(BM=128, BN=128, BK=64 if k % 64 == 0 else 32, NUM_STAGES=1, num_warps=8)):
+            y = w4a16_grouped_contiguous(x, packed, scale, counts, cfg)
+            assert torch.equal(y.float(), ref), (n, k, cfg)
+
+
 def check_bf16_skinny():
     """The skinny GEMM on bf16-held weights (BF16W): integer-valued operands, so every fp32 sum is exact:
     the bf16 output (no split) and the fp32 output (split-K summed by the reduce kernel) equal the float64
@@ -392,6 +413,7 @@ def main():
     check_w8a16_rows()
     check_w8a16_dense_grouped()
     check_w4a16()
+    check_w4a16_contiguous()
     check_bf16_skinny()
     check_pool_lists()
     check_router_topk()

@@ -147,3 +147,14 @@ def test_packed_index_keys():
     _compile(triton_indexer, ["index_scores_runs_kernel"], lambda: triton_indexer.index_scores(
         q, w, pool, torch.arange(64, dtype=torch.int32) // 4 + 1, key_start=torch.zeros(64, dtype=torch.int64),
         num_keys=2048, block_table=bt[:1], entries_per_block=64, runs=runs))
+
+
+def test_w4a16_contiguous():
+    """The FP4 stacks' prefill GEMM at its default tiles for a chunk and a whole prompt, and at small shapes."""
+    from deepinfer.kernels import triton_fp4_contiguous as fc
+    for e, n, k, rows in ((48, 4608, 5120, 12288), (48, 5120, 2304, 3000), (4, 96, 160, 70)):
+        x = torch.zeros(rows, k).bfloat16()
+        w = torch.zeros(e, n, k // 2, dtype=torch.uint8)
+        s = torch.ones(e, n, k // 32, dtype=torch.uint8)
+        counts = torch.full((e,), rows // e, dtype=torch.int32)
+        _compile(fc, ["w4a16_contiguous_kernel"], lambda: fc.w4a16_grouped_contiguous(x, w, s, counts))

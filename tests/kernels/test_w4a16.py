@@ -92,12 +92,43 @@ def test_dequant_fp4_matches_reference(n, k):
     assert torch.equal(got.float().cpu(), dequant_fp4_ref(packed, scale))
 
 
+CONTIGUOUS_CFGS = [None, dict(BM=64, BN=64, BK=32, NUM_STAGES=3, num_warps=4),
+                   dict(BM=128, BN=128, BK=64, NUM_STAGES=4, num_warps=8),
+                   dict(BM=256, BN=128, BK=64, NUM_STAGES=3, num_warps=8),
+                   dict(BM=128, BN=64, BK=128, NUM_STAGES=3, num_warps=4)]
+
+
+@pytest.mark.parametrize("cfg", CONTIGUOUS_CFGS)
+@pytest.mark.parametrize("n,k", [(200, 256), (4608, 5120), (96, 160)])
+def test_w4a16_contiguous_exact(cfg, n, k):
+    """The FP4 stacks' prefill GEMM (triton_fp4_contiguous: packed bytes decoded in the K loop) on integer-valued
+    operands: bf16(x @ w^T) bit for bit, each row through its own expert (empty experts, an expert's rows over
+    several tiles and ending mid-tile, N and K off the tiles)."""
+    from deepinfer.kernels import triton_gemm
+    from deepinfer.kernels.reference import dequant_fp4_ref
+    from deepinfer.kernels.triton_fp4_contiguous import w4a16_grouped_contiguous
+    if cfg is not None and k % cfg["BK"]:
+        pytest.skip("BK must divide K")
+    counts = torch.tensor([70, 0, 3, 300, 0, 129], dtype=torch.int32)
+    e, p = counts.numel(), int(counts.sum())
+    xg, packed, scale, _ = w4a16_exact_case(e, p, n, k, seed=n + k)
+    w = torch.stack([dequant_fp4_ref(triton_gemm.fp4_release_layout(packed[i]), scale[i]) for i in range(e)])
+    expert = torch.repeat_interleave(torch.arange(e), counts.long())
+    ref = torch.cat([xg[0][expert == i].double() @ w[i].double().T for i in range(e)]).to(torch.bfloat16)
+    y = w4a16_grouped_contiguous(xg[0].cuda(), packed.cuda(), scale.cuda(), counts.cuda(), cfg)
+    assert torch.equal(y.cpu(), ref)
+
+
+@pytest.mark.parametrize("w4a16_max_rows", [None, 0])
 @pytest.mark.parametrize("rows", [300, 20000])
-def test_fp4_stacks_contiguous_form(rows):
+def test_fp4_stacks_contiguous_form(rows, w4a16_max_rows, monkeypatch):
     """The MoE's grouped contiguous form on FP4 stacks (select.grouped_fp8_linear_contiguous with uint8
-    weights: the stack dequantized by dequant_fp4_bf16, one bf16 grouped GEMM) against a float64 reference
+    weights: below FP4_W4A16_MAX_ROWS the W4A16 contiguous GEMM, else the stack dequantized by
+    dequant_fp4_bf16 and one bf16 grouped GEMM; max rows 0: always the latter) against a float64 reference
     expert by expert (empty experts, rows off every tile)."""
     from deepinfer.kernels import select, triton_gemm
+    if w4a16_max_rows is not None:
+        monkeypatch.setattr(select, "FP4_W4A16_MAX_ROWS", w4a16_max_rows)
     from deepinfer.kernels.reference import act_quant_ref, dequant_fp4_ref
     e, n, k = 6, 512, 1024
     gen = torch.Generator().manual_seed(rows)
