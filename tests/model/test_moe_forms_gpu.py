@@ -68,3 +68,24 @@ def test_received_pairs_take_the_contiguous_form(stacked_moe, monkeypatch, P):
     assert calls == [1]
     assert got.shape == (P, 1, moe.dim)
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_fp4_prefill_step_forms_agree(stacked_moe, monkeypatch):
+    """FP4 stacks: a prefill-sized step (past the masked form) through the whole MoE forward on the W4A16 K loop
+    (select.FP4_W4A16_MAX_ROWS above its rows) and on the whole stack dequantized + one bf16 grouped GEMM
+    (FP4_W4A16_MAX_ROWS 0): the same products, so equal to summation order."""
+    from deepinfer.kernels import select
+    moe = stacked_moe
+    if not moe.stacks.fp4:
+        pytest.skip("FP4 stacks only")
+    monkeypatch.setattr(moe_mod, "MASKED_MAX_PAIRS", 0)
+    x = torch.randn(700, moe.dim, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
+    outs = {}
+    with torch.inference_mode():
+        assert moe._use_contiguous(x)
+        for max_rows in (1 << 30, 0):
+            monkeypatch.setattr(select, "FP4_W4A16_MAX_ROWS", max_rows)
+            outs[max_rows] = moe(x).float()
+    got, want = outs[1 << 30], outs[0]
+    assert not torch.equal(got, torch.zeros_like(got))
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
