@@ -198,7 +198,7 @@ def check_w4a16_contiguous():
     from deepinfer.kernels.triton_fp4_contiguous import w4a16_grouped_contiguous
     counts = torch.tensor([70, 0, 3, 129, 0], dtype=torch.int32)
     p = int(counts.sum())
-    for n, k in ((96, 256), (200, 160)):
+    for n, k in ((96, 256), (200, 160), (128, 128)):          # (128, 128): N a multiple of BN (EVEN_N)
         xg, packed, scale, _ = w4a16_exact_case(5, p, n, k, seed=n + k)
         x = xg[0]                                        # one row set, each row through its own expert
         w = torch.stack([dequant_fp4_ref(triton_gemm.fp4_release_layout(packed[i]), scale[i]) for i in range(5)])
