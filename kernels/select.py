@@ -114,10 +114,13 @@ MOE_FP8_DECODE = os.environ.get("DEEPINFER_MOE_FP8_DECODE", "1")
 # at 0.91 of copy (H200, 2026-12-03, afternoon) bf16 / FP8 speed 0.91x at 12,288 rows, 1.01x at 18,432,
 # 1.09x at 24,576, 1.15x at 49,152
 BF16_MOE_MIN_ROWS = int(os.environ.get("DEEPINFER_BF16_MOE_MIN_ROWS", "16384"))
-# FP4 stacks: grouped contiguous steps of fewer token-expert rows than this read the packed bytes in the
-# GEMM's K loop (triton_fp4_contiguous.w4a16_grouped_contiguous); longer ones dequantize the whole stack to
-# bf16 first, where the bf16 grouped GEMM's speed pays for the dequant pass. 0: always dequantize
-FP4_W4A16_MAX_ROWS = int(os.environ.get("DEEPINFER_FP4_W4A16_MAX_ROWS", "16384"))
+# FP4 stacks: grouped contiguous steps of at most this many token-expert rows an expert (on average) read the
+# packed bytes in the GEMM's K loop (triton_fp4_contiguous.w4a16_grouped_contiguous); longer ones dequantize
+# the whole stack to bf16 first, where the bf16 grouped GEMM's speed pays for the dequant pass (its cost is
+# per expert, the GEMMs' per row). H100, 2026-12-06 (perf/bench_fp4_prefill.py, 48 experts): W4A16 4.0-4.1x
+# the dequant path at 64 rows an expert, 1.70-1.75x at 256 (a 2,048-token chunk), 0.92-0.93x at 1,024 (1 x
+# 8k); whole chunked prefill 822.1 -> 702.9 ms. 0: always dequantize
+FP4_W4A16_MAX_ROWS_PER_EXPERT = int(os.environ.get("DEEPINFER_FP4_W4A16_MAX_ROWS_PER_EXPERT", "640"))
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # auto: the CUDA FP8 x FP8 kernel takes dense FP8 linears from this many rows (H200, 2026-12-02,
@@ -726,13 +729,14 @@ def _contiguous_ref(x: torch.Tensor, counts: torch.Tensor, n: int, weight_of) ->
 def _fp4_grouped_contiguous(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                             rows: "torch.Tensor | GroupedRows") -> torch.Tensor:
     """grouped_fp8_linear_contiguous on FP4 stacks (w [E, N, K/2] in fp4_kernel_layout, E8M0 [E, N, K/32]):
-    below FP4_W4A16_MAX_ROWS rows the packed bytes decoded in the GEMM's K loop (triton_fp4_contiguous), else
+    up to FP4_W4A16_MAX_ROWS_PER_EXPERT rows an expert the packed bytes decoded in the GEMM's K loop
+    (triton_fp4_contiguous), else
     the whole stack dequantized into the stream's scratch buffer (triton_dequant.dequant_fp4_bf16: every
     w * scale a bf16 value) and one bf16 grouped GEMM; elsewhere expert by expert on the reference."""
     e, n, k = w.shape[0], w.shape[1], w.shape[2] * 2
     counts = counts_of(rows)
     if _fp4_contiguous_ok(x, k, k):
-        if x.shape[0] < FP4_W4A16_MAX_ROWS:
+        if x.shape[0] <= FP4_W4A16_MAX_ROWS_PER_EXPERT * e:
             from .triton_fp4_contiguous import w4a16_grouped_contiguous
             return w4a16_grouped_contiguous(x, w, w_scale, rows)
         from .grouped_bf16 import bf16_grouped_contiguous

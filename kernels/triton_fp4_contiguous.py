@@ -74,12 +74,15 @@ def w4a16_contiguous_kernel(x_ptr, b_ptr, s_ptr, c_ptr, tiles_ptr, N, K,
 
 
 def contiguous_config(rows: int, experts: int, n: int, k: int) -> dict:
-    """BM tokens x BN weight rows x BK a tile. BK: the largest of 128 / 64 / 32 dividing K. BM from the
-    mean rows an expert gets (a tile never spans two experts, so taller tiles than that run half empty)."""
-    bk = 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
+    """BM tokens x BN weight rows x BK a tile, from the mean rows an expert gets (a tile never spans two
+    experts, so tiles taller than that run half empty). H100, 2026-12-06 (perf/bench_fp4_prefill.py, 48
+    experts, w13 / w2): 64 rows an expert best at BM 64 / BK 128 (318 / 298 TFLOP/s), 256 at BM 256 / BK 64
+    (513 / 475; BM 128: 478 / 466), 1,024 at BM 256 (532 / 505). BK: the largest of those dividing K."""
     per_expert = rows / max(experts, 1)
-    bm = 64 if per_expert <= 96 else 128
-    return dict(BM=bm, BN=128 if n > 64 else 64, BK=bk, NUM_STAGES=3, num_warps=8 if n > 64 else 4)
+    bm, bk, stages = (64, 128, 3) if per_expert <= 96 else (128, 64, 4) if per_expert <= 192 else (256, 64, 3)
+    while k % bk:
+        bk //= 2
+    return dict(BM=bm, BN=128 if n > 64 else 64, BK=bk, NUM_STAGES=stages, num_warps=8 if n > 64 else 4)
 
 
 def w4a16_grouped_contiguous(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, rows: "GroupedRows | torch.Tensor",

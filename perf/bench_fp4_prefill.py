@@ -12,6 +12,9 @@ Columns (us per call, CUDA graph replays; TFLOP/s of the GEMM's 2 P N K):
 Each form's output is checked against dequant+bf16 (the same exact products; fp32 order only).
 
     python perf/bench_fp4_prefill.py [--m 64 256 1024] [--cfgs BM=256,BN=128,BK=64,NUM_STAGES=3,num_warps=8 ...]
+                                                                          (fp4_prefill.json / .png in $OUT)
+H100, 2026-12-06: W4A16 4.0-4.1x today's path at 64 rows an expert, 1.70-1.75x at 256, 0.92-0.93x at 1,024
+(so select.FP4_W4A16_MAX_ROWS_PER_EXPERT = 640).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import measure_ceilings, save_json, time_calls  # noqa: E402
+from benchutil import measure_ceilings, out_dir, plot_per_proj, save_json, time_calls  # noqa: E402
 
 PROJ = {"w13": (4608, 5120), "w2": (5120, 2304)}
 DEFAULT_CFGS = ["BM=128,BN=128,BK=64,NUM_STAGES=4,num_warps=8", "BM=256,BN=128,BK=64,NUM_STAGES=3,num_warps=8",
@@ -90,6 +93,19 @@ def main() -> None:
                 print(f"{name:>4} m {m:>5} {f:58s} {t * 1e6:9.1f} us {flops / t / 1e12:6.0f} TFLOP/s "
                       f"{base / (t * 1e6):5.2f}x today  diff {diff:.1e}", flush=True)
     save_json("fp4_prefill.json", dict(ceilings=ceil, experts=a.experts, rows=rows))
+    plot(rows, os.path.join(out_dir(), "fp4_prefill.png"))
+
+
+def plot(rows, path: str) -> None:
+    """TFLOP/s against rows an expert, one panel per projection: today's path, the bf16 GEMM alone, W4A16 at
+    its default tiles."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["proj"], r["m"]), dict(proj=r["proj"], m=r["m"], tf={}))["tf"][r["form"]] = r["tflops"]
+    series = [("dequant + bf16 grouped (before)", "o-", "dequant+bf16"), ("bf16 grouped alone", "s--", "bf16 only"),
+              ("W4A16 contiguous (packed bytes)", "^-", "w4a16")]
+    plot_per_proj(list(by.values()), PROJ, "m", [(lab, st, lambda r, f=f: r["tf"].get(f)) for lab, st, f in series],
+                  "rows an expert (48 experts)", "TFLOP/s", path, what="FP4 experts' prefill GEMM")
 
 
 if __name__ == "__main__":

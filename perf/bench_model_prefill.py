@@ -56,7 +56,7 @@ def gemm_mode(mode: str) -> tuple[str, bool]:
     Suffixes after ':' change one setting for that entry, so that paths compare in one process:
     ':ts' / ':plain' the CUDA FP8 kernel's scale-tile twins on / off (cuda_fp8_gemm.TS_ON), ':fp8moe' the
     MoE's long steps on it too (select.BF16_MOE_MIN_ROWS = 0: no bf16 grouped GEMM), e.g. auto+moe:ts:fp8moe;
-    FP4 stacks' contiguous steps ':fp4deq' always dequantized to bf16 first (select.FP4_W4A16_MAX_ROWS = 0),
+    FP4 stacks' contiguous steps ':fp4deq' always dequantized to bf16 first (select.FP4_W4A16_MAX_ROWS_PER_EXPERT = 0),
     ':fp4w4a16' always on the W4A16 K loop (no row limit)."""
     from deepinfer.kernels import cuda_fp8_gemm, select
     name, *flags = mode.split(":")
@@ -67,13 +67,13 @@ def gemm_mode(mode: str) -> tuple[str, bool]:
     select.BF16_AUTO_MIN_M = 0 if base == "auto_fp8" else _BF16_DEFAULT
     cuda_fp8_gemm.TS_ON = True if "ts" in flags else False if "plain" in flags else _TS_DEFAULT
     select.BF16_MOE_MIN_ROWS = 0 if "fp8moe" in flags else _BF16_MOE_DEFAULT
-    select.FP4_W4A16_MAX_ROWS = 0 if "fp4deq" in flags else 1 << 62 if "fp4w4a16" in flags else _FP4_W4A16_DEFAULT
+    select.FP4_W4A16_MAX_ROWS_PER_EXPERT = 0 if "fp4deq" in flags else 1 << 62 if "fp4w4a16" in flags else _FP4_W4A16_DEFAULT
     return ("auto" if base == "auto_fp8" else base), moe == "moe"
 
 _BF16_DEFAULT = 1024            # select.BF16_AUTO_MIN_M as the process started (main sets it)
 _TS_DEFAULT = False             # cuda_fp8_gemm.TS_ON as the process started (main sets it)
 _BF16_MOE_DEFAULT = 16384       # select.BF16_MOE_MIN_ROWS as the process started (main sets it)
-_FP4_W4A16_DEFAULT = 16384      # select.FP4_W4A16_MAX_ROWS as the process started (main sets it)
+_FP4_W4A16_DEFAULT = 640        # select.FP4_W4A16_MAX_ROWS_PER_EXPERT as the process started (main sets it)
 FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
 
@@ -327,7 +327,7 @@ def main() -> None:
     global _BF16_DEFAULT, _TS_DEFAULT, _BF16_MOE_DEFAULT, _FP4_W4A16_DEFAULT
     from deepinfer.kernels import cuda_fp8_gemm
     _BF16_DEFAULT, _TS_DEFAULT, _BF16_MOE_DEFAULT = select.BF16_AUTO_MIN_M, cuda_fp8_gemm.TS_ON, select.BF16_MOE_MIN_ROWS
-    _FP4_W4A16_DEFAULT = select.FP4_W4A16_MAX_ROWS
+    _FP4_W4A16_DEFAULT = select.FP4_W4A16_MAX_ROWS_PER_EXPERT
     defaults = select.PREFILL_GEMM, select.MOE_CONTIGUOUS
     mhc = mhc_variants(a.mhc_variants)
     runs = [(g, i) for g in a.gemms for i in range(len(mhc))]
@@ -361,7 +361,7 @@ def main() -> None:
           f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f}", flush=True)
     select.PREFILL_GEMM, select.MOE_CONTIGUOUS = defaults
     select.BF16_AUTO_MIN_M, cuda_fp8_gemm.TS_ON, select.BF16_MOE_MIN_ROWS = _BF16_DEFAULT, _TS_DEFAULT, _BF16_MOE_DEFAULT
-    select.FP4_W4A16_MAX_ROWS = _FP4_W4A16_DEFAULT
+    select.FP4_W4A16_MAX_ROWS_PER_EXPERT = _FP4_W4A16_DEFAULT
     top, bound = [], None
     if a.profile:
         try:

@@ -110,7 +110,8 @@ def measure_ceilings() -> dict:
     return {"copy_bw": copy_bw, "bf16_flops": bf16, "fp8_flops": fp8}
 
 
-def plot_per_proj(rows, projs: dict, x_key: str, series, xlabel: str, ylabel: str, path: str) -> None:
+def plot_per_proj(rows, projs: dict, x_key: str, series, xlabel: str, ylabel: str, path: str,
+                  what: str = "masked MoE") -> None:
     """One panel per projection (projs: name -> (N, K)) of the MoE benches: series = [(label, style,
     row -> y or None)] plotted against row[x_key] (log x); a series missing on any row is left out."""
     import matplotlib
@@ -123,7 +124,7 @@ def plot_per_proj(rows, projs: dict, x_key: str, series, xlabel: str, ylabel: st
             ys = [y(r) for r in rs]
             if rs and all(v is not None for v in ys):
                 ax.plot([r[x_key] for r in rs], ys, style, label=label)
-        ax.set(xscale="log", xlabel=xlabel, title=f"masked MoE {name}, {projs[name][0]} x {projs[name][1]}")
+        ax.set(xscale="log", xlabel=xlabel, title=f"{what} {name}, {projs[name][0]} x {projs[name][1]}")
         ax.legend(fontsize=8)
     axes[0].set_ylabel(ylabel)
     fig.tight_layout()

@@ -72,8 +72,8 @@ def test_received_pairs_take_the_contiguous_form(stacked_moe, monkeypatch, P):
 
 def test_fp4_prefill_step_forms_agree(stacked_moe, monkeypatch):
     """FP4 stacks: a prefill-sized step (past the masked form) through the whole MoE forward on the W4A16 K loop
-    (select.FP4_W4A16_MAX_ROWS above its rows) and on the whole stack dequantized + one bf16 grouped GEMM
-    (FP4_W4A16_MAX_ROWS 0): the same products, so equal to summation order."""
+    (select.FP4_W4A16_MAX_ROWS_PER_EXPERT above its rows) and on the whole stack dequantized + one bf16 grouped GEMM
+    (FP4_W4A16_MAX_ROWS_PER_EXPERT 0): the same products, so equal to summation order."""
     from deepinfer.kernels import select
     moe = stacked_moe
     if not moe.stacks.fp4:
@@ -84,7 +84,7 @@ def test_fp4_prefill_step_forms_agree(stacked_moe, monkeypatch):
     with torch.inference_mode():
         assert moe._use_contiguous(x)
         for max_rows in (1 << 30, 0):
-            monkeypatch.setattr(select, "FP4_W4A16_MAX_ROWS", max_rows)
+            monkeypatch.setattr(select, "FP4_W4A16_MAX_ROWS_PER_EXPERT", max_rows)
             outs[max_rows] = moe(x).float()
     got, want = outs[1 << 30], outs[0]
     assert not torch.equal(got, torch.zeros_like(got))
