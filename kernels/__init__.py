@@ -6,7 +6,8 @@ the reference with one log line. The model binds these names only through deepin
     select.py               per-call dispatch, shape rules, declines, the measured FP8 pick table
     batch_invariant.py      row-by-row torch GEMMs and padded CPU transcendentals (batch_invariant=True)
     triton_*.py             Triton kernels for SM90: GEMMs (triton_gemm W8A16 / FP8, triton_fp8_prefill,
-                            triton_fp8_variants, triton_moe_contiguous, triton_linear_fp32), attention
+                            triton_fp8_variants, triton_moe_contiguous, triton_fp4_contiguous: the FP4
+                            experts' prefill GEMM, triton_linear_fp32), attention
                             (triton_sparse_attn, triton_indexer, triton_topk, triton_lists), mHC, norm,
                             RoPE, quantization, the MoE glue and router, the Engram gate
     cuda/*.cu               CUDA C++ kernels (fp8_gemm_sm90.cu: the exact FP8 GEMM, warp-specialized)
