@@ -119,7 +119,7 @@ BF16_MOE_MIN_ROWS = int(os.environ.get("DEEPINFER_BF16_MOE_MIN_ROWS", "16384"))
 # the whole stack to bf16 first, where the bf16 grouped GEMM's speed pays for the dequant pass (its cost is
 # per expert, the GEMMs' per row). H100, 2026-12-06 (perf/bench_fp4_prefill.py, 48 experts): W4A16 4.0-4.1x
 # the dequant path at 64 rows an expert, 1.70-1.75x at 256 (a 2,048-token chunk), 0.92-0.93x at 1,024 (1 x
-# 8k); whole chunked prefill 822.1 -> 702.9 ms. 0: always dequantize
+# 8k); whole chunked prefill 822.1 -> 653.8-726.5 ms. 0: always dequantize
 FP4_W4A16_MAX_ROWS_PER_EXPERT = int(os.environ.get("DEEPINFER_FP4_W4A16_MAX_ROWS_PER_EXPERT", "640"))
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))

@@ -56,8 +56,8 @@ def gemm_mode(mode: str) -> tuple[str, bool]:
     Suffixes after ':' change one setting for that entry, so that paths compare in one process:
     ':ts' / ':plain' the CUDA FP8 kernel's scale-tile twins on / off (cuda_fp8_gemm.TS_ON), ':fp8moe' the
     MoE's long steps on it too (select.BF16_MOE_MIN_ROWS = 0: no bf16 grouped GEMM), e.g. auto+moe:ts:fp8moe;
-    FP4 stacks' contiguous steps ':fp4deq' always dequantized to bf16 first (select.FP4_W4A16_MAX_ROWS_PER_EXPERT = 0),
-    ':fp4w4a16' always on the W4A16 K loop (no row limit)."""
+    FP4 stacks' contiguous steps ':fp4deq' always dequantized to bf16 first
+    (select.FP4_W4A16_MAX_ROWS_PER_EXPERT = 0), ':fp4w4a16' always on the W4A16 K loop (no row limit)."""
     from deepinfer.kernels import cuda_fp8_gemm, select
     name, *flags = mode.split(":")
     base, _, moe = name.partition("+")
@@ -67,7 +67,8 @@ def gemm_mode(mode: str) -> tuple[str, bool]:
     select.BF16_AUTO_MIN_M = 0 if base == "auto_fp8" else _BF16_DEFAULT
     cuda_fp8_gemm.TS_ON = True if "ts" in flags else False if "plain" in flags else _TS_DEFAULT
     select.BF16_MOE_MIN_ROWS = 0 if "fp8moe" in flags else _BF16_MOE_DEFAULT
-    select.FP4_W4A16_MAX_ROWS_PER_EXPERT = 0 if "fp4deq" in flags else 1 << 62 if "fp4w4a16" in flags else _FP4_W4A16_DEFAULT
+    select.FP4_W4A16_MAX_ROWS_PER_EXPERT = (0 if "fp4deq" in flags else 1 << 62 if "fp4w4a16" in flags
+                                            else _FP4_W4A16_DEFAULT)
     return ("auto" if base == "auto_fp8" else base), moe == "moe"
 
 _BF16_DEFAULT = 1024            # select.BF16_AUTO_MIN_M as the process started (main sets it)

@@ -150,7 +150,8 @@ def test_packed_index_keys():
 
 
 def test_w4a16_contiguous():
-    """The FP4 stacks' prefill GEMM at its default tiles for a chunk and a whole prompt, and at small shapes."""
+    """The FP4 stacks' prefill GEMM at its default tiles for 256 and 62 rows an expert (BM 256 and 64), and at a
+    small shape with N and K off the tiles."""
     from deepinfer.kernels import triton_fp4_contiguous as fc
     for e, n, k, rows in ((48, 4608, 5120, 12288), (48, 5120, 2304, 3000), (4, 96, 160, 70)):
         x = torch.zeros(rows, k).bfloat16()

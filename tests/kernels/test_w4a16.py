@@ -123,13 +123,13 @@ def test_w4a16_contiguous_exact(cfg, n, k):
 @pytest.mark.parametrize("rows", [300, 20000])
 def test_fp4_stacks_contiguous_form(rows, w4a16_max_rows, monkeypatch):
     """The MoE's grouped contiguous form on FP4 stacks (select.grouped_fp8_linear_contiguous with uint8
-    weights: up to FP4_W4A16_MAX_ROWS_PER_EXPERT rows an expert the W4A16 contiguous GEMM, else the stack dequantized by
-    dequant_fp4_bf16 and one bf16 grouped GEMM; max rows 0: always the latter) against a float64 reference
-    expert by expert (empty experts, rows off every tile)."""
+    weights: up to FP4_W4A16_MAX_ROWS_PER_EXPERT rows an expert the W4A16 contiguous GEMM, else the stack
+    dequantized by dequant_fp4_bf16 and one bf16 grouped GEMM; max rows 0: always the latter) against a float64
+    reference expert by expert (empty experts, rows off every tile)."""
     from deepinfer.kernels import select, triton_gemm
+    from deepinfer.kernels.reference import act_quant_ref, dequant_fp4_ref
     if w4a16_max_rows is not None:
         monkeypatch.setattr(select, "FP4_W4A16_MAX_ROWS_PER_EXPERT", w4a16_max_rows)
-    from deepinfer.kernels.reference import act_quant_ref, dequant_fp4_ref
     e, n, k = 6, 512, 1024
     gen = torch.Generator().manual_seed(rows)
     packed = torch.randint(0, 256, (e, n, k // 2), generator=gen).to(torch.uint8)
