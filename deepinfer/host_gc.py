@@ -7,8 +7,9 @@ stops launching a step's kernels and the frontends stop streaming for that long,
 
     freeze_startup_heap()   once a serving process has built its engine: count its collections from then
                             (pauses), collect, then move every survivor to the permanent generation
-                            (gc.freeze), so later collections walk only what serving made. Reference counting still frees frozen objects; only
-                            their cycles wait for unfreeze() (model unload, shutdown).
+                            (gc.freeze), so later collections walk only what serving made. Reference
+                            counting still frees frozen objects; only their cycles wait for unfreeze()
+                            (model unload, shutdown).
     pauses                  the process's collections timed through gc.callbacks (counts and seconds per
                             generation), for EngineStats' counters and the metrics endpoint.
 """
