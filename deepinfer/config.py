@@ -180,6 +180,10 @@ class EngineArgs:
     # and index-key blocks of the full blocks and rebuilds the window by bounded replay of the last
     # swa_replay_tokens positions (the prefix cache's replay: fewer bytes, approximate past 128 tokens)
     kv_transfer_window: bool = True
+    # the vision tower's encodes run on this share of the GPU's SMs (a CUDA green context:
+    # worker/sm_partition.py), so images arriving back to back cannot crowd the decode steps off the GPU;
+    # None or 1: every SM (where the driver has no green contexts, said once in the log)
+    vision_sm_share: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -251,6 +255,8 @@ class EngineArgs:
         if self.kv_role != "both" and self.enable_prefix_caching:
             raise ValueError("kv_role 'prefill'/'decode' does not combine with enable_prefix_caching yet (a held "
                              "request's blocks would also be shared by the prefix cache)")
+        if self.vision_sm_share is not None and not 0 < self.vision_sm_share <= 1:
+            raise ValueError(f"vision_sm_share must be in (0, 1] or None, got {self.vision_sm_share!r}")
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if not 0 < self.cache_memory_fraction <= 1:

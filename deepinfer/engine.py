@@ -87,7 +87,7 @@ class Engine:
         self.image_encoder = None     # encodes requests' images ahead of scheduling (worker/image_embeds.py)
         if getattr(self.model, "vision_tower", None) is not None:
             from deepinfer.worker.image_embeds import ImageEncoder
-            self.image_encoder = ImageEncoder(self.model.vision_tower, a.batch_invariant)
+            self.image_encoder = ImageEncoder(self.model.vision_tower, a.batch_invariant, a.vision_sm_share)
         self.sampler, self.num_cache_blocks, self.max_model_len = rt.sampler, rt.num_cache_blocks, rt.max_model_len
         self.graph_sizes, self.async_scheduling = rt.graph_sizes, rt.async_scheduling
 

@@ -10,9 +10,12 @@
      then with the engine's own ImageEncoder (worker/image_embeds.py) encoding one-image requests
      back to back on its CUDA stream from that same thread (ratio = the decode-step slowdown while
      images are being encoded), the same with the steps on a high-priority stream, and inline (the
-     encode on the step stream, as the rank workers of a multi-GPU engine do).
+     encode on the step stream, as the rank workers of a multi-GPU engine do); with --sm-shares, the
+     encoder on each share of the SMs (EngineArgs.vision_sm_share: a green context's stream): the step's
+     slowdown against the images/s the encoder still makes, plotted (vision_sm_shares_<gpu>.png).
 
     python perf/vision_encode.py --quick                (< 2 min on an H200; vision_encode.json in $OUT)
+    python perf/vision_encode.py --quick --sm-shares 0.125 0.25 0.5
     python perf/vision_encode.py                        (both image sizes, more repeats)
     python perf/vision_encode.py --device cpu --tiny    (a CPU smoke run of the code paths, tiny tower)
 
@@ -125,7 +128,7 @@ def load_backbone(preset: str, device: str):
     return load_model(d, device, load_format="dummy", progress=False)
 
 
-def bench_decode_slowdown(model, device: str, batch: int, ctx: int, steps: int, image) -> dict:
+def bench_decode_slowdown(model, device: str, batch: int, ctx: int, steps: int, image, sm_shares=()) -> dict:
     """Decode steps of a running batch as the engine drives them (one host thread; each step's graph
     replayed, its event read back one step later: async scheduling), timed per step over `steps`
     steps: alone; with the engine's own ImageEncoder (worker/image_embeds.py) keeping the GPU busy
@@ -209,6 +212,20 @@ def bench_decode_slowdown(model, device: str, batch: int, ctx: int, steps: int, 
                        slowdown_high_priority=beside_hp / alone_hp, images_encoded_meanwhile_high_priority=n_hp)
         inline, n_inline = loop("inline")
         row.update(inline_step_ms=inline * 1e3, inline_slowdown=inline / alone)
+        row["sm_shares"] = []
+        for share in sm_shares if cuda else ():
+            encoder = ImageEncoder(tower, sm_share=share)       # what EngineArgs.vision_sm_share builds
+            with torch.cuda.stream(encoder.stream):
+                enc = timed(lambda: tower.encode([image]), device, 3)
+            torch.cuda.synchronize()
+            part, n_part = loop("encoder")
+            row["sm_shares"].append(dict(share=share, num_sms=encoder.num_sms, step_ms_while_encoding=part * 1e3,
+                                         slowdown=part / alone, images_per_s_meanwhile=n_part / (part * steps),
+                                         encode_ms=enc * 1e3))
+            print(f"  encoder on {share} of the SMs ({encoder.num_sms or 'all'} SMs): step {part * 1e3:.2f} ms "
+                  f"(x{part / alone:.2f}), {n_part / (part * steps):.1f} images/s meanwhile; one encode alone "
+                  f"{enc * 1e3:.1f} ms", flush=True)
+            encoder = ImageEncoder(tower)
     print(f"decode step B={batch} ctx={ctx} ({steps} steps): {alone * 1e3:.2f} ms alone, "
           f"{beside * 1e3:.2f} ms while the engine's ImageEncoder encodes back to back on its stream "
           f"(slowdown x{beside / alone:.2f}, {n_beside} images meanwhile, {row['images_per_s_meanwhile']:.1f}/s)",
@@ -239,6 +256,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--steps", type=int, default=200, help="decode steps per timed loop of the slowdown part")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--sm-shares", type=float, nargs="*", default=[],
+                   help="also the encoder on each of these shares of the SMs (EngineArgs.vision_sm_share)")
     p.add_argument("--quick", action="store_true",
                    help="the photo only, fewer repeats (under 2 minutes on an H200, backbone load included)")
     a = p.parse_args()
@@ -261,10 +280,36 @@ def main() -> None:
         print(f"(backbone {preset} loaded in {time.perf_counter() - t:.0f} s)", flush=True)
         image = make_image(*SIZES["photo 1024x701"], v, 1)
         t = time.perf_counter()
-        out["decode"] = bench_decode_slowdown(model, a.device, a.batch if not a.tiny else 2, a.ctx if not a.tiny else 256,
-                                              a.steps if not a.tiny else 4, image)
+        out["decode"] = bench_decode_slowdown(model, a.device, a.batch if not a.tiny else 2,
+                                              a.ctx if not a.tiny else 256, a.steps if not a.tiny else 4, image,
+                                              a.sm_shares)
+        if out["decode"].get("sm_shares"):
+            plot_shares(out["decode"])
         print(f"(decode part {time.perf_counter() - t:.0f} s)", flush=True)
     save(out)
+
+
+def plot_shares(row: dict) -> None:
+    """The decode step's slowdown against the images/s the encoder makes meanwhile, one point per SM share
+    (and every SM: the plain stream)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from benchutil import gpu_model, out_dir
+    pts = [("every SM", row["images_per_s_meanwhile"], row["slowdown"])] + [
+        (f"{r['share']} ({r['num_sms'] or 'all'} SMs)", r["images_per_s_meanwhile"], r["slowdown"])
+        for r in row["sm_shares"]]
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for label, x, y in pts:
+        ax.plot([x], [y], "o")
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.axhline(1.0, color="gray", ls="--", lw=1)
+    ax.set(xlabel="images encoded per second meanwhile", ylabel="decode step time / alone",
+           title=f"vision encoder beside batch-{row['batch']} decode ({gpu_model()})")
+    fig.tight_layout()
+    path = os.path.join(out_dir(), f"vision_sm_shares_{gpu_model()}.png")
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", flush=True)
 
 
 def save(out: dict) -> None:

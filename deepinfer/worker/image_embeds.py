@@ -8,7 +8,9 @@ ImageEncoder (the engine, one rank in process): encodes AHEAD of scheduling, bes
                                             expected hit's start (the others are never read)
     engine.step        -> flush()           ONE tower pass over every image submitted since the last
                                             step (each distinct image once, by content hash), on its
-                                            own CUDA stream; the step's own kernels are not held up
+                                            own CUDA stream; the step's own kernels are not held up,
+                                            and with sm_share the tower runs on that share of the SMs
+                                            (worker/sm_partition.py) so it cannot crowd the steps out
     scheduler          -> admits the request from its start once the images it reads are encoded
                           (a hit shorter than expected, or a preempted request, submits the rest and waits)
 
@@ -48,11 +50,20 @@ def encode_unique(tower, prompts_images: list[list], batch_invariant: bool) -> t
 
 
 class ImageEncoder:
-    def __init__(self, tower, batch_invariant: bool = False) -> None:
+    def __init__(self, tower, batch_invariant: bool = False, sm_share: float | None = None) -> None:
+        """sm_share (EngineArgs.vision_sm_share): the tower's encodes run on this share of the GPU's SMs
+        (a green context's stream); None or 1: on every SM, beside the steps."""
         self.tower = tower
         self.batch_invariant = batch_invariant
         dev = tower.image_start.device
-        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.stream, self.num_sms = None, None
+        if dev.type == "cuda":
+            part = None
+            if sm_share is not None and sm_share < 1:
+                from .sm_partition import sm_partition_stream
+                part = sm_partition_stream(dev, sm_share)
+            self.stream = part.stream if part is not None else torch.cuda.Stream(dev)
+            self.num_sms = part.num_sms if part is not None else None
         self._pending: list = []                 # ImagePrompts submitted since the last flush
         self.num_encoded = 0
         self.num_passes = 0

@@ -109,3 +109,62 @@ def test_engine_images_on_cuda(cuda, tiny_checkpoint):
     outs = fast.generate([prompt] * 4 + [[0, 129264]], sp, images=[[a]] * 4 + [[b]])
     assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in outs)
     assert fast.engine.image_encoder.num_passes == 1 and fast.engine.image_encoder.num_encoded == 2
+
+
+def test_tower_on_an_sm_partition_gives_the_same_embeddings(cuda):
+    """EngineArgs.vision_sm_share: the encoder's stream belongs to a green context of that share of the SMs.
+    Work on it must compute what the plain stream computes (torch ops, cuBLAS, SDPA and Triton kernels
+    launched from the primary context onto the partition's stream, tensors allocated outside it), never
+    sync the host, and the partition must hold the driver's rounded share of the SMs, not all of them."""
+    import sys
+    from pathlib import Path
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+    from vision_encode import build_tower
+    from deepinfer.kernels.triton_quant import act_quant
+    from deepinfer.model.vision import VisionArgs, load_image
+    from deepinfer.worker.image_embeds import ImageEncoder
+    from deepinfer.worker.sm_partition import partition_size, sm_partition_stream
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    part = sm_partition_stream(cuda, 0.25)
+    assert part is not None, "CUDA 12.5+ drivers make green contexts"
+    assert part.total_sms == total and 8 <= part.num_sms < total
+    assert part.num_sms >= partition_size(total, 0.25) - 8
+    assert sm_partition_stream(cuda, 0.25) is part                  # one partition per (device, share)
+    v = VisionArgs(n_layers=2)
+    tower = build_tower(v, 5120, "cuda")
+    imgs = [load_image(png(1024, 701, 0), v), load_image(png(300, 900, 1), v)]
+    x = torch.randn(300, 5120, device="cuda", dtype=torch.bfloat16)
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    with sdpa_kernel(fused):
+        ref, ref_q = tower.encode(imgs), act_quant(x)
+    torch.cuda.synchronize()
+    enc = ImageEncoder(tower, sm_share=0.25)
+    assert enc.stream is part.stream and enc.num_sms == part.num_sms
+    with torch.cuda.stream(enc.stream), sdpa_kernel(fused):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got, got_q = tower.encode(imgs), act_quant(x)               # act_quant: a Triton kernel
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    enc.stream.synchronize()
+    torch.testing.assert_close(got_q, ref_q, rtol=0, atol=0)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    assert ImageEncoder(tower, sm_share=1.0).num_sms is None        # the whole GPU: a plain stream
+
+
+def test_engine_images_with_the_encoder_on_an_sm_partition(cuda, tiny_checkpoint):
+    """The engine's encoder on a quarter of the SMs: the same tokens as on a plain stream."""
+    from deepinfer.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    a, b = png(200, 120, 3), png(90, 160, 4)
+    prompts, images = [[0, 100, 200, 129264, 300, 400]] * 2 + [[0, 129264]], [[a], [a], [b]]
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, batch_invariant=True)
+    plain = LLM(str(tiny_checkpoint), **kw).generate(prompts, sp, images=images)
+    llm = LLM(str(tiny_checkpoint), vision_sm_share=0.25, **kw)
+    assert llm.engine.image_encoder.num_sms is not None
+    part = llm.generate(prompts, sp, images=images)
+    assert [o.token_ids for o in part] == [o.token_ids for o in plain]
