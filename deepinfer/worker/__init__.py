@@ -8,5 +8,6 @@
     cuda_graph.py      capture once per padded batch size, replay with the step's buffers
     overlapped_step.py verify steps built on the device from the step still in flight (spec/overlap.py)
     image_embeds.py    image span embeddings, encoded once per request, read by the steps that need them
+    sm_partition.py    a share of the GPU's SMs for side work (the image encoder): a green context's stream
     loading.py         the seam to the model package: dtypes, cache sizes, cache allocation
 """
