@@ -181,9 +181,12 @@ class EngineArgs:
     # swa_replay_tokens positions (the prefix cache's replay: fewer bytes, approximate past 128 tokens)
     kv_transfer_window: bool = True
     # the vision tower's encodes run on this share of the GPU's SMs (a CUDA green context:
-    # worker/sm_partition.py), so images arriving back to back cannot crowd the decode steps off the GPU;
-    # None or 1: every SM (where the driver has no green contexts, said once in the log)
-    vision_sm_share: float | None = None
+    # worker/sm_partition.py), so images arriving back to back cannot crowd the decode steps off the GPU.
+    # H100, 2026-12-06 (perf/vision_encode.py --sm-shares, batch-16 decode beside photos encoded back to
+    # back): every SM x4.13 step time at 39.6 images/s; 0.5 x1.80 at 18.2; 0.25 x1.38 at 7.9; 0.125 x1.30 at
+    # 4.2 (the decode time lost per image about the same at 1 and 0.5: 19 / 24 ms). None or 1: every SM (also
+    # where the driver has no green contexts, said once in the log); rank workers encode inline
+    vision_sm_share: float | None = 0.5
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
