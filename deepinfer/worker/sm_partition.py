@@ -93,9 +93,14 @@ def _create(device: int, share: float) -> SmPartition:
           "cuGreenCtxCreate")
     check(lib, lib.cuGreenCtxStreamCreate(ctypes.byref(stream), gctx, CU_STREAM_NON_BLOCKING, 0),
           "cuGreenCtxStreamCreate")
+    ext = torch.cuda.ExternalStream(stream.value, device=torch.device("cuda", device))
+    with torch.cuda.stream(ext):        # one launch and a wait at start: a stream that cannot run work is
+        probe = torch.ones(8, device=torch.device("cuda", device)).cumsum(0)   # refused here, not mid-serving
+    ext.synchronize()
+    if probe[-1].item() != 8:
+        raise RuntimeError("a kernel on the partition's stream computed a wrong value")
     logger.info("SM partition on cuda:%d: %d of %d SMs (share %.3g asked)", device, part.smCount, whole.smCount, share)
-    return SmPartition(torch.cuda.ExternalStream(stream.value, device=torch.device("cuda", device)),
-                       int(part.smCount), int(whole.smCount))
+    return SmPartition(ext, int(part.smCount), int(whole.smCount))
 
 
 def sm_partition_stream(device: torch.device | int, share: float) -> SmPartition | None:
