@@ -5,7 +5,9 @@ others, not over them).
 
     rows_by_shape(path, row=lambda r: r, device=None)   -> (device or None, {(N, K): [row(r), ...] by ascending M})
     merge_table(path, table)                             the file with `table` ({"device", "rows", ...}) in place of
-                                                         that device's (added where it had none)
+                                                         that device's (added where it had none); the old table's
+                                                         rows of (N, K, M) points the new one did not measure stay
+                                                         (a run of a few shapes or M's adds them to the table)
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ def rows_by_shape(path: str, row: Callable[[dict], object] = lambda r: r,
 
 
 def merge_table(path: str, table: dict) -> None:
-    tables = [t for t in _tables(path) if t.get("device") != table["device"]] + [table]
+    old = _tables(path)
+    measured = {(r["n"], r["k"], r["m"]) for r in table["rows"]}
+    kept = [r for t in old if t.get("device") == table["device"] for r in t["rows"]
+            if (r["n"], r["k"], r["m"]) not in measured]
+    table = dict(table, rows=kept + list(table["rows"]))
+    tables = [t for t in old if t.get("device") != table["device"]] + [table]
     with open(path, "w") as f:
         json.dump({"tables": sorted(tables, key=lambda t: t.get("device") or "")}, f, indent=1)

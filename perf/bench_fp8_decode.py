@@ -36,6 +36,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "kernels"))
 from bench_fp8_prefill import DENSE  # noqa: E402
 from benchutil import copies_for, gpu_model, measure_ceilings, out_dir, save_json, time_calls  # noqa: E402
 
+# the prefill bench's six dense linears and the two FP8 linears that only decode-sized steps run at these M:
+# Engram's wkv (two layers of the release, 315 MB of bf16 a call) and DSpark's main_proj (the drafts' input)
+DECODE_SHAPES = {**DENSE, "engram_wkv": (25600, 6144), "dspark_main_proj": (5120, 15360)}
+
 
 def weights(n: int, k: int, copies: int):
     out = []
@@ -228,7 +232,7 @@ def main() -> None:
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     p.add_argument("--forms", action="store_true", help="also every row-block form and split counts")
     p.add_argument("--breakdown", action="store_true", help="also time each part of a call alone (quant, GEMM, reduce)")
-    p.add_argument("--only", nargs="+", default=None, help="only these linears (names of bench_fp8_prefill.DENSE)")
+    p.add_argument("--only", nargs="+", default=None, help="only these linears (names of DECODE_SHAPES)")
     p.add_argument("--write-table", action="store_true", help="(with --forms) write kernels/fp8_decode_table.json")
     p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a saved run (its bench_fp8_decode JSON)")
     p.add_argument("--plot-out", default=None, help="(with --replot) the PNG's path")
@@ -242,7 +246,7 @@ def main() -> None:
     peaks = measure_ceilings()
     print(f"copy {peaks['copy_bw'] / 1e12:.2f} TB/s, FP8 peak {peaks['fp8_flops'] / 1e12:.0f} TFLOP/s")
     rows = []
-    for name, (n, k) in DENSE.items():
+    for name, (n, k) in DECODE_SHAPES.items():
         if a.only is None or name in a.only:
             rows += rows_for(name, n, k, a.m, peaks["copy_bw"], a.forms, a.breakdown)
     save_json("bench_fp8_decode", {"peaks": peaks, "rows": rows})

@@ -50,13 +50,11 @@ def write_table(rows: list[dict], source: str, device: str, path: str = TABLE) -
     else None; merged by (N, K, M) into that model's rows at path (a run of some M's keeps the others'; the
     other models' tables stay as they are); a copy goes to out_dir()."""
     from deepinfer.kernels.measured_table import merge_table, rows_by_shape
-    new = {(r["n"], r["k"], r["m"]): dict(n=r["n"], k=r["k"], m=r["m"], cfg=json.loads(r["best"].replace("'", '"'))
-                                          if r["best_x"] >= WIN_MARGIN else None) for r in rows}
-    merged = {(n, k, r["m"]): r for (n, k), rs in rows_by_shape(path, device=device)[1].items() for r in rs}
-    merged.update(new)
-    out = [merged[key] for key in sorted(merged)]
-    merge_table(path, {"measured": source, "device": device, "win_margin": WIN_MARGIN, "rows": out})
+    new = [dict(n=r["n"], k=r["k"], m=r["m"], cfg=json.loads(r["best"].replace("'", '"'))
+                if r["best_x"] >= WIN_MARGIN else None) for r in rows]
+    merge_table(path, {"measured": source, "device": device, "win_margin": WIN_MARGIN, "rows": new})
     shutil.copyfile(path, os.path.join(out_dir(), os.path.basename(path)))
+    out = [r for rs in rows_by_shape(path, device=device)[1].values() for r in rs]
     print(f"wrote {path} ({device}): {sum(r['cfg'] is not None for r in out)} of {len(out)} (N, K, M) on the "
           f"Triton kernel ({len(new)} measured now)")
 

@@ -229,7 +229,8 @@ def test_table_takes_the_measured_winner_at_the_covering_m(tmp_path, monkeypatch
 
 def test_tables_of_several_gpu_models_live_in_one_file(tmp_path, monkeypatch):
     """merge_table adds a GPU model's table beside the others (a one-table file included) and replaces only its
-    own; table_row reads the table of the GPU it is asked about."""
+    own, point by point (a run of one shape or one M keeps the rows of the others); table_row reads the table of
+    the GPU it is asked about."""
     from deepinfer.kernels import cuda_fp8_decode as cfd
     from deepinfer.kernels.measured_table import merge_table
 
@@ -250,6 +251,16 @@ def test_tables_of_several_gpu_models_live_in_one_file(tmp_path, monkeypatch):
         assert cfd.table_choice(8, 64, 256, "GPU A") is None                              # 9.0 < 1.03 x 20.0
         assert cfd.table_choice(8, 64, 256, "GPU B") == ("fp8_decode_sm90_t16_rb1_x2", 1)
         assert len(json.loads(path.read_text())["tables"]) == 2
+        other = {"device": "GPU A", "rows": [dict(n=128, k=512, m=16, entry="fp8_decode_sm90_t16_rb2", splits=2,
+                                                  decode_us=3.0, bf16_held_us=9.0, fp8_select_us=9.0)]}
+        merge_table(str(path), other)              # another shape measured alone: added, the first shape's row kept
+        merge_table(str(path), dict(other, rows=[dict(other["rows"][0], m=64, decode_us=30.0)]))   # another M
+        cfd.reload_table()
+        assert cfd.table_choice(8, 128, 512, "GPU A") == ("fp8_decode_sm90_t16_rb2", 2)
+        assert cfd.table_row(8, 64, 256, "GPU A")["decode_us"] == 20.0
+        rows_a = next(t for t in json.loads(path.read_text())["tables"] if t["device"] == "GPU A")["rows"]
+        assert sorted((r["n"], r["m"]) for r in rows_a) == [(64, 16), (128, 16), (128, 64)]
+        assert cfd.table_choice(8, 128, 512, "GPU A") == ("fp8_decode_sm90_t16_rb2", 2)   # M 16's row still there
     finally:
         monkeypatch.undo()
         cfd.reload_table()
