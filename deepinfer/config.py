@@ -103,15 +103,16 @@ class EngineArgs:
     dummy_routing: str = "model"
     # "fp8" (the release format on the device: FP8 kernels) or "bf16": the dense FP8 linears (not the
     # routed experts) dequantized exactly at load and run by act_quant + cuBLAS in every step, decode
-    # graphs included; one more byte per dense weight element (~7.5 GB per GPU for the full model).
-    # "auto": bf16 on CUDA where that fits 8% of the device's memory (worker/loading.py hold_dense_bf16;
-    # H200, 2026-12-03: batch-64 verify steps 1.37x, batch-128 decode 1.08x, the per-call dequant of
-    # prefill gone), fp8 elsewhere (a CPU run computes the same values either way)
-    # "bf16+fp8": bf16 as above, plus the release's FP8 bytes kept beside them for decode-sized calls on the
-    # CUDA FP8 x FP8 decode GEMM (kernels/cuda_fp8_decode.py) where DEEPINFER_FP8_DECODE_MAX_M opts in; one
-    # more byte per element (~7 GB at 40 layers), so opt-in: every expert read (balanced routing, H100,
-    # 2026-12-06) the batch 16 / 64 / 128 step 6.10 / 6.67 / 7.26 ms against 6.85 at 64 on bf16 alone (the
-    # one form at the 0.80-of-copy bar at batch 64, 0.797 as measured; H200 not re-measured)
+    # graphs included; one more byte per dense weight element (~6 GB per GPU for the release's 40 layers).
+    # "bf16+fp8": bf16 as above, plus the release's FP8 bytes kept beside every one of them for decode-sized
+    # calls on the CUDA FP8 x FP8 decode GEMM (kernels/cuda_fp8_decode.py) where its measured table has it
+    # faster; one more byte per element again. "auto": bf16 on CUDA where the extra byte fits 8% of the
+    # device's memory (worker/loading.py hold_dense_bf16; H200, 2026-12-03: batch-64 verify steps 1.37x,
+    # batch-128 decode 1.08x, the per-call dequant of prefill gone), fp8 elsewhere (a CPU computes the same
+    # values either way), and within the same 8% the FP8 copies of the linears the GPU's decode table says pay
+    # at <= 64 tokens, most time saved per byte first (dense_fp8_copies: on an H200 the release's wq_b, wo_b,
+    # wqkv_a and shared w13; every expert read, H100, 2026-12-06, the batch-64 step 6.68-6.84 ms on bf16 alone,
+    # 6.51-6.64 with the copies)
     dense_weights: str = "auto"
     # the routed experts on CUDA: "fp8" (e4m3 stacks, twice the release's bytes: the W8A16 / FP8 x FP8
     # kernels) or "fp4" (the release's MXFP4 bytes, half the experts' memory: the W4A16 kernels at decode,

@@ -8,6 +8,8 @@ e4m3 weights and their E8M0 scales per 32x32 block or per (row, 32).
     fp8_decode_gemm(a, sa_t, w, sb, ...)        a [M, K] e4m3, sa_t [K/32, m_ld] f32 (act_quant_fp8's
                                                 transposed scales) -> [M, N] bf16
     plan(m, n, k, sms, rb=None) -> (entry, splits)   the form and K splits for a call (the wave model)
+    measured_rows(n, k, device_name)            the table's rows of a weight shape (worker/loading.py picks
+                                                the dense linears whose FP8 copies pay by them)
     table_row / table_choice(m, n, k, device_name, against)   the measured best form and split count
                                                 (fp8_decode_table.json, written by the bench), and
                                                 whether it beat the bf16-held / other FP8 paths (select's rule)
@@ -96,6 +98,11 @@ def _table(device_name: str) -> dict:
 def reload_table() -> None:
     """Read TABLE_PATH again at the next call (tests and benchmarks swap tables)."""
     _table.cache_clear()
+
+
+def measured_rows(n: int, k: int, device_name: str) -> list[dict]:
+    """The table's rows of an [n, k] weight on this GPU model, by ascending M ([] where none were measured)."""
+    return list(_table(device_name).get((n, k), ()))
 
 
 def table_row(m: int, n: int, k: int, device_name: str) -> dict | None:

@@ -171,8 +171,9 @@ def main() -> None:
     p.add_argument("--preset", default="full-width-ep8")
     p.add_argument("--expert-format", default="fp8", choices=["fp8", "fp4"],
                    help="the routed experts' stacks: FP8 (2x the release's bytes) or the release's MXFP4 (W4A16)")
-    p.add_argument("--dense-weights", default="bf16", choices=["fp8", "bf16", "bf16+fp8"],
-                    help="bf16 (the engine's CUDA default, EngineArgs.dense_weights=\"auto\"): the dense FP8 linears dequantized at load")
+    p.add_argument("--dense-weights", default="auto", choices=["auto", "fp8", "bf16", "bf16+fp8"],
+                    help="EngineArgs.dense_weights; auto (the engine's default): bf16 where it fits, with FP8 decode "
+                         "copies of the linears this GPU's decode table says pay")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--routing", default="balanced", choices=["balanced", "model"],
@@ -218,6 +219,9 @@ def main() -> None:
         ckpt = a.checkpoint or build_checkpoint(a.preset)
         model = load_model(ckpt, "cuda")
     print(f"loaded {ckpt} in {time.time() - t0:.0f} s; kernels: {capability_report()}", flush=True)
+    copied = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                     if getattr(m, "fp8_decode", None) is not None})
+    print(f"dense weights {a.dense_weights}: FP8 decode copies of {', '.join(copied) or 'none'}", flush=True)
     stacks = [m.stacks for m in model.modules() if getattr(m, "stacks", None) is not None]
     print(f"expert stacks with one scale per row: w13 {sum(st.r13 is not None for st in stacks)}, "
           f"w2 {sum(st.r2 is not None for st in stacks)} of {len(stacks)}", flush=True)

@@ -292,8 +292,9 @@ def main() -> None:
     p.add_argument("--preset", default="full-width-ep8")
     p.add_argument("--expert-format", default="fp8", choices=["fp8", "fp4"],
                    help="the routed experts' stacks: FP8 (2x the release's bytes) or the release's MXFP4 (W4A16)")
-    p.add_argument("--dense-weights", default="bf16", choices=["fp8", "bf16", "bf16+fp8"],
-                    help="bf16 (the engine's CUDA default, EngineArgs.dense_weights=\"auto\"): the dense FP8 linears dequantized at load")
+    p.add_argument("--dense-weights", default="auto", choices=["auto", "fp8", "bf16", "bf16+fp8"],
+                    help="EngineArgs.dense_weights; auto (the engine's default): bf16 where it fits, with FP8 decode "
+                         "copies of the linears this GPU's decode table says pay")
     p.add_argument("--cases", nargs="+", default=["1x8192", "4x2048", "16x512", "chunked"])
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--profile", action="store_true")

@@ -153,7 +153,8 @@ def dummy_model(preset: str, device: str = "cuda", dense_weights: str = "fp8", e
                 **load_options):
     """The preset's model with random weights made on the device (load_format="dummy"): no checkpoint
     to build (the full-width-ep8 one takes ~3 min of CPU and 12 GB of disk). dense_weights "bf16": the
-    dense FP8 linears dequantized at load (EngineArgs.dense_weights); expert_format "fp4": the routed
+    dense FP8 linears dequantized at load, "bf16+fp8" / "auto" with FP8 decode copies as the engine resolves
+    them (EngineArgs.dense_weights); expert_format "fp4": the routed
     experts held as the release's MXFP4 (EngineArgs.expert_format); load_options: more of load_model's
     (a CPU load with the CUDA defaults: weight_format="fp8", moe_masked=True, ...)."""
     import tempfile
@@ -162,8 +163,13 @@ def dummy_model(preset: str, device: str = "cuda", dense_weights: str = "fp8", e
     d = tempfile.mkdtemp(prefix=f"deepinfer-{preset}-")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(hf_config(text_config(preset)), f)
-    return load_model(d, device, load_format="dummy", progress=False, dense_bf16=dense_weights.startswith("bf16"),
-                      dense_fp8_copy=dense_weights == "bf16+fp8", expert_format=expert_format, **load_options)
+    from deepinfer.model.args import ModelArgs
+    from deepinfer.worker.loading import dense_fp8_copies, hold_dense_bf16
+    args = ModelArgs.from_checkpoint(d)
+    bf16 = dense_weights.startswith("bf16") or (dense_weights == "auto" and hold_dense_bf16("auto", device, args))
+    copies = dense_fp8_copies(dense_weights, device, args) if bf16 and dense_weights != "bf16" else False
+    return load_model(d, device, load_format="dummy", progress=False, dense_bf16=bf16, dense_fp8_copy=copies,
+                      expert_format=expert_format, **load_options)
 
 
 def routed_experts(model, step) -> dict[int, int]:

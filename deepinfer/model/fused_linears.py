@@ -15,6 +15,11 @@ import torch
 
 from .layers import Linear
 
+# the Linears the model fuses (Attention.fuse_input_linears, MoE.fuse_input_linears), by the tail of their
+# tensors' names: one call over the stacked weight, [sum of N, K]
+FUSED_GROUPS = (("attn.wq_a.weight", "attn.wkv.weight"),
+                ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"))
+
 
 def _stack_fp8(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, list] | None:
     """(stacked e4m3 weight, stacked scales, each pair's views of them) of FP8 (weight, scales) pairs that can

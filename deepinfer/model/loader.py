@@ -346,7 +346,7 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
                weight_format: str | None = None, moe_masked: bool | None = None, fuse_linears: bool | None = None,
                expert_row_scales: bool | None = None, wo_a_fp8: bool | None = None, parallel=None,
                load_format: str = "safetensors", dense_bf16: bool = False, expert_format: str = "fp8",
-               dense_fp8_copy: bool = False, **arg_overrides):
+               dense_fp8_copy: bool | frozenset = False, **arg_overrides):
     """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input.
 
     weight_format: "dense" or "fp8" (the module docstring); default "fp8" on CUDA, "dense" elsewhere.
@@ -365,7 +365,8 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     load_format: "safetensors" (the release shards) or "dummy" (random weights of the config, made
     on the device: model/dummy_weights.py; the folder then needs only config.json).
     dense_bf16 ("fp8" only): the dense FP8 linears as exact compute-dtype weights (the module docstring).
-    dense_fp8_copy (with dense_bf16): each such Linear also keeps the release's FP8 bytes (Linear.fp8_decode)
+    dense_fp8_copy (with dense_bf16): each such Linear also keeps the release's FP8 bytes (Linear.fp8_decode);
+    a frozenset of tensor kinds ("layers.N.attn.wq_b.weight", worker/loading.py dense_fp8_copies): only those
     for decode-sized calls on the CUDA FP8 x FP8 decode GEMM; one more byte per dense element.
     expert_format ("fp8" only): the routed experts' stacks (moe.ExpertStacks): "fp8" (e4m3, twice the
     release's bytes) or "fp4" (the release's MXFP4 bytes, half the memory, W4A16 kernels); a layer whose
@@ -470,7 +471,12 @@ class _Format:
     wo_a_fp8: bool = False         # "fp8": wo_a keeps its FP8 blocks (Linear.fp8_blocks)
     dense_bf16: bool = False       # "fp8": dense FP8 linears dequantized at load (experts stay FP8)
     expert_fp4: bool = False       # "fp8": the routed experts in FP4 stacks (expert_format="fp4")
-    dense_fp8_copy: bool = False   # dense_bf16: also keep the FP8 bytes (Linear.fp8_decode)
+    dense_fp8_copy: bool | frozenset = False   # dense_bf16: also keep the FP8 bytes (Linear.fp8_decode): all, or
+                                               # of these tensor kinds ("layers.N.attn.wq_b.weight")
+
+    def keeps_fp8_copy(self, name: str) -> bool:
+        copy = self.dense_fp8_copy
+        return copy is True or (bool(copy) and tensor_kind(name) in copy)
 
 
 def _materialize_rest(model, device) -> None:
@@ -531,6 +537,11 @@ _EXPERT = re.compile(r"(.+)\.experts\.\d+\.w[123]\.weight")
 _EXPERT_ID = re.compile(r"(.+)\.experts\.(\d+)\.(w[123]\.weight)")
 
 
+def tensor_kind(name: str) -> str:
+    """A tensor's name with its layer / block indices as N ("layers.N.attn.wq_b.weight"): one kind for all layers."""
+    return re.sub(r"\.\d+\.", ".N.", name)
+
+
 def _load_one(model, name, kind, infos, mm, fmt: _Format, target: str | None = None):
     """Read checkpoint tensor `name` (and its scale) into the module at `target` (default: name)."""
     info = infos[name]
@@ -561,7 +572,7 @@ def _load_one(model, name, kind, infos, mm, fmt: _Format, target: str | None = N
             return
         if fmt.dense_bf16:                      # on the device: a CPU fp32 pass over every dense weight is slow
             t, scale = t.to(device), scale.to(device)
-            if fmt.dense_fp8_copy and not wo_a:     # (wo_a runs as a block-diagonal einsum, never a Linear call)
+            if fmt.keeps_fp8_copy(name) and not wo_a:   # (wo_a: a block-diagonal einsum, never a Linear call)
                 mod.fp8_decode = (t, scale)
         t = ops.dequant_fp8(t, scale)
         quantized = True

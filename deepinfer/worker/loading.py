@@ -11,8 +11,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 # dense_weights="auto" holds the dense FP8 linears in bf16 on CUDA while their extra byte per element
-# stays within this share of the device's memory (the bytes come out of the KV cache): the full model
-# (~7.5G dense elements) fits it on a 141 GB H200, not on an 80 GB GPU
+# stays within this share of the device's memory (the bytes come out of the KV cache), and spends what is left
+# of it on FP8 decode copies (dense_fp8_copies): the release's 40 layers (6.0G dense elements with DSpark's
+# blocks) fit it on a 141 GB H200 (5.3 GB left for copies) and just fit an 80 GB H100 (0.4 GB left)
 DENSE_BF16_MAX_SHARE = 0.08
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -110,11 +111,6 @@ def resolved_expert_format(expert_format: str, device: str, batch_invariant: boo
     return "fp8"
 
 
-def keep_dense_fp8_copy(dense_weights: str, device: str) -> bool:
-    """dense_weights="bf16+fp8" on CUDA: the bf16-held Linears keep their FP8 bytes (Linear.fp8_decode)."""
-    return dense_weights == "bf16+fp8" and device.startswith("cuda")
-
-
 def hold_dense_bf16(dense_weights: str, device: str, model_args, total_memory: int | None = None) -> bool:
     """EngineArgs.dense_weights on this device: "bf16" ("bf16+fp8") and "fp8" as asked (bf16 on CUDA only: a CPU
     computes the same values either way); "auto": bf16 on CUDA when the extra byte per dense element is
@@ -131,3 +127,77 @@ def hold_dense_bf16(dense_weights: str, device: str, model_args, total_memory: i
                     "%.0f%% of the device's %.0f GB)", extra / 1e9, 100 * DENSE_BF16_MAX_SHARE, total_memory / 1e9)
         return False
     return True
+
+
+# dense_weights="auto" also keeps the release's FP8 bytes beside the bf16 weights (Linear.fp8_decode) of the
+# linears where this GPU model's measured decode table (kernels/fp8_decode_table.json) has the FP8 decode GEMM
+# beat the bf16-held path at some decode size up to this many tokens: most time saved a step per copied element
+# first, while the bf16 weights' extra byte and the copies stay within DENSE_BF16_MAX_SHARE of the device (the
+# release on an H200: wq_b, wo_b, the shared expert's w1 / w3, Engram's wkv; H100, 2026-12-06: every copy, the
+# balanced batch-64 step 6.68-6.84 -> 6.51-6.64 ms)
+DENSE_FP8_COPY_MAX_M = 64
+
+
+def decode_copy_kinds(model_args, rows_of, budget: int) -> frozenset[str]:
+    """The tensor kinds ("layers.N.attn.wq_b.weight") whose FP8 copies pay at decode sizes: rows_of(n, k) gives
+    the measured table's rows of a call's shape; a kind pays where a row of at most DENSE_FP8_COPY_MAX_M tokens
+    has the decode GEMM WIN_MARGIN faster than the bf16-held path. Taken by microseconds saved a step per
+    copied element, while their elements fit `budget`; fused linears (fused_linears.FUSED_GROUPS) are one call:
+    copied both or neither."""
+    from deepinfer.kernels.cuda_fp8_decode import WIN_MARGIN
+    from deepinfer.model.fused_linears import FUSED_GROUPS
+    from deepinfer.model.loader import expected_tensors, tensor_kind
+    kinds: dict[str, list] = {}                  # kind -> [tensors, elements, (N, K)]
+    for name, (kind, shape) in expected_tensors(model_args).items():
+        if kind != "fp8" or name.endswith("attn.wo_a.weight"):
+            continue
+        entry = kinds.setdefault(tensor_kind(name), [0, 0, tuple(shape)])
+        entry[0] += 1
+        entry[1] += prod(shape)
+    calls = []                                   # (kinds, tensors a kind, elements, (N, K) of the call)
+    grouped = set()
+    for group in FUSED_GROUPS:
+        for prefix in {k[:-len(group[0])] for k in kinds if k.endswith(group[0])}:
+            members = [prefix + suffix for suffix in group]
+            if all(m in kinds for m in members):
+                grouped.update(members)
+                n = sum(kinds[m][2][0] for m in members)
+                calls.append((tuple(members), kinds[members[0]][0], sum(kinds[m][1] for m in members),
+                              (n, kinds[members[0]][2][1])))
+    calls += [((k,), v[0], v[1], v[2]) for k, v in kinds.items() if k not in grouped]
+    scored = []
+    for members, count, elements, (n, k) in calls:
+        gains = [r["bf16_held_us"] - r["decode_us"] for r in rows_of(n, k)
+                 if r["m"] <= DENSE_FP8_COPY_MAX_M and r["bf16_held_us"] >= WIN_MARGIN * r["decode_us"]]
+        if gains:
+            scored.append((max(gains) * count / elements, members, elements))
+    chosen: set[str] = set()
+    for _, members, elements in sorted(scored, key=lambda s: -s[0]):
+        if elements <= budget:
+            chosen.update(members)
+            budget -= elements
+    return frozenset(chosen)
+
+
+def dense_fp8_copies(dense_weights: str, device: str, model_args, total_memory: int | None = None) -> bool | frozenset:
+    """Which bf16-held dense linears keep their FP8 bytes for the decode GEMM (Linear.fp8_decode): True, every
+    one ("bf16+fp8"); False, none ("bf16", "fp8", a CPU, or "auto" where the bf16 weights do not fit); "auto":
+    the kinds decode_copy_kinds takes from this GPU model's measured table within what DENSE_BF16_MAX_SHARE of the
+    device leaves past the bf16 weights' extra byte (an empty set where no table was measured on it)."""
+    if not device.startswith("cuda") or dense_weights in ("fp8", "bf16"):
+        return False
+    if dense_weights == "bf16+fp8":
+        return True
+    dev = torch.device(device)
+    if total_memory is None:
+        total_memory = torch.cuda.get_device_properties(dev).total_memory
+    if not hold_dense_bf16(dense_weights, device, model_args, total_memory):
+        return False
+    from deepinfer.kernels.cuda_fp8_decode import measured_rows
+    gpu = torch.cuda.get_device_name(dev)
+    budget = int(DENSE_BF16_MAX_SHARE * total_memory) - dense_fp8_elements(model_args)
+    kinds = decode_copy_kinds(model_args, lambda n, k: measured_rows(n, k, gpu), budget)
+    if kinds:
+        logger.info("dense_weights='auto': FP8 decode copies kept beside the bf16 weights of %s",
+                    ", ".join(sorted({k.split(".N.", 1)[-1].rsplit(".weight", 1)[0] for k in kinds})))
+    return kinds

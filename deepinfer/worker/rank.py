@@ -67,8 +67,8 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
     from deepinfer.kernels.select import precompile_cuda_kernels
     from deepinfer.model.loader import load_model
     from deepinfer.worker.graph_step import graph_sizes
-    from deepinfer.worker.loading import (allocate_caches, cache_bytes_per_block, expert_share, hold_dense_bf16,
-                                          keep_dense_fp8_copy, resolved_expert_format, torch_dtype)
+    from deepinfer.worker.loading import (allocate_caches, cache_bytes_per_block, dense_fp8_copies, expert_share,
+                                          hold_dense_bf16, resolved_expert_format, torch_dtype)
     device = device or args.resolved_device()
     torch_dtype(args.dtype)
     check_replay_tokens(args, facts.model_args)
@@ -83,7 +83,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                        expert_format=resolved_expert_format(args.expert_format, device, args.batch_invariant,
                                                             facts.model_args, expert_share(facts.model_args, parallel)),
                        **({"dense_bf16": True} if hold_dense_bf16(args.dense_weights, device, facts.model_args) else {}),
-                       **({"dense_fp8_copy": True} if keep_dense_fp8_copy(args.dense_weights, device) else {}),
+                       dense_fp8_copy=dense_fp8_copies(args.dense_weights, device, facts.model_args),
                        # EPLB moves experts between ranks' stacks: keep one scale form in all of them
                        **({"expert_row_scales": False} if args.enable_eplb else {}), **model_overrides(args))
     if nvcc is not None:

@@ -319,11 +319,77 @@ def test_dense_fp8_copy_holds_the_same_values(models, tiny_checkpoint):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="dense_fp8_copy"):
         load_model(tiny_checkpoint, progress=False, weight_format="fp8", dense_fp8_copy=True)
-    from deepinfer.worker.loading import hold_dense_bf16, keep_dense_fp8_copy
-    assert keep_dense_fp8_copy("bf16+fp8", "cuda:0") and not keep_dense_fp8_copy("bf16+fp8", "cpu")
-    assert not keep_dense_fp8_copy("bf16", "cuda") and not keep_dense_fp8_copy("auto", "cuda")
     from deepinfer.model.args import ModelArgs
-    assert hold_dense_bf16("bf16+fp8", "cuda", ModelArgs.from_checkpoint(tiny_checkpoint), total_memory=1)
+    from deepinfer.worker.loading import dense_fp8_copies, hold_dense_bf16
+    args = ModelArgs.from_checkpoint(tiny_checkpoint)
+    assert dense_fp8_copies("bf16+fp8", "cuda:0", args, total_memory=1) is True
+    assert not dense_fp8_copies("bf16+fp8", "cpu", args) and not dense_fp8_copies("bf16", "cuda", args, 1 << 40)
+    assert not dense_fp8_copies("auto", "cuda", args, total_memory=1)          # no room for the bf16 weights
+    assert hold_dense_bf16("bf16+fp8", "cuda", args, total_memory=1)
+
+
+def test_fp8_copies_of_some_kinds_only(tiny_checkpoint, models):
+    """dense_fp8_copy as a set of tensor kinds (what dense_weights="auto" picks): only those Linears keep FP8
+    bytes, a fused pair keeps one stacked copy when both of its kinds are named, and the CPU run is the plain
+    bf16 model's bit for bit."""
+    from deepinfer.model.fused_linears import FUSED_GROUPS
+    kinds = frozenset({"layers.N.attn.wq_b.weight", "layers.N.attn.wq_a.weight", "layers.N.attn.wkv.weight"})
+    assert ("attn.wq_a.weight", "attn.wkv.weight") in FUSED_GROUPS
+    m = load_model(tiny_checkpoint, progress=False, weight_format="fp8", dense_bf16=True, moe_masked=True,
+                   fuse_linears=True, dense_fp8_copy=kinds)
+    copied = {name for name, mod in m.named_modules() if isinstance(mod, Linear) and mod.fp8_decode is not None}
+    layers = [name for name, _ in m.named_modules() if name.startswith("layers.") and name.count(".") == 1]
+    want = {f"{layer}.attn.{lin}" for layer in layers for lin in ("wq_b", "wq_a", "wkv", "wqkv_a")}
+    assert copied == want
+    for a, b in zip(_run(m), _run(models["fp8-dense-fused"])):
+        assert torch.equal(a, b)
+
+
+def test_the_models_fused_linears_are_fused_groups(models):
+    """fused_linears.FUSED_GROUPS (how worker/loading.py sizes a fused call) names what the model fuses."""
+    from deepinfer.model.fused_linears import FUSED_GROUPS
+    m = models["fp8-dense-fused"]
+    att = next(mod for mod in m.modules() if getattr(mod, "wqkv_a", None) is not None)
+    ffn = next(mod for mod in m.modules() if getattr(mod, "shared_w13", None) is not None)
+    fused = {("attn.wq_a.weight", "attn.wkv.weight"): (att.wqkv_a, [att.wq_a, att.wkv]),
+             ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"):
+                 (ffn.shared_w13, [ffn.shared_experts.w1, ffn.shared_experts.w3])}
+    assert set(fused) == set(FUSED_GROUPS)
+    for stacked, parts in fused.values():
+        assert stacked.out_features == sum(p.out_features for p in parts)
+
+
+def test_auto_fp8_copies_follow_the_measured_table(tmp_path):
+    """decode_copy_kinds (the release's shapes, every one distinct): a kind is copied where a measured row of <= 64
+    tokens has the decode GEMM 1.03x the bf16-held path, in the backbone and DSpark's blocks alike; a fused pair
+    is one call of the stacked shape, copied whole or not at all; the most time saved per element goes first
+    while the budget lasts."""
+    import json
+
+    from deepinfer.checkpoint.generator import hf_config, text_config
+    from deepinfer.model.args import ModelArgs
+    from deepinfer.model.loader import expected_tensors
+    from deepinfer.worker.loading import decode_copy_kinds
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(text_config("release-ep8"))))
+    args = ModelArgs.from_checkpoint(tmp_path)
+    wq_b, wo_b, qkv = (32768, 1280), (5120, 8192), (1792, 5120)        # qkv: wq_a [1280, 5120] + wkv [512, 5120]
+
+    def rows(gains: dict):
+        return lambda n, k: [dict(m=m, decode_us=10.0, bf16_held_us=10.0 + g) for m, g in gains.get((n, k), [])]
+
+    def kinds(*tails):
+        return {f"{p}.N.{t}.weight" for p in ("layers", "mtp") for t in tails}
+    table = {wq_b: [(64, 5.0)], wo_b: [(16, 1.0), (64, 0.2)], qkv: [(32, 8.0), (128, 30.0)]}
+    assert decode_copy_kinds(args, rows(table), budget=1 << 40) == kinds("attn.wq_b", "attn.wo_b", "attn.wq_a",
+                                                                         "attn.wkv")   # wo_b: by its M 16 row
+    assert decode_copy_kinds(args, rows({qkv: [(128, 30.0)], wo_b: [(64, 0.2)]}), budget=1 << 40) == frozenset()
+    elements = {shape: sum(s[0] * s[1] for name, (kind, s) in expected_tensors(args).items() if tuple(s) == shape)
+                for shape in (wq_b, wo_b)}
+    table = {wq_b: [(64, 5.0)], wo_b: [(64, 8.0)]}        # wo_b saves more per element (same size, more us)
+    budget = max(elements.values())
+    assert decode_copy_kinds(args, rows(table), budget=budget) == kinds("attn.wo_b")
+    # one element short: the backbone's 40 wo_b fit, DSpark's 3 no longer do (nor anything of wq_b)
+    assert decode_copy_kinds(args, rows(table), budget=budget - 1) == {"layers.N.attn.wo_b.weight"}
 
 
 def test_fusing_needs_one_weight_form():
