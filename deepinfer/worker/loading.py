@@ -133,8 +133,8 @@ def hold_dense_bf16(dense_weights: str, device: str, model_args, total_memory: i
 # linears where this GPU model's measured decode table (kernels/fp8_decode_table.json) has the FP8 decode GEMM
 # beat the bf16-held path at some decode size up to this many tokens: most time saved a step per copied element
 # first, while the bf16 weights' extra byte and the copies stay within DENSE_BF16_MAX_SHARE of the device (the
-# release on an H200: wq_b, wo_b, the shared expert's w1 / w3, Engram's wkv; H100, 2026-12-06: every copy, the
-# balanced batch-64 step 6.68-6.84 -> 6.51-6.64 ms)
+# release on an H200, by its table of 2026-12-05: wq_b, wo_b, wqkv_a and the shared w1 / w3, DSpark's blocks
+# too; on an 80 GB H100 only wqkv_a fits)
 DENSE_FP8_COPY_MAX_M = 64
 
 
