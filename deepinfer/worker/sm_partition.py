@@ -32,7 +32,9 @@ CU_STREAM_NON_BLOCKING = 1
 
 
 class _SmResource(ctypes.Structure):
-    """CUdevResource (cuda.h, RESOURCE_ABI_VERSION 1: 144 bytes) with its union read as the SM resource."""
+    """CUdevResource (cuda.h, RESOURCE_ABI_VERSION 1: 144 bytes) with its union read as the SM resource; CUDA
+    13.1's header adds a flags field and a trailing nextResource pointer inside the same 144 bytes (left zero:
+    one resource). tests/worker/test_sm_partition.py checks the layout against the cuda.h files at hand."""
     _fields_ = [("type", ctypes.c_int), ("_internal_padding", ctypes.c_ubyte * 92),
                 ("smCount", ctypes.c_uint), ("minSmPartitionSize", ctypes.c_uint),
                 ("smCoscheduledAlignment", ctypes.c_uint), ("_oversize", ctypes.c_ubyte * (48 - 12))]

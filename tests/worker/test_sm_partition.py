@@ -44,3 +44,41 @@ def test_no_driver_means_no_partition_said_once(caplog):
         assert sm_partition_stream(0, 0.25) is None
     warned = [r for r in caplog.records if "SM partition" in r.getMessage()]
     assert len(warned) == 1 and "every SM" in warned[0].getMessage()
+
+
+def _cuda_headers() -> list[str]:
+    """cuda.h files on this host: Triton's bundled one (always installed with the kernels) and a toolkit's."""
+    import glob
+    import os
+
+    import triton
+    found = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include", "cuda.h"))
+    found += [p for p in ("/usr/local/cuda/include/cuda.h",) if os.path.exists(p)]
+    return found
+
+
+@pytest.mark.parametrize("header", _cuda_headers())
+def test_the_ctypes_resource_matches_cuda_h(header):
+    """_SmResource mirrors CUdevResource as cuda.h declares it (ABI version 1: the type, 92 padding bytes, then the
+    union whose SM member starts with smCount, minSmPartitionSize, smCoscheduledAlignment; 144 bytes in all,
+    CUDA 13.1's trailing nextResource pointer included), and the enum values the module passes."""
+    import ctypes
+    import re
+
+    from deepinfer.worker import sm_partition as sp
+    text = open(header).read()
+    assert int(re.search(r"#define RESOURCE_ABI_VERSION (\d+)", text).group(1)) == 1
+    abi = int(re.search(r"#define RESOURCE_ABI_(?:EXTERNAL_)?BYTES (\d+)", text).group(1))
+    body = re.search(r"typedef struct CUdevResource_st \{(.*?)\}\s*_CONCAT_OUTER", text, re.S).group(1)
+    assert re.search(r"CUdevResourceType type;.*unsigned char _internal_padding\[92\];\s*union", body, re.S)
+    pointer = ctypes.sizeof(ctypes.c_void_p) if "nextResource" in body else 0
+    union = max(abi, 16)
+    end = 4 + 92 + union
+    assert -(-end // 8) * 8 + pointer == ctypes.sizeof(sp._SmResource) == 144
+    sm = re.search(r"typedef struct CUdevSmResource_st \{(.*?)\}", text, re.S).group(1)
+    assert re.findall(r"unsigned int (\w+);", sm)[:3] == ["smCount", "minSmPartitionSize", "smCoscheduledAlignment"]
+    assert sp._SmResource.smCount.offset == 96
+    for name, value in (("CU_DEV_RESOURCE_TYPE_SM", sp.CU_DEV_RESOURCE_TYPE_SM),
+                        ("CU_GREEN_CTX_DEFAULT_STREAM", sp.CU_GREEN_CTX_DEFAULT_STREAM),
+                        ("CU_STREAM_NON_BLOCKING", sp.CU_STREAM_NON_BLOCKING)):
+        assert int(re.search(rf"{name}\s*=\s*(0x[0-9a-fA-F]+|\d+)", text).group(1), 0) == value
