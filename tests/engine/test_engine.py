@@ -210,6 +210,47 @@ def test_dense_weights_bf16_matches_fp8_on_cuda(tiny_engine_args):
         np.testing.assert_allclose(b.logits, a.logits, atol=0.05 * float(a.logits.std()))
 
 
+@pytest.mark.gpu
+def test_auto_dense_weights_keep_the_tables_copies_on_cuda(tiny_engine_args, tmp_path, monkeypatch):
+    """dense_weights="auto" on CUDA: bf16 dense weights plus the FP8 decode copies of the linears this GPU model's
+    decode table says pay (here a table naming only wq_b's shape), and the logits of bf16 alone to rounding
+    noise (the copies' calls run the FP8 decode GEMM where it takes the shape, the bf16 path elsewhere)."""
+    import json
+
+    import numpy as np
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    from deepinfer.kernels import cuda_fp8_decode as cfd
+    from deepinfer.model.args import ModelArgs
+    from deepinfer.model.layers import Linear
+    from deepinfer.model.loader import expected_tensors
+    args = ModelArgs.from_checkpoint(tiny_engine_args["checkpoint"])
+    n, k = next(shape for name, (_, shape) in expected_tensors(args).items() if name.endswith("attn.wq_b.weight"))
+    row = dict(n=n, k=k, m=64, entry="fp8_decode_sm90_t64_rb1", splits=1, decode_us=5.0, bf16_held_us=9.0,
+               fp8_select_us=9.0)
+    (tmp_path / "table.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": [row]}))
+    monkeypatch.setattr(cfd, "TABLE_PATH", str(tmp_path / "table.json"))
+    cfd.reload_table()
+    prompts = [list(range(100, 400)), [7, 8, 9]]
+    forced = [[21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36]]
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    res = {}
+    try:
+        for w in ("bf16", "auto"):
+            llm = LLM(**{**tiny_engine_args, "device": "cuda", "dense_weights": w})
+            copied = {name.rsplit(".", 1)[-1] for name, mod in llm.engine.model.named_modules()
+                      if isinstance(mod, Linear) and mod.fp8_decode is not None}
+            assert copied == ({"wq_b"} if w == "auto" else set())
+            res[w] = llm.generate(prompts, params, forced_token_ids=forced, return_logits=True)
+    finally:
+        monkeypatch.undo()
+        cfd.reload_table()
+    for a, b in zip(res["bf16"], res["auto"]):
+        assert a.token_ids[:6] == b.token_ids[:6]
+        np.testing.assert_allclose(b.logits, a.logits, atol=0.05 * float(a.logits.std()))
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_packed_index_keys_give_the_same_logits(tiny_engine_args, device):
     """ModelArgs.index_k_packed (EngineArgs.model_overrides): the cache holds the index keys as packed FP4 rows
