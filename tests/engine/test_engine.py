@@ -239,9 +239,10 @@ def test_auto_dense_weights_keep_the_tables_copies_on_cuda(tiny_engine_args, tmp
     try:
         for w in ("bf16", "auto"):
             llm = LLM(**{**tiny_engine_args, "device": "cuda", "dense_weights": w})
-            copied = {name.rsplit(".", 1)[-1] for name, mod in llm.engine.model.named_modules()
+            copied = {name for name, mod in llm.engine.model.named_modules()
                       if isinstance(mod, Linear) and mod.fp8_decode is not None}
-            assert copied == ({"wq_b"} if w == "auto" else set())
+            wq_b = {name for name, _ in llm.engine.model.named_modules() if name.endswith(".attn.wq_b")}
+            assert wq_b and copied == (wq_b if w == "auto" else set())
             res[w] = llm.generate(prompts, params, forced_token_ids=forced, return_logits=True)
     finally:
         monkeypatch.undo()
