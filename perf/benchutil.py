@@ -167,9 +167,9 @@ def dummy_model(preset: str, device: str = "cuda", dense_weights: str = "fp8", e
     from deepinfer.worker.loading import dense_fp8_copies, hold_dense_bf16
     args = ModelArgs.from_checkpoint(d)
     bf16 = dense_weights.startswith("bf16") or (dense_weights == "auto" and hold_dense_bf16("auto", device, args))
-    copies = dense_fp8_copies(dense_weights, device, args) if bf16 and dense_weights != "bf16" else False
-    return load_model(d, device, load_format="dummy", progress=False, dense_bf16=bf16, dense_fp8_copy=copies,
-                      expert_format=expert_format, **load_options)
+    return load_model(d, device, load_format="dummy", progress=False, dense_bf16=bf16,
+                      dense_fp8_copy=dense_fp8_copies(dense_weights, device, args), expert_format=expert_format,
+                      **load_options)
 
 
 def routed_experts(model, step) -> dict[int, int]:

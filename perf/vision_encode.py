@@ -225,7 +225,6 @@ def bench_decode_slowdown(model, device: str, batch: int, ctx: int, steps: int, 
             print(f"  encoder on {share} of the SMs ({encoder.num_sms or 'all'} SMs): step {part * 1e3:.2f} ms "
                   f"(x{part / alone:.2f}), {n_part / (part * steps):.1f} images/s meanwhile; one encode alone "
                   f"{enc * 1e3:.1f} ms", flush=True)
-            encoder = ImageEncoder(tower)
     print(f"decode step B={batch} ctx={ctx} ({steps} steps): {alone * 1e3:.2f} ms alone, "
           f"{beside * 1e3:.2f} ms while the engine's ImageEncoder encodes back to back on its stream over every SM "
           f"(slowdown x{beside / alone:.2f}, {n_beside} images meanwhile, {row['images_per_s_meanwhile']:.1f}/s)",
