@@ -74,7 +74,7 @@ class Engine:
         if a.data_parallel_size > 1:
             from deepinfer.parallel.executor import MultiprocExecutor
             self.model = self.caches = None
-            self.image_encoder = None     # the rank workers' runners encode images
+            self.image_encoder = None     # set with the scheduler: each rank encodes its requests' images ahead
             self.runner = MultiprocExecutor(a, facts)
             self.sampler = make_sampler(a.checkpoint, self.vocab_size)   # request checks (grammars) here
             self.num_cache_blocks = self.runner.num_cache_blocks         # per rank
@@ -108,11 +108,14 @@ class Engine:
                                                    cp_min_prompt_tokens=a.cp_min_prompt_tokens
                                                    if a.context_parallel_size > 1 else None)
             self.kv_cache = self.scheduler.kv_cache
+            if self.model_args.vision is not None:
+                from deepinfer.parallel.image_ahead import RankImageEncoder
+                self.image_encoder = RankImageEncoder(self.runner, self.scheduler)
         else:
             self.scheduler = scheduler()
             self.kv_cache = self.scheduler.kv_cache
             if self.image_encoder is not None:
-                self.scheduler.encode_images = self.image_encoder.submit
+                self.scheduler.encode_images = self.image_encoder.submit_request
         self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks * a.data_parallel_size)
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
         # async + speculation: how often the pipeline was broken, and how often it was not
@@ -282,15 +285,16 @@ class Engine:
             params = dataclasses.replace(params, max_tokens=1)
         req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
                       forced_token_ids, return_logits, image_prompt=image_prompt, cache_salt=cache_salt)
-        if image_prompt is not None and image_prompt.embeds is None and self.image_encoder is not None:
-            # with a prefix hit, images wholly inside the cached prefix are never read: not encoded
-            prefix = self.scheduler.prefix
-            start = prefix.expected_start(req) if prefix is not None and handover is None else 0
-            self.image_encoder.submit(image_prompt, image_prompt.needed(start))
-        if handover is None:
-            self.scheduler.add_request(req)
+        if handover is not None:
+            self.connector.start_load(req, handover)
             return
-        self.connector.start_load(req, handover)
+        self.scheduler.add_request(req)
+        if image_prompt is not None and image_prompt.embeds is None and self.image_encoder is not None:
+            # encoded ahead of scheduling (by its rank's scheduler's hook: DP places it first); with a prefix
+            # hit, images wholly inside the cached prefix are never read: not encoded
+            sched = self.scheduler.scheduler_of(request_id)
+            start = sched.prefix.expected_start(req) if sched.prefix is not None else 0
+            sched.encode_images(req, image_prompt.needed(start))
 
     def check_handover(self, request_id: str, kv_transfer_params: dict, num_prompt_tokens: int):
         """A hand-over's form, this instance's role, layout and the prompt (InvalidRequestError);

@@ -20,6 +20,8 @@ layer's collectives line up) and only the sampled tokens come back.
     executor.py      MultiprocExecutor: spawns the rank workers, sends plans, gathers results,
                      notices a dead worker (its requests fail, nothing is left running)
     worker.py        the rank worker process: pins its GPU, joins the group, loads its shard, loops
+    image_ahead.py   images encoded ahead of scheduling on the rank that holds the request, on its
+                     share of the SMs; the engine admits the request once its rank reports them done
     lockstep.py      CUDA-graph decode across ranks: every rank replays the same captured size in a
                      step (fewer requests padded, none: an all-padding replay) or all run eagerly,
                      agreed by one host all-reduce

@@ -140,6 +140,9 @@ class DataParallelScheduler:
     def requests(self) -> ChainMap:
         return ChainMap(*[s.requests for s in self.schedulers])
 
+    def scheduler_of(self, req_id: str) -> Scheduler:
+        return self.schedulers[self.rank_of[req_id]]
+
     def least_loaded_rank(self) -> int:
         loads = [4 * s.num_waiting + s.num_running for s in self.schedulers]
         return loads.index(min(loads))

@@ -182,6 +182,13 @@ class MultiprocExecutor:
         per_rank = self._gather("result")
         return [per_rank[i % n][i // n] for i in range(len(prompts))]
 
+    def encode_images(self, jobs: list[list], drops: list[list[str]]) -> list[list]:
+        """Rank r starts encoding jobs[r] and frees drops[r] (parallel/image_ahead.py); -> each rank's
+        images whose pass has finished."""
+        for conn, j, d in zip(self.conns, jobs, drops):
+            self._send(conn, ("images", j, d))
+        return self._gather("ok")
+
     def ping(self) -> list[dict]:
         for conn in self.conns:
             self._send(conn, ("ping",))

@@ -18,6 +18,9 @@ Messages from the driver (a duplex Pipe; replies in request order):
     ("rebalance",)        -> ("ok", stats): EPLB over the ranks' summed load window, weights moved
     ("score", jobs, num_forwards, opts) -> ("result", [dict]): deepinfer-score's per-prompt outputs
                  for this rank's prompts, each rank running the same number of forwards
+    ("images", jobs, drops) -> ("ok", [(key, indices)]): start one pass over the jobs' images on this
+                 rank's share of the SMs, free the dropped prompts; the images whose pass is done
+                 (image_ahead.py)
     ("ping",)             -> ("ok", gauges: EPLB moves, CP shares, step and collective seconds, the
                  CUDA-graph steps (padding-only ones apart) and the steps lockstep sent to eager)
     ("shutdown",)         the loop ends, the group is destroyed, the process exits
@@ -116,6 +119,7 @@ class _Rank:
         self.ep = parallel.placement is not None
         self.num_rebalances = self.num_moved = 0
         self.num_cp_prefills = 0                       # balanced-CP prefill shares this rank ran
+        self.images = None                             # RankImages (image_ahead.py): encodes ahead of the steps
         self.step_seconds, self.num_steps = 0.0, 0     # launch + resolve wall time of forward steps
 
     def info(self) -> dict:
@@ -153,8 +157,17 @@ class _Rank:
                 conn.send(("ok", self._gauges()))
             elif kind == "overlap":
                 conn.send(("ok", self._overlap_state()))
+            elif kind == "images":
+                conn.send(("ok", self._images().handle(msg[1], msg[2])))
             else:
                 raise ValueError(f"unknown message {kind!r}")
+
+    def _images(self):
+        """The rank's encoder of images ahead of their steps, made on first use."""
+        if self.images is None:
+            from .image_ahead import RankImages
+            self.images = RankImages(self.rt.runner.images, self.args.vision_sm_share)
+        return self.images
 
     def _launch(self, sched_out, max_rank_tokens: int, shares=()) -> None:
         precomputed = {}
@@ -241,7 +254,19 @@ class _Rank:
                 "step_seconds": self.step_seconds, "num_steps": self.num_steps,
                 "comm_seconds": getattr(d, "seconds", None),
                 "engram_rows": [layer.engram.embed.weight.shape[0] for layer in self.rt.model.layers
-                                if layer.engram is not None]}
+                                if layer.engram is not None],
+                **self._image_gauges()}
+
+    def _image_gauges(self) -> dict:
+        """Images encoded ahead (and their SM share), prompts held for the engine, images the runner
+        had to encode inline in a step."""
+        embeds = self.rt.runner.images
+        if embeds is None:
+            return {}
+        enc = self.images.encoder if self.images is not None else None
+        return {"images_encoded_ahead": 0 if enc is None else enc.num_encoded,
+                "image_prompts_held": len(embeds.ahead), "images_encoded_inline": embeds.num_encoded,
+                "vision_num_sms": None if enc is None else enc.num_sms}
 
 
 if __name__ == "__main__":

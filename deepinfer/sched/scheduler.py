@@ -70,14 +70,19 @@ class Scheduler:
         # kv_role="prefill" (deepinfer/disagg/): kv_hold(req) -> True keeps a finished request's
         # ring slot and blocks for a decode instance; the connector frees them later
         self.kv_hold = None
-        # the engine's ImageEncoder.submit(prompt, indices): images a request reads from its start
-        # that were not encoded (a shorter hit than expected at add_request, or a preemption)
+        # encode_images(req, indices), the engine's ImageEncoder.submit_request (one rank) or
+        # RankImageEncoder.submit (DP): images a request reads from its start that were not encoded (at
+        # add_request; later a shorter hit than expected, or a preemption)
         self.encode_images = None
         # requests whose step in flight proposed drafts that an overlapped step already verifies: its
         # proposal does not go to the DraftBook when it resolves (schedule_overlapped)
         self._drafts_taken: set[str] = set()
 
     # requests in and out -------------------------------------------------------------------
+    def scheduler_of(self, req_id: str) -> "Scheduler":
+        """The scheduler that holds req_id (DataParallelScheduler: its rank's)."""
+        return self
+
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
@@ -297,7 +302,7 @@ class Scheduler:
             return True
         todo = [i for i in ip.missing(start) if i not in ip.asked]
         if todo and self.encode_images is not None:
-            self.encode_images(ip, todo)
+            self.encode_images(req, todo)
         return ip.ready_from(start)
 
     def _admit(self, req: Request, hit, budget: int) -> list[int] | None:

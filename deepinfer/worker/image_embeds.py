@@ -1,7 +1,8 @@
 """Image span embeddings: encoded once per request, batched over requests, read by the steps whose
 chunks cover the spans.
 
-ImageEncoder (the engine, one rank in process): encodes AHEAD of scheduling, beside the steps.
+ImageEncoder (the engine with one rank in process; on rank workers, parallel/image_ahead.py's RankImages):
+encodes AHEAD of scheduling, beside the steps.
 
     engine.add_request -> submit(prompt, i) the request waits (ImagePrompt.ready_from is False); with
                                             prefix caching only the images whose spans end past the
@@ -16,9 +17,10 @@ ImageEncoder (the engine, one rank in process): encodes AHEAD of scheduling, bes
 
 ImageEmbeds (the runner): what each running request's spans hold.
 
-    add(req, prompt, s)  precomputed embeddings (the encoder's: the step stream waits on its event), or
-                         the images wait for encode_pending() (rank workers of a multi-GPU engine,
-                         which encode in the runner: one pass before the step that first needs them);
+    add(req, prompt, s)  precomputed embeddings (the encoder's, or on a rank worker the copy its RankImages
+                         encoded, found by the prompt's ahead_key: the step stream waits on its event), or
+                         the images wait for encode_pending() (one pass before the step that first needs
+                         them, on the step stream: a prompt no encoder saw);
                          only images whose spans end past s, the request's start (a prefix hit's)
     gather(...)          the step's rows inside spans and their embeddings (ForwardBatch.image_rows,
                          .image_embeds); the scheduler never cuts a span, so a chunk holds whole spans
@@ -78,6 +80,10 @@ class ImageEncoder:
         if todo:
             self._pending.append((prompt, todo))
 
+    def submit_request(self, req, indices=None) -> None:
+        """The scheduler's encode_images hook."""
+        self.submit(req.image_prompt, indices)
+
     def flush(self) -> None:
         if not self._pending:
             return
@@ -105,6 +111,8 @@ class ImageEmbeds:
         self.tower = tower                      # deepinfer.model.vision.VisionTower
         self.batch_invariant = batch_invariant
         self.spans: dict[str, list[tuple[int, torch.Tensor]]] = {}   # req_id -> [(start, [span_len, dim])]
+        # rank workers: prompts this rank encoded ahead, by ImagePrompt.ahead_key (parallel/image_ahead.py)
+        self.ahead: dict[str, object] = {}
         self._pending: list[tuple[str, list]] = []
         self.num_encoded = 0                    # images run through the tower (stats, tests)
         self.num_passes = 0                     # tower passes
@@ -113,6 +121,7 @@ class ImageEmbeds:
         """prompt: the request's ImagePrompt; its embeddings are used when the encoder made them.
         start: the request's first position to run (past a prefix hit): images wholly before it
         are never read, so none is encoded or required for them."""
+        prompt = self.ahead.get(prompt.ahead_key, prompt)    # a rank's copy with its embeddings
         if prompt.embeds is None:
             need = prompt.needed(start)
             if need:

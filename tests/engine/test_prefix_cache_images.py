@@ -151,7 +151,7 @@ def test_a_hit_shorter_than_expected_asks_for_the_skipped_images():
     ip.encoding, ip.embeds = True, [None]          # submitted with its image skipped
     asked = []
     sched = create_scheduler(max_num_batched_tokens=32)
-    sched.encode_images = lambda prompt, idx: (asked.append(list(idx)), prompt.asked.update(idx))
+    sched.encode_images = lambda req, idx: (asked.append(list(idx)), req.image_prompt.asked.update(idx))
     sched.add_request(Request("img", ip.token_ids, GREEDY, image_prompt=ip))
     assert ip.ready_from(9) and not ip.ready_from(0)
     assert sched.schedule().num_scheduled_tokens == {}   # no hit: starts at 0, reads the span

@@ -31,6 +31,7 @@ class ImagePrompt:
     event: object | None = None      # CUDA event after the latest encode (None: done synchronously)
     asked: set = field(default_factory=set)   # image indices handed to the encoder
     cache_keys: list | None = None   # prefix-cache keys of token_ids (cache/image_keys.py), made on first use
+    ahead_key: str | None = None     # rank workers: the key its rank holds its encoded copy by (parallel/image_ahead.py)
 
     def __getstate__(self) -> dict:
         """To a rank worker: the images, not this process's device embeddings (the worker encodes)."""
