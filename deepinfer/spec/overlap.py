@@ -24,7 +24,9 @@ sample at temperature > 0 with top-k / top-p / min-p (sample/device_sampling.py:
 the seeded streams, the drafts and, under spec_acceptance="sampled", the draft probabilities q come
 from N's device tensors; the drafts of such requests are sampled on the device too), logprobs and
 presence / frequency penalties included (logprobs_on_device, penalize_on_device), with no grammar (its
-state is the host's), teacher forcing, returned logits, images or bounded replay. Anything else is
+state is the host's), teacher forcing, returned logits or bounded replay. Requests with images overlap too:
+an overlapped step's positions lie past the prompt (text), and the Engram look-back it starts from is the
+host's (_history: image-span positions dead). Anything else is
 resolved before the next schedule, as before. Replayed acceptance (benchmark mode, spec/replay.py) draws each
 proposal's outcome by (request, anchor position): with overlap the runner draws every position a
 request may reach when it is added (a device table by row and position), so a proposal made on the
@@ -52,7 +54,6 @@ def can_draft_on_device(input_batch, rows: np.ndarray, num_logits: np.ndarray) -
     row_set = set(rows.tolist())
     return (bool((num_logits > 0).all())
             and all(device_samplable(ib.params[r]) for r in rows[ib.needs_sampler[rows]].tolist())
-            and not ib.has_images[rows].any()
             and not (row_set & set(ib.forced)) and not (row_set & ib.return_logits)
             and not ib._replaying(rows, ib.num_computed[rows]).any())
 

@@ -545,3 +545,33 @@ def test_packed_verify_graphs_cost_the_rows_verified(args, ref, overlap, monkeyp
     assert any(b * q < n * length for n, length, _, (b, q) in keys_used)   # a step shorter than padded
     assert e.runner.graphs.num_verify_steps > 0
 
+
+
+
+def test_image_requests_overlap(args):
+    """Requests with images overlap like text ones, with the synchronous engine's tokens: first one
+    whose prompt ends with its image span alone (the first overlapped step's Engram look-back reads
+    the span's positions: dead, from the host's history), then one with an image mid-prompt beside
+    it and a text request. Before, one image request in a step kept the batch from overlapping."""
+    from tests.engine.test_engine_images import IMG, png
+    phases = [{"0": ([11, 12, 13, IMG], [png(60, 90, 2)])},
+              {"1": ([5, 6, IMG, 7, 8, 9], [png(90, 60, 1)]), "2": ([11, 12, 13, IMG], [png(60, 90, 2)]),
+               "3": (PROMPTS[0], None)}]
+
+    def tokens(engine):
+        got, overlapped = {}, []
+        for reqs in phases:
+            before = engine.num_verify_steps_overlapped
+            for rid, (prompt, images) in reqs.items():
+                engine.add_request(rid, prompt, greedy(N_OUT), images=images)
+                got[rid] = []
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    got[out.request_id] += out.new_token_ids
+            overlapped.append(engine.num_verify_steps_overlapped - before)
+        return got, overlapped
+
+    want, _ = tokens(Engine(EngineArgs(**args)))
+    got, overlapped = tokens(Engine(EngineArgs(**args, async_scheduling=True)))
+    assert got == want
+    assert min(overlapped) >= 4, overlapped
