@@ -277,8 +277,6 @@ class Engine:
         self.validate_cache_salt(request_id, cache_salt)
         if request_id in self.scheduler.requests or (self.connector is not None and self.connector.owns(request_id)):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if kv_transfer_params is not None and image_prompt is not None:
-            raise InvalidRequestError(f"request {request_id}: a hand-over with images is not supported yet")
         handover = None if kv_transfer_params is None else \
             self.check_handover(request_id, kv_transfer_params, len(prompt_token_ids))
         if self.args.kv_role == "prefill":
@@ -286,6 +284,9 @@ class Engine:
         req = Request(request_id, [int(t) for t in prompt_token_ids], params, self.eos_token_id,
                       forced_token_ids, return_logits, image_prompt=image_prompt, cache_salt=cache_salt)
         if handover is not None:
+            # the prefill instance read the images; this one never does unless the request is preempted
+            # (its runner then encodes them in the recompute's step) or the pull's replay would cover a
+            # span (the connector pulls the window instead)
             self.connector.start_load(req, handover)
             return
         self.scheduler.add_request(req)

@@ -58,7 +58,14 @@ def _state(engine) -> dict:
     c, kv = engine.connector, engine.kv_cache
     return {"cache_blocks_used": kv.num_used_blocks, "ring_slots_used": len(kv.ring_slot),
             "requests": len(engine.scheduler.requests), "held": len(c.held) if c else 0,
-            "loading": len(c.loads) if c else 0, "stats": engine.stats.snapshot()}
+            "loading": len(c.loads) if c else 0, "stats": engine.stats.snapshot(),
+            "images_encoded": _images_encoded(engine)}
+
+
+def _images_encoded(engine) -> int:
+    """Images this instance ran through its vision tower (ahead of the steps or inside one)."""
+    enc, embeds = engine.image_encoder, getattr(engine.runner, "images", None)
+    return getattr(enc, "num_encoded", 0) + (embeds.num_encoded if embeds is not None else 0)
 
 
 class EngineProcess:
