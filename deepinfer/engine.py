@@ -336,9 +336,10 @@ class Engine:
 
     # the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.image_encoder is not None:
-            self.image_encoder.flush()     # images added since the last step: one pass, beside the steps
-        handed = self._poll_connector() if self.connector is not None else []
+        handed = self._encode_images() if self.image_encoder is not None else []
+        if self.dead is not None:
+            return handed
+        handed += self._poll_connector() if self.connector is not None else []
         if self.async_scheduling:
             return handed + self._with_handover(self._step_pipelined())
         sched_out = self.scheduler.schedule()
@@ -352,6 +353,21 @@ class Engine:
         self._observe_step(sched_out, runner_out)
         self._update_gauges()
         return handed + self._with_handover(outputs)
+
+    def _encode_images(self) -> list[RequestOutput]:
+        """Images asked since the last step: one pass, beside the steps. A request whose images fail to
+        encode fails alone (its final output says why); a rank gone fails the engine."""
+        try:
+            failed = self.image_encoder.flush()
+        except EngineDeadError as e:
+            return self._die(e)
+        outs = []
+        for req_id, error in failed.items():
+            outs += self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ERROR,
+                                                   error=f"image encoding failed: {error}")
+        if outs:
+            self._update_gauges(step=False)
+        return outs
 
     def _observe_step(self, sched_out, runner_out) -> None:
         if self.step_time_observer is not None:

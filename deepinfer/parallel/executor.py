@@ -184,7 +184,7 @@ class MultiprocExecutor:
 
     def encode_images(self, jobs: list[list], drops: list[list[str]]) -> list[list]:
         """Rank r starts encoding jobs[r] and frees drops[r] (parallel/image_ahead.py); -> each rank's
-        images whose pass has finished."""
+        (images whose pass has finished, prompts that failed to encode)."""
         for conn, j, d in zip(self.conns, jobs, drops):
             self._send(conn, ("images", j, d))
         return self._gather("ok")

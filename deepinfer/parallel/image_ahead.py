@@ -12,7 +12,8 @@ in the step that first read them, and every rank waited for it in that step's co
                                                         asked, in flight or held: one ("images", jobs,
                                                         drops) round trip to every rank; the images a rank
                                                         reports done become ON_RANK in the engine's
-                                                        ImagePrompt, which makes it ready to schedule
+                                                        ImagePrompt, which makes it ready to schedule; a
+                                                        request whose images failed fails alone
     rank    RankImages.handle(jobs, drops)              the rank's ImageEncoder on its SM share; prompts kept
                                                         by ImagePrompt.ahead_key until the engine drops them
                                                         (the request finished); -> images whose pass is done
@@ -62,7 +63,8 @@ class RankImageEncoder:
         self._held[p.ahead_key] = (rank, req)
         self._asked.setdefault(p.ahead_key, set()).update(todo)
 
-    def flush(self) -> None:
+    def flush(self) -> dict[str, str]:
+        """-> {req_id: error} of the requests whose images their rank failed to encode."""
         n = len(self._jobs)
         drops: list[list[str]] = [[] for _ in range(n)]
         for key, (rank, req) in list(self._held.items()):
@@ -72,9 +74,14 @@ class RankImageEncoder:
                 self._asked.pop(key, None)
                 self._jobs[rank] = [j for j in self._jobs[rank] if j[0] != key]   # aborted before it was sent
         if not self._asked and not any(drops) and not any(self._jobs):
-            return
+            return {}
         jobs, self._jobs = self._jobs, [[] for _ in range(n)]
-        for done in self.executor.encode_images(jobs, drops):
+        failures = {}
+        for done, failed in self.executor.encode_images(jobs, drops):
+            for key, error in failed.items():
+                if key in self._held:
+                    failures[self._held.pop(key)[1].request_id] = error
+                    self._asked.pop(key, None)
             for key, indices in done:
                 if key not in self._held:
                     continue
@@ -87,6 +94,7 @@ class RankImageEncoder:
                     self._asked[key] = left
                 else:
                     self._asked.pop(key, None)
+        return failures
 
 
 class RankImages:
@@ -99,21 +107,25 @@ class RankImages:
         self.prompts = embeds.ahead                    # key -> ImagePrompt with this rank's embeddings
         self._unreported: dict[str, set[int]] = {}     # key -> indices encoded (or in flight), not yet reported
 
-    def handle(self, jobs: list, drops: list[str]) -> list[tuple[str, list[int]]]:
-        """Drop finished requests' prompts, start one pass over the new jobs' images, and -> (key,
-        indices) of the images whose pass has finished, each once."""
+    def handle(self, jobs: list, drops: list[str]) -> tuple[list[tuple[str, list[int]]], dict[str, str]]:
+        """Drop finished requests' prompts, start one pass over the new jobs' images. -> ((key, indices)
+        of the images whose pass has finished, each once; {key: error} of the prompts that failed to
+        encode, dropped here: their requests fail, the rank goes on)."""
         for key in drops:
             self.prompts.pop(key, None)
             self._unreported.pop(key, None)
         for key, prompt, todo in jobs:
             held = self.prompts.setdefault(key, prompt)
-            self.encoder.submit(held, todo)
+            self.encoder.submit(held, todo, key)
             self._unreported.setdefault(key, set()).update(todo)
-        self.encoder.flush()
+        failed = self.encoder.flush()
+        for key in failed:
+            self.prompts.pop(key, None)
+            self._unreported.pop(key, None)
         done = []
         for key, todo in list(self._unreported.items()):
             event = self.prompts[key].event
             if event is None or event.query():
                 done.append((key, sorted(todo)))
                 del self._unreported[key]
-        return done
+        return done, failed

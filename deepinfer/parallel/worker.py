@@ -18,9 +18,9 @@ Messages from the driver (a duplex Pipe; replies in request order):
     ("rebalance",)        -> ("ok", stats): EPLB over the ranks' summed load window, weights moved
     ("score", jobs, num_forwards, opts) -> ("result", [dict]): deepinfer-score's per-prompt outputs
                  for this rank's prompts, each rank running the same number of forwards
-    ("images", jobs, drops) -> ("ok", [(key, indices)]): start one pass over the jobs' images on this
-                 rank's share of the SMs, free the dropped prompts; the images whose pass is done
-                 (image_ahead.py)
+    ("images", jobs, drops) -> ("ok", ([(key, indices)], {key: error})): start one pass over the jobs'
+                 images on this rank's share of the SMs, free the dropped prompts; the images whose pass
+                 is done, and the prompts that failed to encode (image_ahead.py)
     ("ping",)             -> ("ok", gauges: EPLB moves, CP shares, step and collective seconds, the
                  CUDA-graph steps (padding-only ones apart) and the steps lockstep sent to eager)
     ("shutdown",)         the loop ends, the group is destroyed, the process exits

@@ -30,10 +30,14 @@ ImageEmbeds (the runner): what each running request's spans hold.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from deepinfer.kernels.batch_invariant import batch_invariant_mode
+
+logger = logging.getLogger(__name__)
 
 
 def _key(im) -> str:
@@ -70,25 +74,46 @@ class ImageEncoder:
         self.num_encoded = 0
         self.num_passes = 0
 
-    def submit(self, prompt, indices=None) -> None:
-        """Encode prompt's images `indices` (all by default) at the next flush."""
+    def submit(self, prompt, indices=None, req_id: str = "") -> None:
+        """Encode prompt's images `indices` (all by default) at the next flush; req_id names the
+        request in flush()'s failures."""
         prompt.encoding = True
         if prompt.embeds is None:
             prompt.embeds = [None] * len(prompt.images)
         todo = [i for i in (range(len(prompt.images)) if indices is None else indices) if i not in prompt.asked]
         prompt.asked.update(todo)
         if todo:
-            self._pending.append((prompt, todo))
+            self._pending.append((prompt, todo, req_id))
 
     def submit_request(self, req, indices=None) -> None:
         """The scheduler's encode_images hook."""
-        self.submit(req.image_prompt, indices)
+        self.submit(req.image_prompt, indices, req.request_id)
 
-    def flush(self) -> None:
+    def flush(self) -> dict[str, str]:
+        """One pass over the images submitted since the last flush. -> {req_id: error} of the requests
+        whose images could not be encoded: a pass that raises is retried request by request, so one
+        request's failure (a bad image, memory) fails that request alone."""
         if not self._pending:
-            return
+            return {}
         pending, self._pending = self._pending, []
-        images = [[p.images[i] for i in todo] for p, todo in pending]
+        try:
+            self._encode(pending)
+            return {}
+        except Exception as e:  # noqa: BLE001 - reported per request
+            if len(pending) == 1:
+                logger.exception("image encoding failed for request %s", pending[0][2])
+                return {pending[0][2]: f"{type(e).__name__}: {e}"}
+        failed = {}
+        for one in pending:
+            try:
+                self._encode([one])
+            except Exception as e:  # noqa: BLE001
+                logger.exception("image encoding failed for request %s", one[2])
+                failed[one[2]] = f"{type(e).__name__}: {e}"
+        return failed
+
+    def _encode(self, pending: list) -> None:
+        images = [[p.images[i] for i in todo] for p, todo, _ in pending]
         if self.stream is None:
             embeds, n = encode_unique(self.tower, images, self.batch_invariant)
             event = None
@@ -98,7 +123,7 @@ class ImageEncoder:
                 embeds, n = encode_unique(self.tower, images, self.batch_invariant)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-        for (p, todo), e in zip(pending, embeds):
+        for (p, todo, _), e in zip(pending, embeds):
             for i, x in zip(todo, e):
                 p.embeds[i] = x
             p.event = event          # one stream: the latest event covers the earlier passes too

@@ -154,3 +154,43 @@ def test_images_on_two_ranks_give_the_tokens_of_one(llm, tiny_checkpoint):
     finally:
         dp.engine.shutdown()
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+def test_a_failed_encode_fails_only_its_request(tiny_checkpoint):
+    """The tower raising on one request's image (injected: memory, a driver fault) fails that request
+    alone, with the reason; the requests encoded in the same pass and a text one finish with the
+    tokens they get without it, and the engine serves the next request."""
+    from deepinfer.llm import LLM
+    from deepinfer.request import RequestStatus
+    llm = LLM(str(tiny_checkpoint), max_num_seqs=4, max_num_batched_tokens=64, num_cache_blocks=48, block_tokens=16,
+              max_model_len=256, batch_invariant=True)
+    engine = llm.engine
+    good, bad = png(200, 120, 0), png(64, 64, 9)
+    want = llm.generate([PROMPT, [7, 8, 9]], GREEDY, images=[[good], None])
+    tower = engine.image_encoder.tower
+    real = tower.encode
+    bad_plan = engine.prepare_images("probe", [IMG], [bad]).images[0].plan
+
+    def encode(images):
+        if any(im.plan == bad_plan for im in images):
+            raise RuntimeError("injected: CUDA out of memory")
+        return real(images)
+
+    tower.encode = encode
+    try:
+        reqs = {"ok": (PROMPT, [good]), "bad": (PROMPT, [bad]), "txt": ([7, 8, 9], None)}
+        for rid, (prompt, images) in reqs.items():
+            engine.add_request(rid, prompt, GREEDY, images=images)
+        got, final = {rid: [] for rid in reqs}, {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                got[o.request_id] += o.new_token_ids
+                if o.finished:
+                    final[o.request_id] = o
+    finally:
+        tower.encode = real
+    assert final["bad"].finish_reason == "error" and "image encoding failed" in final["bad"].error
+    assert "out of memory" in final["bad"].error and got["bad"] == []
+    assert got["ok"] == want[0].token_ids and got["txt"] == want[1].token_ids
+    assert engine.kv_cache.num_used_blocks == 0
+    assert llm.generate([PROMPT], GREEDY, images=[[bad]])[0].token_ids      # the engine goes on

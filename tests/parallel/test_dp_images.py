@@ -10,6 +10,7 @@ import pytest
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 from tests.engine.test_engine_images import IMG, png
+from tests.parallel.faulty_images import FailsOnTheRank
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 KW = dict(max_num_seqs=4, max_num_batched_tokens=64, num_cache_blocks=48, block_tokens=16, max_model_len=256,
@@ -105,3 +106,26 @@ def test_a_ranks_prefix_hit_skips_the_images_it_covers(tiny_checkpoint):
         assert encoded == 1 and sum(g["images_encoded_ahead"] for g in _image_gauges(llm)) == 1
     finally:
         llm.engine.shutdown()
+
+
+def test_a_failed_encode_on_a_rank_fails_only_its_request(one_rank, two_ranks):
+    from deepinfer.model.vision import load_image
+    engine = two_ranks.engine
+    im = load_image(png(64, 64, 9), engine.model_args.vision)
+    bad = FailsOnTheRank(im.patches, im.plan, content_hash="fails-on-the-rank")
+    want = one_rank.generate(PROMPTS[:3], GREEDY, images=IMAGES[:3])
+    for i, (prompt, images) in enumerate(zip(PROMPTS[:3], IMAGES[:3])):
+        engine.add_request(f"ok-{i}", prompt, GREEDY, images=images)
+    engine.add_request("bad", PROMPTS[3], GREEDY, images=[bad])
+    got, final = {}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                final[o.request_id] = o
+    assert final["bad"].finish_reason == "error" and "could not read this image" in final["bad"].error
+    assert [got[f"ok-{i}"] for i in range(3)] == [w.token_ids for w in want]
+    assert engine.dead is None and two_ranks.generate([PROMPTS[0]], GREEDY, images=IMAGES[:1])[0].token_ids
+    # the ranks hold only the last request's prompt (finished ones go at the next step): the failed one
+    # was dropped where it failed
+    assert sum(g["image_prompts_held"] for g in _image_gauges(two_ranks)) == 1
