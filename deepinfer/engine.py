@@ -222,6 +222,7 @@ class Engine:
 
         from deepinfer.model.vision import (ImageError, ImageInput, ImagePrompt, expand_image_placeholders,
                                             image_from_pixels, load_image)
+        from deepinfer.model.vision.preprocess import check_image_input
         if isinstance(images, ImagePrompt):
             return images
         v = self.model_args.vision
@@ -232,7 +233,7 @@ class Engine:
         for k, im in enumerate(images):
             try:
                 if isinstance(im, ImageInput):
-                    inputs.append(im)
+                    inputs.append(check_image_input(im, v))
                 elif isinstance(im, np.ndarray):            # planned, padded pixels (the preprocess model's)
                     inputs.append(image_from_pixels(im, v))
                 else:

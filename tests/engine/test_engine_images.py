@@ -8,6 +8,7 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from deepinfer.request import InvalidRequestError, Request
@@ -91,8 +92,20 @@ def test_bad_images_are_refused_before_anything_runs(llm):
     many = [0] + [IMG] * 6
     with pytest.raises(InvalidRequestError, match="over the context limit of 256"):
         eng.add_request("bad-4", many, GREEDY, images=[png(600, 500, k) for k in range(6)])
+    # ImageInputs a caller made: grids that do not follow from the size, patches that do not fit them
+    from dataclasses import replace
+
+    from deepinfer.model.vision import ImageInput, load_image
+    im = load_image(png(200, 120, 0), eng.model_args.vision)
+    with pytest.raises(InvalidRequestError, match="image 0: an ImageInput's plan"):
+        eng.add_request("bad-5", PROMPT, GREEDY, images=[ImageInput(im.patches, replace(im.plan, n_llm_w=99))])
+    with pytest.raises(InvalidRequestError, match="image 0: an ImageInput's patches must be a float tensor"):
+        eng.add_request("bad-6", PROMPT, GREEDY, images=[ImageInput(im.patches[:-1], im.plan)])
+    with pytest.raises(InvalidRequestError, match="patches must be a float tensor"):
+        eng.add_request("bad-7", PROMPT, GREEDY, images=[ImageInput(im.patches.to(torch.int16), im.plan)])
     assert not eng.scheduler.requests
     assert llm.generate([PROMPT], GREEDY, images=[[png(64, 64, 9)]])[0].finish_reason == "length"   # still serving
+    assert llm.generate([PROMPT], GREEDY, images=[[im]])[0].finish_reason == "length"    # a well-made ImageInput
 
 
 def test_a_span_larger_than_the_step_budget_is_refused(llm):

@@ -250,6 +250,25 @@ def image_from_pixels(rgb: np.ndarray, v: VisionArgs) -> ImageInput:
     return ImageInput(to_patches(rgb, plan, p), plan, hashlib.sha256(rgb.tobytes()).hexdigest())
 
 
+def check_image_input(im: ImageInput, v: VisionArgs) -> ImageInput:
+    """An ImageInput made by a caller: its grids follow from its size and its patches fit them
+    (ImageError otherwise; the tower would fail on it at encode time, beside other requests)."""
+    p, r, plan = v.patch_size, v.downsample_ratio, im.plan
+    want = ImagePlan(plan.width, plan.height, plan.height // p, plan.width // p,
+                     -(-(plan.height // p) // r), -(-(plan.width // p) // r))
+    if plan.height % p or plan.width % p or not plan.height or not plan.width or plan != want:
+        raise ImageError(f"an ImageInput's plan {plan} is not this checkpoint's plan of a "
+                         f"{plan.width}x{plan.height} image")
+    if plan.span_len > v.max_n_token:
+        raise ImageError(f"image of {plan.width}x{plan.height} pixels takes {plan.span_len} tokens, over {v.max_n_token}")
+    shape = (plan.n_vit_h * plan.n_vit_w, 3, p, p)
+    if not isinstance(im.patches, torch.Tensor) or tuple(im.patches.shape) != shape \
+            or not im.patches.dtype.is_floating_point:
+        got = tuple(im.patches.shape) if isinstance(im.patches, torch.Tensor) else type(im.patches).__name__
+        raise ImageError(f"an ImageInput's patches must be a float tensor of shape {shape}, got {got}")
+    return im
+
+
 def checkpoint_image_preparer(checkpoint):
     """prepare(bytes, max_side, detail) -> (pixels, span_len) for this checkpoint's vision_config (the
     preprocess model's ImageStage); None for a text-only checkpoint."""
