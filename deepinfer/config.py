@@ -256,9 +256,10 @@ class EngineArgs:
             raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}")
         if self.kv_role != "both" and self.data_parallel_size > 1:
             raise ValueError("kv_role 'prefill'/'decode' runs one rank per instance (data_parallel_size=1)")
-        if self.kv_role != "both" and self.enable_prefix_caching:
-            raise ValueError("kv_role 'prefill'/'decode' does not combine with enable_prefix_caching yet (a held "
-                             "request's blocks would also be shared by the prefix cache)")
+        if self.kv_role == "decode" and self.enable_prefix_caching:
+            # a decode instance's prompts arrive as pulled caches, never as a hit on its own cache
+            raise ValueError("kv_role 'decode' does not combine with enable_prefix_caching (its requests' caches are "
+                             "pulled from the prefill instance, whose prefix cache serves them)")
         if self.vision_sm_share is not None and not 0 < self.vision_sm_share <= 1:
             raise ValueError(f"vision_sm_share must be in (0, 1] or None, got {self.vision_sm_share!r}")
         if self.kv_transfer_timeout_s <= 0:

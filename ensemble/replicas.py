@@ -91,6 +91,17 @@ def wait_http(url: str, timeout: float) -> None:
     raise TimeoutError(f"{url} not ready after {timeout}s")
 
 
+def role_engine_args(engine_args: dict, role: str) -> dict:
+    """A replica's engine args for its role: a decode replica's prompts come as pulled caches, so the
+    prefix cache (enable_prefix_caching) stays with the prefill replicas."""
+    if role == "both":
+        return engine_args
+    out = {**engine_args, "kv_role": role}
+    if role == "decode":
+        out["enable_prefix_caching"] = False
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True)
@@ -114,9 +125,9 @@ def main(argv=None) -> int:
         ap.error(f"--roles {roles}: prefill and decode replicas go together, without 'both' ones")
     engine_args = json.loads(args.engine_args)
     base = args.base_port
-    replicas = [Replica(i, args.checkpoint, {**engine_args, "kv_role": roles[i]} if roles[i] != "both" else engine_args,
-                        args.max_model_len, (base + 10 * i, base + 10 * i + 1, base + 10 * i + 2),
-                        args.gateway_base_port + i, args.devices[i] if args.devices else None)
+    replicas = [Replica(i, args.checkpoint, role_engine_args(engine_args, roles[i]), args.max_model_len,
+                        (base + 10 * i, base + 10 * i + 1, base + 10 * i + 2), args.gateway_base_port + i,
+                        args.devices[i] if args.devices else None)
                 for i in range(args.replicas)]
     try:
         for r in replicas:

@@ -266,3 +266,42 @@ def assert_nothing_held(prefill, decode, timeout_s: float = 10.0) -> None:
     assert (p["cache_blocks_used"], p["ring_slots_used"], p["held"]) == (0, 0, 0), p
     assert (d["cache_blocks_used"], d["ring_slots_used"], d["loading"]) == (0, 0, 0), d
     assert p["stats"]["counters"]["kv_holds_expired_total"] == 0
+
+
+def test_a_prefill_instance_with_prefix_caching_hands_over_a_hit(ckpt):
+    """kv_role="prefill" with enable_prefix_caching: a prompt that extends one handed over before hits
+    the prefill instance's cache (the window snapshot the first left: exact) while the first is still
+    held for its pull (its blocks shared by both holds), each decode pulls its own, and under
+    batch_invariant the tokens and logits equal a cold single instance's; every held block goes back
+    once pulled."""
+    expected = np.load(ckpt / "expected.npz")
+    base = expected["p1_prompt_ids"].tolist()                          # 145 tokens: 2 full blocks of 64
+    prompts = {"turn1": base, "turn2": base + expected["p0_prompt_ids"].tolist()}
+    params = {rid: SamplingParams(max_tokens=6, temperature=0, ignore_eos=True) for rid in prompts}
+    ref_tokens, ref_logits = single_instance(ckpt, prompts, params, return_logits=True, one_at_a_time=True)
+    prefill = EngineProcess(engine_args(ckpt, kv_role="prefill", batch_invariant=True, enable_prefix_caching=True),
+                            num_threads=1, name="prefill")
+    decode = EngineProcess(engine_args(ckpt, kv_role="decode", batch_invariant=True), num_threads=1, name="decode")
+    try:
+        firsts = {rid: list(prefill.stream(rid, prompt, params[rid], return_logits=True))[-1]
+                  for rid, prompt in prompts.items()}
+        assert prefill.state()["held"] == 2                              # turn1 still held when turn2 hit it
+        assert {rid: f.num_cached_tokens for rid, f in firsts.items()} == {"turn1": 0, "turn2": len(base)}
+        for rid, prompt in prompts.items():
+            first = firsts[rid]
+            outs = list(decode.stream(rid, prompt, params[rid], return_logits=True,
+                                      kv_transfer_params=first.kv_transfer_params))
+            assert [t for o in outs for t in o.new_token_ids] == ref_tokens[rid], rid
+            lg = np.concatenate([first.logits] + [o.logits for o in outs if o.logits is not None])
+            np.testing.assert_array_equal(lg, ref_logits[rid])
+        assert_nothing_held(prefill, decode)
+        c = prefill.state()["stats"]["counters"]
+        assert c["prefix_cache_hits_total"] == len(base) and c["prefix_cache_snapshot_hits_total"] == 1
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_decode_instance_refuses_prefix_caching(ckpt):
+    with pytest.raises(ValueError, match="kv_role 'decode' does not combine with enable_prefix_caching"):
+        EngineArgs(**engine_args(ckpt, kv_role="decode", enable_prefix_caching=True))

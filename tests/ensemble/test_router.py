@@ -85,3 +85,17 @@ def test_parse_metrics_reads_the_deepinfer_gauges():
     load = parse_metrics(text)
     assert (load.num_running, load.num_waiting, load.cache_usage, load.prefix_hit_rate) == (3, 2, 0.25, None)
     assert load.queue == 5
+
+
+def test_replica_roles_keep_the_prefix_cache_on_prefill_replicas():
+    """--engine-args '{"enable_prefix_caching": true}' with --roles prefill decode: the prefill replica
+    caches prefixes (the router's prefix-aware pick pays), the decode replica, which pulls every prompt,
+    does not (it would refuse to start)."""
+    from deepinfer.config import EngineArgs
+    from deepinfer.ensemble.replicas import role_engine_args
+    args = {"enable_prefix_caching": True, "max_model_len": 256}
+    prefill, decode = role_engine_args(args, "prefill"), role_engine_args(args, "decode")
+    assert prefill == {**args, "kv_role": "prefill"} and role_engine_args(args, "both") == args
+    assert decode == {**args, "kv_role": "decode", "enable_prefix_caching": False}
+    for a in (prefill, decode):
+        EngineArgs(checkpoint="unused", **a)                # both roles' args are valid
