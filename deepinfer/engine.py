@@ -53,6 +53,7 @@ class Engine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.stats = EngineStats()
+        self._images_counted = 0         # image_encoder.images_done already in the stats
         self._seed_rng = random.Random(args.seed)   # seeds of requests that bring none
         self._seed_lock = threading.Lock()          # validate() runs on callers' threads
         self.dead: str | None = None                # why the engine can no longer run steps
@@ -362,6 +363,10 @@ class Engine:
             failed = self.image_encoder.flush()
         except EngineDeadError as e:
             return self._die(e)
+        done = self.image_encoder.images_done
+        self.stats.inc("images_encoded_total", done - self._images_counted)
+        self._images_counted = done
+        self.stats.inc("image_encode_failures_total", len(failed))
         outs = []
         for req_id, error in failed.items():
             outs += self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ERROR,

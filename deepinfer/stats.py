@@ -84,6 +84,10 @@ class EngineStats:
             "kv_transfer_replayed_tokens_total": 0,   # kv_transfer_window=False: positions replayed
             "kv_transfer_failures_total": 0,
             "kv_holds_expired_total": 0,
+            # images (worker/image_embeds.py, parallel/image_ahead.py): a request's images encoded ahead of
+            # its steps (an image two requests share in one pass counts for each), requests failed by it
+            "images_encoded_total": 0,
+            "image_encode_failures_total": 0,
         }
         self.gauges = {
             "num_requests_running": 0,

@@ -41,6 +41,8 @@ COUNTERS = {"prompt_tokens_total": "Prompt tokens of admitted requests",
             "kv_transfer_replayed_tokens_total": "Positions a decode instance replayed to rebuild the window (kv_transfer_window=False)",
             "kv_transfer_failures_total": "Pulls that failed (blocks gone, timeout, peer down)",
             "kv_holds_expired_total": "Held prefill caches freed at kv_transfer_timeout_s (no decode pulled them)",
+            "images_encoded_total": "Requests' images encoded by the vision tower ahead of their steps",
+            "image_encode_failures_total": "Requests failed because their images could not be encoded",
             "gc_collections_total": "Python garbage collections in the engine's process",
             "gc_full_collections_total": "Full (generation-2) Python garbage collections in the engine's process",
             "gc_pause_seconds_total": "Seconds the engine's process spent in Python garbage collections"}

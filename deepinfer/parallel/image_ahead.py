@@ -43,7 +43,7 @@ class RankImageEncoder:
         self._held: dict[str, tuple[int, object]] = {}    # key -> (rank, Request) whose prompt that rank holds
         self._asked: dict[str, set[int]] = {}             # key -> image indices asked, not yet reported done
         self._keys = itertools.count()
-        self.num_reported = 0                             # images the ranks reported encoded (stats, tests)
+        self.images_done = 0                              # requests' images the ranks reported encoded
         for rank, s in enumerate(scheduler.schedulers):
             s.encode_images = partial(self.submit, rank)
 
@@ -88,7 +88,7 @@ class RankImageEncoder:
                 p = self._held[key][1].image_prompt
                 for i in indices:
                     p.embeds[i] = ON_RANK
-                self.num_reported += len(indices)
+                self.images_done += len(indices)
                 left = self._asked.get(key, set()) - set(indices)
                 if left:
                     self._asked[key] = left

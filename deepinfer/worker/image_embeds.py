@@ -71,6 +71,7 @@ class ImageEncoder:
             self.stream = part.stream if part is not None else torch.cuda.Stream(dev)
             self.num_sms = part.num_sms if part is not None else None
         self._pending: list = []                 # ImagePrompts submitted since the last flush
+        self.images_done = 0                     # requests' images encoded (one shared by two requests: 2)
         self.num_encoded = 0
         self.num_passes = 0
 
@@ -126,6 +127,7 @@ class ImageEncoder:
         for (p, todo, _), e in zip(pending, embeds):
             for i, x in zip(todo, e):
                 p.embeds[i] = x
+            self.images_done += len(todo)
             p.event = event          # one stream: the latest event covers the earlier passes too
         self.num_encoded += n
         self.num_passes += 1

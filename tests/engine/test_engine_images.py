@@ -49,10 +49,12 @@ def test_same_image_alone_or_batched_gives_the_same_tokens(llm):
 def test_images_are_encoded_once_per_request_in_one_pass(llm):
     enc, imgs = llm.engine.image_encoder, llm.engine.runner.images
     passes, encoded = enc.num_passes, enc.num_encoded
+    counted = llm.stats()["counters"]["images_encoded_total"]
     a, b = png(120, 100, 5), png(100, 120, 6)
     llm.generate([PROMPT, [0, IMG, 5, IMG, 6]], GREEDY, images=[[a], [b, a]])
     assert enc.num_passes == passes + 1             # both requests added before one step: one tower pass
     assert enc.num_encoded == encoded + 2           # a (twice) and b: distinct images once each
+    assert llm.stats()["counters"]["images_encoded_total"] == counted + 3     # the metric counts per request
     assert imgs.num_passes == 0                     # the runner only reads what the encoder made
     # finished requests are freed (the runner hears of the last ones at the next step)
     assert "llm-0" not in imgs.spans and len(imgs.spans) <= 2
@@ -203,6 +205,7 @@ def test_a_failed_encode_fails_only_its_request(tiny_checkpoint):
     finally:
         tower.encode = real
     assert final["bad"].finish_reason == "error" and "image encoding failed" in final["bad"].error
+    assert llm.stats()["counters"]["image_encode_failures_total"] == 1
     assert "out of memory" in final["bad"].error and got["bad"] == []
     assert got["ok"] == want[0].token_ids and got["txt"] == want[1].token_ids
     assert engine.kv_cache.num_used_blocks == 0

@@ -46,13 +46,15 @@ def _image_gauges(llm) -> list[dict]:
 def test_ranks_encode_ahead_and_give_one_ranks_tokens(one_rank, two_ranks):
     ref = one_rank.generate(PROMPTS, GREEDY, images=IMAGES)
     before = _image_gauges(two_ranks)
+    counted = two_ranks.stats()["counters"]["images_encoded_total"]
     outs = two_ranks.generate(PROMPTS, GREEDY, images=IMAGES)
+    assert two_ranks.stats()["counters"]["images_encoded_total"] == counted + 4     # per request's image
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     after = _image_gauges(two_ranks)
     assert all(a["images_encoded_inline"] == 0 for a in after)          # no step encoded in its own stream
     ahead = sum(a["images_encoded_ahead"] - b["images_encoded_ahead"] for a, b in zip(after, before))
     assert 3 <= ahead <= 4        # 4 images, 3 distinct: the repeated one once if its requests share a rank
-    assert two_ranks.engine.image_encoder.num_reported >= 4
+    assert two_ranks.engine.image_encoder.images_done >= 4
     assert sorted(len(s.requests) for s in two_ranks.engine.scheduler.schedulers) == [0, 0]
 
 
@@ -124,6 +126,7 @@ def test_a_failed_encode_on_a_rank_fails_only_its_request(one_rank, two_ranks):
             if o.finished:
                 final[o.request_id] = o
     assert final["bad"].finish_reason == "error" and "could not read this image" in final["bad"].error
+    assert two_ranks.stats()["counters"]["image_encode_failures_total"] == 1
     assert [got[f"ok-{i}"] for i in range(3)] == [w.token_ids for w in want]
     assert engine.dead is None and two_ranks.generate([PROMPTS[0]], GREEDY, images=IMAGES[:1])[0].token_ids
     # the ranks hold only the last request's prompt (finished ones go at the next step): the failed one
