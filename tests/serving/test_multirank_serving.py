@@ -124,3 +124,39 @@ def test_stopping_the_server_leaves_no_rank_worker(multirank):
              and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
     assert not alive, f"rank workers left after tritonserver stopped: {alive}"
     assert srv.proc.returncode is not None
+
+
+def test_image_requests_on_two_ranks_give_the_one_rank_answers(multirank, server):
+    """Image requests through the ensemble on rank workers (each rank encodes its requests' images
+    ahead of their steps, parallel/image_ahead.py): the 1-rank server's answers, a broken image a 400
+    and the ranks still serving; the engine counts the images it encoded."""
+    import base64
+
+    from tests.serving.test_images_serving import body, png
+    srv, grpc_url, metrics_url = multirank
+    urls = [None, "data:image/png;base64," + base64.b64encode(png(90, 60, 5)).decode()]
+
+    def answers(url: str) -> list[tuple]:
+        out = []
+        with GrpcClient(url) as client:
+            for image_url in urls:
+                b = body("chat.completions", False, **({"image_url": image_url} if image_url else {}))
+                o = list(client.stream(api_inputs("chat.completions", {**b, "temperature": 0})))
+                assert len(o) == 1 and o[0]["status"] == 200, o
+                out.append((json.loads(o[0]["response"][0])["choices"][0]["message"].get("content"),
+                            o[0]["num_input_tokens"], o[0]["num_output_tokens"]))
+        return out
+
+    got = answers(grpc_url)
+    assert got == answers(server.grpc_url) and all(n > 20 for _, n, _ in got)
+    with GrpcClient(grpc_url) as client:
+        bad = body("chat.completions", False, image_url="data:image/png;base64," + base64.b64encode(b"no").decode())
+        o = list(client.stream(api_inputs("chat.completions", bad)))
+    assert o[0]["status"] == 400, o
+    assert answers(grpc_url) == got
+    deadline, encoded = time.monotonic() + 10, []
+    while time.monotonic() < deadline and not (encoded and encoded[0] >= 4):     # published once a second
+        time.sleep(0.5)
+        encoded = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(metrics_url).text.splitlines()
+                   if line.startswith("deepinfer_images_encoded_total{")]
+    assert encoded and encoded[0] >= 4, encoded                   # 2 image requests in each of 2 rounds
