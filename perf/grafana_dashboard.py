@@ -46,6 +46,9 @@ PANELS = [
     ("Preemptions/s", "short", [q("rate(deepinfer_preemptions_total[5m])", "preemptions")]),
     ("DSpark acceptance", "short", [q("max(deepinfer_spec_acceptance_rate)", "acceptance rate"),
                                     q("max(deepinfer_spec_mean_accepted_length)", "tokens per verify step")]),
+    ("Images encoded/s (vision tower)", "short", [q("sum(rate(deepinfer_images_encoded_total[1m]))", "images/s"),
+                                                  q("sum(rate(deepinfer_image_encode_failures_total[5m]))",
+                                                    "failed requests/s")]),
     ("Engine alive / stream errors", "short", [q("min(deepinfer_gateway_engine_alive)", "engine alive"),
                                                q("sum(rate(deepinfer_gateway_stream_errors_total[5m]))", "stream errors/s")]),
 ]
