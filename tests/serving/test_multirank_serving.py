@@ -112,20 +112,6 @@ def test_two_rank_engine_serves_the_one_rank_tokens_and_publishes_rank_metrics(m
     assert len(per_rank) == RANKS and all(v > 0 for v in per_rank), per_rank
 
 
-def test_stopping_the_server_leaves_no_rank_worker(multirank):
-    srv = multirank[0]
-    workers = _rank_workers(srv.proc.pid)
-    assert len(workers) == RANKS
-    srv.stop()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in workers):
-        time.sleep(0.5)
-    alive = [p for p in workers if os.path.exists(f"/proc/{p}")
-             and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
-    assert not alive, f"rank workers left after tritonserver stopped: {alive}"
-    assert srv.proc.returncode is not None
-
-
 def test_image_requests_on_two_ranks_give_the_one_rank_answers(multirank, server):
     """Image requests through the ensemble on rank workers (each rank encodes its requests' images
     ahead of their steps, parallel/image_ahead.py): the 1-rank server's answers, a broken image a 400
@@ -160,3 +146,18 @@ def test_image_requests_on_two_ranks_give_the_one_rank_answers(multirank, server
         encoded = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(metrics_url).text.splitlines()
                    if line.startswith("deepinfer_images_encoded_total{")]
     assert encoded and encoded[0] >= 4, encoded                   # 2 image requests in each of 2 rounds
+
+
+def test_stopping_the_server_leaves_no_rank_worker(multirank):
+    """Last in the module: it stops the module's server."""
+    srv = multirank[0]
+    workers = _rank_workers(srv.proc.pid)
+    assert len(workers) == RANKS
+    srv.stop()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in workers):
+        time.sleep(0.5)
+    alive = [p for p in workers if os.path.exists(f"/proc/{p}")
+             and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not alive, f"rank workers left after tritonserver stopped: {alive}"
+    assert srv.proc.returncode is not None
