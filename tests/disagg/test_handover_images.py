@@ -19,6 +19,7 @@ from deepinfer.config import EngineArgs  # noqa: E402
 from deepinfer.disagg.process import EngineProcess  # noqa: E402
 from deepinfer.engine import Engine  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
+from tests.engine.conftest import drain  # noqa: E402
 from tests.engine.test_engine_images import IMG, png  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -40,10 +41,7 @@ def single(tiny_checkpoint):
     toks = {}
     for rid, (prompt, images) in REQUESTS.items():
         engine.add_request(rid, prompt, PARAMS, images=images)
-        toks[rid] = []
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                toks[o.request_id] += o.new_token_ids
+        toks.update(drain(engine)[0])
     return toks
 
 

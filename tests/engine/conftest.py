@@ -19,6 +19,17 @@ def create_scheduler(num_blocks=64, block_tokens=4, max_num_seqs=8, max_num_batc
                      max_prefill_only_tokens=max_prefill_only_tokens)
 
 
+def drain(engine) -> tuple[dict[str, list[int]], dict]:
+    """Step a real engine until it holds nothing: (new tokens by request id, final output by request id)."""
+    tokens, final = {}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                final[o.request_id] = o
+    return tokens, final
+
+
 def make_request(req_id, prompt_len, max_tokens=4, **kw):
     return Request(str(req_id), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, temperature=0), **kw)
 

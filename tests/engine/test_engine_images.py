@@ -176,7 +176,7 @@ def test_a_failed_encode_fails_only_its_request(tiny_checkpoint):
     alone, with the reason; the requests encoded in the same pass and a text one finish with the
     tokens they get without it, and the engine serves the next request."""
     from deepinfer.llm import LLM
-    from deepinfer.request import RequestStatus
+    from tests.engine.conftest import drain
     llm = LLM(str(tiny_checkpoint), max_num_seqs=4, max_num_batched_tokens=64, num_cache_blocks=48, block_tokens=16,
               max_model_len=256, batch_invariant=True)
     engine = llm.engine
@@ -196,12 +196,7 @@ def test_a_failed_encode_fails_only_its_request(tiny_checkpoint):
         reqs = {"ok": (PROMPT, [good]), "bad": (PROMPT, [bad]), "txt": ([7, 8, 9], None)}
         for rid, (prompt, images) in reqs.items():
             engine.add_request(rid, prompt, GREEDY, images=images)
-        got, final = {rid: [] for rid in reqs}, {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                got[o.request_id] += o.new_token_ids
-                if o.finished:
-                    final[o.request_id] = o
+        got, final = drain(engine)
     finally:
         tower.encode = real
     assert final["bad"].finish_reason == "error" and "image encoding failed" in final["bad"].error

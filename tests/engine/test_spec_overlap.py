@@ -15,7 +15,7 @@ import torch
 
 from deepinfer import EngineArgs, SamplingParams
 from deepinfer.engine import Engine
-from tests.engine.conftest import greedy, sampled
+from tests.engine.conftest import drain, greedy, sampled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -564,10 +564,7 @@ def test_image_requests_overlap(args):
             before = engine.num_verify_steps_overlapped
             for rid, (prompt, images) in reqs.items():
                 engine.add_request(rid, prompt, greedy(N_OUT), images=images)
-                got[rid] = []
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    got[out.request_id] += out.new_token_ids
+            got.update(drain(engine)[0])
             overlapped.append(engine.num_verify_steps_overlapped - before)
         return got, overlapped
 

@@ -9,6 +9,7 @@ import pytest
 
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
+from tests.engine.conftest import drain
 from tests.engine.test_engine_images import IMG, png
 from tests.parallel.faulty_images import FailsOnTheRank
 
@@ -29,14 +30,6 @@ def two_ranks(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), data_parallel_size=2, worker_threads=1, **KW)
     yield llm
     llm.engine.shutdown()
-
-
-def _drain(engine) -> dict:
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return outs
 
 
 def _image_gauges(llm) -> list[dict]:
@@ -63,7 +56,7 @@ def test_a_request_waits_for_its_ranks_report(two_ranks):
     engine.add_request("wait-0", PROMPTS[0], GREEDY, images=IMAGES[0])
     prompt = engine.scheduler.requests["wait-0"].image_prompt
     assert prompt.encoding and not prompt.ready           # asked, not yet reported: not admitted
-    outs = _drain(engine)
+    outs, _ = drain(engine)
     assert prompt.ready and len(outs["wait-0"]) == GREEDY.max_tokens
 
 
@@ -72,9 +65,9 @@ def test_finished_and_aborted_requests_are_dropped_by_their_rank(two_ranks):
     engine.add_request("drop-0", PROMPTS[3], GREEDY, images=IMAGES[3])
     engine.abort("drop-0")                                # aborted before its job was ever sent
     engine.add_request("drop-1", PROMPTS[0], GREEDY, images=IMAGES[0])
-    _drain(engine)
+    drain(engine)
     engine.add_request("text", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
-    _drain(engine)                                        # its steps tell the ranks drop-1 is over
+    drain(engine)                                        # its steps tell the ranks drop-1 is over
     assert [g["image_prompts_held"] for g in _image_gauges(two_ranks)] == [0, 0]
     assert not engine.image_encoder._held
 
@@ -86,9 +79,9 @@ def test_a_reused_request_id_reads_its_own_images(one_rank, two_ranks):
     want = one_rank.generate([PROMPTS[3]], GREEDY, images=[other])[0].token_ids
     engine = two_ranks.engine
     engine.add_request("same", PROMPTS[3], GREEDY, images=IMAGES[3])
-    first = _drain(engine)["same"]
+    first = drain(engine)[0]["same"]
     engine.add_request("same", PROMPTS[3], GREEDY, images=other)
-    second = _drain(engine)["same"]
+    second = drain(engine)[0]["same"]
     assert second == want and first != second
 
 
@@ -119,12 +112,7 @@ def test_a_failed_encode_on_a_rank_fails_only_its_request(one_rank, two_ranks):
     for i, (prompt, images) in enumerate(zip(PROMPTS[:3], IMAGES[:3])):
         engine.add_request(f"ok-{i}", prompt, GREEDY, images=images)
     engine.add_request("bad", PROMPTS[3], GREEDY, images=[bad])
-    got, final = {}, {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if o.finished:
-                final[o.request_id] = o
+    got, final = drain(engine)
     assert final["bad"].finish_reason == "error" and "could not read this image" in final["bad"].error
     assert two_ranks.stats()["counters"]["image_encode_failures_total"] == 1
     assert [got[f"ok-{i}"] for i in range(3)] == [w.token_ids for w in want]

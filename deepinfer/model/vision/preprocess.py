@@ -235,32 +235,35 @@ def prepare_pixels(data: bytes, v: VisionArgs, max_side: int = MAX_SIDE,
     return padded_rgb(img, plan, v), plan.span_len
 
 
+def padded_plan(width: int, height: int, v: VisionArgs) -> ImagePlan:
+    """The plan of an image already planned and padded to width x height: its grids follow from the size.
+    ImageError when the size is not a planned one."""
+    p, r = v.patch_size, v.downsample_ratio
+    if height % p or width % p or not height or not width:
+        raise ImageError(f"image of {width}x{height} pixels: sides must be positive multiples of {p}")
+    plan = ImagePlan(width, height, height // p, width // p, -(-(height // p) // r), -(-(width // p) // r))
+    if plan.span_len > v.max_n_token:
+        raise ImageError(f"image of {width}x{height} pixels takes {plan.span_len} tokens, over {v.max_n_token}")
+    return plan
+
+
 def image_from_pixels(rgb: np.ndarray, v: VisionArgs) -> ImageInput:
     """[H, W, 3] uint8 already planned and padded (padded_rgb, e.g. made by the preprocess model) ->
     ImageInput; the grids follow from the size. ImageError when the size is not a planned one."""
     if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
         raise ImageError(f"image pixels must be [H, W, 3] uint8, got {list(rgb.shape)} {rgb.dtype}")
     h, w, _ = rgb.shape
-    p, r = v.patch_size, v.downsample_ratio
-    if h % p or w % p or not h or not w:
-        raise ImageError(f"image of {w}x{h} pixels: sides must be positive multiples of {p}")
-    plan = ImagePlan(w, h, h // p, w // p, -(-(h // p) // r), -(-(w // p) // r))
-    if plan.span_len > v.max_n_token:
-        raise ImageError(f"image of {w}x{h} pixels takes {plan.span_len} tokens, over {v.max_n_token}")
-    return ImageInput(to_patches(rgb, plan, p), plan, hashlib.sha256(rgb.tobytes()).hexdigest())
+    plan = padded_plan(w, h, v)
+    return ImageInput(to_patches(rgb, plan, v.patch_size), plan, hashlib.sha256(rgb.tobytes()).hexdigest())
 
 
 def check_image_input(im: ImageInput, v: VisionArgs) -> ImageInput:
     """An ImageInput made by a caller: its grids follow from its size and its patches fit them
     (ImageError otherwise; the tower would fail on it at encode time, beside other requests)."""
-    p, r, plan = v.patch_size, v.downsample_ratio, im.plan
-    want = ImagePlan(plan.width, plan.height, plan.height // p, plan.width // p,
-                     -(-(plan.height // p) // r), -(-(plan.width // p) // r))
-    if plan.height % p or plan.width % p or not plan.height or not plan.width or plan != want:
+    plan, p = im.plan, v.patch_size
+    if padded_plan(plan.width, plan.height, v) != plan:
         raise ImageError(f"an ImageInput's plan {plan} is not this checkpoint's plan of a "
                          f"{plan.width}x{plan.height} image")
-    if plan.span_len > v.max_n_token:
-        raise ImageError(f"image of {plan.width}x{plan.height} pixels takes {plan.span_len} tokens, over {v.max_n_token}")
     shape = (plan.n_vit_h * plan.n_vit_w, 3, p, p)
     if not isinstance(im.patches, torch.Tensor) or tuple(im.patches.shape) != shape \
             or not im.patches.dtype.is_floating_point:
