@@ -7,6 +7,7 @@ same run, and the EP8 whole-model estimate built from it.
     python perf/bench_model_decode.py [--checkpoint DIR | --preset full-width-ep8 [--load-format dummy]] [--batches 1 16 64 128]
                                       [--ctx 8192]                    (model_decode.json/.png in $OUT)
                                       [--profile 64]   GPU kernel time of one step by kernel (torch.profiler)
+                                      [--profile-graph 64 128]   the replayed graph: idle time, exposed kernels
 
 Unlike perf/bench_layer_step.py (the same shapes composed from the kernels by hand), this runs the
 code the engine runs: loader formats (FP8 linears, FP4 experts as FP8 stacks), the masked MoE, the
@@ -182,6 +183,9 @@ def main() -> None:
                         "own picks (random weights send a step to a third of the experts)")
     p.add_argument("--profile", type=int, default=0, help="also profile one eager step at this batch size")
     p.add_argument("--profile-top", type=int, default=45, help="kernels and torch ops the profile lists")
+    p.add_argument("--profile-graph", type=int, nargs="*", default=[],
+                   help="also profile the CUDA graph's replays at these batch sizes: span, busy and idle time, kernels "
+                        "with their exposed time (perf/graph_profile.py)")
     p.add_argument("--mhc-variants", nargs="+", default=["{}"],
                    help="hc_mixes_pre launch constants below 1,024 tokens (JSON, merged over triton_mhc.DECODE_VARIANT) "
                         "compared in one run, e.g. '{}' '{\"bt\": 16}' (perf/bench_mhc_variants.py's best)")
@@ -292,6 +296,13 @@ def main() -> None:
         side_stream.ENABLED, pdl.ENABLED = a.side_streams[0] == "on", a.triton_pdl[0] == "on"
         with torch.inference_mode():
             profile(decode_step(model, caches, a.profile, a.ctx, max_len, block_tokens), a.profile, a.profile_top)
+    if a.profile_graph:
+        from graph_profile import profile_graph
+        side_stream.ENABLED, pdl.ENABLED = a.side_streams[0] == "on", a.triton_pdl[0] == "on"
+        for B in a.profile_graph:
+            with torch.inference_mode():
+                profile_graph(decode_step(model, caches, B, a.ctx, max_len, block_tokens), f"batch {B}",
+                              top=a.profile_top)
 
 
 class use_moe_path:

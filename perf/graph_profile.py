@@ -1,0 +1,113 @@
+"""Where a CUDA graph's replay time goes: the kernels of a few replays recorded by torch.profiler (CUPTI records
+a graph's kernel nodes one by one), the replay's span against the union of its kernels' busy intervals (the
+rest is the GPU idle between dependent kernels: launch latency, PDL waits, a side stream's join), and each
+kernel name's time, calls and exposed time (the part of its intervals no other kernel overlaps: what
+removing it could save at most).
+
+    from graph_profile import profile_graph; profile_graph(step_fn, label="batch 64")
+
+An eager profile (bench_model_decode.profile) counts kernel time only; this one sees what the replayed step
+pays between kernels, which is what separates a step of many small kernels from its bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def exposed_times(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
+    """name -> time during which a kernel of that name was the only one running (a sweep over start / end
+    events)."""
+    events = sorted([(s, 1, i) for i, (s, _, _) in enumerate(kernels)] + [(e, -1, i) for i, (_, e, _) in enumerate(kernels)])
+    running: set[int] = set()
+    out: dict[str, float] = {}
+    last = None
+    for t, kind, i in events:
+        if last is not None and len(running) == 1:
+            (only,) = running
+            name = kernels[only][2]
+            out[name] = out.get(name, 0.0) + t - last
+        if kind == 1:
+            running.add(i)
+        else:
+            running.discard(i)
+        last = t
+    return out
+
+
+def replay_stats(kernels: list[tuple[float, float, str]]) -> dict:
+    """Span, busy time, idle time and per-name totals of one replay's kernels ((start_us, end_us, name))."""
+    span = max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)
+    busy = _union([(s, e) for s, e, _ in kernels])
+    by_name: dict[str, list[float]] = {}
+    for s, e, n in kernels:
+        by_name.setdefault(n, []).append(e - s)
+    return dict(span_us=span, busy_us=busy, idle_us=span - busy, kernels=len(kernels),
+                kernel_sum_us=sum(e - s for s, e, _ in kernels), by_name=by_name, exposed=exposed_times(kernels))
+
+
+def split_replays(kernels: list[tuple[float, float, str]], n: int) -> list[list[tuple[float, float, str]]]:
+    """The kernels of n back-to-back replays (synchronized between them), split at the n - 1 largest gaps."""
+    kernels = sorted(kernels)
+    if n <= 1 or len(kernels) < n:
+        return [kernels]
+    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] - max(e for _, e, _ in kernels[:i][-64:]))
+    cuts = sorted(gaps[-(n - 1):])
+    out, prev = [], 0
+    for c in cuts + [len(kernels)]:
+        out.append(kernels[prev:c])
+        prev = c
+    return out
+
+
+def profile_graph(fn, label: str = "", replays: int = 3, top: int = 40) -> dict:
+    """Capture fn in a CUDA graph, profile `replays` replays (a synchronize between them) and print the middle
+    replay's span, busy and idle time and its top kernels by time with their exposed time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+            torch.cuda.synchronize()
+    kernels = [(ev.time_range.start, ev.time_range.end, ev.name[:90]) for ev in prof.events()
+               if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start
+               and not ev.name.startswith(("Memcpy", "Memset"))]
+    del g
+    if not kernels:
+        print(f"graph profile {label}: no kernel records (CUPTI saw no graph nodes)")
+        return {}
+    parts = split_replays(kernels, replays)
+    st = replay_stats(parts[len(parts) // 2])
+    print(f"graph profile {label}: {st['kernels']} kernels a replay, span {st['span_us']:.0f} us, busy "
+          f"{st['busy_us']:.0f} us, idle {st['idle_us']:.0f} us ({st['idle_us'] / st['span_us']:.1%}), kernel sum "
+          f"{st['kernel_sum_us']:.0f} us (overlap {st['kernel_sum_us'] - st['busy_us']:.0f})", flush=True)
+    print(f"{'us':>8} {'exposed':>8} {'calls':>6} {'mean':>7}  kernel")
+    for name, v in sorted(st["by_name"].items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"{sum(v):>8.0f} {st['exposed'].get(name, 0.0):>8.0f} {len(v):>6} {sum(v) / len(v):>7.1f}  {name}")
+    return st
