@@ -20,6 +20,13 @@ order. A share's own rows form one query set whose window lists and entry counts
 prefill's rows, so each row's numbers are the 1-rank prefill's (bit-identical under
 batch_invariant).
 
+Images: a prompt's image spans may fall anywhere in the split, across chunk and rank boundaries; the
+model reads them per row (the span embedding replaces the token's, `token_mask` drives the VL router bias
+and Engram's dead positions), so a share needs, for its rows only, their span embeddings, their token
+types and a chunk history with span positions DEAD. The owner encoded the images ahead (image_ahead.py;
+the scheduler plans CP only for such prompts) and scatters each rank its rows' embeddings (why not each
+rank encoding: the NOTE at owner_span_rows); the types travel in the CPShare.
+
 Ownership: the request stays on its DP rank (the owner), whose caches get everything (ring, carry,
 compressed KV, index keys) and which decodes it; the other ranks write into blocks and a ring slot
 borrowed for this step and dropped after it (DataParallelScheduler takes and returns them). The
@@ -35,8 +42,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from deepinfer.model.batch import ForwardBatch
+from deepinfer.model.engram import DEAD
 from deepinfer.model.step_metadata import CompressPlan, StepMetadata
 
 from .ep_comm import all_gather_rows
@@ -97,6 +106,9 @@ class CPShare:
     token_ids: np.ndarray       # [n] the prompt's positions 0..n-1 (all of them: Engram's history)
     block_ids: list[int]        # this rank's cache blocks for the prefix (borrowed unless owner)
     ring_slot: int              # this rank's ring slot for it (borrowed unless owner)
+    token_types: np.ndarray | None = None   # [n] int8 span roles of positions 0..n-1 (TEXT -1, model/vision/
+                                            # spans.py); None: a text prompt
+    ahead_key: str | None = None            # the owner's encoded copy of the images (ImagePrompt.ahead_key)
 
     @property
     def split(self) -> MirrorSplit:
@@ -126,9 +138,10 @@ class _Gather:
         return self.rows(kv), raw
 
 
-def prefill_share(model, caches, share: CPShare, group=None) -> torch.Tensor | None:
+def prefill_share(model, caches, share: CPShare, group=None, images=None) -> torch.Tensor | None:
     """Run this rank's rows of the CP prefill through every layer (no logits): the caches at
     share.block_ids / share.ring_slot end up holding positions 0..n-1 as a 1-rank prefill leaves them.
+    images: the runner's ImageEmbeds (the owner reads its encoded copy of the prompt's images there).
     -> the rows' DSpark inputs (ModelOutput.main_hidden, in split.positions(rank) order; None without
     DSpark layers)."""
     dev = model.embed.weight.device
@@ -144,7 +157,74 @@ def prefill_share(model, caches, share: CPShare, group=None) -> torch.Tensor | N
     ratios = sorted({r for r in model.args.compress_ratios if r})
     meta = share_metadata(whole, split.positions(share.rank), ratios, _Gather(whole, split, group))
     width = max(model.args.engram_max_ngram_size - 1, 0)
-    return model(share_batch(share, whole_batch, width), caches, meta=meta).main_hidden
+    batch = share_batch(share, whole_batch, width)
+    if share.token_types is not None:
+        own = split.positions(share.rank)
+        batch.token_mask = torch.from_numpy(share.token_types[own] < 0).to(dev)   # False in spans: VL bias, Engram dead
+        owner_rows = owner_span_rows(images, share) if share.rank == share.owner else None
+        batch.image_rows, batch.image_embeds = scatter_image_rows(share, owner_rows, group, model.args.dim, dev)
+    return model(batch, caches, meta=meta).main_hidden
+
+
+# ---- image spans -----------------------------------------------------------------------------------------
+# NOTE: why the owner's embeddings are scattered rather than each rank encoding the images its chunks
+# overlap: the owner already encoded every image ahead, on its SM share, before the request was admitted
+# (image_ahead.py; the scheduler plans CP only for such prompts). Encoding again on the borrowed ranks
+# would repeat the tower for every image a share touches (a span straddling a chunk boundary on two or
+# three ranks), put it on the CP step's critical path (every rank waits for the slowest in the first
+# layer's gather), and move a failing image's error into a step, where it takes every rank down; this
+# way an image that fails, fails ahead on the owner, before any block is borrowed, and the request
+# fails alone. The cost is one scatter per CP prefill with spans: each rank receives only its rows
+# (at most 2 * chunk, padded to the largest share's count), bf16 copied bit for bit.
+def owner_span_rows(images, share: CPShare) -> torch.Tensor:
+    """[span positions, dim]: the owner's encoded embeddings of every span, in position order (spans in
+    prompt order, each span's rows in order: the k-th span position of the prompt takes row k)."""
+    prompt = None if images is None else images.ahead.get(share.ahead_key)
+    if prompt is None or prompt.missing(0):
+        raise RuntimeError(f"request {share.req_id}: rank {share.rank} holds no encoded images for its CP prefill")
+    if prompt.event is not None:           # encoded on the vision stream: the step stream waits for it
+        stream = torch.cuda.current_stream()
+        stream.wait_event(prompt.event)
+        for e in prompt.embeds:
+            e.record_stream(stream)
+    return torch.cat(prompt.embeds)
+
+
+def scatter_image_rows(share: CPShare, owner_rows: torch.Tensor | None, group, dim: int, device):
+    """Every rank's share rows inside image spans get their embeddings from the owner (owner_rows: its
+    owner_span_rows, None elsewhere): one scatter of [M, dim] per rank, M the largest share's span-row
+    count (every rank computes it from token_types). -> (rows [k] of this share's T rows, embeds [k, dim])
+    for ForwardBatch.image_rows / .image_embeds, or (None, None) where this share has no span rows.
+
+        n = 16, cp = 2, a span at 2..5:  | c0 0..3 | c1 4..7 | c2 8..11 | c3 12..15 |
+                                           rank 0    rank 1    rank 1     rank 0
+        rank 0: positions 2, 3 = its rows 2, 3;  rank 1: positions 4, 5 = its rows 0, 1
+    """
+    from deepinfer.model.vision.vit import ACT
+    split, cp = share.split, share.cp_size
+    span = share.token_types >= 0                                          # [n]
+    mine = [np.nonzero(span[split.positions(r)])[0] for r in range(cp)]   # rank r's share rows in spans
+    M = max(len(m) for m in mine)
+    if M == 0:
+        return None, None
+    parts = None
+    if share.rank == share.owner:
+        row_of = np.cumsum(span) - 1                       # span position -> its row of owner_rows
+        parts = []
+        for r in range(cp):
+            idx = torch.from_numpy(row_of[split.positions(r)[mine[r]]]).to(owner_rows.device)
+            part = torch.zeros((M, dim), dtype=ACT, device=owner_rows.device)
+            part[:len(idx)] = owner_rows[idx]
+            parts.append(part)
+    if cp == 1:
+        out = parts[0]
+    else:
+        out = torch.empty((M, dim), dtype=ACT, device=device)
+        dist.scatter(out, parts, group=group, group_src=share.owner)
+    k = len(mine[share.rank])
+    if k == 0:
+        return None, None
+    return torch.from_numpy(mine[share.rank]).to(device), out[:k]
 
 
 def draft_ring_tail(main_hidden: torch.Tensor, share: CPShare, ring_len: int, group) -> tuple[torch.Tensor, np.ndarray]:
@@ -174,11 +254,11 @@ def draft_ring_tail(main_hidden: torch.Tensor, share: CPShare, ring_len: int, gr
 
 def share_batch(share: CPShare, whole: ForwardBatch, width: int) -> ForwardBatch:
     """The rank's rows as two sequences (its chunks) for what reads sequences from the batch (Engram's
-    n-gram hashing: each chunk's history is the tokens before it)."""
+    n-gram hashing: each chunk's history is the tokens before it, DEAD at image-span positions)."""
     chunks = [(s, e) for s, e in share.split.chunks(share.rank) if e > s]
-    tokens = share.token_ids
-    hist = np.array([[tokens[p] if p >= 0 else -1 for p in range(s - width, s)] for s, _ in chunks],
-                    dtype=np.int64).reshape(len(chunks), width)
+    tokens, types = share.token_ids, share.token_types
+    hist = np.array([[-1 if p < 0 else DEAD if types is not None and types[p] >= 0 else tokens[p]
+                      for p in range(s - width, s)] for s, _ in chunks], dtype=np.int64).reshape(len(chunks), width)
     pos = np.concatenate([np.arange(s, e) for s, e in chunks]).astype(np.int64) if chunks else np.zeros(0, np.int64)
     lens = [e - s for s, e in chunks]
     dev = whole.input_ids.device

@@ -13,7 +13,8 @@ rank); ties and no prefix anywhere: least loaded. Each step every rank schedules
 executor runs the N plans in lockstep.
 
 Balanced CP (cp_min_prompt_tokens set, parallel/cp.py): when a rank's plan starts a prompt of at
-least that many tokens from position 0 (no cached prefix) in one piece, the step also carries a
+least that many tokens from position 0 (no cached prefix) in one piece (text, or with every image
+encoded ahead on that rank: the shares carry its token types), the step also carries a
 CPShare per rank: every rank prefills its mirrored chunks of the prompt's first L-1 tokens before
 its own plan, the other ranks in cache blocks and a ring slot borrowed here for the step (returned
 in update_from_output); the owner's plan then runs only the last token. Several such prompts in one
@@ -32,6 +33,7 @@ from deepinfer.request import Request, RequestStatus
 from deepinfer.sched.scheduler import Scheduler
 
 from .cp import CPShare
+from .image_ahead import ON_RANK
 
 BORROW_PREFIX = "cp-borrow:"        # a non-owner rank's cache ids of a CP prefill's temporary copy
 
@@ -116,6 +118,13 @@ class _KVCacheView:
     def check(self) -> None:
         for kv in self.per_rank:
             kv.check()
+
+
+def _images_on_owner(prompt) -> bool:
+    """A prompt CP may take: text, or every image encoded ahead on the request's rank (image_ahead.py), whose
+    copy the CP pass scatters; a prompt that rank did not encode (a P/D handover) runs the ordinary way."""
+    return prompt is None or (prompt.ahead_key is not None and prompt.embeds is not None
+                              and all(e is ON_RANK for e in prompt.embeds))
 
 
 class DataParallelScheduler:
@@ -238,9 +247,8 @@ class DataParallelScheduler:
         longest first, as one share per rank (rank r's list); None when there is none. A prompt for
         which some rank has no room to borrow runs the ordinary way."""
         cp = len(self.schedulers)
-        # text prompts only: the CP pass carries no image rows or token types (model/vision spans)
         found = [(rank, new) for rank, so in enumerate(out.per_rank) for new in so.new_reqs
-                 if new.num_computed_tokens == 0 and new.image_prompt is None
+                 if new.num_computed_tokens == 0 and _images_on_owner(new.image_prompt)
                  and so.num_scheduled_tokens.get(new.req_id) == len(new.token_ids)
                  and len(new.token_ids) - 1 >= max(self.cp_min_prompt_tokens - 1, 2 * cp)]
         shares: list[list[CPShare]] = [[] for _ in range(cp)]
@@ -249,11 +257,13 @@ class DataParallelScheduler:
             if not self._borrow(owner, BORROW_PREFIX + new.req_id, n):
                 continue
             tokens = np.asarray(new.token_ids[:n], dtype=np.int64)
+            p = new.image_prompt     # the ranks' span rows come from the owner's encoded copy (cp.py)
+            types, key = (None, None) if p is None else (np.asarray(p.token_types[:n], dtype=np.int8), p.ahead_key)
             for r, s in enumerate(self.schedulers):
-                key = new.req_id if r == owner else BORROW_PREFIX + new.req_id
-                blocks = new.block_ids if r == owner else s.kv_cache.block_ids[key]
-                slot = new.ring_slot if r == owner else s.kv_cache.ring_slot[key]
-                shares[r].append(CPShare(new.req_id, owner, r, cp, tokens, list(blocks), slot))
+                held = new.req_id if r == owner else BORROW_PREFIX + new.req_id
+                blocks = new.block_ids if r == owner else s.kv_cache.block_ids[held]
+                slot = new.ring_slot if r == owner else s.kv_cache.ring_slot[held]
+                shares[r].append(CPShare(new.req_id, owner, r, cp, tokens, list(blocks), slot, types, key))
             self.cp_prefills.append((new.req_id, owner, n))
         return shares if shares[0] else None
 

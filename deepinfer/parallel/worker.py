@@ -211,7 +211,7 @@ class _Rank:
         self._set_step_max(share.split.max_rows)
         proposer = self.rt.runner.proposer
         with batch_invariant_mode(self.rt.runner.batch_invariant):
-            hidden = prefill_share(self.rt.model, self.rt.caches, share, self.parallel.group)
+            hidden = prefill_share(self.rt.model, self.rt.caches, share, self.parallel.group, self.rt.runner.images)
             if proposer is not None:
                 if hidden is None:
                     raise RuntimeError("speculative decoding needs the checkpoint's DSpark layers")
