@@ -1,0 +1,145 @@
+"""Balanced CP for prompts with images (deepinfer/parallel/cp.py, image spans): real gloo rank workers and
+the tiny preset's vision tower. Each rank's share rows get the owner's encoded span rows (one scatter),
+their token types (VL router bias, Engram dead) and a DEAD-marked n-gram history, so every rank's rows
+are a 1-rank prefill's: the logits and tokens equal one rank's bit for bit (batch_invariant), with spans
+straddling the mirror split's chunk boundaries and one inside a borrowed rank's chunk. Images are
+encoded once, ahead, on the owner only; an image that fails to encode fails its request alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deepinfer.llm import LLM
+from deepinfer.parallel.cp import MirrorSplit
+from deepinfer.parallel.dp_scheduler import BORROW_PREFIX
+from deepinfer.sampling_params import SamplingParams
+from tests.engine.conftest import drain
+from tests.engine.test_engine_images import IMG, png
+from tests.parallel.faulty_images import FailsOnTheRank
+
+KW = dict(max_num_seqs=4, max_num_batched_tokens=256, num_cache_blocks=48, block_tokens=16, max_model_len=256,
+          batch_invariant=True, device="cpu")
+CP_KW = dict(cp_min_prompt_tokens=64, worker_threads=1)
+
+# 121 tokens, n = 120 CP positions; spans (sizes: the tiny tower's plans of the pngs below)
+#   A 22..41 (20)  C 54..67 (14)  B 82..89 (8)  D 96..103 (8)
+# 2 ranks (chunks of 30: rank 0 = 0..29 + 90..119, rank 1 = 30..89): A straddles 30 (rank 0 | rank 1),
+# C straddles 60 (rank 1's two chunks, two sequences), B lies inside rank 1's chunk, D inside rank 0's;
+# 4 ranks (chunks of 15): A straddles 30 (rank 1 | rank 2), C 60 (rank 3's two chunks), B lies inside
+# rank 2's 75..89, D inside rank 1's 90..104. The owner of the second prompt is rank 1.
+TEXT = [22, 12, 14, 6, 17]
+SIZES = [(200, 120), (120, 100), (64, 64), (40, 40)]
+SPANS = [(22, 42), (54, 68), (82, 90), (96, 104)]
+N = sum(TEXT) + sum(e - s for s, e in SPANS) - 1        # CP positions: the expanded prompt's all but last
+
+
+def _prompt(offset: int) -> list[int]:
+    ids, tok = [], 1000 + offset
+    for i, n in enumerate(TEXT):
+        ids += list(range(tok, tok + n))
+        tok += n
+        if i < len(SIZES):
+            ids.append(IMG)
+    return ids
+
+
+def _images(seed: int) -> list[bytes]:
+    return [png(w, h, seed + i) for i, (w, h) in enumerate(SIZES)]
+
+
+PROMPTS = [_prompt(0), _prompt(300)]
+IMAGES = [_images(10), _images(20)]
+PARAMS = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=5, temperature=0.9, top_p=0.95, seed=3, ignore_eos=True)]
+
+
+def _spans_cross_the_split(ranks: int) -> None:
+    """The layout's claims for `ranks` (owner rank 0): a span straddles a chunk boundary between two ranks,
+    one lies wholly inside a chunk of a rank that is not the owner."""
+    split = MirrorSplit(N, ranks)
+    rank_at = np.empty(split.num_tokens, dtype=np.int64)
+    for r in range(ranks):
+        rank_at[split.positions(r)] = r
+    chunks = [split.chunks(r) for r in range(ranks)]
+    owners = [set(rank_at[s:e].tolist()) for s, e in SPANS]
+    assert any(len(o) > 1 for o in owners), owners
+    assert any(s >= a and e <= b and r != 0 for s, e in SPANS for r in range(ranks) for a, b in chunks[r])
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_checkpoint):
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)             # as the rank workers run
+    try:
+        llm = LLM(str(tiny_checkpoint), **KW)
+        yield llm
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gauges(llm) -> list[dict]:
+    return llm.engine.runner.ping()
+
+
+def _check_nothing_borrowed(llm) -> None:
+    engine = llm.engine
+    assert engine.kv_cache.num_used_blocks == 0                   # owners' and borrowed blocks all back
+    engine.kv_cache.check()
+    assert all(not k.startswith(BORROW_PREFIX) for s in engine.scheduler.schedulers for k in s.kv_cache.block_ids)
+    assert all(not k.startswith(BORROW_PREFIX) for s in engine.scheduler.schedulers for k in s.kv_cache.ring_slot)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_cp_image_prompts_give_one_ranks_logits(ranks, one_rank, tiny_checkpoint):
+    """Two image prompts, one per owner rank, both prefilled with CP in one step: each output's logits
+    (every sampled position) and tokens are one rank's bit for bit; each image was encoded once, on its
+    request's owner, ahead (no step encoded inline), and every rank ran both shares."""
+    _spans_cross_the_split(ranks)
+    want = one_rank.generate(PROMPTS, PARAMS, images=IMAGES, return_logits=True)
+    llm = LLM(str(tiny_checkpoint), **KW, **CP_KW, data_parallel_size=ranks, context_parallel_size=ranks)
+    try:
+        got = llm.generate(PROMPTS, PARAMS, images=IMAGES, return_logits=True)
+        cp = llm.engine.scheduler.cp_prefills
+        pings = _gauges(llm)
+        _check_nothing_borrowed(llm)
+    finally:
+        llm.engine.shutdown()
+    assert sorted((o, n) for _, o, n in cp) == [(0, N), (1, N)], cp     # both took CP, one owner each
+    assert all(p["num_cp_prefills"] == 2 for p in pings)             # every rank ran its share of each
+    assert [p["images_encoded_ahead"] for p in pings] == [4, 4] + [0] * (ranks - 2)   # on the owners only
+    assert all(p["images_encoded_inline"] == 0 for p in pings)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.logits.shape == w.logits.shape and bool((g.logits == w.logits).all())
+
+
+def test_a_failing_image_fails_its_request_alone(one_rank, tiny_checkpoint):
+    """Among CP image prompts, one whose image cannot be encoded on its rank: it finishes with the error
+    (before any block is borrowed for it), the others are prefilled with CP and give one rank's tokens,
+    every cache block and ring slot comes back, and the engine goes on."""
+    from deepinfer.model.vision import load_image
+    greedy = PARAMS[0]
+    want = one_rank.generate(PROMPTS, greedy, images=IMAGES)
+    llm = LLM(str(tiny_checkpoint), **KW, **CP_KW, data_parallel_size=2, context_parallel_size=2)
+    engine = llm.engine
+    try:
+        im = load_image(png(64, 64, 99), engine.model_args.vision)
+        bad = FailsOnTheRank(im.patches, im.plan, content_hash="fails-on-the-rank")
+        engine.add_request("ok-0", PROMPTS[0], greedy, images=IMAGES[0])
+        engine.add_request("bad", PROMPTS[1], greedy, images=IMAGES[1][:2] + [bad] + IMAGES[1][3:])
+        engine.add_request("ok-1", PROMPTS[1], greedy, images=IMAGES[1])
+        got, final = drain(engine)
+        cp = engine.scheduler.cp_prefills
+        _check_nothing_borrowed(llm)
+        assert engine.dead is None
+        assert final["bad"].finish_reason == "error" and "could not read this image" in final["bad"].error
+        assert llm.stats()["counters"]["image_encode_failures_total"] == 1
+        assert [got["ok-0"], got["ok-1"]] == [w.token_ids for w in want]
+        assert sorted(rid for rid, _, _ in cp) == ["ok-0", "ok-1"]
+        again = llm.generate(PROMPTS[:1], greedy, images=IMAGES[:1])[0].token_ids   # the engine goes on, with CP
+        assert again == want[0].token_ids and len(engine.scheduler.cp_prefills) == 3
+        _check_nothing_borrowed(llm)
+    finally:
+        engine.shutdown()
