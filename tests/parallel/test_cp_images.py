@@ -143,3 +143,53 @@ def test_a_failing_image_fails_its_request_alone(one_rank, tiny_checkpoint):
         _check_nothing_borrowed(llm)
     finally:
         engine.shutdown()
+
+
+def _run_recording_drafts(engine, params) -> tuple[list[list[int]], dict[str, list]]:
+    """PROMPTS with IMAGES added at once, stepped to the end: (tokens per request, per request each
+    proposal (tokens so far, drafts) its scheduler's DraftBook held after a step)."""
+    tokens: dict[str, list[int]] = {}
+    drafts: dict[str, list] = {}
+    scheds = getattr(engine.scheduler, "schedulers", [engine.scheduler])
+    for i, (ids, images) in enumerate(zip(PROMPTS, IMAGES)):
+        engine.add_request(f"r{i}", ids, params, images=images)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        for s in scheds:
+            for rid in s.requests:
+                if s.draft_book.pending(rid):
+                    drafts.setdefault(rid, []).append((len(tokens.get(rid, [])), tuple(s.draft_book.pending(rid))))
+    return [tokens[f"r{i}"] for i in range(len(PROMPTS))], drafts
+
+
+def test_cp_image_prompts_with_dspark_give_one_ranks_tokens_and_drafts(one_rank, tiny_checkpoint):
+    """DSpark over 2 ranks (every draft verified): the CP prefill of the image prompts leaves the owner's
+    draft rings as a 1-rank DSpark prefill does, so every proposal and every token is one rank's."""
+    import torch
+
+    from deepinfer.config import EngineArgs
+    from deepinfer.engine import Engine
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    kw = dict(checkpoint=str(tiny_checkpoint), **KW, speculative="dspark", spec_policy="threshold",
+              spec_confidence_threshold=0.0)
+    plain = [o.token_ids for o in one_rank.generate(PROMPTS, greedy, images=IMAGES)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ref = Engine(EngineArgs(**kw))
+    try:
+        want, want_drafts = _run_recording_drafts(ref, greedy)
+    finally:
+        ref.shutdown()
+        torch.set_num_threads(threads)
+    engine = Engine(EngineArgs(**kw, **CP_KW, data_parallel_size=2, context_parallel_size=2))
+    try:
+        got, got_drafts = _run_recording_drafts(engine, greedy)
+        cp = engine.scheduler.cp_prefills
+    finally:
+        engine.shutdown()
+    assert sorted((o, n) for _, o, n in cp) == [(0, N), (1, N)], cp
+    assert want == got == plain
+    assert set(want_drafts) == set(got_drafts) == {"r0", "r1"}
+    for rid in want_drafts:
+        assert got_drafts[rid] == want_drafts[rid], rid
