@@ -2,8 +2,9 @@
 the tiny preset's vision tower. Each rank's share rows get the owner's encoded span rows (one scatter),
 their token types (VL router bias, Engram dead) and a DEAD-marked n-gram history, so every rank's rows
 are a 1-rank prefill's: the logits and tokens equal one rank's bit for bit (batch_invariant), with spans
-straddling the mirror split's chunk boundaries and one inside a borrowed rank's chunk. Images are
-encoded once, ahead, on the owner only; an image that fails to encode fails its request alone."""
+straddling the mirror split's chunk boundaries and one inside a borrowed rank's chunk (EP or replicated
+experts with pipelined steps, DSpark's drafts, a prefix-cache hit on the next turn). Images are encoded
+once, ahead, on the owner only; an image that fails to encode fails its request alone."""
 
 from __future__ import annotations
 
@@ -91,14 +92,15 @@ def _check_nothing_borrowed(llm) -> None:
     assert all(not k.startswith(BORROW_PREFIX) for s in engine.scheduler.schedulers for k in s.kv_cache.ring_slot)
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_cp_image_prompts_give_one_ranks_logits(ranks, one_rank, tiny_checkpoint):
+@pytest.mark.parametrize("ranks,extra", [(2, {}), (4, {}), (2, {"expert_parallel": False, "async_scheduling": True})])
+def test_cp_image_prompts_give_one_ranks_logits(ranks, extra, one_rank, tiny_checkpoint):
     """Two image prompts, one per owner rank, both prefilled with CP in one step: each output's logits
-    (every sampled position) and tokens are one rank's bit for bit; each image was encoded once, on its
-    request's owner, ahead (no step encoded inline), and every rank ran both shares."""
+    (every sampled position) and tokens are one rank's bit for bit (EP on, and experts replicated with
+    pipelined steps); each image was encoded once, on its request's owner, ahead (no step encoded
+    inline), and every rank ran both shares."""
     _spans_cross_the_split(ranks)
     want = one_rank.generate(PROMPTS, PARAMS, images=IMAGES, return_logits=True)
-    llm = LLM(str(tiny_checkpoint), **KW, **CP_KW, data_parallel_size=ranks, context_parallel_size=ranks)
+    llm = LLM(str(tiny_checkpoint), **KW, **CP_KW, **extra, data_parallel_size=ranks, context_parallel_size=ranks)
     try:
         got = llm.generate(PROMPTS, PARAMS, images=IMAGES, return_logits=True)
         cp = llm.engine.scheduler.cp_prefills
@@ -143,6 +145,29 @@ def test_a_failing_image_fails_its_request_alone(one_rank, tiny_checkpoint):
         _check_nothing_borrowed(llm)
     finally:
         engine.shutdown()
+
+
+def test_cp_image_prompt_with_prefix_caching_second_turn_hits(one_rank, tiny_checkpoint):
+    """Prefix caching with CP over 2 ranks: turn 1 (an image prompt) is prefilled with CP and its owner's
+    blocks enter the cache under their image keys; turn 2 (turn 1 + its answer + text and another image)
+    goes to that owner, hits turn 1's blocks (no CP: it starts past 0) and gives a cold 1-rank run's tokens."""
+    greedy = PARAMS[0]
+    llm = LLM(str(tiny_checkpoint), **KW, **CP_KW, data_parallel_size=2, context_parallel_size=2,
+              enable_prefix_caching=True)
+    try:
+        t1 = llm.generate(PROMPTS[:1], greedy, images=IMAGES[:1])[0]
+        p2, im2 = PROMPTS[0] + t1.token_ids + [5, 6, 7, IMG, 8, 9], IMAGES[0] + [png(64, 64, 77)]
+        hot = llm.generate([p2], greedy, images=[im2])[0]
+        cp = llm.engine.scheduler.cp_prefills
+        llm.engine.kv_cache.check()
+        schedulers = llm.engine.scheduler.schedulers
+        assert all(not k.startswith(BORROW_PREFIX) for s in schedulers for k in s.kv_cache.block_ids)
+    finally:
+        llm.engine.shutdown()
+    assert [n for _, _, n in cp] == [N]                           # turn 1 only took CP
+    assert hot.num_cached_tokens > 64
+    cold = one_rank.generate([PROMPTS[0], p2], greedy, images=[IMAGES[0], im2])
+    assert t1.token_ids == cold[0].token_ids and hot.token_ids == cold[1].token_ids
 
 
 def _run_recording_drafts(engine, params) -> tuple[list[list[int]], dict[str, list]]:
