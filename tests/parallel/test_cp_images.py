@@ -26,7 +26,8 @@ CP_KW = dict(cp_min_prompt_tokens=64, worker_threads=1)
 # 121 tokens, n = 120 CP positions; spans (sizes: the tiny tower's plans of the pngs below)
 #   A 22..41 (20)  C 54..67 (14)  B 82..89 (8)  D 96..103 (8)
 # 2 ranks (chunks of 30: rank 0 = 0..29 + 90..119, rank 1 = 30..89): A straddles 30 (rank 0 | rank 1),
-# C straddles 60 (rank 1's two chunks, two sequences), B lies inside rank 1's chunk, D inside rank 0's;
+# C straddles 60 (rank 1's two chunks, two sequences), B lies inside rank 1's chunk and ends at 90, where
+# rank 0's second chunk starts (its n-gram history: DEAD), D lies inside rank 0's chunk;
 # 4 ranks (chunks of 15): A straddles 30 (rank 1 | rank 2), C 60 (rank 3's two chunks), B lies inside
 # rank 2's 75..89, D inside rank 1's 90..104. The owner of the second prompt is rank 1.
 TEXT = [22, 12, 14, 6, 17]
@@ -218,3 +219,80 @@ def test_cp_image_prompts_with_dspark_give_one_ranks_tokens_and_drafts(one_rank,
     assert set(want_drafts) == set(got_drafts) == {"r0", "r1"}
     for rid in want_drafts:
         assert got_drafts[rid] == want_drafts[rid], rid
+
+
+# ---- the model hook, in process (one rank: the CP share is every position) -------------------------
+def cp_image_share_matches_plain_prefill(ckpt, device: str, backend: str) -> None:
+    """prefill_share over a 1-rank group on an image prompt (the owner's rows: every position, through
+    owner_span_rows from the ImageEmbeds' ahead copy, which an ImageEncoder made, and the share's
+    token_mask) leaves exactly the caches a plain prefill with the runner's
+    image fields leaves, and the prompt's last token then gets the same logits from both."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from deepinfer.model.batch import ForwardBatch
+    from deepinfer.model.loader import load_model
+    from deepinfer.model.vision import expand_image_placeholders, load_image
+    from deepinfer.parallel.cp import CPShare, prefill_share
+    from deepinfer.worker.image_embeds import ImageEmbeds, ImageEncoder
+    from deepinfer.worker.loading import allocate_caches
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = load_model(ckpt, device, progress=False)
+        prompt = expand_image_placeholders(PROMPTS[0], [load_image(b, model.args.vision) for b in IMAGES[0]], IMG)
+        assert [(im.start, im.start + im.span_len) for im in prompt.images] == SPANS
+        encoder = ImageEncoder(model.vision_tower, batch_invariant=True)
+        encoder.submit(prompt)
+        assert encoder.flush() == {} and prompt.embeds is not None
+        images = ImageEmbeds(model.vision_tower, batch_invariant=True)
+        prompt.ahead_key = "r#0"
+        images.ahead[prompt.ahead_key] = prompt
+        tokens, types = np.asarray(prompt.token_ids, dtype=np.int64), prompt.token_types
+        n = len(tokens) - 1
+        width = model.args.engram_max_ngram_size - 1
+        blocks, slot = list(range(8)), 1
+        caches = [allocate_caches(model.args, 2, 9, 16, device, "bfloat16") for _ in range(2)]
+        dev = torch.device(device)
+        rows = torch.cat(prompt.embeds)                          # [span positions, dim]
+
+        def batch(start: int, end: int) -> ForwardBatch:
+            hist = [-1 if p < 0 else -2 if types[p] >= 0 else tokens[p] for p in range(start - width, start)]
+            span = np.nonzero(types[start:end] >= 0)[0]
+            before = int((types[:start] >= 0).sum())
+            return ForwardBatch(input_ids=torch.from_numpy(tokens[start:end]).to(dev),
+                                positions=torch.arange(start, end, device=dev),
+                                cu_seqlens=torch.tensor([0, end - start]), start_pos=torch.tensor([start]),
+                                ngram_history=torch.tensor([hist], device=dev), ring_slots=torch.tensor([slot], device=dev),
+                                block_tables=torch.tensor([blocks], device=dev),
+                                logits_indices=torch.tensor([end - start - 1], device=dev),
+                                token_mask=torch.from_numpy(types[start:end] < 0).to(dev),
+                                image_rows=torch.from_numpy(span).to(dev) if len(span) else None,
+                                image_embeds=rows[before:before + len(span)] if len(span) else None)
+        with torch.inference_mode():
+            model(batch(0, n), caches[0])
+            share = CPShare("r", 0, 0, 1, tokens[:n], blocks, slot, types[:n].copy(), prompt.ahead_key)
+            prefill_share(model, caches[1], share, None, images)
+            for kind in ("window_kv", "carry_kv", "carry_score", "compressed_kv", "index_k"):
+                a, b = getattr(caches[0], kind), getattr(caches[1], kind)
+                for key in (range(len(a)) if isinstance(a, list) else a):
+                    assert torch.equal(a[key], b[key]), (kind, key)
+            last = [model(batch(n, n + 1), c).logits for c in caches]
+            text = CPShare("r", 0, 0, 1, tokens[:n], blocks, slot)       # the same prompt read as text: differs
+            prefill_share(model, caches[1], text, None, images)
+            assert not torch.equal(model(batch(n, n + 1), caches[1]).logits, last[0])
+        assert torch.equal(last[0], last[1])
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def test_cp_image_share_matches_plain_prefill_on_cpu(tiny_checkpoint):
+    cp_image_share_matches_plain_prefill(tiny_checkpoint, "cpu", "gloo")
