@@ -76,6 +76,26 @@ class CacheLayout:
         device = caches.window_kv[0].device
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         self.dev_id = (device.index or 0) if device.type == "cuda" else 0
+        self._bases: list[int] | None = None     # a mirror's: the other process's addresses
+
+    def describe(self) -> dict:
+        """Plain data from which another process rebuilds this layout (CacheLayout.mirror)."""
+        return {"ring_len": self.ring_len, "block_tokens": self.block_tokens, "mem_type": self.mem_type,
+                "dev_id": self.dev_id, "regions": [(r.name, tuple(r.tensor.shape), str(r.tensor.dtype).split(".")[-1],
+                                                    r.per_slot, r.ratio) for r in self.regions],
+                "base_addrs": self.base_addrs()}
+
+    @classmethod
+    def mirror(cls, desc: dict) -> "CacheLayout":
+        """The layout of another process's caches (a rank worker's, from its describe()): meta tensors of
+        the same shapes, that process's addresses; runs, sizes and the signature as there."""
+        self = cls.__new__(cls)
+        self.ring_len, self.block_tokens = desc["ring_len"], desc["block_tokens"]
+        self.mem_type, self.dev_id = desc["mem_type"], desc["dev_id"]
+        self.regions = [Region(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"), per_slot, ratio)
+                        for name, shape, dtype, per_slot, ratio in desc["regions"]]
+        self._bases = list(desc["base_addrs"])
+        return self
 
     @property
     def signature(self) -> str:
@@ -85,6 +105,8 @@ class CacheLayout:
         return hashlib.sha1(json.dumps(desc).encode()).hexdigest()[:16]
 
     def base_addrs(self) -> list[int]:
+        if self._bases is not None:
+            return list(self._bases)
         return [r.tensor.data_ptr() for r in self.regions]
 
     def registrations(self) -> list[tuple[int, int, int, str]]:
