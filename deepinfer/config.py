@@ -174,7 +174,7 @@ class EngineArgs:
     # continues; "both" (default) does everything in one instance
     kv_role: str = "both"                   # "both" | "prefill" | "decode"
     kv_transfer_host: str = "127.0.0.1"     # address this instance's NIXL agent is reached at
-    kv_transfer_port: int = 0               # NIXL metadata listener port; 0 = a free one
+    kv_transfer_port: int = 0               # NIXL metadata listener port; 0 = a free one (rank workers: port + rank)
     kv_transfer_timeout_s: float = 30.0     # decode: a pull not done by then fails; prefill: held caches freed
     # decode: True pulls the window ring rows of the last 128 positions of every layer (DSpark rings
     # included) and the compressor carry with the blocks (exact); False pulls only the compressed-KV

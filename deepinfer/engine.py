@@ -409,7 +409,7 @@ class Engine:
         connector's round trip first (the nonces of this step's holds reach their ranks before the params leave)."""
         if self.connector is None:
             return outputs
-        if self.connector.poll_after_step:
+        if self.connector.poll_after_step and self.dead is None:
             try:
                 outputs = outputs + self._poll_connector()
             except EngineDeadError as e:

@@ -8,6 +8,8 @@ serving (disagg/rank_connector.py, disagg/rank_transfer.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 
@@ -99,6 +101,19 @@ def assert_free(*procs: EngineProcess) -> None:
         assert s["rank_blocks_used"] == [0] * len(s["rank_blocks_used"]), s
 
 
+def wait_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids), pids
+
+
 def hand_over_all(prefill, decode, prompts: dict, params=PARAMS, **decode_kw) -> tuple[dict, dict]:
     """Every prompt to the prefill at once, each to the decode as soon as its prefill ends.
     -> (kv_transfer_params by id, decode's tokens by id)"""
@@ -163,7 +178,8 @@ def test_replay_mode_across_ranks(instance, reference):
 def test_a_hold_past_its_deadline_is_freed_on_its_rank_and_a_late_pull_fails_alone(ckpt, instance, reference):
     """A prefill on 2 ranks whose holds expire after 1.5 s: the held rank frees (its tag zeroed first),
     the late decode's pull reads a changed tag and fails with "no longer exist"; a hand-over from
-    another prefill runs to the end on the same decode meanwhile."""
+    another prefill runs to the end on the same decode meanwhile. Then that prefill is killed after a
+    hand-over: the pull fails naming its rank's agent, the decode frees everything and keeps serving."""
     prompts, ref = reference
     decode = instance("decode", 2)
     short = EngineProcess(pd_args(ckpt, "prefill", 2, kv_transfer_timeout_s=1.5), num_threads=1, name="prefill-short")
@@ -182,6 +198,16 @@ def test_a_hold_past_its_deadline_is_freed_on_its_rank_and_a_late_pull_fails_alo
         assert [t for o in decode.stream("good", prompts["s1"], PARAMS, kv_transfer_params=kv)
                 for t in o.new_token_ids] == ref["s1"]
         assert_free(short, decode, instance("prefill", 2))
+        orphan = list(short.stream("orphan", prompts["p0"], PARAMS))[-1].kv_transfer_params
+        ranks = short.state()["rank_pids"]
+        assert len(ranks) == 2, ranks
+        short.kill()
+        wait_gone(ranks)                                   # rank workers follow their engine process (0.5 s)
+        outs = list(decode.stream("orphan", prompts["p0"], PARAMS, kv_transfer_params=orphan))
+        assert outs[-1].finish_reason == "error" and orphan["engine_id"] in outs[-1].error, outs[-1]
+        assert_free(decode)
+        plain = list(decode.stream("after", prompts["s1"], PARAMS))
+        assert plain[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in plain) == 6
     finally:
         short.close()
 
@@ -239,6 +265,29 @@ def test_abort_during_a_pull_frees_the_blocks(instance, reference):
         out = q.get(timeout=30)
         assert out.finish_reason == "abort", out
         assert_free(decode)
+    finally:
+        silent.close()
+
+
+def test_a_rank_that_dies_mid_pull_fails_the_pull_with_the_engine(instance, reference):
+    """A decode rank worker killed while a pull waits on a silent peer: the engine dies (EngineDeadError)
+    and the pulling request gets its final output with the reason, not silence."""
+    prompts, _ = reference
+    prefill = instance("prefill", 2)
+    decode = instance("decode", 2, kv_transfer_timeout_s=60.0)      # its own instance: it will not survive
+    kvs, _ = hand_over_all(prefill, decode, {"model3": prompts["s0"]})
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        kv = {**kvs["model3"], "engine_id": "deepinfer-prefill-rank0-unanswered", "port": silent.getsockname()[1]}
+        q = decode.add("doomed", prompts["s0"], PARAMS, kv_transfer_params=kv)
+        deadline = time.monotonic() + 10
+        while decode.state()["loading"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(decode.state()["rank_pids"][1], signal.SIGKILL)
+        out = q.get(timeout=60)
+        assert out.finish_reason == "error" and "EngineDeadError" in out.error and "rank 1" in out.error, out
     finally:
         silent.close()
 
