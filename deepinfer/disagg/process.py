@@ -61,7 +61,8 @@ def _state(engine) -> dict:
             "rank_blocks_used": [k.num_used_blocks for k in ranks],
             "requests": len(engine.scheduler.requests), "held": len(c.held) if c else 0,
             "loading": len(c.loads) if c else 0, "stats": engine.stats.snapshot(),
-            "images_encoded": _images_encoded(engine), "rank_pids": getattr(engine.runner, "pids", [])}
+            "images_encoded": _images_encoded(engine), "rank_pids": getattr(engine.runner, "pids", []),
+            "async_scheduling": engine.async_scheduling}
 
 
 def _images_encoded(engine) -> int:

@@ -25,9 +25,14 @@ except ImportError as e:
 
 from deepinfer.config import EngineArgs  # noqa: E402
 from deepinfer.disagg.process import EngineProcess  # noqa: E402
+from deepinfer.engine import Engine  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import build_fixture  # noqa: E402
 from tests.disagg.test_handover import engine_args, single_instance  # noqa: E402
+from tests.disagg.test_handover_images import PARAMS as IMAGE_PARAMS  # noqa: E402
+from tests.disagg.test_handover_images import REQUESTS  # noqa: E402
+from tests.disagg.test_handover_images import engine_args as image_args  # noqa: E402
+from tests.engine.conftest import drain  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 DECODE_TIMEOUT_S = 5.0          # the silent peer's pull fails after this
@@ -57,6 +62,17 @@ def instance(ckpt):
     yield get
     for p in started.values():
         p.close()
+
+
+@pytest.fixture(scope="module")
+def single_with_images(tiny_checkpoint):
+    """tests/disagg/test_handover_images.py's requests on a single colocated instance: tokens by id."""
+    engine = Engine(EngineArgs(**image_args(tiny_checkpoint)))
+    toks = {}
+    for rid, (prompt, images) in REQUESTS.items():
+        engine.add_request(rid, prompt, IMAGE_PARAMS, images=images)
+        toks.update(drain(engine)[0])
+    return toks
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +152,16 @@ def hand_over_all(prefill, decode, prompts: dict, params=PARAMS, **decode_kw) ->
     return kvs, tokens
 
 
-@pytest.mark.parametrize("prefill_ranks, decode_ranks", [(2, 2), (1, 2), (2, 1)])
-def test_tokens_equal_a_single_instance(instance, reference, prefill_ranks, decode_ranks):
+@pytest.mark.parametrize("prefill_ranks, decode_ranks, pipelined", [(2, 2, False), (1, 2, False), (2, 1, False),
+                                                                    (2, 2, True)])
+def test_tokens_equal_a_single_instance(instance, reference, prefill_ranks, decode_ranks, pipelined):
     """The hand-over names the prefill rank holding the caches (its own agent); the decode spreads the
-    pulls over its ranks; the tokens are a single instance's; the holds are freed by the decode's word."""
-    prefill, decode = instance("prefill", prefill_ranks), instance("decode", decode_ranks)
+    pulls over its ranks; the tokens are a single instance's; the holds are freed by the decode's word.
+    pipelined: both instances under async scheduling (the GPU default: the round trip follows the
+    pipelined step, the ranks already running the next)."""
+    kw = {"async_scheduling": True} if pipelined else {}
+    prefill, decode = instance("prefill", prefill_ranks, **kw), instance("decode", decode_ranks, **kw)
+    assert prefill.state()["async_scheduling"] == decode.state()["async_scheduling"] == pipelined
     prompts, ref = reference
     freed, before = counters(prefill)["kv_transfers_total"], rank_tokens(decode)
     kvs, tokens = hand_over_all(prefill, decode, prompts)
@@ -270,11 +291,12 @@ def test_abort_during_a_pull_frees_the_blocks(instance, reference):
 
 
 def test_a_rank_that_dies_mid_pull_fails_the_pull_with_the_engine(instance, reference):
-    """A decode rank worker killed while a pull waits on a silent peer: the engine dies (EngineDeadError)
-    and the pulling request gets its final output with the reason, not silence."""
+    """A decode rank worker killed while a pull waits on a silent peer (under async scheduling): the engine
+    dies (EngineDeadError) and the pulling request gets its final output with the reason, not silence."""
     prompts, _ = reference
     prefill = instance("prefill", 2)
-    decode = instance("decode", 2, kv_transfer_timeout_s=60.0)      # its own instance: it will not survive
+    # the pipelined decode of test_tokens_equal_a_single_instance[2-2-True], done with by now: it will not survive
+    decode = instance("decode", 2, async_scheduling=True)
     kvs, _ = hand_over_all(prefill, decode, {"model3": prompts["s0"]})
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -315,3 +337,28 @@ def test_rank_workers_take_a_kv_role_but_not_context_parallelism(ckpt):
     EngineArgs(**pd_args(ckpt, "decode", 2))
     with pytest.raises(ValueError, match="context_parallel_size"):
         EngineArgs(**pd_args(ckpt, "prefill", 2, context_parallel_size=2, cp_min_prompt_tokens=64))
+
+
+def test_images_hand_over_across_ranks(tiny_checkpoint, single_with_images):
+    """The tiny preset's vision tower: the prefill ranks encode and run the images, the decode ranks pull
+    and go on without encoding any; the tokens equal a single instance's (an image ending the prompt,
+    one mid-prompt, one early in a long prompt)."""
+    kw = dict(data_parallel_size=2, worker_threads=1)
+    prefill = EngineProcess(image_args(tiny_checkpoint, kv_role="prefill", **kw), num_threads=1, name="prefill-img")
+    decode = EngineProcess(image_args(tiny_checkpoint, kv_role="decode", **kw), num_threads=1, name="decode-img")
+    try:
+        firsts = {rid: prefill.add(rid, prompt, IMAGE_PARAMS, images=images)
+                  for rid, (prompt, images) in REQUESTS.items()}
+        agents = set()
+        for rid, (prompt, images) in REQUESTS.items():
+            kv = firsts[rid].get(timeout=300).kv_transfer_params
+            agents.add(kv["engine_id"])
+            outs = list(decode.stream(rid, prompt, IMAGE_PARAMS, images=images, kv_transfer_params=kv))
+            assert outs[-1].finish_reason == "length", outs[-1]
+            assert sum((o.new_token_ids for o in outs), []) == single_with_images[rid], rid
+        assert len(agents) == 2, agents
+        assert counters(prefill)["images_encoded_total"] == 3 and counters(decode)["images_encoded_total"] == 0
+        assert_free(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
