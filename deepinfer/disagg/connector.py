@@ -108,7 +108,7 @@ class KVConnector:
         params = KVTransferParams(self.transport.name, self.transport.host, self.transport.port, rid, n,
                                   req.all_token_ids[-1], slot, tuple(blocks), tag,
                                   tuple(self.layout.base_addrs()), self.tags.data_ptr(), self.layout.signature,
-                                  ring + pool)
+                                  ring + pool, self.layout.dev_id)
         self.held[rid] = _Held(slot, tag, time.monotonic() + self.timeout_s, params.to_dict())
         return True
 
@@ -194,7 +194,7 @@ class KVConnector:
             ld.replay = self._replay_plan(ld.req, p.num_tokens)
             n, window = (p.num_tokens, True) if ld.replay is None else (ld.replay.hit, False)
             local = self.layout.runs(n, slot, self.kv_cache.block_ids[rid], window=window)
-            remote = self.layout.runs(n, p.ring_slot, p.block_ids, p.base_addrs, window=window)
+            remote = self.layout.runs(n, p.ring_slot, p.block_ids, p.base_addrs, window=window, dev_id=p.dev_id)
             if local:
                 ld.handle, ld.state = t.read(p.engine_id, local, remote, self.layout.mem_type), "PULL"
             else:                                   # a replay of the whole prompt: only the check

@@ -120,10 +120,11 @@ class CacheLayout:
         return ring_runs(num_tokens, self.ring_len, keep)
 
     def runs(self, num_tokens: int, ring_slot: int, block_ids, base_addrs=None,
-             window: bool = True) -> list[tuple[int, int, int]]:
-        """(address, bytes, device id) of every run of one request; base_addrs: another instance's
-        region addresses (the same layout), default this one's; window=False: the blocks only."""
+             window: bool = True, dev_id: int | None = None) -> list[tuple[int, int, int]]:
+        """(address, bytes, device id) of every run of one request; base_addrs, dev_id: another instance's
+        region addresses (the same layout) and GPU, default this one's; window=False: the blocks only."""
         bases = base_addrs if base_addrs is not None else self.base_addrs()
+        dev = self.dev_id if dev_id is None else dev_id
         num_blocks = -(-num_tokens // self.block_tokens)
         out = []
         for r, base in zip(self.regions, bases):
@@ -131,10 +132,10 @@ class CacheLayout:
                 if not window:
                     continue
                 slot = base + ring_slot * r.item_bytes
-                out += [(slot + first * r.row_bytes, count * r.row_bytes, self.dev_id)
+                out += [(slot + first * r.row_bytes, count * r.row_bytes, dev)
                         for first, count in self.kept_rows(r, num_tokens)]
             else:
-                out += [(base + int(b) * r.item_bytes, r.item_bytes, self.dev_id) for b in block_ids[:num_blocks]]
+                out += [(base + int(b) * r.item_bytes, r.item_bytes, dev) for b in block_ids[:num_blocks]]
         return out
 
     def num_bytes(self, num_tokens: int, window: bool = True) -> tuple[int, int]:

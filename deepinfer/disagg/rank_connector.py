@@ -96,7 +96,7 @@ class RankKVConnector:
         layout = self.layouts[rank]
         params = KVTransferParams(agent["engine_id"], agent["host"], agent["port"], rid, n, req.all_token_ids[-1],
                                   slot, tuple(blocks), tag, tuple(layout.base_addrs()), agent["tag_addr"],
-                                  layout.signature, sum(layout.num_bytes(n)))
+                                  layout.signature, sum(layout.num_bytes(n)), layout.dev_id)
         self.held[rid] = _Held(rank, time.monotonic() + self.timeout_s, params.to_dict())
         self._cmds[rank].holds.append((rid, slot, tag))
         return True
@@ -169,7 +169,7 @@ class RankKVConnector:
                                                          self.replay_tokens)
         n, window = (p.num_tokens, True) if ld.replay is None else (ld.replay.hit, False)
         local = layout.runs(n, slot, kv.block_ids[rid], window=window)
-        remote = layout.runs(n, p.ring_slot, p.block_ids, p.base_addrs, window=window)
+        remote = layout.runs(n, p.ring_slot, p.block_ids, p.base_addrs, window=window, dev_id=p.dev_id)
         return PullJob(rid, p.engine_id, p.host, p.port, local, remote, slot, p.tag_addr + 8 * p.ring_slot, p.tag,
                        p.request_id)
 
