@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deepinfer.disagg.connector import check_handover, first_token_finishes, replay_plan
 from deepinfer.disagg.layout import CacheLayout
@@ -53,7 +53,6 @@ class _Load:
     rank_state: str = ""                      # the rank's last word: CONNECT | PULL | VERIFY
     replay: ReplayParams | None = None
     finish_status: RequestStatus | None = None
-    started: float = field(default_factory=time.monotonic)
 
 
 class RankKVConnector:
