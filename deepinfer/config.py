@@ -174,7 +174,7 @@ class EngineArgs:
     # continues; "both" (default) does everything in one instance
     kv_role: str = "both"                   # "both" | "prefill" | "decode"
     kv_transfer_host: str = "127.0.0.1"     # address this instance's NIXL agent is reached at
-    kv_transfer_port: int = 0               # NIXL metadata listener port; 0 = a free one
+    kv_transfer_port: int = 0               # NIXL metadata listener port; 0 = a free one (rank workers: port + rank)
     kv_transfer_timeout_s: float = 30.0     # decode: a pull not done by then fails; prefill: held caches freed
     # decode: True pulls the window ring rows of the last 128 positions of every layer (DSpark rings
     # included) and the compressor carry with the blocks (exact); False pulls only the compressed-KV
@@ -254,8 +254,9 @@ class EngineArgs:
             raise ValueError(f"window_snapshot_ttl_s must be > 0, got {self.window_snapshot_ttl_s}")
         if self.kv_role not in ("both", "prefill", "decode"):
             raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}")
-        if self.kv_role != "both" and self.data_parallel_size > 1:
-            raise ValueError("kv_role 'prefill'/'decode' runs one rank per instance (data_parallel_size=1)")
+        if self.kv_role != "both" and self.context_parallel_size > 1:
+            raise ValueError("kv_role 'prefill'/'decode' does not combine with context_parallel_size > 1 yet (P/D "
+                             "across rank workers is tested with attention DP only)")
         if self.kv_role == "decode" and self.enable_prefix_caching:
             # a decode instance's prompts arrive as pulled caches, never as a hit on its own cache
             raise ValueError("kv_role 'decode' does not combine with enable_prefix_caching (its requests' caches are "

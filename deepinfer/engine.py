@@ -36,6 +36,7 @@ import logging
 import random
 import threading
 import time
+from functools import partial
 
 from deepinfer.cache.kv_cache_manager import KVCacheManager
 from deepinfer.config import EngineArgs
@@ -158,15 +159,25 @@ class Engine:
         return self.kv_cache.pool.clear_cache()
 
     def _init_connector(self) -> None:
-        """kv_role "prefill" / "decode": the KV connector (deepinfer/disagg/) on this rank's caches."""
+        """kv_role "prefill" / "decode": the KV connector (deepinfer/disagg/) on this rank's caches, or
+        with rank workers on theirs (each rank's own NIXL agent: disagg/rank_connector.py)."""
         self.connector = None
         a = self.args
         if a.kv_role == "both":
             return
-        from deepinfer.disagg.connector import KVConnector
         if not a.kv_transfer_window and a.swa_replay_tokens < self.model_args.window_size:
             raise ValueError(f"kv_transfer_window=False replays swa_replay_tokens ({a.swa_replay_tokens}) positions, "
                              f"below the model's window ({self.model_args.window_size}): window keys would be missing")
+        if a.data_parallel_size > 1:
+            from deepinfer.disagg.rank_connector import RankKVConnector
+            self.connector = RankKVConnector(a.kv_role, self.runner, self.scheduler, self.stats,
+                                             a.kv_transfer_timeout_s, self.max_model_len,
+                                             window=a.kv_transfer_window, replay_tokens=a.swa_replay_tokens)
+            if a.kv_role == "prefill":
+                for rank, s in enumerate(self.scheduler.schedulers):
+                    s.kv_hold = partial(self.connector.request_finished, rank)
+            return
+        from deepinfer.disagg.connector import KVConnector
         self.connector = KVConnector(a.kv_role, self.caches, self.kv_cache, self.stats, a.kv_transfer_host,
                                      a.kv_transfer_port, a.kv_transfer_timeout_s, self.max_model_len,
                                      window=a.kv_transfer_window, replay_tokens=a.swa_replay_tokens)
@@ -341,7 +352,7 @@ class Engine:
         handed = self._encode_images() if self.image_encoder is not None else []
         if self.dead is not None:
             return handed
-        handed += self._poll_connector() if self.connector is not None else []
+        handed += self._poll_connector() if self.connector is not None and not self.connector.poll_after_step else []
         if self.async_scheduling:
             return handed + self._with_handover(self._step_pipelined())
         sched_out = self.scheduler.schedule()
@@ -394,8 +405,17 @@ class Engine:
         return outs
 
     def _with_handover(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """kv_role="prefill": a request's final output carries its kv_transfer_params."""
-        if self.connector is None or self.args.kv_role != "prefill":
+        """kv_role="prefill": a request's final output carries its kv_transfer_params. Rank workers: the
+        connector's round trip first (the nonces of this step's holds reach their ranks before the params leave)."""
+        if self.connector is None:
+            return outputs
+        if self.connector.poll_after_step and self.dead is None:
+            try:
+                outputs = outputs + self._poll_connector()
+            except EngineDeadError as e:
+                return outputs + self._die(e)
+            self._update_gauges(step=False)      # blocks the round trip freed
+        if self.args.kv_role != "prefill":
             return outputs
         for out in outputs:
             if out.finished:
@@ -471,6 +491,9 @@ class Engine:
         self.stats.set_gauges(engine_healthy=0)
         outs = self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR,
                                               error=f"EngineDeadError: {self.dead}")
+        fail_pulls = getattr(self.connector, "fail_all", None)      # rank workers: pulls die with them
+        if fail_pulls is not None:
+            outs += fail_pulls(f"EngineDeadError: {self.dead}")
         self._update_gauges(step=False)
         return outs
 

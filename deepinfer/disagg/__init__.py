@@ -12,6 +12,13 @@ final output, the decode side pulls the blocks those params name (a one-sided RE
     connector.py   KVConnector: the engine's one interface (request_finished on the prefill side,
                    start_load / poll on the decode side; holds, deadlines, verification, freeing)
     process.py     EngineProcess: an AsyncEngine in a child process (tests, benchmarks)
+    rank_connector.py  RankKVConnector: the engine's connector when the caches live in rank workers
+                   (data_parallel_size > 1): holds, deadlines, pull states, slots, blocks and runs per
+                   rank; a hand-over names the prefill rank holding it, a pull goes to the decode rank
+                   the DP scheduler's placement picks; one round trip to the ranks a step, after it
+    rank_transfer.py   RankTransfer: a rank worker's half: its own NIXL agent over its own caches and
+                   tag array (writes the nonces, posts and polls the READs, reads notifications), and
+                   the RankKVCommands / RankKVReport that cross the executor's ("kv", ...) message
 
 What moves (MODEL.md "the caches"): the window ring rows of the last WINDOW positions of every
 layer (backbone and DSpark blocks), the fp32 compressor carry rows of each unfinished group (n % ratio

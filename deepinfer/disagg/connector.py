@@ -62,6 +62,8 @@ class _Load:
 
 
 class KVConnector:
+    poll_after_step = False       # polled before the step (rank workers' RankKVConnector: after it)
+
     def __init__(self, role: str, caches, kv_cache, stats, host: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = 30.0, max_model_len: int | None = None, window: bool = True,
                  replay_tokens: int = 128) -> None:
@@ -106,7 +108,7 @@ class KVConnector:
         params = KVTransferParams(self.transport.name, self.transport.host, self.transport.port, rid, n,
                                   req.all_token_ids[-1], slot, tuple(blocks), tag,
                                   tuple(self.layout.base_addrs()), self.tags.data_ptr(), self.layout.signature,
-                                  ring + pool)
+                                  ring + pool, self.layout.dev_id)
         self.held[rid] = _Held(slot, tag, time.monotonic() + self.timeout_s, params.to_dict())
         return True
 
@@ -148,16 +150,7 @@ class KVConnector:
     def check(self, rid: str, params: KVTransferParams, num_prompt_tokens: int) -> None:
         """What a hand-over must agree on with this instance and the request (InvalidRequestError);
         reads only what never changes (any thread)."""
-        if params.layout != self.layout.signature:
-            raise InvalidRequestError(f"request {rid}: the prefill instance's cache layout ({params.layout}) "
-                                      f"differs from this decode instance's ({self.layout.signature}): "
-                                      "same checkpoint, block_tokens and dtype on both")
-        if params.num_tokens != num_prompt_tokens:
-            raise InvalidRequestError(f"request {rid}: kv_transfer_params cover {params.num_tokens} positions, "
-                                      f"the prompt has {num_prompt_tokens} tokens")
-        if len(params.base_addrs) != len(self.layout.regions):
-            raise InvalidRequestError(f"request {rid}: kv_transfer_params name {len(params.base_addrs)} "
-                                      f"regions, this layout has {len(self.layout.regions)}")
+        check_handover(self.layout, rid, params, num_prompt_tokens)
 
     def abort(self, req_id: str) -> RequestOutput:
         ld = self.loads.pop(req_id)
@@ -201,7 +194,7 @@ class KVConnector:
             ld.replay = self._replay_plan(ld.req, p.num_tokens)
             n, window = (p.num_tokens, True) if ld.replay is None else (ld.replay.hit, False)
             local = self.layout.runs(n, slot, self.kv_cache.block_ids[rid], window=window)
-            remote = self.layout.runs(n, p.ring_slot, p.block_ids, p.base_addrs, window=window)
+            remote = self.layout.runs(n, p.ring_slot, p.block_ids, p.base_addrs, window=window, dev_id=p.dev_id)
             if local:
                 ld.handle, ld.state = t.read(p.engine_id, local, remote, self.layout.mem_type), "PULL"
             else:                                   # a replay of the whole prompt: only the check
@@ -251,26 +244,10 @@ class KVConnector:
         return RequestOutput(rid, [p.first_token_id], None, ld.req.num_prompt_tokens, 1)
 
     def _replay_plan(self, req: Request, n: int) -> ReplayParams | None:
-        """window=False: pull the full blocks below H (a block boundary, so every compressed entry
-        below it is complete and none is rewritten) and replay from s = H - min(R, H): the window
-        keys a query at n or later reads all lie at or past s. None = pull the window (window=True,
-        or an image span in [s, n): this instance would need its embeddings to replay it)."""
-        if self.window:
-            return None
-        H = n // self.layout.block_tokens * self.layout.block_tokens
-        s = H - min(self.replay_tokens, H)
-        if any(a < n and b > s for a, b in req.image_spans):
-            return None
-        return ReplayParams(s, H)
+        return None if self.window else replay_plan(req, n, self.layout.block_tokens, self.replay_tokens)
 
     def _first_token_finishes(self, req: Request) -> RequestStatus | None:
-        """The request may end at the prefill's token, under this instance's sampling params."""
-        sp, tok = req.sampling_params, req.all_token_ids[-1]
-        if not sp.ignore_eos and tok == req.eos_token_id or tok in sp.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens <= 1 or (self.max_model_len is not None and req.num_tokens >= self.max_model_len):
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return first_token_finishes(req, self.max_model_len)
 
     def _finish_at_first_token(self, ld: _Load) -> RequestOutput:
         """Nothing to pull: tell the prefill to free (it frees at its deadline if the peer is unreachable)."""
@@ -317,3 +294,40 @@ class KVConnector:
         outs, ready = self._poll_loads()
         self.stats.set_gauges(kv_requests_held=len(self.held), kv_requests_loading=len(self.loads))
         return outs, ready
+
+
+# what a pull decides the same way on one rank and on rank workers (rank_connector.py) --------------
+def check_handover(layout: CacheLayout, rid: str, params: KVTransferParams, num_prompt_tokens: int) -> None:
+    """What a hand-over must agree on with this instance's layout and the request (InvalidRequestError)."""
+    if params.layout != layout.signature:
+        raise InvalidRequestError(f"request {rid}: the prefill instance's cache layout ({params.layout}) "
+                                  f"differs from this decode instance's ({layout.signature}): "
+                                  "same checkpoint, block_tokens and dtype on both")
+    if params.num_tokens != num_prompt_tokens:
+        raise InvalidRequestError(f"request {rid}: kv_transfer_params cover {params.num_tokens} positions, "
+                                  f"the prompt has {num_prompt_tokens} tokens")
+    if len(params.base_addrs) != len(layout.regions):
+        raise InvalidRequestError(f"request {rid}: kv_transfer_params name {len(params.base_addrs)} "
+                                  f"regions, this layout has {len(layout.regions)}")
+
+
+def first_token_finishes(req: Request, max_model_len: int | None) -> RequestStatus | None:
+    """The request may end at the prefill's token, under this instance's sampling params."""
+    sp, tok = req.sampling_params, req.all_token_ids[-1]
+    if not sp.ignore_eos and tok == req.eos_token_id or tok in sp.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if sp.max_tokens <= 1 or (max_model_len is not None and req.num_tokens >= max_model_len):
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def replay_plan(req: Request, n: int, block_tokens: int, replay_tokens: int) -> ReplayParams | None:
+    """kv_transfer_window=False: pull the full blocks below H (a block boundary, so every compressed entry
+    below it is complete and none is rewritten) and replay from s = H - min(R, H): the window keys a
+    query at n or later reads all lie at or past s. None = pull the window (an image span in [s, n):
+    this instance would need its embeddings to replay it)."""
+    H = n // block_tokens * block_tokens
+    s = H - min(replay_tokens, H)
+    if any(a < n and b > s for a, b in req.image_spans):
+        return None
+    return ReplayParams(s, H)

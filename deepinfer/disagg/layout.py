@@ -76,6 +76,26 @@ class CacheLayout:
         device = caches.window_kv[0].device
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         self.dev_id = (device.index or 0) if device.type == "cuda" else 0
+        self._bases: list[int] | None = None     # a mirror's: the other process's addresses
+
+    def describe(self) -> dict:
+        """Plain data from which another process rebuilds this layout (CacheLayout.mirror)."""
+        return {"ring_len": self.ring_len, "block_tokens": self.block_tokens, "mem_type": self.mem_type,
+                "dev_id": self.dev_id, "regions": [(r.name, tuple(r.tensor.shape), str(r.tensor.dtype).split(".")[-1],
+                                                    r.per_slot, r.ratio) for r in self.regions],
+                "base_addrs": self.base_addrs()}
+
+    @classmethod
+    def mirror(cls, desc: dict) -> "CacheLayout":
+        """The layout of another process's caches (a rank worker's, from its describe()): meta tensors of
+        the same shapes, that process's addresses; runs, sizes and the signature as there."""
+        self = cls.__new__(cls)
+        self.ring_len, self.block_tokens = desc["ring_len"], desc["block_tokens"]
+        self.mem_type, self.dev_id = desc["mem_type"], desc["dev_id"]
+        self.regions = [Region(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"), per_slot, ratio)
+                        for name, shape, dtype, per_slot, ratio in desc["regions"]]
+        self._bases = list(desc["base_addrs"])
+        return self
 
     @property
     def signature(self) -> str:
@@ -85,6 +105,8 @@ class CacheLayout:
         return hashlib.sha1(json.dumps(desc).encode()).hexdigest()[:16]
 
     def base_addrs(self) -> list[int]:
+        if self._bases is not None:
+            return list(self._bases)
         return [r.tensor.data_ptr() for r in self.regions]
 
     def registrations(self) -> list[tuple[int, int, int, str]]:
@@ -98,10 +120,11 @@ class CacheLayout:
         return ring_runs(num_tokens, self.ring_len, keep)
 
     def runs(self, num_tokens: int, ring_slot: int, block_ids, base_addrs=None,
-             window: bool = True) -> list[tuple[int, int, int]]:
-        """(address, bytes, device id) of every run of one request; base_addrs: another instance's
-        region addresses (the same layout), default this one's; window=False: the blocks only."""
+             window: bool = True, dev_id: int | None = None) -> list[tuple[int, int, int]]:
+        """(address, bytes, device id) of every run of one request; base_addrs, dev_id: another instance's
+        region addresses (the same layout) and GPU, default this one's; window=False: the blocks only."""
         bases = base_addrs if base_addrs is not None else self.base_addrs()
+        dev = self.dev_id if dev_id is None else dev_id
         num_blocks = -(-num_tokens // self.block_tokens)
         out = []
         for r, base in zip(self.regions, bases):
@@ -109,10 +132,10 @@ class CacheLayout:
                 if not window:
                     continue
                 slot = base + ring_slot * r.item_bytes
-                out += [(slot + first * r.row_bytes, count * r.row_bytes, self.dev_id)
+                out += [(slot + first * r.row_bytes, count * r.row_bytes, dev)
                         for first, count in self.kept_rows(r, num_tokens)]
             else:
-                out += [(base + int(b) * r.item_bytes, r.item_bytes, self.dev_id) for b in block_ids[:num_blocks]]
+                out += [(base + int(b) * r.item_bytes, r.item_bytes, dev) for b in block_ids[:num_blocks]]
         return out
 
     def num_bytes(self, num_tokens: int, window: bool = True) -> tuple[int, int]:

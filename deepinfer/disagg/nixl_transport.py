@@ -59,13 +59,15 @@ def _agent(nixl, name: str, cfg, progress_wait_us: int):
 
 
 class NixlTransport:
-    def __init__(self, role: str, host: str = "127.0.0.1", port: int = 0, progress_wait_us: int = 0) -> None:
+    def __init__(self, role: str, host: str = "127.0.0.1", port: int = 0, progress_wait_us: int = 0,
+                 label: str = "") -> None:
         """progress_wait_us > 0: the progress thread sleeps in poll() between events (host-memory
-        caches: a busy poll would take a CPU core per engine from the model's own threads)."""
+        caches: a busy poll would take a CPU core per engine from the model's own threads).
+        label: part of the agent's name (a rank worker's "rank1": the hand-over names that rank)."""
         nixl = import_nixl()
         self.host = host
         self.port = port or free_port(host)
-        self.name = f"deepinfer-{role}-{uuid.uuid4().hex[:12]}"
+        self.name = f"deepinfer-{role}-{label + '-' if label else ''}{uuid.uuid4().hex[:12]}"
         cfg = nixl.nixl_agent_config(enable_listen_thread=True, listen_port=self.port, backends=["UCX"])
         self.agent = _agent(nixl, self.name, cfg, progress_wait_us)
         self._asked: set[str] = set()    # peers whose metadata was requested

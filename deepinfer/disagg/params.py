@@ -29,6 +29,8 @@ class KVTransferParams:
     tag_addr: int                  # address of the prefill's tag array
     layout: str                    # CacheLayout.signature of the prefill instance
     num_bytes: int = 0             # bytes a decode instance reads for this request
+    dev_id: int = 0                # the GPU of the prefill's caches (its rank's, with rank workers): the
+                                   # remote descriptors' device id, which NIXL matches with its registration
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -41,7 +43,7 @@ class KVTransferParams:
         if not isinstance(d, dict):
             raise ValueError(f"kv_transfer_params must be an object, got {type(d).__name__}")
         names = {f.name for f in fields(cls)}
-        required = {f.name for f in fields(cls) if f.name != "num_bytes"}
+        required = {f.name for f in fields(cls) if f.name not in ("num_bytes", "dev_id")}
         missing, unknown = required - set(d), set(d) - names
         if missing or unknown:
             raise ValueError(f"kv_transfer_params: missing {sorted(missing)}, unknown {sorted(unknown)}")
@@ -49,6 +51,7 @@ class KVTransferParams:
             return cls(**{**d, "block_ids": tuple(int(b) for b in d["block_ids"]),
                           "base_addrs": tuple(int(a) for a in d["base_addrs"]),
                           "num_tokens": int(d["num_tokens"]), "first_token_id": int(d["first_token_id"]),
-                          "ring_slot": int(d["ring_slot"]), "tag": int(d["tag"]), "port": int(d["port"])})
+                          "ring_slot": int(d["ring_slot"]), "tag": int(d["tag"]), "port": int(d["port"]),
+                          "dev_id": int(d.get("dev_id", 0))})
         except (TypeError, ValueError) as e:
             raise ValueError(f"kv_transfer_params: {e}") from None

@@ -56,10 +56,13 @@ def _serve(engine_args: dict, num_threads: int | None, cmds, outs) -> None:
 
 def _state(engine) -> dict:
     c, kv = engine.connector, engine.kv_cache
-    return {"cache_blocks_used": kv.num_used_blocks, "ring_slots_used": len(kv.ring_slot),
+    ranks = getattr(kv, "per_rank", [kv])          # DataParallelScheduler: each rank's KVCacheManager
+    return {"cache_blocks_used": kv.num_used_blocks, "ring_slots_used": sum(len(k.ring_slot) for k in ranks),
+            "rank_blocks_used": [k.num_used_blocks for k in ranks],
             "requests": len(engine.scheduler.requests), "held": len(c.held) if c else 0,
             "loading": len(c.loads) if c else 0, "stats": engine.stats.snapshot(),
-            "images_encoded": _images_encoded(engine)}
+            "images_encoded": _images_encoded(engine), "rank_pids": getattr(engine.runner, "pids", []),
+            "async_scheduling": engine.async_scheduling}
 
 
 def _images_encoded(engine) -> int:

@@ -153,16 +153,17 @@ class DataParallelScheduler:
         return self.schedulers[self.rank_of[req_id]]
 
     def least_loaded_rank(self) -> int:
-        loads = [4 * s.num_waiting + s.num_running for s in self.schedulers]
+        loads = self.rank_loads()
         return loads.index(min(loads))
 
-    def _loads(self) -> list[int]:
+    def rank_loads(self) -> list[int]:
+        """Each rank's load, 4 * waiting + running (placement's measure)."""
         return [4 * s.num_waiting + s.num_running for s in self.schedulers]
 
     def prefix_rank(self, req: Request) -> int | None:
         """The rank holding the longest prefix of req among those not too busy; None when no rank
         holds a block of it."""
-        loads = self._loads()
+        loads = self.rank_loads()
         best, best_tokens = None, 0
         for r, s in enumerate(self.schedulers):
             if loads[r] > min(loads) + self.prefix_load_slack:
@@ -172,12 +173,15 @@ class DataParallelScheduler:
                 best, best_tokens = r, n
         return best if best_tokens > 0 else None
 
-    def add_request(self, req: Request) -> None:
-        rank = self.prefix_rank(req) if self.prefix_aware else None
+    def add_request(self, req: Request, rank: int | None = None) -> None:
+        """Place req (least loaded / prefix-aware) or, given `rank`, put it where its caches already are
+        (a decode instance's pulled request: disagg/rank_connector.py)."""
+        if rank is None and self.prefix_aware:
+            rank = self.prefix_rank(req)
+            if rank is not None:
+                self.num_prefix_placements += 1
         if rank is None:
             rank = self.least_loaded_rank()
-        else:
-            self.num_prefix_placements += 1
         self.schedulers[rank].add_request(req)
         self.rank_of[req.request_id] = rank
         if self.prefix_aware:

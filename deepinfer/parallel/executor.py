@@ -189,6 +189,12 @@ class MultiprocExecutor:
             self._send(conn, ("images", j, d))
         return self._gather("ok")
 
+    def kv_transfer(self, commands: list) -> list:
+        """Rank r runs commands[r] on its NIXL agent (disagg/rank_transfer.py); -> each rank's RankKVReport."""
+        for conn, cmds in zip(self.conns, commands):
+            self._send(conn, ("kv", cmds))
+        return self._gather("kv")
+
     def ping(self) -> list[dict]:
         for conn in self.conns:
             self._send(conn, ("ping",))

@@ -21,6 +21,9 @@ Messages from the driver (a duplex Pipe; replies in request order):
     ("images", jobs, drops) -> ("ok", ([(key, indices)], {key: error})): start one pass over the jobs'
                  images on this rank's share of the SMs, free the dropped prompts; the images whose pass
                  is done, and the prompts that failed to encode (image_ahead.py)
+    ("kv", RankKVCommands) -> ("kv", RankKVReport): kv_role "prefill"/"decode", this rank's NIXL agent over
+                 its own caches: tags written, READs posted and polled, notifications read
+                 (disagg/rank_transfer.py; the engine's half is disagg/rank_connector.py)
     ("ping",)             -> ("ok", gauges: EPLB moves, CP shares, step and collective seconds, the
                  CUDA-graph steps (padding-only ones apart) and the steps lockstep sent to eager)
     ("shutdown",)         the loop ends, the group is destroyed, the process exits
@@ -121,11 +124,19 @@ class _Rank:
         self.num_cp_prefills = 0                       # balanced-CP prefill shares this rank ran
         self.images = None                             # RankImages (image_ahead.py): encodes ahead of the steps
         self.step_seconds, self.num_steps = 0.0, 0     # launch + resolve wall time of forward steps
+        self.kv = self._kv_transfer() if args.kv_role != "both" else None   # P/D: this rank's NIXL agent
+
+    def _kv_transfer(self):
+        from deepinfer.disagg.rank_transfer import RankTransfer
+        a, rank = self.args, self.spec.rank
+        port = a.kv_transfer_port + rank if a.kv_transfer_port else 0      # one listener per rank's agent
+        return RankTransfer(a.kv_role, self.rt.caches, a.max_num_seqs, a.kv_transfer_host, port, rank)
 
     def info(self) -> dict:
         rt = self.rt
         return {"num_cache_blocks": rt.num_cache_blocks, "max_model_len": rt.max_model_len,
-                "async_scheduling": rt.async_scheduling, "device": rt.device, "pid": os.getpid()}
+                "async_scheduling": rt.async_scheduling, "device": rt.device, "pid": os.getpid(),
+                "kv": self.kv.info() if self.kv is not None else None}
 
     def serve(self, conn) -> None:
         import torch
@@ -157,6 +168,8 @@ class _Rank:
                 conn.send(("ok", self._gauges()))
             elif kind == "overlap":
                 conn.send(("ok", self._overlap_state()))
+            elif kind == "kv":
+                conn.send(("kv", self.kv.handle(msg[1])))
             elif kind == "images":
                 conn.send(("ok", self._images().handle(msg[1], msg[2])))
             else:

@@ -81,3 +81,30 @@ def test_copying_the_runs_moves_exactly_the_request_state(model_args, n):
 def test_layout_signature_differs_with_block_tokens(model_args):
     assert CacheLayout(ModelCaches.allocate(model_args, 2, 4, 16)).signature != \
         CacheLayout(ModelCaches.allocate(model_args, 2, 4, 32)).signature
+
+
+@pytest.mark.parametrize("n", [5, 130])
+def test_a_mirror_computes_the_same_runs_and_sizes_without_the_caches(model_args, n):
+    """CacheLayout.mirror(describe()): what an engine computes for a rank worker's caches (meta tensors,
+    that process's addresses) equals what the rank would; the remote runs carry the peer's device id."""
+    caches = ModelCaches.allocate(model_args, 3, 40, 16)
+    real = CacheLayout(caches)
+    mirror = CacheLayout.mirror(real.describe())
+    assert all(r.tensor.device.type == "meta" for r in mirror.regions)
+    assert mirror.signature == real.signature and mirror.base_addrs() == real.base_addrs()
+    assert mirror.num_bytes(n) == real.num_bytes(n) and mirror.num_bytes(n, False) == real.num_bytes(n, False)
+    blocks = [7, 2, 30, 11, 5, 9, 1, 3, 4]
+    assert mirror.runs(n, 2, blocks) == real.runs(n, 2, blocks)
+    assert mirror.runs(n, 1, blocks, window=False) == real.runs(n, 1, blocks, window=False)
+    remote = mirror.runs(n, 1, blocks, [a + 4096 for a in real.base_addrs()], dev_id=3)
+    assert {d for _, _, d in remote} == {3}
+    assert [(a - 4096, ln) for a, ln, _ in remote] == [(a, ln) for a, ln, _ in real.runs(n, 1, blocks)]
+
+
+def test_params_without_a_device_id_read_as_device_0():
+    from deepinfer.disagg.params import KVTransferParams
+    p = KVTransferParams("agent", "127.0.0.1", 5, "r", 3, 9, 0, (1,), 7, (100, 200), 300, "sig", 10, dev_id=2)
+    d = p.to_dict()
+    assert KVTransferParams.from_dict(d) == p
+    del d["dev_id"]
+    assert KVTransferParams.from_dict(d).dev_id == 0
