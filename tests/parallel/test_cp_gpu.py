@@ -40,3 +40,10 @@ def test_cp_share_matches_plain_prefill_on_cuda(tmp_path_factory):
     leaves the plain prefill's caches and logits (tests/parallel/test_cp.py has the CPU twin)."""
     from tests.parallel.test_cp import cp_share_matches_plain_prefill
     cp_share_matches_plain_prefill(build_fixture("v41-tiny", tmp_path_factory), "cuda", "nccl")
+
+
+def test_cp_image_share_matches_plain_prefill_on_cuda(tiny_checkpoint):
+    """One GPU: an image prompt's CP share (span rows from the owner's encoded copy, token types, DEAD history)
+    through the CUDA kernels leaves the plain prefill's caches and logits (test_cp_images.py has the CPU twin)."""
+    from tests.parallel.test_cp_images import cp_image_share_matches_plain_prefill
+    cp_image_share_matches_plain_prefill(tiny_checkpoint, "cuda", "nccl")
