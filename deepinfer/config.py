@@ -254,9 +254,10 @@ class EngineArgs:
             raise ValueError(f"window_snapshot_ttl_s must be > 0, got {self.window_snapshot_ttl_s}")
         if self.kv_role not in ("both", "prefill", "decode"):
             raise ValueError(f"kv_role must be 'both', 'prefill' or 'decode', got {self.kv_role!r}")
-        if self.kv_role != "both" and self.context_parallel_size > 1:
-            raise ValueError("kv_role 'prefill'/'decode' does not combine with context_parallel_size > 1 yet (P/D "
-                             "across rank workers is tested with attention DP only)")
+        if self.kv_role == "decode" and self.context_parallel_size > 1:
+            # balanced CP splits a prompt's prefill over the ranks; a decode instance's prompts arrive prefilled
+            raise ValueError("kv_role 'decode' does not combine with context_parallel_size > 1 (its requests' caches "
+                             "are pulled from the prefill instance, which is where balanced CP splits a prompt)")
         if self.kv_role == "decode" and self.enable_prefix_caching:
             # a decode instance's prompts arrive as pulled caches, never as a hit on its own cache
             raise ValueError("kv_role 'decode' does not combine with enable_prefix_caching (its requests' caches are "

@@ -93,12 +93,13 @@ def wait_http(url: str, timeout: float) -> None:
 
 def role_engine_args(engine_args: dict, role: str) -> dict:
     """A replica's engine args for its role: a decode replica's prompts come as pulled caches, so the
-    prefix cache (enable_prefix_caching) stays with the prefill replicas."""
+    prefix cache (enable_prefix_caching) and balanced CP (context_parallel_size) stay with the prefill replicas."""
     if role == "both":
         return engine_args
     out = {**engine_args, "kv_role": role}
     if role == "decode":
         out["enable_prefix_caching"] = False
+        out["context_parallel_size"] = 1
     return out
 
 

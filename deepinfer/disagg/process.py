@@ -62,6 +62,7 @@ def _state(engine) -> dict:
             "requests": len(engine.scheduler.requests), "held": len(c.held) if c else 0,
             "loading": len(c.loads) if c else 0, "stats": engine.stats.snapshot(),
             "images_encoded": _images_encoded(engine), "rank_pids": getattr(engine.runner, "pids", []),
+            "cp_prefills": len(getattr(engine.scheduler, "cp_prefills", ())),
             "async_scheduling": engine.async_scheduling}
 
 

@@ -332,11 +332,28 @@ def test_the_first_token_ends_the_request_without_a_pull(instance, reference):
     assert_free(prefill, decode)
 
 
-def test_rank_workers_take_a_kv_role_but_not_context_parallelism(ckpt):
+def test_rank_workers_take_a_kv_role_and_the_prefill_balanced_cp(ckpt):
     EngineArgs(**pd_args(ckpt, "prefill", 2))
     EngineArgs(**pd_args(ckpt, "decode", 2))
-    with pytest.raises(ValueError, match="context_parallel_size"):
-        EngineArgs(**pd_args(ckpt, "prefill", 2, context_parallel_size=2, cp_min_prompt_tokens=64))
+    EngineArgs(**pd_args(ckpt, "prefill", 2, context_parallel_size=2, cp_min_prompt_tokens=64))
+    with pytest.raises(ValueError, match="context_parallel_size"):       # nothing to split on a decode instance
+        EngineArgs(**pd_args(ckpt, "decode", 2, context_parallel_size=2, cp_min_prompt_tokens=64))
+
+
+@pytest.mark.parametrize("decode_ranks", [2, 1])
+def test_a_prefill_under_balanced_cp_hands_over_the_owners_caches(instance, reference, decode_ranks):
+    """A prefill instance whose long prompts are split over its ranks by balanced CP (the 145-token prompt:
+    every rank prefills its mirrored chunks, the owner keeps the caches) hands over from the owner rank: the
+    decode's tokens are a single instance's, the borrowed blocks and the holds all come back."""
+    prefill = instance("prefill", 2, context_parallel_size=2, cp_min_prompt_tokens=64)
+    decode = instance("decode", decode_ranks)
+    prompts, ref = reference
+    before = prefill.state()["cp_prefills"]
+    kvs, tokens = hand_over_all(prefill, decode, prompts)
+    assert tokens == ref
+    long = [rid for rid, p in prompts.items() if len(p) - 1 >= 64]
+    assert long and prefill.state()["cp_prefills"] - before == len(long)       # the long prompts took CP
+    assert_free(prefill, decode)
 
 
 def test_images_hand_over_across_ranks(tiny_checkpoint, single_with_images):

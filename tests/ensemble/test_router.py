@@ -96,6 +96,12 @@ def test_replica_roles_keep_the_prefix_cache_on_prefill_replicas():
     args = {"enable_prefix_caching": True, "max_model_len": 256}
     prefill, decode = role_engine_args(args, "prefill"), role_engine_args(args, "decode")
     assert prefill == {**args, "kv_role": "prefill"} and role_engine_args(args, "both") == args
-    assert decode == {**args, "kv_role": "decode", "enable_prefix_caching": False}
+    assert decode == {**args, "kv_role": "decode", "enable_prefix_caching": False, "context_parallel_size": 1}
     for a in (prefill, decode):
         EngineArgs(checkpoint="unused", **a)                # both roles' args are valid
+    # balanced CP stays with the prefill replicas too (a decode instance refuses it: nothing to split there)
+    cp = {**args, "data_parallel_size": 2, "context_parallel_size": 2, "cp_min_prompt_tokens": 64}
+    EngineArgs(checkpoint="unused", **role_engine_args(cp, "prefill"))
+    EngineArgs(checkpoint="unused", **role_engine_args(cp, "decode"))
+    with pytest.raises(ValueError, match="context_parallel_size"):
+        EngineArgs(checkpoint="unused", **{**cp, "kv_role": "decode"})
