@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import (dummy_model, measure_ceilings, mhc_variants, out_dir,  # noqa: E402
                        routed_experts, save_json, time_eager, use_mhc_variant, use_skinny_table)
 from deepinfer.model.balanced_routing import install as balance_routing  # noqa: E402
+from graph_profile import capture  # noqa: E402
 
 FULL_LAYERS = 40
 
@@ -145,15 +146,7 @@ def decode_step(model, caches, B: int, ctx: int, max_len: int, block_tokens: int
 
 def time_graph(fn, iters: int = 20, reps: int = 5) -> float:
     """Median seconds of one replay of fn captured as a CUDA graph (warmed up eagerly first)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture(fn)
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()

@@ -73,12 +73,8 @@ def split_replays(kernels: list[tuple[float, float, str]], n: int) -> list[list[
     return out
 
 
-def profile_graph(fn, label: str = "", replays: int = 3, top: int = 40) -> dict:
-    """Capture fn in a CUDA graph, profile `replays` replays (a synchronize between them) and print the middle
-    replay's span, busy and idle time and its top kernels by time with their exposed time."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
+def capture(fn) -> "torch.cuda.CUDAGraph":
+    """fn captured as a CUDA graph, warmed up eagerly first on a side stream (as the engine captures)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -88,6 +84,16 @@ def profile_graph(fn, label: str = "", replays: int = 3, top: int = 40) -> dict:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return g
+
+
+def profile_graph(fn, label: str = "", replays: int = 3, top: int = 40) -> dict:
+    """Capture fn in a CUDA graph, profile `replays` replays (a synchronize between them) and print the middle
+    replay's span, busy and idle time and its top kernels by time with their exposed time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    g = capture(fn)
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()

@@ -61,8 +61,35 @@ class _Load:
     started: float = field(default_factory=time.monotonic)
 
 
-class KVConnector:
+class HandoverBook:
+    """What both connectors (one rank's and rank workers', rank_connector.py) do alike: hand a held request's
+    params over once, and enter a pull after its checks. Needs held, loads, layout, timeout_s and the
+    connector's own pull record type as _load."""
+
+    def take_params(self, req_id: str) -> dict | None:
+        h = self.held.get(req_id)
+        if h is None:
+            return None
+        params, h.params = h.params, None
+        return params
+
+    def start_load(self, req: Request, params: KVTransferParams) -> None:
+        """Checks what can be checked at once (InvalidRequestError to the caller); the pull starts at
+        the next poll."""
+        rid = req.request_id
+        self.check(rid, params, req.num_prompt_tokens)
+        req.all_token_ids.append(params.first_token_id)
+        self.loads[rid] = self._load(req, params, time.monotonic() + self.timeout_s)
+
+    def check(self, rid: str, params: KVTransferParams, num_prompt_tokens: int) -> None:
+        """What a hand-over must agree on with this instance and the request (InvalidRequestError);
+        reads only what never changes (any thread)."""
+        check_handover(self.layout, rid, params, num_prompt_tokens)
+
+
+class KVConnector(HandoverBook):
     poll_after_step = False       # polled before the step (rank workers' RankKVConnector: after it)
+    _load = _Load
 
     def __init__(self, role: str, caches, kv_cache, stats, host: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = 30.0, max_model_len: int | None = None, window: bool = True,
@@ -112,13 +139,6 @@ class KVConnector:
         self.held[rid] = _Held(slot, tag, time.monotonic() + self.timeout_s, params.to_dict())
         return True
 
-    def take_params(self, req_id: str) -> dict | None:
-        h = self.held.get(req_id)
-        if h is None:
-            return None
-        params, h.params = h.params, None
-        return params
-
     def _release(self, req_id: str) -> None:
         h = self.held.pop(req_id)
         self.tags[h.ring_slot] = 0                 # before the free: a late VERIFY sees the blocks gone
@@ -139,19 +159,6 @@ class KVConnector:
             self.stats.inc("kv_holds_expired_total")
 
     # decode side ---------------------------------------------------------------------------------
-    def start_load(self, req: Request, params: KVTransferParams) -> None:
-        """Checks what can be checked at once (InvalidRequestError to the caller); the pull starts at
-        the next poll."""
-        rid = req.request_id
-        self.check(rid, params, req.num_prompt_tokens)
-        req.all_token_ids.append(params.first_token_id)
-        self.loads[rid] = _Load(req, params, time.monotonic() + self.timeout_s)
-
-    def check(self, rid: str, params: KVTransferParams, num_prompt_tokens: int) -> None:
-        """What a hand-over must agree on with this instance and the request (InvalidRequestError);
-        reads only what never changes (any thread)."""
-        check_handover(self.layout, rid, params, num_prompt_tokens)
-
     def abort(self, req_id: str) -> RequestOutput:
         ld = self.loads.pop(req_id)
         self._drop(ld)

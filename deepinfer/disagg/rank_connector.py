@@ -26,7 +26,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from deepinfer.disagg.connector import check_handover, first_token_finishes, replay_plan
+from deepinfer.disagg.connector import HandoverBook, first_token_finishes, replay_plan
 from deepinfer.disagg.layout import CacheLayout
 from deepinfer.disagg.params import TRANSIENT_PULL_FAILURE, KVTransferParams
 from deepinfer.disagg.rank_transfer import NotifyJob, PullJob, RankKVCommands, RankKVReport
@@ -55,9 +55,10 @@ class _Load:
     finish_status: RequestStatus | None = None
 
 
-class RankKVConnector:
+class RankKVConnector(HandoverBook):
     # the round trip runs after the step: a hold's nonce is on its rank before the params leave
     poll_after_step = True
+    _load = _Load
 
     def __init__(self, role: str, executor, scheduler, stats, timeout_s: float = 30.0,
                  max_model_len: int | None = None, window: bool = True, replay_tokens: int = 128) -> None:
@@ -100,27 +101,11 @@ class RankKVConnector:
         self._cmds[rank].holds.append((rid, slot, tag))
         return True
 
-    def take_params(self, req_id: str) -> dict | None:
-        h = self.held.get(req_id)
-        if h is None:
-            return None
-        params, h.params = h.params, None
-        return params
-
     def _free_held(self, req_id: str) -> None:
         """After the rank zeroed the slot's tag (an unhold, or the notification it matched)."""
         self._kv(self.held.pop(req_id).rank).free(req_id)
 
     # decode side ---------------------------------------------------------------------------------
-    def start_load(self, req: Request, params: KVTransferParams) -> None:
-        rid = req.request_id
-        self.check(rid, params, req.num_prompt_tokens)
-        req.all_token_ids.append(params.first_token_id)
-        self.loads[rid] = _Load(req, params, time.monotonic() + self.timeout_s)
-
-    def check(self, rid: str, params: KVTransferParams, num_prompt_tokens: int) -> None:
-        check_handover(self.layout, rid, params, num_prompt_tokens)
-
     def abort(self, req_id: str) -> RequestOutput:
         ld = self.loads.pop(req_id)
         if ld.state == "PULL":      # the rank tells the prefill to free now; blocks back once no READ lands

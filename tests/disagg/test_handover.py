@@ -225,6 +225,29 @@ def test_replay_mode_bit_identical_and_moves_only_blocks(ckpt, short_prompts_bi)
         decode.close()
 
 
+def hand_over_all(prefill, decode, prompts: dict, params) -> tuple[dict, dict]:
+    """Every prompt to the prefill at once, each to the decode as soon as its prefill ends (in order; the
+    prefill keeps running the others meanwhile). params: one SamplingParams, or one a request id.
+    -> (kv_transfer_params by id, the decode's tokens by id)"""
+    per = params if isinstance(params, dict) else dict.fromkeys(prompts, params)
+    firsts = {rid: prefill.add(rid, p, per[rid]) for rid, p in prompts.items()}
+    kvs, streams = {}, {}
+    for rid, q in firsts.items():
+        out = q.get(timeout=300)
+        assert out.finish_reason == "length" and out.kv_transfer_params is not None, out
+        kvs[rid] = out.kv_transfer_params
+        streams[rid] = decode.add(rid, prompts[rid], per[rid], kv_transfer_params=kvs[rid])
+    tokens = {}
+    for rid, q in streams.items():
+        toks, out = [], None
+        while out is None or not out.finished:
+            out = q.get(timeout=300)
+            toks += out.new_token_ids
+        assert out.finish_reason == "length", out
+        tokens[rid] = toks
+    return kvs, tokens
+
+
 def test_concurrent_handovers_with_sampling(pair_bi, ckpt):
     """Eight requests in flight on both sides at once, each handed over as soon as its prefill
     ends, seeded sampling: each equals its run on a single instance (the seed's per-position
@@ -235,19 +258,7 @@ def test_concurrent_handovers_with_sampling(pair_bi, ckpt):
     prompts = {f"c{i}": long[3 * i: 3 * i + 12 + 5 * i] for i in range(8)}
     params = {rid: SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True)
               for i, rid in enumerate(prompts)}
-    firsts = {rid: prefill.add(rid, p, params[rid]) for rid, p in prompts.items()}
-    streams = {}
-    for rid, q in firsts.items():        # in order; the prefill keeps running the others meanwhile
-        kv = q.get(timeout=300).kv_transfer_params
-        streams[rid] = decode.add(rid, prompts[rid], params[rid], kv_transfer_params=kv)
-    got = {}
-    for rid, q in streams.items():
-        toks, out = [], None
-        while out is None or not out.finished:
-            out = q.get(timeout=300)
-            toks += out.new_token_ids
-        assert out.finish_reason == "length", out
-        got[rid] = toks
+    _, got = hand_over_all(prefill, decode, prompts, params)
     ref, _ = single_instance(ckpt, prompts, params)
     assert got == ref
     assert_nothing_held(prefill, decode)

@@ -29,6 +29,7 @@ from deepinfer.engine import Engine  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import build_fixture  # noqa: E402
 from tests.disagg.test_handover import engine_args, single_instance  # noqa: E402
+from tests.disagg.test_handover import hand_over_all as hand_over  # noqa: E402
 from tests.disagg.test_handover_images import PARAMS as IMAGE_PARAMS  # noqa: E402
 from tests.disagg.test_handover_images import REQUESTS  # noqa: E402
 from tests.disagg.test_handover_images import engine_args as image_args  # noqa: E402
@@ -130,26 +131,8 @@ def wait_gone(pids: list[int], timeout_s: float = 10.0) -> None:
     assert not any(alive(p) for p in pids), pids
 
 
-def hand_over_all(prefill, decode, prompts: dict, params=PARAMS, **decode_kw) -> tuple[dict, dict]:
-    """Every prompt to the prefill at once, each to the decode as soon as its prefill ends.
-    -> (kv_transfer_params by id, decode's tokens by id)"""
-    firsts = {rid: prefill.add(rid, p, params) for rid, p in prompts.items()}
-    kvs, streams = {}, {}
-    for rid, q in firsts.items():
-        out = q.get(timeout=300)
-        assert out.finish_reason == "length" and out.kv_transfer_params is not None, out
-        kvs[rid] = out.kv_transfer_params
-        streams[rid] = decode.add(rid, prompts[rid], decode_kw.get("decode_params", params),
-                                  kv_transfer_params=kvs[rid])
-    tokens = {}
-    for rid, q in streams.items():
-        toks, out = [], None
-        while out is None or not out.finished:
-            out = q.get(timeout=300)
-            toks += out.new_token_ids
-        assert out.finish_reason == "length", out
-        tokens[rid] = toks
-    return kvs, tokens
+def hand_over_all(prefill, decode, prompts: dict, params=PARAMS) -> tuple[dict, dict]:
+    return hand_over(prefill, decode, prompts, params)
 
 
 @pytest.mark.parametrize("prefill_ranks, decode_ranks, pipelined", [(2, 2, False), (1, 2, False), (2, 1, False),

@@ -160,14 +160,14 @@ def test_cp_tokens_equal_one_rank_and_decode_stays_on_owner(ranks, extra, one_ra
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == one_rank_tokens
 
 
-def _run_recording_drafts(engine, prompts, params) -> tuple[list[list[int]], dict[str, list]]:
-    """Every prompt added at once, stepped to the end: (tokens per request, per request each proposal
-    (tokens so far, drafts) its scheduler's DraftBook held after a step)."""
+def run_recording_drafts(engine, prompts, params, images=None) -> tuple[list[list[int]], dict[str, list]]:
+    """Every prompt (with its images, if given) added at once, stepped to the end: (tokens per request, per
+    request each proposal (tokens so far, drafts) its scheduler's DraftBook held after a step)."""
     tokens: dict[str, list[int]] = {}
     drafts: dict[str, list] = {}
     scheds = getattr(engine.scheduler, "schedulers", [engine.scheduler])
     for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params[i])
+        engine.add_request(f"r{i}", ids, params[i], images=None if images is None else images[i])
     while engine.has_unfinished_requests():
         for o in engine.step():
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -192,14 +192,14 @@ def test_cp_with_dspark_gives_one_ranks_tokens_and_drafts(one_rank_tokens, tmp_p
     torch.set_num_threads(1)
     ref = Engine(EngineArgs(**kw))
     try:
-        want, want_drafts = _run_recording_drafts(ref, prompts, params)
+        want, want_drafts = run_recording_drafts(ref, prompts, params)
     finally:
         ref.shutdown()
         torch.set_num_threads(threads)
     engine = Engine(EngineArgs(**kw, data_parallel_size=2, context_parallel_size=2, cp_min_prompt_tokens=8,
                                worker_threads=1))
     try:
-        got, got_drafts = _run_recording_drafts(engine, prompts, params)
+        got, got_drafts = run_recording_drafts(engine, prompts, params)
         cp = engine.scheduler.cp_prefills
     finally:
         engine.shutdown()

@@ -18,6 +18,7 @@ from deepinfer.sampling_params import SamplingParams
 from tests.engine.conftest import drain
 from tests.engine.test_engine_images import IMG, png
 from tests.parallel.faulty_images import FailsOnTheRank
+from tests.parallel.test_cp import run_recording_drafts
 
 KW = dict(max_num_seqs=4, max_num_batched_tokens=256, num_cache_blocks=48, block_tokens=16, max_model_len=256,
           batch_invariant=True, device="cpu")
@@ -171,24 +172,6 @@ def test_cp_image_prompt_with_prefix_caching_second_turn_hits(one_rank, tiny_che
     assert t1.token_ids == cold[0].token_ids and hot.token_ids == cold[1].token_ids
 
 
-def _run_recording_drafts(engine, params) -> tuple[list[list[int]], dict[str, list]]:
-    """PROMPTS with IMAGES added at once, stepped to the end: (tokens per request, per request each
-    proposal (tokens so far, drafts) its scheduler's DraftBook held after a step)."""
-    tokens: dict[str, list[int]] = {}
-    drafts: dict[str, list] = {}
-    scheds = getattr(engine.scheduler, "schedulers", [engine.scheduler])
-    for i, (ids, images) in enumerate(zip(PROMPTS, IMAGES)):
-        engine.add_request(f"r{i}", ids, params, images=images)
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-        for s in scheds:
-            for rid in s.requests:
-                if s.draft_book.pending(rid):
-                    drafts.setdefault(rid, []).append((len(tokens.get(rid, [])), tuple(s.draft_book.pending(rid))))
-    return [tokens[f"r{i}"] for i in range(len(PROMPTS))], drafts
-
-
 def test_cp_image_prompts_with_dspark_give_one_ranks_tokens_and_drafts(one_rank, tiny_checkpoint):
     """DSpark over 2 ranks (every draft verified): the CP prefill of the image prompts leaves the owner's
     draft rings as a 1-rank DSpark prefill does, so every proposal and every token is one rank's."""
@@ -204,13 +187,13 @@ def test_cp_image_prompts_with_dspark_give_one_ranks_tokens_and_drafts(one_rank,
     torch.set_num_threads(1)
     ref = Engine(EngineArgs(**kw))
     try:
-        want, want_drafts = _run_recording_drafts(ref, greedy)
+        want, want_drafts = run_recording_drafts(ref, PROMPTS, [greedy] * len(PROMPTS), IMAGES)
     finally:
         ref.shutdown()
         torch.set_num_threads(threads)
     engine = Engine(EngineArgs(**kw, **CP_KW, data_parallel_size=2, context_parallel_size=2))
     try:
-        got, got_drafts = _run_recording_drafts(engine, greedy)
+        got, got_drafts = run_recording_drafts(engine, PROMPTS, [greedy] * len(PROMPTS), IMAGES)
         cp = engine.scheduler.cp_prefills
     finally:
         engine.shutdown()
