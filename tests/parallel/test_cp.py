@@ -4,6 +4,8 @@ fixtures' rules and against one rank, with the decode staying on the owner rank.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 
 import numpy as np
@@ -251,15 +253,34 @@ def test_cp_with_prefix_caching_second_turn_hits_its_snapshot(tmp_path_factory):
 
 
 # ---- the model hook, in process (one rank: the CP share is every position) -------------------------
+@contextlib.contextmanager
+def one_rank_group(device: str, backend: str):
+    """A 1-rank process group on a free local port (CPU: one thread, as the rank workers run; OpenMP threads on a
+    busy host stall), destroyed and the thread count restored after."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
 def cp_share_matches_plain_prefill(ckpt, device: str, backend: str) -> None:
     """prefill_share over a 1-rank group (its rows: both mirror chunks = every position, through the
     CP metadata, the per-layer gathers and the two-chunk Engram history) leaves exactly the caches a
     plain prefill leaves, the DSpark draft rings included (the plain prefill's rows absorbed against
     draft_ring_tail's), and the prompt's last token then gets the same logits from both."""
-    import socket
-
     import torch
-    import torch.distributed as dist
 
     from deepinfer.model.batch import ForwardBatch
     from deepinfer.model.dspark import dspark_absorb
@@ -268,14 +289,7 @@ def cp_share_matches_plain_prefill(ckpt, device: str, backend: str) -> None:
     from deepinfer.worker.loading import allocate_caches
     tokens = np.asarray(_prompts(ckpt)[1], dtype=np.int64)                      # 300 tokens
     n = len(tokens) - 1
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)         # as the rank workers run (OpenMP threads on a busy host stall)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_rank_group(device, backend):
         model = load_model(ckpt, device, progress=False)
         width = model.args.engram_max_ngram_size - 1
         blocks, slot = list(range(5)), 1
@@ -307,9 +321,6 @@ def cp_share_matches_plain_prefill(ckpt, device: str, backend: str) -> None:
                     assert torch.equal(a[key], b[key]), (kind, key)
             last = [model(batch(n, tokens[n:]), c).logits for c in caches]
         assert torch.equal(last[0], last[1])
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
 
 
 def test_cp_share_matches_plain_prefill_on_cpu(tmp_path_factory):

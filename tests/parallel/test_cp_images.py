@@ -18,7 +18,7 @@ from deepinfer.sampling_params import SamplingParams
 from tests.engine.conftest import drain
 from tests.engine.test_engine_images import IMG, png
 from tests.parallel.faulty_images import FailsOnTheRank
-from tests.parallel.test_cp import run_recording_drafts
+from tests.parallel.test_cp import one_rank_group, run_recording_drafts
 
 KW = dict(max_num_seqs=4, max_num_batched_tokens=256, num_cache_blocks=48, block_tokens=16, max_model_len=256,
           batch_invariant=True, device="cpu")
@@ -210,10 +210,7 @@ def cp_image_share_matches_plain_prefill(ckpt, device: str, backend: str) -> Non
     owner_span_rows from the ImageEmbeds' ahead copy, which an ImageEncoder made, and the share's
     token_mask) leaves exactly the caches a plain prefill with the runner's
     image fields leaves, and the prompt's last token then gets the same logits from both."""
-    import socket
-
     import torch
-    import torch.distributed as dist
 
     from deepinfer.model.batch import ForwardBatch
     from deepinfer.model.loader import load_model
@@ -221,14 +218,7 @@ def cp_image_share_matches_plain_prefill(ckpt, device: str, backend: str) -> Non
     from deepinfer.parallel.cp import CPShare, prefill_share
     from deepinfer.worker.image_embeds import ImageEmbeds, ImageEncoder
     from deepinfer.worker.loading import allocate_caches
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_rank_group(device, backend):
         model = load_model(ckpt, device, progress=False)
         prompt = expand_image_placeholders(PROMPTS[0], [load_image(b, model.args.vision) for b in IMAGES[0]], IMG)
         assert [(im.start, im.start + im.span_len) for im in prompt.images] == SPANS
@@ -272,9 +262,6 @@ def cp_image_share_matches_plain_prefill(ckpt, device: str, backend: str) -> Non
             prefill_share(model, caches[1], text, None, images)
             assert not torch.equal(model(batch(n, n + 1), caches[1]).logits, last[0])
         assert torch.equal(last[0], last[1])
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
 
 
 def test_cp_image_share_matches_plain_prefill_on_cpu(tiny_checkpoint):
