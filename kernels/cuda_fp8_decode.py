@@ -21,6 +21,8 @@ e4m3 weights and their E8M0 scales per 32x32 block or per (row, 32).
                                                 [G, C, K] e4m3 slab, a row-scaled e4m3 stack w [G, N, K] -> [G, C, N]
                                                 bf16, rows past masked_m[g] unset; no host read (graph capturable)
     masked_decline_reason(w, w_rows, device)    None where the masked form takes the stack, else the rule
+    masked_form(expected_m, n, k, device_name)  the masked call's form: this GPU model's measured best where
+                                                moe_masked_table.json covers (N, K, expected_m), else masked_plan's
 
 Split-K's sum order follows M (the token tile) and the split count: deterministic per shape, not
 batch-invariant (select never sends batch-invariant mode here). DEEPINFER_CUDA_DECODE_RB=1 / 2 forces
@@ -96,8 +98,9 @@ def _table(device_name: str) -> dict:
 
 
 def reload_table() -> None:
-    """Read TABLE_PATH again at the next call (tests and benchmarks swap tables)."""
+    """Read TABLE_PATH and MOE_TABLE_PATH again at the next call (tests and benchmarks swap tables)."""
     _table.cache_clear()
+    _moe_table.cache_clear()
 
 
 def measured_rows(n: int, k: int, device_name: str) -> list[dict]:
@@ -316,6 +319,27 @@ def masked_plan(expected_m: int) -> str:
             128: "fp8_moe_sm90_t128_rb1_p"}[bt]
 
 
+# per GPU model, stack shape (N, K) and expected tokens an expert (m): the masked form measured fastest
+# (perf/bench_moe_decode.py --forms all --write-table adds or replaces the table of the GPU it runs on); the
+# forms were tuned on H100s, where masked_plan's rule is within 1.3% of the best (2026-12-07)
+MOE_TABLE_PATH = os.environ.get("DEEPINFER_MOE_MASKED_TABLE",
+                                os.path.join(os.path.dirname(__file__), "moe_masked_table.json"))
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_table(device_name: str) -> dict:
+    """{(N, K): [row, ...] by ascending expected m} of the masked table measured on this GPU model."""
+    return rows_by_shape(MOE_TABLE_PATH, lambda r: r if r["entry"] in MOE_FORMS else None, device=device_name)[1]
+
+
+def masked_form(expected_m: int, n: int, k: int, device_name: str) -> str:
+    """The masked form for about expected_m tokens an expert of an [n, k] stack: the table's row at the smallest
+    measured m at or above expected_m where that m is at most twice expected_m (rows are measured at powers of
+    two: the row of the same load), else masked_plan's rule (another GPU model, shape or load)."""
+    r = next((r for r in _moe_table(device_name).get((n, k), ()) if expected_m <= r["m"]), None)
+    return r["entry"] if r is not None and 0 < expected_m and r["m"] <= 2 * expected_m else masked_plan(expected_m)
+
+
 MASKED_SLAB_RULE = "slab rows per expert (C, the step's tokens) a multiple of 4"
 
 
@@ -344,7 +368,7 @@ def fp8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_
     masked_m [G] int32 on the device -> [G, C, N] bf16 (rows past masked_m[g] unset): the release GEMM's values
     (per 32-wide K slice one FP8 MMA times the token's scale, summed in fp32, times the row's scale). No host
     read (CUDA-graph capturable). expected_m: a host-side guess of the tokens an expert (the token tile; a busier
-    expert takes more tiles). entry overrides masked_plan's."""
+    expert takes more tiles). entry overrides masked_form's."""
     G, C, k = a.shape
     n = w.shape[1]
     assert w.shape[0] == G and w.shape[2] == k and a.dtype == torch.float8_e4m3fn and a.device == w.device, \
@@ -362,7 +386,7 @@ def fp8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_
     out = torch.empty(G, C, n, dtype=torch.bfloat16, device=a.device)
     if G == 0 or C == 0 or n == 0:
         return out
-    name = entry or masked_plan(expected_m)
+    name = entry or masked_form(expected_m, n, k, torch.cuda.get_device_name(a.device))
     bt, rb, _, _ = MOE_FORMS[name]
     a = a.contiguous()
     assert a.data_ptr() % 16 == 0, "TMA needs a 16-byte aligned activation slab"

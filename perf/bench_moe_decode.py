@@ -5,7 +5,11 @@ experts, w13 [4608, 5120] and w2 [5120, 2304], T tokens each routed to 6 distinc
 experts' counts vary as in a step). Prints us per call, the weight bytes read per second against the copy
 bandwidth measured in the same run, FP8 x W8A16 speed, and that the forms agree.
 
-    python perf/bench_moe_decode.py [--tokens 16 64 128 256] [--forms all]      (moe_decode.json / .png in $OUT)
+    python perf/bench_moe_decode.py [--tokens 16 64 128 256] [--forms all [--write-table]]   (moe_decode.json / .png in $OUT)
+
+--write-table (with --forms all): kernels/moe_masked_table.json, which cuda_fp8_decode.masked_form reads on the GPU
+model it names: per stack shape and expected tokens an expert, the fastest masked form of the run (the file, with
+other GPU models' tables kept, is also copied to $OUT).
 """
 
 from __future__ import annotations
@@ -36,7 +40,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 256])
     p.add_argument("--experts", type=int, default=48)
     p.add_argument("--forms", default="plan", choices=["plan", "all"], help="all: every masked CUDA form too")
+    p.add_argument("--write-table", action="store_true", help="(with --forms all) write kernels/moe_masked_table.json")
     a = p.parse_args()
+    if a.write_table and a.forms != "all":
+        p.error("--write-table needs --forms all")
     from deepinfer.kernels import cuda_fp8_decode as cfd
     from deepinfer.kernels import triton_gemm as tg
     from deepinfer.kernels.triton_quant import act_quant_fp8
@@ -47,7 +54,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows = []
     print(f"{'proj':>4} {'T':>4} {'max m':>5} {'w8a16 us':>9} {'fp8 us':>8} {'fp8 x':>6} {'w8a16 of copy':>13} "
-          f"{'fp8 of copy':>11} {'rel diff':>9}  plan", flush=True)
+          f"{'fp8 of copy':>11} {'rel diff':>9}  form", flush=True)
     for name, (n, k) in PROJ.items():
         _, _, wr = expert_stacks(a.experts, n, k, seed=n + k)
         w8, r = wr
@@ -71,19 +78,54 @@ def main() -> None:
             diff = max(((o.float()[valid] - ref).norm() / ref.norm()).item() for o in outs.values())
             t = {f: time_calls([fn], iters=20) for f, fn in forms.items()}
             nb = e * n * k * 1.0                                        # the e4m3 stack (row scales: 4 B a row)
-            row = dict(proj=name, T=T, max_m=int(counts.max()), us={f: v * 1e6 for f, v in t.items()},
+            row = dict(proj=name, n=n, k=k, T=T, expected_m=expected, max_m=int(counts.max()),
+                       us={f: v * 1e6 for f, v in t.items()},
                        fp8_speedup=t["w8a16"] / t["fp8"], w8a16_of_copy=nb / t["w8a16"] / bw,
-                       fp8_of_copy=nb / t["fp8"] / bw, rel_diff=diff, plan=cfd.masked_plan(expected))
+                       fp8_of_copy=nb / t["fp8"] / bw, rel_diff=diff, plan=cfd.masked_plan(expected),
+                       default=cfd.masked_form(expected, n, k, torch.cuda.get_device_name(0)))
             rows.append(row)
             print(f"{name:>4} {T:>4} {row['max_m']:>5} {t['w8a16'] * 1e6:>9.1f} {t['fp8'] * 1e6:>8.1f} "
                   f"{row['fp8_speedup']:>6.2f} {row['w8a16_of_copy']:>13.2f} {row['fp8_of_copy']:>11.2f} "
-                  f"{diff:>9.1e}  {row['plan']}", flush=True)
+                  f"{diff:>9.1e}  {row['default']}", flush=True)
             if a.forms == "all":
                 print("      " + ", ".join(f"{f.replace('fp8_moe_sm90_', '')} {t[f] * 1e6:.1f}" for f in cfd.MOE_FORMS),
                       flush=True)
             assert diff < 1e-2, "the forms disagree"
     save_json("moe_decode.json", dict(ceilings=ceil, experts=a.experts, rows=rows))
     plot(rows, os.path.join(out_dir(), "moe_decode.png"))
+    if a.write_table:
+        write_table(rows, torch.cuda.get_device_name(0))
+
+
+def table_rows(rows: list[dict], forms) -> list[dict]:
+    """The masked table's rows from --forms all rows: per (N, K, expected tokens an expert) the fastest of `forms`
+    (the masked entries), with its time beside masked_plan's rule's form and W8A16 of the same run (one row a point: a
+    later T of the same expected m replaces an earlier one)."""
+    out = {}
+    for r in rows:
+        best_us, entry = min((r["us"][f], f) for f in forms)
+        out[(r["n"], r["k"], r["expected_m"])] = dict(
+            n=r["n"], k=r["k"], m=r["expected_m"], tokens=r["T"], entry=entry, us=round(best_us, 2),
+            plan=r["plan"], plan_us=round(r["us"][r["plan"]], 2), w8a16_us=round(r["us"]["w8a16"], 2))
+    return list(out.values())
+
+
+def write_table(rows: list[dict], device: str) -> None:
+    """This GPU model's table in cuda_fp8_decode.MOE_TABLE_PATH (other models' tables kept; also copied to $OUT)."""
+    import datetime
+    import shutil
+
+    from deepinfer.kernels import cuda_fp8_decode as cfd
+    from deepinfer.kernels.measured_table import merge_table
+    out = table_rows(rows, cfd.MOE_FORMS)
+    merge_table(cfd.MOE_TABLE_PATH, {"measured": "perf/bench_moe_decode.py --forms all --write-table",
+                                     "device": device, "date": datetime.date.today().isoformat(), "rows": out})
+    shutil.copy(cfd.MOE_TABLE_PATH, os.path.join(out_dir(), os.path.basename(cfd.MOE_TABLE_PATH)))
+    moved = [r for r in out if r["entry"] != r["plan"]]
+    print(f"wrote {device}'s masked table in {cfd.MOE_TABLE_PATH}: the best form differs from masked_plan's rule at "
+          f"{len(moved)} of {len(out)} points" + "".join(
+              f"\n    {r['n']}x{r['k']} m {r['m']}: {r['entry']} {r['us']} us, plan {r['plan']} {r['plan_us']} us"
+              for r in moved), flush=True)
 
 
 def plot(rows, path: str) -> None:

@@ -295,3 +295,45 @@ def test_masked_form_refuses_unaligned_slabs():
     with pytest.raises(ValueError, match="multiple of 4"):
         cuda_fp8_decode.fp8_masked_moe_gemm(a, transposed_scales(sa), w, e8m0_to_float(rows_e).float().contiguous(),
                                             mm, 5)
+
+
+def test_masked_form_takes_the_measured_form_of_this_gpu_model(tmp_path, monkeypatch):
+    """bench_moe_decode's --write-table rows (the fastest masked form per stack shape and expected tokens an
+    expert) make masked_form's choice on the GPU model measured, at the covering point no more than twice the
+    load; elsewhere (another model, shape, a load past the table or far below its row, a form since renamed)
+    masked_plan's rule."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "perf"))
+    from bench_moe_decode import table_rows
+
+    from deepinfer.kernels import cuda_fp8_decode as cfd
+    from deepinfer.kernels.measured_table import merge_table
+
+    def bench_row(T, expected, fastest):
+        us = {f: 100.0 for f in cfd.MOE_FORMS}
+        us.update(w8a16=120.0, fp8=100.0)
+        us[fastest] = 90.0
+        return dict(n=4608, k=5120, T=T, expected_m=expected, us=us, plan=cfd.masked_plan(expected))
+
+    rows = table_rows([bench_row(64, 8, "fp8_moe_sm90_t64_rb1_x2"), bench_row(128, 16, "fp8_moe_sm90_t32_rb2"),
+                       bench_row(130, 17, "fp8_moe_sm90_t16_rb2")], cfd.MOE_FORMS)
+    assert [(r["m"], r["entry"], r["us"], r["plan_us"]) for r in rows] == [
+        (8, "fp8_moe_sm90_t64_rb1_x2", 90.0, 100.0), (16, "fp8_moe_sm90_t32_rb2", 90.0, 100.0),
+        (17, "fp8_moe_sm90_t16_rb2", 90.0, 100.0)]
+    rows[2]["entry"] = "fp8_moe_sm90_gone"
+    path = str(tmp_path / "moe.json")
+    merge_table(path, {"device": "GPU A", "rows": rows})
+    monkeypatch.setattr(cfd, "MOE_TABLE_PATH", path)
+    cfd.reload_table()
+    try:
+        assert cfd.masked_form(8, 4608, 5120, "GPU A") == "fp8_moe_sm90_t64_rb1_x2"
+        assert cfd.masked_form(5, 4608, 5120, "GPU A") == "fp8_moe_sm90_t64_rb1_x2"     # 8 <= 2 x 5
+        assert cfd.masked_form(12, 4608, 5120, "GPU A") == "fp8_moe_sm90_t32_rb2"
+        assert cfd.masked_form(3, 4608, 5120, "GPU A") == cfd.masked_plan(3)            # 8 > 2 x 3
+        assert cfd.masked_form(17, 4608, 5120, "GPU A") == cfd.masked_plan(17)          # a renamed form
+        assert cfd.masked_form(40, 4608, 5120, "GPU A") == cfd.masked_plan(40)          # past the table
+        assert cfd.masked_form(8, 4608, 5120, "GPU B") == cfd.masked_plan(8)
+        assert cfd.masked_form(8, 5120, 2304, "GPU A") == cfd.masked_plan(8)
+        assert cfd.masked_form(0, 4608, 5120, "GPU A") == cfd.masked_plan(0)
+    finally:
+        monkeypatch.undo()
+        cfd.reload_table()
