@@ -42,6 +42,7 @@ class AsyncEngine:
         self.engine = Engine(args)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
+        self.engine.idle_sleep = self._wakeup.wait      # a new request or abort ends an idle poll's wait
         self._lock = threading.Lock()
         self._sinks: dict[str, Callback] = {}   # live request ids (added, final output not yet delivered)
         self._aborted: set[str] = set()          # abort asked: deliver nothing but the final "abort"

@@ -47,6 +47,12 @@ from deepinfer.sched.scheduler import Scheduler
 from deepinfer.stats import EngineStats
 from deepinfer.worker.input_batch import needs_sampler
 
+# the connector's polls while nothing else runs: every IDLE_POLL_S while pulls are open (a pull's end lets its
+# request's first token out), backing off to HOLD_POLL_MAX_S while only holds are (a prefill instance waiting for
+# decoders: a hold ends at the peer's notice or its deadline, and a few ms later is harmless)
+IDLE_POLL_S = 0.001
+HOLD_POLL_MAX_S = 0.032
+
 logger = logging.getLogger(__name__)
 
 
@@ -120,6 +126,9 @@ class Engine:
                 self.scheduler.encode_images = self.image_encoder.submit_request
         self.stats.set_gauges(cache_blocks_total=self.num_cache_blocks * a.data_parallel_size)
         self._in_flight = None  # (SchedulerOutput, launched step) of the pipelined step
+        self._idle_polls = 0    # polls in a row with only holds open and nothing come of them
+        # how the engine waits between idle polls; AsyncEngine makes it a wait that a new request ends
+        self.idle_sleep = time.sleep
         # async + speculation: how often the pipeline was broken, and how often it was not
         # (tests/engine/test_spec_overlap.py): steps in flight resolved before the next schedule since
         # they sampled; verify steps launched while a step that samples was still unresolved
@@ -391,12 +400,26 @@ class Engine:
             self.step_time_observer.finished(sched_out, runner_out)
 
     # prefill/decode disaggregation (deepinfer/disagg/) ---------------------------------------------
+    def idle_poll_wait(self) -> float | None:
+        """Seconds to wait before the next connector poll where the engine has nothing but the connector's
+        transfers to attend to (None: it has a step to run): IDLE_POLL_S while pulls are open, doubling up to
+        HOLD_POLL_MAX_S over polls in a row that only holds are open and nothing came of."""
+        if self.connector is None or self.scheduler.has_unfinished_requests() or self._in_flight is not None:
+            return None
+        if self.connector.loads:
+            return IDLE_POLL_S
+        return min(HOLD_POLL_MAX_S, IDLE_POLL_S * 2 ** min(self._idle_polls, 16))
+
     def _poll_connector(self) -> list[RequestOutput]:
         """Pulls that finished go to the scheduler (their first delta is the prefill's token); failed
-        ones end here. Idle with only transfers in flight: a short sleep instead of a hot loop."""
-        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
-            time.sleep(0.001)
+        ones end here. Idle with only transfers open: a wait (idle_poll_wait) instead of a hot loop."""
+        wait = self.idle_poll_wait()
+        if wait is not None:
+            self.idle_sleep(wait)
+        held = len(self.connector.held)
         outs, ready = self.connector.poll()
+        quiet = wait is not None and not outs and not ready and len(self.connector.held) == held
+        self._idle_polls = self._idle_polls + 1 if quiet else 0
         for req in ready:
             self.scheduler.add_request(req)
         for out in outs:
