@@ -9,16 +9,20 @@ final output, the decode side pulls the blocks those params name (a one-sided RE
                    of every layer incl. the DSpark rings, compressor carry, compressed-KV and index-key
                    blocks), as (address, length) runs; the layout signature both peers must share
     nixl_transport.py  NixlTransport: the NIXL agent (registration, peer metadata, READ, notifications)
+    pull.py        Puller, Pull, PullJob: one request's pull (CONNECT -> PULL -> VERIFY -> notify the
+                   peer; a READ in ERR, a gone tag, abort, timeout), the one state machine both
+                   connectors drive (in the engine's process, or in each rank worker's); the
+                   "free:<id>:<nonce>" word and the transient failures' wording
     connector.py   KVConnector: the engine's one interface (request_finished on the prefill side,
-                   start_load / poll on the decode side; holds, deadlines, verification, freeing)
+                   start_load / poll on the decode side; holds, deadlines, freeing)
     process.py     EngineProcess: an AsyncEngine in a child process (tests, benchmarks)
     rank_connector.py  RankKVConnector: the engine's connector when the caches live in rank workers
                    (data_parallel_size > 1): holds, deadlines, pull states, slots, blocks and runs per
                    rank; a hand-over names the prefill rank holding it, a pull goes to the decode rank
                    the DP scheduler's placement picks; one round trip to the ranks a step, after it
     rank_transfer.py   RankTransfer: a rank worker's half: its own NIXL agent over its own caches and
-                   tag array (writes the nonces, posts and polls the READs, reads notifications), and
-                   the RankKVCommands / RankKVReport that cross the executor's ("kv", ...) message
+                   tag array (writes the nonces, steps its pulls through pull.py, reads notifications),
+                   and the RankKVCommands / RankKVReport that cross the executor's ("kv", ...) message
 
 What moves (MODEL.md "the caches"): the window ring rows of the last WINDOW positions of every
 layer (backbone and DSpark blocks), the fp32 compressor carry rows of each unfinished group (n % ratio

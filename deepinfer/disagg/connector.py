@@ -16,9 +16,10 @@ Both:
 A pull runs as a small state machine, one transition per poll, each bounded by the deadline:
 
     ALLOC (wait for a slot and blocks; NOTIFY instead when the first token ends the request)
-      -> CONNECT (peer metadata) -> PULL (READ the runs)
-      -> VERIFY (READ the peer's tag of the slot: the nonce of params? then the blocks were held
-         during the whole PULL) -> notify the peer "free:<id>:<nonce>" -> the scheduler
+      -> PULL, pull.py's machine (the one rank workers run too): CONNECT (peer metadata)
+         -> PULL (READ the runs) -> VERIFY (READ the peer's tag of the slot: the nonce of params?
+         then the blocks were held during the whole PULL) -> notify the peer "free:<id>:<nonce>"
+      -> the scheduler
     any state past the deadline, a READ in ERR, a tag that differs -> the request fails ("error")
 """
 
@@ -33,7 +34,8 @@ import torch
 
 from deepinfer.disagg.layout import CacheLayout
 from deepinfer.disagg.nixl_transport import NixlTransport
-from deepinfer.disagg.params import TRANSIENT_PULL_FAILURE, KVTransferParams
+from deepinfer.disagg.params import KVTransferParams
+from deepinfer.disagg.pull import Pull, Puller, free_msg, parse_frees, pull_job, read_failed, timed_out
 from deepinfer.outputs import ReplayParams, RequestOutput
 from deepinfer.request import InvalidRequestError, Request, RequestStatus
 
@@ -53,8 +55,8 @@ class _Load:
     req: Request
     params: KVTransferParams
     deadline: float
-    state: str = "ALLOC"
-    handle: object = None
+    state: str = "ALLOC"                 # ALLOC | NOTIFY | PULL (pull.state: CONNECT .. DONE) | READY
+    pull: Pull | None = None
     replay: ReplayParams | None = None   # window=False: positions [replay_start, n) are recomputed
     allocated: bool = False
     finish_status: RequestStatus | None = None   # the prefill's token already ends the request
@@ -63,8 +65,8 @@ class _Load:
 
 class HandoverBook:
     """What both connectors (one rank's and rank workers', rank_connector.py) do alike: hand a held request's
-    params over once, and enter a pull after its checks. Needs held, loads, layout, timeout_s and the
-    connector's own pull record type as _load."""
+    params over once, enter a pull after its checks, and count a verified one in. Needs held, loads,
+    layout, timeout_s, stats and the connector's own pull record type as _load."""
 
     def take_params(self, req_id: str) -> dict | None:
         h = self.held.get(req_id)
@@ -85,6 +87,22 @@ class HandoverBook:
         """What a hand-over must agree on with this instance and the request (InvalidRequestError);
         reads only what never changes (any thread)."""
         check_handover(self.layout, rid, params, num_prompt_tokens)
+
+    def _handed_over(self, ld, layout: CacheLayout) -> RequestOutput:
+        """Pulled and verified: the request leaves the connector at position n (or the replay's start)
+        with the prefill's token."""
+        p, rid = ld.params, ld.req.request_id
+        del self.loads[rid]
+        if ld.replay is None:
+            ld.req.num_computed_tokens = p.num_tokens
+            moved = layout.num_bytes(p.num_tokens)
+        else:                                       # the scheduler runs [replay_start, n] first
+            ld.req.num_computed_tokens, ld.req.handover_replay = ld.replay.replay_start, ld.replay
+            moved = layout.num_bytes(ld.replay.hit, window=False)
+            self.stats.inc("kv_transfer_replayed_tokens_total", p.num_tokens - ld.replay.replay_start)
+        self.stats.inc("kv_transfers_total")
+        self.stats.inc("kv_transfer_bytes_total", sum(moved))
+        return RequestOutput(rid, [p.first_token_id], None, ld.req.num_prompt_tokens, 1)
 
 
 class KVConnector(HandoverBook):
@@ -111,6 +129,7 @@ class KVConnector(HandoverBook):
         # peer's tag is read back into (indexed by the local slot)
         self.tags = torch.zeros(kv_cache.num_ring_slots, dtype=torch.int64)
         self.transport.register([(self.tags.data_ptr(), self.tags.numel() * 8, 0, "")], "DRAM")
+        self.puller = Puller(self.transport, self.tags, self.layout.mem_type)
         self.held: dict[str, _Held] = {}
         self.loads: dict[str, _Load] = {}
         self._abandoned: list[tuple[object, str]] = []   # (handle, req_id): READs still landing in blocks
@@ -145,11 +164,9 @@ class KVConnector(HandoverBook):
         self.kv_cache.free(req_id)
 
     def _poll_held(self) -> None:
-        for msg in self.transport.notifications():
-            kind, _, rest = msg.decode(errors="replace").partition(":")
-            rid, _, tag = rest.rpartition(":")
+        for rid, tag in parse_frees(self.transport.notifications()):
             h = self.held.get(rid)
-            if kind == "free" and h is not None and str(h.tag) == tag:
+            if h is not None and str(h.tag) == tag:
                 self._release(rid)
                 self.stats.inc("kv_transfers_total")
         now = time.monotonic()
@@ -161,12 +178,14 @@ class KVConnector(HandoverBook):
     # decode side ---------------------------------------------------------------------------------
     def abort(self, req_id: str) -> RequestOutput:
         ld = self.loads.pop(req_id)
-        self._drop(ld)
         p = ld.params
-        if ld.state != "ALLOC" and self.transport.peer_ready(p.engine_id, p.host, p.port):
+        if ld.pull is not None:
             # the client left mid-pull: the prefill frees its held caches now, not at its deadline
             # (a READ still in flight only lands in our abandoned blocks)
-            self.transport.notify(p.engine_id, f"free:{p.request_id}:{p.tag}".encode())
+            self.puller.stop(ld.pull, "abort")
+        elif ld.state == "NOTIFY" and self.transport.peer_ready(p.engine_id, p.host, p.port):
+            self.transport.notify(p.engine_id, free_msg(p.request_id, p.tag))
+        self._drop(ld)
         ld.req.status = RequestStatus.FINISHED_ABORTED
         return RequestOutput(req_id, [], "abort", ld.req.num_prompt_tokens, 0)
 
@@ -177,8 +196,7 @@ class KVConnector(HandoverBook):
                 out = self._advance(ld)
             except Exception as e:  # noqa: BLE001 - one failed pull fails one request
                 p = ld.params
-                out = self._fail(ld, f"{TRANSIENT_PULL_FAILURE} {p.engine_id} at {p.host}:{p.port} "
-                                     f"failed: {type(e).__name__}: {e}")
+                out = self._fail(ld, read_failed(p.engine_id, p.host, p.port, e))
             if out is not None:
                 outs.append(out)
                 if ld.state == "READY":
@@ -193,62 +211,25 @@ class KVConnector(HandoverBook):
             if ld.finish_status is not None:
                 ld.state = "NOTIFY"
             elif self.kv_cache.allocate_slots(rid, p.num_tokens) is not None:
-                ld.allocated, ld.state = True, "CONNECT"
+                ld.allocated = True
+                ld.replay = self._replay_plan(ld.req, p.num_tokens)
+                ld.pull = Pull(pull_job(rid, p, self.layout, self.kv_cache.ring_slot[rid],
+                                        self.kv_cache.block_ids[rid], ld.replay))
+                ld.state = "PULL"
         if ld.state == "NOTIFY" and (t.peer_ready(p.engine_id, p.host, p.port) or time.monotonic() > ld.deadline):
             return self._finish_at_first_token(ld)
-        if ld.state == "CONNECT" and t.peer_ready(p.engine_id, p.host, p.port):
-            slot = self.kv_cache.ring_slot[rid]
-            ld.replay = self._replay_plan(ld.req, p.num_tokens)
-            n, window = (p.num_tokens, True) if ld.replay is None else (ld.replay.hit, False)
-            local = self.layout.runs(n, slot, self.kv_cache.block_ids[rid], window=window)
-            remote = self.layout.runs(n, p.ring_slot, p.block_ids, p.base_addrs, window=window, dev_id=p.dev_id)
-            if local:
-                ld.handle, ld.state = t.read(p.engine_id, local, remote, self.layout.mem_type), "PULL"
-            else:                                   # a replay of the whole prompt: only the check
-                ld.handle, ld.state = self._read_tag(ld), "VERIFY"
-        if ld.state in ("PULL", "VERIFY"):
-            state = t.state(ld.handle)
-            if state == "ERR":
-                t.forget_peer(p.engine_id)
-                return self._fail(ld, f"{TRANSIENT_PULL_FAILURE} {p.engine_id} at {p.host}:{p.port} failed")
-            if state == "DONE":
-                t.release(ld.handle)
-                ld.handle = None
-                if ld.state == "PULL":
-                    ld.handle, ld.state = self._read_tag(ld), "VERIFY"
-                else:
-                    return self._verified(ld)
+        if ld.state == "PULL":
+            why = self.puller.step(ld.pull)
+            if why is not None:
+                return self._fail(ld, why)
+            if ld.pull.state == "DONE":
+                ld.state = "READY"
+                return self._handed_over(ld, self.layout)
         if time.monotonic() > ld.deadline:
             t.forget_peer(p.engine_id)
-            return self._fail(ld, f"{TRANSIENT_PULL_FAILURE} {p.engine_id} at {p.host}:{p.port} "
-                                  f"timed out after {self.timeout_s:g} s (state {ld.state})")
+            state = ld.state if ld.pull is None else ld.pull.state
+            return self._fail(ld, timed_out(p.engine_id, p.host, p.port, self.timeout_s, state))
         return None
-
-    def _read_tag(self, ld: _Load):
-        """READ the peer's tag of the slot into ours (VERIFY compares it with the params' nonce)."""
-        p, slot = ld.params, self.kv_cache.ring_slot[ld.req.request_id]
-        self.tags[slot] = 0
-        return self.transport.read(p.engine_id, [(self.tags.data_ptr() + 8 * slot, 8, 0)],
-                                   [(p.tag_addr + 8 * p.ring_slot, 8, 0)], "DRAM")
-
-    def _verified(self, ld: _Load) -> RequestOutput:
-        p, rid = ld.params, ld.req.request_id
-        if int(self.tags[self.kv_cache.ring_slot[rid]]) != p.tag:
-            return self._fail(ld, f"the KV blocks of request {p.request_id} no longer exist on prefill "
-                                  f"instance {p.engine_id} (freed after its kv_transfer_timeout_s, or never held)")
-        self.transport.notify(p.engine_id, f"free:{p.request_id}:{p.tag}".encode())
-        del self.loads[rid]
-        ld.state = "READY"
-        if ld.replay is None:
-            ld.req.num_computed_tokens = p.num_tokens
-            moved = self.layout.num_bytes(p.num_tokens)
-        else:                                       # the scheduler runs [replay_start, n] first
-            ld.req.num_computed_tokens, ld.req.handover_replay = ld.replay.replay_start, ld.replay
-            moved = self.layout.num_bytes(ld.replay.hit, window=False)
-            self.stats.inc("kv_transfer_replayed_tokens_total", p.num_tokens - ld.replay.replay_start)
-        self.stats.inc("kv_transfers_total")
-        self.stats.inc("kv_transfer_bytes_total", sum(moved))
-        return RequestOutput(rid, [p.first_token_id], None, ld.req.num_prompt_tokens, 1)
 
     def _replay_plan(self, req: Request, n: int) -> ReplayParams | None:
         return None if self.window else replay_plan(req, n, self.layout.block_tokens, self.replay_tokens)
@@ -262,7 +243,7 @@ class KVConnector(HandoverBook):
         del self.loads[ld.req.request_id]
         ld.req.status = ld.finish_status
         if self.transport.peer_ready(p.engine_id, p.host, p.port):
-            self.transport.notify(p.engine_id, f"free:{p.request_id}:{p.tag}".encode())
+            self.transport.notify(p.engine_id, free_msg(p.request_id, p.tag))
         return RequestOutput(ld.req.request_id, [p.first_token_id], ld.req.finish_reason, ld.req.num_prompt_tokens, 1)
 
     def _fail(self, ld: _Load, error: str) -> RequestOutput:
@@ -276,11 +257,11 @@ class KVConnector(HandoverBook):
 
     def _drop(self, ld: _Load) -> None:
         """Free what a pull holds; blocks a READ may still land in wait until it is over."""
-        if ld.handle is not None and self.transport.state(ld.handle) == "PROC":
-            self._abandoned.append((ld.handle, ld.req.request_id))
-            return
-        if ld.handle is not None:
-            self.transport.release(ld.handle)
+        if ld.pull is not None:
+            self.puller.drop_handle(ld.pull)
+            if ld.pull.handle is not None:
+                self._abandoned.append((ld.pull.handle, ld.req.request_id))
+                return
         if ld.allocated:
             self.kv_cache.free(ld.req.request_id)
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 from deepinfer.disagg.connector import HandoverBook, first_token_finishes, replay_plan
 from deepinfer.disagg.layout import CacheLayout
-from deepinfer.disagg.params import TRANSIENT_PULL_FAILURE, KVTransferParams
-from deepinfer.disagg.rank_transfer import NotifyJob, PullJob, RankKVCommands, RankKVReport
+from deepinfer.disagg.params import KVTransferParams
+from deepinfer.disagg.pull import PullJob, free_msg, pull_job, timed_out
+from deepinfer.disagg.rank_transfer import NotifyJob, RankKVCommands, RankKVReport
 from deepinfer.outputs import ReplayParams, RequestOutput
 from deepinfer.request import Request, RequestStatus
 
@@ -129,7 +130,7 @@ class RankKVConnector(HandoverBook):
                     # any rank's agent can tell the prefill rank to free: rank 0 does
                     ld.state, ld.rank = "NOTIFY", 0
                     self._cmds[0].notifies.append(NotifyJob(rid, p.engine_id, p.host, p.port,
-                                                            f"free:{p.request_id}:{p.tag}".encode()))
+                                                            free_msg(p.request_id, p.tag)))
                 elif (rank := self._place(ld)) is not None:
                     self._cmds[rank].pulls.append(self._pull_job(ld, rank))
                     ld.state, ld.rank = "PULL", rank
@@ -148,14 +149,9 @@ class RankKVConnector(HandoverBook):
 
     def _pull_job(self, ld: _Load, rank: int) -> PullJob:
         p, rid, kv, layout = ld.params, ld.req.request_id, self._kv(rank), self.layouts[rank]
-        slot = kv.ring_slot[rid]
         ld.replay = None if self.window else replay_plan(ld.req, p.num_tokens, layout.block_tokens,
                                                          self.replay_tokens)
-        n, window = (p.num_tokens, True) if ld.replay is None else (ld.replay.hit, False)
-        local = layout.runs(n, slot, kv.block_ids[rid], window=window)
-        remote = layout.runs(n, p.ring_slot, p.block_ids, p.base_addrs, window=window, dev_id=p.dev_id)
-        return PullJob(rid, p.engine_id, p.host, p.port, local, remote, slot, p.tag_addr + 8 * p.ring_slot, p.tag,
-                       p.request_id)
+        return pull_job(rid, p, layout, kv.ring_slot[rid], kv.block_ids[rid], ld.replay)
 
     def _expire(self, ld: _Load) -> RequestOutput:
         rid, p = ld.req.request_id, ld.params
@@ -165,9 +161,7 @@ class RankKVConnector(HandoverBook):
         if ld.state == "PULL":
             self._cmds[ld.rank].cancels.append((rid, "timeout"))
             self.releasing[rid] = ld.rank
-        state = ld.rank_state or ld.state
-        return self._fail(ld, f"{TRANSIENT_PULL_FAILURE} {p.engine_id} at {p.host}:{p.port} "
-                              f"timed out after {self.timeout_s:g} s (state {state})")
+        return self._fail(ld, timed_out(p.engine_id, p.host, p.port, self.timeout_s, ld.rank_state or ld.state))
 
     def _finish_at_first_token(self, ld: _Load) -> RequestOutput:
         del self.loads[ld.req.request_id]
@@ -185,19 +179,9 @@ class RankKVConnector(HandoverBook):
 
     def _pulled(self, ld: _Load) -> RequestOutput:
         """Verified on its rank: the request enters that rank's scheduler at position n (or the replay's start)."""
-        p, rid, layout = ld.params, ld.req.request_id, self.layouts[ld.rank]
-        del self.loads[rid]
-        if ld.replay is None:
-            ld.req.num_computed_tokens = p.num_tokens
-            moved = layout.num_bytes(p.num_tokens)
-        else:                                   # the scheduler runs [replay_start, n] first
-            ld.req.num_computed_tokens, ld.req.handover_replay = ld.replay.replay_start, ld.replay
-            moved = layout.num_bytes(ld.replay.hit, window=False)
-            self.stats.inc("kv_transfer_replayed_tokens_total", p.num_tokens - ld.replay.replay_start)
-        self.stats.inc("kv_transfers_total")
-        self.stats.inc("kv_transfer_bytes_total", sum(moved))
+        out = self._handed_over(ld, self.layouts[ld.rank])
         self.dp.add_request(ld.req, rank=ld.rank)      # its caches are on that rank
-        return RequestOutput(rid, [p.first_token_id], None, ld.req.num_prompt_tokens, 1)
+        return out
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """The ranks are gone (EngineDeadError): every pull fails; nothing is left to free."""

@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation on rank workers (data_parallel_size > 1): the rank's half.
 
 A rank's caches live in its worker process, and only the process that owns memory can register it
-with NIXL, so each rank worker runs its own NIXL agent over its own caches and tag array; the engine
-keeps the bookkeeping (rank_connector.py). They meet once per engine step, while any hold, pull or
+with NIXL, so each rank worker runs its own NIXL agent over its own caches and tag array (the pulls
+step through pull.py's state machine, as the one-rank connector's do); the engine keeps the
+bookkeeping (rank_connector.py). They meet once per engine step, while any hold, pull or
 release is open, in one ("kv", RankKVCommands) -> ("kv", RankKVReport) round trip per rank
 (executor.kv_transfer; the pattern of image_ahead.py):
 
@@ -25,35 +26,13 @@ in the round trip that ends the engine step which finished the request, before i
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer.disagg.layout import CacheLayout
 from deepinfer.disagg.nixl_transport import NixlTransport
-from deepinfer.disagg.params import TRANSIENT_PULL_FAILURE
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PullJob:
-    """One request's pull on the rank that got it (the runs pair up one to one)."""
-    req_id: str
-    peer: str                                 # the prefill rank's agent name (KVTransferParams.engine_id)
-    host: str
-    port: int
-    local_runs: list[tuple[int, int, int]]    # (address, bytes, device id) in this rank's caches
-    remote_runs: list[tuple[int, int, int]]   # the same runs in the prefill rank's caches
-    local_slot: int                           # this request's ring slot here (its tag is read into it)
-    remote_tag_addr: int                      # the prefill's tag of the request's slot
-    tag: int                                  # the nonce that tag must still hold after the READ
-    peer_req_id: str                          # the request's id on the prefill instance
-
-    @property
-    def free_msg(self) -> bytes:
-        return f"free:{self.peer_req_id}:{self.tag}".encode()
+from deepinfer.disagg.pull import Pull, Puller, PullJob, parse_frees
 
 
 @dataclass
@@ -89,13 +68,6 @@ class RankKVReport:
     states: dict[str, str] = field(default_factory=dict)    # decode: open pulls -> CONNECT | PULL | VERIFY
 
 
-@dataclass
-class _Pull:
-    job: PullJob
-    state: str = "CONNECT"
-    handle: object = None
-
-
 class RankTransfer:
     def __init__(self, role: str, caches, num_ring_slots: int, host: str, port: int, rank: int) -> None:
         self.layout = CacheLayout(caches)
@@ -105,8 +77,9 @@ class RankTransfer:
         # prefill: tags[slot] = nonce while held (0 = free); decode: where a peer's tag is read back into
         self.tags = torch.zeros(num_ring_slots, dtype=torch.int64)
         self.transport.register([(self.tags.data_ptr(), self.tags.numel() * 8, 0, "")], "DRAM")
+        self.puller = Puller(self.transport, self.tags, self.layout.mem_type)
         self.held: dict[str, tuple[int, int]] = {}        # prefill: req_id -> (ring slot, nonce)
-        self.pulls: dict[str, _Pull] = {}
+        self.pulls: dict[str, Pull] = {}
         self.notifies: dict[str, NotifyJob] = {}
         self.abandoned: dict[str, object] = {}            # req_id -> READ still landing in its blocks
 
@@ -126,7 +99,7 @@ class RankTransfer:
         self._read_notifications(rep)
         for rid, why in cmds.cancels:
             self._cancel(rid, why, rep)
-        self.pulls.update((j.req_id, _Pull(j)) for j in cmds.pulls)
+        self.pulls.update((j.req_id, Pull(j)) for j in cmds.pulls)
         self.notifies.update((j.req_id, j) for j in cmds.notifies)
         for rid, pull in list(self.pulls.items()):
             self._step(pull, rep)
@@ -136,24 +109,18 @@ class RankTransfer:
 
     # prefill -------------------------------------------------------------------------------------
     def _read_notifications(self, rep: RankKVReport) -> None:
-        for msg in self.transport.notifications():
-            kind, _, rest = msg.decode(errors="replace").partition(":")
-            rid, _, tag = rest.rpartition(":")
+        for rid, tag in parse_frees(self.transport.notifications()):
             h = self.held.get(rid)
-            if kind == "free" and h is not None and str(h[1]) == tag:
+            if h is not None and str(h[1]) == tag:
                 del self.held[rid]
                 self.tags[h[0]] = 0
                 rep.freed.append(rid)
 
     # decode --------------------------------------------------------------------------------------
-    def _step(self, pull: _Pull, rep: RankKVReport) -> None:
-        """One transition of a pull (connector.KVConnector._advance's CONNECT .. VERIFY, on this rank)."""
+    def _step(self, pull: Pull, rep: RankKVReport) -> None:
+        """One transition of a pull (pull.py), what came of it into the report."""
         j = pull.job
-        try:
-            why = self._advance(pull)
-        except Exception as e:  # noqa: BLE001 - one failed pull fails one request
-            why = f"{TRANSIENT_PULL_FAILURE} {j.peer} at {j.host}:{j.port} failed: {type(e).__name__}: {e}"
-            self._drop_handle(pull)
+        why = self.puller.step(pull)
         if why is not None:
             del self.pulls[j.req_id]
             rep.failed[j.req_id] = why
@@ -166,44 +133,6 @@ class RankTransfer:
         else:
             rep.states[j.req_id] = pull.state
 
-    def _advance(self, pull: _Pull) -> str | None:
-        """-> why the pull failed, or None."""
-        j, t = pull.job, self.transport
-        if pull.state == "CONNECT" and t.peer_ready(j.peer, j.host, j.port):
-            if j.local_runs:
-                pull.handle, pull.state = t.read(j.peer, j.local_runs, j.remote_runs, self.layout.mem_type), "PULL"
-            else:                                   # a replay of the whole prompt: only the check
-                pull.handle, pull.state = self._read_tag(j), "VERIFY"
-        if pull.state in ("PULL", "VERIFY"):
-            state = t.state(pull.handle)
-            if state == "ERR":
-                t.forget_peer(j.peer)
-                self._drop_handle(pull)
-                return f"{TRANSIENT_PULL_FAILURE} {j.peer} at {j.host}:{j.port} failed"
-            if state == "DONE":
-                t.release(pull.handle)
-                pull.handle = None
-                if pull.state == "PULL":
-                    pull.handle, pull.state = self._read_tag(j), "VERIFY"
-                elif int(self.tags[j.local_slot]) != j.tag:
-                    return (f"the KV blocks of request {j.peer_req_id} no longer exist on prefill instance "
-                            f"{j.peer} (freed after its kv_transfer_timeout_s, or never held)")
-                else:
-                    t.notify(j.peer, j.free_msg)
-                    pull.state = "DONE"
-        return None
-
-    def _read_tag(self, j: PullJob):
-        self.tags[j.local_slot] = 0
-        return self.transport.read(j.peer, [(self.tags.data_ptr() + 8 * j.local_slot, 8, 0)],
-                                   [(j.remote_tag_addr, 8, 0)], "DRAM")
-
-    def _drop_handle(self, pull: _Pull) -> None:
-        """Release a finished handle; one still in flight stays in pull.handle (abandoned by the caller)."""
-        if pull.handle is not None and self.transport.state(pull.handle) != "PROC":
-            self.transport.release(pull.handle)
-            pull.handle = None
-
     def _cancel(self, rid: str, why: str, rep: RankKVReport) -> None:
         """Stop a pull (abort: tell the peer to free now; timeout: ask for its metadata afresh next time)
         or a notification; a pull's blocks are the engine's again once no READ can land in them."""
@@ -213,12 +142,7 @@ class RankTransfer:
         if pull is None:
             rep.released.append(rid)
             return
-        j, t = pull.job, self.transport
-        if why == "abort" and t.peer_ready(j.peer, j.host, j.port):
-            t.notify(j.peer, j.free_msg)            # the prefill frees now, not at its deadline
-        elif why == "timeout":
-            t.forget_peer(j.peer)
-        self._drop_handle(pull)
+        self.puller.stop(pull, why)
         if pull.handle is not None:
             self.abandoned[rid] = pull.handle
         else:
