@@ -147,8 +147,8 @@ def w4a8_masked_kernel(a_ptr, sa_ptr, w_ptr, s_ptr, e_ptr, c_ptr, mm_ptr,
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     # the row's table offsets: T = k * STEP + (T0 - E * STEP)
     e_row = tl.load(e_ptr + g64 * N + rn, mask=n_ok, other=127)
-    r_lo = (_LO0 - e_row * _LO_STEP)[:, None]
-    r_hi = (_HI0 - e_row * _HI_STEP)[:, None]
+    r_lo = (e_row * (-_LO_STEP) + _LO0)[:, None]
+    r_hi = (e_row * (-_HI_STEP) + _HI0)[:, None]
     # logical k = 16 h + b of a slice reads physical 16 (b // 8) + b % 8 + 8 h: 8-byte chunks 1 and 2 swapped
     r32 = tl.arange(0, 32)
     xk = (r32 % 8) + 8 * ((r32 // 8) % 2) * 2 + 8 * (r32 // 16)
@@ -264,17 +264,19 @@ def w4a8_decline_reason(packed_k: torch.Tensor, scale: torch.Tensor, device=None
 
 
 def w4a8_config(expected_m: int, n: int, k: int, groups: int, device) -> dict:
-    """Swapped tiles as W4A16's (BN 64, BK 128 where K allows), a token tile of the next power of two of
-    expected_m (16..128), split-K where the (N, G) grid leaves SMs idle."""
+    """Swapped tiles: 128 weight rows (two m64 wgmmas a warpgroup: the per-slice wgmma fence, arrive / wait
+    and descriptors shared by twice the weights; sm_90a K loop 3.6 SASS instructions a weight against 5.0 at
+    BN 64), BK 128 where K allows, a token tile of the next power of two of expected_m (16..64; 8 warps at
+    64 tokens; a busier expert takes more tiles), split-K where the (N, G) grid leaves SMs idle."""
     bk = 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
-    bm = min(128, max(16, triton.next_power_of_2(max(1, expected_m))))
-    bn = 64
+    bm = min(64, max(16, triton.next_power_of_2(max(1, expected_m))))     # 128 tokens spill (255 registers)
+    bn = 128
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     tiles = triton.cdiv(n, bn) * groups
     split = 1
     if tiles < 2 * sms:
         split = max(1, min(2 * sms // tiles, (k // bk) // 4, 16))
-    return dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, NUM_STAGES=3, num_warps=8 if bm >= 128 else 4)
+    return dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, NUM_STAGES=3, num_warps=8 if bm >= 64 else 4)
 
 
 def w4a8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, packed_k: torch.Tensor, scale: torch.Tensor,
