@@ -132,6 +132,29 @@ def test_decline_reason_cached_per_stack():
     assert tw.w4a8_decline_reason(pk[:, :, :40].contiguous(), sk) is not None
 
 
+# ------------------------------------------------------------------------------------------ select's wiring
+def test_select_w4a8_off_by_default_and_reference(monkeypatch):
+    """DEEPINFER_W4A8 defaults off (W4A16 keeps FP4 stacks); on a CPU the op runs the reference, which equals
+    the FP8 masked reference on an FP8 stack of the same weights."""
+    from deepinfer.kernels import reference as R
+    from deepinfer.kernels import select
+    from deepinfer.kernels.fp4_layout import fp4_release_layout
+    a, sat, pk, sk, w, x = _case(2, 8, 64, 128, seed=5)
+    assert select.W4A8 == os.environ.get("DEEPINFER_W4A8", "0")
+    xb = x.bfloat16()
+    monkeypatch.setattr(select, "W4A8", "0")
+    assert not select.masked_moe_w4a8_takes(xb, pk, sk, pk, sk)
+    monkeypatch.setattr(select, "W4A8", "1")
+    assert not select.masked_moe_w4a8_takes(xb, pk, sk, pk, sk)          # a CPU tensor: no fast path
+    mm = torch.tensor([8, 5], dtype=torch.int32)
+    y = select.w4a8_masked_moe_gemm(a, sat, pk, sk, mm, 4)
+    rows = [select.row_scaled_fp8_weight(*select.fp4_to_fp8_weight(fp4_release_layout(pk[g]), sk[g])) for g in range(2)]
+    w8 = torch.stack([r[0] for r in rows])
+    r8 = torch.stack([r[1] for r in rows])
+    ref = R.fp8_masked_moe_gemm_ref(a, sat, w8, r8, mm)
+    assert torch.equal(y, ref)
+
+
 # ------------------------------------------------------------------------------------------ the PTX, emulated
 def _prmt(a, b, sel):
     """prmt.b32 default mode: byte i of the result = byte (sel >> 4i) & 7 of {b, a}, sign-replicated if & 8."""
