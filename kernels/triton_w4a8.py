@@ -200,7 +200,8 @@ def _block_bytes(scale: torch.Tensor, packed_k: torch.Tensor) -> tuple[torch.Ten
     return scale.view(torch.uint8).to(torch.int32), live
 
 
-def w4a8_row_bases(packed_k: torch.Tensor, scale: torch.Tensor, chunk: int = 4) -> tuple[torch.Tensor | None, str | None]:
+def w4a8_row_bases(packed_k: torch.Tensor, scale: torch.Tensor, chunk: int = 4
+                   ) -> tuple[torch.Tensor | None, str | None]:
     """(E int32 [G, N]: each row's base exponent byte, max over its live blocks of k - D_MAX (127 for a row
     with none), None) where every live block's d = k - E is in [D_MIN, D_MAX] and E >= 1, else (None, the rule
     broken, with the first offending row). A pass over the stack (chunks of `chunk` experts)."""

@@ -245,7 +245,8 @@ def test_sm90_k_loop_cheaper_than_w4a16(n, k, em):
         torch.zeros(g, c, k).bfloat16(), pk, sk, mm, em))
     per8, per16 = r8["sass"] / w8, r16["sass"] / w16
     print(f"\nN {n} K {k} m {em}: W4A8 {r8['sass']} SASS / {w8} weights = {per8:.2f} a weight, {r8['regs']} regs, "
-          f"spill {r8['spill']}; W4A16 {r16['sass']} / {w16} = {per16:.2f}, {r16['regs']} regs; ops {dict(r8['sass_ops'])}")
+          f"spill {r8['spill']}; W4A16 {r16['sass']} / {w16} = {per16:.2f}, {r16['regs']} regs; "
+          f"ops {dict(r8['sass_ops'])}")
     assert r8["spill"] == 0 and r8["ldg.loop"] == 0
     assert per8 < per16, (per8, per16)
 
