@@ -52,6 +52,8 @@ Knobs (environment, read once):
                                  bf16-held Linear keeps for such calls (EngineArgs.dense_weights="bf16+fp8")
     DEEPINFER_MOE_CONTIGUOUS=1   MoE steps past the masked form (prefill) in the grouped contiguous form
                                  on the W8A16 kernel (triton_moe_contiguous; default: MOE_CONTIGUOUS_DEFAULT)
+    DEEPINFER_W4A8=1             FP4 stacks' masked MoE (decode) on W4A8 (triton_w4a8: FP8 slabs x the packed
+                                 bytes decoded to e4m3) where its decline reason is None, else W4A16 (default 0)
     Shape rules: a fast path whose rules a call breaks takes the next path (the torch reference) and
     logs one line per (op, rule) (_fast_for; declined() lists them), so any valid config runs.
     TRITON_INTERPRET=1           with DEEPINFER_KERNELS=fast set explicitly, CPU tensors take the fast paths too,
@@ -121,6 +123,10 @@ BF16_MOE_MIN_ROWS = int(os.environ.get("DEEPINFER_BF16_MOE_MIN_ROWS", "16384"))
 # the dequant path at 64 rows an expert, 1.70-1.75x at 256 (a 2,048-token chunk), 0.92-0.93x at 1,024 (1 x
 # 8k); whole chunked prefill 822.1 -> 653.8-726.5 ms. 0: always dequantize
 FP4_W4A16_MAX_ROWS_PER_EXPERT = int(os.environ.get("DEEPINFER_FP4_W4A16_MAX_ROWS_PER_EXPERT", "640"))
+# FP4 stacks' masked MoE (decode) on W4A8 (triton_w4a8: FP8 activation slabs x the packed bytes decoded to e4m3 in
+# the K loop) instead of W4A16, where triton_w4a8.w4a8_decline_reason takes both stacks: "1" on, "0" off (default;
+# not measured on a GPU yet)
+W4A8 = os.environ.get("DEEPINFER_W4A8", "0")
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # auto: the CUDA FP8 x FP8 kernel takes dense FP8 linears from this many rows (H200, 2026-12-02,
@@ -949,6 +955,37 @@ def masked_moe_fp8_takes(x: torch.Tensor, w13: torch.Tensor, r13, w2: torch.Tens
     if reason is None and x.shape[0] % 4:                      # the slabs' capacity C is the step's tokens
         reason = cuda_fp8_decode.MASKED_SLAB_RULE
     return _fast_for(x, "fp8_masked_moe_gemm", reason is None, reason or "", then="W8A16 (grouped_fp8_linear_masked)")
+
+
+def masked_moe_w4a8_takes(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor,
+                          s2: torch.Tensor) -> bool:
+    """The masked MoE on FP4 stacks runs on W4A8 (moe_dispatch / moe_swiglu_quant with fp8=True, then
+    w4a8_masked_moe_gemm): DEEPINFER_W4A8=1, FP4 stacks (uint8), a bf16 tensor on the fast path, not batch-invariant
+    mode, and triton_w4a8.w4a8_decline_reason None for both stacks (each row's block scales within the e4m3 range
+    of one base; checked once per stack and cached), slabs of C % 4 == 0 rows; logged once per rule where not."""
+    if W4A8 != "1" or w13.dtype != torch.uint8 or x.dtype != torch.bfloat16 or _batch_invariant() or not use_fast(x):
+        return False
+    from . import triton_w4a8
+    reason = triton_w4a8.w4a8_decline_reason(w13, s13, x.device) or triton_w4a8.w4a8_decline_reason(w2, s2, x.device)
+    if reason is None and x.shape[0] % 4:                      # the slabs' scale columns (moe_dispatch's layout)
+        reason = "slab rows per expert (C, the step's tokens) a multiple of 4"
+    return _fast_for(x, "w4a8_masked_moe_gemm", reason is None, reason or "", then="W4A16 (grouped_fp8_linear_masked)")
+
+
+def w4a8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         masked_m: torch.Tensor, expected_m: int) -> torch.Tensor:
+    """[G, C, K] e4m3 slab (+ transposed scales) x FP4 stack (fp4_kernel_layout bytes, E8M0 [G, N, K/32]) -> [G, C, N]
+    bf16: triton_w4a8.w4a8_masked_moe_gemm on the fast path (where masked_moe_w4a8_takes), else the FP8 reference
+    on the same values (rows past masked_m zero there, unset on the GPU)."""
+    if use_fast(a):
+        from .triton_w4a8 import w4a8_masked_moe_gemm as fast
+        return fast(a, sa_t, w, w_scale, masked_m, expected_m)
+    G, C, K = a.shape
+    s = sa_t[:, :G * C].T.reshape(G, C, K // 32).repeat_interleave(32, dim=-1)
+    wd = torch.stack([_fp4_dense(w[i], w_scale[i]) for i in range(G)])
+    out = torch.bmm(a.float() * s, wd.transpose(1, 2)).to(torch.bfloat16)
+    live = torch.arange(C, device=a.device)[None, :] < masked_m.to(a.device).long()[:, None]
+    return torch.where(live[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def fp8_masked_moe_gemm(a: torch.Tensor, sa_t: torch.Tensor, w: torch.Tensor, w_rows: torch.Tensor,

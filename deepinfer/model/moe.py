@@ -409,6 +409,12 @@ class MoE(nn.Module):
             gu = ops.fp8_masked_moe_gemm(xq, sx, st.w13, st.r13, counts, expected_m)
             hq, sh = ops.moe_swiglu_quant(gu, slot, weights, ex.limit, inter, fp8=True)
             return ops.fp8_masked_moe_gemm(hq, sh, st.w2, st.r2, counts, expected_m), slot
+        if st.fp4 and ops.masked_moe_w4a8_takes(x, st.w13, st.s13, st.w2, st.s2):
+            # W4A8 on the FP4 stacks (DEEPINFER_W4A8=1): the same FP8 slabs, the packed bytes decoded to e4m3
+            xq, sx = ops.moe_dispatch(x, slot, K, E, fp8=True)                  # [E, C, d] e4m3
+            gu = ops.w4a8_masked_moe_gemm(xq, sx, st.w13, st.s13, counts, expected_m)
+            hq, sh = ops.moe_swiglu_quant(gu, slot, weights, ex.limit, inter, fp8=True)
+            return ops.w4a8_masked_moe_gemm(hq, sh, st.w2, st.s2, counts, expected_m), slot
         xp = ops.moe_dispatch(x, slot, K, E)                                    # [E, C, d]
         w13, s13, w2, s2 = st.masked_weights()
         gu = ops.grouped_fp8_linear_masked(xp, w13, s13, counts, expected_m)    # [E, C, 2 inter]

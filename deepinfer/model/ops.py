@@ -43,6 +43,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     index_topk,
     linear_fp32,
     masked_moe_fp8_takes,
+    masked_moe_w4a8_takes,
     moe_combine,
     moe_dispatch,
     moe_route,
@@ -61,5 +62,6 @@ from deepinfer.kernels.select import (  # noqa: F401
     sparse_prefill_gathers,
     swiglu_quant,
     topk_block_mask,
+    w4a8_masked_moe_gemm,
     window_pool,
 )
