@@ -211,7 +211,8 @@ def test_dense_weights_bf16_matches_fp8_on_cuda(tiny_engine_args):
 
 
 @pytest.mark.gpu
-def test_auto_dense_weights_keep_the_tables_copies_on_cuda(tiny_engine_args, tmp_path, monkeypatch):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_auto_dense_weights_keep_the_tables_copies_on_cuda(tiny_engine_args, tmp_path, monkeypatch, eager):
     """dense_weights="auto" on CUDA: bf16 dense weights plus the FP8 decode copies of the linears this GPU model's
     decode table says pay (here a table naming only wq_b's shape), and the logits of bf16 alone to rounding
     noise (the copies' calls run the FP8 decode GEMM where it takes the shape, the bf16 path elsewhere)."""
@@ -238,7 +239,7 @@ def test_auto_dense_weights_keep_the_tables_copies_on_cuda(tiny_engine_args, tmp
     res = {}
     try:
         for w in ("bf16", "auto"):
-            llm = LLM(**{**tiny_engine_args, "device": "cuda", "dense_weights": w})
+            llm = LLM(**{**tiny_engine_args, "device": "cuda", "dense_weights": w, "enforce_eager": eager})
             copied = {name for name, mod in llm.engine.model.named_modules()
                       if isinstance(mod, Linear) and mod.fp8_decode is not None}
             wq_b = {name for name, _ in llm.engine.model.named_modules() if name.endswith(".attn.wq_b")}
