@@ -35,6 +35,19 @@ def routed_counts(T: int, E: int, gen: torch.Generator) -> torch.Tensor:
     return torch.bincount(picks.flatten(), minlength=E).to(torch.int32)
 
 
+def step_inputs(T: int, e: int, k: int, gen: torch.Generator):
+    """One decode step's slabs over e experts: (counts [e] int32 on the GPU, the expected tokens an expert, the
+    FP8 slab q [e, T, k] with its transposed per-32 scales s, the same values in bf16 xf [e, T, k])."""
+    from deepinfer.kernels.triton_quant import act_quant_fp8
+    counts = routed_counts(T, e, gen).cuda()
+    expected = -(-T * TOPK // e)
+    x = torch.randn(e, T, k, device="cuda").bfloat16()
+    q, s = act_quant_fp8(x.view(e * T, k), scales_ld=-(-e * T // 4) * 4)
+    q = q.view(e, T, k)
+    xf = (q.float().view(e * T, k) * s[:, :e * T].T.repeat_interleave(32, 1)).bfloat16().view(e, T, k)
+    return counts, expected, q, s, xf
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 256])
@@ -46,7 +59,6 @@ def main() -> None:
         p.error("--write-table needs --forms all")
     from deepinfer.kernels import cuda_fp8_decode as cfd
     from deepinfer.kernels import triton_gemm as tg
-    from deepinfer.kernels.triton_quant import act_quant_fp8
 
     ceil = measure_ceilings()
     bw = ceil["copy_bw"]
@@ -61,12 +73,7 @@ def main() -> None:
         r = r.float().contiguous()
         e = a.experts
         for T in a.tokens:
-            counts = routed_counts(T, e, gen).cuda()
-            expected = -(-T * TOPK // e)
-            x = torch.randn(e, T, k, device="cuda").bfloat16()
-            q, s = act_quant_fp8(x.view(e * T, k), scales_ld=-(-e * T // 4) * 4)
-            q = q.view(e, T, k)
-            xf = (q.float().view(e * T, k) * s[:, :e * T].T.repeat_interleave(32, 1)).bfloat16().view(e, T, k)
+            counts, expected, q, s, xf = step_inputs(T, e, k, gen)
             forms = {"w8a16": lambda: tg.w8a16_grouped_gemm_masked(xf, w8, r, counts, expected),
                      "fp8": lambda: cfd.fp8_masked_moe_gemm(q, s, w8, r, counts, expected)}
             if a.forms == "all":

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_fp4_experts import PROJ, expert_stacks  # noqa: E402
-from bench_moe_decode import TOPK, routed_counts  # noqa: E402
+from bench_moe_decode import step_inputs  # noqa: E402
 from benchutil import gpu_model, measure_ceilings, out_dir, plot_per_proj, save_json, time_calls  # noqa: E402
 
 
@@ -38,7 +38,6 @@ def main() -> None:
     from deepinfer.kernels import cuda_fp8_decode as cfd
     from deepinfer.kernels import triton_gemm as tg
     from deepinfer.kernels import triton_w4a8 as tw
-    from deepinfer.kernels.triton_quant import act_quant_fp8
 
     ceil = measure_ceilings()
     bw = ceil["copy_bw"]
@@ -56,12 +55,7 @@ def main() -> None:
         r = r.float().contiguous()
         e = a.experts
         for T in a.tokens:
-            counts = routed_counts(T, e, gen).cuda()
-            expected = -(-T * TOPK // e)
-            x = torch.randn(e, T, k, device="cuda").bfloat16()
-            q, s = act_quant_fp8(x.view(e * T, k), scales_ld=-(-e * T // 4) * 4)
-            q = q.view(e, T, k)
-            xf = (q.float().view(e * T, k) * s[:, :e * T].T.repeat_interleave(32, 1)).bfloat16().view(e, T, k)
+            counts, expected, q, s, xf = step_inputs(T, e, k, gen)
             forms = {"w4a16": lambda: tg.w4a16_grouped_gemm_masked(xf, pk, sk, counts, expected),
                      "w4a8": lambda: tw.w4a8_masked_moe_gemm(q, s, pk, sk, counts, expected),
                      "fp8": lambda: cfd.fp8_masked_moe_gemm(q, s, w8, r, counts, expected)}
