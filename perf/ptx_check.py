@@ -166,18 +166,24 @@ class _Recorder:
         return launch
 
 
-def record(builder, cfg):
-    """The kernel launches one entry-point call makes (kernels swapped for recorders)."""
+def record_launches(module, names, call) -> list:
+    """[(kernel, grid, args, kwargs)] of the launches call() makes of module's kernels `names` (swapped for
+    recorders while it runs, nothing launched)."""
     calls: list = []
-    saved = {n: getattr(tg, n) for n in KERNEL_NAMES}
+    saved = {n: getattr(module, n) for n in names}
     try:
         for n, fn in saved.items():
-            setattr(tg, n, _Recorder(fn, calls))
-        builder(cfg)
+            setattr(module, n, _Recorder(fn, calls))
+        call()
     finally:
         for n, fn in saved.items():
-            setattr(tg, n, fn)
+            setattr(module, n, fn)
     return calls
+
+
+def record(builder, cfg):
+    """The kernel launches one entry-point call makes (kernels swapped for recorders)."""
+    return record_launches(tg, KERNEL_NAMES, lambda: builder(cfg))
 
 
 # ---------------------------------------------------------------------------------------------- compile

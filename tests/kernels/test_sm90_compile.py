@@ -21,14 +21,7 @@ import ptx_check  # noqa: E402
 
 def _compile(module, names, call):
     """Run call() with module's kernels `names` recorded, then compile each recorded launch for sm_90a."""
-    calls, saved = [], {n: getattr(module, n) for n in names}
-    try:
-        for n, fn in saved.items():
-            setattr(module, n, ptx_check._Recorder(fn, calls))
-        call()
-    finally:
-        for n, fn in saved.items():
-            setattr(module, n, fn)
+    calls = ptx_check.record_launches(module, names, call)
     assert calls, names
     for fn, _grid, args, kw in calls:
         kw = dict(kw)

@@ -209,15 +209,7 @@ def test_decode_ptx_emulated():
 def _sm90_loop(fn_module, names, call):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
     import ptx_check
-    calls, saved = [], {n: getattr(fn_module, n) for n in names}
-    try:
-        for n, fn in saved.items():
-            setattr(fn_module, n, ptx_check._Recorder(fn, calls))
-        call()
-    finally:
-        for n, fn in saved.items():
-            setattr(fn_module, n, fn)
-    fn, _grid, args, kw = calls[0]
+    fn, _grid, args, kw = ptx_check.record_launches(fn_module, names, call)[0]
     kernel = ptx_check.compile_call(fn, args, kw)
     r = ptx_check.analyze(kernel)
     weights = kw["BN"] * kw["BK"] // (32 * kw["num_warps"])          # weights a thread decodes per K step
