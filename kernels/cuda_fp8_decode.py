@@ -163,9 +163,14 @@ def plan(m: int, n: int, k: int, sms: int, rb: int | None = None) -> tuple[str, 
         rb = rb or (2 if bt <= 64 else 1)
         name = entry_name(bt, rb) if entry_name(bt, rb) in FORMS else entry_name(bt, 1)
     tiles = -(-n // (64 * CONSUMERS * FORMS[name][1])) * -(-m // bt)
+    return name, min(split_counts(k), key=lambda s: split_cost(s, tiles, m, k, sms))
+
+
+def split_counts(k: int) -> list[int]:
+    """The K split counts a call of K may take: each split at least two 128-K stages (up to SPLIT_MAX), none
+    empty (a count whose last split would be empty is the count of its stage runs instead)."""
     nkb = -(-k // BK)
-    counts = {-(-nkb // -(-nkb // s)) for s in range(1, max(1, min(nkb // 2, SPLIT_MAX)) + 1)}   # none empty
-    return name, min(sorted(counts), key=lambda s: split_cost(s, tiles, m, k, sms))
+    return sorted({-(-nkb // -(-nkb // s)) for s in range(1, max(1, min(nkb // 2, SPLIT_MAX)) + 1)})
 
 
 def split_cost(s: int, tiles: int, m: int, k: int, sms: int) -> float:

@@ -5,12 +5,13 @@ select.dense_linear; the FP8 weight on select.fp8_linear's W8A16 / Triton FP8 ke
 measured in the same run. Each path includes its activation quantization; every timing is a CUDA-graph replay
 over rotating weight copies (each set at least 4x the L2).
 
-    python perf/bench_fp8_decode.py [--m 1 16 32 64 128] [--forms [--write-table]] [--breakdown] [--only w13 w2]
+    python perf/bench_fp8_decode.py [--m 1 16 32 64 128] [--forms [--all-splits] [--write-table]] [--breakdown]
+                                    [--only w13 w2]
 
 Prints per (linear, M): microseconds, the share of the copy bandwidth on the FP8 weight bytes, and the decode
 kernel's speed as a ratio to DeepGEMM and to the bf16-held path (and the decode path without programmatic
 dependent launch beside it); --forms also times every row-block form
-and a few split counts. Writes bench_fp8_decode.json and fp8_decode_<gpu>.png ($OUT or perf/results/).
+and a few split counts (--all-splits: every split count the call may take). Writes bench_fp8_decode.json and fp8_decode_<gpu>.png ($OUT or perf/results/).
 --write-table (with --forms): kernels/fp8_decode_table.json, which select reads on the GPU model it names: per
 (N, K, measured M) the best form and split count and the times of the paths it would replace (a call takes the
 row of the smallest measured M at or above its own; the kernel only where it won by cuda_fp8_decode.WIN_MARGIN).
@@ -86,9 +87,11 @@ def table_off():
         cuda_fp8_decode.reload_table()
 
 
-def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: bool = False) -> list[dict]:
+def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: bool = False,
+             all_splits: bool = False) -> list[dict]:
     from deepinfer.kernels import deepgemm, select
-    from deepinfer.kernels.cuda_fp8_decode import FORMS, form_for, fp8_decode_linear, kernel_scales, token_tile
+    from deepinfer.kernels.cuda_fp8_decode import (FORMS, form_for, fp8_decode_linear, kernel_scales, split_counts,
+                                                   token_tile)
     from deepinfer.kernels.triton_dequant import dequant_fp8_bf16
     from deepinfer.kernels.triton_quant import act_quant
     nbytes = n * k * (1 + 1 / 1024)
@@ -118,7 +121,7 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: 
             for name_f in FORMS:
                 if FORMS[name_f][0] != bt:
                     continue
-                for sp in sorted({1, max(1, splits // 2), splits, 2 * splits}):
+                for sp in split_counts(k) if all_splits else sorted({1, max(1, splits // 2), splits, 2 * splits}):
                     key = f"{name_f[len('fp8_decode_sm90_'):]}/s{sp}"
                     r[f"form {key}_us"] = time_calls([lambda w=w, s=s: fp8_decode_linear(x, w, s, name_f, sp)
                                                       for w, s in ws]) * 1e6
@@ -231,6 +234,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     p.add_argument("--forms", action="store_true", help="also every row-block form and split counts")
+    p.add_argument("--all-splits", action="store_true", help="(with --forms) every split count, not four")
     p.add_argument("--breakdown", action="store_true", help="also time each part of a call alone (quant, GEMM, reduce)")
     p.add_argument("--only", nargs="+", default=None, help="only these linears (names of DECODE_SHAPES)")
     p.add_argument("--write-table", action="store_true", help="(with --forms) write kernels/fp8_decode_table.json")
@@ -248,7 +252,7 @@ def main() -> None:
     rows = []
     for name, (n, k) in DECODE_SHAPES.items():
         if a.only is None or name in a.only:
-            rows += rows_for(name, n, k, a.m, peaks["copy_bw"], a.forms, a.breakdown)
+            rows += rows_for(name, n, k, a.m, peaks["copy_bw"], a.forms, a.breakdown, a.all_splits)
     save_json("bench_fp8_decode", {"peaks": peaks, "rows": rows})
     if a.write_table:
         write_table(rows, torch.cuda.get_device_name(0))
