@@ -295,7 +295,7 @@ def main() -> None:
         for B in a.profile_graph:
             with torch.inference_mode():
                 profile_graph(decode_step(model, caches, B, a.ctx, max_len, block_tokens), f"batch {B}",
-                              top=a.profile_top)
+                              top=a.profile_top, save=os.path.join(out_dir(), f"graph_profile_b{B}.json"))
 
 
 class use_moe_path:

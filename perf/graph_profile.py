@@ -87,9 +87,11 @@ def capture(fn) -> "torch.cuda.CUDAGraph":
     return g
 
 
-def profile_graph(fn, label: str = "", replays: int = 3, top: int = 40) -> dict:
+def profile_graph(fn, label: str = "", replays: int = 3, top: int = 40, save: str | None = None) -> dict:
     """Capture fn in a CUDA graph, profile `replays` replays (a synchronize between them) and print the middle
-    replay's span, busy and idle time and its top kernels by time with their exposed time."""
+    replay's span, busy and idle time and its top kernels by time with their exposed time. save: a JSON path
+    for the middle replay's kernels in launch order ((start, end) us from its first kernel, name, stream), for
+    reading its critical path offline."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -101,9 +103,11 @@ def profile_graph(fn, label: str = "", replays: int = 3, top: int = 40) -> dict:
         for _ in range(replays):
             g.replay()
             torch.cuda.synchronize()
-    kernels = [(ev.time_range.start, ev.time_range.end, ev.name[:90]) for ev in prof.events()
-               if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start
-               and not ev.name.startswith(("Memcpy", "Memset"))]
+    events = [ev for ev in prof.events() if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start
+              and not ev.name.startswith(("Memcpy", "Memset"))]
+    kernels = [(ev.time_range.start, ev.time_range.end, ev.name[:90]) for ev in events]
+    streams = {(ev.time_range.start, ev.time_range.end, ev.name[:90]): getattr(ev, "device_resource_id", 0)
+               for ev in events}
     del g
     if not kernels:
         print(f"graph profile {label}: no kernel records (CUPTI saw no graph nodes)")
@@ -116,4 +120,14 @@ def profile_graph(fn, label: str = "", replays: int = 3, top: int = 40) -> dict:
     print(f"{'us':>8} {'exposed':>8} {'calls':>6} {'mean':>7}  kernel")
     for name, v in sorted(st["by_name"].items(), key=lambda kv: -sum(kv[1]))[:top]:
         print(f"{sum(v):>8.0f} {st['exposed'].get(name, 0.0):>8.0f} {len(v):>6} {sum(v) / len(v):>7.1f}  {name}")
+    if save:
+        import json
+        mid = parts[len(parts) // 2]
+        t0 = min(s for s, _, _ in mid)
+        with open(save, "w") as f:
+            json.dump({"label": label, "device": torch.cuda.get_device_name(0),
+                       "summary": {k: v for k, v in st.items() if k not in ("by_name", "exposed")},
+                       "kernels": [[round(s - t0, 2), round(e - t0, 2), n, streams.get((s, e, n), 0)]
+                                   for s, e, n in mid]}, f)
+        print(f"wrote {save}")
     return st
