@@ -131,3 +131,72 @@ def profile_graph(fn, label: str = "", replays: int = 3, top: int = 40, save: st
                                    for s, e, n in mid]}, f)
         print(f"wrote {save}")
     return st
+
+
+# kernel name patterns -> the step's parts (first match wins; names as CUPTI reports them)
+PARTS = (("experts (masked MoE)", ("fp8_moe_", "w4a16", "w4a8", "moe_masked", "w8a16_masked")),
+         ("dense FP8 decode GEMMs", ("fp8_decode_", "splitk_reduce", "act_quant")),
+         ("skinny bf16 GEMMs", ("skinny",)),
+         ("cuBLAS", ("gemm", "cutlass", "xmma", "gemv", "sm90_")),
+         ("attention", ("sparse_attn", "flash", "attn")),
+         ("indexer", ("index", "topk", "top_k")),
+         ("mHC", ("hc_", "mhc", "sinkhorn")),
+         ("MoE glue", ("router", "dispatch", "combine", "moe", "swiglu", "gate")),
+         ("norms / RoPE", ("norm", "rope")),
+         ("compressor / caches", ("compress", "pool", "ring", "window", "kv")),
+         ("Engram", ("engram", "hash")))
+
+
+def part_of(name: str) -> str:
+    low = name.lower()
+    return next((part for part, keys in PARTS if any(k in low for k in keys)), "other")
+
+
+def report(path: str, png: str | None = None) -> dict:
+    """A saved replay (profile_graph(save=)) by part: kernel time, exposed time and calls; with png, its
+    timeline by stream, coloured by part."""
+    import json
+    with open(path) as f:
+        d = json.load(f)
+    ks = [(s, e, n) for s, e, n, _ in d["kernels"]]
+    exposed = exposed_times(ks)
+    parts: dict[str, list[float]] = {}
+    for s, e, n in ks:
+        p = parts.setdefault(part_of(n), [0.0, 0.0, 0])
+        p[0] += e - s
+        p[2] += 1
+    for n, t in exposed.items():
+        parts[part_of(n)][1] += t
+    span = d["summary"]["span_us"]
+    print(f"{d['label']} on {d['device']}: span {span:.0f} us, idle {d['summary']['idle_us']:.0f} us")
+    print(f"{'part':26s} {'kernel us':>9} {'exposed':>8} {'of span':>7} {'calls':>6}")
+    for part, (t, x, c) in sorted(parts.items(), key=lambda kv: -kv[1][1]):
+        print(f"{part:26s} {t:9.0f} {x:8.0f} {x / span:7.1%} {c:6d}")
+    if png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        names = [p for p, _ in PARTS] + ["other"]
+        colors = {p: plt.cm.tab20(i) for i, p in enumerate(names)}
+        streams = sorted({st for *_, st in d["kernels"]})
+        fig, ax = plt.subplots(figsize=(14, 1.2 + 0.5 * len(streams)))
+        for s, e, n, st in d["kernels"]:
+            ax.barh(streams.index(st), e - s, left=s, color=colors[part_of(n)], height=0.8)
+        ax.set_yticks(range(len(streams)), [f"stream {st}" for st in streams])
+        ax.set_xlabel("us from the replay's first kernel")
+        ax.set_title(f"{d['label']}, {d['device']}: one replayed decode step ({span:.0f} us)")
+        ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in names if p in parts],
+                  labels=[p for p in names if p in parts], fontsize=7, ncol=4, loc="upper right")
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+        print(f"wrote {png}")
+    return parts
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="report a replay saved by profile_graph(save=): by part, and a timeline")
+    ap.add_argument("json")
+    ap.add_argument("--png", default=None)
+    a = ap.parse_args()
+    report(a.json, a.png)

@@ -32,3 +32,25 @@ def test_replays_split_at_the_largest_gaps():
     ks = [(s + off, e + off, n) for off in (0.0, 100.0, 200.0) for s, e, n in one]
     parts = split_replays(ks, 3)
     assert [len(p) for p in parts] == [3, 3, 3] and parts[1][0][0] == 100.0
+
+
+def test_a_saved_replay_reported_by_part(tmp_path):
+    """report() reads profile_graph(save=)'s JSON: each kernel's time and its exposed time summed by the step part
+    its name belongs to, and a timeline PNG by stream."""
+    import json
+
+    from graph_profile import part_of, report
+    assert part_of("fp8_moe_sm90_t32_rb1_x2") == "experts (masked MoE)"
+    assert part_of("fp8_decode_sm90_t64_rb1_p2") == "dense FP8 decode GEMMs"
+    assert part_of("rms_norm_quant_kernel") == "norms / RoPE"
+    assert part_of("some_unknown_kernel") == "other"
+    kernels = [[0, 10, "fp8_moe_sm90_t32", 7], [5, 12, "skinny_bf16_kernel", 9], [12, 20, "rms_norm_kernel", 7],
+               [20, 24, "fp8_moe_sm90_t16", 7]]
+    p = tmp_path / "replay.json"
+    p.write_text(json.dumps({"label": "batch 64", "device": "test", "summary": {"span_us": 24, "idle_us": 0},
+                             "kernels": kernels}))
+    parts = report(str(p), str(tmp_path / "timeline.png"))
+    assert parts["experts (masked MoE)"] == [14.0, 9.0, 2]       # 0-5 and 20-24 alone
+    assert parts["skinny bf16 GEMMs"] == [7.0, 2.0, 1]            # 10-12 alone
+    assert parts["norms / RoPE"] == [8.0, 8.0, 1]
+    assert (tmp_path / "timeline.png").stat().st_size > 0
