@@ -135,16 +135,18 @@ def profile_graph(fn, label: str = "", replays: int = 3, top: int = 40, save: st
 
 # kernel name patterns -> the step's parts (first match wins; names as CUPTI reports them)
 PARTS = (("experts (masked MoE)", ("fp8_moe_", "w4a16", "w4a8", "moe_masked", "w8a16_masked")),
-         ("dense FP8 decode GEMMs", ("fp8_decode_", "splitk_reduce", "act_quant")),
-         ("skinny bf16 GEMMs", ("skinny",)),
-         ("cuBLAS", ("gemm", "cutlass", "xmma", "gemv", "sm90_")),
+         ("dense FP8 decode GEMMs", ("fp8_decode_", "fp8_splitk_reduce", "act_quant")),
+         # the W8A16 kernel on bf16-held weights (the head, Engram's wkv: skinny bf16 GEMMs; or W8A16 experts)
+         ("W8A16 kernel (head, Engram)", ("w8a16_pairs", "skinny")),
+         ("cuBLAS", ("cublas", "nvjet", "gemm", "cutlass", "xmma", "gemv", "sm90_")),
          ("attention", ("sparse_attn", "flash", "attn")),
          ("indexer", ("index", "topk", "top_k")),
          ("mHC", ("hc_", "mhc", "sinkhorn")),
          ("MoE glue", ("router", "dispatch", "combine", "moe", "swiglu", "gate")),
          ("norms / RoPE", ("norm", "rope")),
          ("compressor / caches", ("compress", "pool", "ring", "window", "kv")),
-         ("Engram", ("engram", "hash")))
+         ("Engram", ("engram", "hash")),
+         ("torch ops", ("at::native",)))
 
 
 def part_of(name: str) -> str:
@@ -179,14 +181,14 @@ def report(path: str, png: str | None = None) -> dict:
         names = [p for p, _ in PARTS] + ["other"]
         colors = {p: plt.cm.tab20(i) for i, p in enumerate(names)}
         streams = sorted({st for *_, st in d["kernels"]})
-        fig, ax = plt.subplots(figsize=(14, 1.2 + 0.5 * len(streams)))
+        fig, ax = plt.subplots(figsize=(16, 1.2 + 0.5 * len(streams)))
         for s, e, n, st in d["kernels"]:
             ax.barh(streams.index(st), e - s, left=s, color=colors[part_of(n)], height=0.8)
         ax.set_yticks(range(len(streams)), [f"stream {st}" for st in streams])
         ax.set_xlabel("us from the replay's first kernel")
         ax.set_title(f"{d['label']}, {d['device']}: one replayed decode step ({span:.0f} us)")
         ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in names if p in parts],
-                  labels=[p for p in names if p in parts], fontsize=7, ncol=4, loc="upper right")
+                  labels=[p for p in names if p in parts], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
         fig.savefig(png, dpi=110)
         print(f"wrote {png}")

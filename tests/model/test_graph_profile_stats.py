@@ -43,6 +43,8 @@ def test_a_saved_replay_reported_by_part(tmp_path):
     assert part_of("fp8_moe_sm90_t32_rb1_x2") == "experts (masked MoE)"
     assert part_of("fp8_decode_sm90_t64_rb1_p2") == "dense FP8 decode GEMMs"
     assert part_of("rms_norm_quant_kernel") == "norms / RoPE"
+    assert part_of("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "cuBLAS"
+    assert part_of("void at::native::vectorized_gather_kernel<16, long>") == "torch ops"
     assert part_of("some_unknown_kernel") == "other"
     kernels = [[0, 10, "fp8_moe_sm90_t32", 7], [5, 12, "skinny_bf16_kernel", 9], [12, 20, "rms_norm_kernel", 7],
                [20, 24, "fp8_moe_sm90_t16", 7]]
@@ -51,6 +53,6 @@ def test_a_saved_replay_reported_by_part(tmp_path):
                              "kernels": kernels}))
     parts = report(str(p), str(tmp_path / "timeline.png"))
     assert parts["experts (masked MoE)"] == [14.0, 9.0, 2]       # 0-5 and 20-24 alone
-    assert parts["skinny bf16 GEMMs"] == [7.0, 2.0, 1]            # 10-12 alone
+    assert parts["W8A16 kernel (head, Engram)"] == [7.0, 2.0, 1]  # 10-12 alone
     assert parts["norms / RoPE"] == [8.0, 8.0, 1]
     assert (tmp_path / "timeline.png").stat().st_size > 0
