@@ -154,6 +154,22 @@ def part_of(name: str) -> str:
     return next((part for part, keys in PARTS if any(k in low for k in keys)), "other")
 
 
+def layer_chain(kernels: list[tuple[float, float, str]]) -> list[tuple[float, float]]:
+    """A decode step read as its layers' chain: (window, expert run) us per layer, where a layer's expert run spans
+    its masked MoE's two GEMMs (w13, w2: consecutive calls of the experts' part) and its window is the time from
+    the previous layer's expert run's end (the replay's start for the first) to this one's start. Empty where no
+    expert kernels ran."""
+    runs = sorted((s, e) for s, e, n in kernels if part_of(n) == PARTS[0][0])
+    if len(runs) < 2:
+        return []
+    t0 = min(s for s, _, _ in kernels)
+    out, prev = [], t0
+    for (s, _), (_, e) in zip(runs[0::2], runs[1::2]):
+        out.append((s - prev, e - s))
+        prev = e
+    return out
+
+
 def report(path: str, png: str | None = None) -> dict:
     """A saved replay (profile_graph(save=)) by part: kernel time, exposed time and calls; with png, its
     timeline by stream, coloured by part."""
@@ -174,6 +190,12 @@ def report(path: str, png: str | None = None) -> dict:
     print(f"{'part':26s} {'kernel us':>9} {'exposed':>8} {'of span':>7} {'calls':>6}")
     for part, (t, x, c) in sorted(parts.items(), key=lambda kv: -kv[1][1]):
         print(f"{part:26s} {t:9.0f} {x:8.0f} {x / span:7.1%} {c:6d}")
+    chain = layer_chain(ks)
+    if chain:
+        tail = span - sum(w + r for w, r in chain)
+        print(f"as a chain of {len(chain)} layers: windows {sum(w for w, _ in chain):.0f} us "
+              f"({' / '.join(f'{w:.0f}' for w, _ in chain)}), expert runs {sum(r for _, r in chain):.0f} us "
+              f"({' / '.join(f'{r:.0f}' for _, r in chain)}), after the last {tail:.0f} us (the head)")
     if png:
         import matplotlib
         matplotlib.use("Agg")

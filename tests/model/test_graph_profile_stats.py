@@ -56,3 +56,13 @@ def test_a_saved_replay_reported_by_part(tmp_path):
     assert parts["W8A16 kernel (head, Engram)"] == [7.0, 2.0, 1]  # 10-12 alone
     assert parts["norms / RoPE"] == [8.0, 8.0, 1]
     assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_a_step_read_as_its_layers_chain():
+    """layer_chain pairs each layer's two expert GEMMs into one run and measures the window before it."""
+    from graph_profile import layer_chain
+    ks = [(0.0, 10.0, "rms_norm"), (12.0, 20.0, "fp8_moe_sm90_t32"), (21.0, 30.0, "fp8_moe_sm90_t16"),
+          (30.0, 45.0, "sparse_attn_kernel"), (50.0, 60.0, "fp8_moe_sm90_t32"), (61.0, 70.0, "fp8_moe_sm90_t16"),
+          (70.0, 80.0, "head")]
+    assert layer_chain(ks) == [(12.0, 18.0), (20.0, 20.0)]
+    assert layer_chain([(0.0, 1.0, "rms_norm")]) == []
