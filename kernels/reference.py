@@ -18,6 +18,7 @@ Every op here runs on any device and is the ground truth the fast paths are test
     candidate_blocks_ref level one from the scores: block maxima, the newest entry's block pinned, then that mask
     window_pool_ref      the step's window lists as rows of the ring and the fresh rows (int32)
     block_rows_ref       cache pool rows of (sequence, entry) pairs through the block tables
+    carry_write_ref      the ratio > 1 compressor's carry ring: the step's rows written to their ring rows
     compress_members_ref the ratio > 1 compressor's member rows: the step's rows or the carry ring's
     router_topk_ref      the MoE gate after its GEMM: sqrt(softplus(logits / temp)), biased top-k, weights
     moe_route_ref        the masked MoE's pair -> slab row map (stable by expert) and per-expert counts
@@ -507,6 +508,13 @@ def candidate_blocks_ref(scores: torch.Tensor, compress_lens: torch.Tensor, topk
     last = (compress_lens - 1).div(block_size, rounding_mode="floor")
     b = b.masked_fill(torch.arange(b.size(-1), device=b.device) == last[:, None], torch.inf)
     return topk_block_mask_ref(b, min(topk_blocks, b.size(-1)), block_size, width)
+
+
+def carry_write_ref(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: torch.Tensor, carry_score: torch.Tensor,
+                    ring_write: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """carry_*[ring_write] = the step's rows of raw_* (rows: those rows only), in place."""
+    carry_kv[ring_write] = raw_kv if rows is None else raw_kv[rows]
+    carry_score[ring_write] = raw_score if rows is None else raw_score[rows]
 
 
 def compress_members_ref(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: torch.Tensor,

@@ -1018,6 +1018,15 @@ def swiglu_quant(gu: torch.Tensor, limit: float, inter: int) -> torch.Tensor:
     return _ref.swiglu_quant_ref(gu, limit, inter)
 
 
+def carry_write(raw_kv, raw_score, carry_kv, carry_score, ring_write, rows=None) -> None:
+    """The ratio > 1 compressor's carry ring: the step's rows (rows: those of raw_*) into its rows ring_write, in
+    place (reference.carry_write_ref); a copy, so the kernel's values are the reference's."""
+    if use_fast(raw_kv):
+        from .triton_compress import carry_write as fast
+        return fast(raw_kv, raw_score, carry_kv, carry_score, ring_write, rows)
+    return _ref.carry_write_ref(raw_kv, raw_score, carry_kv, carry_score, ring_write, rows)
+
+
 def compress_members(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_carry, ring_slots, group_seq,
                      ring_len: int):
     """The ratio > 1 compressor's member rows from the step's rows and the carry ring

@@ -6,9 +6,16 @@
         member (g, r): the step's row member_rows[g, r] of raw_*, or where that is -1 (a position
         before the step) the carry ring's row ring_slots[group_seq[g]] * ring_len + member_carry[g, r]
 
-What it replaces per ratio > 1 source layer: the carry rows' arithmetic (an index, a multiply, two clamps,
-an add), two gathers of each of the four sources and two selects: about 12 launches for a few KB. Pure
-data movement: the kernel's values are the reference's, bit for bit.
+    carry_write(raw_kv, raw_score, carry_kv, carry_score, ring_write, rows=None)      (reference:
+                                                                           carry_write_ref)
+        the step's rows (rows: only those of raw_*) into the carry ring's rows ring_write, both tensors in one
+        launch, in place
+
+What compress_members replaces per ratio > 1 source layer: the carry rows' arithmetic (an index, a multiply, two
+clamps, an add), two gathers of each of the four sources and two selects: about 12 launches for a few KB.
+carry_write replaces two torch `index_put_` launches (15 + 6 us of an H100's batch-64 decode step on the
+compressor's branch, which the index scores wait for: 2026-12-07's replayed step). Pure data movement: the
+kernels' values are the reference's, bit for bit.
 """
 
 from __future__ import annotations
@@ -54,3 +61,35 @@ def compress_members(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: to
                                               ring_slots.contiguous(), group_seq.contiguous(), kv, sc, ring_len, D,
                                               RATIO=ratio, BD=min(1024, triton.next_power_of_2(D)), num_warps=4)
     return kv, sc
+
+
+@triton.jit
+def carry_write_kernel(raw_kv_ptr, raw_sc_ptr, carry_kv_ptr, carry_sc_ptr, dst_ptr, src_ptr, D,
+                       HAS_SRC: tl.constexpr, BD: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)                                  # the i-th row written
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    if HAS_SRC:
+        src = tl.load(src_ptr + i).to(tl.int64)
+    else:
+        src = i
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        ok = d < D
+        tl.store(carry_kv_ptr + dst * D + d, tl.load(raw_kv_ptr + src * D + d, mask=ok), mask=ok)
+        tl.store(carry_sc_ptr + dst * D + d, tl.load(raw_sc_ptr + src * D + d, mask=ok), mask=ok)
+
+
+def carry_write(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: torch.Tensor, carry_score: torch.Tensor,
+                ring_write: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """carry_*[ring_write[i]] = raw_*[rows[i] if rows is not None else i] for both tensors; raw_* [T, D],
+    carry_* [slots * ring_len, D] fp32 with contiguous rows (written in place: the caches' own views)."""
+    D = raw_kv.shape[-1]
+    raws = [t.contiguous() for t in (raw_kv, raw_score)]
+    assert all(t.is_contiguous() and t.dtype == raws[0].dtype and t.shape[-1] == D for t in (carry_kv, carry_score)), \
+        (carry_kv.shape, carry_score.shape)
+    n = ring_write.shape[0]
+    assert rows.shape == (n,) if rows is not None else raw_kv.shape[0] == n, (raw_kv.shape, n)
+    if n:
+        dst = ring_write.contiguous()
+        carry_write_kernel[(n,)](*raws, carry_kv, carry_score, dst, dst if rows is None else rows.contiguous(), D,
+                                 HAS_SRC=rows is not None, BD=min(1024, triton.next_power_of_2(D)), num_warps=4)

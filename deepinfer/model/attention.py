@@ -305,9 +305,8 @@ class Attention(nn.Module):
             if plan.group_seq.numel():                                           # [G, ratio, D] fp32 each
                 kv_all, sc_all = ops.compress_members(raw[0], raw[1], carry_kv, carry_sc, plan.member_rows,
                                                       plan.member_carry, meta.ring_slots, plan.group_seq, meta.ring_len)
-            rows = meta.ring_write_rows                                          # read before writing
-            carry_kv[meta.ring_write] = raw[0] if rows is None else raw[0][rows]
-            carry_sc[meta.ring_write] = raw[1] if rows is None else raw[1][rows]
+            # the step's rows into the carry ring, after compress_members read the carry rows it needs
+            ops.carry_write(raw[0], raw[1], carry_kv, carry_sc, meta.ring_write, meta.ring_write_rows)
             if plan.group_seq.numel() == 0:
                 return
             latent = self.compressor.pool(kv_all, sc_all)                        # [G, D]

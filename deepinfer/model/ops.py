@@ -18,6 +18,7 @@ from deepinfer.kernels.grouped_rows import GroupedRows  # noqa: F401
 from deepinfer.kernels.select import (  # noqa: F401
     act_quant,
     candidate_blocks,
+    carry_write,
     compress_members,
     dense_linear,
     dequant_fp8,

@@ -1,7 +1,8 @@
 """kernels/triton_compress.py: the ratio > 1 compressor's member rows gathered in one kernel equal
 reference.compress_members_ref bit for bit (members from the step's rows, from the carry ring, mixed within
-a group; several ring slots; ratio 2 and 4; a row width that is not a power of two), on the GPU (-m gpu) and
-under Triton's interpreter on the CPU (a subprocess: TRITON_INTERPRET is read at import)."""
+a group; several ring slots; ratio 2 and 4; a row width that is not a power of two), and its carry ring's
+writes equal reference.carry_write_ref's (every row, or some rows of the step; rows left alone untouched), on
+the GPU (-m gpu) and under Triton's interpreter on the CPU (a subprocess: TRITON_INTERPRET is read at import)."""
 
 import os
 
@@ -32,9 +33,32 @@ def check(device):
             assert a.shape == b.shape == (G, ratio, D) and torch.equal(a, b), (ratio, D)
 
 
+def check_carry_write(device):
+    from deepinfer.kernels.reference import carry_write_ref
+    from deepinfer.kernels.triton_compress import carry_write
+    g = torch.Generator().manual_seed(1)
+    for D, T, ring_rows, some in ((512, 9, 40, False), (96, 5, 16, True), (1500, 1, 4, False), (512, 7, 64, True)):
+        raw = [torch.randn(T, D, generator=g).to(device) for _ in range(2)]
+        carry = [torch.randn(ring_rows, D, generator=g).to(device) for _ in range(2)]
+        rows = torch.randperm(T, generator=g)[:max(1, T // 2)].to(device) if some else None
+        n = T if rows is None else rows.shape[0]
+        dst = torch.randperm(ring_rows, generator=g)[:n].to(device)
+        want = [c.clone() for c in carry]
+        carry_write_ref(*raw, *want, dst, rows)
+        carry_write(*raw, *carry, dst, rows)
+        for a, b in zip(carry, want):
+            assert torch.equal(a, b), (D, T, some)
+        assert not torch.equal(want[0], raw[0][0].expand_as(want[0]))      # the check is not vacuous
+
+
 @pytest.mark.gpu
 def test_compress_members_cuda():
     check("cuda")
+
+
+@pytest.mark.gpu
+def test_carry_write_cuda():
+    check_carry_write("cuda")
 
 
 def test_compress_members_interpreter():
@@ -44,4 +68,5 @@ def test_compress_members_interpreter():
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     check("cpu")
-    print("compress members: ok")
+    check_carry_write("cpu")
+    print("compress members, carry write: ok")
