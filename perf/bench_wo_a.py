@@ -42,6 +42,11 @@ def fp8_blocks(copies: int):
     return out
 
 
+def form_bytes(name: str) -> float:
+    """The weight bytes a form reads a call: bf16 for the bmm, FP8 + one E8M0 byte a 32 x 32 tile otherwise."""
+    return GROUPS * N * K * (2 if name.startswith("bmm") else 1 + 1 / 1024)
+
+
 def parse_cfg(text: str) -> dict:
     return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
 
@@ -57,8 +62,8 @@ def main() -> None:
     from deepinfer.kernels.triton_gemm import w8a16_config, w8a16_grouped_gemm
     ceil = measure_ceilings()
     copy_bw = ceil["copy_bw"]
-    print(f"copy {copy_bw / 1e12:.2f} TB/s; wo_a {GROUPS} x [{N}, {K}]: bf16 {GROUPS * N * K * 2 / 1e6:.1f} MB, "
-          f"FP8 {GROUPS * N * K * 1.03 / 1e6:.1f} MB")
+    print(f"copy {copy_bw / 1e12:.2f} TB/s; wo_a {GROUPS} x [{N}, {K}]: bf16 {form_bytes('bmm') / 1e6:.1f} MB, "
+          f"FP8 {form_bytes('w8a16') / 1e6:.1f} MB")
     ws = fp8_blocks(copies_for(GROUPS * N * K * 2))
     rows = []
     for m in a.m:
@@ -80,9 +85,9 @@ def main() -> None:
                 print(f"  M {m:4d} {name}: off the float64 product by {err:.2e} of its largest value: not timed")
                 continue
             us = time_calls([lambda w=w, s=s, h=h, f=f: f(w, s, h) for w, s, h in ws]) * 1e6
-            nbytes = GROUPS * N * K * (2 if name.startswith("bmm") else 1 + 1 / 1024)
             r[name] = us
-            print(f"  M {m:4d} {name:28s} {us:8.1f} us  {nbytes / (us * 1e-6) / copy_bw:5.2f} of copy", flush=True)
+            print(f"  M {m:4d} {name:28s} {us:8.1f} us  {form_bytes(name) / (us * 1e-6) / copy_bw:5.2f} of copy",
+                  flush=True)
         w8 = [v for k, v in r.items() if k.startswith("w8a16") and isinstance(v, float)]
         if w8 and "bmm bf16 (today)" in r:
             print(f"M {m:4d}: best W8A16 {min(w8):.1f} us = {r['bmm bf16 (today)'] / min(w8):.2f}x the bmm "
