@@ -170,7 +170,31 @@ def layer_chain(kernels: list[tuple[float, float, str]]) -> list[tuple[float, fl
     return out
 
 
-def report(path: str, png: str | None = None) -> dict:
+def window_kernels(kernels: list[tuple[float, float, str, int]], layer: int) -> list[tuple[float, float, float, int, str]]:
+    """One layer's window (layer_chain's: from the previous expert run's end to this layer's first expert GEMM)
+    as its kernels in start order: (start us from the window's start, duration us, us alone in the whole replay,
+    stream, name). Reading the alone column down the list walks the window's critical path."""
+    ks = [(s, e, n) for s, e, n, _ in kernels]
+    runs = sorted((s, e) for s, e, n in ks if part_of(n) == PARTS[0][0])
+    if 2 * layer + 1 >= len(runs):
+        return []
+    t0 = runs[2 * layer - 1][1] if layer else min(s for s, _, _ in ks)
+    t1 = runs[2 * layer][0]
+    alone: dict[int, float] = {}
+    events = sorted([(s, 1, i) for i, (s, _, _) in enumerate(ks)] + [(e, -1, i) for i, (_, e, _) in enumerate(ks)])
+    running: set[int] = set()
+    last = None
+    for t, kind, i in events:
+        if last is not None and len(running) == 1:
+            (only,) = running
+            alone[only] = alone.get(only, 0.0) + t - last
+        (running.add if kind == 1 else running.discard)(i)
+        last = t
+    rows = [(s - t0, e - s, alone.get(i, 0.0), kernels[i][3], n) for i, (s, e, n) in enumerate(ks) if t0 <= s < t1]
+    return sorted(rows)
+
+
+def report(path: str, png: str | None = None, windows: tuple[int, ...] = ()) -> dict:
     """A saved replay (profile_graph(save=)) by part: kernel time, exposed time and calls; with png, its
     timeline by stream, coloured by part."""
     import json
@@ -196,6 +220,12 @@ def report(path: str, png: str | None = None) -> dict:
         print(f"as a chain of {len(chain)} layers: windows {sum(w for w, _ in chain):.0f} us "
               f"({' / '.join(f'{w:.0f}' for w, _ in chain)}), expert runs {sum(r for _, r in chain):.0f} us "
               f"({' / '.join(f'{r:.0f}' for _, r in chain)}), after the last {tail:.0f} us (the head)")
+    for layer in windows:
+        rows = window_kernels(d["kernels"], layer)
+        print(f"layer {layer}'s window: {len(rows)} kernels, {sum(a for _, _, a, _, _ in rows):.0f} us alone")
+        print(f"{'at us':>7} {'us':>6} {'alone':>6} {'stream':>6}  kernel")
+        for at, dur, a, st, n in rows:
+            print(f"{at:7.1f} {dur:6.1f} {a:6.1f} {st:6d}  {n[:100]}")
     if png:
         import matplotlib
         matplotlib.use("Agg")
@@ -222,5 +252,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="report a replay saved by profile_graph(save=): by part, and a timeline")
     ap.add_argument("json")
     ap.add_argument("--png", default=None)
+    ap.add_argument("--windows", type=int, nargs="*", default=[],
+                    help="also list these layers' windows kernel by kernel (start, duration, time alone, stream)")
     a = ap.parse_args()
-    report(a.json, a.png)
+    report(a.json, a.png, tuple(a.windows))

@@ -66,3 +66,16 @@ def test_a_step_read_as_its_layers_chain():
           (70.0, 80.0, "head")]
     assert layer_chain(ks) == [(12.0, 18.0), (20.0, 20.0)]
     assert layer_chain([(0.0, 1.0, "rms_norm")]) == []
+
+
+def test_a_window_listed_kernel_by_kernel():
+    """window_kernels: the kernels between the previous expert run and this layer's, from the window's start, each
+    with its time alone in the replay (a side-stream kernel under another is not alone)."""
+    from graph_profile import window_kernels
+    ks = [[0, 10, "fp8_moe_sm90_t32", 7], [11, 20, "fp8_moe_sm90_t16", 7], [20, 30, "rms_norm", 7],
+          [22, 26, "index_scores", 9], [30, 45, "sparse_attn_kernel", 7], [46, 50, "fp8_moe_sm90_t32", 7],
+          [51, 60, "fp8_moe_sm90_t16", 7]]
+    rows = window_kernels(ks, 1)
+    assert [r[4] for r in rows] == ["rms_norm", "index_scores", "sparse_attn_kernel"]
+    assert rows[0][:4] == (0, 10, 6, 7) and rows[1][:4] == (2, 4, 0, 9) and rows[2][2] == 15
+    assert window_kernels(ks, 2) == []
