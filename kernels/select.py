@@ -1091,6 +1091,20 @@ def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, sh
     return _ref.moe_combine_ref(out, slot, indices, shared)
 
 
+# a block-diagonal weight held both ways (bf16 and its FP8 blocks: wo_a under dense_bf16 with decode copies) takes
+# the FP8 blocks up to this many tokens: the grouped W8A16 kernel reads half the bytes, 1.41 / 1.34 / 1.06x the
+# bf16 bmm at 1 / 16 / 64 tokens and 0.86x at 128 (H100, 2026-12-07, perf/bench_wo_a.py)
+GROUPED_FP8_MAX_ROWS = int(os.environ.get("DEEPINFER_GROUPED_FP8_MAX_ROWS", "64"))
+
+
+def grouped_takes_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """A call x [M, G, K] on a block-diagonal weight held both ways takes its FP8 blocks (grouped_w8a16) rather than
+    the bf16 copy: 1..GROUPED_FP8_MAX_ROWS tokens, the fast path, not batch-invariant mode (one formulation for
+    every M there), blocks the Triton kernel takes."""
+    return (0 < x.shape[0] <= GROUPED_FP8_MAX_ROWS and x.dtype == torch.bfloat16 and use_fast(x)
+            and not _batch_invariant() and _fast_gemm_ok(w[0], w_scale[0]))
+
+
 def grouped_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Grouped matmul on FP8 weights with no activation rounding (the block-diagonal wo_a): x [M, G, K]
     bf16 (token-major: each token's G head groups), w [G, N, K] e4m3, w_scale [G, N/32, K/32] E8M0 ->

@@ -169,8 +169,11 @@ class Attention(nn.Module):
         if cis is not None:
             o = ops.rope(o, cis, inverse=True, inplace=True)
         o = o.flatten(1).unflatten(-1, (self.n_groups, -1))
-        if self.wo_a.fp8_blocks is not None:                # FP8 blocks: half the bytes, same products
-            o = ops.grouped_w8a16(o, *self.wo_a.fp8_blocks)
+        blocks = self.wo_a.fp8_blocks
+        # FP8 blocks: half the bytes, the same products; where a bf16 copy is held too (dense_bf16), decode-sized
+        # calls only (ops.grouped_takes_fp8)
+        if blocks is not None and (self.wo_a.weight.numel() == 0 or ops.grouped_takes_fp8(o, *blocks)):
+            o = ops.grouped_w8a16(o, *blocks)
         else:
             wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
             o = ops.grouped_mm_token_major(o.to(wo_a.dtype), wo_a).to(ACT)

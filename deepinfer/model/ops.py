@@ -34,6 +34,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     grouped_fp8_linear_contiguous,
     grouped_fp8_linear_masked,
     grouped_mm_token_major,
+    grouped_takes_fp8,
     grouped_w8a16,
     hc_mixes_pre,
     hc_pre_norm,

@@ -37,3 +37,50 @@ def test_wo_a_blocks_same_output(pair, T):
         cis = dense.rope[a.rope_kind](pos, T - 1)
         # fp32 sums of the same exact products in two orders: equal up to fp32 rounding, then bf16
         torch.testing.assert_close(b.out(o, cis).float(), a.out(o, cis).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def held_both(tiny_checkpoint):
+    """dense_bf16 with FP8 decode copies (the CUDA default's 'auto'): wo_a keeps its bf16 copy and its FP8 blocks."""
+    return load_model(tiny_checkpoint, progress=False, weight_format="fp8", dense_bf16=True, dense_fp8_copy=True,
+                      wo_a_fp8=True)
+
+
+def test_wo_a_held_both_ways_under_dense_bf16(held_both, tiny_checkpoint):
+    from deepinfer.model import ops
+    for layer in held_both.layers:
+        wo_a = layer.attn.wo_a
+        w, s = wo_a.fp8_blocks
+        assert wo_a.weight.numel() > 0 and w.dtype == torch.float8_e4m3fn
+        assert torch.equal(ops.dequant_fp8(w, s).flatten(0, 1).to(wo_a.weight.dtype), wo_a.weight)
+    # without decode copies (or with wo_a_fp8=False) dense_bf16 holds the bf16 copy alone
+    plain = load_model(tiny_checkpoint, progress=False, weight_format="fp8", dense_bf16=True, wo_a_fp8=True)
+    assert all(layer.attn.wo_a.fp8_blocks is None for layer in plain.layers)
+
+
+def test_wo_a_held_both_ways_takes_the_blocks_where_the_rule_says(held_both, pair, monkeypatch):
+    """Attention.out runs the FP8 blocks exactly where ops.grouped_takes_fp8 says (the blocks-only model's
+    values), else the bf16 copy (the dense model's values)."""
+    from deepinfer.model import attention
+    dense, blocks = pair
+    T = 5
+    torch.manual_seed(0)
+    for take in (False, True):
+        monkeypatch.setattr(attention.ops, "grouped_takes_fp8", lambda o, w, s, take=take: take)
+        for lh, ld, lb in zip(held_both.layers[:2], dense.layers[:2], blocks.layers[:2]):
+            o = torch.randn(T, lh.attn.n_heads, lh.attn.head_dim).bfloat16()
+            cis = dense.rope[lh.attn.rope_kind](torch.arange(T), T - 1)
+            want = (lb if take else ld).attn.out(o.clone(), cis)
+            torch.testing.assert_close(lh.attn.out(o.clone(), cis), want, rtol=0, atol=0)
+
+
+def test_grouped_takes_fp8_rule():
+    """Only decode-sized calls on the fast path, never batch-invariant mode; the CPU always declines."""
+    from deepinfer.kernels import select
+    w = torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(2, 2, 4, dtype=torch.uint8)
+    assert not select.grouped_takes_fp8(torch.zeros(4, 2, 128, dtype=torch.bfloat16), w, s)   # CPU
+    if torch.cuda.is_available():
+        x = torch.zeros(select.GROUPED_FP8_MAX_ROWS, 2, 128, dtype=torch.bfloat16, device="cuda")
+        assert select.grouped_takes_fp8(x, w.cuda(), s.cuda())
+        assert not select.grouped_takes_fp8(torch.cat([x, x[:1]]), w.cuda(), s.cuda())
