@@ -20,6 +20,7 @@ Every op here runs on any device and is the ground truth the fast paths are test
     block_rows_ref       cache pool rows of (sequence, entry) pairs through the block tables
     carry_write_ref      the ratio > 1 compressor's carry ring: the step's rows written to their ring rows
     compress_members_ref the ratio > 1 compressor's member rows: the step's rows or the carry ring's
+    compress_pool_ref    the ratio > 1 compressor's latents: its members' softmax-weighted sum, RMS-normed
     router_topk_ref      the MoE gate after its GEMM: sqrt(softplus(logits / temp)), biased top-k, weights
     moe_route_ref        the masked MoE's pair -> slab row map (stable by expert) and per-expert counts
     moe_dispatch_ref     act_quant of each token into its pairs' slab rows
@@ -527,6 +528,22 @@ def compress_members_ref(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv
     frow = member_rows.clamp_min(0)
     crow = ring_slots[group_seq][:, None] * ring_len + member_carry.clamp_min(0)
     return (torch.where(fresh, raw_kv[frow], carry_kv[crow]), torch.where(fresh, raw_score[frow], carry_score[crow]))
+
+
+def compress_pool_ref(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: torch.Tensor, carry_score: torch.Tensor,
+                      member_rows: torch.Tensor, member_carry: torch.Tensor, ring_slots: torch.Tensor,
+                      group_seq: torch.Tensor, ring_len: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The ratio > 1 compressor's latents [G, D] bf16 (Attention._compress, Compressor.pool): each group's members
+    (compress_members_ref), the kv rows weighted by the softmax of the score rows over the group (per channel,
+    fp32), summed, rounded to bf16, RMS-normed (rms_norm_ref)."""
+    kv, score = compress_members_ref(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_carry, ring_slots,
+                                     group_seq, ring_len)
+    return rms_norm_ref(softmax_pool_ref(kv, score), weight, eps)
+
+
+def softmax_pool_ref(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """kv, score [G, ratio, D] fp32 -> [G, D] bf16: kv weighted by the softmax of score over the ratio axis, summed."""
+    return (kv * score.softmax(dim=1)).sum(dim=1).to(torch.bfloat16)
 
 
 def block_rows_ref(block_tables: torch.Tensor, epb: int, entries: torch.Tensor,

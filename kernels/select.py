@@ -56,6 +56,8 @@ Knobs (environment, read once):
                                  bytes decoded to e4m3) where its decline reason is None, else W4A16 (default 0)
     Shape rules: a fast path whose rules a call breaks takes the next path (the torch reference) and
     logs one line per (op, rule) (_fast_for; declined() lists them), so any valid config runs.
+    DEEPINFER_FAST_OFF=a,b       these ops (_fast_for's names: compress_pool, index_topk, ...) take their next
+                                 path: a benchmark's A/B of one kernel against what it replaced
     TRITON_INTERPRET=1           with DEEPINFER_KERNELS=fast set explicitly, CPU tensors take the fast paths too,
                                  through Triton's interpreter (tests/kernels/fast_model_smoke.py: the
                                  whole model's dispatch and shapes checked on a CPU, slowly)
@@ -86,6 +88,8 @@ GEMM = os.environ.get("DEEPINFER_GEMM", "triton")
 if GEMM not in ("triton", "deepgemm"):
     raise ValueError(f"DEEPINFER_GEMM must be 'triton' or 'deepgemm', got {GEMM!r}")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# ops (_fast_for's names) that take their next path anyway: DEEPINFER_FAST_OFF=compress_pool,index_topk
+FAST_OFF = frozenset(k for k in os.environ.get("DEEPINFER_FAST_OFF", "").split(",") if k)
 # DEEPINFER_PREFILL_GEMM=fp8: FP8 linears of at least FP8_PREFILL_MIN_M rows (and the MoE's grouped
 # contiguous form) on the FP8 x FP8 per-32-promotion kernels (triton_fp8_prefill). Opt-in: on the H200
 # (2026-12-02, perf/bench_fp8_prefill.py, M 8192) that Triton kernel ran 72-74 TFLOP/s (the BK 32 walk of
@@ -168,8 +172,9 @@ def declined() -> set[tuple[str, str]]:
 
 def _fast_for(t: torch.Tensor, op: str, ok: bool, rule: str, then: str = "the torch reference") -> bool:
     """use_fast(t) and the op's shape rules hold. Where the fast path is on but the shape breaks its
-    rules, the call takes the next path (the torch reference) and says so once per (op, rule)."""
-    if not use_fast(t):
+    rules, the call takes the next path (the torch reference) and says so once per (op, rule). An op named
+    in FAST_OFF always takes the next path (benchmarks' A/B of one kernel against what it replaced)."""
+    if not use_fast(t) or op in FAST_OFF:
         return False
     if not ok and (op, rule) not in _DECLINED:
         _DECLINED.add((op, rule))
@@ -1037,6 +1042,22 @@ def compress_members(raw_kv, raw_score, carry_kv, carry_score, member_rows, memb
                     ring_len)
     return _ref.compress_members_ref(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_carry, ring_slots,
                                      group_seq, ring_len)
+
+
+def compress_pool(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_carry, ring_slots, group_seq,
+                  ring_len: int, weight, eps: float) -> torch.Tensor:
+    """The ratio > 1 compressor's normed latents [G, D] bf16 from the step's rows and the carry ring
+    (reference.compress_pool_ref): one Triton program a group where its rules hold (fp32 rows up to
+    4096 wide), else the members' gather (compress_members), the softmax-weighted sum and rms_norm apart."""
+    D = raw_kv.shape[-1]
+    if _fast_for(raw_kv, "compress_pool", raw_kv.dtype == torch.float32 and weight.shape == (D,) and D <= 4096,
+                 "fp32 rows up to 4096 wide"):
+        from .triton_compress import compress_pool as fast
+        return fast(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_carry, ring_slots, group_seq,
+                    ring_len, weight, eps)
+    kv, score = compress_members(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_carry, ring_slots,
+                                 group_seq, ring_len)
+    return rms_norm(_ref.softmax_pool_ref(kv, score), weight, eps)
 
 
 def window_pool(win_idx, ring_read, ring_rows: int, num_fresh: int) -> torch.Tensor:

@@ -11,6 +11,16 @@
         the step's rows (rows: only those of raw_*) into the carry ring's rows ring_write, both tensors in one
         launch, in place
 
+    compress_pool(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_carry, ring_slots, group_seq,
+                  ring_len, weight, eps) -> latents [G, D] bf16                       (reference: compress_pool_ref)
+        compress_members, the softmax over each group's members (per channel, fp32), the weighted sum, the bf16
+        rounding and the RMSNorm in one program a group: the members are read once and [G, ratio, D] is never
+        written (before: compress_members, then softmax, multiply, sum, cast and the norm, six launches on the
+        compressor's branch that the index scores wait for, ~36 us of an H100's batch-64 decode layer,
+        2026-12-07). The softmax and sum follow the reference's order (max, sum of exp(s - max), exp(s - max) /
+        sum, products summed over the members in order); exp and rsqrt are the GPU's, so the latents agree with
+        the reference to within one bf16 ulp, not bit for bit.
+
 What compress_members replaces per ratio > 1 source layer: the carry rows' arithmetic (an index, a multiply, two
 clamps, an add), two gathers of each of the four sources and two selects: about 12 launches for a few KB.
 carry_write replaces two torch `index_put_` launches (15 + 6 us of an H100's batch-64 decode step on the
@@ -26,23 +36,31 @@ import triton.language as tl
 
 
 @triton.jit
+def _member_src(rows_ptr, carry_ptr, slot_row, m, ring_len):
+    """(the step's row or -1, the carry ring's row) of member m of a group whose sequence's ring is slot_row."""
+    row = tl.load(rows_ptr + m).to(tl.int64)
+    return row, slot_row * ring_len + tl.maximum(tl.load(carry_ptr + m), 0)
+
+
+@triton.jit
+def _load_member(raw_ptr, carry_ptr, row, crow, d, ok, D):
+    """One member's columns d: the step's row, or the carry ring's row where row is -1."""
+    fresh = (d * 0 + row) >= 0
+    return tl.where(fresh, tl.load(raw_ptr + tl.maximum(row, 0) * D + d, mask=ok & fresh, other=0.0),
+                    tl.load(carry_ptr + crow * D + d, mask=ok & (fresh == 0), other=0.0))
+
+
+@triton.jit
 def compress_members_kernel(raw_kv_ptr, raw_sc_ptr, carry_kv_ptr, carry_sc_ptr, rows_ptr, carry_ptr, slots_ptr,
                             gseq_ptr, kv_ptr, sc_ptr, ring_len, D, RATIO: tl.constexpr, BD: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)                                  # member g * RATIO + r
-    row = tl.load(rows_ptr + m).to(tl.int64)
-    crow = tl.load(slots_ptr + tl.load(gseq_ptr + m // RATIO)).to(tl.int64) * ring_len \
-        + tl.maximum(tl.load(carry_ptr + m), 0)
+    row, crow = _member_src(rows_ptr, carry_ptr, tl.load(slots_ptr + tl.load(gseq_ptr + m // RATIO)).to(tl.int64),
+                            m, ring_len)
     for d0 in range(0, D, BD):
         d = d0 + tl.arange(0, BD)
         ok = d < D
-        fresh = (d * 0 + row) >= 0                                      # [BD]: this member's source
-        from_raw, from_carry = ok & fresh, ok & (fresh == 0)
-        kv = tl.where(fresh, tl.load(raw_kv_ptr + tl.maximum(row, 0) * D + d, mask=from_raw, other=0.0),
-                      tl.load(carry_kv_ptr + crow * D + d, mask=from_carry, other=0.0))
-        sc = tl.where(fresh, tl.load(raw_sc_ptr + tl.maximum(row, 0) * D + d, mask=from_raw, other=0.0),
-                      tl.load(carry_sc_ptr + crow * D + d, mask=from_carry, other=0.0))
-        tl.store(kv_ptr + m * D + d, kv, mask=ok)
-        tl.store(sc_ptr + m * D + d, sc, mask=ok)
+        tl.store(kv_ptr + m * D + d, _load_member(raw_kv_ptr, carry_kv_ptr, row, crow, d, ok, D), mask=ok)
+        tl.store(sc_ptr + m * D + d, _load_member(raw_sc_ptr, carry_sc_ptr, row, crow, d, ok, D), mask=ok)
 
 
 def compress_members(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: torch.Tensor, carry_score: torch.Tensor,
@@ -93,3 +111,55 @@ def carry_write(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: torch.T
         dst = ring_write.contiguous()
         carry_write_kernel[(n,)](*raws, carry_kv, carry_score, dst, dst if rows is None else rows.contiguous(), D,
                                  HAS_SRC=rows is not None, BD=min(1024, triton.next_power_of_2(D)), num_warps=4)
+
+
+@triton.jit
+def compress_pool_kernel(raw_kv_ptr, raw_sc_ptr, carry_kv_ptr, carry_sc_ptr, rows_ptr, carry_ptr, slots_ptr,
+                         gseq_ptr, w_ptr, out_ptr, ring_len, D, inv_d, eps, RATIO: tl.constexpr, BD: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BD)
+    ok = d < D
+    slot_row = tl.load(slots_ptr + tl.load(gseq_ptr + g)).to(tl.int64)
+    # pass 1: the max score over the members, per channel
+    mx = tl.full([BD], float("-inf"), tl.float32)
+    for r in range(RATIO):
+        row, crow = _member_src(rows_ptr, carry_ptr, slot_row, g * RATIO + r, ring_len)
+        mx = tl.maximum(mx, _load_member(raw_sc_ptr, carry_sc_ptr, row, crow, d, ok, D))
+    # pass 2: the softmax's denominator
+    den = tl.zeros([BD], tl.float32)
+    for r in range(RATIO):
+        row, crow = _member_src(rows_ptr, carry_ptr, slot_row, g * RATIO + r, ring_len)
+        den += tl.exp(_load_member(raw_sc_ptr, carry_sc_ptr, row, crow, d, ok, D) - mx)
+    # pass 3: kv weighted by exp(s - max) / den, summed over the members in order
+    acc = tl.zeros([BD], tl.float32)
+    for r in range(RATIO):
+        row, crow = _member_src(rows_ptr, carry_ptr, slot_row, g * RATIO + r, ring_len)
+        p = tl.exp(_load_member(raw_sc_ptr, carry_sc_ptr, row, crow, d, ok, D) - mx) / den
+        acc += _load_member(raw_kv_ptr, carry_kv_ptr, row, crow, d, ok, D) * p
+    # the bf16 latent, RMS-normed (triton_norm.rms_norm_kernel's arithmetic)
+    y = tl.where(ok, acc.to(tl.bfloat16).to(tl.float32), 0.0)
+    rs = tl.math.rsqrt(tl.sum(y * y, axis=0) * inv_d + eps)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + g * D + d, (w * (y * rs)).to(tl.bfloat16), mask=ok)
+
+
+MAX_POOL_D = 4096       # one row a program, in registers
+
+
+def compress_pool(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: torch.Tensor, carry_score: torch.Tensor,
+                  member_rows: torch.Tensor, member_carry: torch.Tensor, ring_slots: torch.Tensor,
+                  group_seq: torch.Tensor, ring_len: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """raw_* [T, D] and carry_* [slots * ring_len, D] fp32 (contiguous rows), member_rows / member_carry [G, ratio],
+    ring_slots [B], group_seq [G], weight [D] -> the normed latents [G, D] bf16."""
+    G, ratio = member_rows.shape
+    D = raw_kv.shape[-1]
+    srcs = [t.contiguous() for t in (raw_kv, raw_score, carry_kv, carry_score)]
+    assert all(t.dtype == torch.float32 and t.shape[-1] == D for t in srcs) and weight.shape == (D,) \
+        and D <= MAX_POOL_D, ([t.shape for t in srcs], weight.shape)
+    out = torch.empty(G, D, dtype=torch.bfloat16, device=raw_kv.device)
+    if G:
+        BD = triton.next_power_of_2(D)
+        compress_pool_kernel[(G,)](*srcs, member_rows.contiguous(), member_carry.contiguous(), ring_slots.contiguous(),
+                                   group_seq.contiguous(), weight.contiguous(), out, ring_len, D, 1.0 / D, eps,
+                                   RATIO=ratio, BD=BD, num_warps=4 if BD <= 1024 else 8)
+    return out

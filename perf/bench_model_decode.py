@@ -202,6 +202,9 @@ def main() -> None:
                    help="side_stream's priorities, compared in one run: 'off' (every stream at the default priority), "
                         "'default' (DEEPINFER_* as set), or the branch kinds on the least-priority lane ('engram', "
                         "'engram,shared', 'none': the step's streams high, no background)")
+    p.add_argument("--fast-off", nargs="+", default=["-"],
+                   help="select.FAST_OFF, compared in one run: comma-separated ops that take their next path "
+                        "('-': as DEEPINFER_FAST_OFF set it; 'none': every fast path on)")
     p.add_argument("--wo-a-fp8-rows", type=int, nargs="+", default=[-1],
                    help="select.GROUPED_FP8_MAX_ROWS, compared in one run: up to how many tokens wo_a held both ways "
                         "takes its FP8 blocks (0: never; -1: as set)")
@@ -252,13 +255,15 @@ def main() -> None:
     moes = a.moe_paths
     runs = [(B, mi, ti, oi, ki, ss, pd, sp, wr) for B in a.batches for mi in range(len(mhc))
             for ti in range(len(tables)) for oi in range(len(moes)) for ki in a.index_k for ss in a.side_streams
-            for pd in a.triton_pdl for sp in a.stream_priorities for wr in a.wo_a_fp8_rows]
-    for B, mi, ti, oi, ki, ss, pd, sp, wr in runs:
+            for pd in a.triton_pdl for sp in a.stream_priorities for wr in a.wo_a_fp8_rows for fo in a.fast_off]
+    env_off = select.FAST_OFF
+    for B, mi, ti, oi, ki, ss, pd, sp, wr, fo in runs:
         caches = caches_of[ki]
         side_stream.ENABLED, pdl.ENABLED = ss == "on", pd == "on"
         use_stream_priorities(sp)
         if wr >= 0:
             select.GROUPED_FP8_MAX_ROWS = wr
+        select.FAST_OFF = env_off if fo == "-" else frozenset(k for k in fo.split(",") if k != "none")
         with torch.inference_mode(), use_mhc_variant(triton_mhc.DECODE_VARIANT, mhc[mi]), \
                 use_skinny_table(tables[ti]), use_moe_path(moes[oi]):
             step = decode_step(model, caches, B, a.ctx, max_len, block_tokens)
@@ -274,6 +279,7 @@ def main() -> None:
         ep8_step = FULL_LAYERS * layer + head
         row = dict(batch=B, mhc_variant=mhc[mi], skinny_table=tables[ti], moe_path=moes[oi], index_k=ki, side_streams=ss,
                    triton_pdl=pd, stream_priorities=sp, wo_a_fp8_rows=select.GROUPED_FP8_MAX_ROWS,
+                   fast_off=sorted(select.FAST_OFF),
                    eager_ms=eager * 1e3,
                    graph_ms=graph * 1e3,
                    graph_speedup=eager / graph,
@@ -287,7 +293,8 @@ def main() -> None:
             ('' if len(moes) == 1 else f' {moes[oi]}') + ('' if len(a.index_k) == 1 else f' {ki}') + \
             ('' if len(a.side_streams) == 1 else f' side {ss}') + ('' if len(a.triton_pdl) == 1 else f' pdl {pd}') + \
             ('' if len(a.stream_priorities) == 1 else f' prio {sp}') + \
-            ('' if len(a.wo_a_fp8_rows) == 1 else f' wo_a<={select.GROUPED_FP8_MAX_ROWS}')
+            ('' if len(a.wo_a_fp8_rows) == 1 else f' wo_a<={select.GROUPED_FP8_MAX_ROWS}') + \
+            ('' if len(a.fast_off) == 1 else f' off {fo}')
         print(f"{B:>5}{tag} {eager * 1e3:>9.2f} {graph * 1e3:>9.2f} {eager / graph:>8.2f} {nb['total'] / 1e6:>8.0f} "
               f"{frac:>8.3f} {row['of_copy_uniform']:>8.3f} {sum(used.values()) / max(len(used), 1):>8.1f} "
               f"{head * 1e3:>8.2f} {layer * 1e6:>9.0f} {B / ep8_step:>14.0f}", flush=True)
@@ -297,7 +304,7 @@ def main() -> None:
     plot([r for r in rows if r["mhc_variant"] == mhc[0] and r["skinny_table"] == tables[0] and r["moe_path"] == moes[0]
           and r["index_k"] == a.index_k[0] and r["side_streams"] == a.side_streams[0]
           and r["triton_pdl"] == a.triton_pdl[0] and r["stream_priorities"] == a.stream_priorities[0]
-          and r["wo_a_fp8_rows"] == rows[0]["wo_a_fp8_rows"]],
+          and r["wo_a_fp8_rows"] == rows[0]["wo_a_fp8_rows"] and r["fast_off"] == rows[0]["fast_off"]],
          os.path.join(out_dir(), "model_decode.png"))
     if a.profile:
         side_stream.ENABLED, pdl.ENABLED = a.side_streams[0] == "on", a.triton_pdl[0] == "on"

@@ -305,14 +305,15 @@ class Attention(nn.Module):
                     return
         else:
             carry_kv, carry_sc = caches.carry_kv[L].flatten(0, 1), caches.carry_score[L].flatten(0, 1)
-            if plan.group_seq.numel():                                           # [G, ratio, D] fp32 each
-                kv_all, sc_all = ops.compress_members(raw[0], raw[1], carry_kv, carry_sc, plan.member_rows,
-                                                      plan.member_carry, meta.ring_slots, plan.group_seq, meta.ring_len)
-            # the step's rows into the carry ring, after compress_members read the carry rows it needs
+            latent = None
+            if plan.group_seq.numel():          # [G, D]: Compressor.pool of the members, one kernel on a GPU
+                norm = self.compressor.norm
+                latent = ops.compress_pool(raw[0], raw[1], carry_kv, carry_sc, plan.member_rows, plan.member_carry,
+                                           meta.ring_slots, plan.group_seq, meta.ring_len, norm.weight, norm.eps)
+            # the step's rows into the carry ring, after compress_pool read the carry rows it needs
             ops.carry_write(raw[0], raw[1], carry_kv, carry_sc, meta.ring_write, meta.ring_write_rows)
-            if plan.group_seq.numel() == 0:
+            if latent is None:
                 return
-            latent = self.compressor.pool(kv_all, sc_all)                        # [G, D]
         entries = plan.group_entry
         cis = meta.rope(rope_tables, self.rope_kind, ratio)                   # an entry rotates at its group's first position
         dst = plan.group_rows if plan.group_rows is not None else \

@@ -20,6 +20,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     candidate_blocks,
     carry_write,
     compress_members,
+    compress_pool,
     dense_linear,
     dequant_fp8,
     engram_gate,

@@ -99,6 +99,9 @@ def test_engram_compress_indexer_kernels():
         *raw, *carry, rows, torch.where(rows < 0, 3, -1), torch.arange(64), torch.randint(0, 64, (G,)), ring_len))
     _compile(triton_compress, ["carry_write_kernel"], lambda: triton_compress.carry_write(
         *raw, *carry, torch.randperm(65 * ring_len)[:64]))
+    _compile(triton_compress, ["compress_pool_kernel"], lambda: triton_compress.compress_pool(
+        *raw, *carry, rows, torch.where(rows < 0, 3, -1), torch.arange(64), torch.randint(0, 64, (G,)), ring_len,
+        torch.ones(D), 1e-20))
     q = torch.randn(64, 64, 128).bfloat16()
     pool = torch.randn(4096, 128).bfloat16()
     bt = torch.randint(0, 64, (64, 33), dtype=torch.int32)

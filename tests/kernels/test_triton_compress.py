@@ -52,6 +52,62 @@ def check_carry_write(device):
         assert not torch.equal(carry[0][dst], before[dst])                   # the rows were written (not vacuous)
 
 
+def check_pool(device):
+    """compress_pool against compress_pool_ref: on a GPU within one bf16 ulp everywhere (exp and rsqrt are the
+    GPU's) and most elements equal; under the interpreter, whose two float -> bf16 casts (the latent, the output)
+    truncate where a GPU rounds, within two. Members from the step, the ring and both; ratio 2, 4 and 128 (a long
+    loop); widths that are not powers of two."""
+    ulps, equal = (1, 0.9) if device != "cpu" else (2, 0.0)
+    from deepinfer.kernels.reference import compress_pool_ref
+    from deepinfer.kernels.triton_compress import compress_pool
+    g = torch.Generator().manual_seed(2)
+    for ratio, D, T, B, ring_len in ((2, 512, 9, 4, 8), (4, 96, 3, 3, 16), (2, 1500, 1, 1, 4), (128, 64, 5, 2, 256)):
+        raw = [torch.randn(T, D, generator=g) * 3 for _ in range(2)]
+        carry = [torch.randn((B + 1) * ring_len, D, generator=g) * 3 for _ in range(2)]
+        G = 5
+        rows = torch.randint(-1, T, (G, ratio), generator=g)
+        rows[0] = -1
+        rows[1, -1], rows[1, :-1] = T - 1, -1
+        carry_pos = torch.where(rows < 0, torch.randint(0, ring_len, (G, ratio), generator=g), -1)
+        slots = torch.randperm(B + 1, generator=g)[:B]
+        gseq = torch.randint(0, B, (G,), generator=g)
+        weight = torch.rand(D, generator=g) + 0.5
+        args = [t.to(device) for t in (*raw, *carry, rows, carry_pos, slots, gseq)]
+        got = compress_pool(*args, ring_len, weight.to(device), 1e-6).float()
+        want = compress_pool_ref(*args, ring_len, weight.to(device), 1e-6).float()
+        assert got.shape == want.shape == (G, D) and got.abs().sum() > 0
+        ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+        assert ((got - want).abs() <= ulps * ulp * 1.01).all(), (ratio, D, (got - want).abs().max())
+        assert (got == want).float().mean() >= equal, (ratio, D)
+
+
+@pytest.mark.gpu
+def test_compress_pool_cuda():
+    check_pool("cuda")
+
+
+@pytest.mark.gpu
+def test_compress_pool_select_cuda(monkeypatch):
+    """select.compress_pool takes the kernel on a GPU; with it off (FAST_OFF) the path it replaced, whose bits
+    are the gather, the torch softmax-weighted sum and the Triton norm: the two within one bf16 ulp."""
+    from deepinfer.kernels import select
+    from deepinfer.kernels.reference import softmax_pool_ref
+    g = torch.Generator().manual_seed(3)
+    G, ratio, D, T, ring_len = 33, 4, 512, 64, 8
+    raw = [torch.randn(T, D, generator=g).cuda() for _ in range(2)]
+    carry = [torch.randn(40 * ring_len, D, generator=g).cuda() for _ in range(2)]
+    rows = torch.randint(-1, T, (G, ratio), generator=g).cuda()
+    args = (*raw, *carry, rows, torch.where(rows < 0, 1, -1), torch.arange(40).cuda(), torch.arange(G).cuda() % 40,
+            ring_len, torch.rand(D).cuda() + 0.5, 1e-20)
+    fused = select.compress_pool(*args)
+    monkeypatch.setattr(select, "FAST_OFF", frozenset({"compress_pool"}))
+    apart = select.compress_pool(*args)
+    kv, sc = select.compress_members(*args[:9])
+    assert torch.equal(apart, select.rms_norm(softmax_pool_ref(kv, sc), args[-2], args[-1]))
+    ulp = 2.0 ** (torch.floor(torch.log2(apart.float().abs().clamp_min(1e-30))) - 7)
+    assert ((fused.float() - apart.float()).abs() <= ulp * 1.01).all()
+
+
 @pytest.mark.gpu
 def test_compress_members_cuda():
     check("cuda")
@@ -70,4 +126,5 @@ if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     check("cpu")
     check_carry_write("cpu")
-    print("compress members, carry write: ok")
+    check_pool("cpu")
+    print("compress members, carry write, pool: ok")
