@@ -205,6 +205,10 @@ def main() -> None:
     p.add_argument("--fast-off", nargs="+", default=["-"],
                    help="select.FAST_OFF, compared in one run: comma-separated ops that take their next path "
                         "('-': as DEEPINFER_FAST_OFF set it; 'none': every fast path on)")
+    p.add_argument("--knobs", nargs="+", default=["none"],
+                   help="module attributes set for a variant, compared in one run: 'none' or "
+                        "'module:ATTR=value[;module:ATTR=value]' (value a Python literal), e.g. "
+                        "deepinfer.kernels.triton_topk:RADIX=False")
     p.add_argument("--wo-a-fp8-rows", type=int, nargs="+", default=[-1],
                    help="select.GROUPED_FP8_MAX_ROWS, compared in one run: up to how many tokens wo_a held both ways "
                         "takes its FP8 blocks (0: never; -1: as set)")
@@ -255,12 +259,14 @@ def main() -> None:
     moes = a.moe_paths
     runs = [(B, mi, ti, oi, ki, ss, pd, sp, wr) for B in a.batches for mi in range(len(mhc))
             for ti in range(len(tables)) for oi in range(len(moes)) for ki in a.index_k for ss in a.side_streams
-            for pd in a.triton_pdl for sp in a.stream_priorities for wr in a.wo_a_fp8_rows for fo in a.fast_off]
+            for pd in a.triton_pdl for sp in a.stream_priorities for wr in a.wo_a_fp8_rows for fo in a.fast_off
+            for kn in a.knobs]
     env_off = select.FAST_OFF
-    for B, mi, ti, oi, ki, ss, pd, sp, wr, fo in runs:
+    for B, mi, ti, oi, ki, ss, pd, sp, wr, fo, kn in runs:
         caches = caches_of[ki]
         side_stream.ENABLED, pdl.ENABLED = ss == "on", pd == "on"
         use_stream_priorities(sp)
+        set_knobs(kn)           # after the priorities: a knob may set side_stream's (its lanes are made anew)
         if wr >= 0:
             select.GROUPED_FP8_MAX_ROWS = wr
         select.FAST_OFF = env_off if fo == "-" else frozenset(k for k in fo.split(",") if k != "none")
@@ -279,7 +285,7 @@ def main() -> None:
         ep8_step = FULL_LAYERS * layer + head
         row = dict(batch=B, mhc_variant=mhc[mi], skinny_table=tables[ti], moe_path=moes[oi], index_k=ki, side_streams=ss,
                    triton_pdl=pd, stream_priorities=sp, wo_a_fp8_rows=select.GROUPED_FP8_MAX_ROWS,
-                   fast_off=sorted(select.FAST_OFF),
+                   fast_off=sorted(select.FAST_OFF), knobs=kn,
                    eager_ms=eager * 1e3,
                    graph_ms=graph * 1e3,
                    graph_speedup=eager / graph,
@@ -294,7 +300,7 @@ def main() -> None:
             ('' if len(a.side_streams) == 1 else f' side {ss}') + ('' if len(a.triton_pdl) == 1 else f' pdl {pd}') + \
             ('' if len(a.stream_priorities) == 1 else f' prio {sp}') + \
             ('' if len(a.wo_a_fp8_rows) == 1 else f' wo_a<={select.GROUPED_FP8_MAX_ROWS}') + \
-            ('' if len(a.fast_off) == 1 else f' off {fo}')
+            ('' if len(a.fast_off) == 1 else f' off {fo}') + ('' if len(a.knobs) == 1 else f' [{kn}]')
         print(f"{B:>5}{tag} {eager * 1e3:>9.2f} {graph * 1e3:>9.2f} {eager / graph:>8.2f} {nb['total'] / 1e6:>8.0f} "
               f"{frac:>8.3f} {row['of_copy_uniform']:>8.3f} {sum(used.values()) / max(len(used), 1):>8.1f} "
               f"{head * 1e3:>8.2f} {layer * 1e6:>9.0f} {B / ep8_step:>14.0f}", flush=True)
@@ -304,7 +310,8 @@ def main() -> None:
     plot([r for r in rows if r["mhc_variant"] == mhc[0] and r["skinny_table"] == tables[0] and r["moe_path"] == moes[0]
           and r["index_k"] == a.index_k[0] and r["side_streams"] == a.side_streams[0]
           and r["triton_pdl"] == a.triton_pdl[0] and r["stream_priorities"] == a.stream_priorities[0]
-          and r["wo_a_fp8_rows"] == rows[0]["wo_a_fp8_rows"] and r["fast_off"] == rows[0]["fast_off"]],
+          and r["wo_a_fp8_rows"] == rows[0]["wo_a_fp8_rows"] and r["fast_off"] == rows[0]["fast_off"]
+          and r["knobs"] == a.knobs[0]],
          os.path.join(out_dir(), "model_decode.png"))
     if a.profile:
         side_stream.ENABLED, pdl.ENABLED = a.side_streams[0] == "on", a.triton_pdl[0] == "on"
@@ -341,6 +348,24 @@ class use_moe_path:
         from deepinfer.model import moe
         select.MOE_FP8_DECODE, moe.PAD_MASKED_SLABS = self.saved
         return False
+
+
+_KNOB_DEFAULTS: dict = {}
+
+
+def set_knobs(spec: str) -> None:
+    """'module:ATTR=value;...' set on their modules (value a Python literal), every knob set by an earlier variant
+    first put back to what it was; 'none' only puts them back."""
+    import ast
+    import importlib
+    for (mod, attr), v in _KNOB_DEFAULTS.items():
+        setattr(importlib.import_module(mod), attr, v)
+    for item in [] if spec == "none" else spec.split(";"):
+        target, value = item.split("=", 1)
+        mod, attr = target.split(":")
+        m = importlib.import_module(mod)
+        _KNOB_DEFAULTS.setdefault((mod, attr), getattr(m, attr))
+        setattr(m, attr, ast.literal_eval(value))
 
 
 def use_stream_priorities(setting: str) -> None:
