@@ -266,10 +266,10 @@ def main() -> None:
         caches = caches_of[ki]
         side_stream.ENABLED, pdl.ENABLED = ss == "on", pd == "on"
         use_stream_priorities(sp)
-        set_knobs(kn)           # after the priorities: a knob may set side_stream's (its lanes are made anew)
         if wr >= 0:
             select.GROUPED_FP8_MAX_ROWS = wr
         select.FAST_OFF = env_off if fo == "-" else frozenset(k for k in fo.split(",") if k != "none")
+        set_knobs(kn)           # last: a knob may set any of the above (side_stream's lanes are made anew)
         with torch.inference_mode(), use_mhc_variant(triton_mhc.DECODE_VARIANT, mhc[mi]), \
                 use_skinny_table(tables[ti]), use_moe_path(moes[oi]):
             step = decode_step(model, caches, B, a.ctx, max_len, block_tokens)
