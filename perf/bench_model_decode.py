@@ -257,7 +257,7 @@ def main() -> None:
     mhc = mhc_variants(a.mhc_variants)
     tables = [None if t == "default" else t for t in (a.skinny_tables or ["default"])]
     moes = a.moe_paths
-    runs = [(B, mi, ti, oi, ki, ss, pd, sp, wr) for B in a.batches for mi in range(len(mhc))
+    runs = [(B, mi, ti, oi, ki, ss, pd, sp, wr, fo, kn) for B in a.batches for mi in range(len(mhc))
             for ti in range(len(tables)) for oi in range(len(moes)) for ki in a.index_k for ss in a.side_streams
             for pd in a.triton_pdl for sp in a.stream_priorities for wr in a.wo_a_fp8_rows for fo in a.fast_off
             for kn in a.knobs]
