@@ -18,8 +18,9 @@
         written (before: compress_members, then softmax, multiply, sum, cast and the norm, six launches on the
         compressor's branch that the index scores wait for, ~36 us of an H100's batch-64 decode layer,
         2026-12-07). The softmax and sum follow the reference's order (max, sum of exp(s - max), exp(s - max) /
-        sum, products summed over the members in order); exp and rsqrt are the GPU's, so the latents agree with
-        the reference to within one bf16 ulp, not bit for bit.
+        sum, products summed over the members in order) and CUDA's expf; rsqrt is the GPU's and the fp32 rounding
+        differs in the last bit now and then, which can move the bf16 latent by one ulp and, through the norm's
+        scale, the output by up to two: most elements are the reference's bits, none further than two ulps.
 
 What compress_members replaces per ratio > 1 source layer: the carry rows' arithmetic (an index, a multiply, two
 clamps, an add), two gathers of each of the four sources and two selects: about 12 launches for a few KB.
@@ -30,9 +31,16 @@ kernels' values are the reference's, bit for bit.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from .triton_moe import _round_bf16
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -114,8 +122,19 @@ def carry_write(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: torch.T
 
 
 @triton.jit
+def _exp(x, MANUAL: tl.constexpr):
+    """CUDA's expf (what torch's softmax calls), not the approximate exp2 tl.exp lowers to; float64 under the
+    interpreter."""
+    if MANUAL:
+        return tl.exp(x.to(tl.float64)).to(tl.float32)
+    return libdevice.exp(x)
+
+
+@triton.jit
 def compress_pool_kernel(raw_kv_ptr, raw_sc_ptr, carry_kv_ptr, carry_sc_ptr, rows_ptr, carry_ptr, slots_ptr,
-                         gseq_ptr, w_ptr, out_ptr, ring_len, D, inv_d, eps, RATIO: tl.constexpr, BD: tl.constexpr):
+                         gseq_ptr, w_ptr, out_ptr, ring_len, D, inv_d, eps, RATIO: tl.constexpr, BD: tl.constexpr,
+                         MANUAL: tl.constexpr = False):
+    """MANUAL (the interpreter): exp in float64 and round-to-nearest bf16 by hand (its casts truncate)."""
     g = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     ok = d < D
@@ -129,18 +148,18 @@ def compress_pool_kernel(raw_kv_ptr, raw_sc_ptr, carry_kv_ptr, carry_sc_ptr, row
     den = tl.zeros([BD], tl.float32)
     for r in range(RATIO):
         row, crow = _member_src(rows_ptr, carry_ptr, slot_row, g * RATIO + r, ring_len)
-        den += tl.exp(_load_member(raw_sc_ptr, carry_sc_ptr, row, crow, d, ok, D) - mx)
+        den += _exp(_load_member(raw_sc_ptr, carry_sc_ptr, row, crow, d, ok, D) - mx, MANUAL)
     # pass 3: kv weighted by exp(s - max) / den, summed over the members in order
     acc = tl.zeros([BD], tl.float32)
     for r in range(RATIO):
         row, crow = _member_src(rows_ptr, carry_ptr, slot_row, g * RATIO + r, ring_len)
-        p = tl.exp(_load_member(raw_sc_ptr, carry_sc_ptr, row, crow, d, ok, D) - mx) / den
+        p = _exp(_load_member(raw_sc_ptr, carry_sc_ptr, row, crow, d, ok, D) - mx, MANUAL) / den
         acc += _load_member(raw_kv_ptr, carry_kv_ptr, row, crow, d, ok, D) * p
     # the bf16 latent, RMS-normed (triton_norm.rms_norm_kernel's arithmetic)
-    y = tl.where(ok, acc.to(tl.bfloat16).to(tl.float32), 0.0)
+    y = tl.where(ok, _round_bf16(acc, MANUAL), 0.0)
     rs = tl.math.rsqrt(tl.sum(y * y, axis=0) * inv_d + eps)
     w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + g * D + d, (w * (y * rs)).to(tl.bfloat16), mask=ok)
+    tl.store(out_ptr + g * D + d, _round_bf16(w * (y * rs), MANUAL).to(tl.bfloat16), mask=ok)
 
 
 MAX_POOL_D = 4096       # one row a program, in registers
@@ -161,5 +180,5 @@ def compress_pool(raw_kv: torch.Tensor, raw_score: torch.Tensor, carry_kv: torch
         BD = triton.next_power_of_2(D)
         compress_pool_kernel[(G,)](*srcs, member_rows.contiguous(), member_carry.contiguous(), ring_slots.contiguous(),
                                    group_seq.contiguous(), weight.contiguous(), out, ring_len, D, 1.0 / D, eps,
-                                   RATIO=ratio, BD=BD, num_warps=4 if BD <= 1024 else 8)
+                                   RATIO=ratio, BD=BD, MANUAL=INTERPRET, num_warps=4 if BD <= 1024 else 8)
     return out

@@ -16,9 +16,7 @@ Dataflow: one program per row, the whole row in registers (BLOCK = next pow2 of 
 score becomes an int32 that orders like the float, order = bits ^ ((bits >> 31) & 0x7FFFFFFF): the
 reference key without its id half (16-bit floats: their own 16 bits, the same order). A bitwise
 search, MSB first, finds T = the k-th largest order in KEY_BITS passes (one count of order >=
-candidate each), or (RADIX, the default) a radix select finds it in KEY_BITS / 8 passes of one 256-bin
-histogram each: a block-wide sum is a barrier and a cross-warp merge, and 16 of them a row were most of the
-kernel's time (27 us a call at batch 64 on an H100, 2026-12-07). The picks are every order > T plus the lowest-id k - #(order > T) entries equal to
+candidate each). The picks are every order > T plus the lowest-id k - #(order > T) entries equal to
 T (a cumsum): the same k entries as the reference's (order, reversed id) top-k, for any width and
 in half the passes its key would take (16 for bf16, 32 for fp32). Output slots are the cumsum of the
 picks, so the ids come out ascending with no sort. Preconditions (asserted): 2-D rows (a last stride
@@ -26,8 +24,6 @@ other than 1 is copied), E <= MAX_WIDTH, bf16 / fp16 / fp32 scores.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -38,41 +34,14 @@ from .pdl import pdl_args, pdl_enter
 # One row in registers. ptxas (sm_90a, Triton 3.6 and 3.9): no spills up to 16384 at 16 warps
 # (<= 128 registers); 32768 at 32 warps spills ~300 B per thread, still one launch per step.
 MAX_WIDTH = 1 << 15
-# the threshold search: a radix select (2 histogram passes for 16-bit keys, 4 for fp32) or the bitwise search
-# (a count a bit: 16 / 32 block-wide sums); the same threshold either way (DEEPINFER_TOPK_RADIX=0: the bitwise one)
-RADIX = os.environ.get("DEEPINFER_TOPK_RADIX", "1") != "0"
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
-
-
-@triton.jit
-def _kth_largest_radix(key, k, lo: tl.constexpr, KEY_BITS: tl.constexpr):
-    """The k-th largest of the signed keys (k <= their count; padding holds lo, the least): a radix select, one
-    256-bin histogram a byte from the top. Each pass keeps the keys whose higher bytes are the prefix found so
-    far and finds the bin holding the k-th largest of what is left; keys off the prefix (and padding) are
-    counted in bin 0, which only the last choice can fall to, and then rightly (the k-th largest lies there)."""
-    u = key.to(tl.int64) - lo                                          # the key's unsigned pattern, same order
-    bins = tl.arange(0, 256)
-    need = k
-    prefix = tl.zeros([], tl.int64)
-    for p in tl.static_range(KEY_BITS // 8):
-        shift = KEY_BITS - 8 * (p + 1)
-        digit = ((u >> shift) & 255).to(tl.int32)
-        if p > 0:
-            digit = tl.where((u >> (shift + 8)) == prefix, digit, 0)
-        hist = tl.histogram(digit, 256)
-        at_or_above = tl.cumsum(hist, 0, reverse=True)
-        t = tl.max(tl.where(at_or_above >= need, bins, 0), 0)
-        need = need - tl.sum(tl.where(bins > t, hist, 0), 0)
-        prefix = (prefix << 8) | t.to(tl.int64)
-    return (prefix + lo).to(tl.int32)
 
 
 @triton.jit
 def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_x, stride_c, stride_o,
                 BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, KEY_NINF: tl.constexpr, KEY_PINF: tl.constexpr,
                 HAS_CAND: tl.constexpr, HAS_LENS: tl.constexpr, EXPAND: tl.constexpr, EXPAND_P2: tl.constexpr,
-                BLOCK_MAX: tl.constexpr = False, score_width=0, PDL: tl.constexpr = False,
-                RADIX: tl.constexpr = False):
+                BLOCK_MAX: tl.constexpr = False, score_width=0, PDL: tl.constexpr = False):
     """EXPAND == 0: the picks' ids ascending to out[row, :k] (int64), -1 where the score is not above
     -inf or (HAS_LENS) the id >= lens[row]. EXPAND > 0: keep = pick and score > -inf, for block i
     written to out[row, i*EXPAND : (i+1)*EXPAND] (bool as int8), columns < out_width. KEY_NINF /
@@ -113,13 +82,10 @@ def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_
     # first: the sign step is "is T >= 0", the rest OR bits into T itself
     lo: tl.constexpr = -(1 << (KEY_BITS - 1))
     key = tl.where(valid, key, lo)                                 # padding: below every candidate
-    if RADIX:
-        thr = _kth_largest_radix(key, k, lo, KEY_BITS)
-    else:
-        thr = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= k, 0, lo)
-        for j in tl.static_range(KEY_BITS - 2, -1, -1):
-            cand = thr | (1 << j)
-            thr = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, thr)
+    thr = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= k, 0, lo)
+    for j in tl.static_range(KEY_BITS - 2, -1, -1):
+        cand = thr | (1 << j)
+        thr = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, thr)
     # thr = the k-th largest key: all keys above it, then its ties from the lowest id
     gt = key > thr
     eq = (key == thr) & valid
@@ -150,7 +116,7 @@ def _launch_cfg(width: int, dtype: torch.dtype) -> dict:
     block = triton.next_power_of_2(width)
     num_warps = max(4, min(16, block // 512)) * (2 if block > 16384 else 1)     # 8192 -> 16, 32768 -> 32
     return dict(BLOCK=block, num_warps=num_warps, KEY_BITS=KEY_BITS[dtype], KEY_NINF=_key(-float("inf"), dtype),
-                KEY_PINF=_key(float("inf"), dtype), RADIX=RADIX)
+                KEY_PINF=_key(float("inf"), dtype))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

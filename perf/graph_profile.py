@@ -74,17 +74,15 @@ def split_replays(kernels: list[tuple[float, float, str]], n: int) -> list[list[
 
 
 def capture(fn) -> "torch.cuda.CUDAGraph":
-    """fn captured as a CUDA graph, warmed up eagerly first on a side stream and captured on it (as the engine
-    captures: the step's own stream at side_stream's priority)."""
-    from deepinfer.model import side_stream
-    s = side_stream.capture_stream()
+    """fn captured as a CUDA graph, warmed up eagerly first on a side stream (as the engine captures)."""
+    s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
+    with torch.cuda.graph(g):
         fn()
     return g
 

@@ -46,15 +46,13 @@ def captured_graph(fn):
     """(graph, its output): fn captured in a CUDA graph after one eager warm-up on another stream (the
     engine's order: kernels compile and buffers settle outside the capture)."""
     import torch
-
-    from deepinfer.model import side_stream
-    s = side_stream.capture_stream()            # the engine's capture stream, at its priority
+    s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
+    with torch.cuda.graph(g):
         out = fn()
     return g, out
 

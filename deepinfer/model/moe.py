@@ -195,7 +195,7 @@ class MoE(nn.Module):
         The shared expert reads only x: in a small step it runs on the side stream beside the router,
         the dispatch and the routed experts (model/side_stream.py)."""
         T = x.shape[0]
-        shared = side_stream.branch(self._shared, x, x_rounded, tokens=T, kind="shared") if T else None
+        shared = side_stream.branch(self._shared, x, x_rounded, tokens=T) if T else None
         if self.ep is not None:
             return self._forward_ep(x, image_mask, shared)
         if T == 0:

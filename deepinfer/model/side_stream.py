@@ -15,15 +15,6 @@ stream joins the capture through its events). Only graph captures fork: inline (
 called) are eager steps (bound by the host: a fork costs host time, saves none), a CPU tensor, a step of
 more than MAX_TOKENS tokens (prefill fills the GPU on its own) and DEEPINFER_SIDE_STREAMS=0.
 
-Priorities: a side branch off the step's critical path (Engram's projections, made a layer ahead: a 130 us
-bandwidth-bound GEMM beside a window of latency-bound kernels) runs on the BACKGROUND lane, a stream of the least
-priority, while the step's own stream (capture_stream) and the other lanes have the greatest: when SMs free up,
-the block scheduler starts the critical path's blocks first and the background fills what is left. A captured
-graph keeps each kernel's stream priority (PyTorch instantiates with cudaGraphInstantiateFlagUseNodePriority).
-Priorities change the order blocks start in, never what a kernel computes. DEEPINFER_STREAM_PRIORITIES=0: every
-stream at the default priority; DEEPINFER_BACKGROUND_BRANCHES: which kinds of branch take the background lane
-("engram" by default, "engram,shared" adds the shared expert, "" none).
-
 Memory: a Pending holds fn and its arguments until the main stream has waited, so nothing the branch
 reads is freed early; what the branch allocates belongs to the side stream and is next reused by a
 later branch, which starts after the main stream's work enqueued before it (the fork's event).
@@ -40,34 +31,16 @@ MAX_TOKENS = 512        # steps up to this many tokens fork (decode, DSpark veri
 ENABLED = os.environ.get("DEEPINFER_SIDE_STREAMS", "1") != "0"
 
 LANES = 2               # side streams a device has: branches that do not wait for each other take different lanes
-BACKGROUND_LANE = LANES   # the least-priority lane (the kinds of branch in BACKGROUND take it)
-PRIORITIES = os.environ.get("DEEPINFER_STREAM_PRIORITIES", "1") != "0"
-BACKGROUND = frozenset(k for k in os.environ.get("DEEPINFER_BACKGROUND_BRANCHES", "engram").split(",") if k)
 _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 forked_branches = 0     # branches run on a side stream so far (tests and benchmarks read it)
 
 
-def _priority(background: bool) -> int:
-    """The stream priority of a lane: the least for the background, the greatest for the step's own streams
-    (0, the default, for both where PRIORITIES is off)."""
-    if not PRIORITIES:
-        return 0
-    least, greatest = torch.cuda.Stream.priority_range()
-    return least if background else greatest
-
-
 def _side(device: torch.device, lane: int) -> torch.cuda.Stream:
-    assert 0 <= lane <= BACKGROUND_LANE, lane
+    assert 0 <= lane < LANES, lane
     key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
     if key not in _streams:
-        _streams[key] = torch.cuda.Stream(device=key[0], priority=_priority(lane == BACKGROUND_LANE))
+        _streams[key] = torch.cuda.Stream(device=key[0])
     return _streams[key]
-
-
-def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
-    """A new stream to capture a step's CUDA graph on: the greatest priority where PRIORITIES is on, so the
-    step's kernels outrank the background lane's."""
-    return torch.cuda.Stream(device=device, priority=_priority(False))
 
 
 def forks(device: torch.device, tokens: int) -> bool:
@@ -91,13 +64,9 @@ class Pending:
         return self._value
 
 
-def branch(fn: Callable, *args, tokens: int, device: torch.device | None = None, lane: int = 0,
-           kind: str = "") -> Pending:
+def branch(fn: Callable, *args, tokens: int, device: torch.device | None = None, lane: int = 0) -> Pending:
     """fn(*args) on side stream `lane` after everything the current stream has enqueued (and what that lane
-    has); device: where the step runs (default: the first tensor argument's); kind: the branch's name
-    ("engram", "shared"), which takes the background lane where it is in BACKGROUND."""
-    if kind in BACKGROUND:
-        lane = BACKGROUND_LANE
+    has); device: where the step runs (default: the first tensor argument's)."""
     if device is None:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     if not forks(device, tokens):

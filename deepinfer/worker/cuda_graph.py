@@ -41,8 +41,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..model import side_stream
-
 
 class CudaGraphRunner:
     def __init__(self, fn: Callable, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128),
@@ -77,14 +75,14 @@ class CudaGraphRunner:
             self.static_in[bs] = inputs
             if not self.enabled:
                 continue
-            stream = side_stream.capture_stream()
+            stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(self.warmup):          # compile / autotune / allocate outside capture
                     self.fn(*inputs)
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool, stream=stream):
+            with torch.cuda.graph(g, pool=self.pool):
                 self.static_out[bs] = self.fn(*inputs)
             if self.pool is None:
                 self.pool = g.pool()

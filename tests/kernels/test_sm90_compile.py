@@ -80,7 +80,7 @@ def test_candidate_blocks():
     from deepinfer.kernels import triton_topk
     s = torch.randn(64, 8192).bfloat16()
     _compile(triton_topk, ["topk_kernel"], lambda: triton_topk.candidate_blocks(s, torch.full((64,), 8000), 16, 64))
-    # the radix select on 16-bit and fp32 keys (2 and 4 histogram passes)
+    # the index top-k on 16-bit and fp32 keys, with a candidate mask
     for dtype in (torch.bfloat16, torch.float32):
         _compile(triton_topk, ["topk_kernel"], lambda: triton_topk.index_topk(
             s.to(dtype), torch.full((64,), 8000), 512, torch.rand(64, 8192) < 0.5))

@@ -53,11 +53,10 @@ def check_carry_write(device):
 
 
 def check_pool(device):
-    """compress_pool against compress_pool_ref: on a GPU within one bf16 ulp everywhere (exp and rsqrt are the
-    GPU's) and most elements equal; under the interpreter, whose two float -> bf16 casts (the latent, the output)
-    truncate where a GPU rounds, within two. Members from the step, the ring and both; ratio 2, 4 and 128 (a long
-    loop); widths that are not powers of two."""
-    ulps, equal = (1, 0.9) if device != "cpu" else (2, 0.0)
+    """compress_pool against compress_pool_ref: most elements the same bits and none further than two bf16 ulps
+    (an fp32 last-bit difference can move the bf16 latent one ulp, which the norm's scale can stretch to two).
+    Members from the step, the ring and both; ratio 2, 4 and 128 (a long loop); widths that are not powers of two."""
+    ulps, equal = 2, 0.9
     from deepinfer.kernels.reference import compress_pool_ref
     from deepinfer.kernels.triton_compress import compress_pool
     g = torch.Generator().manual_seed(2)
@@ -89,7 +88,7 @@ def test_compress_pool_cuda():
 @pytest.mark.gpu
 def test_compress_pool_select_cuda(monkeypatch):
     """select.compress_pool takes the kernel on a GPU; with it off (FAST_OFF) the path it replaced, whose bits
-    are the gather, the torch softmax-weighted sum and the Triton norm: the two within one bf16 ulp."""
+    are the gather, the torch softmax-weighted sum and the Triton norm: the two within two bf16 ulps, mostly equal."""
     from deepinfer.kernels import select
     from deepinfer.kernels.reference import softmax_pool_ref
     g = torch.Generator().manual_seed(3)
@@ -105,7 +104,8 @@ def test_compress_pool_select_cuda(monkeypatch):
     kv, sc = select.compress_members(*args[:9])
     assert torch.equal(apart, select.rms_norm(softmax_pool_ref(kv, sc), args[-2], args[-1]))
     ulp = 2.0 ** (torch.floor(torch.log2(apart.float().abs().clamp_min(1e-30))) - 7)
-    assert ((fused.float() - apart.float()).abs() <= ulp * 1.01).all()
+    assert ((fused.float() - apart.float()).abs() <= 2 * ulp * 1.01).all()
+    assert (fused == apart).float().mean() > 0.9
 
 
 @pytest.mark.gpu

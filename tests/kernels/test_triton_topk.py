@@ -186,11 +186,9 @@ def check_dispatch_interpreted():
         select.KERNELS = "fast"
 
 
-@pytest.mark.parametrize("radix", ["1", "0"])
-def test_under_interpreter(radix):
-    """Both threshold searches: the radix select (the default) and the bitwise one (DEEPINFER_TOPK_RADIX=0)."""
+def test_under_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_KERNELS="fast", DEEPINFER_TOPK_RADIX=radix)
+    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_KERNELS="fast")
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.strip().endswith("ok"), r.stdout[-2000:]
@@ -232,13 +230,9 @@ def test_candidate_blocks_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["real", "rand", "ties", "ulps"])
 @pytest.mark.parametrize("with_cand", [False, True])
-@pytest.mark.parametrize("radix", [True, False])
-def test_index_topk_gpu_decode_size(kind, with_cand, radix, monkeypatch):
-    """The H200 decode shape: 64 rows of 8192 bf16 scores, k 512, -inf past each row's lens; both threshold
-    searches (the radix select and the bitwise one)."""
-    from deepinfer.kernels import triton_topk
+def test_index_topk_gpu_decode_size(kind, with_cand):
+    """The H200 decode shape: 64 rows of 8192 bf16 scores, k 512, -inf past each row's lens."""
     from deepinfer.kernels.triton_topk import index_topk
-    monkeypatch.setattr(triton_topk, "RADIX", radix)
     n, E, k = 64, 8192, 512
     x = _rows(n, E, torch.bfloat16, kind, "cuda", seed=E)
     lens = _lens(n, E, "cuda", seed=1)
@@ -255,11 +249,8 @@ def test_index_topk_gpu_decode_size(kind, with_cand, radix, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1, 100, 4097, 8192, 12345, 16384, 32768])
-@pytest.mark.parametrize("radix", [True, False])
-def test_index_topk_gpu_widths(dtype, width, radix, monkeypatch):
-    from deepinfer.kernels import triton_topk
+def test_index_topk_gpu_widths(dtype, width):
     from deepinfer.kernels.triton_topk import index_topk
-    monkeypatch.setattr(triton_topk, "RADIX", radix)
     for kind in ("rand", "ties", "ulps"):
         x = _rows(70, width, dtype, kind, "cuda", seed=width)
         lens = _lens(70, width, "cuda", seed=width, dtype=torch.int32)

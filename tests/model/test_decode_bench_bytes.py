@@ -89,14 +89,14 @@ def test_balanced_routing_uses_every_expert_once_before_any_twice(model_and_cach
 def test_variant_knobs_set_and_restore():
     """--knobs: a variant's module attributes are set from Python literals, and the next variant ('none' or
     another knob) first puts every earlier one back."""
-    from deepinfer.kernels import select, triton_topk
-    radix, rows = triton_topk.RADIX, select.GROUPED_FP8_MAX_ROWS
+    from deepinfer.kernels import select
+    off, rows = select.FAST_OFF, select.GROUPED_FP8_MAX_ROWS
     try:
-        bench.set_knobs("deepinfer.kernels.triton_topk:RADIX=False;deepinfer.kernels.select:GROUPED_FP8_MAX_ROWS=7")
-        assert triton_topk.RADIX is False and select.GROUPED_FP8_MAX_ROWS == 7
+        bench.set_knobs("deepinfer.kernels.select:FAST_OFF=('compress_pool',);deepinfer.kernels.select:GROUPED_FP8_MAX_ROWS=7")
+        assert select.FAST_OFF == ("compress_pool",) and select.GROUPED_FP8_MAX_ROWS == 7
         bench.set_knobs("deepinfer.kernels.select:GROUPED_FP8_MAX_ROWS=3")
-        assert triton_topk.RADIX is radix and select.GROUPED_FP8_MAX_ROWS == 3
+        assert select.FAST_OFF is off and select.GROUPED_FP8_MAX_ROWS == 3
         bench.set_knobs("none")
-        assert triton_topk.RADIX is radix and select.GROUPED_FP8_MAX_ROWS == rows
+        assert select.FAST_OFF is off and select.GROUPED_FP8_MAX_ROWS == rows
     finally:
         bench.set_knobs("none")

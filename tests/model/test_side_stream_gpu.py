@@ -63,26 +63,3 @@ def test_no_fork_when_disabled(model, monkeypatch):
         torch.cuda.synchronize()
     assert side_stream.forked_branches == before
     assert torch.equal(out, want)
-
-
-def test_background_branches_at_the_least_priority(model, monkeypatch):
-    """Branches named in BACKGROUND (here Engram's and the shared expert's) take the background lane, a stream of
-    the least priority, while the step's capture stream and the other lanes have the greatest; the graph's
-    logits are still the inline step's bit for bit (priorities reorder block starts, not arithmetic)."""
-    from deepinfer.cache.model_caches import ModelCaches
-    monkeypatch.setattr(side_stream, "BACKGROUND", frozenset({"engram", "shared"}))
-    monkeypatch.setattr(side_stream, "_streams", {})
-    least, greatest = torch.cuda.Stream.priority_range()
-    assert least != greatest, "this GPU has one stream priority"
-    caches = ModelCaches.allocate(model.args, 8, 32, 64, "cuda", scratch=True)
-    with torch.inference_mode():
-        step = bench.decode_step(model, caches, 8, CTX0, 256, 64)
-        want = step().clone()
-        g, out = captured_graph(step)
-        g.replay()
-        torch.cuda.synchronize()
-    assert torch.equal(out, want)
-    lanes = {lane: s.priority for (_, lane), s in side_stream._streams.items()}
-    assert lanes[side_stream.BACKGROUND_LANE] == least
-    assert all(p == greatest for lane, p in lanes.items() if lane != side_stream.BACKGROUND_LANE)
-    assert side_stream.capture_stream().priority == greatest
