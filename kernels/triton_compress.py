@@ -20,7 +20,8 @@
         2026-12-07). The softmax and sum follow the reference's order (max, sum of exp(s - max), exp(s - max) /
         sum, products summed over the members in order) and CUDA's expf; rsqrt is the GPU's and the fp32 rounding
         differs in the last bit now and then, which can move the bf16 latent by one ulp and, through the norm's
-        scale, the output by up to two: most elements are the reference's bits, none further than two ulps.
+        scale and the output's rounding, the output by up to three: nearly every element is the reference's
+        bits (all but ~1e-5 of them), none further than three ulps.
 
 What compress_members replaces per ratio > 1 source layer: the carry rows' arithmetic (an index, a multiply, two
 clamps, an add), two gathers of each of the four sources and two selects: about 12 launches for a few KB.

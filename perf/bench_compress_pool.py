@@ -11,7 +11,7 @@ compressor's branch, which the index scores wait for, spends ~36 us from compres
 
 Prints per (ratio, groups): both paths' microseconds and the fused path's speed-up; each fused output is checked
 against the apart path first (most elements equal, none
-further than two bf16 ulps: tests/kernels/test_triton_compress.py's rule).
+further than three bf16 ulps: tests/kernels/test_triton_compress.py's rule).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main() -> None:
             args = case(ratio, groups)
             got, want = fused(*args).float(), apart(*args).float()
             ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
-            assert ((got - want).abs() <= 2 * ulp * 1.01).all() and (got == want).float().mean() > 0.9, (ratio, groups)
+            assert ((got - want).abs() <= 3 * ulp * 1.01).all() and (got == want).float().mean() > 0.9, (ratio, groups)
             t_apart = time_calls([lambda: apart(*args)])
             t_fused = time_calls([lambda: fused(*args)])
             rows.append(dict(ratio=ratio, groups=groups, apart_us=t_apart * 1e6, fused_us=t_fused * 1e6))

@@ -52,11 +52,17 @@ def check_carry_write(device):
         assert not torch.equal(carry[0][dst], before[dst])                   # the rows were written (not vacuous)
 
 
+# an exp's last fp32 bit (CUDA's expf, torch's CPU one, float64 under the interpreter) can move the bf16 latent one
+# ulp; the norm's scale stretches that to up to two of the output's, and each side rounds its output: three at most
+# (measured: 3 in 1M elements at 2,048 groups under the interpreter, 2026-12-07)
+POOL_ULPS = 3
+
+
 def check_pool(device):
-    """compress_pool against compress_pool_ref: most elements the same bits and none further than two bf16 ulps
-    (an fp32 last-bit difference can move the bf16 latent one ulp, which the norm's scale can stretch to two).
-    Members from the step, the ring and both; ratio 2, 4 and 128 (a long loop); widths that are not powers of two."""
-    ulps, equal = 2, 0.9
+    """compress_pool against compress_pool_ref: most elements the same bits and none further than POOL_ULPS bf16
+    ulps. Members from the step, the ring and both; ratio 2, 4 and 128 (a long loop); widths that are not powers
+    of two."""
+    ulps, equal = POOL_ULPS, 0.9
     from deepinfer.kernels.reference import compress_pool_ref
     from deepinfer.kernels.triton_compress import compress_pool
     g = torch.Generator().manual_seed(2)
@@ -88,7 +94,7 @@ def test_compress_pool_cuda():
 @pytest.mark.gpu
 def test_compress_pool_select_cuda(monkeypatch):
     """select.compress_pool takes the kernel on a GPU; with it off (FAST_OFF) the path it replaced, whose bits
-    are the gather, the torch softmax-weighted sum and the Triton norm: the two within two bf16 ulps, mostly equal."""
+    are the gather, the torch softmax-weighted sum and the Triton norm: the two within POOL_ULPS, mostly equal."""
     from deepinfer.kernels import select
     from deepinfer.kernels.reference import softmax_pool_ref
     g = torch.Generator().manual_seed(3)
@@ -104,7 +110,7 @@ def test_compress_pool_select_cuda(monkeypatch):
     kv, sc = select.compress_members(*args[:9])
     assert torch.equal(apart, select.rms_norm(softmax_pool_ref(kv, sc), args[-2], args[-1]))
     ulp = 2.0 ** (torch.floor(torch.log2(apart.float().abs().clamp_min(1e-30))) - 7)
-    assert ((fused.float() - apart.float()).abs() <= 2 * ulp * 1.01).all()
+    assert ((fused.float() - apart.float()).abs() <= POOL_ULPS * ulp * 1.01).all()
     assert (fused == apart).float().mean() > 0.9
 
 
