@@ -54,15 +54,23 @@ def check_carry_write(device):
 
 # an exp's last fp32 bit (CUDA's expf, torch's CPU one, float64 under the interpreter) can move the bf16 latent one
 # ulp; the norm's scale stretches that to up to two of the output's, and each side rounds its output: three at most
-# (measured: 3 in 1M elements at 2,048 groups under the interpreter, 2026-12-07)
-POOL_ULPS = 3
+# (measured: 3 in 1M elements at 2,048 groups under the interpreter, 2026-12-07). A latent near zero from
+# cancelling members is off by the members' fp32 rounding, not its own: POOL_ATOL of the row's largest output.
+POOL_ULPS, POOL_ATOL = 3, 1e-5
+
+
+def pool_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """compress_pool's outputs against the reference's: within POOL_ULPS bf16 ulps or POOL_ATOL of the row's
+    largest magnitude, and at least 90% of the elements the same bits."""
+    got, want = got.float(), want.float()
+    ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+    tol = POOL_ULPS * ulp * 1.01 + POOL_ATOL * want.abs().amax(-1, keepdim=True)
+    return bool(((got - want).abs() <= tol).all()) and (got == want).float().mean().item() >= 0.9
 
 
 def check_pool(device):
-    """compress_pool against compress_pool_ref: most elements the same bits and none further than POOL_ULPS bf16
-    ulps. Members from the step, the ring and both; ratio 2, 4 and 128 (a long loop); widths that are not powers
-    of two."""
-    ulps, equal = POOL_ULPS, 0.9
+    """compress_pool against compress_pool_ref (pool_close). Members from the step, the ring and both; ratio 2, 4 and
+    128 (a long loop); widths that are not powers of two."""
     from deepinfer.kernels.reference import compress_pool_ref
     from deepinfer.kernels.triton_compress import compress_pool
     g = torch.Generator().manual_seed(2)
@@ -78,12 +86,10 @@ def check_pool(device):
         gseq = torch.randint(0, B, (G,), generator=g)
         weight = torch.rand(D, generator=g) + 0.5
         args = [t.to(device) for t in (*raw, *carry, rows, carry_pos, slots, gseq)]
-        got = compress_pool(*args, ring_len, weight.to(device), 1e-6).float()
-        want = compress_pool_ref(*args, ring_len, weight.to(device), 1e-6).float()
-        assert got.shape == want.shape == (G, D) and got.abs().sum() > 0
-        ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
-        assert ((got - want).abs() <= ulps * ulp * 1.01).all(), (ratio, D, (got - want).abs().max())
-        assert (got == want).float().mean() >= equal, (ratio, D)
+        got = compress_pool(*args, ring_len, weight.to(device), 1e-6)
+        want = compress_pool_ref(*args, ring_len, weight.to(device), 1e-6)
+        assert got.shape == want.shape == (G, D) and got.float().abs().sum() > 0
+        assert pool_close(got, want), (ratio, D, (got.float() - want.float()).abs().max())
 
 
 @pytest.mark.gpu
@@ -94,7 +100,7 @@ def test_compress_pool_cuda():
 @pytest.mark.gpu
 def test_compress_pool_select_cuda(monkeypatch):
     """select.compress_pool takes the kernel on a GPU; with it off (FAST_OFF) the path it replaced, whose bits
-    are the gather, the torch softmax-weighted sum and the Triton norm: the two within POOL_ULPS, mostly equal."""
+    are the gather, the torch softmax-weighted sum and the Triton norm: the two pool_close."""
     from deepinfer.kernels import select
     from deepinfer.kernels.reference import softmax_pool_ref
     g = torch.Generator().manual_seed(3)
@@ -109,9 +115,7 @@ def test_compress_pool_select_cuda(monkeypatch):
     apart = select.compress_pool(*args)
     kv, sc = select.compress_members(*args[:9])
     assert torch.equal(apart, select.rms_norm(softmax_pool_ref(kv, sc), args[-2], args[-1]))
-    ulp = 2.0 ** (torch.floor(torch.log2(apart.float().abs().clamp_min(1e-30))) - 7)
-    assert ((fused.float() - apart.float()).abs() <= POOL_ULPS * ulp * 1.01).all()
-    assert (fused == apart).float().mean() > 0.9
+    assert pool_close(fused, apart)
 
 
 @pytest.mark.gpu
