@@ -50,11 +50,37 @@ def case(ratio: int, groups: int, ring_len: int = 256):
     return (*raw, *carry, rows, carry_pos, slots, gseq, ring_len, weight, 1e-20)
 
 
+def plot(result: dict, path: str) -> None:
+    """The fused kernel's speed-up over the apart path by groups, one line a ratio."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for ratio in sorted({r["ratio"] for r in result["rows"]}):
+        rs = [r for r in result["rows"] if r["ratio"] == ratio]
+        ax.plot([r["groups"] for r in rs], [r["apart_us"] / r["fused_us"] for r in rs], marker="o", label=f"ratio {ratio}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("groups completed in the call")
+    ax.set_ylabel("apart / fused time")
+    ax.set_title(f"compress_pool vs the six launches it replaced ({result['device']})", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, nargs="+", default=[16, 64, 2048, 8192])
     p.add_argument("--ratios", type=int, nargs="+", default=[2, 4, 128])
+    p.add_argument("--plot", metavar="JSON", help="only draw a saved run's plot (compress_pool.json) next to it")
     a = p.parse_args()
+    if a.plot:
+        import json
+        with open(a.plot) as f:
+            plot(json.load(f), os.path.splitext(a.plot)[0] + ".png")
+        return
     from deepinfer.kernels import select
     from deepinfer.kernels.triton_compress import compress_pool as fused
 
@@ -78,7 +104,8 @@ def main() -> None:
             rows.append(dict(ratio=ratio, groups=groups, apart_us=t_apart * 1e6, fused_us=t_fused * 1e6))
             print(f"{ratio:>5} {groups:>6} {t_apart * 1e6:>9.1f} {t_fused * 1e6:>9.1f} {t_apart / t_fused:>7.2f}x",
                   flush=True)
-    save_json("compress_pool.json", dict(device=torch.cuda.get_device_name(), rows=rows))
+    result = dict(device=torch.cuda.get_device_name(), rows=rows)
+    plot(result, os.path.splitext(save_json("compress_pool.json", result))[0] + ".png")
 
 
 if __name__ == "__main__":
