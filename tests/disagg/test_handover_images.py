@@ -2,7 +2,9 @@
 prefill instance encodes and runs the prompt, the decode instance pulls the caches and goes on without
 running its tower, and under batch_invariant the tokens equal a single instance's, with an image in the
 middle of the prompt and one ending it (the decode's first Engram look-back reads dead span positions),
-in both pull modes (the replay mode falls back to the window where the replay would cover a span)."""
+in both pull modes (the replay mode falls back to the window where the replay would cover a span; where it
+replays from past position 0, as for the 200-token prompt, it is approximate by design and only the prefill's
+token and the length must match: its greedy tokens once matched by luck of the tiny model's last bits)."""
 
 from __future__ import annotations
 
@@ -57,7 +59,15 @@ def test_handover_with_images_gives_a_single_instances_tokens(tiny_checkpoint, s
             assert kv is not None and kv["num_tokens"] == first[-1].num_prompt_tokens > len(prompt)
             outs = list(decode.stream(rid, prompt, PARAMS, images=images, kv_transfer_params=kv))
             assert outs[-1].finish_reason == "length", outs[-1]
-            assert sum((o.new_token_ids for o in outs), []) == single[rid], rid
+            got = sum((o.new_token_ids for o in outs), [])
+            # the replay mode is exact where it replays from position 0; past that its window is rebuilt from
+            # [H - 128, n] alone, approximate by design (config.kv_transfer_window; test_handover.py judges it by
+            # the fixture's rule), so there only the prefill's token and the length are a single instance's
+            H = kv["num_tokens"] // 64 * 64
+            if window or H - min(128, H) == 0:
+                assert got == single[rid], rid
+            else:
+                assert len(got) == len(single[rid]) and got[0] == single[rid][0], rid
         pstate, dstate = prefill.state(), decode.state()
         assert pstate["images_encoded"] == 3 and dstate["images_encoded"] == 0
         replayed = dstate["stats"]["counters"].get("kv_transfer_replayed_tokens_total", 0)
