@@ -359,8 +359,9 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     expert_row_scales ("fp8" only): re-express the FP8 expert stacks with one scale per row where that is
     exact (ExpertStacks.to_row_scales: the same values, a scale-free K loop in the masked GEMMs);
     None = on CUDA. wo_a_fp8 ("fp8" only): the block-diagonal wo_a stays FP8 (Linear.fp8_blocks, run by
-    ops.grouped_w8a16) instead of a dequantized bf16 copy; None = on CUDA. With dense_bf16 and dense_fp8_copy,
-    wo_a keeps both: the bf16 copy and, for decode-sized calls (ops.grouped_takes_fp8), its FP8 blocks.
+    ops.grouped_w8a16) instead of a dequantized bf16 copy; None = on CUDA. With dense_bf16 and a dense_fp8_copy
+    that names wo_a's kind (or True), wo_a keeps both: the bf16 copy and, for decode-sized calls
+    (ops.grouped_takes_fp8), its FP8 blocks.
     parallel: a deepinfer.parallel.ParallelState with an expert placement: this rank builds and reads
     only its own routed experts (local slots; a redundant replica is read once per slot holding it).
     load_format: "safetensors" (the release shards) or "dummy" (random weights of the config, made
@@ -475,7 +476,8 @@ class _Format:
     expert_fp4: bool = False       # "fp8": the routed experts in FP4 stacks (expert_format="fp4")
     dense_fp8_copy: bool | frozenset = False   # dense_bf16: also keep the FP8 bytes (Linear.fp8_decode): all, or
                                                # of these tensor kinds ("layers.N.attn.wq_b.weight")
-    wo_a_copy: bool = False        # dense_bf16: wo_a keeps its FP8 blocks beside the bf16 weight (decode-sized calls)
+    wo_a_copy: bool = False        # dense_bf16: wo_a may keep its FP8 blocks beside the bf16 weight where
+                                   # dense_fp8_copy names its kind (decode-sized calls)
 
     def keeps_fp8_copy(self, name: str) -> bool:
         copy = self.dense_fp8_copy
@@ -568,11 +570,11 @@ def _load_one(model, name, kind, infos, mm, fmt: _Format, target: str | None = N
             mod.weight = torch.empty(0, device=device)
             mod.quantized = True
             return
-        blocks = wo_a_blocks(t, scale, model.args.o_groups, name) if wo_a and (fmt.wo_a_fp8 or fmt.wo_a_copy) \
-            else None
+        copy = fmt.wo_a_copy and fmt.keeps_fp8_copy(name)          # beside the bf16 copy, where the budget lets it
+        blocks = wo_a_blocks(t, scale, model.args.o_groups, name) if wo_a and (fmt.wo_a_fp8 or copy) else None
         if blocks is not None:
             mod.fp8_blocks = tuple(b.to(device) for b in blocks)
-            if not fmt.wo_a_copy:
+            if not copy:
                 mod.weight = torch.empty(0, device=device)
                 return
         if fmt.dense_bf16:                      # on the device: a CPU fp32 pass over every dense weight is slow

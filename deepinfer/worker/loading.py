@@ -179,11 +179,34 @@ def decode_copy_kinds(model_args, rows_of, budget: int) -> frozenset[str]:
     return frozenset(chosen)
 
 
+def fp8_kind_elements(model_args) -> dict[str, int]:
+    """Elements of each dense FP8 tensor kind ("layers.N.attn.wq_b.weight": all layers of it together)."""
+    from deepinfer.model.loader import expected_tensors, tensor_kind
+    out: dict[str, int] = {}
+    for name, (kind, shape) in expected_tensors(model_args).items():
+        if kind == "fp8":
+            out[tensor_kind(name)] = out.get(tensor_kind(name), 0) + prod(shape)
+    return out
+
+
+def wo_a_copies(model_args, budget: int) -> frozenset[str]:
+    """The wo_a kinds (the backbone's first, then DSpark's blocks) whose FP8 blocks fit `budget` elements beside
+    their bf16 copy: the grouped W8A16 kernel runs decode-sized calls on them (1.06-1.41x the bf16 bmm at 1-64
+    tokens, perf/bench_wo_a.py; select.grouped_takes_fp8)."""
+    chosen = set()
+    for kind, elements in sorted(fp8_kind_elements(model_args).items(), key=lambda kv: not kv[0].startswith("layers.")):
+        if kind.endswith("attn.wo_a.weight") and elements <= budget:
+            chosen.add(kind)
+            budget -= elements
+    return frozenset(chosen)
+
+
 def dense_fp8_copies(dense_weights: str, device: str, model_args, total_memory: int | None = None) -> bool | frozenset:
-    """Which bf16-held dense linears keep their FP8 bytes for the decode GEMM (Linear.fp8_decode): True, every
-    one ("bf16+fp8"); False, none ("bf16", "fp8", a CPU, or "auto" where the bf16 weights do not fit); "auto":
-    the kinds decode_copy_kinds takes from this GPU model's measured table within what DENSE_BF16_MAX_SHARE of the
-    device leaves past the bf16 weights' extra byte (an empty set where no table was measured on it)."""
+    """Which bf16-held dense linears keep their FP8 bytes for the decode GEMM (Linear.fp8_decode; wo_a: its FP8
+    blocks, Linear.fp8_blocks): True, every one ("bf16+fp8"); False, none ("bf16", "fp8", a CPU, or "auto" where the
+    bf16 weights do not fit); "auto": the kinds decode_copy_kinds takes from this GPU model's measured table within
+    what DENSE_BF16_MAX_SHARE of the device leaves past the bf16 weights' extra byte (none where no table was
+    measured on it), then wo_a's (wo_a_copies) with what is left."""
     if not device.startswith("cuda") or dense_weights in ("fp8", "bf16"):
         return False
     if dense_weights == "bf16+fp8":
@@ -197,6 +220,8 @@ def dense_fp8_copies(dense_weights: str, device: str, model_args, total_memory: 
     gpu = torch.cuda.get_device_name(dev)
     budget = int(DENSE_BF16_MAX_SHARE * total_memory) - dense_fp8_elements(model_args)
     kinds = decode_copy_kinds(model_args, lambda n, k: measured_rows(n, k, gpu), budget)
+    elements = fp8_kind_elements(model_args)
+    kinds |= wo_a_copies(model_args, budget - sum(elements[k] for k in kinds))      # wo_a with what is left
     if kinds:
         logger.info("dense_weights='auto': FP8 decode copies kept beside the bf16 weights of %s",
                     ", ".join(sorted({k.split(".N.", 1)[-1].rsplit(".weight", 1)[0] for k in kinds})))

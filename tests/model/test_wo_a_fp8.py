@@ -58,6 +58,34 @@ def test_wo_a_held_both_ways_under_dense_bf16(held_both, tiny_checkpoint):
     assert all(layer.attn.wo_a.fp8_blocks is None for layer in plain.layers)
 
 
+def test_wo_a_blocks_kept_only_where_the_copies_name_them(tiny_checkpoint):
+    """dense_fp8_copy as a set of kinds (dense_weights="auto"): wo_a keeps its FP8 blocks where its kind is named
+    (loading.wo_a_copies put it there from what the budget left), else its bf16 copy alone."""
+    kw = dict(progress=False, weight_format="fp8", dense_bf16=True, wo_a_fp8=True)
+    named = load_model(tiny_checkpoint, dense_fp8_copy=frozenset({"layers.N.attn.wo_a.weight"}), **kw)
+    other = load_model(tiny_checkpoint, dense_fp8_copy=frozenset({"layers.N.attn.wq_b.weight"}), **kw)
+    assert all(layer.attn.wo_a.fp8_blocks is not None and layer.attn.wo_a.weight.numel() for layer in named.layers)
+    assert all(layer.attn.wo_a.fp8_blocks is None and layer.attn.wo_a.weight.numel() for layer in other.layers)
+
+
+def test_wo_a_copies_take_what_the_budget_leaves(tmp_path):
+    """wo_a_copies: the backbone's wo_a first, DSpark's blocks' next, each only where its elements fit."""
+    import json
+
+    from deepinfer.checkpoint.generator import hf_config, text_config
+    from deepinfer.model.args import ModelArgs
+    from deepinfer.worker.loading import fp8_kind_elements, wo_a_copies
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(text_config("release-ep8"))))
+    args = ModelArgs.from_checkpoint(tmp_path)
+    elements = fp8_kind_elements(args)
+    backbone, blocks = elements["layers.N.attn.wo_a.weight"], elements["mtp.N.attn.wo_a.weight"]
+    assert backbone == args.n_layers * args.o_groups * args.o_lora_rank * args.n_heads * args.head_dim // args.o_groups
+    assert wo_a_copies(args, backbone + blocks) == {"layers.N.attn.wo_a.weight", "mtp.N.attn.wo_a.weight"}
+    assert wo_a_copies(args, backbone + blocks - 1) == {"layers.N.attn.wo_a.weight"}
+    assert wo_a_copies(args, backbone - 1) == ({"mtp.N.attn.wo_a.weight"} if blocks < backbone else set())
+    assert wo_a_copies(args, 0) == frozenset()
+
+
 def test_wo_a_held_both_ways_takes_the_blocks_where_the_rule_says(held_both, pair, monkeypatch):
     """Attention.out runs the FP8 blocks exactly where ops.grouped_takes_fp8 says (the blocks-only model's
     values), else the bf16 copy (the dense model's values)."""
