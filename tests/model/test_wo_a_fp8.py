@@ -112,3 +112,32 @@ def test_grouped_takes_fp8_rule():
         x = torch.zeros(select.GROUPED_FP8_MAX_ROWS, 2, 128, dtype=torch.bfloat16, device="cuda")
         assert select.grouped_takes_fp8(x, w.cuda(), s.cuda())
         assert not select.grouped_takes_fp8(torch.cat([x, x[:1]]), w.cuda(), s.cuda())
+
+
+@pytest.mark.gpu
+def test_wo_a_held_both_ways_on_cuda(tiny_checkpoint, monkeypatch):
+    """On CUDA (dense_bf16 with copies) Attention.out runs wo_a's FP8 blocks for 1..64 tokens and the bf16 copy
+    above; the two agree to bf16 rounding (the same exact products, fp32 sums in another order)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    from deepinfer.kernels import select
+    from deepinfer.model import attention
+    held = load_model(tiny_checkpoint, device="cuda", progress=False, weight_format="fp8", dense_bf16=True,
+                      dense_fp8_copy=True)
+    attn = held.layers[0].attn
+    assert attn.wo_a.fp8_blocks is not None and attn.wo_a.weight.numel()
+    calls = []
+    real = attention.ops.grouped_w8a16
+    monkeypatch.setattr(attention.ops, "grouped_w8a16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for T in (1, 64, 65):
+            o = torch.randn(T, attn.n_heads, attn.head_dim, device="cuda").bfloat16()
+            cis = held.rope[attn.rope_kind](torch.arange(T, device="cuda"), T - 1)
+            got = attn.out(o.clone(), cis).float()
+            monkeypatch.setattr(select, "GROUPED_FP8_MAX_ROWS", 0)
+            dense = attn.out(o.clone(), cis).float()
+            monkeypatch.setattr(select, "GROUPED_FP8_MAX_ROWS", 64)
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, dense, rtol=2e-2, atol=2e-2 * dense.abs().max().item())
+    assert calls == [1, 64], calls
