@@ -1052,8 +1052,9 @@ def compress_pool(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_
     D = raw_kv.shape[-1]
     G, ratio = member_rows.shape
     # one program a group walks its members three times: long groups, few of them, leave the GPU idle (ratio 128:
-    # 0.90x the apart path at 16 groups, 1.43x at 64; ratio 2 / 4: 2.8-4.9x from 16 groups; H100, 2026-12-07)
-    if (ratio < 64 or G >= 32) and _fast_for(raw_kv, "compress_pool", raw_kv.dtype == torch.float32
+    # 0.90x the apart path at 16 groups, 1.43x at 64; ratio 2 / 4: 2.8-4.9x from 16 groups; H100, 2026-12-07).
+    # Batch-invariant mode keeps the kernel at every G (a group's result is its own program's either way).
+    if (ratio < 64 or G >= 32 or _batch_invariant()) and _fast_for(raw_kv, "compress_pool", raw_kv.dtype == torch.float32
                                              and weight.shape == (D,) and D <= 4096, "fp32 rows up to 4096 wide"):
         from .triton_compress import compress_pool as fast
         return fast(raw_kv, raw_score, carry_kv, carry_score, member_rows, member_carry, ring_slots, group_seq,
