@@ -198,23 +198,17 @@ def main() -> None:
     p.add_argument("--triton-pdl", nargs="+", default=["on"], choices=["on", "off"],
                    help="the step's Triton kernels launched programmatically (kernels/pdl.py) or plainly, compared in "
                         "one run")
-    p.add_argument("--fast-off", nargs="+", default=["-"],
-                   help="select.FAST_OFF, compared in one run: comma-separated ops that take their next path "
-                        "('-': as DEEPINFER_FAST_OFF set it; 'none': every fast path on)")
     p.add_argument("--knobs", nargs="+", default=["none"],
                    help="module attributes set for a variant, compared in one run: 'none' or "
                         "'module:ATTR=value[;module:ATTR=value]' (value a Python literal), e.g. "
                         "deepinfer.kernels.select:GROUPED_FP8_MAX_ROWS=0")
-    p.add_argument("--wo-a-fp8-rows", type=int, nargs="+", default=[-1],
-                   help="select.GROUPED_FP8_MAX_ROWS, compared in one run: up to how many tokens wo_a held both ways "
-                        "takes its FP8 blocks (0: never; -1: as set)")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights made on the device from the preset's config (no checkpoint)")
     a = p.parse_args()
 
     from deepinfer.cache.model_caches import ModelCaches
     from deepinfer.kernels.select import capability_report
-    from deepinfer.kernels import pdl, select
+    from deepinfer.kernels import pdl
     from deepinfer.model import side_stream
     from deepinfer.model.loader import load_model
 
@@ -253,18 +247,13 @@ def main() -> None:
     mhc = mhc_variants(a.mhc_variants)
     tables = [None if t == "default" else t for t in (a.skinny_tables or ["default"])]
     moes = a.moe_paths
-    runs = [(B, mi, ti, oi, ki, ss, pd, wr, fo, kn) for B in a.batches for mi in range(len(mhc))
+    runs = [(B, mi, ti, oi, ki, ss, pd, kn) for B in a.batches for mi in range(len(mhc))
             for ti in range(len(tables)) for oi in range(len(moes)) for ki in a.index_k for ss in a.side_streams
-            for pd in a.triton_pdl for wr in a.wo_a_fp8_rows for fo in a.fast_off
-            for kn in a.knobs]
-    env_off = select.FAST_OFF
-    for B, mi, ti, oi, ki, ss, pd, wr, fo, kn in runs:
+            for pd in a.triton_pdl for kn in a.knobs]
+    for B, mi, ti, oi, ki, ss, pd, kn in runs:
         caches = caches_of[ki]
         side_stream.ENABLED, pdl.ENABLED = ss == "on", pd == "on"
-        if wr >= 0:
-            select.GROUPED_FP8_MAX_ROWS = wr
-        select.FAST_OFF = env_off if fo == "-" else frozenset(k for k in fo.split(",") if k != "none")
-        set_knobs(kn)           # last: a knob may set any of the above
+        set_knobs(kn)
         with torch.inference_mode(), use_mhc_variant(triton_mhc.DECODE_VARIANT, mhc[mi]), \
                 use_skinny_table(tables[ti]), use_moe_path(moes[oi]):
             step = decode_step(model, caches, B, a.ctx, max_len, block_tokens)
@@ -279,8 +268,7 @@ def main() -> None:
         layer = (graph - head) / model.args.n_layers
         ep8_step = FULL_LAYERS * layer + head
         row = dict(batch=B, mhc_variant=mhc[mi], skinny_table=tables[ti], moe_path=moes[oi], index_k=ki, side_streams=ss,
-                   triton_pdl=pd, wo_a_fp8_rows=select.GROUPED_FP8_MAX_ROWS,
-                   fast_off=sorted(select.FAST_OFF), knobs=kn,
+                   triton_pdl=pd, knobs=kn,
                    eager_ms=eager * 1e3,
                    graph_ms=graph * 1e3,
                    graph_speedup=eager / graph,
@@ -293,8 +281,7 @@ def main() -> None:
         tag = ('' if len(mhc) == 1 else f' m{mi}') + ('' if len(tables) == 1 else f' t{ti}') + \
             ('' if len(moes) == 1 else f' {moes[oi]}') + ('' if len(a.index_k) == 1 else f' {ki}') + \
             ('' if len(a.side_streams) == 1 else f' side {ss}') + ('' if len(a.triton_pdl) == 1 else f' pdl {pd}') + \
-            ('' if len(a.wo_a_fp8_rows) == 1 else f' wo_a<={select.GROUPED_FP8_MAX_ROWS}') + \
-            ('' if len(a.fast_off) == 1 else f' off {fo}') + ('' if len(a.knobs) == 1 else f' [{kn}]')
+            ('' if len(a.knobs) == 1 else f' [{kn}]')
         print(f"{B:>5}{tag} {eager * 1e3:>9.2f} {graph * 1e3:>9.2f} {eager / graph:>8.2f} {nb['total'] / 1e6:>8.0f} "
               f"{frac:>8.3f} {row['of_copy_uniform']:>8.3f} {sum(used.values()) / max(len(used), 1):>8.1f} "
               f"{head * 1e3:>8.2f} {layer * 1e6:>9.0f} {B / ep8_step:>14.0f}", flush=True)
@@ -303,9 +290,7 @@ def main() -> None:
         print("skinny tables: " + ", ".join(f"t{i} {t if t is not None else 'default'!r}" for i, t in enumerate(tables)))
     plot([r for r in rows if r["mhc_variant"] == mhc[0] and r["skinny_table"] == tables[0] and r["moe_path"] == moes[0]
           and r["index_k"] == a.index_k[0] and r["side_streams"] == a.side_streams[0]
-          and r["triton_pdl"] == a.triton_pdl[0]
-          and r["wo_a_fp8_rows"] == rows[0]["wo_a_fp8_rows"] and r["fast_off"] == rows[0]["fast_off"]
-          and r["knobs"] == a.knobs[0]],
+          and r["triton_pdl"] == a.triton_pdl[0] and r["knobs"] == a.knobs[0]],
          os.path.join(out_dir(), "model_decode.png"))
     if a.profile:
         side_stream.ENABLED, pdl.ENABLED = a.side_streams[0] == "on", a.triton_pdl[0] == "on"

@@ -28,23 +28,27 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def exposed_times(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
-    """name -> time during which a kernel of that name was the only one running (a sweep over start / end
-    events)."""
-    events = sorted([(s, 1, i) for i, (s, _, _) in enumerate(kernels)] + [(e, -1, i) for i, (_, e, _) in enumerate(kernels)])
+def alone_times(kernels: list[tuple]) -> dict[int, float]:
+    """kernel index -> time during which that kernel was the only one running (a sweep over start / end events;
+    a kernel is (start, end, ...))."""
+    events = sorted([(k[0], 1, i) for i, k in enumerate(kernels)] + [(k[1], -1, i) for i, k in enumerate(kernels)])
     running: set[int] = set()
-    out: dict[str, float] = {}
+    out: dict[int, float] = {}
     last = None
     for t, kind, i in events:
         if last is not None and len(running) == 1:
             (only,) = running
-            name = kernels[only][2]
-            out[name] = out.get(name, 0.0) + t - last
-        if kind == 1:
-            running.add(i)
-        else:
-            running.discard(i)
+            out[only] = out.get(only, 0.0) + t - last
+        (running.add if kind == 1 else running.discard)(i)
         last = t
+    return out
+
+
+def exposed_times(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
+    """name -> time during which a kernel of that name was the only one running."""
+    out: dict[str, float] = {}
+    for i, t in alone_times(kernels).items():
+        out[kernels[i][2]] = out.get(kernels[i][2], 0.0) + t
     return out
 
 
@@ -180,16 +184,7 @@ def window_kernels(kernels: list[tuple[float, float, str, int]], layer: int) -> 
         return []
     t0 = runs[2 * layer - 1][1] if layer else min(s for s, _, _ in ks)
     t1 = runs[2 * layer][0]
-    alone: dict[int, float] = {}
-    events = sorted([(s, 1, i) for i, (s, _, _) in enumerate(ks)] + [(e, -1, i) for i, (_, e, _) in enumerate(ks)])
-    running: set[int] = set()
-    last = None
-    for t, kind, i in events:
-        if last is not None and len(running) == 1:
-            (only,) = running
-            alone[only] = alone.get(only, 0.0) + t - last
-        (running.add if kind == 1 else running.discard)(i)
-        last = t
+    alone = alone_times(ks)
     rows = [(s - t0, e - s, alone.get(i, 0.0), kernels[i][3], n) for i, (s, e, n) in enumerate(ks) if t0 <= s < t1]
     return sorted(rows)
 

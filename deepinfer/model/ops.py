@@ -19,7 +19,6 @@ from deepinfer.kernels.select import (  # noqa: F401
     act_quant,
     candidate_blocks,
     carry_write,
-    compress_members,
     compress_pool,
     dense_linear,
     dequant_fp8,
