@@ -4,7 +4,7 @@ A decode step's layer window is a chain of small kernels (mHC mixes, norms, atte
 HBM idle, broken by M <= 64 GEMMs that read tens of MB and run at about half of copy bandwidth. A prefetch
 issued during the idle stretch moves the next GEMM's bytes while nothing else wants them, so the GEMM reads L2.
 
-    prefetch_l2(t, programs=8, mode="bulk")   # enqueue on the current stream; no result, no effect on values
+    prefetch_l2(t)          # PROGRAMS programs, MODE form; enqueue on the current stream; no result, no effect on values
 
 Forms (`mode`): "bulk" issues `cp.async.bulk.prefetch.L2` (SM90's copy engine, one instruction a CHUNK);
 "line" issues `prefetch.global.L2::evict_last` a 128-byte line (any SM80+). Neither reads into registers, so a
@@ -25,6 +25,8 @@ except ImportError:  # CPU-only installs
 LINE = 128          # bytes an L2 line holds
 CHUNK = 16384       # bytes one bulk prefetch asks for
 LANES = 32          # prefetches a program issues per iteration (one warp's lanes)
+PROGRAMS = 8        # programs (SMs) a prefetch takes: a few keep the bytes in flight, the rest stay free
+MODE = "bulk"
 
 if triton is not None:
     @triton.jit
@@ -55,8 +57,9 @@ if triton is not None:
                 "=r,l", [base + tl.where(ln < n_lines, ln * LINE, 0)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def prefetch_l2(t: torch.Tensor, programs: int = 8, mode: str = "bulk", lanes: int = LANES) -> None:
+def prefetch_l2(t: torch.Tensor, programs: int | None = None, mode: str | None = None, lanes: int = LANES) -> None:
     """Ask L2 to hold t's bytes (a hint: values are never touched). Enqueued on the current stream."""
+    programs, mode = programs or PROGRAMS, mode or MODE
     if triton is None or not t.is_cuda or not t.is_contiguous() or t.numel() == 0:
         return
     flat = t.view(torch.uint8).view(-1) if t.dtype != torch.uint8 else t.view(-1)
