@@ -1345,12 +1345,16 @@ def candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, k: int, block_siz
     return _ref.candidate_blocks_ref(scores, lens, k, block_size)
 
 
-def hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False):
+def hc_mixes_pre(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean: bool = False, deferred: bool = False):
+    """(pre, post, comb, y[, mean]) (reference.hc_mixes_pre_ref); deferred: (tail, y[, mean]) with tail() ->
+    (pre, post, comb), the mixes' chunk sums and Sinkhorn pass launched when called (y does not wait for them)."""
     if _fast_for(x, "hc_mixes_pre", x.shape[1] == 4 and x.shape[-1] % 64 == 0,    # 64-wide column chunks
                  "hc_mult 4 and dim a multiple of 64"):
         from .triton_mhc import hc_mixes_pre as fast
-        return fast(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean, batch_invariant=_batch_invariant())
-    return _ref.hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
+        return fast(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean, batch_invariant=_batch_invariant(),
+                    deferred=deferred)
+    pre, post, comb, *rest = _ref.hc_mixes_pre_ref(x, fn, scale, base, pre_prev, iters, hc_eps, norm_eps, mean)
+    return ((lambda: (pre, post, comb)),) + tuple(rest) if deferred else (pre, post, comb, *rest)
 
 
 def hc_post(y, res, post, comb):

@@ -443,7 +443,8 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                  pre_prev: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, mean: bool = False,
                  batch_invariant: bool = False, *, bt: int | None = None, bk: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 chunks_per_program: int | None = None, dot: str | None = None, tail: str | None = None):
+                 chunks_per_program: int | None = None, dot: str | None = None, tail: str | None = None,
+                 deferred: bool = False):
     """x [T, hc, d] bf16 -> (pre, post, comb) of this sublayer and y = hc_pre(x, pre_prev) [T, d]
     (mean: and x.mean(dim=1) [T, d] bf16, a DSpark tap, from the same read). Replaces Block.hc_mixes(x)
     followed by Block.hc_pre(x, pre_prev) with one read of x. The column chunks (and so the summation
@@ -454,7 +455,9 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     chunks_per_program bk-chunks walked by one program, num_warps / num_stages, dot "tf32x3" or
     "bf16x3" (fn split into three exact bf16 parts, bf16 MMAs on x as loaded) or "bf16x3n" (those parts
     loaded as one N = 128 operand: one MMA a stream and chunk); tail "split" (the chunk sums and the
-    Sinkhorn pass as two kernels) or "fused" (hc_reduce_sinkhorn_kernel: one)."""
+    Sinkhorn pass as two kernels) or "fused" (hc_reduce_sinkhorn_kernel: one).
+    deferred: return (tail, y[, mean]) instead, tail() launching the chunk sums and the Sinkhorn pass and
+    returning (pre, post, comb): y alone feeds the next kernel, so a caller may run the tail beside it."""
     T, hc, d = x.shape
     mix = fn.shape[0]
     assert fn.shape[1] == hc * d and mix <= MIX_PAD and mix == (2 + hc) * hc
@@ -470,7 +473,8 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     avg = torch.empty(T, d, dtype=x.dtype, device=x.device) if mean else y
     if T == 0:
         z = torch.empty(0, hc, device=x.device)
-        return (z, z.clone(), torch.empty(0, hc, hc, device=x.device), y) + ((avg,) if mean else ())
+        mixed = (z, z.clone(), torch.empty(0, hc, hc, device=x.device))
+        return ((lambda: mixed,) if deferred else mixed) + (y,) + ((avg,) if mean else ())
     split3, stacked = v["dot"] == "bf16x3", v["dot"] == "bf16x3n"
     w = _fn_parts(fn) if split3 or stacked else fn.float().contiguous()
     mixes = torch.empty(T, MIX_PAD, dtype=torch.float32, device=x.device)
@@ -482,19 +486,23 @@ def hc_mixes_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                                                        SPLIT3=split3, UPCAST=INTERPRET, STACKED=stacked,
                                                        num_warps=v["num_warps"], num_stages=v["num_stages"],
                                                        **pdl_args())
-    if v["tail"] == "fused":
-        pre, post, comb = _sinkhorn_outputs(T, hc, x.device)
-        bt = 16
-        hc_reduce_sinkhorn_kernel[(triton.cdiv(T, bt),)](mixp, sqp, mixes, scale.float().contiguous(),
-                                                         base.float().contiguous(), pre, post, comb, T, nc,
-                                                         1.0 / (hc * d), norm_eps, iters, float(hc_eps),
-                                                         MIXP=MIX_PAD, HC=hc, BT=bt, UNROLL=_tail_unroll(bt, 4),
-                                                         num_warps=4)
-    else:
-        hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps, NCP=triton.next_power_of_2(nc),
-                                   MIXP=MIX_PAD, num_warps=4, **pdl_args())
-        pre, post, comb = _sinkhorn_launch(mixes, MIX_PAD, scale, base, T, hc, iters, hc_eps)
-    return (pre, post, comb, y) + ((avg,) if mean else ())
+
+    def tail():
+        if v["tail"] == "fused":
+            pre, post, comb = _sinkhorn_outputs(T, hc, x.device)
+            bt = 16
+            hc_reduce_sinkhorn_kernel[(triton.cdiv(T, bt),)](mixp, sqp, mixes, scale.float().contiguous(),
+                                                             base.float().contiguous(), pre, post, comb, T, nc,
+                                                             1.0 / (hc * d), norm_eps, iters, float(hc_eps),
+                                                             MIXP=MIX_PAD, HC=hc, BT=bt, UNROLL=_tail_unroll(bt, 4),
+                                                             num_warps=4)
+        else:
+            hc_mix_reduce_kernel[(T,)](mixp, sqp, mixes, T, nc, 1.0 / (hc * d), norm_eps,
+                                       NCP=triton.next_power_of_2(nc), MIXP=MIX_PAD, num_warps=4, **pdl_args())
+            pre, post, comb = _sinkhorn_launch(mixes, MIX_PAD, scale, base, T, hc, iters, hc_eps)
+        return pre, post, comb
+
+    return ((tail,) if deferred else tail()) + (y,) + ((avg,) if mean else ())
 
 
 def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

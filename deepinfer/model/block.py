@@ -62,7 +62,7 @@ class Block(nn.Module):
         T = x.shape[0]
         # the mixes and norms are latency-bound: the next GEMMs' bytes go to L2 meanwhile (side_stream.prefetch)
         pulled = side_stream.prefetch("qkv", lambda: self._qkv_reads(T, x.device), tokens=T, device=x.device)
-        a_pre, a_post, a_comb, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
+        a_mix, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
         if tap is not None:
             tap.append(mean[0])
         # the norm's launch also rounds its rows where the input linears would (RMSNorm.with_rounded)
@@ -70,22 +70,34 @@ class Block(nn.Module):
         if attn_out is not None:
             attn_out.append(a)
         pulled.wait()
+        a_pre, a_post, a_comb = a_mix.wait()
         x = ops.hc_post(a, res, a_post, a_comb)
         res = x
         pulled = side_stream.prefetch("ffn", lambda: self.ffn.shared_reads(T, x.device), tokens=T, device=x.device)
-        f_pre, f_post, f_comb, xf = self.mixes_pre(x, "ffn", a_pre)
+        f_mix, xf = self.mixes_pre(x, "ffn", a_pre)
         xn, xq = self.ffn_norm.with_rounded(xf, self.ffn.shared_input_linear())
         y = self.ffn(xn, image_mask, xq)
         pulled.wait()
+        f_pre, f_post, f_comb = f_mix.wait()
         return ops.hc_post(y, res, f_post, f_comb), f_pre
 
     def _qkv_reads(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The weights the attention's first GEMMs read (its input linears, wq_b)."""
         return tuple(t for lin in (*self.attn.input_linears(), self.attn.wq_b) for t in lin.reads(tokens, device))
 
-    def mixes_pre(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor, mean: bool = False):
-        """hc_mixes(x, sub) and hc_pre(x, pre_prev) in one pass over x (ops.hc_mixes_pre):
-        pre, post [T, hc], comb [T, hc, hc] fp32 and the collapsed input [T, d] (mean: then x's mean
-        over the hc copies [T, d])."""
-        return ops.hc_mixes_pre(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
-                                getattr(self, f"hc_{sub}_base"), pre_prev, self.iters, self.hc_eps, self.eps, mean)
+    def mixes_pre(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor, mean: bool = False, tail: bool = True):
+        """hc_mixes(x, sub) and hc_pre(x, pre_prev) in one pass over x (ops.hc_mixes_pre): (mixes, the collapsed
+        input [T, d][, x's mean over the hc copies [T, d]]), mixes.wait() -> pre, post [T, hc], comb [T, hc, hc]
+        fp32. Only the collapsed input feeds the sublayer; the mixes' sums and Sinkhorn pass (their tail) are
+        needed after it, so in a small captured step they run on a side stream (side_stream.TAIL_LANE) and the
+        norm starts as soon as the collapse is written. tail=False: the mixes are not made (mixes is None)."""
+        launch, y, *mean_out = ops.hc_mixes_pre(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                                                getattr(self, f"hc_{sub}_base"), pre_prev, self.iters, self.hc_eps,
+                                                self.eps, mean, deferred=True)
+        if not tail:
+            mixes = None
+        elif side_stream.MHC_TAILS:
+            mixes = side_stream.branch(launch, tokens=x.shape[0], device=x.device, lane=side_stream.TAIL_LANE)
+        else:
+            mixes = side_stream.Pending(launch(), None, ())
+        return (mixes, y, *mean_out)

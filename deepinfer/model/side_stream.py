@@ -30,8 +30,10 @@ import torch
 MAX_TOKENS = 512        # steps up to this many tokens fork (decode, DSpark verification, small chunks)
 ENABLED = os.environ.get("DEEPINFER_SIDE_STREAMS", "1") != "0"
 
-LANES = 3               # side streams a device has: branches that do not wait for each other take different lanes
+LANES = 4               # side streams a device has: branches that do not wait for each other take different lanes
 PREFETCH_LANE = 2       # the L2 prefetches' own lane: a branch queued behind one would wait for its bytes
+TAIL_LANE = 3           # the mHC mixes' tails (Block.mixes_pre): the compressor's lane would wait behind them
+MHC_TAILS = os.environ.get("DEEPINFER_MHC_TAIL_FORK", "1") != "0"   # False: the tails inline (A/Bs)
 # points of a layer where the next GEMMs' weights are pulled into L2 during a latency-bound stretch (prefetch):
 # "qkv" (wqkv_a / wq_b during the attention's mixes), "out" (wo_a / wo_b during the attention), "ffn" (the
 # shared expert during the FFN's mixes); empty: none (the default until an H200 A/B says which pay)

@@ -104,6 +104,6 @@ def plan_compaction(batch: ForwardBatch) -> Compaction | None:
 def write_decoder_kv(layer, h: torch.Tensor, pre: torch.Tensor, meta, caches, rope) -> None:
     """Layer B's compressed KV and index keys for every row of the step, from its attention input
     (the same mixes and norm its forward applies), before the rows are dropped."""
-    _, _, _, xa = layer.mixes_pre(h, "attn", pre)
+    _, xa = layer.mixes_pre(h, "attn", pre, tail=False)
     attn = layer.attn
     attn._compress(meta, attn.compressor.project(layer.attn_norm(xa)), caches, rope)

@@ -334,6 +334,9 @@ def main():
         assert all(torch.equal(a, b) for a, b in zip(same, got)) and rel(mean, xh.mean(dim=1)) < 1e-2, d
         one = triton_mhc.hc_mixes_pre(xh[:1], fn, scale, base, pre_prev[:1], 20, 1e-6, 1e-20)
         assert all(torch.equal(a[:1], b) for a, b in zip(got, one)), d      # a token's bits: not the batch's
+        # deferred (Block.mixes_pre runs the tail beside the norm): the collapse at once, the mixes when called
+        tail, y_first = triton_mhc.hc_mixes_pre(xh, fn, scale, base, pre_prev, 20, 1e-6, 1e-20, deferred=True)
+        assert torch.equal(y_first, got[3]) and all(torch.equal(a, b) for a, b in zip(tail(), got[:3])), d
     mixes = torch.randn(3, 24)
     for a, b in zip(triton_mhc.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6),
                     hc_split_sinkhorn_ref(mixes, scale, base, 4, 20, 1e-6)):
