@@ -23,7 +23,7 @@ from torch import nn
 
 from . import ops, side_stream
 from .fused_linears import fuse_linears
-from .layers import ACT, Linear, RMSNorm, rows_like
+from .layers import ACT, Linear, RMSNorm
 from .step_metadata import StepMetadata
 
 
@@ -163,17 +163,6 @@ class Attention(nn.Module):
         kv = ops.norm_rope_quant(kv, self.kv_norm.weight, self.kv_norm.eps, cis, ring)   # kv_norm, RoPE, act_quant
         return q, kv
 
-    def out_reads(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The weights `out` reads on a call of `tokens` rows: wo_a's (the form it takes) and wo_b's."""
-        blocks = self.wo_a.fp8_blocks
-        k = self.n_heads * self.head_dim // self.n_groups
-        if blocks is not None and (self.wo_a.weight.numel() == 0 or ops.grouped_takes_fp8(
-                rows_like(tokens, self.n_groups, k, device), *blocks)):
-            wo_a = blocks
-        else:
-            wo_a = (self.wo_a.weight,)
-        return (*wo_a, *self.wo_b.reads(tokens, device))
-
     def out(self, o: torch.Tensor, cis: torch.Tensor | None = None) -> torch.Tensor:
         """o [T, H, D] -> RoPE removed (here with cis; None: sparse_attn's unrope did it), grouped wo_a
         (block-diagonal, bf16, no act rounding), wo_b."""
@@ -227,17 +216,12 @@ class Attention(nn.Module):
                 self._compress(meta.context_parallel.whole, raw, caches, rope_tables)
             if indexes:
                 self._index_step(x, qr, qr_rounded, cis, meta, caches)
-        # the attention is latency-bound: wo_a's and wo_b's bytes go to L2 meanwhile (side_stream.prefetch)
-        pulled = side_stream.prefetch("out", lambda: self.out_reads(x.shape[0], x.device), tokens=x.shape[0],
-                                      device=x.device)
         o = self._attend_step(q, meta, caches, ring, kv, E, cis)
         if not early:
             whole = meta if meta.context_parallel is None else meta.context_parallel.whole
             new = kv if whole.ring_write_rows is None else kv[whole.ring_write_rows]
             ring[whole.ring_write] = new.to(ring.dtype)
-        o = self.out(o)
-        pulled.wait()
-        return o
+        return self.out(o)
 
     def _compress_step(self, x, meta: StepMetadata, caches, rope_tables) -> None:
         """This step's compressed entries (a KV source) into the pools."""

@@ -59,9 +59,6 @@ class Block(nn.Module):
         for the next block).
         tap: gets x.mean(dim=1) appended (a DSpark tap, from the read the attention mixes make anyway)."""
         res = x
-        T = x.shape[0]
-        # the mixes and norms are latency-bound: the next GEMMs' bytes go to L2 meanwhile (side_stream.prefetch)
-        pulled = side_stream.prefetch("qkv", lambda: self._qkv_reads(T, x.device), tokens=T, device=x.device)
         a_mix, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
         if tap is not None:
             tap.append(mean[0])
@@ -69,21 +66,14 @@ class Block(nn.Module):
         a = attn_fn(*self.attn_norm.with_rounded(xa, *self.attn.input_linears()))
         if attn_out is not None:
             attn_out.append(a)
-        pulled.wait()
         a_pre, a_post, a_comb = a_mix.wait()
         x = ops.hc_post(a, res, a_post, a_comb)
         res = x
-        pulled = side_stream.prefetch("ffn", lambda: self.ffn.shared_reads(T, x.device), tokens=T, device=x.device)
         f_mix, xf = self.mixes_pre(x, "ffn", a_pre)
         xn, xq = self.ffn_norm.with_rounded(xf, self.ffn.shared_input_linear())
         y = self.ffn(xn, image_mask, xq)
-        pulled.wait()
         f_pre, f_post, f_comb = f_mix.wait()
         return ops.hc_post(y, res, f_post, f_comb), f_pre
-
-    def _qkv_reads(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The weights the attention's first GEMMs read (its input linears, wq_b)."""
-        return tuple(t for lin in (*self.attn.input_linears(), self.attn.wq_b) for t in lin.reads(tokens, device))
 
     def mixes_pre(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor, mean: bool = False, tail: bool = True):
         """hc_mixes(x, sub) and hc_pre(x, pre_prev) in one pass over x (ops.hc_mixes_pre): (mixes, the collapsed

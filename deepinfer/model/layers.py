@@ -77,28 +77,9 @@ class Linear(nn.Module):
             return False
         return self.fp8_decode is None or not ops.fp8_decode_takes(x, *self.fp8_decode)
 
-    def reads(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The weight tensors forward reads on a call of `tokens` rows (what an L2 prefetch ahead of it pulls:
-        model/side_stream.prefetch)."""
-        if self.fp8 is not None:
-            return self.fp8
-        if self.packed is not None:
-            return self.packed
-        if self.fp8_decode is not None and ops.fp8_decode_takes(rows_like(tokens, self.in_features, device),
-                                                                *self.fp8_decode):
-            return self.fp8_decode
-        return (self.weight,)
-
     def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 out of an fp32 product (the ratio>1 compressor promotes its weights to fp32)."""
         return linear_fp32(x, self.dense())
-
-
-def rows_like(*shape_and_device) -> torch.Tensor:
-    """A bf16 stand-in of a call's input shape (no memory: one element expanded), for the shape rules that pick
-    a call's path (ops.fp8_decode_takes, ops.grouped_takes_fp8) before the input exists."""
-    *shape, device = shape_and_device
-    return torch.zeros((), dtype=torch.bfloat16, device=device).expand(*shape)
 
 
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -183,12 +183,6 @@ class MoE(nn.Module):
         # CPU runs it too: tests); False = never
         self.masked: bool | None = None
 
-    def shared_reads(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The weights the shared expert reads on a call of `tokens` rows (its fused w1 / w3 or w1 and w3, w2)."""
-        se = self.shared_experts
-        first = (self.shared_w13,) if self.shared_w13 is not None else (se.w1, se.w3)
-        return tuple(t for lin in (*first, se.w2) for t in lin.reads(tokens, device))
-
     def shared_input_linear(self) -> Linear | None:
         """The fused shared w1 / w3 (Block: ffn_norm.with_rounded hands it rounded rows), or None."""
         return self.shared_w13

@@ -30,18 +30,11 @@ import torch
 MAX_TOKENS = 512        # steps up to this many tokens fork (decode, DSpark verification, small chunks)
 ENABLED = os.environ.get("DEEPINFER_SIDE_STREAMS", "1") != "0"
 
-LANES = 4               # side streams a device has: branches that do not wait for each other take different lanes
-PREFETCH_LANE = 2       # the L2 prefetches' own lane: a branch queued behind one would wait for its bytes
-TAIL_LANE = 3           # the mHC mixes' tails (Block.mixes_pre): the compressor's lane would wait behind them
+LANES = 3               # side streams a device has: branches that do not wait for each other take different lanes
+TAIL_LANE = 2           # the mHC mixes' tails (Block.mixes_pre): the compressor's lane would wait behind them
 MHC_TAILS = os.environ.get("DEEPINFER_MHC_TAIL_FORK", "1") != "0"   # False: the tails inline (A/Bs)
-# points of a layer where the next GEMMs' weights are pulled into L2 during a latency-bound stretch (prefetch):
-# "qkv" (wqkv_a / wq_b during the attention's mixes), "out" (wo_a / wo_b during the attention), "ffn" (the
-# shared expert during the FFN's mixes); empty: none (the default until an H200 A/B says which pay)
-PREFETCH: tuple[str, ...] = tuple(p for p in os.environ.get("DEEPINFER_L2_PREFETCH", "").split(",") if p)
-PREFETCH_MAX_TOKENS = 128   # decode and small verification steps: larger GEMMs are not latency-bound
 _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 forked_branches = 0     # branches run on a side stream so far (tests and benchmarks read it)
-prefetches = 0          # L2 prefetch forks so far (prefetch)
 
 
 def _side(device: torch.device, lane: int) -> torch.cuda.Stream:
@@ -90,23 +83,3 @@ def branch(fn: Callable, *args, tokens: int, device: torch.device | None = None,
         done.record(side)
     return Pending(value, done, (fn, args))
 
-
-def prefetch(point: str, reads: Callable[[], tuple[torch.Tensor, ...]], tokens: int,
-             device: torch.device) -> Pending:
-    """At `point` (one of PREFETCH's names) of a captured small step, the tensors reads() names pulled into L2
-    on PREFETCH_LANE (kernels/l2_prefetch.py): a hint, no value changes. Wait on the result after the GEMMs
-    that read them (a graph's side stream must rejoin; by then the prefetch is long done)."""
-    if point not in PREFETCH or tokens > PREFETCH_MAX_TOKENS or not forks(device, tokens):
-        return Pending(None, None, ())
-    from deepinfer.kernels.l2_prefetch import prefetch_l2
-    global prefetches
-    prefetches += 1
-    tensors = reads()
-    main, side = torch.cuda.current_stream(device), _side(device, PREFETCH_LANE)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        for t in tensors:
-            prefetch_l2(t)
-        done = torch.cuda.Event()
-        done.record(side)
-    return Pending(None, done, tensors)

@@ -162,16 +162,3 @@ def test_w4a16_contiguous():
         counts = torch.full((e,), rows // e, dtype=torch.int32)
         _compile(fc, ["w4a16_contiguous_kernel"], lambda: fc.w4a16_grouped_contiguous(x, w, s, counts))
 
-
-def test_l2_prefetch_kernels():
-    """Both prefetch forms build for sm_90a and keep their prefetch instruction (inline asm with no result used:
-    a compiler free to drop it would leave a kernel that moves nothing)."""
-    from deepinfer.kernels import l2_prefetch as lp
-    t = torch.empty(1 << 20, dtype=torch.uint8)
-    for fn, kw, op in ((lp._prefetch_bulk_kernel, dict(CHUNK=lp.CHUNK, LANES=lp.LANES, num_warps=1),
-                        "cp.async.bulk.prefetch.L2.global"),
-                       (lp._prefetch_line_kernel, dict(LINE=lp.LINE, LANES=lp.LANES, num_warps=1),
-                        "prefetch.global.L2::evict_last")):
-        compiled = ptx_check.compile_call(fn, (t, t.numel()), kw)
-        assert compiled.asm.get("cubin"), fn.__name__
-        assert op in compiled.asm["ptx"], fn.__name__

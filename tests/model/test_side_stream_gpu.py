@@ -64,21 +64,3 @@ def test_no_fork_when_disabled(model, monkeypatch):
     assert side_stream.forked_branches == before
     assert torch.equal(out, want)
 
-
-def test_l2_prefetch_changes_no_value(model, monkeypatch):
-    """With every prefetch point on (the next GEMMs' weights pulled into L2 on their own lane), the captured
-    step still gives the inline step's logits bit for bit, and each layer forked its three prefetches."""
-    from deepinfer.cache.model_caches import ModelCaches
-    monkeypatch.setattr(side_stream, "PREFETCH", ("qkv", "out", "ffn"))
-    caches = ModelCaches.allocate(model.args, 8, 32, 64, "cuda", scratch=True)
-    with torch.inference_mode():
-        for i in range(2):
-            step = bench.decode_step(model, caches, 8, CTX0 + i, 256, 64)
-            want = step().clone()
-            before = side_stream.prefetches
-            g, out = captured_graph(step)
-            assert side_stream.prefetches - before >= 3 * len(model.layers)
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want), f"step {i}: the prefetching graph's logits differ from inline"
-
