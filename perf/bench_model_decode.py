@@ -292,6 +292,7 @@ def main() -> None:
           and r["index_k"] == a.index_k[0] and r["side_streams"] == a.side_streams[0]
           and r["triton_pdl"] == a.triton_pdl[0] and r["knobs"] == a.knobs[0]],
          os.path.join(out_dir(), "model_decode.png"))
+    set_knobs(a.knobs[0])                       # the profiles are of the first variant
     if a.profile:
         side_stream.ENABLED, pdl.ENABLED = a.side_streams[0] == "on", a.triton_pdl[0] == "on"
         with torch.inference_mode():

@@ -157,11 +157,15 @@ class Attention(nn.Module):
 
     def q_heads(self, qr: torch.Tensor, qr_rounded: bool, kv: torch.Tensor, cis: torch.Tensor, ring=None):
         """(q [T, H, D] RoPE'd, kv [T, D] normed, RoPE'd, FP8-rounded): qkv's second half."""
+        # the kv row (kv_norm, RoPE, act_quant, its ring write) reads only the input GEMM's output: in a small
+        # captured step it runs on a side stream beside wq_b (model/side_stream.py)
+        args = (kv, self.kv_norm.weight, self.kv_norm.eps, cis, ring)
+        kv_row = side_stream.branch(ops.norm_rope_quant, *args, tokens=kv.shape[0], lane=side_stream.TAIL_LANE) \
+            if side_stream.KV_ROW else side_stream.Pending(ops.norm_rope_quant(*args), None, ())
         # in place: both are fresh outputs; only their rope dims are read and written
         q = ops.rope(self.wq_b(qr, rounded=qr_rounded).unflatten(-1, (self.n_heads, self.head_dim)), cis,
                      inplace=True)
-        kv = ops.norm_rope_quant(kv, self.kv_norm.weight, self.kv_norm.eps, cis, ring)   # kv_norm, RoPE, act_quant
-        return q, kv
+        return q, kv_row.wait()
 
     def out(self, o: torch.Tensor, cis: torch.Tensor | None = None) -> torch.Tensor:
         """o [T, H, D] -> RoPE removed (here with cis; None: sparse_attn's unrope did it), grouped wo_a
