@@ -33,7 +33,8 @@ ENABLED = os.environ.get("DEEPINFER_SIDE_STREAMS", "1") != "0"
 LANES = 3               # side streams a device has: branches that do not wait for each other take different lanes
 TAIL_LANE = 2           # short branches (the mHC mixes' tails, the kv row): the compressor's lane would wait behind them
 MHC_TAILS = os.environ.get("DEEPINFER_MHC_TAIL_FORK", "1") != "0"   # False: the tails inline (A/Bs)
-KV_ROW = os.environ.get("DEEPINFER_KV_ROW_FORK", "1") != "0"   # the attention's kv row beside wq_b (TAIL_LANE)
+# the attention's kv row beside wq_b (TAIL_LANE): opt-in until a GPU has run it (DEEPINFER_KV_ROW_FORK=1)
+KV_ROW = os.environ.get("DEEPINFER_KV_ROW_FORK", "0") == "1"
 _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 forked_branches = 0     # branches run on a side stream so far (tests and benchmarks read it)
 
