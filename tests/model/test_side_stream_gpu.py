@@ -64,3 +64,23 @@ def test_no_fork_when_disabled(model, monkeypatch):
     assert side_stream.forked_branches == before
     assert torch.equal(out, want)
 
+
+
+def test_kv_row_fork_changes_no_value(model, monkeypatch):
+    """The attention's kv row forked beside wq_b (side_stream.KV_ROW, opt-in): the captured step still gives the
+    inline step's logits bit for bit, and each layer forked one branch more than without it."""
+    from deepinfer.cache.model_caches import ModelCaches
+    caches = ModelCaches.allocate(model.args, 8, 32, 64, "cuda", scratch=True)
+    forks = {}
+    with torch.inference_mode():
+        for on in (False, True):
+            monkeypatch.setattr(side_stream, "KV_ROW", on)
+            step = bench.decode_step(model, caches, 8, CTX0, 256, 64)
+            want = step().clone()
+            before = side_stream.forked_branches
+            g, out = captured_graph(step)
+            forks[on] = side_stream.forked_branches - before
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), f"kv row fork {on}: the graph's logits differ from inline"
+    assert forks[True] - forks[False] == len(model.layers)
