@@ -83,4 +83,4 @@ def test_kv_row_fork_changes_no_value(model, monkeypatch):
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, want), f"kv row fork {on}: the graph's logits differ from inline"
-    assert forks[True] - forks[False] == len(model.layers)
+    assert forks[True] - forks[False] >= len(model.layers)
