@@ -2,7 +2,8 @@
 
 A decode step is a few hundred kernels, many of them latency-bound (a few microseconds on a handful of
 SMs): the shared expert's GEMMs beside the router and the routed experts, the compressor and indexer
-beside the q path, Engram's projections (they read only the step's hash ids) ahead of their layers.
+beside the q path, Engram's projections (they read only the step's hash ids) ahead of their layers, the mHC
+mixes' tails (their sums and Sinkhorn pass, needed only after the sublayer) beside the sublayer's first kernels.
 Run on a side stream (one of LANES), such a branch fills the SMs and bandwidth the main stream leaves idle:
 
     pending = side_stream.branch(fn, *args, tokens=T)   # fn's kernels enqueued on the side stream

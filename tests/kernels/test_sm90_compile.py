@@ -161,4 +161,3 @@ def test_w4a16_contiguous():
         s = torch.ones(e, n, k // 32, dtype=torch.uint8)
         counts = torch.full((e,), rows // e, dtype=torch.int32)
         _compile(fc, ["w4a16_contiguous_kernel"], lambda: fc.w4a16_grouped_contiguous(x, w, s, counts))
-

@@ -1,5 +1,6 @@
 """The decode step captured in a CUDA graph with its independent branches on the side stream
-(model/side_stream.py: the shared expert, the compressor and indexer, Engram's projections) gives the
+(model/side_stream.py: the shared expert, the compressor and indexer, Engram's projections, the mHC mixes'
+tails) gives the
 inline eager step's logits bit for bit, on the tiny and small presets (Engram, KV / index sources, a
 re-indexer), step after step as the caches the branches read and write fill up."""
 
@@ -63,7 +64,6 @@ def test_no_fork_when_disabled(model, monkeypatch):
         torch.cuda.synchronize()
     assert side_stream.forked_branches == before
     assert torch.equal(out, want)
-
 
 
 def test_kv_row_fork_changes_no_value(model, monkeypatch):
