@@ -1,8 +1,7 @@
 """The decode step captured in a CUDA graph with its independent branches on the side stream
 (model/side_stream.py: the shared expert, the compressor and indexer, Engram's projections, the mHC mixes'
-tails) gives the
-inline eager step's logits bit for bit, on the tiny and small presets (Engram, KV / index sources, a
-re-indexer), step after step as the caches the branches read and write fill up."""
+tails) gives the inline eager step's logits bit for bit, on the tiny and small presets (Engram, KV / index
+sources, a re-indexer), step after step as the caches the branches read and write fill up."""
 
 from __future__ import annotations
 
