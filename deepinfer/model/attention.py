@@ -159,9 +159,8 @@ class Attention(nn.Module):
         """(q [T, H, D] RoPE'd, kv [T, D] normed, RoPE'd, FP8-rounded): qkv's second half."""
         # the kv row (kv_norm, RoPE, act_quant, its ring write) reads only the input GEMM's output: in a small
         # captured step it runs on a side stream beside wq_b (model/side_stream.py)
-        args = (kv, self.kv_norm.weight, self.kv_norm.eps, cis, ring)
-        kv_row = side_stream.branch(ops.norm_rope_quant, *args, tokens=kv.shape[0], lane=side_stream.TAIL_LANE) \
-            if side_stream.KV_ROW else side_stream.Pending(ops.norm_rope_quant(*args), None, ())
+        kv_row = side_stream.branch(ops.norm_rope_quant, kv, self.kv_norm.weight, self.kv_norm.eps, cis, ring,
+                                    tokens=kv.shape[0], lane=side_stream.TAIL_LANE, fork=side_stream.KV_ROW)
         # in place: both are fresh outputs; only their rope dims are read and written
         q = ops.rope(self.wq_b(qr, rounded=qr_rounded).unflatten(-1, (self.n_heads, self.head_dim)), cis,
                      inplace=True)

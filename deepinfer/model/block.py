@@ -84,10 +84,6 @@ class Block(nn.Module):
         launch, y, *mean_out = ops.hc_mixes_pre(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
                                                 getattr(self, f"hc_{sub}_base"), pre_prev, self.iters, self.hc_eps,
                                                 self.eps, mean, deferred=True)
-        if not tail:
-            mixes = None
-        elif side_stream.MHC_TAILS:
-            mixes = side_stream.branch(launch, tokens=x.shape[0], device=x.device, lane=side_stream.TAIL_LANE)
-        else:
-            mixes = side_stream.Pending(launch(), None, ())
+        mixes = side_stream.branch(launch, tokens=x.shape[0], device=x.device, lane=side_stream.TAIL_LANE,
+                                   fork=side_stream.MHC_TAILS) if tail else None
         return (mixes, y, *mean_out)

@@ -69,12 +69,14 @@ class Pending:
         return self._value
 
 
-def branch(fn: Callable, *args, tokens: int, device: torch.device | None = None, lane: int = 0) -> Pending:
+def branch(fn: Callable, *args, tokens: int, device: torch.device | None = None, lane: int = 0,
+           fork: bool = True) -> Pending:
     """fn(*args) on side stream `lane` after everything the current stream has enqueued (and what that lane
-    has); device: where the step runs (default: the first tensor argument's)."""
+    has); device: where the step runs (default: the first tensor argument's); fork=False: inline always (a
+    branch's own switch, for A/Bs)."""
     if device is None:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    if not forks(device, tokens):
+    if not fork or not forks(device, tokens):
         return Pending(fn(*args), None, ())
     global forked_branches
     forked_branches += 1
