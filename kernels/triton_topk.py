@@ -25,8 +25,6 @@ other than 1 is copied), E <= MAX_WIDTH, bf16 / fp16 / fp32 scores.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -37,63 +35,13 @@ from .pdl import pdl_args, pdl_enter
 # (<= 128 registers); 32768 at 32 warps spills ~300 B per thread, still one launch per step.
 MAX_WIDTH = 1 << 15
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
-# the search's digit: 1 = KEY_BITS rounds of one count each; 4 = KEY_BITS / 4 rounds of 15 counts in one
-# reduction (_kth_key_by_nibbles). Same picks; which is faster on a GPU: perf/bench_topk.py
-DIGIT_BITS = int(os.environ.get("DEEPINFER_TOPK_DIGIT_BITS", "1"))
-
-
-@triton.jit
-def _add4(a0, b0, c0, d0, a1, b1, c1, d1):
-    return a0 + a1, b0 + b1, c0 + c1, d0 + d1
-
-
-@triton.jit
-def _ge(u, thr, digit: tl.constexpr, j):
-    """u >= thr with the digit at bit j, as int64 (int64 throughout: 32-bit keys' candidates pass 2^31)."""
-    return (u >= (thr | (tl.full([], digit, tl.int64) << j))).to(tl.int64)
-
-
-@triton.jit
-def _lanes(u, thr, j, w: tl.constexpr):
-    """int64 holding, in 16-bit lane l, u >= (thr | (4w + l + 1) << j) (digits 4w+1 .. 4w+4; 16 is no digit)."""
-    c = _ge(u, thr, 4 * w + 1, j) | (_ge(u, thr, 4 * w + 2, j) << 16) | (_ge(u, thr, 4 * w + 3, j) << 32)
-    if w < 3:
-        c |= _ge(u, thr, 4 * w + 4, j) << 48
-    return c
-
-
-@triton.jit
-def _at_least(s, k, LANES: tl.constexpr):
-    """How many of s's first LANES 16-bit lanes hold a count >= k."""
-    n = tl.zeros([], tl.int64)
-    for lane in tl.static_range(LANES):
-        n += (((s >> (16 * lane)) & 0xFFFF) >= k).to(tl.int64)
-    return n
-
-
-@triton.jit
-def _kth_key_by_nibbles(key, k, KEY_BITS: tl.constexpr):
-    """The k-th largest of key's unsigned patterns (key - lo) in KEY_BITS / 4 rounds of one reduction each (the
-    bitwise search takes KEY_BITS rounds): each round counts the rows' entries at or above all 15 candidates of
-    the next 4-bit digit at once, as 16-bit lanes of four int64 sums (a count <= MAX_WIDTH < 2^16 cannot carry
-    into the next lane), and the digit is how many candidates keep >= k entries (the counts fall as it grows)."""
-    u = key.to(tl.int64) - tl.full([], -(1 << (KEY_BITS - 1)), tl.int64)
-    thr = tl.zeros([], tl.int64)
-    for r in tl.static_range(KEY_BITS // 4):
-        j = KEY_BITS - 4 * (r + 1)
-        s0, s1, s2, s3 = tl.reduce((_lanes(u, thr, j, 0), _lanes(u, thr, j, 1), _lanes(u, thr, j, 2),
-                                    _lanes(u, thr, j, 3)), 0, _add4)
-        digit = _at_least(s0, k, 4) + _at_least(s1, k, 4) + _at_least(s2, k, 4) + _at_least(s3, k, 3)
-        thr = thr | (digit << j)
-    return thr
 
 
 @triton.jit
 def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_x, stride_c, stride_o,
                 BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, KEY_NINF: tl.constexpr, KEY_PINF: tl.constexpr,
                 HAS_CAND: tl.constexpr, HAS_LENS: tl.constexpr, EXPAND: tl.constexpr, EXPAND_P2: tl.constexpr,
-                BLOCK_MAX: tl.constexpr = False, score_width=0, DIGIT_BITS: tl.constexpr = 1,
-                PDL: tl.constexpr = False):
+                BLOCK_MAX: tl.constexpr = False, score_width=0, PDL: tl.constexpr = False):
     """EXPAND == 0: the picks' ids ascending to out[row, :k] (int64), -1 where the score is not above
     -inf or (HAS_LENS) the id >= lens[row]. EXPAND > 0: keep = pick and score > -inf, for block i
     written to out[row, i*EXPAND : (i+1)*EXPAND] (bool as int8), columns < out_width. KEY_NINF /
@@ -130,17 +78,14 @@ def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_
     else:
         bits = x.to(tl.float32).to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    # signed keys in [lo, -lo); the search builds T's unsigned pattern (key - lo), MSB first
+    # signed keys in [lo, -lo); the search builds T's unsigned pattern (key - lo) bit by bit, MSB
+    # first: the sign step is "is T >= 0", the rest OR bits into T itself
     lo: tl.constexpr = -(1 << (KEY_BITS - 1))
     key = tl.where(valid, key, lo)                                 # padding: below every candidate
-    if DIGIT_BITS == 4:
-        thr = (_kth_key_by_nibbles(key, k, KEY_BITS) + lo).to(tl.int32)
-    else:
-        # bit by bit: the sign step is "is T >= 0", the rest OR bits into T itself
-        thr = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= k, 0, lo)
-        for j in tl.static_range(KEY_BITS - 2, -1, -1):
-            cand = thr | (1 << j)
-            thr = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, thr)
+    thr = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= k, 0, lo)
+    for j in tl.static_range(KEY_BITS - 2, -1, -1):
+        cand = thr | (1 << j)
+        thr = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, thr)
     # thr = the k-th largest key: all keys above it, then its ties from the lowest id
     gt = key > thr
     eq = (key == thr) & valid
@@ -171,7 +116,7 @@ def _launch_cfg(width: int, dtype: torch.dtype) -> dict:
     block = triton.next_power_of_2(width)
     num_warps = max(4, min(16, block // 512)) * (2 if block > 16384 else 1)     # 8192 -> 16, 32768 -> 32
     return dict(BLOCK=block, num_warps=num_warps, KEY_BITS=KEY_BITS[dtype], KEY_NINF=_key(-float("inf"), dtype),
-                KEY_PINF=_key(float("inf"), dtype), DIGIT_BITS=DIGIT_BITS)
+                KEY_PINF=_key(float("inf"), dtype))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -76,10 +76,8 @@ def test_rope_fp4_and_lists():
     _compile(triton_lists, ["window_pool_kernel"], lambda: triton_lists.window_pool(win, torch.arange(150), 4096, 64))
 
 
-@pytest.mark.parametrize("digit_bits", [1, 4])
-def test_candidate_blocks(digit_bits, monkeypatch):
+def test_candidate_blocks():
     from deepinfer.kernels import triton_topk
-    monkeypatch.setattr(triton_topk, "DIGIT_BITS", digit_bits)
     s = torch.randn(64, 8192).bfloat16()
     _compile(triton_topk, ["topk_kernel"], lambda: triton_topk.candidate_blocks(s, torch.full((64,), 8000), 16, 64))
     # the index top-k on 16-bit and fp32 keys, with a candidate mask

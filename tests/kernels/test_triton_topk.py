@@ -186,10 +186,9 @@ def check_dispatch_interpreted():
         select.KERNELS = "fast"
 
 
-@pytest.mark.parametrize("digit_bits", ["1", "4"], ids=["bitwise", "nibbles"])
-def test_under_interpreter(digit_bits):
+def test_under_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_KERNELS="fast", DEEPINFER_TOPK_DIGIT_BITS=digit_bits)
+    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_KERNELS="fast")
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.strip().endswith("ok"), r.stdout[-2000:]
@@ -223,23 +222,15 @@ def test_reference_rule_on_a_small_case():
     assert index_topk_ref(x[:1, [0, 6, 5]], torch.tensor([3]), 1).tolist() == [[0]]
 
 
-@pytest.fixture(params=[1, 4], ids=["bitwise", "nibbles"])
-def digit_bits(request, monkeypatch):
-    """Both searches of the k-th key (triton_topk.DIGIT_BITS): the same picks."""
-    from deepinfer.kernels import triton_topk
-    monkeypatch.setattr(triton_topk, "DIGIT_BITS", request.param)
-    return request.param
-
-
 @pytest.mark.gpu
-def test_candidate_blocks_gpu(digit_bits):
+def test_candidate_blocks_gpu():
     check_candidate_blocks("cuda", widths=(1, 7, 130, 1000, 2100, 8192, 8192 + 77))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["real", "rand", "ties", "ulps"])
 @pytest.mark.parametrize("with_cand", [False, True])
-def test_index_topk_gpu_decode_size(kind, with_cand, digit_bits):
+def test_index_topk_gpu_decode_size(kind, with_cand):
     """The H200 decode shape: 64 rows of 8192 bf16 scores, k 512, -inf past each row's lens."""
     from deepinfer.kernels.triton_topk import index_topk
     n, E, k = 64, 8192, 512
@@ -258,7 +249,7 @@ def test_index_topk_gpu_decode_size(kind, with_cand, digit_bits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1, 100, 4097, 8192, 12345, 16384, 32768])
-def test_index_topk_gpu_widths(dtype, width, digit_bits):
+def test_index_topk_gpu_widths(dtype, width):
     from deepinfer.kernels.triton_topk import index_topk
     for kind in ("rand", "ties", "ulps"):
         x = _rows(70, width, dtype, kind, "cuda", seed=width)
@@ -270,7 +261,7 @@ def test_index_topk_gpu_widths(dtype, width, digit_bits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("nb,bs,k", [(1024, 8, 256), (2048, 8, 2048), (1000, 8, 16), (4096, 4, 512), (37, 3, 5)])
-def test_topk_block_mask_gpu(nb, bs, k, digit_bits):
+def test_topk_block_mask_gpu(nb, bs, k):
     from deepinfer.kernels.triton_topk import topk_block_mask
     for kind, dtype in (("real", torch.bfloat16), ("ties", torch.bfloat16), ("ulps", torch.bfloat16),
                         ("rand", torch.float32), ("ulps", torch.float32)):
