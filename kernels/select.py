@@ -52,8 +52,8 @@ Knobs (environment, read once):
                                  bf16-held Linear keeps for such calls (EngineArgs.dense_weights="bf16+fp8")
     DEEPINFER_MOE_CONTIGUOUS=1   MoE steps past the masked form (prefill) in the grouped contiguous form
                                  on the W8A16 kernel (triton_moe_contiguous; default: MOE_CONTIGUOUS_DEFAULT)
-    DEEPINFER_COMBINE_POST_FUSE=0  the MoE's combine and the FFN's mHC expand as two kernels (moe_combine, then
-                                 hc_post) instead of one (triton_combine_post; default 1): the fusion's A/B
+    DEEPINFER_COMBINE_POST_FUSE=1  the MoE's combine and the FFN's mHC expand as one kernel (triton_combine_post)
+                                 instead of two (moe_combine, then hc_post; default 0 until a GPU has run it)
     DEEPINFER_W4A8=1             FP4 stacks' masked MoE (decode) on W4A8 (triton_w4a8: FP8 slabs x the packed
                                  bytes decoded to e4m3) where its decline reason is None, else W4A16 (default 0)
     Shape rules: a fast path whose rules a call breaks takes the next path (the torch reference) and
@@ -134,8 +134,9 @@ FP4_W4A16_MAX_ROWS_PER_EXPERT = int(os.environ.get("DEEPINFER_FP4_W4A16_MAX_ROWS
 # not measured on a GPU yet)
 W4A8 = os.environ.get("DEEPINFER_W4A8", "0")
 # the MoE's combine and the FFN sublayer's hc_post as one kernel (moe_combine_hc_post): one launch fewer a layer on
-# the decode step's critical path, the same bits; "0": the two kernels (a GPU A/B)
-COMBINE_POST_FUSE = os.environ.get("DEEPINFER_COMBINE_POST_FUSE", "1") != "0"
+# the decode step's critical path, the same bits. Opt-in ("1") until a GPU has run its tests and A/B: an earlier form
+# (several tokens a program) missed the two kernels' bits on an H100 and ran slower from 64 tokens (2026-12-07)
+COMBINE_POST_FUSE = os.environ.get("DEEPINFER_COMBINE_POST_FUSE", "0") == "1"
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # auto: the CUDA FP8 x FP8 kernel takes dense FP8 linears from this many rows (H200, 2026-12-02,

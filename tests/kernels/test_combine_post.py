@@ -69,10 +69,13 @@ def check(device, shapes=SHAPES) -> None:
         assert rel_err(want, ref) < 1e-2, shape
         for columns in (128, 2048):                                     # other tiles: the same bits
             _same(moe_combine_hc_post(*args, columns=columns), want, (shape, columns))
-        for fuse in (True, False):                                      # select: the kernel, or the two ops
-            select.COMBINE_POST_FUSE = fuse
-            _same(select.moe_combine_hc_post(*args), want, (shape, fuse))
-        select.COMBINE_POST_FUSE = True
+        saved = select.COMBINE_POST_FUSE
+        try:
+            for fuse in (True, False):                                  # select: the kernel, or the two ops
+                select.COMBINE_POST_FUSE = fuse
+                _same(select.moe_combine_hc_post(*args), want, (shape, fuse))
+        finally:
+            select.COMBINE_POST_FUSE = saved
         # DeepGEMM's masked output: [E, C padded, d][:, :T], read in place
         out, *rest = args
         padded = torch.zeros(out.shape[0], out.shape[1] + 5, out.shape[2], dtype=out.dtype, device=device)
@@ -97,7 +100,7 @@ def check_block(ckpt: str, device) -> None:
     from deepinfer.model.loader import load_model
     model = load_model(ckpt, device, progress=False, weight_format="fp8", moe_masked=True)
     calls = []
-    fused = triton_combine_post.moe_combine_hc_post
+    fused, saved = triton_combine_post.moe_combine_hc_post, select.COMBINE_POST_FUSE
     triton_combine_post.moe_combine_hc_post = lambda *a: (calls.append(a[0].shape), fused(*a))[1]
     g = torch.Generator().manual_seed(0)
     attn = torch.randn(model.args.dim, model.args.dim, generator=g).to(device) * 0.2
@@ -118,7 +121,7 @@ def check_block(ckpt: str, device) -> None:
                 for a, b in zip(got[True], got[False]):
                     assert torch.equal(a, b), (layer.layer_id, T)
     finally:
-        select.COMBINE_POST_FUSE = True
+        select.COMBINE_POST_FUSE = saved
         triton_combine_post.moe_combine_hc_post = fused
     assert len(calls) == 6, calls
 
