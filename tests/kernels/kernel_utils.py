@@ -8,14 +8,15 @@ from pathlib import Path
 import torch
 
 
-def run_under_interpreter(script: str, timeout: int = 600) -> None:
-    """Run a test file's __main__ checks in a subprocess with TRITON_INTERPRET=1 (read at Triton's import,
-    so not in this process), the repository on its path; fail with the tail of its output."""
+def run_under_interpreter(script: str, timeout: int = 600, args: tuple = (), **env_extra: str) -> None:
+    """Run a test file's __main__ checks (with args) in a subprocess with TRITON_INTERPRET=1 (read at Triton's
+    import, so not in this process) and env_extra set, the repository on its path; fail with the tail of its
+    output."""
     import pytest
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(script).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
 
 

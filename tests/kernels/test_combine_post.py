@@ -14,13 +14,11 @@ A Block's output is the same with the switch on and off (the fused kernel ran).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from kernel_utils import rel_err
+from kernel_utils import rel_err, run_under_interpreter
 
 # (tokens n, padding tokens of the slab, top-k K, experts E, d, hc)
 SHAPES = [(1, 3, 6, 8, 160, 4), (3, 1, 1, 4, 96, 2), (3, 0, 8, 8, 600, 4), (64, 0, 5, 16, 160, 2),
@@ -127,12 +125,7 @@ def check_block(ckpt: str, device) -> None:
 
 
 def test_combine_post_interpreter(tiny_checkpoint):
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_KERNELS="fast")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, __file__, str(tiny_checkpoint)], env=env, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    run_under_interpreter(__file__, timeout=900, args=(str(tiny_checkpoint),), DEEPINFER_KERNELS="fast")
 
 
 @pytest.mark.gpu

@@ -12,12 +12,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_utils import run_under_interpreter
 
 SHAPES = [(1, 6, 8), (5, 6, 8), (64, 6, 8), (1, 6, 48), (5, 6, 48), (64, 6, 48)]   # (T, K, E)
 DIM, INTER = 256, 128
@@ -221,12 +220,7 @@ def check_moe_forward(ckpt: str) -> None:
 
 
 def test_kernels_and_moe_under_interpreter(tiny_checkpoint):
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_KERNELS="fast")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, __file__, str(tiny_checkpoint)], env=env, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    run_under_interpreter(__file__, timeout=900, args=(str(tiny_checkpoint),), DEEPINFER_KERNELS="fast")
 
 
 @pytest.mark.gpu
