@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_enter
 from .triton_mhc import _hc_post_tile
-from .triton_moe import INTERPRET, _combine_row
+from .triton_moe import INTERPRET, _chunk, _combine_row
 
 
 @triton.jit
@@ -49,22 +49,18 @@ def shape_ok(out, slot, indices, shared, res, post, comb) -> bool:
             and shared.dtype == res.dtype == torch.bfloat16)
 
 
-def _columns(d: int) -> int:
-    """Columns a program: 1,024 (moe_combine's decode tile)."""
-    return min(1024, max(32, triton.next_power_of_2(d)))
-
-
 def moe_combine_hc_post(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor,
                         res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                         columns: int | None = None) -> torch.Tensor:
-    """columns: a program's (a power of two; default _columns(d)); any width gives the same bits."""
+    """columns: a program's (a power of two; default triton_moe._chunk(d), at most 1,024); any width gives the same
+    bits."""
     assert shape_ok(out, slot, indices, shared, res, post, comb), \
         (tuple(out.shape), tuple(indices.shape), tuple(shared.shape), tuple(res.shape), shared.dtype, res.dtype)
     T, K = indices.shape
     n, hc, d = res.shape
     o = torch.empty_like(res)
     if n:
-        bd = columns or _columns(d)
+        bd = columns or _chunk(d)
         out = out if out.stride(-1) == 1 else out.contiguous()   # DeepGEMM's padded view: read in place
         moe_combine_hc_post_kernel[(n, triton.cdiv(d, bd))](
             out, slot.contiguous(), indices.contiguous(), shared.contiguous(), res.contiguous(),
