@@ -83,3 +83,75 @@ def test_kv_row_fork_changes_no_value(model, monkeypatch):
             torch.cuda.synchronize()
             assert torch.equal(out, want), f"kv row fork {on}: the graph's logits differ from inline"
     assert forks[True] - forks[False] >= len(model.layers)
+
+
+@pytest.mark.parametrize("lanes", [dict(ENGRAM_LANE=3), dict(ENGRAM_LANE=3, LANE_SMS={3: 16}),
+                                   dict(LANE_SMS={0: 24, 1: 16})])
+def test_engram_lane_and_capped_lanes_change_no_value(model, monkeypatch, lanes):
+    """Engram's projections on a lane of their own, and lanes on a few SMs (green contexts): the captured step
+    gives the inline step's logits bit for bit (same kernels, other SMs and order), replay after replay."""
+    from deepinfer.cache.model_caches import ModelCaches
+    from deepinfer.model import sm_partition
+    for name, value in lanes.items():
+        monkeypatch.setattr(side_stream, name, value)
+    for lane, sms in lanes.get("LANE_SMS", {}).items():
+        stream = sm_partition.capped_stream(torch.cuda.current_device(), sms)
+        assert stream is not None, "no green-context stream on this GPU (driver 12.4+ makes one)"
+        assert sm_partition.sms_of(stream) >= sms
+    caches = ModelCaches.allocate(model.args, 8, 32, 64, "cuda", scratch=True)
+    with torch.inference_mode():
+        for i in range(3):
+            step = bench.decode_step(model, caches, 8, CTX0 + i, 256, 64)
+            want = step().clone()
+            g, out = captured_graph(step)
+            for _ in range(2):
+                g.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, want), f"{lanes}, step {i}: the graph's logits differ from inline"
+
+
+def test_capped_stream_keeps_its_kernels_on_its_sms():
+    """A kernel of many programs on a capped stream runs on at most the SMs the green context was given (and
+    fewer than the device has); on a plain stream it spreads over most of them. Eager and in a CUDA graph."""
+    import triton
+    import triton.language as tl
+
+    from deepinfer.model import sm_partition
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+
+    @triton.jit
+    def smid_kernel(out_ptr):
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(out_ptr + tl.program_id(0), sm)
+
+    dev = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(dev).multi_processor_count
+    capped = sm_partition.capped_stream(dev, 16)
+    assert capped is not None, "no green-context stream on this GPU (driver 12.4+ makes one)"
+    given = sm_partition.sms_of(capped)
+    assert 16 <= given < total
+
+    def used(stream, graph=False):
+        out = torch.full((4096,), -1, dtype=torch.int32, device="cuda")
+        stream.wait_stream(torch.cuda.current_stream())
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fork = torch.cuda.current_stream()
+                stream.wait_stream(fork)
+                with torch.cuda.stream(stream):
+                    smid_kernel[(4096,)](out)
+                fork.wait_stream(stream)
+            g.replay()
+        else:
+            with torch.cuda.stream(stream):
+                smid_kernel[(4096,)](out)
+        torch.cuda.synchronize()
+        assert (out >= 0).all()
+        return len(set(out.tolist()))
+
+    assert used(torch.cuda.Stream()) > given
+    assert used(capped) <= given
+    assert used(capped, graph=True) <= given
