@@ -31,33 +31,20 @@ import torch
 MAX_TOKENS = 512        # steps up to this many tokens fork (decode, DSpark verification, small chunks)
 ENABLED = os.environ.get("DEEPINFER_SIDE_STREAMS", "1") != "0"
 
-LANES = 4               # side streams a device has: branches that do not wait for each other take different lanes
+LANES = 3               # side streams a device has: branches that do not wait for each other take different lanes
 TAIL_LANE = 2           # short branches (the mHC mixes' tails, the kv row): the compressor's lane would wait behind them
-# Engram's projections (one 25,600 x 6,144 GEMM at full width, made a layer ahead): on lane 0 the layer's compressor
-# and shared expert queue behind it; ENGRAM_LANE 3 gives it a lane of its own (DEEPINFER_ENGRAM_LANE; 0 until a
-# GPU has A/B'd it)
-ENGRAM_LANE = int(os.environ.get("DEEPINFER_ENGRAM_LANE", "0"))
-# lanes whose kernels keep to a few SMs (sm_partition.capped_stream), "lane:sms,...", e.g. "3:16": a big branch
-# then leaves the rest of the SMs to the main stream's latency-bound chain; empty until a GPU has A/B'd it
-LANE_SMS = {int(k): int(v) for k, v in (item.split(":") for item in
-                                        os.environ.get("DEEPINFER_SIDE_LANE_SMS", "").split(",") if item)}
 MHC_TAILS = os.environ.get("DEEPINFER_MHC_TAIL_FORK", "1") != "0"   # False: the tails inline (A/Bs)
 # the attention's kv row beside wq_b (TAIL_LANE): opt-in until a GPU has run it (DEEPINFER_KV_ROW_FORK=1)
 KV_ROW = os.environ.get("DEEPINFER_KV_ROW_FORK", "0") == "1"
-_streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 forked_branches = 0     # branches run on a side stream so far (tests and benchmarks read it)
 
 
 def _side(device: torch.device, lane: int) -> torch.cuda.Stream:
     assert 0 <= lane < LANES, lane
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, lane, LANE_SMS.get(lane, 0))
+    key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
     if key not in _streams:
-        capped = None
-        if key[2]:
-            from .sm_partition import capped_stream
-            capped = capped_stream(index, key[2])
-        _streams[key] = capped if capped is not None else torch.cuda.Stream(device=index)
+        _streams[key] = torch.cuda.Stream(device=key[0])
     return _streams[key]
 
 

@@ -111,8 +111,7 @@ class Transformer(nn.Module):
             for j in (i, i + 1) if ahead else ():
                 eg = self.layers[j].engram if j < len(self.layers) else None
                 if eg is not None and j not in engram_kv and not eg.embed.sharded:
-                    engram_kv[j] = side_stream.branch(eg.project, hashes[:, eg.hash_index], tokens=num_rows,
-                                                      lane=side_stream.ENGRAM_LANE)
+                    engram_kv[j] = side_stream.branch(eg.project, hashes[:, eg.hash_index], tokens=num_rows)
             if layer.engram is not None:
                 kv = engram_kv.pop(i).wait() if i in engram_kv else None
                 h = layer.engram(h, hashes[:, layer.engram.hash_index], token_mask, kv)
