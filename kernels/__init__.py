@@ -9,8 +9,7 @@ the reference with one log line. The model binds these names only through deepin
                             triton_fp8_variants, triton_moe_contiguous, triton_fp4_contiguous: the FP4
                             experts' prefill GEMM, triton_linear_fp32), attention
                             (triton_sparse_attn, triton_indexer, triton_topk, triton_lists), mHC, norm,
-                            RoPE, quantization, the MoE glue and router (triton_combine_post: the combine with
-                            the FFN's mHC expand, opt-in), the Engram gate
+                            RoPE, quantization, the MoE glue and router, the Engram gate
     cuda/*.cu               CUDA C++ kernels (fp8_gemm_sm90.cu: the exact FP8 GEMM, warp-specialized)
     cuda_driver.py          nvcc at first use (cached cubins) + the driver API through ctypes
     cuda_fp8_gemm.py        the CUDA FP8 GEMM's Python side: shape rules, TMA maps, launch

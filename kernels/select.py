@@ -52,8 +52,6 @@ Knobs (environment, read once):
                                  bf16-held Linear keeps for such calls (EngineArgs.dense_weights="bf16+fp8")
     DEEPINFER_MOE_CONTIGUOUS=1   MoE steps past the masked form (prefill) in the grouped contiguous form
                                  on the W8A16 kernel (triton_moe_contiguous; default: MOE_CONTIGUOUS_DEFAULT)
-    DEEPINFER_COMBINE_POST_FUSE=1  the MoE's combine and the FFN's mHC expand as one kernel (triton_combine_post)
-                                 instead of two (moe_combine, then hc_post; default 0 until a GPU has run it)
     DEEPINFER_W4A8=1             FP4 stacks' masked MoE (decode) on W4A8 (triton_w4a8: FP8 slabs x the packed
                                  bytes decoded to e4m3) where its decline reason is None, else W4A16 (default 0)
     Shape rules: a fast path whose rules a call breaks takes the next path (the torch reference) and
@@ -133,10 +131,6 @@ FP4_W4A16_MAX_ROWS_PER_EXPERT = int(os.environ.get("DEEPINFER_FP4_W4A16_MAX_ROWS
 # the K loop) instead of W4A16, where triton_w4a8.w4a8_decline_reason takes both stacks: "1" on, "0" off (default;
 # not measured on a GPU yet)
 W4A8 = os.environ.get("DEEPINFER_W4A8", "0")
-# the MoE's combine and the FFN sublayer's hc_post as one kernel (moe_combine_hc_post): one launch fewer a layer on
-# the decode step's critical path, the same bits. Opt-in ("1") until a GPU has run its tests and A/B: an earlier form
-# (several tokens a program) missed the two kernels' bits on an H100 and ran slower from 64 tokens (2026-12-07)
-COMBINE_POST_FUSE = os.environ.get("DEEPINFER_COMBINE_POST_FUSE", "0") == "1"
 FP8_PREFILL_MIN_M = int(os.environ.get("DEEPINFER_FP8_PREFILL_MIN_M", "512"))
 FP8_VARIANT_MIN_M = int(os.environ.get("DEEPINFER_FP8_VARIANT_MIN_M", "32"))
 # auto: the CUDA FP8 x FP8 kernel takes dense FP8 linears from this many rows (H200, 2026-12-02,
@@ -1120,18 +1114,6 @@ def moe_combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, sh
         from .triton_moe import moe_combine as fast
         return fast(out, slot, indices, shared)
     return _ref.moe_combine_ref(out, slot, indices, shared)
-
-
-def moe_combine_hc_post(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor,
-                        res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """hc_post(moe_combine(out, slot, indices, shared)[:n], res, post, comb), n = res.shape[0] (at most the slab's
-    tokens: a padded step's real ones): one Triton kernel with the two kernels' bits (triton_combine_post) where
-    COMBINE_POST_FUSE and its rules hold, else the two ops."""
-    if COMBINE_POST_FUSE and use_fast(out):
-        from . import triton_combine_post as fused
-        if fused.shape_ok(out, slot, indices, shared, res, post, comb):
-            return fused.moe_combine_hc_post(out, slot, indices, shared, res, post, comb)
-    return hc_post(moe_combine(out, slot, indices, shared)[:res.shape[0]], res, post, comb)
 
 
 # a block-diagonal weight held both ways (bf16 and its FP8 blocks: wo_a under dense_bf16 with decode copies) takes

@@ -283,14 +283,20 @@ def _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt
 
 
 @triton.jit
-def _hc_post_tile(y, res_ptr, post_ptr, comb_ptr, out_ptr, rt, rd, t_ok, d,
-                  HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """Tokens rt [BT] x columns rd [BD] of hc_post, y [BT, BD] fp32 given: out[t, j] = post[t, j] * y +
-    sum_i comb[t, i, j] * res[t, i] (fp32, bf16 out). HC == 4 (the release): the four residual tiles are
-    loaded once and held (a loop over j reloads each one HC times); any other HC takes that loop. The same
-    sums in the same order either way. hc_post_kernel's body, and the expand in triton_combine_post."""
+def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
+                   HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+    """out[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * res[t, i] (fp32, bf16 out). HC == 4 (the
+    release): the four residual tiles are loaded once and held (a loop over j reloads each one HC times);
+    any other HC takes that loop. The same sums in the same order either way."""
+    pdl_enter(PDL)
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rt = pid_t * BT + tl.arange(0, BT)
+    rd = pid_d * BD + tl.arange(0, BD)
+    t_ok = rt < T
     m = t_ok[:, None] & (rd < d)[None, :]
     rt64 = rt.to(tl.int64)
+    y = tl.load(y_ptr + rt64[:, None] * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
     if HC == 4:
         r0 = tl.load(res_ptr + (rt64[:, None] * HC + 0) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
         r1 = tl.load(res_ptr + (rt64[:, None] * HC + 1) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
@@ -310,19 +316,6 @@ def _hc_post_tile(y, res_ptr, post_ptr, comb_ptr, out_ptr, rt, rd, t_ok, d,
                 acc += tl.load(comb_ptr + rt * (HC * HC) + i * HC + j, mask=t_ok, other=0.0)[:, None] * r
         pj = tl.load(post_ptr + rt * HC + j, mask=t_ok, other=0.0)
         tl.store(out_ptr + (rt64[:, None] * HC + j) * d + rd[None, :], (pj[:, None] * y + acc).to(tl.bfloat16), mask=m)
-
-
-@triton.jit
-def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
-                   HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (BT tokens, BD columns): y's tile, then _hc_post_tile."""
-    pdl_enter(PDL)
-    rt = tl.program_id(0) * BT + tl.arange(0, BT)
-    rd = tl.program_id(1) * BD + tl.arange(0, BD)
-    t_ok = rt < T
-    m = t_ok[:, None] & (rd < d)[None, :]
-    y = tl.load(y_ptr + rt.to(tl.int64)[:, None] * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
-    _hc_post_tile(y, res_ptr, post_ptr, comb_ptr, out_ptr, rt, rd, t_ok, d, HC, BT, BD)
 
 
 def _sinkhorn_outputs(T, hc, dev):

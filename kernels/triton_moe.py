@@ -182,11 +182,14 @@ def moe_swiglu_quant_kernel(gu_ptr, slot_ptr, w_ptr, hp_ptr, limit, inter, T, P,
 
 
 @triton.jit
-def _combine_row(out_ptr, slot_ptr, idx_ptr, shared_ptr, t, cols, d, T, stride_e, stride_row,
-                 K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, MANUAL: tl.constexpr):
-    """Token t's columns cols [BD] -> [BD] fp32 holding bf16 values: y = 0; y += out[slot] of t's picks in
-    ascending expert id (rank = how many of t's picks have a smaller id: the experts are distinct);
-    y += shared[t]; rounded to bf16. moe_combine_kernel's row, and the expand's input in triton_combine_post."""
+def moe_combine_kernel(out_ptr, slot_ptr, idx_ptr, shared_ptr, y_ptr, d, T, stride_e, stride_row,
+                       K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, MANUAL: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """Program (t, column chunk): y = 0; y += out[slot] of t's picks in ascending expert id (rank =
+    how many of t's picks have a smaller id: the experts are distinct); y += shared[t]; bf16."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
     m = cols < d
     ks = tl.arange(0, KP)
     valid = ks < K
@@ -199,19 +202,7 @@ def _combine_row(out_ptr, slot_ptr, idx_ptr, shared_ptr, t, cols, d, T, stride_e
         r = tl.sum(tl.where(valid & (rank == j), slots, 0), 0)
         y = y + tl.load(out_ptr + _slab_row(r, T, stride_e, stride_row) + cols, mask=m, other=0.0).to(tl.float32)
     y = y + tl.load(shared_ptr + t.to(tl.int64) * d + cols, mask=m, other=0.0).to(tl.float32)
-    return _round_bf16(y, MANUAL)
-
-
-@triton.jit
-def moe_combine_kernel(out_ptr, slot_ptr, idx_ptr, shared_ptr, y_ptr, d, T, stride_e, stride_row,
-                       K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, MANUAL: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """Program (t, column chunk): token t's combined row (_combine_row), bf16."""
-    pdl_enter(PDL)
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BD + tl.arange(0, BD)
-    y = _combine_row(out_ptr, slot_ptr, idx_ptr, shared_ptr, t, cols, d, T, stride_e, stride_row, K, KP, BD, MANUAL)
-    tl.store(y_ptr + t.to(tl.int64) * d + cols, y.to(y_ptr.dtype.element_ty), mask=cols < d)
+    tl.store(y_ptr + t.to(tl.int64) * d + cols, _round_bf16(y, MANUAL).to(y_ptr.dtype.element_ty), mask=m)
 
 
 def _chunk(n: int, cap: int = 1024) -> int:

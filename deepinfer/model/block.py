@@ -71,10 +71,9 @@ class Block(nn.Module):
         res = x
         f_mix, xf = self.mixes_pre(x, "ffn", a_pre)
         xn, xq = self.ffn_norm.with_rounded(xf, self.ffn.shared_input_linear())
-        # the MoE applies the FFN's hc_post (in its combine's kernel where it can); it waits for the mixes only
-        # there, so their side-stream tail runs beside the whole MoE
-        x = self.ffn(xn, image_mask, xq, post=lambda: (res, *f_mix.wait()[1:]))
-        return x, f_mix.wait()[0]
+        y = self.ffn(xn, image_mask, xq)
+        f_pre, f_post, f_comb = f_mix.wait()
+        return ops.hc_post(y, res, f_post, f_comb), f_pre
 
     def mixes_pre(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor, mean: bool = False, tail: bool = True):
         """hc_mixes(x, sub) and hc_pre(x, pre_prev) in one pass over x (ops.hc_mixes_pre): (mixes, the collapsed

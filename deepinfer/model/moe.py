@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -124,20 +123,6 @@ def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
-def _combine(out: torch.Tensor, slot: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor, T: int,
-             post: Callable[[], tuple] | None) -> torch.Tensor:
-    """ops.moe_combine's first T rows (a padded step's real tokens), expanded by post (MoE.forward's) where
-    given: then the two as one kernel (ops.moe_combine_hc_post)."""
-    if post is None:
-        return ops.moe_combine(out, slot, indices, shared)[:T]
-    return ops.moe_combine_hc_post(out, slot, indices, shared, *post())
-
-
-def _expand(y: torch.Tensor, post: Callable[[], tuple] | None) -> torch.Tensor:
-    """y [T, d], expanded by post (MoE.forward's) where given."""
-    return y if post is None else ops.hc_post(y, *post())
-
-
 class Gate(nn.Module):
     def __init__(self, args, n_experts: int, topk: int):
         super().__init__()
@@ -203,30 +188,27 @@ class MoE(nn.Module):
         return self.shared_w13
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
-                x_rounded: torch.Tensor | None = None, post: Callable[[], tuple] | None = None) -> torch.Tensor:
+                x_rounded: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, d] bf16 -> [T, d] bf16. Routed outputs are summed per token in ascending expert id
         order in fp32 (the reference's accumulation order), then the shared expert is added.
         x_rounded: act_quant(x) from the norm's launch, read by the fused shared w1 / w3.
         The shared expert reads only x: in a small step it runs on the side stream beside the router,
-        the dispatch and the routed experts (model/side_stream.py).
-        post: the sublayer's mHC expand, () -> (res [T, hc, d], post [T, hc], comb [T, hc, hc]); the output is
-        then ops.hc_post(y, res, post, comb) [T, hc, d]. Called just before the combine, which the masked and
-        contiguous forms run as one kernel with the expand (ops.moe_combine_hc_post), so what it waits for
-        (Block: the mixes' side-stream tail) has the whole MoE to finish."""
+        the dispatch and the routed experts (model/side_stream.py)."""
         T = x.shape[0]
         shared = side_stream.branch(self._shared, x, x_rounded, tokens=T) if T else None
         if self.ep is not None:
-            return _expand(self._forward_ep(x, image_mask, shared), post)
+            return self._forward_ep(x, image_mask, shared)
         if T == 0:
-            return _expand(x, post)
+            return x
         weights, indices = self.gate(x, image_mask)
         if self._use_masked(x, indices.numel()):
             xs, ws, ids, pad = self._pad_slabs(x, weights, indices)
             out, slot = self._masked_experts(xs, ws, ids, expected_pairs=indices.numel())
-            return _combine(out, slot, ids, _pad_rows(shared.wait(), pad), T, post)
+            y = ops.moe_combine(out, slot, ids, _pad_rows(shared.wait(), pad))
+            return y[:T] if pad else y
         if self._use_contiguous(x):
             out, slot = self._contiguous_experts(x, weights, indices)
-            return _combine(out, slot, indices, shared.wait(), T, post)
+            return ops.moe_combine(out, slot, indices, shared.wait())
         T, K = indices.shape
         outs = self._routed(x, weights, indices)
         # per token: add in ascending expert id
@@ -236,7 +218,7 @@ class MoE(nn.Module):
         for k in range(K):
             y = y + outs[:, k].float()
         y = y + shared.wait().float()
-        return _expand(y.to(ACT), post)
+        return y.to(ACT)
 
     def _forward_ep(self, x: torch.Tensor, image_mask: torch.Tensor | None,
                     shared: side_stream.Pending | None) -> torch.Tensor:

@@ -47,7 +47,6 @@ from deepinfer.kernels.select import (  # noqa: F401
     masked_moe_fp8_takes,
     masked_moe_w4a8_takes,
     moe_combine,
-    moe_combine_hc_post,
     moe_dispatch,
     moe_route,
     moe_swiglu_quant,

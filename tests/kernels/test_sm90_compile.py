@@ -161,14 +161,3 @@ def test_w4a16_contiguous():
         s = torch.ones(e, n, k // 32, dtype=torch.uint8)
         counts = torch.full((e,), rows // e, dtype=torch.int32)
         _compile(fc, ["w4a16_contiguous_kernel"], lambda: fc.w4a16_grouped_contiguous(x, w, s, counts))
-
-
-def test_combine_post_kernel():
-    """The MoE's combine and the FFN's mHC expand as one kernel (opt-in, written 2026-12-07 without a GPU)."""
-    from deepinfer.kernels import triton_combine_post
-    T, K, E, d, hc = 64, 6, 48, 5120, 4
-    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
-    slot = torch.randperm(E * T)[:T * K]
-    args = (torch.randn(E, T, d).bfloat16(), slot, idx, torch.randn(T, d).bfloat16(),
-            torch.randn(T, hc, d).bfloat16(), torch.rand(T, hc), torch.rand(T, hc, hc))
-    _compile(triton_combine_post, ["moe_combine_hc_post_kernel"], lambda: triton_combine_post.moe_combine_hc_post(*args))
