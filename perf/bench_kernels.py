@@ -428,37 +428,52 @@ def bench_indexer(quick):
 def bench_topk(quick):
     """The indexer's top-k at the decode step: 64 rows of 8192 bf16 scores (-inf past each row's lens),
     k 512, one Triton program per row against the torch index_topk chain the model ran before (~30
-    launches); with a re-indexer's candidate mask; rows of 32768 (the kernel's widest); and the
-    candidate blocks' level one (block scores of 8 entries, 256 kept) against its torch chain. The
+    launches); with a re-indexer's candidate mask; fp32 rows; rows of 32768 (the kernel's widest); the
+    candidate blocks' level one (block scores of 8 entries, 256 kept) against its torch chain; and
+    candidate_blocks (block maxima of 64 entries in the kernel). Each row twice: the threshold search a
+    bit a pass (d1) and two bits a pass (d2, `triton_topk.SEARCH_DIGIT_BITS`), "d2/d1" their speed. The
     note says whether the picks are the same bits."""
+    from deepinfer.kernels.reference import candidate_blocks_ref
     n, E, k = 64, 8192, 512
     lens = torch.randint(E // 2, E + 1, (n,), device="cuda")
     scores = [(torch.randn(n, E, device="cuda").abs() * 0.3).bfloat16().masked_fill(
         torch.arange(E, device="cuda") >= lens[:, None], -torch.inf) for _ in range(copies_for(n * E * 2))]
+    scores32 = [s.float() for s in scores]
     cand = torch.rand(n, E, device="cuda") < 0.25
-    for label, c in (("", None), (" +cand", cand)):
-        t = time_calls([lambda s=s, c=c: triton_topk.index_topk(s, lens, k, c) for s in scores])
-        tt = time_calls([lambda s=s, c=c: index_topk_ref(s, lens, k, c) for s in scores[:2]], iters=3)
-        same = torch.equal(triton_topk.index_topk(scores[0], lens, k, c), index_topk_ref(scores[0], lens, k, c))
-        row(f"index_topk {k}{label}", f"n{n} E{E}", t, n * E * (2 if c is None else 3) + n * k * 8, t_torch=tt,
-            note=f"torch/ours {tt / t:.1f}x; {'bits equal' if same else 'MISMATCH vs index_topk_ref'}")
     E2 = 32768                                                  # long context: 128k tokens at ratio 4
     wide = [(torch.randn(n, E2, device="cuda").abs() * 0.3).bfloat16() for _ in range(copies_for(n * E2 * 2))]
     lens2 = torch.full((n,), E2, device="cuda")
-    t = time_calls([lambda s=s: triton_topk.index_topk(s, lens2, k) for s in wide])
-    tt = time_calls([lambda s=s: index_topk_ref(s, lens2, k) for s in wide[:2]], iters=3)
-    same = torch.equal(triton_topk.index_topk(wide[0], lens2, k), index_topk_ref(wide[0], lens2, k))
-    row(f"index_topk {k}", f"n{n} E{E2}", t, n * E2 * 2 + n * k * 8, t_torch=tt,
-        note=f"torch/ours {tt / t:.1f}x; {'bits equal' if same else 'MISMATCH vs index_topk_ref'}")
-    del wide
     bs, kb = 8, 256
     blocks = [s.unflatten(-1, (-1, bs)).amax(-1) for s in scores]                     # [n, E / 8]
-    t = time_calls([lambda b=b: triton_topk.topk_block_mask(b, kb, bs, E) for b in blocks])
-    tt = time_calls([lambda b=b: topk_block_mask_ref(b, kb, bs, E) for b in blocks[:2]], iters=3)
-    same = torch.equal(triton_topk.topk_block_mask(blocks[0], kb, bs, E), topk_block_mask_ref(blocks[0], kb, bs, E))
-    row(f"topk_block_mask {kb}", f"n{n} NB{E // bs} x{bs}", t, n * E // bs * 2 + n * E, t_torch=tt,
-        note=f"torch/ours {tt / t:.1f}x; {'bits equal' if same else 'MISMATCH vs topk_block_mask_ref'}")
-
+    cases = [(f"index_topk {k}", f"n{n} E{E}", scores, lambda s: triton_topk.index_topk(s, lens, k),
+              lambda s: index_topk_ref(s, lens, k), n * E * 2 + n * k * 8),
+             (f"index_topk {k} +cand", f"n{n} E{E}", scores, lambda s: triton_topk.index_topk(s, lens, k, cand),
+              lambda s: index_topk_ref(s, lens, k, cand), n * E * 3 + n * k * 8),
+             (f"index_topk {k} fp32", f"n{n} E{E}", scores32, lambda s: triton_topk.index_topk(s, lens, k),
+              lambda s: index_topk_ref(s, lens, k), n * E * 4 + n * k * 8),
+             (f"index_topk {k}", f"n{n} E{E2}", wide, lambda s: triton_topk.index_topk(s, lens2, k),
+              lambda s: index_topk_ref(s, lens2, k), n * E2 * 2 + n * k * 8),
+             (f"topk_block_mask {kb}", f"n{n} NB{E // bs} x{bs}", blocks,
+              lambda b: triton_topk.topk_block_mask(b, kb, bs, E), lambda b: topk_block_mask_ref(b, kb, bs, E),
+              n * E // bs * 2 + n * E),
+             ("candidate_blocks 16", f"n{n} E{E} x64", scores,
+              lambda s: triton_topk.candidate_blocks(s, lens, 16, 64), lambda s: candidate_blocks_ref(s, lens, 16, 64),
+              n * E * 3)]
+    saved = triton_topk.SEARCH_DIGIT_BITS
+    try:
+        for name, shape, inputs, fast, ref, nbytes in cases:
+            tt = time_calls([lambda x=x: ref(x) for x in inputs[:2]], iters=3)
+            times = {}
+            for digits in (1, 2):
+                triton_topk.SEARCH_DIGIT_BITS = digits
+                times[digits] = t = time_calls([lambda x=x: fast(x) for x in inputs])
+                same = torch.equal(fast(inputs[0]), ref(inputs[0]))
+                speed = f"; d2/d1 {times[1] / t:.2f}x" if digits == 2 else ""
+                row(f"{name} d{digits}", shape, t, nbytes, t_torch=tt,
+                    note=f"torch/ours {tt / t:.1f}x{speed}; {'bits equal' if same else 'MISMATCH vs the reference'}")
+    finally:
+        triton_topk.SEARCH_DIGIT_BITS = saved
+    del wide
 
 
 def _router_chain(logits, bias, topk, temp, route_scale, norm):
