@@ -66,66 +66,11 @@ def _fp4_unpack_rows(row_ptr, rows_ok, D: tl.constexpr):
     return tl.reshape(tl.join(lo, hi), (R, D)).to(tl.bfloat16)             # value 2j low, 2j + 1 high
 
 
-# The packed keys' decode by bf16x2 ops (PACKED == 3): per int16 of codes (four nibbles: bytes b0, b1), the
-# W4A16 decode's placement (kernels/triton_gemm.py _FP4_ASM: PRMT, AND, IMAD, AND a pair of nibbles; the
-# sign at bit 15, the magnitude bits at 8..6: the value times 2^-126), then two exact bf16x2 multiplies, by
-# 2^126 and by the block scale 2^(k - 127) (any E8M0 byte 1..254; the W4A16 form's one multiply covers only
-# scales up to 2). $4 the int16, $5 the scale as bf16x2; $0, $1 = b0's, b1's low nibbles, $2, $3 = their
-# high nibbles. 11 instructions per four keys' values, against ~30 for the fp32 decode.
-_FP4_ROWS_ASM = tl.constexpr("""
-{
-.reg .b32 a, t, p, lo, hi;
-mov.b32 p, 0x7E807E80;
-cvt.u32.u16 a, $4;
-prmt.b32 a, a, 0, 0x1100;
-and.b32 t, a, 0x000F000F;
-mul.lo.u32 t, t, 4160;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 lo, t, p;
-mul.rn.bf16x2 lo, lo, $5;
-and.b32 t, a, 0x00F000F0;
-mul.lo.u32 t, t, 260;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 hi, t, p;
-mul.rn.bf16x2 hi, hi, $5;
-mov.b32 {$0, $1}, lo;
-mov.b32 {$2, $3}, hi;
-}
-""")
-
-
-@triton.jit
-def _fp4_unpack_quads(k_ptr, krow, rows_ok, D: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr):
-    """_fp4_unpack_rows read as int16 quads (two code bytes, four values): [R, D / 4] int16 loads and one
-    block-scale multiplier a quad, decoded by _FP4_ROWS_ASM (ASM) or the same steps in fp32 (interpreter).
-    Rows start at an even byte (KW even, an even base: the host checks)."""
-    R: tl.constexpr = krow.shape[0]
-    m2 = rows_ok[:, None]
-    w = tl.load(k_ptr.to(tl.pointer_type(tl.int16)) + krow[:, None] * (KW // 2) + tl.arange(0, D // 4)[None, :],
-                mask=m2, other=0)
-    e = tl.load(k_ptr + krow[:, None] * KW + D // 2 + tl.arange(0, D // 32)[None, :], mask=m2, other=127)
-    e = tl.reshape(tl.broadcast_to(e.to(tl.int32)[:, :, None], (R, D // 32, 8)), (R, D // 4))   # a quad's block
-    if ASM:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(
-            asm=_FP4_ROWS_ASM, constraints="=h,=h,=h,=h,h,r", args=[w, e * 0x800080],
-            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-    else:
-        u = w.to(tl.int32)
-        sc = (e << 23).to(tl.float32, bitcast=True)
-        o0, o2 = _fp4_nibbles_ref(u & 0xFF, sc)
-        o1, o3 = _fp4_nibbles_ref((u >> 8) & 0xFF, sc)
-    q = tl.join(tl.join(o0, o2), tl.join(o1, o3))               # [R, D/4, 2 (in pair), 2 (pair)]
-    return tl.reshape(tl.permute(q, (0, 1, 3, 2)), (R, D)).to(tl.bfloat16)    # value 4i + 2 pair + j
-
-
 @triton.jit
 def _load_keys(k_ptr, krow, e_ok, rd, ID: tl.constexpr, PACKED: tl.constexpr, KW: tl.constexpr):
     """Key rows krow [BE] -> [BE, ID] bf16: plain bf16 rows, or PACKED uint8 rows of KW bytes
-    (reference.fp4_pack_rows_ref: the values exactly, a third of the bytes), decoded byte by byte
-    (PACKED 1) or a quad of codes at a time (2: fp32 steps, 3: bf16x2 asm)."""
-    if PACKED >= 2:
-        k = _fp4_unpack_quads(k_ptr, krow, e_ok, ID, KW, PACKED == 3)
-    elif PACKED:
+    (reference.fp4_pack_rows_ref: the values exactly, a third of the bytes)."""
+    if PACKED:
         k = _fp4_unpack_rows(k_ptr + krow * KW, e_ok, ID)
     else:
         k = tl.load(k_ptr + krow[:, None] * ID + rd[None, :], mask=e_ok[:, None], other=0.0)
@@ -298,18 +243,6 @@ DECODE_NB_MAX = 16
 DECODE_PROGRAMS_PER_SM = 2
 
 
-# Packed keys decoded a quad of codes at a time by bf16x2 ops (_FP4_ROWS_ASM), where rows start at even
-# bytes; False: byte by byte in fp32 (the form GPU-tested since 2026-12-05). Opt-in until a GPU has run it.
-QUAD_DECODE = os.environ.get("DEEPINFER_INDEX_QUAD_DECODE", "0") == "1"
-
-
-def _packed_form(keys: torch.Tensor) -> int:
-    """The PACKED constexpr for packed key rows: 1 byte by byte; 2 / 3 by quads (interpreter / asm)."""
-    if not QUAD_DECODE or keys.shape[-1] % 2 or keys.data_ptr() % 2:
-        return 1
-    return 2 if INTERPRET else 3
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     """SMs of a CUDA device; an H200's 132 elsewhere (the interpreter: NB as on the GPU)."""
@@ -382,7 +315,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
     packed = keys.dtype == torch.uint8                  # rows of reference.fp4_pack_rows_ref
     if packed:
         assert keys.shape[-1] == fp4_rows_width(idim), (tuple(keys.shape), idim)
-    pk = dict(PACKED=_packed_form(keys) if packed else 0, KW=keys.shape[-1] if packed else 0)
+    pk = dict(PACKED=packed, KW=keys.shape[-1] if packed else 0)
     grid_t, tokens = triton.cdiv(n, bt), None
     if runs is not None:
         assert key_start is not None and lens is not None, "runs score per-sequence keys under a causal length"

@@ -16,8 +16,7 @@ Dataflow: one program per row, the whole row in registers (BLOCK = next pow2 of 
 score becomes an int32 that orders like the float, order = bits ^ ((bits >> 31) & 0x7FFFFFFF): the
 reference key without its id half (16-bit floats: their own 16 bits, the same order). A bitwise
 search, MSB first, finds T = the k-th largest order in KEY_BITS passes (one count of order >=
-candidate each), or with SEARCH_DIGIT_BITS = 2 in KEY_BITS / 2 passes of three counts packed into
-one int64 sum (the passes' block-wide reductions and barriers are what a row's time is made of). The picks are every order > T plus the lowest-id k - #(order > T) entries equal to
+candidate each). The picks are every order > T plus the lowest-id k - #(order > T) entries equal to
 T (a cumsum): the same k entries as the reference's (order, reversed id) top-k, for any width and
 in half the passes its key would take (16 for bf16, 32 for fp32). Output slots are the cumsum of the
 picks, so the ids come out ascending with no sort. Preconditions (asserted): 2-D rows (a last stride
@@ -35,23 +34,7 @@ from .pdl import pdl_args, pdl_enter
 # One row in registers. ptxas (sm_90a, Triton 3.6 and 3.9): no spills up to 16384 at 16 warps
 # (<= 128 registers); 32768 at 32 warps spills ~300 B per thread, still one launch per step.
 MAX_WIDTH = 1 << 15
-# Bits the threshold search settles a pass: 1 (a count a pass) or 2 (three counts packed in one sum: half
-# the block-wide reductions and their barriers, which bound a pass at decode sizes)
-SEARCH_DIGIT_BITS = 1
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
-
-
-@triton.jit
-def _digit2(key, thr, c1, c2, c3, k):
-    """One pass of the search over two bits: the counts of key >= c1 < c2 < c3 in one block-wide sum
-    (16-bit fields of an int64: a row is <= MAX_WIDTH = 2^15 entries), then the largest candidate
-    that still has >= k keys at or above it (thr where none does)."""
-    ge = ((key >= c1).to(tl.int64) | ((key >= c2).to(tl.int64) << 16)) | ((key >= c3).to(tl.int64) << 32)
-    counts = tl.sum(ge, axis=0)
-    n1 = counts & 0xFFFF
-    n2 = (counts >> 16) & 0xFFFF
-    n3 = counts >> 32
-    return tl.where(n3 >= k, c3, tl.where(n2 >= k, c2, tl.where(n1 >= k, c1, thr)))
 
 
 @triton.jit
@@ -59,7 +42,7 @@ def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_
                 BLOCK: tl.constexpr, KEY_BITS: tl.constexpr, KEY_NINF: tl.constexpr, KEY_PINF: tl.constexpr,
                 HAS_CAND: tl.constexpr, HAS_LENS: tl.constexpr, EXPAND: tl.constexpr, EXPAND_P2: tl.constexpr,
                 BLOCK_MAX: tl.constexpr = False, score_width=0, PDL: tl.constexpr = False,
-                DIGIT_BITS: tl.constexpr = 1, ALL_PICKED: tl.constexpr = False):
+                ALL_PICKED: tl.constexpr = False):
     """EXPAND == 0: the picks' ids ascending to out[row, :k] (int64), -1 where the score is not above
     -inf or (HAS_LENS) the id >= lens[row]. EXPAND > 0: keep = pick and score > -inf, for block i
     written to out[row, i*EXPAND : (i+1)*EXPAND] (bool as int8), columns < out_width. KEY_NINF /
@@ -103,17 +86,11 @@ def topk_kernel(x_ptr, cand_ptr, lens_ptr, out_ptr, width, k, out_width, stride_
     key = tl.where(valid, key, lo)                                 # padding: below every candidate
     if ALL_PICKED:
         sel = valid                     # k >= the width (the host knows): every entry is a pick, no search
-    elif DIGIT_BITS == 2:
-        # two bits a pass: the top digit (sign and the first value bit) from lo, then pairs down to bit 0
-        thr = _digit2(key, lo, lo | (1 << (KEY_BITS - 2)), 0, 1 << (KEY_BITS - 2), k)
-        for j in tl.static_range(KEY_BITS - 4, -1, -2):
-            thr = _digit2(key, thr, thr | (1 << j), thr | (2 << j), thr | (3 << j), k)
     else:
         thr = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= k, 0, lo)
         for j in tl.static_range(KEY_BITS - 2, -1, -1):
             cand = thr | (1 << j)
             thr = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, thr)
-    if not ALL_PICKED:
         # thr = the k-th largest key: all keys above it, then its ties from the lowest id
         gt = key > thr
         eq = (key == thr) & valid
@@ -144,7 +121,7 @@ def _launch_cfg(width: int, dtype: torch.dtype) -> dict:
     block = triton.next_power_of_2(width)
     num_warps = max(4, min(16, block // 512)) * (2 if block > 16384 else 1)     # 8192 -> 16, 32768 -> 32
     return dict(BLOCK=block, num_warps=num_warps, KEY_BITS=KEY_BITS[dtype], KEY_NINF=_key(-float("inf"), dtype),
-                KEY_PINF=_key(float("inf"), dtype), DIGIT_BITS=SEARCH_DIGIT_BITS)
+                KEY_PINF=_key(float("inf"), dtype))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

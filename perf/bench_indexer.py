@@ -21,8 +21,7 @@ the CPU (small sizes).
         [--heads 64] [--head-dim 128] [--nb auto 4 8 16] [--stages 3] [--warps 4] [--packed]
 
 --packed: also the host's form on the keys as packed FP4 rows (the cache's form under
-ModelArgs.index_k_packed; bytes counted as the packed rows), same bits as the bf16 rows required, decoded
-byte by byte and a quad of codes at a time (triton_indexer.QUAD_DECODE, bf16x2 asm) side by side.
+ModelArgs.index_k_packed; bytes counted as the packed rows), same bits as the bf16 rows required.
 """
 
 from __future__ import annotations
@@ -193,29 +192,17 @@ def decode(a: argparse.Namespace) -> None:
             rows_out.append(dict(batch=B, E=E, form=name, nb=nb_used, stages=st, warps=wp, us=t and t * 1e6,
                                  bytes=nbytes, of_copy=t and nbytes / t / copy_bw, new_over_old=t and t / t_old,
                                  same_bits=same))
-        if a.packed:        # the cache's packed FP4 rows (ModelArgs.index_k_packed): the host's form on them,
-            # decoded byte by byte (the default) and a quad of codes at a time (triton_indexer.QUAD_DECODE)
+        if a.packed:        # the cache's packed FP4 rows (ModelArgs.index_k_packed): the host's form on them
             pk = [((x[0], x[1], fp4_pack_rows_ref(x[2]), x[3]), kw_) for x, kw_ in sets]
+            new = ti.index_scores(*pk[0][0], **pk[0][1])
+            same = torch.equal(new, old)
+            all_same &= same
+            t = time_calls([lambda s=s: ti.index_scores(*s[0], **s[1]) for s in pk]) if cuda else None
             pbytes = nbytes - int(args[3].sum()) * (args[2].shape[1] * 2 - fp4_rows_width(args[2].shape[1]))
-            saved, t_bytes = ti.QUAD_DECODE, None
-            try:
-                for quads in (False, True):
-                    ti.QUAD_DECODE = quads
-                    new = ti.index_scores(*pk[0][0], **pk[0][1])
-                    same = torch.equal(new, old)
-                    all_same &= same
-                    t = time_calls([lambda s=s: ti.index_scores(*s[0], **s[1]) for s in pk]) if cuda else None
-                    t_bytes = t_bytes or t
-                    name = "packed, quads" if quads else "packed keys"
-                    vs = f"  {t_bytes / t:5.2f}x bytewise" if cuda and quads else ""
-                    timing = (f"{t * 1e6:8.1f} us  {pbytes / t / copy_bw:5.2f} of copy  {t / t_old:5.2f}x old{vs}"
-                              if cuda else "")
-                    print(f"{head} {name:<18}         {timing}  {'same bits' if same else 'BITS DIFFER'}", flush=True)
-                    rows_out.append(dict(batch=B, E=E, form="packed quads" if quads else "packed", us=t and t * 1e6,
-                                         bytes=pbytes, of_copy=t and pbytes / t / copy_bw,
-                                         new_over_old=t and t / t_old, same_bits=same))
-            finally:
-                ti.QUAD_DECODE = saved
+            timing = (f"{t * 1e6:8.1f} us  {pbytes / t / copy_bw:5.2f} of copy  {t / t_old:5.2f}x old" if cuda else "")
+            print(f"{head} {'packed keys':<18}         {timing}  {'same bits' if same else 'BITS DIFFER'}", flush=True)
+            rows_out.append(dict(batch=B, E=E, form="packed", us=t and t * 1e6, bytes=pbytes,
+                                 of_copy=t and pbytes / t / copy_bw, new_over_old=t and t / t_old, same_bits=same))
     path = save_json("indexer_decode.json", dict(rows=rows_out, copy_bw=copy_bw, ctx=a.ctx, ratio=a.ratio,
                                                  graph_entries=a.graph_entries, heads=a.heads, head_dim=a.head_dim,
                                                  device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)"))

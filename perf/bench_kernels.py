@@ -430,9 +430,8 @@ def bench_topk(quick):
     k 512, one Triton program per row against the torch index_topk chain the model ran before (~30
     launches); with a re-indexer's candidate mask; fp32 rows; rows of 32768 (the kernel's widest); the
     candidate blocks' level one (block scores of 8 entries, 256 kept) against its torch chain; and
-    candidate_blocks (block maxima of 64 entries in the kernel). Each row twice: the threshold search a
-    bit a pass (d1) and two bits a pass (d2, `triton_topk.SEARCH_DIGIT_BITS`), "d2/d1" their speed. The
-    note says whether the picks are the same bits."""
+    candidate_blocks (block maxima of 64 entries in the kernel; and the model's level one, 2,048 blocks of 8
+    kept, which at 8k entries keeps every block: no search). The note says whether the picks are the same bits."""
     from deepinfer.kernels.reference import candidate_blocks_ref
     n, E, k = 64, 8192, 512
     lens = torch.randint(E // 2, E + 1, (n,), device="cuda")
@@ -458,21 +457,16 @@ def bench_topk(quick):
               n * E // bs * 2 + n * E),
              ("candidate_blocks 16", f"n{n} E{E} x64", scores,
               lambda s: triton_topk.candidate_blocks(s, lens, 16, 64), lambda s: candidate_blocks_ref(s, lens, 16, 64),
-              n * E * 3)]
-    saved = triton_topk.SEARCH_DIGIT_BITS
-    try:
-        for name, shape, inputs, fast, ref, nbytes in cases:
-            tt = time_calls([lambda x=x: ref(x) for x in inputs[:2]], iters=3)
-            times = {}
-            for digits in (1, 2):
-                triton_topk.SEARCH_DIGIT_BITS = digits
-                times[digits] = t = time_calls([lambda x=x: fast(x) for x in inputs])
-                same = torch.equal(fast(inputs[0]), ref(inputs[0]))
-                speed = f"; d2/d1 {times[1] / t:.2f}x" if digits == 2 else ""
-                row(f"{name} d{digits}", shape, t, nbytes, t_torch=tt,
-                    note=f"torch/ours {tt / t:.1f}x{speed}; {'bits equal' if same else 'MISMATCH vs the reference'}")
-    finally:
-        triton_topk.SEARCH_DIGIT_BITS = saved
+              n * E * 3),
+             ("candidate_blocks 2048", f"n{n} E{E} x8", scores,
+              lambda s: triton_topk.candidate_blocks(s, lens, 2048, 8),
+              lambda s: candidate_blocks_ref(s, lens, 2048, 8), n * E * 3)]
+    for name, shape, inputs, fast, ref, nbytes in cases:
+        tt = time_calls([lambda x=x: ref(x) for x in inputs[:2]], iters=3)
+        t = time_calls([lambda x=x: fast(x) for x in inputs])
+        same = torch.equal(fast(inputs[0]), ref(inputs[0]))
+        row(name, shape, t, nbytes, t_torch=tt,
+            note=f"torch/ours {tt / t:.1f}x; {'bits equal' if same else 'MISMATCH vs the reference'}")
     del wide
 
 

@@ -31,7 +31,7 @@ def case(lens, E, ih, idim, device, seed):
     w = (torch.randn(B, ih, generator=g) * 0.02).bfloat16()
     pool = torch.randn(B * E + 5, idim, generator=g)
     pool[::7] *= 2.0 ** 24          # block scales past 2 (E8M0 bytes > 128) and near the bottom of the range:
-    pool[3::7] *= 2.0 ** -110       # the packed decodes must cover every scale a row can carry
+    pool[3::7] *= 2.0 ** -110       # the packed decode must cover every scale a row can carry
     pool = fp4_quant_ref(pool.bfloat16(), 32)
     rows = torch.randperm(B * E + 5, generator=g)[:B * E].view(B, E)
     to = lambda t: t.to(device)  # noqa: E731
@@ -63,16 +63,10 @@ def check(device, shapes, nbs) -> int:
         assert torch.equal(paged, gathered), (lens, E)
         # the cache's packed FP4 rows (reference.fp4_pack_rows_ref) give the bf16 rows' bits in every form
         packed = fp4_pack_rows_ref(pool)
-        for quads in (False, True):         # decoded byte by byte, or a quad of codes at a time
-            ti.QUAD_DECODE = quads
-            try:
-                for nb in (0, None):
-                    assert torch.equal(ti.index_scores(q, w, packed, ln, key_start=ks, num_keys=E, rows=rows.flatten(),
-                                                       blocks_per_program=nb), paged), (lens, E, nb, "packed", quads)
-                assert torch.equal(ti.index_scores(q, w, packed[rows].flatten(0, 1), ln, key_start=ks, num_keys=E),
-                                   gathered), (lens, E, quads)
-            finally:
-                ti.QUAD_DECODE = False
+        for nb in (0, None):
+            assert torch.equal(ti.index_scores(q, w, packed, ln, key_start=ks, num_keys=E, rows=rows.flatten(),
+                                               blocks_per_program=nb), paged), (lens, E, nb, "packed")
+        assert torch.equal(ti.index_scores(q, w, packed[rows].flatten(0, 1), ln, key_start=ks, num_keys=E), gathered)
         ref = index_scores_paged_ref(q, w, pool[rows], seq_of, torch.zeros_like(seq_of), 1, ln)
         fin = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(paged), fin), (lens, E)

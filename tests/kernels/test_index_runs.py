@@ -50,15 +50,10 @@ def check(device, shapes) -> int:
         got = ti.index_scores(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten(), runs=runs)
         per_token = ti.index_scores(q, w, pool, lens, key_start=seq_of * E, num_keys=E, rows=rows.flatten())
         packed = fp4_pack_rows_ref(pool)            # the cache's packed FP4 rows: the same bits in both forms
-        for quads in (False, True):                # decoded byte by byte, or a quad of codes at a time
-            ti.QUAD_DECODE = quads
-            try:
-                assert torch.equal(got, ti.index_scores(q, w, packed, lens, key_start=seq_of * E, num_keys=E,
-                                                        rows=rows.flatten(), runs=runs)), quads
-                assert torch.equal(per_token, ti.index_scores(q, w, packed, lens, key_start=seq_of * E, num_keys=E,
-                                                              rows=rows.flatten())), quads
-            finally:
-                ti.QUAD_DECODE = False
+        assert torch.equal(got, ti.index_scores(q, w, packed, lens, key_start=seq_of * E, num_keys=E,
+                                                rows=rows.flatten(), runs=runs))
+        assert torch.equal(per_token, ti.index_scores(q, w, packed, lens, key_start=seq_of * E, num_keys=E,
+                                                      rows=rows.flatten()))
         # select.index_scores_pool's form: the product in the kernel, int32 lens read as they are
         assert torch.equal(got, ti.index_scores(q, w, pool, lens.to(torch.int32), key_start=seq_of, key_start_scale=E,
                                                 num_keys=E, rows=rows.flatten(), runs=runs))

@@ -125,14 +125,11 @@ def test_mhc_fused_tail():
             x, fn, scale, base, pre, 20, 1e-6, 1e-20, tail="fused"))
 
 
-@pytest.mark.parametrize("quads", [False, True])
-def test_packed_index_keys(quads, monkeypatch):
+def test_packed_index_keys():
     """The index keys as packed FP4 rows (the cache's form): the RoPE + FP4 kernel's packing pool write and the
-    three score kernels' unpacking loads, byte by byte and a quad of codes at a time (bf16x2 asm)."""
+    three score kernels' unpacking loads."""
     import numpy as np
     from deepinfer.kernels import triton_indexer, triton_rope_fp4
-    monkeypatch.setattr(triton_indexer, "QUAD_DECODE", quads)
-    assert triton_indexer._packed_form(torch.zeros(4, 68, dtype=torch.uint8)) == (3 if quads else 1)
     from deepinfer.kernels.reference import fp4_rows_width
     k = torch.randn(64, 128).bfloat16()
     pool = torch.zeros(4096, fp4_rows_width(128), dtype=torch.uint8)

@@ -186,12 +186,10 @@ def check_dispatch_interpreted():
         select.KERNELS = "fast"
 
 
-@pytest.mark.parametrize("digit_bits", [1, 2])
-def test_under_interpreter(digit_bits):
-    """Both forms of the threshold search (a bit a pass, two bits a pass) give the reference's picks."""
+def test_under_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", DEEPINFER_KERNELS="fast")
-    r = subprocess.run([sys.executable, __file__, str(digit_bits)], env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.strip().endswith("ok"), r.stdout[-2000:]
 
@@ -232,12 +230,9 @@ def test_candidate_blocks_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["real", "rand", "ties", "ulps"])
 @pytest.mark.parametrize("with_cand", [False, True])
-@pytest.mark.parametrize("digit_bits", [1, 2])
-def test_index_topk_gpu_decode_size(kind, with_cand, digit_bits, monkeypatch):
+def test_index_topk_gpu_decode_size(kind, with_cand):
     """The H200 decode shape: 64 rows of 8192 bf16 scores, k 512, -inf past each row's lens."""
-    from deepinfer.kernels import triton_topk
     from deepinfer.kernels.triton_topk import index_topk
-    monkeypatch.setattr(triton_topk, "SEARCH_DIGIT_BITS", digit_bits)
     n, E, k = 64, 8192, 512
     x = _rows(n, E, torch.bfloat16, kind, "cuda", seed=E)
     lens = _lens(n, E, "cuda", seed=1)
@@ -254,11 +249,8 @@ def test_index_topk_gpu_decode_size(kind, with_cand, digit_bits, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1, 100, 4097, 8192, 12345, 16384, 32768])
-@pytest.mark.parametrize("digit_bits", [1, 2])
-def test_index_topk_gpu_widths(dtype, width, digit_bits, monkeypatch):
-    from deepinfer.kernels import triton_topk
+def test_index_topk_gpu_widths(dtype, width):
     from deepinfer.kernels.triton_topk import index_topk
-    monkeypatch.setattr(triton_topk, "SEARCH_DIGIT_BITS", digit_bits)
     for kind in ("rand", "ties", "ulps"):
         x = _rows(70, width, dtype, kind, "cuda", seed=width)
         lens = _lens(70, width, "cuda", seed=width, dtype=torch.int32)
@@ -269,11 +261,8 @@ def test_index_topk_gpu_widths(dtype, width, digit_bits, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("nb,bs,k", [(1024, 8, 256), (2048, 8, 2048), (1000, 8, 16), (4096, 4, 512), (37, 3, 5)])
-@pytest.mark.parametrize("digit_bits", [1, 2])
-def test_topk_block_mask_gpu(nb, bs, k, digit_bits, monkeypatch):
-    from deepinfer.kernels import triton_topk
+def test_topk_block_mask_gpu(nb, bs, k):
     from deepinfer.kernels.triton_topk import topk_block_mask
-    monkeypatch.setattr(triton_topk, "SEARCH_DIGIT_BITS", digit_bits)
     for kind, dtype in (("real", torch.bfloat16), ("ties", torch.bfloat16), ("ulps", torch.bfloat16),
                         ("rand", torch.float32), ("ulps", torch.float32)):
         b = _rows(64, nb, dtype, kind, "cuda", seed=nb)
@@ -294,6 +283,4 @@ def test_ops_dispatch_gpu():
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    import deepinfer.kernels.triton_topk as _topk
-    _topk.SEARCH_DIGIT_BITS = int(sys.argv[1]) if len(sys.argv) > 1 else _topk.SEARCH_DIGIT_BITS
     check_interpreted()
