@@ -23,6 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from deepinfer.ports import free_port, free_ports  # noqa: F401  (servers' ports: tests, perf)
+
 from . import config
 from . import contract as c
 
@@ -100,19 +102,15 @@ def runtime_repository(dest: Path, checkpoint: str, max_model_len: int, engine_a
     return config.build_runtime_repository(dest, params, execution_env=sys.prefix)
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TritonServer:
     """One tritonserver process; a context manager that always stops it."""
 
     def __init__(self, repo: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  log_path: Path | None = None, extra_args: list[str] | None = None):
         self.repo, self.log_path = Path(repo), log_path
+        if len({http_port, grpc_port, metrics_port}) != 3:
+            raise ValueError(f"tritonserver needs three distinct ports (HTTP, gRPC, metrics); got {http_port}, "
+                             f"{grpc_port}, {metrics_port}")
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.extra_args = extra_args or []
         self.proc: subprocess.Popen | None = None

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         if args.url is None:
             repo = serve.runtime_repository(tmp / "repo", args.checkpoint, engine_args["max_model_len"],
                                             {"max_num_seqs": engine_args["max_num_seqs"]})
-            ports = [serve.free_port() for _ in range(3)]
+            ports = serve.free_ports(3)
             server = serve.TritonServer(repo, *ports, log_path=tmp / "server.log").start(240)
             args.url = f"127.0.0.1:{ports[1]}"
         try:

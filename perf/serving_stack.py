@@ -45,7 +45,7 @@ def tiny_serving_stack(prefix: str, max_model_len: int, engine_args: dict, gatew
     subprocess.run([sys.executable, "-m", "deepinfer.cli.make_checkpoint", "--preset", "tiny", "--seed", "0",
                     "--out", str(ckpt)], check=True)
     repo = serve.runtime_repository(tmp / "repo", str(ckpt), max_model_len, engine_args)
-    ports = [serve.free_port() for _ in range(4)]
+    ports = serve.free_ports(4)
     with serve.TritonServer(repo, *ports[:3], log_path=tmp / "triton.log") as srv:
         gw = subprocess.Popen([sys.executable, "-m", "deepinfer.ensemble.gateway", "--triton-grpc",
                                f"127.0.0.1:{ports[1]}", "--host", "127.0.0.1", "--port", str(ports[3]), *gateway_args],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.parallel.executor import free_port  # noqa: F401  (tests' process groups and servers)
+from deepinfer.ports import free_port, free_ports  # noqa: F401  (tests' process groups and servers)
 
 # pytest-xdist (`make test` runs two workers, one per core of a CI machine): one torch thread in each
 # worker and in the processes its tests start, so two workers never run four spinning threads

@@ -8,9 +8,10 @@ All calls are non-blocking except construction: the connector polls states once 
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 import uuid
+
+from deepinfer.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +26,6 @@ def import_nixl():
         except ImportError:
             continue
     raise ImportError("kv_role 'prefill'/'decode' needs NIXL: pip install 'deepinfer-triton[pd]'")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _agent(nixl, name: str, cfg, progress_wait_us: int):

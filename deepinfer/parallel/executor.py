@@ -24,6 +24,7 @@ import time
 import weakref
 from multiprocessing.connection import Listener, wait
 
+from deepinfer.ports import free_port
 from deepinfer.request import EngineDeadError
 
 from .dp_scheduler import ParallelSchedulerOutput
@@ -358,13 +359,6 @@ def _check_memory(args, model_args) -> None:
                            args.expert_format, "cuda", args.batch_invariant, model_args,
                            planned_expert_share(model_args, args.data_parallel_size, args.num_redundant_experts)))
     check_fits(plan)
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now (the ranks' rendezvous; tests' process groups and servers)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _num_gpus() -> int:

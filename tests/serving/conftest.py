@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, free_ports  # noqa: F401
 
 
 MAX_MODEL_LEN = 2048
@@ -47,7 +47,7 @@ def server(tmp_path_factory, checkpoint):
     from deepinfer.ensemble import serve
     tmp = tmp_path_factory.mktemp("triton")
     repo = serve.runtime_repository(tmp / "model_repository", str(checkpoint), MAX_MODEL_LEN, ENGINE_ARGS)
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     log = tmp / "tritonserver.log"
     srv = serve.TritonServer(repo, *ports, log_path=log)
     srv.start(timeout=240)

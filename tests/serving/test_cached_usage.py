@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.serving.conftest import MAX_MODEL_LEN, free_port
+from tests.serving.conftest import MAX_MODEL_LEN, free_ports
 from tests.serving.test_gateway import anthropic_client, openai_client, start_gateway, stop_gateway
 
 pytestmark = pytest.mark.triton
@@ -24,7 +24,7 @@ def gateway(tmp_path_factory, checkpoint):
     tmp = tmp_path_factory.mktemp("triton-prefix")
     args = {"max_num_seqs": 8, "enable_prefix_caching": True, "block_tokens": BLOCK}
     repo = serve.runtime_repository(tmp / "model_repository", str(checkpoint), MAX_MODEL_LEN, args)
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     srv = serve.TritonServer(repo, *ports, log_path=tmp / "tritonserver.log")
     srv.start(timeout=240)
     try:

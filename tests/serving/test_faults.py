@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving.conftest import ENGINE_ARGS, MAX_MODEL_LEN, free_port
+from tests.serving.conftest import ENGINE_ARGS, MAX_MODEL_LEN, free_ports
 from tests.serving.test_gateway import MODEL, USER, start_gateway, stop_gateway
 
 pytestmark = pytest.mark.triton
@@ -27,7 +27,7 @@ N_STREAMS = 4
 def own_server(tmp_path, checkpoint):
     from deepinfer.ensemble import serve
     repo = serve.runtime_repository(tmp_path / "repo", str(checkpoint), MAX_MODEL_LEN, ENGINE_ARGS)
-    srv = serve.TritonServer(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "triton.log")
+    srv = serve.TritonServer(repo, *free_ports(3), log_path=tmp_path / "triton.log")
     srv.start(timeout=300)
     try:
         yield srv

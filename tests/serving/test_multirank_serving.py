@@ -16,7 +16,7 @@ import pytest
 
 from deepinfer.ensemble import serve
 from deepinfer.ensemble.client import GrpcClient, api_inputs
-from tests.serving.conftest import BATCH_INVARIANT, ENGINE_ARGS, MAX_MODEL_LEN, free_port
+from tests.serving.conftest import BATCH_INVARIANT, ENGINE_ARGS, MAX_MODEL_LEN, free_ports
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(not BATCH_INVARIANT, reason="needs batch_invariant")]
 
@@ -60,7 +60,7 @@ def multirank(tmp_path_factory, checkpoint):
     tmp = tmp_path_factory.mktemp("triton-ranks")
     engine_args = {**ENGINE_ARGS, "data_parallel_size": RANKS, "expert_parallel": True}
     repo = serve.runtime_repository(tmp / "model_repository", str(checkpoint), MAX_MODEL_LEN, engine_args)
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     srv = serve.TritonServer(repo, *ports, log_path=tmp / "tritonserver.log")
     srv.start(timeout=300)
     try:

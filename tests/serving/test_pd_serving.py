@@ -24,7 +24,7 @@ import pytest
 from aiohttp import web
 
 from deepinfer.disagg.nixl_transport import import_nixl
-from tests.serving.conftest import MAX_MODEL_LEN, free_port, serve_router
+from tests.serving.conftest import MAX_MODEL_LEN, free_port, free_ports, serve_router
 
 try:
     import_nixl()
@@ -44,8 +44,9 @@ def pd(tmp_path_factory, tiny_checkpoint):
     from deepinfer.ensemble.replicas import Replica
     from deepinfer.ensemble.router_server import RouterServer
     state = tmp_path_factory.mktemp("pd")
+    ports = free_ports(8)                  # each replica's Triton HTTP / gRPC / metrics and gateway, all distinct
     prefill, decode = (Replica(i, str(tiny_checkpoint), {**ENGINE_ARGS, "kv_role": role}, MAX_MODEL_LEN,
-                               (free_port(), free_port(), free_port()), free_port(), state_dir=state)
+                               tuple(ports[4 * i: 4 * i + 3]), ports[4 * i + 3], state_dir=state)
                        for i, role in enumerate(("prefill", "decode")))
     try:
         prefill.start(timeout=300)

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.serving.conftest import MAX_MODEL_LEN, free_port, serve_router
+from tests.serving.conftest import MAX_MODEL_LEN, free_ports, serve_router
 
 pytestmark = pytest.mark.triton
 
@@ -20,8 +20,9 @@ def topology(tmp_path_factory, tiny_checkpoint):
     from deepinfer.ensemble.replicas import Replica
     from deepinfer.ensemble.router_server import RouterServer
     state = tmp_path_factory.mktemp("replicas")
+    ports = free_ports(8)                  # each replica's Triton HTTP / gRPC / metrics and gateway, all distinct
     reps = [Replica(i, str(tiny_checkpoint), {"max_num_seqs": 8}, MAX_MODEL_LEN,
-                    (free_port(), free_port(), free_port()), free_port(), state_dir=state) for i in range(2)]
+                    tuple(ports[4 * i: 4 * i + 3]), ports[4 * i + 3], state_dir=state) for i in range(2)]
     try:
         for r in reps:
             r.start(timeout=300)
