@@ -5,7 +5,7 @@
 
 The n sockets stay bound until every port is picked: separate one-port picks can return the same port twice
 (tritonserver then refuses its HTTP and metrics ports, `make test`, 2026-12-07). Another process can still take
-a port between the pick and its use; callers that start servers retry or fail with the server's message."""
+a port between the pick and its use: a server started on it then fails with the server's own message."""
 
 from __future__ import annotations
 
