@@ -160,16 +160,19 @@ def run_form(ti, args, kw, nb, stages, warps):
         ti.DECODE_STAGES, ti.DECODE_WARPS = saved
 
 
-def keys_major_rows(a, ti, head, sets, old, nbytes, t_old, copy_bw, cuda) -> list[dict]:
-    """The host's decode form with DECODE_KEYS_MAJOR on bf16 (and with --packed, packed) keys: us, the speed
+def packed_sets(sets, args, nbytes) -> tuple[list, int]:
+    """The decode sets with their pools as the cache's packed FP4 rows, and the bytes a call reads then (the
+    live keys' rows at fp4_rows_width instead of bf16)."""
+    d = args[2].shape[1]
+    return ([((x[0], x[1], fp4_pack_rows_ref(x[2]), x[3]), kw_) for x, kw_ in sets],
+            nbytes - int(args[3].sum()) * (d * 2 - fp4_rows_width(d)))
+
+
+def keys_major_rows(ti, head, keysets, old, t_old, copy_bw, cuda) -> list[dict]:
+    """The host's decode form with DECODE_KEYS_MAJOR on each (name, sets, bytes) of keysets: us, the speed
     against the same keys' default form timed here, and the largest difference from the default's scores (the
     head sum's order differs: a bf16 ulp here and there, not the same bits)."""
     out = []
-    keysets = [("bf16", sets, nbytes)]
-    if a.packed:
-        d = sets[0][0][2].shape[1]
-        pbytes = nbytes - int(sets[0][0][3].sum()) * (d * 2 - fp4_rows_width(d))
-        keysets.append(("packed", [((x[0], x[1], fp4_pack_rows_ref(x[2]), x[3]), kw_) for x, kw_ in sets], pbytes))
     saved = ti.DECODE_KEYS_MAJOR
     try:
         for keys, ks, nb in keysets:
@@ -183,7 +186,7 @@ def keys_major_rows(a, ti, head, sets, old, nbytes, t_old, copy_bw, cuda) -> lis
             timing = (f"{t[True] * 1e6:8.1f} us  {nb / t[True] / copy_bw:5.2f} of copy  {t[True] / t_old:5.2f}x old"
                       f"  {t[False] / t[True]:5.2f}x the default on {keys} keys" if cuda else "")
             print(f"{head} {'keys-major ' + keys:<18}         {timing}  max diff {diff:.3g}", flush=True)
-            out.append(dict(batch=sets[0][0][0].shape[0], form=f"keys-major {keys}", us=t[True] and t[True] * 1e6,
+            out.append(dict(batch=ks[0][0][0].shape[0], form=f"keys-major {keys}", us=t[True] and t[True] * 1e6,
                             default_us=t[False] and t[False] * 1e6, bytes=nb, max_diff=diff))
     finally:
         ti.DECODE_KEYS_MAJOR = saved
@@ -226,9 +229,8 @@ def decode(a: argparse.Namespace) -> None:
             rows_out.append(dict(batch=B, E=E, form=name, nb=nb_used, stages=st, warps=wp, us=t and t * 1e6,
                                  bytes=nbytes, of_copy=t and nbytes / t / copy_bw, new_over_old=t and t / t_old,
                                  same_bits=same))
+        pk, pbytes = packed_sets(sets, args, nbytes) if a.packed else (None, None)
         if a.packed:        # the cache's packed FP4 rows (ModelArgs.index_k_packed): the host's form on them
-            pk = [((x[0], x[1], fp4_pack_rows_ref(x[2]), x[3]), kw_) for x, kw_ in sets]
-            pbytes = nbytes - int(args[3].sum()) * (args[2].shape[1] * 2 - fp4_rows_width(args[2].shape[1]))
             new = ti.index_scores(*pk[0][0], **pk[0][1])
             same = torch.equal(new, old)
             all_same &= same
@@ -238,7 +240,8 @@ def decode(a: argparse.Namespace) -> None:
             rows_out.append(dict(batch=B, E=E, form="packed", us=t and t * 1e6, bytes=pbytes,
                                  of_copy=t and pbytes / t / copy_bw, new_over_old=t and t / t_old, same_bits=same))
         if a.keys_major:    # the opt-in keys-major blocks (triton_indexer.DECODE_KEYS_MAJOR): its own head-sum order
-            rows_out += keys_major_rows(a, ti, head, sets, old, nbytes, t_old, copy_bw, cuda)
+            keysets = [("bf16", sets, nbytes)] + ([("packed", pk, pbytes)] if a.packed else [])
+            rows_out += keys_major_rows(ti, head, keysets, old, t_old, copy_bw, cuda)
     path = save_json("indexer_decode.json", dict(rows=rows_out, copy_bw=copy_bw, ctx=a.ctx, ratio=a.ratio,
                                                  graph_entries=a.graph_entries, heads=a.heads, head_dim=a.head_dim,
                                                  device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)"))

@@ -19,11 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
 import ptx_check  # noqa: E402
 
 
-def _compile(module, names, call):
-    """Run call() with module's kernels `names` recorded, then compile each recorded launch for sm_90a."""
+def _compile(module, names, call, expect: dict | None = None):
+    """Run call() with module's kernels `names` recorded, then compile each recorded launch for sm_90a; expect:
+    launch arguments each recorded launch must carry (the form under test was the one launched)."""
     calls = ptx_check.record_launches(module, names, call)
     assert calls, names
     for fn, _grid, args, kw in calls:
+        assert all(kw.get(k) == v for k, v in (expect or {}).items()), (fn.__name__, expect)
         kw = dict(kw)
         if "FMA" in fn.arg_names:
             kw["FMA"] = True
@@ -136,12 +138,9 @@ def test_index_decode_keys_major(heads, monkeypatch):
     bt = torch.randint(0, 64, (64, 33), dtype=torch.int32)
     lens = torch.full((64,), 2000, dtype=torch.int32)
     for pool in (torch.zeros(4096, 128).bfloat16(), torch.zeros(4096, fp4_rows_width(128), dtype=torch.uint8)):
-        calls = ptx_check.record_launches(
-            triton_indexer, ["index_scores_decode_kernel"], lambda: triton_indexer.index_scores(
-                q, w, pool, lens, key_start=torch.arange(64), num_keys=2048, block_table=bt, entries_per_block=64))
-        assert calls and all(kw["KEYS_MAJOR"] for *_, kw in calls)
-        for fn, _grid, args, kw in calls:
-            assert ptx_check.compile_call(fn, args, kw).asm.get("cubin")
+        _compile(triton_indexer, ["index_scores_decode_kernel"], lambda: triton_indexer.index_scores(
+            q, w, pool, lens, key_start=torch.arange(64), num_keys=2048, block_table=bt, entries_per_block=64),
+            expect={"KEYS_MAJOR": True})
 
 
 def test_packed_index_keys():
