@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +14,10 @@ from .attention import Attention
 from .engram import Engram
 from .layers import RMSNorm
 from .moe import MoE
+
+# the attention's hc_post, the FFN's collapse and ffn_norm as one kernel, the FFN's mixes beside the FFN
+# (Block.expand_to_ffn): opt-in until measured on a GPU (DEEPINFER_FUSE_FFN_INPUT=1)
+FUSE_FFN_INPUT = os.environ.get("DEEPINFER_FUSE_FFN_INPUT", "0") == "1"
 
 
 class Block(nn.Module):
@@ -67,13 +73,37 @@ class Block(nn.Module):
         if attn_out is not None:
             attn_out.append(a)
         a_pre, a_post, a_comb = a_mix.wait()
-        x = ops.hc_post(a, res, a_post, a_comb)
+        if FUSE_FFN_INPUT:
+            x, f_mix, xn, xq = self.expand_to_ffn(a, res, a_post, a_comb, a_pre)
+        else:
+            x = ops.hc_post(a, res, a_post, a_comb)
+            f_mix, xf = self.mixes_pre(x, "ffn", a_pre)
+            xn, xq = self.ffn_norm.with_rounded(xf, self.ffn.shared_input_linear())
         res = x
-        f_mix, xf = self.mixes_pre(x, "ffn", a_pre)
-        xn, xq = self.ffn_norm.with_rounded(xf, self.ffn.shared_input_linear())
         y = self.ffn(xn, image_mask, xq)
         f_pre, f_post, f_comb = f_mix.wait()
         return ops.hc_post(y, res, f_post, f_comb), f_pre
+
+    def expand_to_ffn(self, a: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                      pre: torch.Tensor):
+        """The attention's hc_post and the FFN's input: (x [T, hc, d], the FFN's mixes (wait() -> pre, post, comb),
+        its normed input, act_quant of it or None). hc_post, the collapse with the attention's pre-mix and
+        ffn_norm are one kernel (ops.hc_post_norm); the FFN's own mixes read x only after it and are needed only
+        after the FFN, so in a small captured step their whole pass runs on a side stream
+        (side_stream.TAIL_LANE) beside the FFN."""
+        shared = self.ffn.shared_input_linear()
+        quant = shared is not None and shared.rounds_input(a)
+        x, xn, xq = ops.hc_post_norm(a, res, post, comb, pre, self.ffn_norm.weight, self.ffn_norm.eps, quant)
+        mixes = side_stream.branch(self.mixes, x, "ffn", pre, tokens=x.shape[0], lane=side_stream.TAIL_LANE,
+                                   fork=side_stream.MHC_TAILS)
+        return x, mixes, xn, xq
+
+    def mixes(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor):
+        """(pre, post, comb) of x's mixes: ops.hc_mixes_pre whole (its collapse, made elsewhere, unused)."""
+        pre, post, comb, _ = ops.hc_mixes_pre(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                                              getattr(self, f"hc_{sub}_base"), pre_prev, self.iters, self.hc_eps,
+                                              self.eps)
+        return pre, post, comb
 
     def mixes_pre(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor, mean: bool = False, tail: bool = True):
         """hc_mixes(x, sub) and hc_pre(x, pre_prev) in one pass over x (ops.hc_mixes_pre): (mixes, the collapsed

@@ -39,6 +39,7 @@ from deepinfer.kernels.select import (  # noqa: F401
     hc_mixes_pre,
     hc_pre_norm,
     hc_post,
+    hc_post_norm,
     hc_split_sinkhorn,
     index_scores_paged,
     index_scores_pool,

@@ -40,7 +40,7 @@ def _cis(n, half=32):
 
 
 def test_norm_kernels():
-    from deepinfer.kernels import triton_hc_collapse, triton_norm, triton_norm_rope_quant
+    from deepinfer.kernels import triton_hc_collapse, triton_hc_post_norm, triton_norm, triton_norm_rope_quant
     x = torch.randn(64, 5120).bfloat16()
     _compile(triton_norm, ["rms_norm_kernel"], lambda: triton_norm.rms_norm_quant(x, torch.rand(5120), 1e-6))
     kv = torch.randn(64, 512).bfloat16()
@@ -50,6 +50,11 @@ def test_norm_kernels():
     h = torch.randn(64, 4, 4096).bfloat16()
     _compile(triton_hc_collapse, ["hc_pre_norm_kernel"], lambda: triton_hc_collapse.hc_pre_norm(
         h, torch.rand(64, 4), torch.arange(64), torch.rand(4096), 1e-6))
+    y, res = torch.randn(64, 5120).bfloat16(), torch.randn(64, 4, 5120).bfloat16()
+    for quant in (False, True):
+        _compile(triton_hc_post_norm, ["hc_post_norm_kernel"], lambda: triton_hc_post_norm.hc_post_norm(
+            y, res, torch.rand(64, 4), torch.rand(64, 4, 4), torch.rand(64, 4), torch.rand(5120), 1e-6, quant),
+            expect={"QUANT": True} if quant else None)
 
 
 def test_sparse_attn_unrope():
