@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +16,21 @@ from .engram import Engram
 from .layers import RMSNorm
 from .moe import MoE
 
-# the attention's hc_post, the FFN's collapse and ffn_norm as one kernel, the FFN's mixes beside the FFN
-# (Block.expand_to_ffn): opt-in until measured on a GPU (DEEPINFER_FUSE_FFN_INPUT=1)
-FUSE_FFN_INPUT = os.environ.get("DEEPINFER_FUSE_FFN_INPUT", "0") == "1"
+# a sublayer's hc_post, the next sublayer's collapse and its norm as one kernel, that sublayer's mixes beside it
+# (Block.expand_into; across blocks where the model loop defers a block's output): opt-in until measured on a
+# GPU (DEEPINFER_FUSE_SUBLAYER_INPUT=1)
+FUSE_SUBLAYER_INPUT = os.environ.get("DEEPINFER_FUSE_SUBLAYER_INPUT", "0") == "1"
+
+
+class Expand(NamedTuple):
+    """A sublayer's mHC expand not yet made: out[j] = post[j] * y + sum_i comb[i, j] * res[i] (ops.hc_post)."""
+    y: torch.Tensor         # [T, d] the sublayer's output
+    res: torch.Tensor       # [T, hc, d] its input streams
+    post: torch.Tensor      # [T, hc]
+    comb: torch.Tensor      # [T, hc, hc]
+
+    def tensor(self) -> torch.Tensor:
+        return ops.hc_post(self.y, self.res, self.post, self.comb)
 
 
 class Block(nn.Module):
@@ -60,21 +73,29 @@ class Block(nn.Module):
         out = post.unsqueeze(-1) * y.unsqueeze(-2) + (comb.unsqueeze(-1) * res.unsqueeze(-2)).sum(dim=1)
         return out.to(y.dtype)
 
-    def forward(self, x, pre_mix, attn_fn, image_mask=None, attn_out: list | None = None, tap: list | None = None):
-        """x [T, hc, d]; attn_fn(x_norm, act_quant(x_norm) or None) -> [T, d]. Returns (x, the FFN's pre-mix
-        for the next block).
+    def forward(self, x, pre_mix, attn_fn, image_mask=None, attn_out: list | None = None, tap: list | None = None,
+                defer_out: bool = False):
+        """x [T, hc, d] (or the previous block's Expand); attn_fn(x_norm, act_quant(x_norm) or None) -> [T, d].
+        Returns (x, the FFN's pre-mix for the next block); defer_out: x as an Expand, for a next block that
+        makes it with its own collapse (FUSE_SUBLAYER_INPUT).
         tap: gets x.mean(dim=1) appended (a DSpark tap, from the read the attention mixes make anyway)."""
+        if isinstance(x, Expand) and FUSE_SUBLAYER_INPUT and tap is None:
+            x, a_mix, xn, xq = self.expand_into("attn", x, pre_mix)
+        else:
+            if isinstance(x, Expand):
+                x = x.tensor()
+            a_mix, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
+            if tap is not None:
+                tap.append(mean[0])
+            # the norm's launch also rounds its rows where the input linears would (RMSNorm.with_rounded)
+            xn, xq = self.attn_norm.with_rounded(xa, *self.attn.input_linears())
         res = x
-        a_mix, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
-        if tap is not None:
-            tap.append(mean[0])
-        # the norm's launch also rounds its rows where the input linears would (RMSNorm.with_rounded)
-        a = attn_fn(*self.attn_norm.with_rounded(xa, *self.attn.input_linears()))
+        a = attn_fn(xn, xq)
         if attn_out is not None:
             attn_out.append(a)
         a_pre, a_post, a_comb = a_mix.wait()
-        if FUSE_FFN_INPUT:
-            x, f_mix, xn, xq = self.expand_to_ffn(a, res, a_post, a_comb, a_pre)
+        if FUSE_SUBLAYER_INPUT:
+            x, f_mix, xn, xq = self.expand_into("ffn", Expand(a, res, a_post, a_comb), a_pre)
         else:
             x = ops.hc_post(a, res, a_post, a_comb)
             f_mix, xf = self.mixes_pre(x, "ffn", a_pre)
@@ -82,19 +103,20 @@ class Block(nn.Module):
         res = x
         y = self.ffn(xn, image_mask, xq)
         f_pre, f_post, f_comb = f_mix.wait()
-        return ops.hc_post(y, res, f_post, f_comb), f_pre
+        out = Expand(y, res, f_post, f_comb)
+        return (out if defer_out else out.tensor()), f_pre
 
-    def expand_to_ffn(self, a: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                      pre: torch.Tensor):
-        """The attention's hc_post and the FFN's input: (x [T, hc, d], the FFN's mixes (wait() -> pre, post, comb),
-        its normed input, act_quant of it or None). hc_post, the collapse with the attention's pre-mix and
-        ffn_norm are one kernel (ops.hc_post_norm); the FFN's own mixes read x only after it and are needed only
-        after the FFN, so in a small captured step their whole pass runs on a side stream
-        (side_stream.TAIL_LANE) beside the FFN."""
-        shared = self.ffn.shared_input_linear()
-        quant = shared is not None and shared.rounds_input(a)
-        x, xn, xq = ops.hc_post_norm(a, res, post, comb, pre, self.ffn_norm.weight, self.ffn_norm.eps, quant)
-        mixes = side_stream.branch(self.mixes, x, "ffn", pre, tokens=x.shape[0], lane=side_stream.TAIL_LANE,
+    def expand_into(self, sub: str, e: "Expand", pre: torch.Tensor):
+        """The previous sublayer's hc_post and sublayer `sub`'s input: (x [T, hc, d], sub's mixes (wait() -> pre,
+        post, comb), its normed input, act_quant of it or None). hc_post, the collapse with the previous pre-mix
+        and the norm are one kernel (ops.hc_post_norm); sub's own mixes read x only after it and are needed only
+        after sub, so in a small captured step their whole pass runs on a side stream (side_stream.TAIL_LANE)
+        beside the sublayer."""
+        norm, consumers = (self.attn_norm, self.attn.input_linears()) if sub == "attn" else \
+            (self.ffn_norm, (self.ffn.shared_input_linear(),))
+        quant = any(c is not None and c.rounds_input(e.y) for c in consumers)
+        x, xn, xq = ops.hc_post_norm(e.y, e.res, e.post, e.comb, pre, norm.weight, norm.eps, quant)
+        mixes = side_stream.branch(self.mixes, x, sub, pre, tokens=x.shape[0], lane=side_stream.TAIL_LANE,
                                    fork=side_stream.MHC_TAILS)
         return x, mixes, xn, xq
 

@@ -24,7 +24,7 @@ from .dspark import DSparkBlock
 from .layers import Embedding, Linear, RMSNorm, linear_fp32, rope_tables
 from .step_metadata import StepMetadata
 from .vision import VisionTower
-from . import ops, side_stream, yoco
+from . import block, ops, side_stream, yoco
 
 
 @dataclass
@@ -138,8 +138,13 @@ class Transformer(nn.Module):
                 if side_stream.ENGRAM_AFTER_ATTN:     # the next layer's projection beside this one's FFN
                     fork_engram(i + 1)
                 return out
-            # a DSpark target layer's tap (its input averaged over the hc copies) comes out of its mixes
-            h, pre = layer(h, pre, attn_fn, image_mask, attn_outs, taps if i in args.dspark_target_layer_ids else None)
+            # a DSpark target layer's tap (its input averaged over the hc copies) comes out of its mixes; the
+            # block's output stays an Expand for a next block that reads it first (block.FUSE_SUBLAYER_INPUT)
+            nxt = i + 1
+            defer = (block.FUSE_SUBLAYER_INPUT and not dump_hidden and nxt < len(self.layers)
+                     and self.layers[nxt].engram is None and not (compact is not None and nxt == self.decoder_start))
+            h, pre = layer(h, pre, attn_fn, image_mask, attn_outs, taps if i in args.dspark_target_layer_ids else None,
+                           defer_out=defer)
         if dump_hidden:
             snaps.append(h.float())
         li = batch.logits_indices

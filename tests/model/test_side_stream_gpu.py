@@ -106,21 +106,22 @@ def test_engram_after_attention_changes_no_value(model, monkeypatch):
     assert forks[True] == forks[False]
 
 
-def test_fused_ffn_input_gives_the_same_logits(model, monkeypatch):
-    """The attention's hc_post, the FFN's collapse and ffn_norm as one kernel with the FFN's mixes on a side stream
-    (block.FUSE_FFN_INPUT, opt-in): eager and captured steps give the three kernels' logits bit for bit."""
+def test_fused_sublayer_input_gives_the_same_logits(model, monkeypatch):
+    """A sublayer's hc_post, the next sublayer's collapse and norm as one kernel with that sublayer's mixes on a
+    side stream, across blocks too
+    (block.FUSE_SUBLAYER_INPUT, opt-in): eager and captured steps give the three kernels' logits bit for bit."""
     from deepinfer.cache.model_caches import ModelCaches
     from deepinfer.model import block
     caches = ModelCaches.allocate(model.args, 24, 96, 64, "cuda", scratch=True)
     got = {}
     with torch.inference_mode():
         for on in (False, True):
-            monkeypatch.setattr(block, "FUSE_FFN_INPUT", on)
+            monkeypatch.setattr(block, "FUSE_SUBLAYER_INPUT", on)
             step = bench.decode_step(model, caches, 24, CTX0, 256, 64)
             want = step().clone()
             g, out = captured_graph(step)
             g.replay()
             torch.cuda.synchronize()
-            assert torch.equal(out, want), f"fused FFN input {on}: the graph's logits differ from inline"
+            assert torch.equal(out, want), f"fused sublayer input {on}: the graph's logits differ from inline"
             got[on] = want
     assert torch.equal(got[True], got[False])
