@@ -88,7 +88,7 @@ def table_off():
 
 
 def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: bool = False,
-             all_splits: bool = False) -> list[dict]:
+             all_splits: bool = False, narrow: bool = False) -> list[dict]:
     from deepinfer.kernels import deepgemm, select
     from deepinfer.kernels.cuda_fp8_decode import (FORMS, form_for, fp8_decode_linear, kernel_scales, split_counts,
                                                    token_tile)
@@ -117,9 +117,11 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: 
         if dg:
             r["deepgemm_us"] = time_calls([lambda p=p: deepgemm.linear(x, *p) for p in tiles]) * 1e6
         if forms:
+            # m's token tile; narrow: also the smaller tiles, m's tokens in several tiles (blockIdx.z), each CTA
+            # reading its weight rows again (from L2 where the tiles' CTAs run together)
             bt = token_tile(m)
             for name_f in FORMS:
-                if FORMS[name_f][0] != bt:
+                if FORMS[name_f][0] != bt and not (narrow and FORMS[name_f][0] < bt):
                     continue
                 for sp in split_counts(k) if all_splits else sorted({1, max(1, splits // 2), splits, 2 * splits}):
                     key = f"{name_f[len('fp8_decode_sm90_'):]}/s{sp}"
@@ -235,6 +237,8 @@ def main() -> None:
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     p.add_argument("--forms", action="store_true", help="also every row-block form and split counts")
     p.add_argument("--all-splits", action="store_true", help="(with --forms) every split count, not four")
+    p.add_argument("--narrow-tiles", action="store_true",
+                   help="(with --forms) also the forms of smaller token tiles, M's tokens in several tiles")
     p.add_argument("--breakdown", action="store_true", help="also time each part of a call alone (quant, GEMM, reduce)")
     p.add_argument("--only", nargs="+", default=None, help="only these linears (names of DECODE_SHAPES)")
     p.add_argument("--write-table", action="store_true", help="(with --forms) write kernels/fp8_decode_table.json")
@@ -252,7 +256,7 @@ def main() -> None:
     rows = []
     for name, (n, k) in DECODE_SHAPES.items():
         if a.only is None or name in a.only:
-            rows += rows_for(name, n, k, a.m, peaks["copy_bw"], a.forms, a.breakdown, a.all_splits)
+            rows += rows_for(name, n, k, a.m, peaks["copy_bw"], a.forms, a.breakdown, a.all_splits, a.narrow_tiles)
     save_json("bench_fp8_decode", {"peaks": peaks, "rows": rows})
     if a.write_table:
         write_table(rows, torch.cuda.get_device_name(0))
