@@ -38,7 +38,11 @@ from benchutil import copies_for, measure_ceilings, out_dir, panels_by_m, save_j
 # (name, N, K): the full-width decode step's dense linears (perf/bench_model_decode.py's profile)
 SHAPES = (("wqkv_a", 1792, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("shared_w13", 4608, 5120),
           ("shared_w2", 5120, 2304), ("indexer_wq_b", 4096, 1280), ("engram_wkv", 25600, 6144),
-          ("head", 129280, 5120))
+          ("head", 129280, 5120), ("router", 384, 5120), ("router_48", 48, 5120), ("compressor", 512, 5120))
+# fp32 out (select.linear_fp32: the MoE router's gate (the release's 384 experts; 48 in full-width-ep8's
+# benchmark checkpoint) and the ratio > 1 compressor's projections; the head's logits at decode sizes too): against
+# cuBLAS's bf16 GEMM with fp32 output (torch.mm(out_dtype=float32))
+FP32_OUT = {"head", "router", "router_48", "compressor"}
 
 
 WIN_MARGIN = 1.03
@@ -98,15 +102,19 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
             exact = x.double() @ ws[0].double().T
             tol = 2.0 ** -7 * exact.abs().max().item()
-            t_cublas = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+            out = torch.float32 if name in FP32_OUT else torch.bfloat16
+            if name in FP32_OUT:
+                t_cublas = time_calls([lambda w=w: torch.mm(x, w.t(), out_dtype=torch.float32) for w in ws])
+            else:
+                t_cublas = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
             res = {}
             for v in (variants(m) if a.variants else [{}]):
                 try:
-                    err = (bf16_skinny_linear(x, ws[0], v).double() - exact).abs().max().item()
+                    err = (bf16_skinny_linear(x, ws[0], v, out).double() - exact).abs().max().item()
                     if err > tol:
                         print(f"{name} m {m} {v}: WRONG (max error {err:.3g} > {tol:.3g})", flush=True)
                         continue
-                    res[str(v)] = time_calls([lambda w=w: bf16_skinny_linear(x, w, v) for w in ws])
+                    res[str(v)] = time_calls([lambda w=w: bf16_skinny_linear(x, w, v, out) for w in ws])
                 except Exception as e:  # noqa: BLE001  (out of resources: reported, not fatal)
                     print(f"{name} m {m} {v}: FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
             if not res:
