@@ -117,11 +117,11 @@ def rows_for(name: str, n: int, k: int, ms, copy_bw: float, forms: bool, parts: 
         if dg:
             r["deepgemm_us"] = time_calls([lambda p=p: deepgemm.linear(x, *p) for p in tiles]) * 1e6
         if forms:
-            # m's token tile; narrow: also the smaller tiles, m's tokens in several tiles (blockIdx.z), each CTA
-            # reading its weight rows again (from L2 where the tiles' CTAs run together)
+            # m's token tile; narrow: also tiles of a half and a quarter of it, m's tokens in several tiles
+            # (blockIdx.z), each tile's CTAs reading their weight rows again (from L2 where they run together)
             bt = token_tile(m)
             for name_f in FORMS:
-                if FORMS[name_f][0] != bt and not (narrow and FORMS[name_f][0] < bt):
+                if FORMS[name_f][0] != bt and not (narrow and bt // 4 <= FORMS[name_f][0] < bt):
                     continue
                 for sp in split_counts(k) if all_splits else sorted({1, max(1, splits // 2), splits, 2 * splits}):
                     key = f"{name_f[len('fp8_decode_sm90_'):]}/s{sp}"
@@ -238,7 +238,7 @@ def main() -> None:
     p.add_argument("--forms", action="store_true", help="also every row-block form and split counts")
     p.add_argument("--all-splits", action="store_true", help="(with --forms) every split count, not four")
     p.add_argument("--narrow-tiles", action="store_true",
-                   help="(with --forms) also the forms of smaller token tiles, M's tokens in several tiles")
+                   help="(with --forms) also the forms of token tiles a half and a quarter of M's, M's tokens in several tiles")
     p.add_argument("--breakdown", action="store_true", help="also time each part of a call alone (quant, GEMM, reduce)")
     p.add_argument("--only", nargs="+", default=None, help="only these linears (names of DECODE_SHAPES)")
     p.add_argument("--write-table", action="store_true", help="(with --forms) write kernels/fp8_decode_table.json")
