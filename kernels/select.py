@@ -1364,17 +1364,19 @@ def hc_post(y, res, post, comb):
     return _ref.hc_post_ref(y, res, post, comb)
 
 
-def hc_post_norm(y, res, post, comb, pre, weight, eps: float, quant: bool = False):
-    """(hc_post(y, res, post, comb), rms_norm(hc_pre(that, pre), weight, eps)[, act_quant of it] or None): one
-    Triton kernel (triton_hc_post_norm, the same bits as the three ops) where its rules hold, else the ops."""
+def hc_post_norm(y, res, post, comb, pre, weight, eps: float, quant: bool = False, mean: bool = False):
+    """(hc_post(y, res, post, comb), rms_norm(hc_pre(that, pre), weight, eps), act_quant of it or None[, that's mean
+    over the streams]): one Triton kernel (triton_hc_post_norm, the same bits as the ops) where its rules hold,
+    else the ops."""
     if use_fast(y):
         from . import triton_hc_post_norm as fused
         if _fast_for(y, "hc_post_norm", fused.shape_ok(y, res, post, comb, pre, weight, quant),
                      "hc_mult 4, dim <= 16384 and bf16 streams", then="hc_post, the collapse and the norm apart"):
-            return fused.hc_post_norm(y, res, post, comb, pre, weight, eps, quant)
+            return fused.hc_post_norm(y, res, post, comb, pre, weight, eps, quant, mean)
     out = hc_post(y, res, post, comb)
     x = _ref.hc_pre_ref(out, pre)
-    return (out, *rms_norm_quant(x, weight, eps)) if quant else (out, rms_norm(x, weight, eps), None)
+    normed = (out, *rms_norm_quant(x, weight, eps)) if quant else (out, rms_norm(x, weight, eps), None)
+    return normed + ((out.mean(dim=1),) if mean else ())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

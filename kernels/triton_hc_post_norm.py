@@ -7,6 +7,7 @@ attention and the FFN).
                                                            over the rounded streams in stream order, then bf16),
                                                            then rms_norm_kernel's arithmetic on rms_norm's tile
         xq  = act_quant(xn) (quant)                        rms_norm_kernel's QUANT tail
+        mean = out.mean over the streams (mean=True)       hc_mixes_pre_kernel's MEAN (a DSpark tap)
 
 Why: between the two sublayers the decode step ran hc_post, the mixes kernel (for its collapse) and the norm
 one after the other on the critical path, three latency-bound launches of a few microseconds each for [B, d]
@@ -34,7 +35,8 @@ HC = 4
 @triton.jit
 def hc_post_norm_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, out_ptr, xn_ptr, T, d, inv_d, eps,
                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, q_ptr=None, QUANT: tl.constexpr = False,
-                        MANUAL_RNE: tl.constexpr = False, PDL: tl.constexpr = False):
+                        MANUAL_RNE: tl.constexpr = False, mean_ptr=None, MEAN: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -47,6 +49,7 @@ def hc_post_norm_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, out_
     r2 = tl.load(res_ptr + (rt64 * 4 + 2) * d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     r3 = tl.load(res_ptr + (rt64 * 4 + 3) * d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    macc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for j in tl.static_range(4):
         # hc_post_kernel's sum for stream j, in its order
         cb = comb_ptr + rows * 16 + j
@@ -60,6 +63,10 @@ def hc_post_norm_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, out_
         # the collapse over the stored (bf16) streams, hc_mixes_pre_kernel's `yacc += pk * xs`
         pk = tl.load(pre_ptr + rows * 4 + j, mask=r_ok, other=0.0)
         x += pk[:, None] * oj.to(tl.float32)
+        if MEAN:
+            macc += oj.to(tl.float32)
+    if MEAN:        # the mixes kernel's mean over the streams: an fp32 sum in stream order, then / 4
+        tl.store(mean_ptr + rt64 * d + cols[None, :], (macc / 4).to(tl.bfloat16), mask=mask)
     x = x.to(tl.bfloat16).to(tl.float32)
     r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)                    # rms_norm_kernel's arithmetic
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
@@ -86,20 +93,24 @@ def shape_ok(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
 
 
 def hc_post_norm(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
-                 weight: torch.Tensor, eps: float, quant: bool = False):
-    """-> (out [T, hc, d] bf16, xn [T, d] bf16, xq [T, d] bf16 or None); see the module docstring."""
+                 weight: torch.Tensor, eps: float, quant: bool = False, mean: bool = False):
+    """-> (out [T, hc, d] bf16, xn [T, d] bf16, xq [T, d] bf16 or None[, out's mean over the streams [T, d] bf16
+    (mean: a DSpark tap, the mixes kernel's MEAN)]); see the module docstring."""
     assert shape_ok(y, res, post, comb, pre, weight, quant), (tuple(y.shape), tuple(res.shape), y.dtype)
     T, hc, d = res.shape
     out = torch.empty_like(res)
     xn = torch.empty_like(y)
     xq = torch.empty_like(y) if quant else None
+    mo = (torch.empty_like(y),) if mean else ()
     if T == 0:
-        return out, xn, xq
+        return (out, xn, xq, *mo)
     block_d = triton.next_power_of_2(d)
     block_m = _block_m(block_d)                                   # rms_norm's tile: its row sums
     extra = dict(q_ptr=xq, QUANT=True, MANUAL_RNE=INTERPRET) if quant else {}
+    if mean:
+        extra.update(mean_ptr=mo[0], MEAN=True)
     hc_post_norm_kernel[(triton.cdiv(T, block_m),)](
         y.contiguous(), res.contiguous(), post.contiguous(), comb.contiguous(), pre.contiguous(),
         weight.contiguous(), out, xn, T, d, 1.0 / d, eps, BLOCK_M=block_m, BLOCK_D=block_d,
         num_warps=4 if block_d * block_m <= 4096 else 8, **extra, **pdl_args())
-    return out, xn, xq
+    return (out, xn, xq, *mo)

@@ -121,8 +121,9 @@ def step_bytes(model, B: int, ctx: int, used: dict[int, int] | None = None) -> d
     return parts
 
 
-def decode_step(model, caches, B: int, ctx: int, max_len: int, block_tokens: int, device="cuda"):
-    """Static padded decode buffers of B sequences at position ctx and the step function on them."""
+def decode_step(model, caches, B: int, ctx: int, max_len: int, block_tokens: int, device="cuda", full: bool = False):
+    """Static padded decode buffers of B sequences at position ctx and the step function on them (its logits, or
+    full: the whole ModelOutput)."""
     from deepinfer.model.step_metadata import DecodeStepBuffers
     a = model.args
     bps = -(-max_len // block_tokens)
@@ -140,7 +141,8 @@ def decode_step(model, caches, B: int, ctx: int, max_len: int, block_tokens: int
     max_pos = max_len + 63
 
     def step():
-        return model(bufs.forward_batch(), caches, meta=bufs.metadata(max_pos)).logits
+        out = model(bufs.forward_batch(), caches, meta=bufs.metadata(max_pos))
+        return out if full else out.logits
     return step
 
 

@@ -77,10 +77,12 @@ class Block(nn.Module):
                 defer_out: bool = False):
         """x [T, hc, d] (or the previous block's Expand); attn_fn(x_norm, act_quant(x_norm) or None) -> [T, d].
         Returns (x, the FFN's pre-mix for the next block); defer_out: x as an Expand, for a next block that
-        makes it with its own collapse (FUSE_SUBLAYER_INPUT).
+        makes it with its own collapse (FUSE_SUBLAYER_INPUT; its tap's mean too).
         tap: gets x.mean(dim=1) appended (a DSpark tap, from the read the attention mixes make anyway)."""
-        if isinstance(x, Expand) and FUSE_SUBLAYER_INPUT and tap is None:
-            x, a_mix, xn, xq = self.expand_into("attn", x, pre_mix)
+        if isinstance(x, Expand) and FUSE_SUBLAYER_INPUT:
+            x, a_mix, xn, xq, *mean = self.expand_into("attn", x, pre_mix, tap is not None)
+            if tap is not None:
+                tap.append(mean[0])
         else:
             if isinstance(x, Expand):
                 x = x.tensor()
@@ -106,19 +108,19 @@ class Block(nn.Module):
         out = Expand(y, res, f_post, f_comb)
         return (out if defer_out else out.tensor()), f_pre
 
-    def expand_into(self, sub: str, e: "Expand", pre: torch.Tensor):
+    def expand_into(self, sub: str, e: "Expand", pre: torch.Tensor, mean: bool = False):
         """The previous sublayer's hc_post and sublayer `sub`'s input: (x [T, hc, d], sub's mixes (wait() -> pre,
-        post, comb), its normed input, act_quant of it or None). hc_post, the collapse with the previous pre-mix
-        and the norm are one kernel (ops.hc_post_norm); sub's own mixes read x only after it and are needed only
-        after sub, so in a small captured step their whole pass runs on a side stream (side_stream.TAIL_LANE)
-        beside the sublayer."""
+        post, comb), its normed input, act_quant of it or None[, x's mean over the hc copies (mean: a DSpark
+        tap)]). hc_post, the collapse with the previous pre-mix and the norm are one kernel (ops.hc_post_norm);
+        sub's own mixes read x only after it and are needed only after sub, so in a small captured step their
+        whole pass runs on a side stream (side_stream.TAIL_LANE) beside the sublayer."""
         norm, consumers = (self.attn_norm, self.attn.input_linears()) if sub == "attn" else \
             (self.ffn_norm, (self.ffn.shared_input_linear(),))
         quant = any(c is not None and c.rounds_input(e.y) for c in consumers)
-        x, xn, xq = ops.hc_post_norm(e.y, e.res, e.post, e.comb, pre, norm.weight, norm.eps, quant)
+        x, xn, xq, *mean_out = ops.hc_post_norm(e.y, e.res, e.post, e.comb, pre, norm.weight, norm.eps, quant, mean)
         mixes = side_stream.branch(self.mixes, x, sub, pre, tokens=x.shape[0], lane=side_stream.TAIL_LANE,
                                    fork=side_stream.MHC_TAILS)
-        return x, mixes, xn, xq
+        return (x, mixes, xn, xq, *mean_out)
 
     def mixes(self, x: torch.Tensor, sub: str, pre_prev: torch.Tensor):
         """(pre, post, comb) of x's mixes: ops.hc_mixes_pre whole (its collapse, made elsewhere, unused)."""

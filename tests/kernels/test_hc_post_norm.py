@@ -37,17 +37,20 @@ def check(device, shapes=SHAPES):
     for seed, (T, d) in enumerate(shapes):
         y, res, post, comb, pre, w = _case(T, d, device, seed)
         for quant in (False, True):
-            out, xn, xq = hc_post_norm(y, res, post, comb, pre, w, 1e-6, quant)
+            out, xn, xq, mean = hc_post_norm(y, res, post, comb, pre, w, 1e-6, quant, mean=True)
             # the three kernels it replaces, on the same inputs
             want_out = triton_mhc.hc_post(y, res, post, comb)
             assert torch.equal(_bits(out), _bits(want_out)), (T, d, "streams")
-            if d % 64 == 0:          # the mixes kernel's collapse (its 64-wide chunks)
+            if d % 64 == 0:          # the mixes kernel's collapse and mean (its 64-wide chunks)
                 mix = 24
-                coll = triton_mhc.hc_mixes_pre(want_out, torch.zeros(mix, 4 * d, device=device),
-                                               torch.ones(3, device=device), torch.zeros(mix, device=device),
-                                               pre, 2, 1e-6, 1e-6)[3]
+                _, _, _, coll, want_mean = triton_mhc.hc_mixes_pre(
+                    want_out, torch.zeros(mix, 4 * d, device=device), torch.ones(3, device=device),
+                    torch.zeros(mix, device=device), pre, 2, 1e-6, 1e-6, mean=True)
+                assert torch.equal(_bits(mean), _bits(want_mean)), (T, d, "mean")
             else:
                 coll = hc_pre_ref(want_out, pre)
+                assert torch.equal(mean, want_out.mean(dim=1)), (T, d, "mean")
+            assert len(hc_post_norm(y, res, post, comb, pre, w, 1e-6, quant)) == 3
             if quant:
                 want_xn, want_xq = triton_norm.rms_norm_quant(coll, w, 1e-6)
                 assert torch.equal(_bits(xq), _bits(want_xq)), (T, d, "act_quant")
@@ -74,9 +77,10 @@ def test_select_form_is_the_ops_form():
     from deepinfer.kernels.reference import act_quant_ref, rms_norm_ref
     from deepinfer.model.block import Block
     y, res, post, comb, pre, w = _case(7, 192, "cpu", 4)
-    out, xn, xq = select.hc_post_norm(y, res, post, comb, pre, w, 1e-6, quant=True)
+    out, xn, xq, mean = select.hc_post_norm(y, res, post, comb, pre, w, 1e-6, quant=True, mean=True)
     want_out = select.hc_post(y, res, post, comb)
     assert torch.equal(out, want_out)
+    assert torch.equal(mean, want_out.mean(dim=1))
     assert torch.equal(xn, rms_norm_ref(Block.hc_pre(want_out, pre), w, 1e-6))
     assert torch.equal(xq, act_quant_ref(xn))
     assert select.hc_post_norm(y, res, post, comb, pre, w, 1e-6)[2] is None

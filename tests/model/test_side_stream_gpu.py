@@ -113,10 +113,11 @@ def test_fused_sublayer_input_gives_the_same_logits(model, monkeypatch):
     from deepinfer.cache.model_caches import ModelCaches
     from deepinfer.model import block
     caches = ModelCaches.allocate(model.args, 24, 96, 64, "cuda", scratch=True)
-    got = {}
+    got, taps = {}, {}
     with torch.inference_mode():
         for on in (False, True):
             monkeypatch.setattr(block, "FUSE_SUBLAYER_INPUT", on)
+            taps[on] = bench.decode_step(model, caches, 24, CTX0, 256, 64, full=True)().main_hidden.clone()
             step = bench.decode_step(model, caches, 24, CTX0, 256, 64)
             want = step().clone()
             g, out = captured_graph(step)
@@ -125,3 +126,4 @@ def test_fused_sublayer_input_gives_the_same_logits(model, monkeypatch):
             assert torch.equal(out, want), f"fused sublayer input {on}: the graph's logits differ from inline"
             got[on] = want
     assert torch.equal(got[True], got[False])
+    assert torch.equal(taps[True], taps[False])                 # the DSpark taps (the kernel's mean)
