@@ -53,8 +53,8 @@ def test_norm_kernels():
     y, res = torch.randn(64, 5120).bfloat16(), torch.randn(64, 4, 5120).bfloat16()
     for quant in (False, True):
         _compile(triton_hc_post_norm, ["hc_post_norm_kernel"], lambda: triton_hc_post_norm.hc_post_norm(
-            y, res, torch.rand(64, 4), torch.rand(64, 4, 4), torch.rand(64, 4), torch.rand(5120), 1e-6, quant),
-            expect={"QUANT": True} if quant else None)
+            y, res, torch.rand(64, 4), torch.rand(64, 4, 4), torch.rand(64, 4), torch.rand(5120), 1e-6, quant, quant),
+            expect={"QUANT": True, "MEAN": True} if quant else None)     # the tap's mean with the rounding
 
 
 def test_sparse_attn_unrope():
