@@ -2,7 +2,7 @@
 attention and the FFN).
 
     hc_post_norm(y, res, post, comb, pre, weight, eps, quant=False) -> (out [T, hc, d], xn [T, d][, xq [T, d]])
-        out = hc_post(y, res, post, comb)                  hc_post_kernel's arithmetic (bf16 streams)
+        out = hc_post(y, res, post, comb)                  hc_post_kernel's arithmetic (triton_mhc.expand_stream)
         xn  = rms_norm(hc_pre(out, pre), weight, eps)      the collapse as hc_mixes_pre_kernel makes it (`y += p * x`
                                                            over the rounded streams in stream order, then bf16),
                                                            then rms_norm_kernel's arithmetic on rms_norm's tile
@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_args, pdl_enter
+from .triton_mhc import expand_stream
 from .triton_norm import MAX_D, _block_m
 from .triton_quant import INTERPRET, _pow2_ceil, _to_e4m3
 
@@ -51,14 +52,13 @@ def hc_post_norm_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, out_
     x = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     macc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for j in tl.static_range(4):
-        # hc_post_kernel's sum for stream j, in its order
+        # hc_post_kernel's stream j: the same explicit FMAs (expand_stream)
         cb = comb_ptr + rows * 16 + j
-        acc = tl.load(cb, mask=r_ok, other=0.0)[:, None] * r0
-        acc += tl.load(cb + 4, mask=r_ok, other=0.0)[:, None] * r1
-        acc += tl.load(cb + 8, mask=r_ok, other=0.0)[:, None] * r2
-        acc += tl.load(cb + 12, mask=r_ok, other=0.0)[:, None] * r3
         pj = tl.load(post_ptr + rows * 4 + j, mask=r_ok, other=0.0)
-        oj = (pj[:, None] * yv + acc).to(tl.bfloat16)
+        oj = expand_stream(yv, r0, r1, r2, r3, tl.load(cb, mask=r_ok, other=0.0)[:, None],
+                           tl.load(cb + 4, mask=r_ok, other=0.0)[:, None],
+                           tl.load(cb + 8, mask=r_ok, other=0.0)[:, None],
+                           tl.load(cb + 12, mask=r_ok, other=0.0)[:, None], pj[:, None]).to(tl.bfloat16)
         tl.store(out_ptr + (rt64 * 4 + j) * d + cols[None, :], oj, mask=mask)
         # the collapse over the stored (bf16) streams, hc_mixes_pre_kernel's `yacc += pk * xs`
         pk = tl.load(pre_ptr + rows * 4 + j, mask=r_ok, other=0.0)

@@ -80,21 +80,15 @@ def _load_keys(k_ptr, krow, e_ok, rd, ID: tl.constexpr, PACKED: tl.constexpr, KW
 @triton.jit
 def _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, epb, nb, ID: tl.constexpr, PAGED: tl.constexpr,
                     UPCAST: tl.constexpr, BLOCKED: tl.constexpr = False, PACKED: tl.constexpr = False,
-                    KW: tl.constexpr = 0, KEYS_MAJOR: tl.constexpr = False):
+                    KW: tl.constexpr = 0):
     """q [rows, ID] against the key block re (pool rows _key_rows(...) when PAGED, else kbase + re):
-    the fp32 dot rounded to bf16, relu'd (the reference's first rounding). [rows, BE], or KEYS_MAJOR
-    [BE, rows] (keys x q^T: the rows along the MMA's N)."""
+    the fp32 dot rounded to bf16, relu'd (the reference's first rounding)."""
     if PAGED:
         krow = _key_rows(rows_ptr, kbase, re, e_ok, epb, nb, BLOCKED)
     else:
         krow = kbase + re.to(tl.int64)
     k = _load_keys(k_ptr, krow, e_ok, rd, ID, PACKED, KW)
-    if KEYS_MAJOR:
-        if UPCAST:
-            s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)))
-        else:
-            s = tl.dot(k, tl.trans(q))
-    elif UPCAST:
+    if UPCAST:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:
         s = tl.dot(q, tl.trans(k))
@@ -151,15 +145,12 @@ def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, ro
                                IH: tl.constexpr, ID: tl.constexpr, BE: tl.constexpr, HAS_LENS: tl.constexpr,
                                UPCAST: tl.constexpr, PAGED: tl.constexpr, STAGES: tl.constexpr,
                                tok_ptr=None, HAS_TOKENS: tl.constexpr = False, BLOCKED: tl.constexpr = False,
-                               PACKED: tl.constexpr = False, KW: tl.constexpr = 0, PDL: tl.constexpr = False,
-                               KEYS_MAJOR: tl.constexpr = False):
+                               PACKED: tl.constexpr = False, KW: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Per-token keys (index_scores_kernel's PER_TOKEN_KEYS form, BT == 1), one program per (query,
     run of NB key blocks): q [IH, ID] and w loaded once, the key blocks walked in a pipelined loop.
     Each block's arithmetic is index_scores_kernel's, step for step (same dot shape, roundings and
     head-sum tile), so the bits do not depend on NB. Blocks past lens[t] only write -inf (a second,
-    store-only loop: no branch inside the pipelined one). KEYS_MAJOR: each block scored keys x q^T, so the
-    head sum runs along the MMA's N (registers and lane shuffles, no shared-memory reduction a block): its own
-    head-sum order, the same bits at every NB, not index_scores_kernel's."""
+    store-only loop: no branch inside the pipelined one)."""
     pdl_enter(PDL)
     pid_t = tl.program_id(0)
     if HAS_TOKENS:
@@ -182,13 +173,9 @@ def index_scores_decode_kernel(q_ptr, w_ptr, k_ptr, lens_ptr, ks_ptr, ks_mul, ro
         re = (b0 + j) * BE + tl.arange(0, BE)
         e_ok = re < E
         s = _relu_block_dot(q, k_ptr, rows_ptr, kbase, re, e_ok, rd, epb, nb, ID, PAGED, UPCAST, BLOCKED,
-                            PACKED, KW, KEYS_MAJOR)                                     # [IH, BE] / [BE, IH]
-        if KEYS_MAJOR:
-            s = (s * w[None, :]).to(tl.bfloat16).to(tl.float32)
-            tot = tl.reshape(tl.sum(s, axis=1), (1, BE))
-        else:
-            s = (s * w[:, None]).to(tl.bfloat16).to(tl.float32)
-            tot = tl.sum(tl.reshape(s, (1, IH, BE)), axis=1)   # [1, BE], index_scores_kernel's tile
+                            PACKED, KW)                                                 # [IH, BE]
+        s = (s * w[:, None]).to(tl.bfloat16).to(tl.float32)
+        tot = tl.sum(tl.reshape(s, (1, IH, BE)), axis=1)       # [1, BE], index_scores_kernel's tile
         if HAS_LENS:
             tot = tl.where(re[None, :] < ln[:, None], tot, float("-inf"))
         tl.store(orow + re[None, :], tot.to(tl.bfloat16), mask=e_ok[None, :])
@@ -254,11 +241,6 @@ DECODE_WARPS = 4            # index_scores_kernel's: the same dot and head-sum l
 DECODE_STAGES = 3
 DECODE_NB_MAX = 16
 DECODE_PROGRAMS_PER_SM = 2
-# The decode form's blocks scored keys-major (keys x q^T: the head sum in registers, not across warps). Opt-in
-# until a GPU has timed it (perf/H200_NOTES.md, 2026-12-07 19:10: packed keys read 3.8x fewer bytes than bf16
-# keys yet run only ~1.15x faster, so the per-block epilogue may be the bound); the MMA's N needs 16 heads or more.
-DECODE_KEYS_MAJOR = os.environ.get("DEEPINFER_INDEX_KEYS_MAJOR", "0") == "1"
-KEYS_MAJOR_MIN_HEADS = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -350,8 +332,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: tor
         index_scores_decode_kernel[(grid_t, triton.cdiv(num_blocks, nb))](
             q, w, keys, lens_t, ks, key_start_scale, rows_t, epb, nbt, out, E, nb, IH=ih, ID=idim, BE=be,
             HAS_LENS=lens is not None, UPCAST=INTERPRET, PAGED=paged, STAGES=DECODE_STAGES, tok_ptr=tokens,
-            HAS_TOKENS=tokens is not None, BLOCKED=blocked, num_warps=DECODE_WARPS,
-            KEYS_MAJOR=DECODE_KEYS_MAJOR and ih >= KEYS_MAJOR_MIN_HEADS, **pk, **pdl_args())
+            HAS_TOKENS=tokens is not None, BLOCKED=blocked, num_warps=DECODE_WARPS, **pk, **pdl_args())
     elif grid_t:
         index_scores_kernel[(grid_t, num_blocks)](
             q, w, keys, lens_t, ks, key_start_scale, rows_t, epb, nbt, out, n, E, IH=ih, ID=idim, BT=bt,

@@ -283,11 +283,24 @@ def _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rt
 
 
 @triton.jit
+def expand_stream(y, r0, r1, r2, r3, c0, c1, c2, c3, pj):
+    """Stream j of hc_post (HC == 4): pj * y + sum_i c_i * r_i in fp32, in one order of explicit FMAs. Left to the
+    compiler, each `acc + c * r` may fuse either product, and which one differs between kernels (the fused
+    hc_post_norm's PTX fused the other product for half its elements, 2026-12-07): kernels that must agree bit
+    for bit share this."""
+    acc = c0 * r0
+    acc = tl.fma(c1, r1, acc)
+    acc = tl.fma(c2, r2, acc)
+    acc = tl.fma(c3, r3, acc)
+    return tl.fma(pj, y, acc)
+
+
+@triton.jit
 def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
                    HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * res[t, i] (fp32, bf16 out). HC == 4 (the
-    release): the four residual tiles are loaded once and held (a loop over j reloads each one HC times);
-    any other HC takes that loop. The same sums in the same order either way."""
+    release): the four residual tiles are loaded once and held (a loop over j reloads each one HC times),
+    the sums in expand_stream's explicit FMAs; any other HC takes that loop."""
     pdl_enter(PDL)
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -303,19 +316,20 @@ def hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, d,
         r2 = tl.load(res_ptr + (rt64[:, None] * HC + 2) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
         r3 = tl.load(res_ptr + (rt64[:, None] * HC + 3) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
     for j in tl.static_range(HC):
+        pj = tl.load(post_ptr + rt * HC + j, mask=t_ok, other=0.0)
         if HC == 4:
             cb = comb_ptr + rt * (HC * HC) + j
-            acc = tl.load(cb, mask=t_ok, other=0.0)[:, None] * r0
-            acc += tl.load(cb + HC, mask=t_ok, other=0.0)[:, None] * r1
-            acc += tl.load(cb + 2 * HC, mask=t_ok, other=0.0)[:, None] * r2
-            acc += tl.load(cb + 3 * HC, mask=t_ok, other=0.0)[:, None] * r3
+            o = expand_stream(y, r0, r1, r2, r3, tl.load(cb, mask=t_ok, other=0.0)[:, None],
+                              tl.load(cb + HC, mask=t_ok, other=0.0)[:, None],
+                              tl.load(cb + 2 * HC, mask=t_ok, other=0.0)[:, None],
+                              tl.load(cb + 3 * HC, mask=t_ok, other=0.0)[:, None], pj[:, None])
         else:
             acc = tl.zeros((BT, BD), tl.float32)
             for i in tl.static_range(HC):
                 r = tl.load(res_ptr + (rt64[:, None] * HC + i) * d + rd[None, :], mask=m, other=0.0).to(tl.float32)
                 acc += tl.load(comb_ptr + rt * (HC * HC) + i * HC + j, mask=t_ok, other=0.0)[:, None] * r
-        pj = tl.load(post_ptr + rt * HC + j, mask=t_ok, other=0.0)
-        tl.store(out_ptr + (rt64[:, None] * HC + j) * d + rd[None, :], (pj[:, None] * y + acc).to(tl.bfloat16), mask=m)
+            o = pj[:, None] * y + acc
+        tl.store(out_ptr + (rt64[:, None] * HC + j) * d + rd[None, :], o.to(tl.bfloat16), mask=m)
 
 
 def _sinkhorn_outputs(T, hc, dev):

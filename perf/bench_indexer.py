@@ -22,8 +22,6 @@ the CPU (small sizes).
 
 --packed: also the host's form on the keys as packed FP4 rows (the cache's form under
 ModelArgs.index_k_packed; bytes counted as the packed rows), same bits as the bf16 rows required.
---keys-major: also the opt-in keys-major decode blocks (triton_indexer.DECODE_KEYS_MAJOR) on bf16 keys (and
-packed ones with --packed), timed beside the default form on the same keys, with the largest score difference.
 """
 
 from __future__ import annotations
@@ -51,8 +49,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=["64x4", "64x8", "128x8", "32x4"], help="run height x warps")
     p.add_argument("--ratio", type=int, default=2,
                    help="compression ratio of the scored layer (the release's index layers: 2 and 1; 4 in the first run)")
-    p.add_argument("--keys-major", action="store_true",
-                   help="decode mode: also the opt-in keys-major blocks (DECODE_KEYS_MAJOR) against the default form")
     p.add_argument("--packed", action="store_true",
                    help="decode mode: also the keys as the cache's packed FP4 rows (ModelArgs.index_k_packed)")
     p.add_argument("--decode-batches", nargs="+", type=int, default=None,
@@ -168,31 +164,6 @@ def packed_sets(sets, args, nbytes) -> tuple[list, int]:
             nbytes - int(args[3].sum()) * (d * 2 - fp4_rows_width(d)))
 
 
-def keys_major_rows(ti, head, keysets, old, t_old, copy_bw, cuda) -> list[dict]:
-    """The host's decode form with DECODE_KEYS_MAJOR on each (name, sets, bytes) of keysets: us, the speed
-    against the same keys' default form timed here, and the largest difference from the default's scores (the
-    head sum's order differs: a bf16 ulp here and there, not the same bits)."""
-    out = []
-    saved = ti.DECODE_KEYS_MAJOR
-    try:
-        for keys, ks, nb in keysets:
-            t = {}
-            for km in (False, True):
-                ti.DECODE_KEYS_MAJOR = km
-                t[km] = time_calls([lambda s=s: ti.index_scores(*s[0], **s[1]) for s in ks]) if cuda else None
-            got = ti.index_scores(*ks[0][0], **ks[0][1])
-            fin = torch.isfinite(old)
-            diff = (got[fin].float() - old[fin].float()).abs().max().item() if fin.any() else 0.0
-            timing = (f"{t[True] * 1e6:8.1f} us  {nb / t[True] / copy_bw:5.2f} of copy  {t[True] / t_old:5.2f}x old"
-                      f"  {t[False] / t[True]:5.2f}x the default on {keys} keys" if cuda else "")
-            print(f"{head} {'keys-major ' + keys:<18}         {timing}  max diff {diff:.3g}", flush=True)
-            out.append(dict(batch=ks[0][0][0].shape[0], form=f"keys-major {keys}", us=t[True] and t[True] * 1e6,
-                            default_us=t[False] and t[False] * 1e6, bytes=nb, max_diff=diff))
-    finally:
-        ti.DECODE_KEYS_MAJOR = saved
-    return out
-
-
 def decode(a: argparse.Namespace) -> None:
     """Old vs new decode form per batch size (module docstring)."""
     from deepinfer.kernels import triton_indexer as ti
@@ -239,9 +210,6 @@ def decode(a: argparse.Namespace) -> None:
             print(f"{head} {'packed keys':<18}         {timing}  {'same bits' if same else 'BITS DIFFER'}", flush=True)
             rows_out.append(dict(batch=B, E=E, form="packed", us=t and t * 1e6, bytes=pbytes,
                                  of_copy=t and pbytes / t / copy_bw, new_over_old=t and t / t_old, same_bits=same))
-        if a.keys_major:    # the opt-in keys-major blocks (triton_indexer.DECODE_KEYS_MAJOR): its own head-sum order
-            keysets = [("bf16", sets, nbytes)] + ([("packed", pk, pbytes)] if a.packed else [])
-            rows_out += keys_major_rows(ti, head, keysets, old, t_old, copy_bw, cuda)
     path = save_json("indexer_decode.json", dict(rows=rows_out, copy_bw=copy_bw, ctx=a.ctx, ratio=a.ratio,
                                                  graph_entries=a.graph_entries, heads=a.heads, head_dim=a.head_dim,
                                                  device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)"))

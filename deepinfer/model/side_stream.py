@@ -36,9 +36,6 @@ TAIL_LANE = 2           # short branches (the mHC mixes' tails, the kv row): the
 MHC_TAILS = os.environ.get("DEEPINFER_MHC_TAIL_FORK", "1") != "0"   # False: the tails inline (A/Bs)
 # the attention's kv row beside wq_b (TAIL_LANE): opt-in until a GPU has run it (DEEPINFER_KV_ROW_FORK=1)
 KV_ROW = os.environ.get("DEEPINFER_KV_ROW_FORK", "0") == "1"
-# Engram's projection of the next layer forked after this layer's attention (beside its FFN and expert run, which
-# are bound by bandwidth, not the window's latency-bound GEMMs): opt-in until measured (DEEPINFER_ENGRAM_AFTER_ATTN=1)
-ENGRAM_AFTER_ATTN = os.environ.get("DEEPINFER_ENGRAM_AFTER_ATTN", "0") == "1"
 _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 forked_branches = 0     # branches run on a side stream so far (tests and benchmarks read it)
 

@@ -102,22 +102,16 @@ class Transformer(nn.Module):
         compact = yoco.plan_compaction(batch)
         token_mask, num_rows = batch.token_mask, h.shape[0]
         # Engram's projections read only the hash ids: in a small step the next layer's is made on the side
-        # stream beside this layer, from its start or (side_stream.ENGRAM_AFTER_ATTN) from its FFN; a sharded
-        # table's lookup is a collective: inline
+        # stream beside this layer (model/side_stream.py); a sharded table's lookup is a collective: inline
         ahead = hashes is not None and compact is None and side_stream.forks(h.device, num_rows)
         engram_kv = {}
-
-        def fork_engram(j: int) -> None:
-            eg = self.layers[j].engram if ahead and j < len(self.layers) else None
-            if eg is not None and j not in engram_kv and not eg.embed.sharded:
-                engram_kv[j] = side_stream.branch(eg.project, hashes[:, eg.hash_index], tokens=num_rows)
-
         for i, layer in enumerate(self.layers):
             if dump_hidden:
                 snaps.append(h.float())
-            fork_engram(i)
-            if not side_stream.ENGRAM_AFTER_ATTN:
-                fork_engram(i + 1)
+            for j in (i, i + 1) if ahead else ():
+                eg = self.layers[j].engram if j < len(self.layers) else None
+                if eg is not None and j not in engram_kv and not eg.embed.sharded:
+                    engram_kv[j] = side_stream.branch(eg.project, hashes[:, eg.hash_index], tokens=num_rows)
             if layer.engram is not None:
                 kv = engram_kv.pop(i).wait() if i in engram_kv else None
                 h = layer.engram(h, hashes[:, layer.engram.hash_index], token_mask, kv)
@@ -132,12 +126,7 @@ class Transformer(nn.Module):
                 hashes = None if hashes is None else hashes[kept]
                 token_mask = batch.token_mask
                 meta = self.step_metadata(batch, caches)
-
-            def attn_fn(xn, xq=None, layer=layer, i=i):
-                out = layer.attn(xn, meta, caches, self.rope, xq)
-                if side_stream.ENGRAM_AFTER_ATTN:     # the next layer's projection beside this one's FFN
-                    fork_engram(i + 1)
-                return out
+            attn_fn = lambda xn, xq=None, layer=layer: layer.attn(xn, meta, caches, self.rope, xq)  # noqa: E731
             # a DSpark target layer's tap (its input averaged over the hc copies) comes out of its mixes; the
             # block's output stays an Expand for a next block that reads it first (block.FUSE_SUBLAYER_INPUT)
             nxt = i + 1

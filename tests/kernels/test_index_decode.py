@@ -72,29 +72,8 @@ def check(device, shapes, nbs) -> int:
         assert torch.equal(torch.isfinite(paged), fin), (lens, E)
         if fin.any():
             assert rel_err(paged[fin], ref[fin]) < tol, (lens, E, rel_err(paged[fin], ref[fin]))
-        if ih >= ti.KEYS_MAJOR_MIN_HEADS:
-            check_keys_major(ti, (q, w, pool, packed, rows, ln, ks, E), nbs, ref, fin, tol, paged)
         n += 1
     return n
-
-
-def check_keys_major(ti, args, nbs, ref, fin, tol, rows_form) -> None:
-    """The opt-in keys-major decode form (DECODE_KEYS_MAJOR): its own head-sum order, so the same bits at every NB
-    and on packed keys, the reference within tolerance, and the head-rows form within a bf16 ulp's share (the
-    sums differ in order only; the interpreter's are the same bits)."""
-    q, w, pool, packed, rows, ln, ks, E = args
-    ti.DECODE_KEYS_MAJOR = True
-    try:
-        outs = [ti.index_scores(q, w, keys, ln, key_start=ks, num_keys=E, rows=rows.flatten(), blocks_per_program=nb)
-                for nb in nbs for keys in (pool, packed)]
-        for o in outs[1:]:
-            assert torch.equal(o, outs[0]), (E, "keys-major forms differ")
-        assert torch.equal(torch.isfinite(outs[0]), fin), E
-        if fin.any():
-            assert rel_err(outs[0][fin], ref[fin]) < tol, (E, rel_err(outs[0][fin], ref[fin]))
-            assert rel_err(outs[0][fin], rows_form[fin]) < 4e-3, (E, rel_err(outs[0][fin], rows_form[fin]))
-    finally:
-        ti.DECODE_KEYS_MAJOR = False
 
 
 def check_leftover_queries(device) -> None:

@@ -132,22 +132,6 @@ def test_mhc_fused_tail():
             x, fn, scale, base, pre, 20, 1e-6, 1e-20, tail="fused"))
 
 
-@pytest.mark.parametrize("heads", [32, 64])
-def test_index_decode_keys_major(heads, monkeypatch):
-    """The opt-in keys-major decode form (keys x q^T) at the full-width checkpoint's 32 index heads and at 64, on
-    bf16 and packed keys."""
-    from deepinfer.kernels import triton_indexer
-    from deepinfer.kernels.reference import fp4_rows_width
-    monkeypatch.setattr(triton_indexer, "DECODE_KEYS_MAJOR", True)
-    q, w = torch.randn(64, heads, 128).bfloat16(), torch.randn(64, heads).bfloat16()
-    bt = torch.randint(0, 64, (64, 33), dtype=torch.int32)
-    lens = torch.full((64,), 2000, dtype=torch.int32)
-    for pool in (torch.zeros(4096, 128).bfloat16(), torch.zeros(4096, fp4_rows_width(128), dtype=torch.uint8)):
-        _compile(triton_indexer, ["index_scores_decode_kernel"], lambda: triton_indexer.index_scores(
-            q, w, pool, lens, key_start=torch.arange(64), num_keys=2048, block_table=bt, entries_per_block=64),
-            expect={"KEYS_MAJOR": True})
-
-
 def test_packed_index_keys():
     """The index keys as packed FP4 rows (the cache's form): the RoPE + FP4 kernel's packing pool write and the
     three score kernels' unpacking loads."""

@@ -85,27 +85,6 @@ def test_kv_row_fork_changes_no_value(model, monkeypatch):
     assert forks[True] - forks[False] >= len(model.layers)
 
 
-def test_engram_after_attention_changes_no_value(model, monkeypatch):
-    """Engram's next-layer projection forked after the attention instead of at the layer's start
-    (side_stream.ENGRAM_AFTER_ATTN, opt-in): the captured step still gives the inline step's logits bit for bit,
-    with the same number of branches (the projection moves, it is not made twice or inline)."""
-    from deepinfer.cache.model_caches import ModelCaches
-    caches = ModelCaches.allocate(model.args, 8, 32, 64, "cuda", scratch=True)
-    forks = {}
-    with torch.inference_mode():
-        for on in (False, True):
-            monkeypatch.setattr(side_stream, "ENGRAM_AFTER_ATTN", on)
-            step = bench.decode_step(model, caches, 8, CTX0, 256, 64)
-            want = step().clone()
-            before = side_stream.forked_branches
-            g, out = captured_graph(step)
-            forks[on] = side_stream.forked_branches - before
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want), f"Engram after the attention {on}: the graph's logits differ from inline"
-    assert forks[True] == forks[False]
-
-
 def test_fused_sublayer_input_gives_the_same_logits(model, monkeypatch):
     """A sublayer's hc_post, the next sublayer's collapse and norm as one kernel with that sublayer's mixes on a
     side stream, across blocks too
