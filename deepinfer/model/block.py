@@ -22,6 +22,12 @@ from .moe import MoE
 FUSE_SUBLAYER_INPUT = os.environ.get("DEEPINFER_FUSE_SUBLAYER_INPUT", "0") == "1"
 
 
+def fuses_sublayer_inputs(tokens: int) -> bool:
+    """Whether a step of `tokens` rows makes its sublayer inputs with hc_post_norm (Block.expand_into): opted in,
+    and a small step (side_stream.MAX_TOKENS: decode, verification, small chunks), where it was measured."""
+    return FUSE_SUBLAYER_INPUT and tokens <= side_stream.MAX_TOKENS
+
+
 class Expand(NamedTuple):
     """A sublayer's mHC expand not yet made: out[j] = post[j] * y + sum_i comb[i, j] * res[i] (ops.hc_post)."""
     y: torch.Tensor         # [T, d] the sublayer's output
@@ -79,7 +85,7 @@ class Block(nn.Module):
         Returns (x, the FFN's pre-mix for the next block); defer_out: x as an Expand, for a next block that
         makes it with its own collapse (FUSE_SUBLAYER_INPUT; its tap's mean too).
         tap: gets x.mean(dim=1) appended (a DSpark tap, from the read the attention mixes make anyway)."""
-        if isinstance(x, Expand) and FUSE_SUBLAYER_INPUT:
+        if isinstance(x, Expand) and fuses_sublayer_inputs(x.y.shape[0]):
             x, a_mix, xn, xq, *mean = self.expand_into("attn", x, pre_mix, tap is not None)
             if tap is not None:
                 tap.append(mean[0])
@@ -96,7 +102,7 @@ class Block(nn.Module):
         if attn_out is not None:
             attn_out.append(a)
         a_pre, a_post, a_comb = a_mix.wait()
-        if FUSE_SUBLAYER_INPUT:
+        if fuses_sublayer_inputs(a.shape[0]):
             x, f_mix, xn, xq = self.expand_into("ffn", Expand(a, res, a_post, a_comb), a_pre)
         else:
             x = ops.hc_post(a, res, a_post, a_comb)

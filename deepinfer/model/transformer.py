@@ -130,7 +130,7 @@ class Transformer(nn.Module):
             # a DSpark target layer's tap (its input averaged over the hc copies) comes out of its mixes; the
             # block's output stays an Expand for a next block that reads it first (block.FUSE_SUBLAYER_INPUT)
             nxt = i + 1
-            defer = (block.FUSE_SUBLAYER_INPUT and not dump_hidden and nxt < len(self.layers)
+            defer = (block.fuses_sublayer_inputs(pre.shape[0]) and not dump_hidden and nxt < len(self.layers)
                      and self.layers[nxt].engram is None and not (compact is not None and nxt == self.decoder_start))
             h, pre = layer(h, pre, attn_fn, image_mask, attn_outs, taps if i in args.dspark_target_layer_ids else None,
                            defer_out=defer)
