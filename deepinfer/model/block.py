@@ -35,6 +35,11 @@ class Expand(NamedTuple):
     post: torch.Tensor      # [T, hc]
     comb: torch.Tensor      # [T, hc, hc]
 
+    @property
+    def shape(self) -> torch.Size:
+        """The expanded streams' shape [T, hc, d] (what a hook reading a block's input sees)."""
+        return self.res.shape
+
     def tensor(self) -> torch.Tensor:
         return ops.hc_post(self.y, self.res, self.post, self.comb)
 
