@@ -27,8 +27,8 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_enter
 from .triton_mhc import expand_stream
-from .triton_norm import MAX_D, _block_m
-from .triton_quant import INTERPRET, _pow2_ceil, _to_e4m3
+from .triton_norm import MAX_D, _block_m, rows_quant
+from .triton_quant import INTERPRET
 
 HC = 4
 
@@ -72,13 +72,8 @@ def hc_post_norm_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, out_
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     xn = w[None, :] * (x * r[:, None])
     tl.store(xn_ptr + rt64 * d + cols[None, :], xn.to(tl.bfloat16), mask=mask)
-    if QUANT:   # rms_norm_kernel's QUANT tail; masked columns are whole zero groups
-        g = tl.reshape(xn.to(tl.bfloat16).to(tl.float32), (BLOCK_M, BLOCK_D // 32, 32))
-        amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
-        sc, inv = _pow2_ceil(amax * (1.0 / 448.0))
-        q = _to_e4m3(tl.clamp(g * inv[:, :, None], -448.0, 448.0), MANUAL_RNE)
-        qv = tl.reshape(q.to(tl.float32) * sc[:, :, None], (BLOCK_M, BLOCK_D))
-        tl.store(q_ptr + rt64 * d + cols[None, :], qv.to(tl.bfloat16), mask=mask)
+    if QUANT:   # rms_norm_kernel's QUANT tail
+        tl.store(q_ptr + rt64 * d + cols[None, :], rows_quant(xn, BLOCK_M, BLOCK_D, MANUAL_RNE), mask=mask)
 
 
 def shape_ok(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,

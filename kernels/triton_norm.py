@@ -43,13 +43,19 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, M, D, stride_x, inv_d, eps,
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     y = w[None, :] * (x * r[:, None])
     tl.store(y_ptr + rows64 * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    if QUANT:   # act_quant_kernel's arithmetic on the stored bf16 values; masked columns are whole zero groups
-        g = tl.reshape(y.to(tl.bfloat16).to(tl.float32), (BLOCK_M, BLOCK_D // 32, 32))
-        amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
-        sc, inv = _pow2_ceil(amax * (1.0 / 448.0))
-        q = _to_e4m3(tl.clamp(g * inv[:, :, None], -448.0, 448.0), MANUAL_RNE)
-        out = tl.reshape(q.to(tl.float32) * sc[:, :, None], (BLOCK_M, BLOCK_D))
-        tl.store(q_ptr + rows64 * D + cols[None, :], out.to(tl.bfloat16), mask=mask)
+    if QUANT:
+        tl.store(q_ptr + rows64 * D + cols[None, :], rows_quant(y, BLOCK_M, BLOCK_D, MANUAL_RNE), mask=mask)
+
+
+@triton.jit
+def rows_quant(y, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RNE: tl.constexpr):
+    """act_quant_kernel's arithmetic on the bf16 rounding of fp32 rows y [BLOCK_M, BLOCK_D] -> bf16 (a norm's
+    QUANT tail; masked columns are whole zero groups)."""
+    g = tl.reshape(y.to(tl.bfloat16).to(tl.float32), (BLOCK_M, BLOCK_D // 32, 32))
+    amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
+    sc, inv = _pow2_ceil(amax * (1.0 / 448.0))
+    q = _to_e4m3(tl.clamp(g * inv[:, :, None], -448.0, 448.0), MANUAL_RNE)
+    return tl.reshape(q.to(tl.float32) * sc[:, :, None], (BLOCK_M, BLOCK_D)).to(tl.bfloat16)
 
 
 def _block_m(block_d: int) -> int:
