@@ -1,7 +1,8 @@
-"""A sublayer's mHC expand and the next sublayer's collapse and RMSNorm in one kernel (Block.forward between the
-attention and the FFN).
+"""A sublayer's mHC expand and the next sublayer's collapse and RMSNorm in one kernel (Block.expand_into: between
+the attention and the FFN, and from one block's FFN into the next block's attention).
 
-    hc_post_norm(y, res, post, comb, pre, weight, eps, quant=False) -> (out [T, hc, d], xn [T, d][, xq [T, d]])
+    hc_post_norm(y, res, post, comb, pre, weight, eps, quant=False, mean=False)
+        -> (out [T, hc, d], xn [T, d], xq [T, d] or None[, mean [T, d]])
         out = hc_post(y, res, post, comb)                  hc_post_kernel's arithmetic (triton_mhc.expand_stream)
         xn  = rms_norm(hc_pre(out, pre), weight, eps)      the collapse as hc_mixes_pre_kernel makes it (`y += p * x`
                                                            over the rounded streams in stream order, then bf16),
@@ -13,7 +14,7 @@ Why: between the two sublayers the decode step ran hc_post, the mixes kernel (fo
 one after the other on the critical path, three latency-bound launches of a few microseconds each for [B, d]
 rows. The collapse needs only the previous sublayer's pre-mix, known before hc_post, so the streams are
 collapsed and normed in registers as they are made; the mixes' fn products (and their tail), needed only
-after the FFN, run on a side stream (Block.forward). The same bits as the three kernels: elementwise sums in
+after the sublayer, run on a side stream (Block.expand_into). The same bits as the three kernels: elementwise sums in
 their order, and the norm's row sums on rms_norm's tile (BLOCK_M rows of BLOCK_D = next_pow2(d), its warps).
 
 Rules (shape_ok): hc 4, d <= MAX_D, bf16 y / res, fp32 post / comb / pre; select composes the ops elsewhere.

@@ -92,16 +92,14 @@ class Block(nn.Module):
         tap: gets x.mean(dim=1) appended (a DSpark tap, from the read the attention mixes make anyway)."""
         if isinstance(x, Expand) and fuses_sublayer_inputs(x.y.shape[0]):
             x, a_mix, xn, xq, *mean = self.expand_into("attn", x, pre_mix, tap is not None)
-            if tap is not None:
-                tap.append(mean[0])
         else:
             if isinstance(x, Expand):
                 x = x.tensor()
             a_mix, xa, *mean = self.mixes_pre(x, "attn", pre_mix, tap is not None)
-            if tap is not None:
-                tap.append(mean[0])
             # the norm's launch also rounds its rows where the input linears would (RMSNorm.with_rounded)
             xn, xq = self.attn_norm.with_rounded(xa, *self.attn.input_linears())
+        if tap is not None:
+            tap.append(mean[0])
         res = x
         a = attn_fn(xn, xq)
         if attn_out is not None:
