@@ -17,14 +17,15 @@ from .layers import RMSNorm
 from .moe import MoE
 
 # a sublayer's hc_post, the next sublayer's collapse and its norm as one kernel, that sublayer's mixes beside it
-# (Block.expand_into; across blocks where the model loop defers a block's output): opt-in until measured on a
-# GPU (DEEPINFER_FUSE_SUBLAYER_INPUT=1)
-FUSE_SUBLAYER_INPUT = os.environ.get("DEEPINFER_FUSE_SUBLAYER_INPUT", "0") == "1"
+# (Block.expand_into; across blocks where the model loop defers a block's output). Three launches on the critical
+# path become one at each boundary; the same bits as the three kernels (GPU tests, H100 2026-12-08), 1.00x-1.006x
+# on an H100's step. DEEPINFER_FUSE_SUBLAYER_INPUT=0 turns it off.
+FUSE_SUBLAYER_INPUT = os.environ.get("DEEPINFER_FUSE_SUBLAYER_INPUT", "1") == "1"
 
 
 def fuses_sublayer_inputs(tokens: int) -> bool:
-    """Whether a step of `tokens` rows makes its sublayer inputs with hc_post_norm (Block.expand_into): opted in,
-    and a small step (side_stream.MAX_TOKENS: decode, verification, small chunks), where it was measured."""
+    """Whether a step of `tokens` rows makes its sublayer inputs with hc_post_norm (Block.expand_into): on (the
+    default), and a small step (side_stream.MAX_TOKENS: decode, verification, small chunks), where it was measured."""
     return FUSE_SUBLAYER_INPUT and tokens <= side_stream.MAX_TOKENS
 
 

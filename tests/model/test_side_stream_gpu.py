@@ -88,7 +88,7 @@ def test_kv_row_fork_changes_no_value(model, monkeypatch):
 def test_fused_sublayer_input_gives_the_same_logits(model, monkeypatch):
     """A sublayer's hc_post, the next sublayer's collapse and norm as one kernel with that sublayer's mixes on a
     side stream, across blocks too
-    (block.FUSE_SUBLAYER_INPUT, opt-in): eager and captured steps give the three kernels' logits bit for bit."""
+    (block.FUSE_SUBLAYER_INPUT, on by default): eager and captured steps give the three kernels' logits bit for bit."""
     from deepinfer.cache.model_caches import ModelCaches
     from deepinfer.model import block
     caches = ModelCaches.allocate(model.args, 24, 96, 64, "cuda", scratch=True)
