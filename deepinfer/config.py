@@ -135,8 +135,9 @@ class EngineArgs:
     eplb_placement_file: str | None = None  # static placement (ExpertPlacement.save) loaded at start
     # Engram tables (196B params at full size): "device" = a whole copy on every rank, "sharded" = rows
     # split over the ranks, looked up by an all-gather of the hash ids and a reduce-scatter of the rows
-    # (exact; CUDA-graph safe); None = "sharded" when data_parallel_size > 1 (deepinfer-plan: the
-    # release tables do not fit one GPU)
+    # (exact; CUDA-graph safe); "host" = one copy per node in host memory, read by the GPU from there inside the
+    # step (model/host_tables.py); None = "sharded" when data_parallel_size > 1 (deepinfer-plan: the release
+    # tables do not fit one GPU)
     engram_placement: str | None = None
     # balanced context parallelism (deepinfer/parallel/cp.py): a prompt of at least cp_min_prompt_tokens
     # scheduled whole from position 0 is prefilled by every rank at once, each rank taking two mirrored
@@ -222,8 +223,8 @@ class EngineArgs:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.ep_backend not in ("allgather", "alltoall"):
             raise ValueError(f"ep_backend must be 'allgather' or 'alltoall', got {self.ep_backend!r}")
-        if self.engram_placement not in (None, "device", "sharded"):
-            raise ValueError(f"engram_placement must be 'device' or 'sharded', got {self.engram_placement!r}")
+        if self.engram_placement not in (None, "device", "sharded", "host"):
+            raise ValueError(f"engram_placement must be 'device', 'sharded' or 'host', got {self.engram_placement!r}")
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         if self.eplb_window_size < 1 or self.eplb_step_interval < 1:

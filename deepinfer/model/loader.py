@@ -346,7 +346,7 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
                weight_format: str | None = None, moe_masked: bool | None = None, fuse_linears: bool | None = None,
                expert_row_scales: bool | None = None, wo_a_fp8: bool | None = None, parallel=None,
                load_format: str = "safetensors", dense_bf16: bool = False, expert_format: str = "fp8",
-               dense_fp8_copy: bool | frozenset = False, **arg_overrides):
+               dense_fp8_copy: bool | frozenset = False, engram_placement: str = "device", **arg_overrides):
     """Build the Transformer from a checkpoint folder; raise CheckpointError/ConfigError on bad input.
 
     weight_format: "dense" or "fp8" (the module docstring); default "fp8" on CUDA, "dense" elsewhere.
@@ -370,6 +370,8 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     dense_fp8_copy (with dense_bf16): each such Linear also keeps the release's FP8 bytes (Linear.fp8_decode);
     a frozenset of tensor kinds ("layers.N.attn.wq_b.weight", worker/loading.py dense_fp8_copies): only those
     for decode-sized calls on the CUDA FP8 x FP8 decode GEMM; one more byte per dense element.
+    engram_placement: "device" (the tables on the device, or split over the ranks where `parallel` says so) or
+    "host" (in host memory, read by the GPU from there: model/host_tables.py; one copy per node for rank workers).
     expert_format ("fp8" only): the routed experts' stacks (moe.ExpertStacks): "fp8" (e4m3, twice the
     release's bytes) or "fp4" (the release's MXFP4 bytes, half the memory, W4A16 kernels); a layer whose
     block scales the W4A16 decode cannot take (fp4_layout.fp4_scales_ok) gets FP8 stacks, logged once."""
@@ -400,6 +402,11 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", progres
     with torch.device("meta"):
         model = Transformer(args, hasher=None, parallel=parallel)
     model.hasher = hasher.to(device) if hasher is not None else None
+    if engram_placement not in ("device", "host"):
+        raise ValueError(f"engram_placement must be 'device' or 'host', got {engram_placement!r}")
+    if engram_placement == "host":
+        from .host_tables import install_host_tables
+        install_host_tables(model, parallel)
     if dense_bf16 and weight_format != "fp8":
         raise ValueError("dense_bf16 applies to weight_format='fp8' (the 'dense' format is dense throughout)")
     if dense_fp8_copy and not dense_bf16:
@@ -554,6 +561,10 @@ def _load_one(model, name, kind, infos, mm, fmt: _Format, target: str | None = N
     scale_info = infos.get(sname) if sname else None
     mod, attr = _target(model, target or name)
     device = fmt.device
+    if kind == "table" and getattr(mod, "host", False):       # host_tables.HostEngramTable: rows into host memory
+        mod.fill(lambda lo, hi: _read_rows(info, mm, name, lo, hi),
+                 lambda lo, hi: _read_rows(scale_info, mm, sname, lo, hi), device)
+        return
     if kind == "table":                         # only the rows this module holds (a sharded table's slice)
         lo, hi = mod.row_range
         mod.weight = _read_rows(info, mm, name, lo, hi).to(device)

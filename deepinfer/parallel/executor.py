@@ -55,7 +55,11 @@ class MultiprocExecutor:
         self.last_rebalance: dict | None = None
         from .lockstep import HostAgreement
         self.agreement = HostAgreement.create(self.world_size)     # the ranks' per-step graph agreement
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._graceful, self.agreement)
+        # the node's one copy of the Engram tables in host memory: its files' prefix (model/host_tables.py)
+        self.host_tables = (f"deepinfer-engram-{os.getpid()}-{secrets.token_hex(4)}"
+                            if args.resolved_engram_placement() == "host" else None)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._graceful, self.agreement,
+                                           self.host_tables)
         self._start(args, facts, device)
 
     # start and stop ------------------------------------------------------------------------------
@@ -73,7 +77,7 @@ class MultiprocExecutor:
         self.conns.extend(c for _, c in sorted(conns, key=lambda rc: rc[0]))
         for r, conn in enumerate(self.conns):
             spec = WorkerSpec(r, self.world_size, init, backend, f"cuda:{r}" if device.startswith("cuda") else "cpu",
-                              threads, os.getpid(), self.agreement)
+                              threads, os.getpid(), self.agreement, self.host_tables)
             self._send(conn, (spec, args, facts))
         try:
             infos = self._gather("ready")
@@ -262,7 +266,8 @@ class MultiprocExecutor:
             raise EngineDeadError(self.dead)
 
 
-def _stop(procs: list, conns: list, graceful: list, agreement: str | None = None) -> None:
+def _stop(procs: list, conns: list, graceful: list, agreement: str | None = None,
+          host_tables: str | None = None) -> None:
     """Ask every rank to stop (gracefully, unless one failed: its peers may sit in a collective),
     then kill what did not: no orphan processes; then the ranks' agreement segment goes."""
     if graceful[0]:
@@ -287,6 +292,9 @@ def _stop(procs: list, conns: list, graceful: list, agreement: str | None = None
     if agreement is not None:
         from .lockstep import HostAgreement
         HostAgreement.unlink(agreement)
+    if host_tables is not None:             # a load that died between writing a table and every rank mapping it
+        from deepinfer.model.host_tables import remove_leftovers
+        remove_leftovers(host_tables)
 
 
 class _WorkerProcess:

@@ -19,6 +19,9 @@ class ParallelState:
     recorder: Any = None          # eplb.ExpertLoadRecorder, or None (EPLB off)
     dispatcher: Any = None        # ep_comm.ExpertDispatcher, shared by every MoE layer (make_dispatcher)
     engram_sharded: bool = False  # Engram table rows split over the ranks (model/engram.py ShardedEngramTable)
+    # the /dev/shm name prefix of the node's one copy of the Engram tables in host memory (engram_placement="host":
+    # model/host_tables.py; the executor's, removed at its stop); None: not in host memory, or one rank
+    host_tables: str | None = None
     # step-scoped: the largest token count of any rank this step (the driver knows every plan); the
     # equal-size collectives pad to it; None = found by an all-reduce (deepinfer-score's steps)
     step_max_tokens: int | None = None

@@ -60,6 +60,7 @@ class WorkerSpec:
     threads: int | None       # torch threads (CPU ranks)
     parent_pid: int
     agreement: str | None = None   # lockstep.HostAgreement's segment (the executor's)
+    host_tables: str | None = None  # the Engram tables' /dev/shm prefix (engram_placement="host")
 
 
 def main(rank: int) -> None:
@@ -110,7 +111,7 @@ def _start_rank(spec: WorkerSpec, args, facts) -> "_Rank":
     from .setup import parallel_state
     from deepinfer.worker.rank import build_rank
     parallel = parallel_state(args, facts.model_args, spec.rank, spec.world_size)
-    parallel.host_agreement = spec.agreement
+    parallel.host_agreement, parallel.host_tables = spec.agreement, spec.host_tables
     rt = build_rank(args, facts, parallel=parallel, device=spec.device)
     return _Rank(spec, args, parallel, rt)
 
@@ -257,6 +258,7 @@ class _Rank:
         return out
 
     def _gauges(self) -> dict:
+        from deepinfer.model import host_tables
         d, g, lock = self.parallel.dispatcher, self.rt.runner.graphs, self.rt.runner.lockstep
         return {"graph_steps": 0 if g is None else g.num_steps, "graph_replays": 0 if g is None else g.num_replays,
                 "graph_padding_steps": 0 if g is None else g.num_padding_steps,
@@ -268,6 +270,8 @@ class _Rank:
                 "comm_seconds": getattr(d, "seconds", None),
                 "engram_rows": [layer.engram.embed.weight.shape[0] for layer in self.rt.model.layers
                                 if layer.engram is not None],
+                "engram_host_files": [host_tables.host_file_of(layer.engram.embed.weight) for layer in self.rt.model.layers
+                                      if layer.engram is not None and getattr(layer.engram.embed, "host", False)],
                 **self._image_gauges()}
 
     def _image_gauges(self) -> dict:

@@ -84,6 +84,7 @@ def build_rank(args: EngineArgs, facts: ModelFacts, parallel=None, device: str |
                                                             facts.model_args, expert_share(facts.model_args, parallel)),
                        **({"dense_bf16": True} if hold_dense_bf16(args.dense_weights, device, facts.model_args) else {}),
                        dense_fp8_copy=dense_fp8_copies(args.dense_weights, device, facts.model_args),
+                       engram_placement="host" if args.resolved_engram_placement() == "host" else "device",
                        # EPLB moves experts between ranks' stacks: keep one scale form in all of them
                        **({"expert_row_scales": False} if args.enable_eplb else {}), **model_overrides(args))
     if nvcc is not None:

@@ -70,10 +70,11 @@ def test_multi_rank_scorer_passes_check_parity_with_hidden_states(fixture_name, 
 
 
 @pytest.mark.parametrize("ranks,extra", [(2, {}), (4, {}), (2, {"engram_placement": "device"}),
+                                         (2, {"engram_placement": "host"}),
                                          (2, {"async_scheduling": True}), (2, {"speculative": "dspark"})])
 def test_batch_invariant_tokens_equal_one_rank(ranks, extra, tmp_path_factory):
     """Same seeds, same tokens, bit for bit: greedy and sampled requests, one rank vs N (Engram
-    sharded or whole, pipelined steps, DSpark drafts verified on every rank)."""
+    sharded, whole, or one copy in the node's host memory, pipelined steps, DSpark drafts verified on every rank)."""
     ckpt = build_fixture("v41-tiny", tmp_path_factory)
     params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.9, top_p=0.95, seed=11 + i,
                              ignore_eos=True) for i in range(len(PROMPTS))]
@@ -91,7 +92,13 @@ def test_batch_invariant_tokens_equal_one_rank(ranks, extra, tmp_path_factory):
     assert min(llm.engine.scheduler.generated) > 0                     # every rank served requests
     total = json.loads((ckpt / "config.json").read_text())["text_config"]["engram_num_embeddings"]
     rows = [p["engram_rows"] for p in pings]
-    if extra.get("engram_placement") == "device":
+    if extra.get("engram_placement") == "host":          # whole, one mapping of the same unlinked /dev/shm file
+        files = [p["engram_host_files"] for p in pings]
+        assert all(r == total for r in rows) and len(files[0]) == len(total)
+        assert all(f == files[0] for f in files[1:])
+        assert all(f.startswith("/dev/shm/deepinfer-engram-") and f.endswith("(deleted)") for f in files[0])
+        assert len(set(files[0])) == len(total)
+    elif extra.get("engram_placement") == "device":
         assert all(r == total for r in rows)
     else:                                                               # each rank holds a slice
         assert [sum(col) for col in zip(*rows)] == total and all(r < t for rr in rows for r, t in zip(rr, total))
