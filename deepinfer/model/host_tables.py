@@ -85,15 +85,34 @@ def _shared_file(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
+def available_memory() -> int:
+    """Bytes the kernel says a new allocation can have without swapping (/proc/meminfo MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def _check_memory(nbytes: int) -> None:
+    """Refuse a table the host's memory cannot hold before writing it: an overcommitted allocation succeeds and
+    the OOM killer ends the process while the rows are written."""
+    if available_memory() < nbytes:
+        raise HostMemoryError(f"engram_placement='host': a table needs {nbytes / 2**30:.1f} GiB of host memory, "
+                              f"{available_memory() / 2**30:.1f} GiB is available")
+
+
 def host_bytes(nbytes: int, fill: Callable[[torch.Tensor], None], share: TableShare | None, key: str) -> torch.Tensor:
     """nbytes of host memory holding what fill writes: anonymous for one process; with a share, rank 0 writes
     the file and every rank maps it (the others never read the checkpoint's rows)."""
     if share is None:
+        _check_memory(nbytes)
         out = torch.empty(nbytes, dtype=torch.uint8)
         fill(out)
         return out
     path = share.path(key)
     if share.rank == 0:
+        _check_memory(nbytes)
         out = _shared_file(path, nbytes)
         fill(out)
     share.barrier()                              # written

@@ -64,6 +64,12 @@ def test_a_small_shm_is_a_clear_error(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_table_over_the_available_memory_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(host_tables, "available_memory", lambda: 1 << 20)
+    with pytest.raises(host_tables.HostMemoryError, match="host memory"):
+        host_tables.host_bytes(2 << 20, lambda t: t.fill_(1), None, "layer1.weight")
+
+
 def test_leftovers_are_removed_by_prefix(tmp_path, monkeypatch):
     monkeypatch.setattr(host_tables, "SHM_DIR", str(tmp_path))
     for name in ("deepinfer-engram-1-ab-layer1.weight", "deepinfer-engram-1-ab-layer1.scale", "deepinfer-engram-2-cd-x"):

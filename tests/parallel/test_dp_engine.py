@@ -3,6 +3,7 @@ data parallel + MoE expert parallel, against the shared fixtures and against one
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -194,10 +195,17 @@ def test_a_checkpoint_missing_a_ranks_expert_fails_naming_it(tmp_path, tmp_path_
         tensors = {k: f.get_tensor(k) for k in f.keys() if k != gone}
     save_file(tensors, str(shard))
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
-    before = _children()
-    with pytest.raises(CheckpointError, match=gone.replace(".", r"\.")):
-        Engine(EngineArgs(checkpoint=str(ckpt), device="cpu", data_parallel_size=2))
+    before, segments = _children(), _segments()
+    with pytest.raises(CheckpointError, match=gone.replace(".", r"\.")) as failed:
+        Engine(EngineArgs(checkpoint=str(ckpt), device="cpu", data_parallel_size=2, engram_placement="host"))
     assert _children() == before
+    # its /dev/shm names went with the failed start, though the traceback still holds the executor
+    assert failed.traceback is not None and _segments() == segments
+
+
+def _segments() -> set[str]:
+    """This process's engines' /dev/shm names (lockstep agreements, host Engram tables)."""
+    return set(glob.glob(f"/dev/shm/deepinfer-*-{os.getpid()}-*"))
 
 
 def _children() -> set[int]:
