@@ -60,14 +60,7 @@ class MultiprocExecutor:
                             if args.resolved_engram_placement() == "host" else None)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._graceful, self.agreement,
                                            self.host_tables)
-        try:
-            self._start(args, facts, device)
-        except BaseException:
-            # now, not when this half-made executor is collected: a traceback that keeps it alive to a process
-            # exit that skips atexit (os._exit, a killed stub) would leave its /dev/shm segment behind
-            self._graceful[0] = False
-            self._finalizer()
-            raise
+        self._start(args, facts, device)
 
     # start and stop ------------------------------------------------------------------------------
     def _start(self, args, facts, device: str) -> None:

@@ -75,7 +75,7 @@ def main(rank: int) -> None:
 
 
 def worker_main(spec: WorkerSpec, args, facts, conn) -> None:
-    _watch_parent(spec.parent_pid)
+    _watch_parent(spec)
     try:
         rank = _start_rank(spec, args, facts)
         from deepinfer import host_gc
@@ -87,17 +87,39 @@ def worker_main(spec: WorkerSpec, args, facts, conn) -> None:
             conn.send(("error", f"rank {spec.rank}: {traceback.format_exc()}"))
         except (OSError, EOFError):
             pass
-        os._exit(1)
-    os._exit(0)
+        _exit(spec, 1)
+    _exit(spec, 0)
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _exit(spec: WorkerSpec, code: int) -> None:
+    if os.getppid() != spec.parent_pid:     # the driver is gone (its connection broke with it)
+        _remove_driver_names(spec)
+    os._exit(code)
+
+
+def _watch_parent(spec: WorkerSpec) -> None:
     def watch():
         while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
+            if os.getppid() != spec.parent_pid:
+                _exit(spec, 1)
             time.sleep(PARENT_POLL_SECONDS)
     threading.Thread(target=watch, name="deepinfer-parent-watch", daemon=True).start()
+
+
+def _remove_driver_names(spec: WorkerSpec) -> None:
+    """A driver killed outright never ran its stop: its /dev/shm names (the lockstep agreement, what is left of the
+    host Engram tables) go with its ranks instead of outliving them."""
+    if spec.rank != 0:
+        return
+    try:
+        if spec.agreement is not None:
+            from .lockstep import HostAgreement
+            HostAgreement.unlink(spec.agreement)
+        if spec.host_tables is not None:
+            from deepinfer.model.host_tables import remove_leftovers
+            remove_leftovers(spec.host_tables)
+    except Exception:  # noqa: BLE001 - exiting regardless
+        pass
 
 
 def _start_rank(spec: WorkerSpec, args, facts) -> "_Rank":

@@ -8,6 +8,7 @@ serving (disagg/rank_connector.py, disagg/rank_transfer.py)."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
@@ -207,6 +208,7 @@ def test_a_hold_past_its_deadline_is_freed_on_its_rank_and_a_late_pull_fails_alo
         assert len(ranks) == 2, ranks
         short.kill()
         wait_gone(ranks)                                   # rank workers follow their engine process (0.5 s)
+        assert not glob.glob(f"/dev/shm/deepinfer-*-{short.proc.pid}-*")   # and remove its /dev/shm names
         outs = list(decode.stream("orphan", prompts["p0"], PARAMS, kv_transfer_params=orphan))
         assert outs[-1].finish_reason == "error" and orphan["engine_id"] in outs[-1].error, outs[-1]
         assert_free(decode)

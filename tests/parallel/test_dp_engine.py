@@ -196,11 +196,10 @@ def test_a_checkpoint_missing_a_ranks_expert_fails_naming_it(tmp_path, tmp_path_
     save_file(tensors, str(shard))
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     before, segments = _children(), _segments()
-    with pytest.raises(CheckpointError, match=gone.replace(".", r"\.")) as failed:
+    with pytest.raises(CheckpointError, match=gone.replace(".", r"\.")):
         Engine(EngineArgs(checkpoint=str(ckpt), device="cpu", data_parallel_size=2, engram_placement="host"))
     assert _children() == before
-    # its /dev/shm names went with the failed start, though the traceback still holds the executor
-    assert failed.traceback is not None and _segments() == segments
+    assert _segments() == segments          # its /dev/shm names went with the failed start (host tables too)
 
 
 def _segments() -> set[str]:
