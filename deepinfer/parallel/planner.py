@@ -376,6 +376,8 @@ def _table_lines(plan: MemoryPlan) -> list[str]:
               _row(f"sequences of max_model_len={p.max_model_len}", f"{plan.num_seqs_at_max_len:,}"),
               "per node",
               _row("host memory (Engram tables)", _size(plan.host_bytes)),
+              *([_row("  as /dev/shm files (rank workers: --shm-size)", _size(plan.host_bytes))]
+                if plan.host_bytes and p.num_gpus > 1 else []),
               _row("checkpoint as stored (for reference)", _size(plan.checkpoint_bytes)),
               ("fits" if plan.fits else f"DOES NOT FIT: {plan.problem}")]
     return lines
