@@ -82,3 +82,20 @@ def test_engram_placement_is_checked():
     with pytest.raises(ValueError, match="'device', 'sharded' or 'host'"):
         EngineArgs(checkpoint="x", engram_placement="disk")
     assert EngineArgs(checkpoint="x", engram_placement="host").resolved_engram_placement() == "host"
+
+
+def test_rank_zero_removes_a_killed_drivers_names(tmp_path, monkeypatch):
+    """A driver killed outright never runs its stop: rank 0 removes its lockstep segment and the host tables'
+    leftovers as it exits (parallel/worker.py); the other ranks leave them to it."""
+    from deepinfer.parallel import lockstep, worker
+    monkeypatch.setattr(host_tables, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(lockstep, "SHM_DIR", str(tmp_path))
+    names = ["deepinfer-lockstep-7-ab", "deepinfer-engram-7-cd-layer1.weight", "deepinfer-engram-8-ef-layer1.weight"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    spec = worker.WorkerSpec(1, 2, "tcp://x", "gloo", "cpu", 1, 7, "deepinfer-lockstep-7-ab", "deepinfer-engram-7-cd")
+    worker._remove_driver_names(spec)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+    spec.rank = 0
+    worker._remove_driver_names(spec)
+    assert [p.name for p in tmp_path.iterdir()] == ["deepinfer-engram-8-ef-layer1.weight"]
