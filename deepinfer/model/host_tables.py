@@ -97,22 +97,23 @@ def available_memory() -> int:
 def _check_memory(nbytes: int) -> None:
     """Refuse a table the host's memory cannot hold before writing it: an overcommitted allocation succeeds and
     the OOM killer ends the process while the rows are written."""
-    if available_memory() < nbytes:
+    have = available_memory()
+    if have < nbytes:
         raise HostMemoryError(f"engram_placement='host': a table needs {nbytes / 2**30:.1f} GiB of host memory, "
-                              f"{available_memory() / 2**30:.1f} GiB is available")
+                              f"{have / 2**30:.1f} GiB is available")
 
 
 def host_bytes(nbytes: int, fill: Callable[[torch.Tensor], None], share: TableShare | None, key: str) -> torch.Tensor:
     """nbytes of host memory holding what fill writes: anonymous for one process; with a share, rank 0 writes
     the file and every rank maps it (the others never read the checkpoint's rows)."""
-    if share is None:
+    if share is None or share.rank == 0:
         _check_memory(nbytes)
+    if share is None:
         out = torch.empty(nbytes, dtype=torch.uint8)
         fill(out)
         return out
     path = share.path(key)
     if share.rank == 0:
-        _check_memory(nbytes)
         out = _shared_file(path, nbytes)
         fill(out)
     share.barrier()                              # written
@@ -231,19 +232,18 @@ class HostEngramTable(EngramTable):
             self._declined = True
             log.warning("Engram table %s: no CUDA view of its host rows; gathering on the CPU (a sync a lookup)",
                         self.key)
-        return ops.engram_rows(self.weight, self.scale, ids.cpu()).to(ids.device, non_blocking=True)
+        return ops.engram_rows(self.weight, self.scale, ids.cpu()).to(ids.device)
 
 
-def install_host_tables(model, parallel=None) -> int:
+def install_host_tables(model, parallel=None) -> None:
     """Every Engram layer's table as a HostEngramTable (before the load fills it); shared by the node's ranks
-    where the executor named their files (ParallelState.host_tables). Returns how many."""
+    where the executor named their files (ParallelState.host_tables)."""
     share = None
     if parallel is not None and parallel.is_parallel:
         if parallel.host_tables:
             share = TableShare(parallel.host_tables, parallel.rank, parallel.group)
         else:
             log.warning("Engram tables in host memory: no shared name from the executor; each rank keeps a copy")
-    n = 0
     for layer in model.layers:
         eg = getattr(layer, "engram", None)
         if eg is None:
@@ -252,5 +252,3 @@ def install_host_tables(model, parallel=None) -> int:
         if eg.embed.sharded:
             raise ValueError("engram_placement='host' keeps whole tables: the ranks must not split them too")
         eg.embed = HostEngramTable(rows, dim, share, key=f"layer{layer.layer_id}")
-        n += 1
-    return n

@@ -282,6 +282,7 @@ class _Rank:
     def _gauges(self) -> dict:
         from deepinfer.model import host_tables
         d, g, lock = self.parallel.dispatcher, self.rt.runner.graphs, self.rt.runner.lockstep
+        engrams = [layer.engram for layer in self.rt.model.layers if layer.engram is not None]
         return {"graph_steps": 0 if g is None else g.num_steps, "graph_replays": 0 if g is None else g.num_replays,
                 "graph_padding_steps": 0 if g is None else g.num_padding_steps,
                 "graph_verify_steps": 0 if g is None else g.num_verify_steps,
@@ -290,10 +291,9 @@ class _Rank:
                 "num_cp_prefills": self.num_cp_prefills,
                 "step_seconds": self.step_seconds, "num_steps": self.num_steps,
                 "comm_seconds": getattr(d, "seconds", None),
-                "engram_rows": [layer.engram.embed.weight.shape[0] for layer in self.rt.model.layers
-                                if layer.engram is not None],
-                "engram_host_files": [host_tables.host_file_of(layer.engram.embed.weight) for layer in self.rt.model.layers
-                                      if layer.engram is not None and getattr(layer.engram.embed, "host", False)],
+                "engram_rows": [eg.embed.weight.shape[0] for eg in engrams],
+                "engram_host_files": [host_tables.host_file_of(eg.embed.weight) for eg in engrams
+                                      if getattr(eg.embed, "host", False)],
                 **self._image_gauges()}
 
     def _image_gauges(self) -> dict:
